@@ -1,0 +1,29 @@
+"""Energies as pure functions ``E(y, context, params, aux) -> scalar`` (no Flax, no state).
+
+See :mod:`cem_jax.energies.base` for the signature and shapes, :mod:`.interaction` for the
+log-sum-exp attention energy, :mod:`.elementwise` for the gated MLP energy and its potentials,
+and :mod:`.registry` for looking energies up by name.
+"""
+
+from cem_jax.energies.base import EnergyAux, make_mask, masked_logsumexp
+from cem_jax.energies.elementwise import POTENTIALS, make_gated_energy, phi_silu
+from cem_jax.energies.interaction import fused_update as interaction_fused_update
+from cem_jax.energies.interaction import interaction_energy
+from cem_jax.energies.registry import EnergySpec, get, names, register
+from cem_jax.energies.rope import apply_rope
+
+__all__ = [
+    "EnergyAux",
+    "EnergySpec",
+    "POTENTIALS",
+    "apply_rope",
+    "get",
+    "interaction_energy",
+    "interaction_fused_update",
+    "make_gated_energy",
+    "make_mask",
+    "masked_logsumexp",
+    "names",
+    "phi_silu",
+    "register",
+]

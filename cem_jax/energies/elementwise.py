@@ -1,0 +1,123 @@
+"""The element-wise gated energy: a tied gated MLP (CEM_MATH.md section 2).
+
+::
+
+    E_mlp(y | x) = - η Σ_i Σ_m (G x_i)_m Φ((W y_i)_m),      Φ' = activation, Φ(0) = 0
+    -∇_y E_mlp   = η Wᵀ (activation(W y) ⊙ G x)
+
+At ``y = x`` this is SwiGLU (for Φ' = SiLU) with ``W_gate = W``, ``W_up = G``,
+``W_down = Wᵀ``: 2·d·f parameters instead of 3·d·f. The gate input ``x`` is the
+conditioning input (the ``context`` argument), not ``y``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.special import spence
+
+from cem_jax.energies.base import EnergyAux
+
+_PI2_12 = math.pi**2 / 12.0
+
+
+def _phi_silu_neg(z):
+  """Φ_silu on z <= 0: z·softplus(z) + Li₂(-e^z) + π²/12, with Li₂(-u) = spence(1 + u)."""
+  return z * jax.nn.softplus(z) + spence(1.0 + jnp.exp(z)) + _PI2_12
+
+
+# 12-point Gauss-Legendre nodes/weights on [0, 1] for Φ near 0, where the closed form
+# cancels (three O(1) terms summing to ~z²/4 lose ~1e-5 relative accuracy in float32).
+_GL_X, _GL_W = np.polynomial.legendre.leggauss(12)
+_GL_X, _GL_W = (_GL_X + 1.0) / 2.0, _GL_W / 2.0
+_SMALL = 2.0
+
+
+@jax.custom_jvp
+def phi_silu(z: jax.Array) -> jax.Array:
+  """The SiLU potential ``Φ(z) = ∫_0^z silu``, element-wise, float32 or float64.
+
+  ``Φ(z) = z·softplus(z) + Li₂(-e^z) + π²/12`` (CEM_MATH.md §2), evaluated stably: for
+  ``|z| > 2`` only ``Li₂(-e^{-|z|})`` is used (via ``Φ(z) + Φ(-z) = z²/2``); for
+  ``|z| <= 2``, where that sum cancels, Gauss-Legendre quadrature of ``silu`` on ``[0, z]``
+  (12 nodes: exact to float precision for this analytic integrand). ``jax.grad`` through
+  ``spence`` is NaN, hence the custom JVP whose tangent ``silu(z)·ż`` is itself
+  differentiable: ``Φ' = silu`` and ``Φ'' = silu'`` exactly, to any order.
+  """
+  z = jnp.asarray(z)
+  compute = z.astype(jnp.promote_types(z.dtype, jnp.float32))
+  neg = _phi_silu_neg(-jnp.maximum(jnp.abs(compute), _SMALL))
+  large = jnp.where(compute > 0, 0.5 * compute * compute - neg, neg)
+  nodes = jnp.asarray(_GL_X, compute.dtype)
+  weights = jnp.asarray(_GL_W, compute.dtype)
+  small_z = jnp.clip(compute, -_SMALL, _SMALL)[..., None]
+  small = small_z[..., 0] * jnp.sum(weights * jax.nn.silu(small_z * nodes), axis=-1)
+  return jnp.where(jnp.abs(compute) > _SMALL, large, small).astype(z.dtype)
+
+
+@phi_silu.defjvp
+def _phi_silu_jvp(primals, tangents):
+  (z,), (z_dot,) = primals, tangents
+  return phi_silu(z), jax.nn.silu(z) * z_dot
+
+
+def phi_gelu(z: jax.Array) -> jax.Array:
+  """The (exact, erf) GELU potential ``Φ(z) = ½(z²-1)·N(z) + ½ z φ(z) + ¼``; ``Φ' = gelu``."""
+  cdf = jax.scipy.stats.norm.cdf(z)
+  pdf = jax.scipy.stats.norm.pdf(z)
+  return 0.5 * (z * z - 1.0) * cdf + 0.5 * z * pdf + 0.25
+
+
+def phi_relu(z: jax.Array) -> jax.Array:
+  """``Φ(z) = ½ relu(z)²``; ``Φ' = relu``."""
+  return 0.5 * jnp.square(jax.nn.relu(z))
+
+
+def phi_relu2(z: jax.Array) -> jax.Array:
+  """``Φ(z) = relu(z)³ / 3``; ``Φ' = relu(z)²`` (squared ReLU)."""
+  return jax.nn.relu(z) ** 3 / 3.0
+
+
+# name -> (potential Φ, its derivative Φ' = the MLP activation)
+POTENTIALS: dict[str, tuple[Callable, Callable]] = {
+    "silu": (phi_silu, jax.nn.silu),
+    "gelu": (phi_gelu, lambda z: jax.nn.gelu(z, approximate=False)),
+    "relu": (phi_relu, jax.nn.relu),
+    "relu2": (phi_relu2, lambda z: jnp.square(jax.nn.relu(z))),
+}
+
+
+def make_gated_energy(potential: str) -> tuple[Callable, Callable]:
+  """Returns ``(energy, fused_update)`` for the gated element-wise energy with ``potential``.
+
+  ``energy(y, context, params, aux) -> []`` float32 and ``fused_update(...) ->
+  [batch, seq_len, d_model]``; ``params``: ``w``, ``g``: ``[d_model, mlp_dim]``, ``eta``:
+  ``[]``. ``aux`` is unused (the energy is per position).
+
+  Raises:
+    KeyError: unknown potential (allowed: ``POTENTIALS``).
+  """
+  if potential not in POTENTIALS:
+    raise KeyError(f"unknown potential {potential!r}; allowed: {sorted(POTENTIALS)}")
+  phi, act = POTENTIALS[potential]
+
+  def energy(y, context, params, aux: EnergyAux | None = None):
+    del aux
+    pre = jnp.einsum("btd,df->btf", y, params["w"]).astype(jnp.float32)
+    gate = jnp.einsum("btd,df->btf", context, params["g"]).astype(jnp.float32)
+    return -params["eta"].astype(jnp.float32) * jnp.sum(gate * phi(pre))
+
+  def fused_update(y, context, params, aux: EnergyAux | None = None):
+    del aux
+    pre = jnp.einsum("btd,df->btf", y, params["w"])
+    gate = jnp.einsum("btd,df->btf", context, params["g"])
+    hidden = act(pre) * gate * params["eta"].astype(y.dtype)
+    return jnp.einsum("btf,df->btd", hidden, params["w"]).astype(y.dtype)
+
+  energy.__name__ = f"gated_{potential}_energy"
+  fused_update.__name__ = f"gated_{potential}_fused_update"
+  return energy, fused_update

@@ -1,0 +1,93 @@
+"""Energies by name: built-ins, user registrations and ``'module:function'`` paths."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+
+from cem_jax.energies import elementwise, interaction
+
+KINDS = ("attention", "mlp")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnergySpec:
+  """An energy for one slot of a CEM block.
+
+  Attributes:
+    name: registry name or ``'module:function'`` path.
+    kind: ``'attention'`` (gets the attention parameters, context = keys) or ``'mlp'``
+      (gets the MLP parameters, context = gate input).
+    energy: ``energy(y, context, params, aux) -> []`` (see ``cem_jax.energies.base``).
+    fused_update: closed-form ``-∇_y energy`` with the same arguments, or None (then the
+      update is derived by ``jax.grad``).
+  """
+
+  name: str
+  kind: str
+  energy: Callable
+  fused_update: Callable | None = None
+
+
+_REGISTRY: dict[str, EnergySpec] = {}
+
+
+def register(name: str, kind: str, energy: Callable, fused_update: Callable | None = None):
+  """Registers ``energy`` under ``name`` for slot ``kind``; returns its :class:`EnergySpec`.
+
+  Raises:
+    ValueError: ``kind`` not in ``KINDS`` or ``name`` already taken.
+  """
+  if kind not in KINDS:
+    raise ValueError(f"energy kind={kind!r}; allowed: {', '.join(KINDS)}")
+  if name in _REGISTRY:
+    raise ValueError(f"energy name {name!r} is already registered")
+  spec = EnergySpec(name, kind, energy, fused_update)
+  _REGISTRY[name] = spec
+  return spec
+
+
+def names(kind: str | None = None) -> list[str]:
+  """Registered names (of one ``kind`` if given), sorted."""
+  return sorted(n for n, s in _REGISTRY.items() if kind is None or s.kind == kind)
+
+
+def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
+  """Looks up ``name`` (a registry name or ``'package.module:function'``) for slot ``kind``.
+
+  A path names a plain function ``energy(y, context, params, aux) -> scalar``; if the
+  module also defines ``<function>_fused_update`` it is used as the closed form.
+
+  Args:
+    name: what the config says.
+    kind: the slot, ``'attention'`` or ``'mlp'``.
+    field: the config field, for error messages (e.g. ``'model.attention_energy'``).
+  Raises:
+    ValueError: unknown name, unimportable path, or an energy registered for the other slot.
+  """
+  if ":" in name:
+    module_name, _, fn_name = name.partition(":")
+    try:
+      module = importlib.import_module(module_name)
+    except ImportError as e:
+      raise ValueError(f"{field}={name!r}: cannot import module {module_name!r} ({e})") from e
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+      raise ValueError(f"{field}={name!r}: module {module_name!r} has no function {fn_name!r}")
+    fused = getattr(module, f"{fn_name}_fused_update", None)
+    return EnergySpec(name, kind, fn, fused if callable(fused) else None)
+  spec = _REGISTRY.get(name)
+  if spec is None:
+    raise ValueError(
+        f"{field}={name!r} is not a registered {kind} energy; allowed: "
+        f"{', '.join(names(kind))} or a 'module:function' path"
+    )
+  if spec.kind != kind:
+    raise ValueError(f"{field}={name!r} is a {spec.kind} energy, not a {kind} energy")
+  return spec
+
+
+register("softmax", "attention", interaction.interaction_energy, interaction.fused_update)
+for _potential in elementwise.POTENTIALS:
+  register(_potential, "mlp", *elementwise.make_gated_energy(_potential))

@@ -1,0 +1,230 @@
+"""CEM layers: tied attention, tied gated MLP, preconditioners and the recursive block.
+
+Each sub-layer owns the parameters of one energy slot and hands them to the energy as a dict;
+:class:`CEMBlock` turns energies into updates (``cem_jax.updates``) and runs CEM_MATH.md §4's
+Algorithm 1::
+
+    c ← norm_att(x)                       # attention context, fixed (or co-evolving)
+    y ← x
+    for t in 1..T:
+        y ← y + P_att(-∇_g E_att(g | c)),      g = norm_att(y)
+        y ← y + P_mlp(-∇_g E_mlp(g | g₀)),     g = norm_mlp(y), gate input g₀ held fixed
+    return y
+
+With T = 1, η = 1 and P = I it is a pre-norm block with tied attention and tied SwiGLU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cem_jax import energies, updates
+from cem_jax.layers.common import DTYPES, RMSNorm, const_param, param, softplus_inverse
+
+
+def head_dim_of(cfg) -> int:
+  """``model.head_dim``, or ``d_model // num_heads`` when it is -1."""
+  return cfg.head_dim if cfg.head_dim > 0 else cfg.d_model // cfg.num_heads
+
+
+def _copies(cfg, per_step: bool) -> int:
+  return cfg.num_steps if per_step else 1
+
+
+class CEMAttention(nnx.Module):
+  """Parameters of the interaction energy (CEM_MATH.md §1): 2·d_model·num_heads·head_dim.
+
+  ``w_q``, ``w_k``: ``[d_model, num_heads, head_dim]``; ``eta``: raw per-head step size
+  ``[copies, num_heads]`` (softplus, starts at 1); ``beta`` (only with ``learn_beta``): raw
+  inverse temperature ``[num_heads]``; ``diag`` (with a diagonal): ``[num_heads, d_model]``
+  (per head) or ``[d_model]`` (shared), starts at 0.
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    d, h, dh = cfg.d_model, cfg.num_heads, head_dim_of(cfg)
+    pdt = DTYPES[cfg.param_dtype]
+    self.num_heads, self.head_dim = h, dh
+    self.w_q = param(rngs, (d, h, dh), cfg.init_std, ("embed", "heads", "head_dim"), pdt)
+    self.w_k = param(rngs, (d, h, dh), cfg.init_std, ("embed", "heads", "head_dim"), pdt)
+    self.learn_eta = cfg.learn_eta
+    if cfg.learn_eta:
+      copies = _copies(cfg, cfg.eta_per_step)
+      self.eta = const_param(jnp.full((copies, h), softplus_inverse(1.0)), (None, "heads"))
+    self.learn_beta = cfg.learn_beta
+    if cfg.learn_beta:
+      self.beta = const_param(jnp.full((h,), softplus_inverse(1.0 / math.sqrt(dh))), ("heads",))
+    self.diagonal = cfg.diagonal
+    if cfg.diagonal == "per_head":
+      self.diag = const_param(jnp.zeros((h, d)), ("heads", "embed"), pdt)
+    elif cfg.diagonal == "shared":
+      self.diag = const_param(jnp.zeros((d,)), ("embed",), pdt)
+
+  def energy_params(self, step: int, dtype) -> dict:
+    """The ``params`` dict of the attention energy at recursive step ``step`` (0-based)."""
+    h = self.num_heads
+    if self.learn_eta:
+      raw = self.eta[...]
+      eta = jax.nn.softplus(raw[min(step, raw.shape[0] - 1)])
+    else:
+      eta = jnp.ones((h,), jnp.float32)
+    if self.learn_beta:
+      beta = jax.nn.softplus(self.beta[...])
+    else:
+      beta = jnp.full((h,), 1.0 / math.sqrt(self.head_dim), jnp.float32)
+    out = {
+        "w_q": self.w_q[...].astype(dtype),
+        "w_k": self.w_k[...].astype(dtype),
+        "eta": eta,
+        "beta": beta,
+    }
+    if self.diagonal != "none":
+      out["diag"] = jnp.broadcast_to(self.diag[...], (h, self.w_q.shape[0])).astype(dtype)
+    return out
+
+
+class CEMMLP(nnx.Module):
+  """Parameters of the gated element-wise energy (CEM_MATH.md §2): 2·d_model·mlp_dim.
+
+  ``w`` (tied to the readout ``Wᵀ``) and ``g`` (the gate): ``[d_model, mlp_dim]``; ``eta``:
+  raw scalar step size per copy ``[copies]`` (softplus, starts at 1).
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    d, f = cfg.d_model, cfg.mlp_dim
+    pdt = DTYPES[cfg.param_dtype]
+    self.w = param(rngs, (d, f), cfg.init_std, ("embed", "mlp"), pdt)
+    self.g = param(rngs, (d, f), cfg.init_std, ("embed", "mlp"), pdt)
+    self.learn_eta = cfg.learn_eta
+    if cfg.learn_eta:
+      copies = _copies(cfg, cfg.eta_per_step)
+      self.eta = const_param(jnp.full((copies,), softplus_inverse(1.0)), (None,))
+
+  def energy_params(self, step: int, dtype) -> dict:
+    """The ``params`` dict of the MLP energy at recursive step ``step`` (0-based)."""
+    if self.learn_eta:
+      raw = self.eta[...]
+      eta = jax.nn.softplus(raw[min(step, raw.shape[0] - 1)])
+    else:
+      eta = jnp.ones((), jnp.float32)
+    return {"w": self.w[...].astype(dtype), "g": self.g[...].astype(dtype), "eta": eta}
+
+
+class Preconditioner(nnx.Module):
+  """``P = diag(softplus(p) + eps) + U Uᵀ`` (CEM_MATH.md §3), identity-like at init.
+
+  ``p``: ``[copies, d_model]`` with ``softplus(p) + eps = 1``; ``u``: ``[copies, d_model,
+  rank]`` ~ normal(0, 1e-3) (exactly 0 would freeze ``U``: its gradient vanishes at 0).
+  ``copies`` is 1 (shared across recursive steps) or T (one per step).
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    d, r = cfg.d_model, cfg.precond_rank
+    copies = _copies(cfg, not cfg.precond_shared)
+    self.eps = cfg.precond_eps
+    self.p = const_param(jnp.full((copies, d), softplus_inverse(1.0 - cfg.precond_eps)),
+                         (None, "embed"))
+    self.rank = r
+    if r > 0:
+      self.u = param(rngs, (copies, d, r), 1e-3, (None, "embed", None))
+
+  def __call__(self, v: jax.Array, step: int) -> jax.Array:
+    """``P_step v`` for ``v`` ``[..., d_model]``; same shape and dtype."""
+    p = self.p[...]
+    i = min(step, p.shape[0] - 1)
+    u = self.u[...][i] if self.rank > 0 else None
+    return updates.precondition(v, p[i], u, self.eps)
+
+
+class CEMBlock(nnx.Module):
+  """A CEM layer: T recursive energy-descent steps (CEM_MATH.md §4).
+
+  Call: ``block(x, aux, num_steps=None, trace=False) -> (y, energy_trace)`` with ``x``, ``y``
+  ``[batch, seq_len, d_model]`` and ``aux`` an :class:`cem_jax.energies.EnergyAux`.
+  ``num_steps`` overrides T at evaluation (test-time steps; per-step parameters are reused
+  from the last trained step beyond T). With ``trace``, ``energy_trace`` is a list, one dict
+  per step, of per-token mean energies before/after each sub-step (``att_before``,
+  ``att_after``, ``mlp_before``, ``mlp_after``); otherwise it is empty.
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.dtype = DTYPES[cfg.dtype]
+    pdt = DTYPES[cfg.param_dtype]
+    self.norm_att = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
+    self.norm_mlp = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
+    self.attn = CEMAttention(cfg, rngs=rngs)
+    self.mlp = CEMMLP(cfg, rngs=rngs)
+    self.att_spec = energies.get(cfg.attention_energy, "attention", "model.attention_energy")
+    self.mlp_spec = energies.get(cfg.mlp_energy, "mlp", "model.mlp_energy")
+    self.att_update = updates.resolve_update(self.att_spec, cfg.update_mode)
+    self.mlp_update = updates.resolve_update(self.mlp_spec, cfg.update_mode)
+    self.precond_att = nnx.data(
+        Preconditioner(cfg, rngs=rngs) if cfg.precond in ("attention", "both") else None)
+    self.precond_mlp = nnx.data(
+        Preconditioner(cfg, rngs=rngs) if cfg.precond in ("mlp", "both") else None)
+
+  def _view(self, norm, y):
+    return y if self.cfg.norm_mode == "none" else norm(y)
+
+  def _step(self, update_fn, norm, precond, y, context, params, aux, step):
+    """``P(-∇E)`` w.r.t. the normalised variable (prenorm), through the norm (chain) or y."""
+    if self.cfg.norm_mode == "chain":
+      g, pullback = jax.vjp(norm, y)
+      u = pullback(update_fn(g, context, params, aux))[0]
+    else:
+      u = update_fn(self._view(norm, y), context, params, aux)
+    return u if precond is None else precond(u, step)
+
+  def _energy(self, spec, norm, y, context, params, aux):
+    return spec.energy(self._view(norm, y), context, params, aux) / (y.shape[0] * y.shape[1])
+
+  def __call__(self, x, aux, num_steps: int | None = None, trace: bool = False):
+    cfg = self.cfg
+    steps = cfg.num_steps if num_steps is None else num_steps
+    x = x.astype(self.dtype)
+    y = x
+    att_context = self._view(self.norm_att, x)
+    layer_gate = self._view(self.norm_mlp, x)
+    records = []
+    for t in range(steps):
+      if cfg.context == "coevolve" and t > 0:
+        att_context = self._view(self.norm_att, y)
+      att_p = self.attn.energy_params(t, self.dtype)
+      mlp_p = self.mlp.energy_params(t, self.dtype)
+      rec = {}
+      if cfg.split == "joint":
+        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y)
+        if trace:
+          rec["att_before"] = self._energy(self.att_spec, self.norm_att, y, att_context,
+                                           att_p, aux)
+          rec["mlp_before"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, mlp_p, aux)
+        u_att = self._step(self.att_update, self.norm_att, self.precond_att, y, att_context,
+                           att_p, aux, t)
+        u_mlp = self._step(self.mlp_update, self.norm_mlp, self.precond_mlp, y, gate, mlp_p,
+                           aux, t)
+        y = y + u_att + u_mlp
+        if trace:
+          rec["att_after"] = self._energy(self.att_spec, self.norm_att, y, att_context,
+                                          att_p, aux)
+          rec["mlp_after"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, mlp_p, aux)
+      else:
+        if trace:
+          rec["att_before"] = self._energy(self.att_spec, self.norm_att, y, att_context,
+                                           att_p, aux)
+        y = y + self._step(self.att_update, self.norm_att, self.precond_att, y, att_context,
+                           att_p, aux, t)
+        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y)
+        if trace:
+          rec["att_after"] = self._energy(self.att_spec, self.norm_att, y, att_context,
+                                          att_p, aux)
+          rec["mlp_before"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, mlp_p, aux)
+        y = y + self._step(self.mlp_update, self.norm_mlp, self.precond_mlp, y, gate, mlp_p,
+                           aux, t)
+        if trace:
+          rec["mlp_after"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, mlp_p, aux)
+      records.append(rec)
+    return y, records

@@ -1,0 +1,47 @@
+"""Parameter helpers and RMSNorm shared by the CEM and Llama layers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# Parameters whose name is in this set are weight-decayed; everything else (norm scales, step
+# sizes, temperatures, diagonals, preconditioners) never is. Decay goes by name, not by rank,
+# so stacking layers cannot change what is decayed.
+DECAYED_PARAM_NAMES = frozenset(
+    {"w_q", "w_k", "w_v", "w_o", "w", "g", "w_gate", "w_up", "w_down", "embedding", "lm_head"}
+)
+
+
+def param(rngs: nnx.Rngs, shape, std: float, logical_axes, dtype=jnp.float32) -> nnx.Param:
+  """A normal(0, std) parameter annotated with logical axis names (``sharding.py`` maps them)."""
+  value = std * jax.random.normal(rngs.params(), shape, dtype)
+  return nnx.Param(value, logical_axes=tuple(logical_axes))
+
+
+def const_param(value, logical_axes, dtype=jnp.float32) -> nnx.Param:
+  return nnx.Param(jnp.asarray(value, dtype), logical_axes=tuple(logical_axes))
+
+
+def softplus_inverse(x: float) -> float:
+  """``y`` with ``softplus(y) == x`` for ``x > 0``."""
+  return float(jnp.log(jnp.expm1(jnp.asarray(x, jnp.float32))))
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm ``x / rms(x) · scale`` over the last axis, computed in float32.
+
+  Input ``[..., d_model]`` in any float dtype; output in the same dtype. ``scale`` starts at 1.
+  """
+
+  def __init__(self, d_model: int, eps: float, param_dtype=jnp.float32):
+    self.scale = const_param(jnp.ones((d_model,)), ("embed",), param_dtype)
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * inv * self.scale[...].astype(jnp.float32)).astype(x.dtype)

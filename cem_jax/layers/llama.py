@@ -1,0 +1,88 @@
+"""The Llama-style baseline block: RMSNorm, RoPE, untied Q/K/V/O, SwiGLU, no biases."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from cem_jax.energies import EnergyAux, apply_rope
+from cem_jax.layers.cem import head_dim_of
+from cem_jax.layers.common import DTYPES, RMSNorm, param
+
+
+class LlamaAttention(nnx.Module):
+  """Causal multi-head attention, 4·d_model·num_heads·head_dim parameters.
+
+  ``w_q``, ``w_k``, ``w_v``: ``[d_model, num_heads, head_dim]``; ``w_o``: ``[num_heads,
+  head_dim, d_model]``. Call ``(x [batch, seq_len, d_model], aux) -> [batch, seq_len,
+  d_model]``; a query row with no visible key outputs exactly 0 (as the CEM update does).
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    d, h, dh = cfg.d_model, cfg.num_heads, head_dim_of(cfg)
+    pdt = DTYPES[cfg.param_dtype]
+    self.head_dim = dh
+    self.w_q = param(rngs, (d, h, dh), cfg.init_std, ("embed", "heads", "head_dim"), pdt)
+    self.w_k = param(rngs, (d, h, dh), cfg.init_std, ("embed", "heads", "head_dim"), pdt)
+    self.w_v = param(rngs, (d, h, dh), cfg.init_std, ("embed", "heads", "head_dim"), pdt)
+    self.w_o = param(rngs, (h, dh, d), cfg.init_std, ("heads", "head_dim", "embed"), pdt)
+
+  def __call__(self, x: jax.Array, aux: EnergyAux) -> jax.Array:
+    dt = x.dtype
+    q = jnp.einsum("btd,dhk->bthk", x, self.w_q[...].astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", x, self.w_k[...].astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", x, self.w_v[...].astype(dt))
+    if aux.rope_theta is not None:
+      q = apply_rope(q, aux.positions, aux.rope_theta)
+      k = apply_rope(k, aux.positions, aux.rope_theta)
+    scale = 1.0 / math.sqrt(self.head_dim)
+    if aux.is_plain_causal:
+      o = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
+    else:
+      o = jax.nn.dot_product_attention(q, k, v, mask=aux.mask[:, None], scale=scale)
+      o = o * jnp.any(aux.mask, axis=-1)[..., None, None].astype(o.dtype)
+    return jnp.einsum("bthk,hkd->btd", o, self.w_o[...].astype(dt))
+
+
+class SwiGLU(nnx.Module):
+  """``W_down (silu(W_gate x) ⊙ W_up x)``, 3·d_model·mlp_dim parameters.
+
+  ``w_gate``, ``w_up``: ``[d_model, mlp_dim]``; ``w_down``: ``[mlp_dim, d_model]``.
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    d, f = cfg.d_model, cfg.mlp_dim
+    pdt = DTYPES[cfg.param_dtype]
+    self.w_gate = param(rngs, (d, f), cfg.init_std, ("embed", "mlp"), pdt)
+    self.w_up = param(rngs, (d, f), cfg.init_std, ("embed", "mlp"), pdt)
+    self.w_down = param(rngs, (f, d), cfg.init_std, ("mlp", "embed"), pdt)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dt = x.dtype
+    hidden = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
+    return hidden @ self.w_down[...].astype(dt)
+
+
+class LlamaBlock(nnx.Module):
+  """Pre-norm block ``h = x + attn(norm(x)); y = h + mlp(norm(h))``.
+
+  Same call signature as :class:`cem_jax.layers.CEMBlock`; ``num_steps`` and ``trace`` are
+  accepted for a uniform interface (the block has no energy: the trace is empty).
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    pdt = DTYPES[cfg.param_dtype]
+    self.dtype = DTYPES[cfg.dtype]
+    self.norm_att = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
+    self.norm_mlp = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
+    self.attn = LlamaAttention(cfg, rngs=rngs)
+    self.mlp = SwiGLU(cfg, rngs=rngs)
+
+  def __call__(self, x, aux, num_steps: int | None = None, trace: bool = False):
+    del num_steps, trace
+    x = x.astype(self.dtype)
+    h = x + self.attn(self.norm_att(x), aux)
+    return h + self.mlp(self.norm_mlp(h)), []

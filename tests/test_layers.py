@@ -1,0 +1,171 @@
+"""CEM and Llama layers: the central equivalence, causality, parameter counts, fused = autodiff."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from cem_jax.config import get_default_config
+from cem_jax.layers import CEMBlock, LlamaBlock
+from cem_jax.model import DecoderLM, count_params
+
+D, H, F, B, T, V = 32, 4, 48, 2, 12, 50
+
+
+def model_cfg(**overrides):
+  cfg = get_default_config().model
+  cfg.d_model, cfg.num_heads, cfg.mlp_dim, cfg.num_layers = D, H, F, 2
+  cfg.init_std = 0.2
+  for k, v in overrides.items():
+    cfg[k] = v
+  return cfg
+
+
+def _x(seed=0):
+  return jax.random.normal(jax.random.PRNGKey(seed), (B, T, D))
+
+
+def _rel(a, b):
+  return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+def tie_llama_to_cem(llama: LlamaBlock, cem: CEMBlock) -> None:
+  """W_Q, W_K from CEM; W_V = W_K, W_O = W_Qᵀ; W_gate = W, W_up = G, W_down = Wᵀ."""
+  llama.attn.w_q[...] = cem.attn.w_q[...]
+  llama.attn.w_k[...] = cem.attn.w_k[...]
+  llama.attn.w_v[...] = cem.attn.w_k[...]
+  llama.attn.w_o[...] = jnp.transpose(cem.attn.w_q[...], (1, 2, 0))
+  llama.mlp.w_gate[...] = cem.mlp.w[...]
+  llama.mlp.w_up[...] = cem.mlp.g[...]
+  llama.mlp.w_down[...] = cem.mlp.w[...].T
+
+
+@pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.parametrize("update_mode", ["fused", "autodiff"])
+def test_cem_block_one_step_equals_tied_llama_block(segments, update_mode):
+  cfg = model_cfg(rope=False, update_mode=update_mode)
+  cem = CEMBlock(cfg, rngs=nnx.Rngs(0))
+  llama = LlamaBlock(cfg, rngs=nnx.Rngs(1))
+  tie_llama_to_cem(llama, cem)
+  model = DecoderLM(cfg, V, rngs=nnx.Rngs(0))
+  seg = jnp.array([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3]) if segments else None
+  aux = model.make_aux(seg, B, T)
+  x = _x()
+  y_cem, _ = cem(x, aux)
+  y_llama, _ = llama(x, aux)
+  assert _rel(y_cem, y_llama) <= 1e-5
+
+
+def test_with_rope_the_tied_llama_block_is_not_the_gradient_step():
+  """RoPE: the exact gradient rotates the value; Llama with W_V = W_K does not (CEM_MATH §1)."""
+  cfg = model_cfg(rope=True)
+  cem = CEMBlock(cfg, rngs=nnx.Rngs(0))
+  llama = LlamaBlock(cfg, rngs=nnx.Rngs(1))
+  tie_llama_to_cem(llama, cem)
+  aux = DecoderLM(cfg, V, rngs=nnx.Rngs(0)).make_aux(None, B, T)
+  x = _x()
+  assert _rel(cem(x, aux)[0], llama(x, aux)[0]) > 1e-3
+
+
+CAUSAL_CASES = [
+    dict(block="llama"),
+    dict(block="cem"),
+    dict(block="cem", num_steps=2, diagonal="per_head", precond="both", precond_rank=2),
+    dict(block="cem", num_steps=2, context="coevolve", update_mode="autodiff",
+         norm_mode="chain", split="joint", diagonal="shared", diagonal_form="distance"),
+]
+
+
+@pytest.mark.parametrize("case", CAUSAL_CASES, ids=lambda c: "-".join(map(str, c.values())))
+def test_changing_a_later_token_leaves_earlier_outputs_unchanged(case):
+  cfg = model_cfg(**case)
+  model = DecoderLM(cfg, V, rngs=nnx.Rngs(0))
+  if cfg.diagonal != "none":  # diagonals start at 0; make them matter
+    for blk in model.blocks:
+      blk.attn.diag[...] = 0.3 * jnp.ones_like(blk.attn.diag[...])
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, V)
+  base = model(tokens)
+  for j in (3, 7, T - 1):
+    changed = tokens.at[:, j].set((tokens[:, j] + 1) % V)
+    out = model(changed)
+    np.testing.assert_array_equal(np.asarray(out[:, :j]), np.asarray(base[:, :j]))
+    assert not np.array_equal(np.asarray(out[:, j]), np.asarray(base[:, j]))
+
+
+def test_parameter_counts_read_off_the_built_models():
+  d, f = D, F
+  cem = CEMBlock(model_cfg(learn_eta=False), rngs=nnx.Rngs(0))
+  llama = LlamaBlock(model_cfg(), rngs=nnx.Rngs(0))
+  assert count_params(cem.attn) == 2 * d * d
+  assert count_params(llama.attn) == 4 * d * d
+  assert count_params(cem.mlp) == 2 * d * f
+  assert count_params(llama.mlp) == 3 * d * f
+  with_eta = CEMBlock(model_cfg(), rngs=nnx.Rngs(0))
+  assert count_params(with_eta.attn) == 2 * d * d + H  # one step size per head
+  assert count_params(with_eta.mlp) == 2 * d * f + 1
+  diag = CEMBlock(model_cfg(diagonal="per_head", learn_eta=False), rngs=nnx.Rngs(0))
+  assert count_params(diag.attn) == 2 * d * d + H * d
+  pre = CEMBlock(model_cfg(precond="both", precond_rank=3, learn_eta=False), rngs=nnx.Rngs(0))
+  assert count_params(pre) - count_params(cem) == 2 * (d + d * 3)
+
+
+COMBOS = list(itertools.product(
+    [("none", "bilinear"), ("per_head", "bilinear"), ("per_head", "distance"),
+     ("shared", "bilinear"), ("shared", "distance")],
+    [False, True],  # rope
+    [1, 2],  # num_steps
+    ["none", "both"],  # preconditioner
+))
+
+
+@pytest.mark.parametrize("diag,rope,steps,precond", COMBOS)
+def test_block_autodiff_equals_fused(diag, rope, steps, precond):
+  kw = dict(diagonal=diag[0], diagonal_form=diag[1], rope=rope, num_steps=steps,
+            precond=precond, precond_rank=2 if precond != "none" else 0)
+  fused = CEMBlock(model_cfg(update_mode="fused", **kw), rngs=nnx.Rngs(0))
+  auto = CEMBlock(model_cfg(update_mode="autodiff", **kw), rngs=nnx.Rngs(0))
+  if diag[0] != "none":
+    for blk in (fused, auto):
+      blk.attn.diag[...] = 0.2 * jax.random.normal(jax.random.PRNGKey(4), blk.attn.diag.shape)
+  if precond != "none":
+    for blk in (fused, auto):
+      for pc in (blk.precond_att, blk.precond_mlp):
+        pc.u[...] = 0.3 * jax.random.normal(jax.random.PRNGKey(5), pc.u.shape)
+  aux = DecoderLM(model_cfg(rope=rope), V, rngs=nnx.Rngs(0)).make_aux(None, B, T)
+  x = _x(1)
+  assert _rel(fused(x, aux)[0], auto(x, aux)[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("block_kw", [dict(), dict(num_steps=2, diagonal="per_head")])
+def test_training_gradients_autodiff_equal_fused(block_kw):
+  """The update is differentiated by training: both paths give the same parameter gradients."""
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (B, T), 0, V)
+  grads = []
+  for mode in ("fused", "autodiff"):
+    model = DecoderLM(model_cfg(update_mode=mode, **block_kw), V, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(p, graphdef=graphdef):
+      logits = nnx.merge(graphdef, p)(tokens)
+      return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
+
+    grads.append(jax.grad(loss)(params))
+  for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_params_do_not_grow_with_steps_and_two_steps_equal_two_explicit_steps():
+  one = CEMBlock(model_cfg(num_steps=1), rngs=nnx.Rngs(0))
+  two = CEMBlock(model_cfg(num_steps=2), rngs=nnx.Rngs(0))
+  assert count_params(one) == count_params(two)
+  aux = DecoderLM(model_cfg(), V, rngs=nnx.Rngs(0)).make_aux(None, B, T)
+  x = _x(2)
+  # With a fixed context the second step still attends to the layer input's keys; with a
+  # co-evolving context, two steps equal applying the one-step block twice.
+  co = CEMBlock(model_cfg(num_steps=2, context="coevolve"), rngs=nnx.Rngs(0))
+  twice = one(one(x, aux)[0], aux)[0]
+  np.testing.assert_allclose(co(x, aux)[0], twice, rtol=1e-5, atol=1e-6)
+  assert _rel(two(x, aux)[0], twice) > 1e-4
