@@ -183,7 +183,7 @@ def test_preconditioner_is_positive_definite():
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
     p = 3.0 * jax.random.normal(k1, (D,))
     u = jax.random.normal(k2, (D, 3))
-    matrix = jax.vmap(lambda v: updates.precondition(v, p, u, 1e-3))(jnp.eye(D)).T
+    matrix = jax.vmap(lambda v, p=p, u=u: updates.precondition(v, p, u, 1e-3))(jnp.eye(D)).T
     np.testing.assert_allclose(matrix, matrix.T, atol=1e-5)
     assert float(jnp.min(jnp.linalg.eigvalsh(matrix))) > 0.0
     v = jax.random.normal(k3, (D,))

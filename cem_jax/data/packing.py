@@ -1,0 +1,143 @@
+"""Packing tokenized documents into fixed-length windows with document segment ids.
+
+Each document's ids are followed by EOS; the documents are concatenated in order and cut into
+non-overlapping windows of ``seq_len + 1`` tokens (one extra so inputs and targets are shifted
+views of one window). ``segment_ids`` number the documents inside each window from 1, EOS
+belonging to the document it ends; 0 marks padding. A target is weighted only when it is in
+the same document as its input, so no loss term crosses a document boundary (the first token
+of each document is never a weighted target, EOS always is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from cem_jax.data.tokenizer import Tokenizer
+
+# Documents are encoded in pieces of at most this many characters (cut at a paragraph or line
+# break) so that one huge file is still encoded on all cores.
+ENCODE_PIECE_CHARS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+  """Packed windows of one split.
+
+  Attributes:
+    tokens: int32 ``[num_windows, seq_len + 1]`` token ids (pad id where padded).
+    segment_ids: int32, same shape; 1-based document index within each window, 0 = padding.
+  """
+
+  tokens: np.ndarray
+  segment_ids: np.ndarray
+
+  @property
+  def num_windows(self) -> int:
+    return int(self.tokens.shape[0])
+
+  @property
+  def seq_len(self) -> int:
+    return int(self.tokens.shape[1]) - 1
+
+
+def _pieces(doc: str) -> list[str]:
+  out = []
+  start = 0
+  while start < len(doc):
+    end = start + ENCODE_PIECE_CHARS
+    if end < len(doc):
+      cut = doc.rfind("\n\n", start, end - 1)
+      cut = cut + 2 if cut >= start else doc.rfind("\n", start, end) + 1
+      end = cut if cut > start else end
+    out.append(doc[start:end])
+    start = end
+  return out
+
+
+def encode_documents(tok: Tokenizer, docs: Sequence[str]) -> list[np.ndarray]:
+  """Returns each document's ids (int32 ``[n_i]``, no EOS), encoded in parallel.
+
+  A long document is encoded in paragraph-aligned pieces; decoding the result still gives the
+  document back exactly (the split can only change how a piece boundary is tokenized).
+  """
+  pieces, owner = [], []
+  for i, doc in enumerate(docs):
+    for piece in _pieces(doc):
+      pieces.append(piece)
+      owner.append(i)
+  per_doc: list[list[np.ndarray]] = [[] for _ in docs]
+  for i, ids in zip(owner, tok.encode_batch(pieces), strict=True):
+    per_doc[i].append(np.asarray(ids, np.int32))
+  return [np.concatenate(p) if p else np.zeros(0, np.int32) for p in per_doc]
+
+
+def pack(doc_ids: Sequence[np.ndarray], seq_len: int, eos_id: int, pad_id: int, *,
+         keep_tail: bool, split: str) -> Windows:
+  """Packs tokenized documents into windows of ``seq_len + 1`` tokens.
+
+  Args:
+    doc_ids: each document's token ids, without EOS.
+    seq_len: model sequence length (``data.seq_len``), > 0.
+    eos_id, pad_id: tokenizer ids.
+    keep_tail: False (train) drops the final partial window; True (validation) keeps it,
+      padded with ``pad_id`` and segment 0.
+    split: split name, for error messages.
+
+  Returns:
+    ``Windows`` with int32 ``[num_windows, seq_len + 1]`` arrays.
+
+  Raises:
+    ValueError: ``seq_len`` < 1, or the split yields no window with a weighted target (one
+      line naming ``data.seq_len``, its value and the tokens available).
+  """
+  if seq_len < 1:
+    raise ValueError(f"data.seq_len={seq_len} must be >= 1")
+  width = seq_len + 1
+  lengths = np.array([len(d) + 1 for d in doc_ids], np.int64)
+  flat = np.full(int(lengths.sum()), eos_id, np.int32)
+  ends = np.cumsum(lengths)
+  for ids, end, n in zip(doc_ids, ends, lengths, strict=True):
+    flat[end - n : end - 1] = ids
+  doc_index = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+  num = len(flat) // width if not keep_tail else -(-len(flat) // width)
+  # A padded tail needs two real tokens to hold one weighted target.
+  if num == 0 or (keep_tail and len(flat) < 2):
+    what = ("one full train window needs seq_len + 1 tokens" if not keep_tail
+            else "it needs at least 2 tokens")
+    raise ValueError(
+        f"data.seq_len={seq_len} is too long for the {split} split: it has {len(flat)} tokens "
+        f"(EOS included) and {what}; lower data.seq_len or use more text"
+    )
+  total = num * width
+  tokens = np.full(total, pad_id, np.int32)
+  segments = np.zeros(total, np.int64)
+  used = min(total, len(flat))
+  tokens[:used] = flat[:used]
+  segments[:used] = doc_index[:used]
+  tokens = tokens.reshape(num, width)
+  segments = segments.reshape(num, width)
+  # Documents are consecutive, so subtracting each window's first document numbers them 1..k.
+  segment_ids = np.where(
+      np.arange(total).reshape(num, width) < used, segments - segments[:, :1] + 1, 0
+  ).astype(np.int32)
+  return Windows(tokens=tokens, segment_ids=segment_ids)
+
+
+def make_batch(tokens: np.ndarray, segment_ids: np.ndarray) -> dict[str, np.ndarray]:
+  """Turns windows ``[b, seq_len + 1]`` into a model batch of ``[b, seq_len]`` arrays.
+
+  Returns:
+    ``inputs`` (int32, tokens[:, :-1]), ``targets`` (int32, tokens[:, 1:]), ``segment_ids``
+    (int32, of the inputs) and ``weights`` (float32: 1 where the target is in the same
+    non-padding document as its input, else 0).
+  """
+  seg_in, seg_out = segment_ids[:, :-1], segment_ids[:, 1:]
+  return {
+      "inputs": np.ascontiguousarray(tokens[:, :-1], np.int32),
+      "targets": np.ascontiguousarray(tokens[:, 1:], np.int32),
+      "segment_ids": np.ascontiguousarray(seg_in, np.int32),
+      "weights": ((seg_in == seg_out) & (seg_out > 0)).astype(np.float32),
+  }

@@ -1,0 +1,244 @@
+"""Batches for training and evaluation, and ``build_data``, the entry point of the package.
+
+Training batches are a pure function of ``(shuffle_seed, step)``: global example ``g`` of
+step ``s`` is ``s * batch_size + g``; it lies in epoch ``g // num_windows`` at position
+``g % num_windows`` of that epoch's permutation, seeded by ``(shuffle_seed, epoch)``. Resuming
+at any step therefore needs no iterator state, and every window is seen once per epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from cem_jax.data import packing, sources
+from cem_jax.data import tokenizer as tokenizer_lib
+
+
+class TrainBatches:
+  """Shuffled training batches of packed windows, indexed by step.
+
+  Args:
+    windows: the packed train split.
+    batch_size: global batch size (``train.batch_size``), in sequences.
+    shuffle_seed: ``data.shuffle_seed``, >= 0.
+
+  Raises:
+    ValueError: ``batch_size`` < 1 or ``shuffle_seed`` < 0 (naming the field).
+  """
+
+  def __init__(self, windows: packing.Windows, batch_size: int, shuffle_seed: int):
+    if batch_size < 1:
+      raise ValueError(f"train.batch_size={batch_size} must be >= 1")
+    if shuffle_seed < 0:
+      raise ValueError(f"data.shuffle_seed={shuffle_seed} must be >= 0")
+    self.windows = windows
+    self.batch_size = int(batch_size)
+    self.shuffle_seed = int(shuffle_seed)
+    self._perms: dict[int, np.ndarray] = {}
+
+  @property
+  def num_windows(self) -> int:
+    return self.windows.num_windows
+
+  @property
+  def seq_len(self) -> int:
+    return self.windows.seq_len
+
+  @property
+  def steps_per_epoch(self) -> float:
+    """Steps needed to see every window once (may be fractional)."""
+    return self.num_windows / self.batch_size
+
+  def permutation(self, epoch: int) -> np.ndarray:
+    """Returns epoch ``epoch``'s window order: int64 ``[num_windows]``, a permutation."""
+    perm = self._perms.get(epoch)
+    if perm is None:
+      rng = np.random.default_rng([self.shuffle_seed, epoch])
+      perm = rng.permutation(self.num_windows)
+      if len(self._perms) >= 4:  # a batch spans at most a few epochs; bound the memo
+        self._perms.pop(next(iter(self._perms)))
+      self._perms[epoch] = perm
+    return perm
+
+  def window_indices(self, step: int, process_index: int = 0, process_count: int = 1
+                     ) -> np.ndarray:
+    """Returns the window indices (int64 ``[batch_size // process_count]``) of this process's
+    rows of step ``step``'s global batch. Raises ValueError as ``batch``."""
+    if step < 0:
+      raise ValueError(f"step={step} must be >= 0")
+    if process_count < 1 or not 0 <= process_index < process_count:
+      raise ValueError(f"process_index={process_index} must be in [0, {process_count})")
+    if self.batch_size % process_count:
+      raise ValueError(
+          f"train.batch_size={self.batch_size} must be divisible by the process count "
+          f"{process_count}"
+      )
+    local = self.batch_size // process_count
+    g = step * self.batch_size + process_index * local + np.arange(local, dtype=np.int64)
+    epochs, positions = np.divmod(g, self.num_windows)
+    out = np.empty(local, np.int64)
+    for epoch in np.unique(epochs):
+      sel = epochs == epoch
+      out[sel] = self.permutation(int(epoch))[positions[sel]]
+    return out
+
+  def batch(self, step: int, process_index: int = 0, process_count: int = 1
+            ) -> dict[str, np.ndarray]:
+    """Returns this process's part of step ``step``'s batch.
+
+    Process ``i`` of ``n`` gets rows ``[i * local, (i + 1) * local)`` of the global batch,
+    ``local = batch_size // n``; concatenated in process order they are the 1-process batch.
+
+    Returns:
+      ``inputs``, ``targets``, ``segment_ids`` (int32) and ``weights`` (float32), each
+      ``[local, seq_len]``; see ``packing.make_batch``.
+
+    Raises:
+      ValueError: ``step`` < 0, bad process index, or ``train.batch_size`` not divisible by
+        ``process_count``.
+    """
+    idx = self.window_indices(step, process_index, process_count)
+    return packing.make_batch(self.windows.tokens[idx], self.windows.segment_ids[idx])
+
+
+class EvalWindows:
+  """The whole validation split as windows in order, served as padded batches."""
+
+  def __init__(self, windows: packing.Windows, pad_id: int):
+    self.windows = windows
+    self.pad_id = int(pad_id)
+
+  @property
+  def num_windows(self) -> int:
+    return self.windows.num_windows
+
+  def total_weight(self) -> float:
+    """Number of weighted targets in the split (the sum of all eval batches' weights)."""
+    seg = self.windows.segment_ids
+    return float(((seg[:, :-1] == seg[:, 1:]) & (seg[:, 1:] > 0)).sum())
+
+  def num_batches(self, batch_size: int) -> int:
+    return -(-self.num_windows // batch_size)
+
+  def batches(self, batch_size: int, process_index: int = 0, process_count: int = 1
+              ) -> Iterator[dict[str, np.ndarray]]:
+    """Yields this process's part of each global eval batch of ``batch_size`` windows.
+
+    All windows are visited once, in order. The last global batch is filled up to
+    ``batch_size`` with padding rows (pad ids, segment 0, weight 0), so every batch has the
+    same shape and the summed weights equal ``total_weight()``.
+
+    Yields:
+      dicts as ``TrainBatches.batch``, arrays ``[batch_size // process_count, seq_len]``.
+
+    Raises:
+      ValueError: ``batch_size`` < 1 or not divisible by ``process_count``
+        (naming ``eval.batch_size``).
+    """
+    if batch_size < 1 or batch_size % process_count:
+      raise ValueError(
+          f"eval.batch_size={batch_size} must be >= 1 and divisible by the process count "
+          f"{process_count}"
+      )
+    local = batch_size // process_count
+    tokens, segs = self.windows.tokens, self.windows.segment_ids
+    for b in range(self.num_batches(batch_size)):
+      start = b * batch_size + process_index * local
+      rows_tok = tokens[start : start + local]
+      rows_seg = segs[start : start + local]
+      missing = local - rows_tok.shape[0]
+      if missing:
+        rows_tok = np.concatenate([rows_tok, np.full((missing, tokens.shape[1]), self.pad_id,
+                                                      np.int32)])
+        rows_seg = np.concatenate([rows_seg, np.zeros((missing, segs.shape[1]), np.int32)])
+      yield packing.make_batch(rows_tok, rows_seg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """Everything the training loop needs from the data side.
+
+  Attributes:
+    train: training batches by step.
+    eval: validation windows (``eval.batches(batch_size)``).
+    tokenizer: the tokenizer (``token_bytes`` for bits per byte).
+    source: one-line description of the text source.
+    train_documents, eval_documents: number of documents per split.
+    train_tokens, eval_tokens: tokens per split, one EOS per document included.
+    train_bytes, eval_bytes: UTF-8 bytes of the split's text (no separators).
+    train_windows, eval_windows: number of packed windows (eval: padded tail included).
+  """
+
+  train: TrainBatches
+  eval: EvalWindows
+  tokenizer: tokenizer_lib.Tokenizer
+  source: str
+  train_documents: int
+  eval_documents: int
+  train_tokens: int
+  eval_tokens: int
+  train_bytes: int
+  eval_bytes: int
+
+  @property
+  def train_windows(self) -> int:
+    return self.train.num_windows
+
+  @property
+  def eval_windows(self) -> int:
+    return self.eval.num_windows
+
+  def eval_batches(self, batch_size: int, process_index: int = 0, process_count: int = 1
+                   ) -> Iterator[dict[str, np.ndarray]]:
+    """Same as ``self.eval.batches``."""
+    return self.eval.batches(batch_size, process_index, process_count)
+
+  def stats(self) -> dict[str, int | str]:
+    """The counts above as a flat dict (for logs and ``metrics.jsonl``)."""
+    return {
+        "source": self.source,
+        "vocab_size": self.tokenizer.vocab_size,
+        "train_documents": self.train_documents, "eval_documents": self.eval_documents,
+        "train_tokens": self.train_tokens, "eval_tokens": self.eval_tokens,
+        "train_bytes": self.train_bytes, "eval_bytes": self.eval_bytes,
+        "train_windows": self.train_windows, "eval_windows": self.eval_windows,
+    }
+
+
+def build_data(config, workdir: str | os.PathLike) -> Data:
+  """Builds the data of an experiment from its resolved config.
+
+  Reads ``config.data`` (source, split, tokenizer, ``seq_len``, ``shuffle_seed``) and
+  ``config.train.batch_size``. Writes only caches under ``workdir``: ``tfds/`` (prepared
+  local files) and ``tokenizer/`` (trained models), both reused on the next run.
+
+  Raises:
+    ValueError: bad config values or inputs (one line naming the field or file).
+    FileNotFoundError: ``data.tokenizer`` does not exist.
+    RuntimeError: a TFDS catalog dataset is not prepared and there is no network.
+  """
+  d = config.data
+  splits = sources.text_splits(d, workdir)
+  tok = tokenizer_lib.tokenizer_for(d, splits.train, workdir)
+  train_ids = packing.encode_documents(tok, splits.train)
+  eval_ids = packing.encode_documents(tok, splits.validation)
+  train_windows = packing.pack(train_ids, d.seq_len, tok.eos_id, tok.pad_id, keep_tail=False,
+                               split="train")
+  eval_windows = packing.pack(eval_ids, d.seq_len, tok.eos_id, tok.pad_id, keep_tail=True,
+                              split="validation")
+  return Data(
+      train=TrainBatches(train_windows, config.train.batch_size, d.shuffle_seed),
+      eval=EvalWindows(eval_windows, tok.pad_id),
+      tokenizer=tok,
+      source=splits.source,
+      train_documents=len(splits.train),
+      eval_documents=len(splits.validation),
+      train_tokens=sum(len(i) + 1 for i in train_ids),
+      eval_tokens=sum(len(i) + 1 for i in eval_ids),
+      train_bytes=sum(len(t.encode("utf-8")) for t in splits.train),
+      eval_bytes=sum(len(t.encode("utf-8")) for t in splits.validation),
+  )

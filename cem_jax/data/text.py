@@ -1,0 +1,148 @@
+"""Plain-text helpers shared by every source: file decoding, globbing and the split rule.
+
+Text normalisation, applied to every local file (and to TFDS catalog text):
+  * a leading UTF-8 byte-order mark is dropped (``utf-8-sig`` semantics);
+  * CRLF and lone CR line ends become LF.
+Nothing else is changed (no Unicode normalisation, no whitespace stripping), so the text the
+model sees is byte-for-byte the file minus those two conventions.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+# The separator the split rule (and the byte n-gram reference tool) puts between documents.
+DOC_SEPARATOR = "\n\n"
+
+
+def normalize_newlines(text: str) -> str:
+  """Returns ``text`` with CRLF and lone CR line ends replaced by LF."""
+  return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def decode_utf8(data: bytes, name: str | os.PathLike) -> str:
+  """Decodes UTF-8 ``data`` (BOM stripped, newlines normalised) read from file ``name``.
+
+  Raises:
+    ValueError: one line naming ``name`` and the byte offset (in the file, BOM counted) of the
+      first byte that is not valid UTF-8.
+  """
+  offset = 0
+  if data.startswith(codecs.BOM_UTF8):
+    # Strip by hand rather than decode('utf-8-sig') so error offsets count the BOM bytes too.
+    offset = len(codecs.BOM_UTF8)
+    data = data[offset:]
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(
+        f"{os.fspath(name)}: not UTF-8 text: byte 0x{data[e.start]:02x} at byte offset "
+        f"{e.start + offset} ({e.reason}); convert the file to UTF-8"
+    ) from None
+  return normalize_newlines(text)
+
+
+def resolve_files(files: str) -> list[Path]:
+  """Expands ``data.files``, a comma-separated list of globs, into absolute file paths.
+
+  Each glob's matches are sorted; globs keep the order they are listed in (so the last file
+  listed holds the validation tail); a file matched twice is kept at its first place.
+  ``~`` is expanded and ``**`` matches directories recursively. Directories are skipped.
+
+  Raises:
+    ValueError: ``files`` names no glob, or a glob matches no file (the message names it).
+  """
+  patterns = [p.strip() for p in files.split(",") if p.strip()]
+  if not patterns:
+    raise ValueError(f"data.files={files!r} names no file glob")
+  paths: list[Path] = []
+  seen: set[Path] = set()
+  for pattern in patterns:
+    matches = sorted(
+        Path(m).resolve()
+        for m in glob.glob(os.path.expanduser(pattern), recursive=True)
+        if os.path.isfile(m)
+    )
+    if not matches:
+      raise ValueError(f"data.files: glob {pattern!r} matches no file")
+    for path in matches:
+      if path not in seen:
+        seen.add(path)
+        paths.append(path)
+  return paths
+
+
+def read_documents(paths: Sequence[Path]) -> list[str]:
+  """Reads each file as one document (decoded and normalised, see the module docstring).
+
+  Raises:
+    ValueError: a file is not UTF-8 (names file and byte offset), or every file is empty or
+      whitespace only (names the files).
+    OSError: a file cannot be read.
+  """
+  docs = [decode_utf8(Path(p).read_bytes(), p) for p in paths]
+  if not any(doc.strip() for doc in docs):
+    names = ", ".join(os.fspath(p) for p in paths)
+    raise ValueError(f"data.files: the corpus is empty (only empty or whitespace files): {names}")
+  return docs
+
+
+def split_documents(
+    docs: Sequence[str], validation_fraction: float
+) -> tuple[list[str], list[str]]:
+  """Splits documents into train and validation by the one split rule of this package.
+
+  The documents, joined by ``"\\n\\n"``, are cut at ``1 - validation_fraction`` of the
+  characters (``int(total * (1 - fraction))``), the cut then moved forward to the start of the
+  next line. Documents before the cut go to train, after it to validation; the document that
+  contains the cut is split in two (head to train, tail to validation). A cut that falls in a
+  separator splits no document. Empty documents are dropped (they hold no text). So
+  ``''.join(train) + ''.join(validation) == ''.join(docs)``.
+
+  Args:
+    docs: documents in their canonical order.
+    validation_fraction: fraction of characters held out, in (0, 0.5].
+
+  Returns:
+    ``(train_docs, validation_docs)``, both non-empty lists of non-empty strings.
+
+  Raises:
+    ValueError: the fraction is outside (0, 0.5], or the rule leaves either split empty
+      (tiny corpus or no line break after the cut); the message names
+      ``data.validation_fraction``.
+  """
+  if not 0.0 < validation_fraction <= 0.5:
+    raise ValueError(
+        f"data.validation_fraction={validation_fraction} must be in (0, 0.5]"
+    )
+  sep = len(DOC_SEPARATOR)
+  total = sum(len(d) for d in docs) + sep * max(len(docs) - 1, 0)
+  cut = int(total * (1.0 - validation_fraction))
+  start = 0
+  train: list[str] = list(docs)
+  validation: list[str] = []
+  for k, doc in enumerate(docs):
+    if cut < start + len(doc) + sep:
+      q = cut - start
+      if q < len(doc) and q > 0 and doc[q - 1] != "\n":
+        newline = doc.find("\n", q)
+        q = len(doc) if newline < 0 else newline + 1
+      q = min(q, len(doc))
+      head, tail = doc[:q], doc[q:]
+      train = list(docs[:k]) + ([head] if head else [])
+      validation = ([tail] if tail else []) + list(docs[k + 1 :])
+      break
+    start += len(doc) + sep
+  train = [d for d in train if d]
+  validation = [d for d in validation if d]
+  if not train or not validation:
+    raise ValueError(
+        f"data.validation_fraction={validation_fraction} leaves an empty "
+        f"{'train' if not train else 'validation'} split of a {total}-character corpus "
+        "(too small, or no line break after the cut); use more text or another fraction"
+    )
+  return train, validation

@@ -1,0 +1,149 @@
+"""Text from a TFDS catalog dataset (``data.tfds_name``), read with ``tfds.data_source``.
+
+A dataset already prepared (in array_record format) in the data dir is read without any
+network access. Otherwise TFDS would have to download it, and without a network
+``tfds.load``/``data_source`` retry for minutes before failing; so a TCP connection to the TFDS
+host is tried first, with a short timeout, and its failure is reported at once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import threading
+from pathlib import Path
+
+import tensorflow_datasets as tfds
+
+from cem_jax.data import text as text_lib
+
+# Host TFDS downloads from (and its metadata bucket); tests point this at a closed port.
+PROBE_ADDRESS = ("storage.googleapis.com", 443)
+PROBE_TIMEOUT_S = 3.0
+
+
+def network_reachable(address: tuple[str, int] = PROBE_ADDRESS,
+                      timeout: float = PROBE_TIMEOUT_S) -> bool:
+  """Returns whether a verified TLS connection to ``address`` succeeds within ~``timeout`` s.
+
+  A bare TCP connect is not enough: intercepting proxies accept connections to any address.
+  The TLS handshake must present a valid certificate for the host. The attempt (DNS lookup
+  included, which ``socket`` timeouts do not bound) runs in a daemon thread, so this returns
+  after at most ``timeout + 0.5`` seconds whatever the network does.
+  """
+  result: list[bool] = []
+
+  def probe() -> None:
+    try:
+      with socket.create_connection(address, timeout=timeout) as sock:
+        context = ssl.create_default_context()
+        with context.wrap_socket(sock, server_hostname=address[0]):
+          result.append(True)
+    except (OSError, ssl.SSLError):
+      result.append(False)
+
+  thread = threading.Thread(target=probe, daemon=True)
+  thread.start()
+  thread.join(timeout + 0.5)
+  return bool(result and result[0])
+
+
+def default_data_dir() -> Path:
+  """TFDS's default data dir: ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``."""
+  return Path(os.path.expanduser(os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets")))
+
+
+def _version_key(name: str) -> tuple[int, ...] | None:
+  parts = name.split(".")
+  if len(parts) != 3 or not all(p.isdigit() for p in parts):
+    return None
+  return tuple(int(p) for p in parts)
+
+
+def _versions(directory: Path) -> list[Path]:
+  if not directory.is_dir():
+    return []
+  return [v for v in directory.iterdir() if v.is_dir() and _version_key(v.name)]
+
+
+def prepared_dir(name: str, data_dir: Path) -> Path | None:
+  """Returns the directory of an already prepared ``name`` ('ds[/config][:version]') under
+  ``data_dir`` (the newest version if none is given), or None. Only looks at the filesystem,
+  so it never touches the network."""
+  base_name, _, version = name.partition(":")
+  base = data_dir / base_name
+  if version:
+    candidates = [base / version]
+  else:
+    candidates = _versions(base)
+    if not candidates and "/" not in base_name and base.is_dir():
+      # 'ds' whose default config is prepared: accept it when exactly one config is there.
+      configs = [d for d in base.iterdir() if _versions(d)]
+      candidates = _versions(configs[0]) if len(configs) == 1 else []
+    candidates.sort(key=lambda v: _version_key(v.name), reverse=True)
+  for candidate in candidates:
+    if (candidate / "dataset_info.json").is_file():
+      return candidate
+  return None
+
+
+def _read_texts(name: str, split: str, data_dir: Path, text_key: str, download: bool,
+                field: str) -> list[str]:
+  try:
+    source = tfds.data_source(
+        name, split=split, data_dir=os.fspath(data_dir), download=download,
+        download_and_prepare_kwargs={"file_format": "array_record"} if download else None,
+    )
+  except tfds.core.registered.DatasetNotFoundError:
+    raise ValueError(
+        f"data.tfds_name={name!r} is not a TFDS catalog dataset known here (or its builder "
+        "needs TensorFlow/Beam): prepare it elsewhere in array_record format"
+    ) from None
+  except ValueError as e:
+    first = (str(e).splitlines() or [repr(e)])[0]
+    if "split" in first.lower():
+      raise ValueError(f"{field}={split!r}: no such split of {name!r}: {first}") from None
+    hint = (" (tfds.data_source needs it prepared with file_format='array_record')"
+            if "format" in first.lower() else "")
+    raise ValueError(f"data.tfds_name={name!r} in {data_dir}: {first}{hint}") from None
+  if len(source) == 0:
+    raise ValueError(f"{field}={split!r}: split of {name!r} is empty")
+  example = source[0]
+  if text_key not in example:
+    raise ValueError(
+        f"data.tfds_text_key={text_key!r} is not a feature of {name!r}; it has "
+        f"{sorted(example)}"
+    )
+  texts = []
+  for i in range(len(source)):
+    value = source[i][text_key]
+    value = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    texts.append(text_lib.normalize_newlines(value))
+  return texts
+
+
+def load_catalog(name: str, data_dir: str, text_key: str, train_split: str,
+                 eval_split: str) -> tuple[list[str], list[str], str]:
+  """Returns (train documents, eval documents, description) of TFDS dataset ``name``.
+
+  Each example's ``text_key`` feature is one document, in the data source's order, newlines
+  normalised. ``data_dir`` '' means TFDS's default. A dataset not yet prepared there is
+  downloaded and prepared (array_record) by TFDS when the network is reachable.
+
+  Raises:
+    RuntimeError: not prepared and no network (one line, within ~4 s).
+    ValueError: unknown dataset, split or text key (the message names the config field).
+  """
+  root = Path(os.path.expanduser(data_dir)) if data_dir else default_data_dir()
+  found = prepared_dir(name, root)
+  if found is None and not network_reachable():
+    raise RuntimeError(
+        f"data.tfds_name={name!r} is not prepared in {root} and there is no network: "
+        f"no verified TLS connection to {PROBE_ADDRESS[0]}:{PROBE_ADDRESS[1]}; use data.files "
+        "or prepare it elsewhere (file_format='array_record') and set data.tfds_data_dir"
+    )
+  download = found is None
+  train = _read_texts(name, train_split, root, text_key, download, "data.tfds_train_split")
+  evals = _read_texts(name, eval_split, root, text_key, False, "data.tfds_eval_split")
+  return train, evals, f"tfds:{name}[{train_split}|{eval_split}] in {found or root}"

@@ -1,0 +1,35 @@
+"""Shared fixtures: where the shared corpora live and a tiny training config."""
+
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture
+def shared_data() -> Path:
+  if not SHARED_DATA.is_dir():
+    pytest.fail(f"shared corpora not found at {SHARED_DATA} (expected ../shared/data)")
+  return SHARED_DATA
+
+
+def tiny_config(block: str = "cem", **overrides):
+  """A config that trains in seconds: d_model 64, 2 layers, seq_len 64, batch 8."""
+  from cem_jax.config import get_default_config
+
+  c = get_default_config()
+  c.model.block = block
+  c.model.d_model, c.model.num_heads, c.model.mlp_dim, c.model.num_layers = 64, 4, 128, 2
+  c.data.seq_len, c.data.vocab_size = 64, 512
+  c.train.batch_size, c.train.num_steps, c.train.warmup_steps = 8, 30, 5
+  c.train.eval_every_steps, c.train.log_every_steps = 10, 5
+  c.eval.batch_size, c.eval.max_batches = 16, 4
+  c.checkpoint.every_steps = 100
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c

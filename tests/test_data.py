@@ -1,0 +1,478 @@
+"""Tests of cem_jax.data: sources and split rule, TFDS builder, tokenizer, packing, batches."""
+
+from __future__ import annotations
+
+import codecs
+import os
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cem_jax.config import get_default_config
+from cem_jax.data import (
+  EvalWindows,
+  TrainBatches,
+  Windows,
+  build_data,
+  builtin,
+  make_batch,
+  pack,
+  packing,
+  read_documents,
+  resolve_files,
+  split_documents,
+  text_splits,
+  tfds_catalog,
+  tfds_local,
+)
+from cem_jax.data import tokenizer as tokenizer_lib
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_FILES = ("tinyshakespeare.txt", "warpeace.txt", "wikitext2_test.txt",
+                "wikitext2_valid.txt")
+needs_shared = pytest.mark.usefixtures("shared_data")  # fails, not skips, without the corpora
+
+
+def _config(**data):
+  config = get_default_config()
+  config.data.seq_len = 32
+  config.data.vocab_size = 512
+  config.train.batch_size = 8
+  for key, value in data.items():
+    setattr(config.data, key, value)
+  return config
+
+
+def _write(path: Path, text: str) -> Path:
+  path.write_bytes(text.encode("utf-8"))
+  return path
+
+
+@pytest.fixture(scope="module")
+def pydoc_tokenizer():
+  train, _ = split_documents(builtin.pydoc_topics(), 0.1)
+  return tokenizer_lib.Tokenizer(tokenizer_lib.train_model(train, 512))
+
+
+def _corpus_text(lines: int = 400, tag: str = "") -> str:
+  words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+  return "".join(
+      f"{tag}line {i}: " + " ".join(words[(i * j) % len(words)] for j in range(1, 9)) + ".\n"
+      for i in range(lines)
+  )
+
+
+# ---- split rule and sources -------------------------------------------------------------------
+
+
+def test_split_rule_reconstructs_and_cuts_at_line_start():
+  docs = [f"doc {k}\n" + "".join(f"line {k}.{i}\n" for i in range(k + 3)) for k in range(20)]
+  train, validation = split_documents(docs, 0.25)
+  assert (train, validation) == split_documents(list(docs), 0.25)  # deterministic
+  assert "".join(train) + "".join(validation) == "".join(docs)
+  joined = "\n\n".join(docs)
+  # Validation is a suffix of the joined corpus; the cut lies at a line start.
+  assert joined.endswith("\n\n".join(validation))
+  assert train[-1].endswith("\n")
+  frac = sum(map(len, validation)) / sum(map(len, docs))
+  assert 0.2 < frac < 0.3
+  # The document holding the cut is split into head (train) and tail (validation).
+  k = len(train) - 1
+  assert train[-1] + validation[0] == docs[k] and train[:-1] == docs[:k]
+  assert validation[1:] == docs[k + 1 :]
+
+
+def test_split_rule_single_document_and_bad_fraction():
+  doc = "".join(f"row {i}\n" for i in range(1000))
+  train, validation = split_documents([doc], 0.1)
+  assert len(train) == len(validation) == 1 and train[0] + validation[0] == doc
+  assert validation[0].startswith("row ") and train[0].endswith("\n")
+  assert abs(len(validation[0]) / len(doc) - 0.1) < 0.01
+  for bad in (0.0, -0.1, 0.6):
+    with pytest.raises(ValueError, match=r"data\.validation_fraction=.* must be in \(0, 0\.5\]"):
+      split_documents([doc], bad)
+  with pytest.raises(ValueError, match="empty validation split"):
+    split_documents(["no newline at all " * 10], 0.1)
+
+
+def test_pydoc_source(tmp_path):
+  splits = text_splits(_config().data, tmp_path)
+  topics = builtin.pydoc_topics()
+  assert 70 <= len(topics) <= 90
+  assert splits.source.startswith("builtin: pydoc")
+  assert "".join(splits.train) + "".join(splits.validation) == "".join(topics)
+  assert "\n\n".join(topics).endswith("\n\n".join(splits.validation))
+  frac = sum(map(len, splits.validation)) / sum(map(len, topics))
+  assert 0.09 < frac < 0.11
+  assert text_splits(_config().data, tmp_path) == splits
+
+
+def test_docstrings_source_is_deterministic():
+  first = builtin.stdlib_docstrings()
+  assert len(first) > 100 and sum(map(len, first)) > 500_000
+  assert builtin.stdlib_docstrings() == first
+  with pytest.raises(ValueError, match="data.builtin='nope'"):
+    builtin.builtin_documents("nope")
+
+
+def test_file_decoding_normalises_bom_and_line_ends(tmp_path):
+  path = tmp_path / "a.txt"
+  path.write_bytes(codecs.BOM_UTF8 + "caf\u00e9\r\nline two\rthree\n".encode())
+  assert read_documents([path]) == ["caf\u00e9\nline two\nthree\n"]
+
+
+def test_file_errors(tmp_path):
+  with pytest.raises(ValueError, match=r"glob '.*nothing\*\.txt' matches no file"):
+    resolve_files(f"{tmp_path}/nothing*.txt")
+  bad = tmp_path / "bad.txt"
+  bad.write_bytes(codecs.BOM_UTF8 + b"hello\nwor\xffld\n")
+  with pytest.raises(ValueError, match=r"bad\.txt: not UTF-8 .*byte 0xff at byte offset 12"):
+    read_documents([bad])
+  empty, blank = tmp_path / "empty.txt", _write(tmp_path / "blank.txt", " \n\t\n")
+  empty.write_bytes(b"")
+  with pytest.raises(ValueError, match=r"corpus is empty.*empty\.txt.*blank\.txt"):
+    read_documents([empty, blank])
+  # The same errors come out of the full pipeline, before TFDS writes anything.
+  config = _config(files=os.fspath(bad))
+  with pytest.raises(ValueError, match="offset 12"):
+    build_data(config, tmp_path / "wd")
+  assert not list((tmp_path / "wd").rglob("*.array_record*"))
+
+
+def test_glob_order_and_dedup(tmp_path):
+  for name in ("b.txt", "a.txt", "c.md"):
+    _write(tmp_path / name, name)
+  paths = resolve_files(f"{tmp_path}/*.md, {tmp_path}/*.txt,{tmp_path}/a.txt")
+  assert [p.name for p in paths] == ["c.md", "a.txt", "b.txt"]
+
+
+# ---- TFDS ----------------------------------------------------------------------------------------
+
+
+def test_local_files_go_through_tfds_array_record(tmp_path):
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  _write(corpus / "one.txt", _corpus_text(300, "one "))
+  _write(corpus / "two.txt", _corpus_text(300, "two "))
+  config = _config(files=f"{corpus}/*.txt")
+  workdir = tmp_path / "wd"
+  before = tfds_local.prepare_count
+  data = build_data(config, workdir)
+  records = sorted((workdir / "tfds").rglob("*.array_record-*"))
+  assert {r.name.split(".")[0] for r in records} == {"local_text_files-train",
+                                                     "local_text_files-validation"}
+  assert tfds_local.prepare_count == before + 1
+  assert "via" in data.source and data.train_documents == 2 and data.eval_documents == 1
+  # What TFDS gives back is exactly the split of the files' text.
+  splits = text_splits(config.data, workdir)
+  assert (splits.train, splits.validation) == split_documents(
+      read_documents(resolve_files(config.data.files)), 0.1)
+  mtimes = {r: r.stat().st_mtime_ns for r in records}
+
+  build_data(config, workdir)  # unchanged files: reused
+  assert tfds_local.prepare_count == before + 1
+  assert {r: r.stat().st_mtime_ns for r in records} == mtimes
+
+  _write(corpus / "two.txt", _corpus_text(310, "TWO "))  # changed content: prepared again
+  text = text_splits(config.data, workdir)
+  assert tfds_local.prepare_count == before + 2
+  assert "TWO line 309" in text.validation[-1]
+  assert len(list((workdir / "tfds").rglob("*train.array_record-*"))) == 2
+
+
+def test_long_documents_come_back_whole_from_tfds(tmp_path):
+  doc = _corpus_text(4000)  # ~290 KB: several 64 KB chunks
+  assert len(doc) > 3 * tfds_local.CHUNK_CHARS
+  path = _write(tmp_path / "long.txt", doc)
+  train, validation, _ = tfds_local.load_local_files([path], 0.1, tmp_path / "tfds")
+  assert train[0] + validation[0] == doc
+  assert "".join(tfds_local.chunk_text(doc)) == doc
+
+
+def _closed_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_tfds_catalog_offline_fails_fast(tmp_path, monkeypatch):
+  # Point the reachability probe at a closed local port so the test is offline everywhere.
+  monkeypatch.setattr(tfds_catalog, "PROBE_ADDRESS", ("127.0.0.1", _closed_port()))
+  config = _config(tfds_name="tiny_shakespeare", tfds_data_dir=os.fspath(tmp_path / "tfds"))
+  start = time.monotonic()
+  with pytest.raises(RuntimeError) as info:
+    build_data(config, tmp_path / "wd")
+  assert time.monotonic() - start < 10
+  message = str(info.value)
+  assert "\n" not in message
+  assert "data.tfds_name='tiny_shakespeare' is not prepared in" in message
+  assert "no network" in message and "data.files" in message
+
+
+def test_network_probe_is_bounded():
+  # A server that accepts TCP but never answers the TLS handshake: the probe must give up
+  # after its timeout, not hang.
+  with socket.socket() as server:
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    start = time.monotonic()
+    assert not tfds_catalog.network_reachable(server.getsockname(), timeout=1.0)
+    assert time.monotonic() - start < 2.5
+
+
+def test_tfds_catalog_reads_a_prepared_dataset_offline(tmp_path, monkeypatch):
+  monkeypatch.setattr(tfds_catalog, "PROBE_ADDRESS", ("127.0.0.1", _closed_port()))
+  paths = [_write(tmp_path / "a.txt", _corpus_text(200))]
+  train, validation, dataset_dir = tfds_local.load_local_files(paths, 0.2, tmp_path / "tfds")
+  name = f"local_text_files/{dataset_dir.parent.name}"
+  config = _config(tfds_name=name, tfds_data_dir=os.fspath(tmp_path / "tfds"))
+  splits = text_splits(config.data, tmp_path / "wd")
+  assert (splits.train, splits.validation) == (train, validation)
+  assert splits.source.startswith(f"tfds:{name}")
+  config.data.tfds_text_key = "body"
+  with pytest.raises(ValueError, match=r"data\.tfds_text_key='body' is not a feature"):
+    text_splits(config.data, tmp_path / "wd")
+  config.data.tfds_text_key = "text"
+  config.data.tfds_eval_split = "test"
+  with pytest.raises(ValueError, match=r"data\.tfds_eval_split='test': no such split"):
+    text_splits(config.data, tmp_path / "wd")
+  with pytest.raises(ValueError, match="set only one"):
+    text_splits(_config(tfds_name=name, files="x.txt").data, tmp_path / "wd")
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------
+
+
+@needs_shared
+@pytest.mark.parametrize("name", SHARED_FILES)
+def test_tokenizer_exact_round_trip_on_shared_files(name):
+  (doc,) = read_documents(resolve_files(os.fspath(SHARED_DATA / name)))
+  train, _ = split_documents([doc], 0.1)
+  tok = tokenizer_lib.Tokenizer(tokenizer_lib.train_model(train, 1024))
+  assert tok.vocab_size == 1024
+  ids = np.concatenate(packing.encode_documents(tok, [doc]))
+  assert tok.decode(ids) == doc
+  assert int(tok.token_bytes[ids].sum()) == len(doc.encode("utf-8"))
+  if name == "warpeace.txt":
+    raw = (SHARED_DATA / name).read_bytes()
+    assert raw.startswith(codecs.BOM_UTF8) and b"\r\n" in raw
+    assert "\r" not in doc and "\ufeff" not in doc
+    assert doc == raw[3:].decode("utf-8").replace("\r\n", "\n")
+    head = doc[:3000] + doc[107_000:108_000] + " caf\u00e9 \u2606 \u30ce \u03c9 \u2014 \u2581!"
+    assert any(ord(c) > 127 for c in head)
+    head_ids = tok.encode(head)
+    assert tok.decode(head_ids) == head
+    assert int(tok.token_bytes[head_ids].sum()) == len(head.encode("utf-8"))
+
+
+def test_tokenizer_round_trips_awkward_text(pydoc_tokenizer):
+  tok = pydoc_tokenizer
+  text = "a \u2581 b\x00c\x01\U0001f600 \t\n\n\n  \u2581\u2581x\u00a0y\u200bz \n"
+  assert tok.decode(tok.encode(text)) == text
+  assert int(tok.token_bytes[tok.encode(text)].sum()) == len(text.encode("utf-8"))
+  assert tok.token_bytes[tok.eos_id] == 0 and tok.token_bytes[tok.pad_id] == 0
+  assert tok.token_bytes.dtype == np.int32 and tok.token_bytes.shape == (tok.vocab_size,)
+  assert tok.token_bytes[tok.encode("\u00e9")].tolist() in ([1, 1], [2])
+  assert (tok.pad_id, tok.eos_id) == (0, 1)
+
+
+def test_tokenizer_training_is_deterministic_and_cached(tmp_path):
+  train, _ = split_documents(builtin.pydoc_topics(), 0.1)
+  assert tokenizer_lib.train_model(train, 512) == tokenizer_lib.train_model(train, 512)
+  first = tokenizer_lib.train_or_load(train, 512, "bpe", tmp_path)
+  mtime = first.path.stat().st_mtime_ns
+  again = tokenizer_lib.train_or_load(train, 512, "bpe", tmp_path)
+  assert again.path == first.path and again.path.stat().st_mtime_ns == mtime
+  other = tokenizer_lib.train_or_load(train, 600, "bpe", tmp_path)
+  assert other.path != first.path
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.path.name, other.path.name])
+
+
+def test_tokenizer_errors(tmp_path):
+  with pytest.raises(ValueError, match=r"data\.vocab_size=5000 is too large.*maximum allowed is "
+                                       r"\d+$"):
+    tokenizer_lib.train_model(["hello world, a tiny corpus.\nsecond line\n"] * 3, 5000)
+  with pytest.raises(ValueError, match=r"data\.vocab_size=100 is too small.*minimum"):
+    tokenizer_lib.train_model(["hello world\n"], 100)
+  with pytest.raises(ValueError, match="data.tokenizer_model_type='wordpiece'"):
+    tokenizer_lib.train_model(["hello world\n"], 300, "wordpiece")
+  missing = tmp_path / "nope.model"
+  with pytest.raises(FileNotFoundError, match=r"data\.tokenizer='.*nope\.model': no such file"):
+    build_data(_config(tokenizer=os.fspath(missing)), tmp_path / "wd")
+
+
+def test_given_tokenizer_is_used_and_checked(tmp_path):
+  data = build_data(_config(), tmp_path / "wd")
+  path = os.fspath(data.tokenizer.path)
+  assert data.tokenizer.path.parent == tmp_path / "wd" / "tokenizer"
+  again = build_data(_config(tokenizer=path), tmp_path / "other")
+  assert np.array_equal(again.train.batch(3)["inputs"], data.train.batch(3)["inputs"])
+  assert not (tmp_path / "other" / "tokenizer").exists()
+  with pytest.raises(ValueError, match=r"has 512 pieces but data\.vocab_size=1024"):
+    build_data(_config(tokenizer=path, vocab_size=1024), tmp_path / "other")
+
+
+# ---- packing -------------------------------------------------------------------------------
+
+
+EOS, PAD = 1, 0
+
+
+def _distinct_docs(lengths):
+  # Document k holds ids 1000 * (k + 1) + j: each id names its document.
+  return [np.arange(n, dtype=np.int32) + 1000 * (k + 1) for k, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("keep_tail", [False, True])
+def test_no_weighted_target_crosses_a_document_boundary(keep_tail):
+  lengths = [5, 1, 12, 3, 30, 2, 7, 9]
+  windows = pack(_distinct_docs(lengths), 7, EOS, PAD, keep_tail=keep_tail, split="test")
+  assert windows.tokens.shape[1] == 8 and windows.tokens.dtype == np.int32
+  batch = make_batch(windows.tokens, windows.segment_ids)
+  inputs, targets, weights = batch["inputs"], batch["targets"], batch["weights"]
+  assert batch["segment_ids"].dtype == np.int32 and weights.dtype == np.float32
+
+  def doc_of(t):
+    return t // 1000  # EOS and PAD map to 0
+  # Independent rule: weighted iff the input is a document token and the target continues
+  # that document or is the EOS that ends it.
+  expected = (doc_of(inputs) > 0) & (
+      (doc_of(targets) == doc_of(inputs)) | (targets == EOS))
+  assert np.array_equal(weights.astype(bool), expected)
+  # Every pair inside a document that lies in one window is weighted.
+  flat = windows.tokens.reshape(-1)
+  total = sum(lengths) + len(lengths)
+  assert np.array_equal(flat[: min(total, flat.size)],
+                        np.concatenate([np.append(d, EOS) for d in _distinct_docs(lengths)])
+                        [: flat.size])
+  if keep_tail:
+    assert windows.tokens.size >= total and (flat[total:] == PAD).all()
+    assert (windows.segment_ids.reshape(-1)[total:] == 0).all()
+    # A document of n tokens has n weighted pairs, less those cut by a window boundary.
+    starts = np.cumsum([0] + [n + 1 for n in lengths[:-1]])
+    assert weights.sum() == sum(
+        1 for s, n in zip(starts, lengths, strict=True) for p in range(s, s + n)
+        if (p + 1) % 8)
+  seg = windows.segment_ids
+  assert (seg[:, 0] == 1).all() and (np.diff(seg, axis=1)[seg[:, 1:] > 0] >= 0).all()
+
+
+def test_packed_real_documents_have_eos_between_them(pydoc_tokenizer):
+  tok = pydoc_tokenizer
+  docs = ["First document.\n", "Second, with caf\u00e9.\n", "Third\n\n"] * 5
+  ids = packing.encode_documents(tok, docs)
+  windows = pack(ids, 16, tok.eos_id, tok.pad_id, keep_tail=True, split="validation")
+  flat = windows.tokens.reshape(-1)
+  seg_flat = windows.segment_ids.reshape(-1)
+  eos_positions = np.flatnonzero(flat == tok.eos_id)
+  assert len(eos_positions) == len(docs)
+  assert eos_positions.tolist() == (np.cumsum([len(i) + 1 for i in ids]) - 1).tolist()
+  text = "".join(tok.decode(flat[a + 1 : b]) for a, b in
+                 zip(np.r_[-1, eos_positions[:-1]], eos_positions, strict=True))
+  assert text == "".join(docs)
+  batch = make_batch(windows.tokens, windows.segment_ids)
+  # A target right after an EOS starts a new document: never weighted.
+  assert (batch["weights"][batch["inputs"] == tok.eos_id] == 0).all()
+  assert (batch["weights"][batch["targets"] == tok.eos_id] == 1).all()
+  assert seg_flat.max() >= 2
+
+
+def test_seq_len_longer_than_the_data(tmp_path):
+  with pytest.raises(ValueError, match=r"data\.seq_len=50 is too long for the train split: "
+                                       r"it has 13 tokens"):
+    pack(_distinct_docs([5, 6]), 50, EOS, PAD, keep_tail=False, split="train")
+  short = pack(_distinct_docs([5, 6]), 50, EOS, PAD, keep_tail=True, split="validation")
+  assert short.num_windows == 1
+  small = _write(tmp_path / "small.txt", _corpus_text(20))
+  with pytest.raises(ValueError, match=r"data\.seq_len=2000 is too long for the train split: "
+                                       r"it has \d+ tokens"):
+    build_data(_config(files=os.fspath(small), seq_len=2000, vocab_size=300), tmp_path / "wd")
+
+
+# ---- batches -------------------------------------------------------------------------------
+
+
+def _numbered_windows(n: int, seq_len: int = 4) -> Windows:
+  # Window i is filled with id i + 2 (one document per window), so rows name their window.
+  tokens = np.repeat(np.arange(n, dtype=np.int32)[:, None] + 2, seq_len + 1, axis=1)
+  return Windows(tokens=tokens, segment_ids=np.ones_like(tokens))
+
+
+def test_train_batches_are_a_pure_function_of_step():
+  windows = _numbered_windows(50)
+  a, b = TrainBatches(windows, 8, shuffle_seed=3), TrainBatches(windows, 8, shuffle_seed=3)
+  for step in (0, 7, 123, 5):
+    x, y = a.batch(step), b.batch(step)
+    assert x.keys() == {"inputs", "targets", "segment_ids", "weights"}
+    for key in x:
+      assert np.array_equal(x[key], y[key]) and np.array_equal(x[key], a.batch(step)[key])
+    assert x["inputs"].shape == (8, 4) and x["weights"].dtype == np.float32
+  assert not np.array_equal(a.batch(0)["inputs"], TrainBatches(windows, 8, 4).batch(0)["inputs"])
+
+
+def test_train_batches_split_across_processes():
+  batches = TrainBatches(_numbered_windows(50), 12, shuffle_seed=0)
+  for step in (0, 4, 9):
+    whole = batches.batch(step)
+    for count in (2, 3, 4):
+      parts = [batches.batch(step, i, count) for i in range(count)]
+      for key in whole:
+        assert np.array_equal(np.concatenate([p[key] for p in parts]), whole[key])
+  with pytest.raises(ValueError, match=r"train\.batch_size=12 must be divisible by the process "
+                                       r"count 5"):
+    batches.batch(0, 0, 5)
+
+
+def test_every_window_once_per_epoch():
+  n, batch = 50, 8
+  batches = TrainBatches(_numbered_windows(n), batch, shuffle_seed=1)
+  seen = np.concatenate([batches.batch(s)["inputs"][:, 0] - 2 for s in range(0, 19)])
+  epochs = [seen[e * n : (e + 1) * n] for e in range(3)]
+  for order in epochs[:3]:
+    assert sorted(order.tolist()) == list(range(n))
+  assert not np.array_equal(epochs[0], epochs[1])
+  assert not np.array_equal(epochs[0], np.arange(n))
+
+
+def test_eval_padding_keeps_total_weight():
+  lengths = [5, 1, 12, 3, 30, 2, 7, 9, 20]
+  windows = pack(_distinct_docs(lengths), 5, EOS, PAD, keep_tail=True, split="validation")
+  evals = EvalWindows(windows, PAD)
+  direct = make_batch(windows.tokens, windows.segment_ids)["weights"].sum()
+  assert evals.total_weight() == direct > 0
+  for batch_size, count in ((4, 1), (4, 2), (6, 3), (64, 1)):
+    shards = [list(evals.batches(batch_size, i, count)) for i in range(count)]
+    assert all(len(s) == evals.num_batches(batch_size) for s in shards)
+    total = sum(b["weights"].sum() for s in shards for b in s)
+    assert total == direct
+    assert all(b["inputs"].shape == (batch_size // count, 5) for s in shards for b in s)
+  last = list(evals.batches(64))[-1]
+  pad_rows = last["segment_ids"][windows.num_windows :]
+  assert (pad_rows == 0).all() and (last["weights"][windows.num_windows :] == 0).all()
+  assert np.array_equal(last["inputs"][: windows.num_windows], windows.tokens[:, :-1])
+
+
+# ---- build_data --------------------------------------------------------------------------------
+
+
+def test_build_data_on_pydoc(tmp_path):
+  start = time.monotonic()
+  data = build_data(_config(seq_len=64), tmp_path)
+  assert time.monotonic() - start < 30
+  stats = data.stats()
+  assert stats["train_documents"] + stats["eval_documents"] in (79, 80)
+  assert data.train_windows == (data.train_tokens // 65)
+  assert data.eval_windows == -(-data.eval_tokens // 65)
+  assert data.train_bytes > 8 * data.eval_bytes
+  batch = data.train.batch(0)
+  assert batch["inputs"].shape == (8, 64)
+  assert np.array_equal(batch["targets"][:, :-1], batch["inputs"][:, 1:])
+  assert batch["weights"].sum() > 0.9 * batch["weights"].size
+  # Bits-per-byte denominators: the bytes of all eval targets plus first tokens equal the text.
+  ev = data.eval.windows
+  assert int(data.tokenizer.token_bytes[ev.tokens[ev.segment_ids > 0]].sum()) == data.eval_bytes
+  eval_weight = sum(b["weights"].sum() for b in data.eval_batches(32))
+  assert eval_weight == data.eval.total_weight()

@@ -1,0 +1,96 @@
+"""Training: real short runs lower eval loss, decay goes by name, the CLI works end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import tiny_config
+from flax import nnx
+
+from cem_jax import train
+from cem_jax.metrics import read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("block", ["cem", "llama"])
+def test_short_training_on_real_text_lowers_eval_loss(block, shared_data, tmp_path):
+  cfg = tiny_config(block, **{"data.files": str(shared_data / "tinyshakespeare.txt")})
+  final = train.train_and_evaluate(cfg, str(tmp_path))
+  lines = read_metrics(str(tmp_path))
+  evals = [m for m in lines if "eval/loss" in m]
+  assert [m["step"] for m in evals] == [10, 20, 30]
+  assert evals[-1]["eval/loss"] < evals[0]["eval/loss"] - 0.3
+  assert final["eval/loss"] == evals[-1]["eval/loss"]
+  trains = [m for m in lines if "train/loss" in m]
+  assert all(k in trains[0] for k in ("train/learning_rate", "train/tokens_per_sec"))
+  assert {"eval/perplexity", "eval/bits_per_byte"} <= set(evals[-1])
+  resolved = json.load(open(tmp_path / "config.json"))
+  assert resolved["model"]["block"] == block
+  assert os.path.isdir(tmp_path / "checkpoints" / "30")
+
+
+def test_weight_decay_goes_by_name_not_rank():
+  """Norm scales, step sizes and diagonals are never decayed, whatever their rank."""
+  cfg = tiny_config("cem", **{"model.diagonal": "per_head", "model.precond": "both",
+                              "model.precond_rank": 2, "model.num_steps": 2,
+                              "model.eta_per_step": True, "model.precond_shared": False})
+  model = train.build_model(cfg, 64)
+  _, params = nnx.split(model, nnx.Param)
+  mask = train.decay_mask(params)
+  flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(mask)}
+  decayed = sorted(k for k, v in flat.items() if v)
+  kept = sorted(k for k, v in flat.items() if not v)
+  assert all(any(f"['{n}']" in k for n in ("w_q", "w_k", "w", "g", "embedding")) for k in decayed)
+  for name in ("scale", "eta", "diag", "'p'", "'u'"):
+    assert any(name in k for k in kept), name
+    assert not any(name in k for k in decayed), name
+  # Rank-2 parameters that must not be decayed exist (per-step eta, per-head diagonal, P).
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  shapes = {jax.tree_util.keystr(p): v.shape for p, v in leaves}
+  assert any(len(shapes[k]) >= 2 for k in kept)
+  # Stacking the norm scales (as a scanned model would) does not change the decision.
+  stacked = {"blocks": {"norm_att": {"scale": jnp.ones((3, 64))}}, "w_q": jnp.ones((64, 4, 16))}
+  assert train.decay_mask(stacked) == {"blocks": {"norm_att": {"scale": False}}, "w_q": True}
+
+
+def _run_cli(args, cwd):
+  return subprocess.run([sys.executable, "-m", "cem_jax.main", *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_cli_trains_and_writes_the_contract_files(tmp_path, shared_data):
+  workdir = tmp_path / "w"
+  overrides = [
+      "--config.model.d_model=32", "--config.model.mlp_dim=64", "--config.model.num_layers=1",
+      "--config.data.seq_len=32", "--config.data.vocab_size=512", "--config.train.num_steps=6",
+      "--config.train.batch_size=4", "--config.train.eval_every_steps=3",
+      "--config.eval.max_batches=2", f"--config.data.files={shared_data / 'wikitext2_valid.txt'}",
+  ]
+  proc = _run_cli([f"--config={REPO}/experiments/tiny.py", f"--workdir={workdir}", *overrides],
+                  cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  metrics = read_metrics(str(workdir))
+  assert metrics[-1]["step"] == 6 and "eval/bits_per_byte" in metrics[-1]
+  assert json.load(open(workdir / "config.json"))["data"]["seq_len"] == 32
+  assert (workdir / "checkpoints" / "6").is_dir()
+
+
+def test_cli_config_typo_fails_before_training(tmp_path):
+  proc = _run_cli([f"--config={REPO}/experiments/tiny.py", f"--workdir={tmp_path / 'w'}",
+                   "--config.model.dmodel=64"], cwd=tmp_path)
+  assert proc.returncode != 0
+  assert "dmodel" in proc.stderr
+  assert not (tmp_path / "w").exists()
+
+
+def test_cli_bad_choice_is_one_clear_line(tmp_path):
+  proc = _run_cli([f"--config={REPO}/experiments/tiny.py", f"--workdir={tmp_path / 'w'}",
+                   "--config.model.block=gpt"], cwd=tmp_path)
+  assert proc.returncode == 1
+  assert "error: model.block='gpt'; allowed: cem, llama" in proc.stderr
+  assert not (tmp_path / "w").exists()
