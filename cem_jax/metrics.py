@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 
 class MetricsWriter:
@@ -54,3 +55,24 @@ def read_metrics(workdir: str) -> list[dict]:
   """All lines of ``WORKDIR/metrics.jsonl`` as dicts."""
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+_ENERGY_KEY = re.compile(r"eval/energy/layer(\d+)/step(\d+)/(att|mlp)_(before|after)")
+
+
+def energy_trace(metrics_line: dict) -> dict[int, dict[str, list[float]]]:
+  """``{layer: {'att': [before, after step 1, after step 2, ...], 'mlp': [...]}}`` from one
+  eval line of ``metrics.jsonl``; empty when the line has no energy trace."""
+  found: dict[int, dict[str, dict[int, dict[str, float]]]] = {}
+  for key, value in metrics_line.items():
+    m = _ENERGY_KEY.fullmatch(key)
+    if m:
+      layer, step, part, when = int(m[1]), int(m[2]), m[3], m[4]
+      found.setdefault(layer, {}).setdefault(part, {}).setdefault(step, {})[when] = value
+  out = {}
+  for layer, parts in sorted(found.items()):
+    out[layer] = {}
+    for part, steps in parts.items():
+      ordered = [steps[s] for s in sorted(steps)]
+      out[layer][part] = [ordered[0]["before"]] + [s["after"] for s in ordered]
+  return out

@@ -122,41 +122,75 @@ def make_train_step(graphdef, tx):
   return step
 
 
-def make_eval_step(graphdef, token_bytes: np.ndarray, num_steps: int | None):
-  """Returns the jitted ``eval_step(params, batch) -> dict`` of sums (nats, weights, bytes)."""
+def make_eval_step(graphdef, token_bytes: np.ndarray, num_steps: int | None,
+                   energy_trace: bool = False):
+  """Returns the jitted ``eval_step(params, batch) -> dict`` of sums over the batch.
+
+  Keys: ``loss_sum`` (nats), ``weight_sum`` (predicted tokens), ``byte_sum`` (their UTF-8
+  bytes) and, with ``energy_trace``, ``energy`` (per layer, per step: the mean per-token
+  energies before/after each sub-step, see :class:`cem_jax.layers.CEMBlock`).
+  ``num_steps`` overrides the recursive steps T of every CEM layer (test-time steps).
+  """
   token_bytes = jnp.asarray(token_bytes, jnp.float32)
 
   @jax.jit
   def eval_step(params, batch):
     model = nnx.merge(graphdef, params)
-    logits = model(batch["inputs"], batch["segment_ids"], num_steps=num_steps)
+    outputs = model(batch["inputs"], batch["segment_ids"], num_steps=num_steps,
+                    trace=energy_trace)
+    logits, traces = outputs if energy_trace else (outputs, None)
     loss_sum, weight_sum = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
     byte_sum = jnp.sum(token_bytes[batch["targets"]] * batch["weights"])
-    return {"loss_sum": loss_sum, "weight_sum": weight_sum, "byte_sum": byte_sum}
+    out = {"loss_sum": loss_sum, "weight_sum": weight_sum, "byte_sum": byte_sum}
+    if energy_trace:
+      out["energy"] = traces
+    return out
 
   return eval_step
+
+
+def energy_metrics(traces) -> dict:
+  """Flattens a model's energy trace into ``eval/energy/layer{l}/step{t}/{att,mlp}_{before,after}``.
+
+  ``traces``: list over layers of lists over steps of dicts of scalars (mean energy per token).
+  """
+  out = {}
+  for layer, steps in enumerate(traces):
+    for t, rec in enumerate(steps):
+      for key, value in rec.items():
+        out[f"eval/energy/layer{layer}/step{t + 1}/{key}"] = float(value)
+  return out
 
 
 def evaluate(eval_step, params, data, cfg) -> dict:
   """Runs ``eval_step`` over the validation split; returns ``eval/...`` metrics.
 
-  ``eval/loss`` is nats per weighted target token, ``eval/perplexity`` its exponential and
-  ``eval/bits_per_byte`` the total bits over the UTF-8 bytes of the predicted tokens.
+  ``eval/loss`` is nats per predicted token, ``eval/perplexity`` its exponential and
+  ``eval/bits_per_byte`` the total bits over the UTF-8 bytes of the predicted tokens. Energy
+  traces (when ``eval_step`` makes them) are averaged over the evaluated batches.
   """
   totals = {"loss_sum": 0.0, "weight_sum": 0.0, "byte_sum": 0.0}
+  energy_sum, batches = None, 0
   for i, batch in enumerate(data.eval_batches(cfg.eval.batch_size)):
     if 0 <= cfg.eval.max_batches <= i:
       break
     out = jax.device_get(eval_step(params, batch))
     for k in totals:
       totals[k] += float(out[k])
+    if "energy" in out:
+      energy_sum = out["energy"] if energy_sum is None else jax.tree.map(
+          lambda a, b: a + b, energy_sum, out["energy"])
+    batches += 1
   loss = totals["loss_sum"] / max(totals["weight_sum"], 1.0)
-  return {
+  metrics = {
       "eval/loss": loss,
       "eval/perplexity": math.exp(min(loss, 80.0)),
       "eval/bits_per_byte": totals["loss_sum"] / math.log(2) / max(totals["byte_sum"], 1.0),
       "eval/tokens": int(totals["weight_sum"]),
   }
+  if energy_sum is not None:
+    metrics.update(energy_metrics(jax.tree.map(lambda a: a / batches, energy_sum)))
+  return metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,7 +255,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer.write(0, {"params/total": count_params(model), **stats})
   train_step = make_train_step(graphdef, tx)
   eval_num_steps = None if config.eval.num_steps < 0 else config.eval.num_steps
-  eval_step = make_eval_step(graphdef, data.tokenizer.token_bytes, eval_num_steps)
+  trace = config.eval.energy_trace and config.model.block == "cem"
+  eval_step = make_eval_step(graphdef, data.tokenizer.token_bytes, eval_num_steps, trace)
   cfg_t = config.train
   num_steps = cfg_t.num_steps
   tokens_per_step = cfg_t.batch_size * config.data.seq_len

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Callable
 
 from cem_jax.energies import elementwise, interaction
@@ -48,16 +52,42 @@ def register(name: str, kind: str, energy: Callable, fused_update: Callable | No
   return spec
 
 
+def _import(module_name: str, where: str):
+  """Imports ``package.module`` or a ``path/to/file.py`` (relative to the working directory)."""
+  if module_name.endswith(".py"):
+    path = os.path.abspath(module_name)
+    if not os.path.isfile(path):
+      raise ValueError(f"{where}: file {path} does not exist")
+    unique = "cem_jax_user_energy_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    if unique in sys.modules:
+      return sys.modules[unique]
+    spec = importlib.util.spec_from_file_location(unique, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[unique] = module
+    try:
+      spec.loader.exec_module(module)
+    except Exception as e:
+      del sys.modules[unique]
+      raise ValueError(f"{where}: importing {path} failed: {type(e).__name__}: {e}") from e
+    return module
+  try:
+    return importlib.import_module(module_name)
+  except ImportError as e:
+    raise ValueError(f"{where}: cannot import module {module_name!r} ({e})") from e
+
+
 def names(kind: str | None = None) -> list[str]:
   """Registered names (of one ``kind`` if given), sorted."""
   return sorted(n for n, s in _REGISTRY.items() if kind is None or s.kind == kind)
 
 
 def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
-  """Looks up ``name`` (a registry name or ``'package.module:function'``) for slot ``kind``.
+  """Looks up ``name`` for slot ``kind``.
 
-  A path names a plain function ``energy(y, context, params, aux) -> scalar``; if the
-  module also defines ``<function>_fused_update`` it is used as the closed form.
+  ``name`` is a registry name, ``'package.module:function'`` or ``'path/to/file.py:function'``
+  (relative to the working directory). A path names a plain function
+  ``energy(y, context, params, aux) -> scalar``; if the module also defines
+  ``<function>_fused_update``, that is used as the closed form.
 
   Args:
     name: what the config says.
@@ -67,11 +97,8 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
     ValueError: unknown name, unimportable path, or an energy registered for the other slot.
   """
   if ":" in name:
-    module_name, _, fn_name = name.partition(":")
-    try:
-      module = importlib.import_module(module_name)
-    except ImportError as e:
-      raise ValueError(f"{field}={name!r}: cannot import module {module_name!r} ({e})") from e
+    module_name, _, fn_name = name.rpartition(":")
+    module = _import(module_name, f"{field}={name!r}")
     fn = getattr(module, fn_name, None)
     if not callable(fn):
       raise ValueError(f"{field}={name!r}: module {module_name!r} has no function {fn_name!r}")

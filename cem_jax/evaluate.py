@@ -1,0 +1,149 @@
+"""Evaluate a trained run at other recursive step counts (test-time steps, no retraining).
+
+    python -m cem_jax.evaluate --workdir=DIR --num_steps=1,2,3,4
+
+Loads ``DIR/config.json``, the tokenizer cached in ``DIR`` and the newest checkpoint, then
+evaluates the validation split with every CEM layer running ``T_eval`` steps. Writes
+``DIR/test_time_steps.{md,json,png}``: perplexity, bits per byte and the final energy (the
+sum over layers of the attention + MLP energy after the last step, mean per token) per
+``T_eval``. Steps beyond the trained T reuse the last step's parameters (per-step step sizes
+or preconditioners).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_collections
+from absl import app, flags
+
+
+def load_run(workdir: str):
+  """Returns ``(config, data, graphdef, params, step)`` of the newest checkpoint in ``workdir``.
+
+  Raises:
+    FileNotFoundError: no ``config.json`` or no checkpoint in ``workdir``.
+  """
+  from flax import nnx
+
+  from cem_jax import data as data_lib
+  from cem_jax import train
+  from cem_jax.checkpoint import Checkpointer
+
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"--workdir={workdir}: no config.json (not a cem_jax run)")
+  with open(path) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  data = data_lib.build_data(config, workdir)
+  model = train.build_model(config, data.tokenizer.vocab_size)
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx, _ = train.make_optimizer(config.train)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
+                      async_save=False)
+  step = ckpt.latest_step()
+  if step is None:
+    raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
+  state, _ = ckpt.restore(step, {"params": params, "opt_state": tx.init(params)})
+  ckpt.close()
+  return config, data, graphdef, state["params"], step
+
+
+def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> list[dict]:
+  """Evaluates ``workdir``'s model for each ``T_eval`` in ``steps``; returns one row each.
+
+  Row keys: ``T_eval``, ``eval/loss``, ``eval/perplexity``, ``eval/bits_per_byte``,
+  ``final_energy`` and ``step`` (the checkpoint's training step).
+
+  Raises:
+    ValueError: the run is not a CEM model, or a ``T_eval`` < 1.
+  """
+  from cem_jax import train
+  from cem_jax.metrics import energy_trace
+
+  config, data, graphdef, params, step = load_run(workdir)
+  if config.model.block != "cem":
+    raise ValueError(f"model.block={config.model.block!r}: test-time steps need a CEM model")
+  config.eval.max_batches = max_batches
+  rows = []
+  for t_eval in steps:
+    if t_eval < 1:
+      raise ValueError(f"--num_steps={t_eval}; allowed: integers >= 1")
+    eval_step = train.make_eval_step(graphdef, data.tokenizer.token_bytes, t_eval, True)
+    metrics = train.evaluate(eval_step, params, data, config)
+    trace = energy_trace(metrics)
+    final = sum(parts["att"][-1] + parts["mlp"][-1] for parts in trace.values())
+    rows.append({"T_eval": t_eval, "step": step, "final_energy": final,
+                 **{k: metrics[k] for k in ("eval/loss", "eval/perplexity",
+                                            "eval/bits_per_byte")}})
+  return rows
+
+
+def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str]:
+  """Writes ``test_time_steps.{md,json,png}`` in ``workdir``; returns the paths."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  base = os.path.join(workdir, "test_time_steps")
+  with open(base + ".json", "w") as f:
+    json.dump(rows, f, indent=2)
+  lines = [
+      f"Test-time steps for a model trained with T = {trained_steps} "
+      f"(checkpoint step {rows[0]['step']}).",
+      "",
+      "| T_eval | eval loss (nats) | perplexity | bits/byte | final energy |",
+      "|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    lines.append(f"| {r['T_eval']} | {r['eval/loss']:.4f} | {r['eval/perplexity']:.2f} | "
+                 f"{r['eval/bits_per_byte']:.4f} | {r['final_energy']:.4f} |")
+  with open(base + ".md", "w") as f:
+    f.write("\n".join(lines) + "\n")
+  fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
+  ts = [r["T_eval"] for r in rows]
+  a1.plot(ts, [r["eval/perplexity"] for r in rows], "o-")
+  a1.set_xlabel("T_eval")
+  a1.set_ylabel("eval perplexity")
+  a1.axvline(trained_steps, ls="--", c="gray", label="trained T")
+  a1.legend()
+  a2.plot(ts, [r["final_energy"] for r in rows], "o-", c="C1")
+  a2.set_xlabel("T_eval")
+  a2.set_ylabel("final energy (sum over layers)")
+  for ax in (a1, a2):
+    ax.set_xticks(ts)
+    ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(base + ".png", dpi=120)
+  plt.close(fig)
+  return [base + ext for ext in (".md", ".json", ".png")]
+
+
+def main(argv):
+  del argv
+  fl = flags.FLAGS
+  try:
+    steps = [int(s) for s in fl.num_steps]
+  except ValueError:
+    raise SystemExit(f"error: --num_steps={','.join(fl.num_steps)}; allowed: "
+                     "comma-separated integers >= 1") from None
+  try:
+    rows = test_time_steps(fl.workdir, steps, fl.max_batches)
+  except (ValueError, FileNotFoundError) as e:
+    raise SystemExit(f"error: {e}") from None
+  with open(os.path.join(fl.workdir, "config.json")) as f:
+    trained = json.load(f)["model"]["num_steps"]
+  paths = write_report(fl.workdir, rows, trained)
+  print(open(paths[0]).read())
+  print("\n".join(paths))
+
+
+if __name__ == "__main__":
+  # Flags are defined only when run as a program, so other tools can import the functions.
+  flags.DEFINE_string("workdir", None, "A finished (or checkpointed) run's folder.")
+  flags.DEFINE_list("num_steps", ["1", "2", "3", "4"], "T_eval values.")
+  flags.DEFINE_integer("max_batches", -1, "Eval batches (-1: all).")
+  flags.mark_flag_as_required("workdir")
+  app.run(main)

@@ -1,0 +1,93 @@
+"""Plots of a run: ``python -m cem_jax.plot --workdir=DIR`` writes ``DIR/plots/*.png``.
+
+- ``loss.png``: train and eval loss (nats/token) against the step.
+- ``energy.png`` (CEM models): the newest eval's energy trace — for each layer, the mean
+  per-token attention and MLP energies before the first step and after each recursive step.
+  A descending line is the layer doing what CEM says it does (CEM_MATH.md §4).
+"""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on servers and CI
+import matplotlib.pyplot as plt  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from cem_jax.metrics import energy_trace, read_metrics  # noqa: E402
+
+
+def plot_losses(metrics: list[dict], path: str, title: str = "") -> None:
+  """Train/eval loss curves to ``path`` (PNG)."""
+  fig, ax = plt.subplots(figsize=(6, 4))
+  train = [(m["step"], m["train/loss"]) for m in metrics if "train/loss" in m]
+  evals = [(m["step"], m["eval/loss"]) for m in metrics if "eval/loss" in m]
+  if train:
+    ax.plot(*zip(*train, strict=True), label="train", alpha=0.7)
+  if evals:
+    ax.plot(*zip(*evals, strict=True), "o-", label="eval")
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss (nats/token)")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_energy(trace: dict[int, dict[str, list[float]]], path: str, title: str = "") -> None:
+  """Energy per layer before and after each recursive step, one panel per sub-layer."""
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  for ax, part, name in zip(axes, ("att", "mlp"), ("attention energy", "MLP energy"),
+                            strict=True):
+    for layer, parts in trace.items():
+      values = parts.get(part, [])
+      ax.plot(range(len(values)), values, "o-", label=f"layer {layer}")
+    steps = max((len(p.get(part, [])) for p in trace.values()), default=1)
+    ax.set_xticks(range(steps), ["before"] + [f"after t={t}" for t in range(1, steps)])
+    ax.set_ylabel(f"{name} (mean per token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_run(workdir: str) -> list[str]:
+  """Writes the plots of ``workdir``; returns their paths.
+
+  Raises:
+    FileNotFoundError: ``workdir/metrics.jsonl`` does not exist.
+  """
+  if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    raise FileNotFoundError(f"--workdir={workdir}: no metrics.jsonl (train there first)")
+  metrics = read_metrics(workdir)
+  out_dir = os.path.join(workdir, "plots")
+  os.makedirs(out_dir, exist_ok=True)
+  written = [os.path.join(out_dir, "loss.png")]
+  plot_losses(metrics, written[0], os.path.basename(os.path.normpath(workdir)))
+  evals = [m for m in metrics if "eval/loss" in m and energy_trace(m)]
+  if evals:
+    written.append(os.path.join(out_dir, "energy.png"))
+    plot_energy(energy_trace(evals[-1]), written[1], f"energy trace at step {evals[-1]['step']}")
+  return written
+
+
+def main(argv):
+  del argv
+  try:
+    for path in plot_run(flags.FLAGS.workdir):
+      print(path)
+  except FileNotFoundError as e:
+    raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+  # Flags are defined only when run as a program, so other tools can import the functions.
+  flags.DEFINE_string("workdir", None, "A run's folder (holds metrics.jsonl).")
+  flags.mark_flag_as_required("workdir")
+  app.run(main)

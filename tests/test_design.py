@@ -1,0 +1,237 @@
+"""The CEM design space: descent, recursion, user energies, traces, validation, test-time steps."""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from flax import nnx
+
+from cem_jax import config as config_lib
+from cem_jax import energies, train, updates
+from cem_jax.layers import CEMBlock
+from cem_jax.layers.common import softplus_inverse
+from cem_jax.metrics import energy_trace, read_metrics
+from cem_jax.model import DecoderLM
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+D, H, F, B, T, V = 32, 4, 48, 2, 10, 50
+
+
+def model_cfg(**overrides):
+  cfg = tiny_config("cem").model
+  cfg.d_model, cfg.num_heads, cfg.mlp_dim, cfg.init_std = D, H, F, 0.2
+  for k, v in overrides.items():
+    cfg[k] = v
+  return cfg
+
+
+def _aux(cfg, b=B, t=T):
+  return DecoderLM(cfg, V, rngs=nnx.Rngs(0)).make_aux(None, b, t)
+
+
+def _x(seed):
+  return jax.random.normal(jax.random.PRNGKey(seed), (B, T, D))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_preconditioned_small_step_decreases_each_energy(seed):
+  ks = jax.random.split(jax.random.PRNGKey(100 + seed), 8)
+  y, c = jax.random.normal(ks[0], (B, T, D)), jax.random.normal(ks[1], (B, T, D))
+  p, u = 2.0 * jax.random.normal(ks[2], (D,)), jax.random.normal(ks[3], (D, 3))
+  att = {"w_q": 0.3 * jax.random.normal(ks[4], (D, H, 8)),
+         "w_k": 0.3 * jax.random.normal(ks[5], (D, H, 8)),
+         "eta": jnp.ones((H,)), "beta": jnp.full((H,), 8**-0.5),
+         "diag": 0.2 * jax.random.normal(ks[6], (H, D))}
+  mlp = {"w": 0.3 * jax.random.normal(ks[6], (D, F)), "g": 0.3 * jax.random.normal(ks[7], (D, F)),
+         "eta": jnp.array(1.0)}
+  aux = _aux(model_cfg(rope=True, diagonal="per_head"))
+  mlp_energy = energies.make_gated_energy("silu")[0]
+  for energy, params in ((energies.interaction_energy, att), (mlp_energy, mlp)):
+    grad = jax.grad(energy)(y, c, params, aux)
+    step = updates.precondition(grad, p, u, 1e-3)
+    before = float(energy(y, c, params, aux))
+    after = float(energy(y - 1e-3 * step, c, params, aux))
+    assert after < before
+
+
+@pytest.mark.parametrize("precond", ["none", "both"])
+def test_prenorm_energy_is_monotone_over_four_steps(precond):
+  """Joint step on E_att + E_mlp, small η: the total energy falls at every one of 4 steps."""
+  cfg = model_cfg(num_steps=4, split="joint", precond=precond,
+                  precond_rank=2 if precond != "none" else 0, mlp_condition="layer")
+  block = CEMBlock(cfg, rngs=nnx.Rngs(3))
+  block.attn.eta[...] = jnp.full_like(block.attn.eta[...], softplus_inverse(0.05))
+  block.mlp.eta[...] = jnp.full_like(block.mlp.eta[...], softplus_inverse(0.05))
+  _, trace = block(_x(4), _aux(cfg), trace=True)
+  totals = [float(trace[0]["att_before"] + trace[0]["mlp_before"])]
+  totals += [float(r["att_after"] + r["mlp_after"]) for r in trace]
+  assert all(b < a for a, b in zip(totals, totals[1:], strict=False)), totals
+
+
+def test_lie_trotter_substeps_each_descend():
+  cfg = model_cfg(num_steps=4)
+  block = CEMBlock(cfg, rngs=nnx.Rngs(5))
+  block.attn.eta[...] = jnp.full_like(block.attn.eta[...], softplus_inverse(0.05))
+  block.mlp.eta[...] = jnp.full_like(block.mlp.eta[...], softplus_inverse(0.05))
+  _, trace = block(_x(5), _aux(cfg), trace=True)
+  for rec in trace:
+    assert float(rec["att_after"]) < float(rec["att_before"])
+    assert float(rec["mlp_after"]) < float(rec["mlp_before"])
+
+
+def test_two_steps_equal_two_explicit_energy_steps():
+  """T = 2, shared parameters, fixed context: Algorithm 1 written out with the pure energies."""
+  cfg = model_cfg(num_steps=2, rope=True)
+  block = CEMBlock(cfg, rngs=nnx.Rngs(6))
+  aux = _aux(cfg)
+  x = _x(6)
+  att_p, mlp_p = block.attn.energy_params(0, jnp.float32), block.mlp.energy_params(0, jnp.float32)
+  mlp_update = updates.autodiff_update(energies.make_gated_energy("silu")[0])
+  att_update = updates.autodiff_update(energies.interaction_energy)
+  context = block.norm_att(x)
+  y = x
+  for _ in range(2):
+    y = y + att_update(block.norm_att(y), context, att_p, aux)
+    g = block.norm_mlp(y)
+    y = y + mlp_update(g, g, mlp_p, aux)
+  np.testing.assert_allclose(block(x, aux)[0], y, rtol=1e-5, atol=1e-5)
+  one = CEMBlock(model_cfg(num_steps=1, rope=True), rngs=nnx.Rngs(6))
+  assert float(jnp.max(jnp.abs(one(x, aux)[0] - block(x, aux, num_steps=1)[0]))) == 0.0
+
+
+def _sigmoid_update_by_hand(y, c, p, aux):
+  """Σ_k η_k W_Qkᵀ R_iᵀ Σ_j σ(β s_ij - log|N(i)|) R_j W_Kk c_j, written without autodiff."""
+  q = energies.apply_rope(jnp.einsum("btd,dhk->bthk", y, p["w_q"]), aux.positions, 1e4)
+  k = energies.apply_rope(jnp.einsum("bsd,dhk->bshk", c, p["w_k"]), aux.positions, 1e4)
+  s = jnp.einsum("bthk,bshk->bhts", q, k) * p["beta"][None, :, None, None]
+  bias = -jnp.log(jnp.maximum(aux.mask.sum(-1), 1))[:, None, :, None]
+  a = jnp.where(aux.mask[:, None], jax.nn.sigmoid(s + bias), 0.0)
+  o = energies.apply_rope(jnp.einsum("bhts,bshk->bthk", a, k), aux.positions, 1e4, inverse=True)
+  return jnp.einsum("bthk,h,dhk->btd", o, p["eta"], p["w_q"])
+
+
+def test_user_energy_update_equals_independent_gradient():
+  path = os.path.join(REPO, "experiments", "sigmoid_energy.py") + ":energy"
+  cfg = model_cfg(attention_energy=path, rope=True)
+  block = CEMBlock(cfg, rngs=nnx.Rngs(7))
+  assert block.att_spec.fused_update is None  # derived by jax.grad
+  aux = _aux(cfg)
+  y, c = _x(7), _x(8)
+  params = block.attn.energy_params(0, jnp.float32)
+  got = block.att_update(y, c, params, aux)
+  want = _sigmoid_update_by_hand(y, c, params, aux)
+  assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= 1e-5
+
+
+def test_user_energy_trains_on_real_text(shared_data, tmp_path):
+  path = os.path.join(REPO, "experiments", "sigmoid_energy.py") + ":energy"
+  cfg = tiny_config("cem", **{"model.attention_energy": path,
+                              "data.files": str(shared_data / "tinyshakespeare.txt")})
+  train.train_and_evaluate(cfg, str(tmp_path))
+  losses = [m["eval/loss"] for m in read_metrics(str(tmp_path)) if "eval/loss" in m]
+  assert losses[-1] < losses[0] - 0.3
+
+
+def test_readme_swap_an_energy_example_runs_as_written(shared_data, tmp_path):
+  readme = open(os.path.join(REPO, "README.md")).read()
+  section = readme[readme.index("## Swap an energy"):]
+  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  assert len(code.strip().splitlines()) <= 15
+  (tmp_path / "my_energy.py").write_text(code)
+  command = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
+  args = command.split()[3:]  # after 'python -m cem_jax.main'
+  assert args[0] == "--config=experiments/tiny.py" and "my_energy.py:energy" in args[-1]
+  args[0] = f"--config={REPO}/experiments/tiny.py"
+  args = [a for a in args if not a.startswith("--workdir")] + [
+      f"--workdir={tmp_path / 'w'}", "--config.model.d_model=64", "--config.model.num_layers=2",
+      "--config.model.mlp_dim=128", "--config.data.seq_len=64", "--config.data.vocab_size=512",
+      "--config.train.num_steps=30", "--config.train.batch_size=8",
+      "--config.train.eval_every_steps=10", "--config.eval.max_batches=4",
+      f"--config.data.files={shared_data / 'tinyshakespeare.txt'}"]
+  proc = subprocess.run([sys.executable, "-m", "cem_jax.main", *args], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  losses = [m["eval/loss"] for m in read_metrics(str(tmp_path / "w")) if "eval/loss" in m]
+  assert losses[-1] < losses[0] - 0.2
+
+
+def test_eval_logs_energy_traces_and_test_time_steps(shared_data, tmp_path):
+  from cem_jax import evaluate, plot
+
+  cfg = tiny_config("cem", **{"model.num_steps": 2, "train.num_steps": 10,
+                              "data.files": str(shared_data / "wikitext2_valid.txt")})
+  train.train_and_evaluate(cfg, str(tmp_path))
+  last = [m for m in read_metrics(str(tmp_path)) if "eval/loss" in m][-1]
+  trace = energy_trace(last)
+  assert sorted(trace) == [0, 1] and len(trace[0]["att"]) == 3  # before, after t=1, t=2
+  assert "eval/energy/layer1/step2/mlp_after" in last
+  paths = plot.plot_run(str(tmp_path))
+  assert [os.path.basename(p) for p in paths] == ["loss.png", "energy.png"]
+  rows = evaluate.test_time_steps(str(tmp_path), [1, 2, 3], max_batches=2)
+  assert [r["T_eval"] for r in rows] == [1, 2, 3]
+  assert all(np.isfinite(r["eval/perplexity"]) for r in rows)
+  assert rows[0]["eval/loss"] != rows[2]["eval/loss"]
+  written = evaluate.write_report(str(tmp_path), rows, trained_steps=2)
+  assert all(os.path.getsize(p) > 0 for p in written)
+
+
+INVALID = [
+    ({"model.precond": "both", "model.precond_rank": 65}, r"model.precond_rank=65 exceeds"),
+    ({"model.num_steps": 0}, r"model.num_steps=0 must be >= 1"),
+    ({"model.num_steps": 1.5}, r"model.num_steps=1.5 must be an int"),
+    ({"model.attention_energy": "hopfield"}, r"model.attention_energy='hopfield' is not a "),
+    ({"model.mlp_energy": "softmax"}, r"model.mlp_energy='softmax' is a attention energy"),
+    ({"model.learn_beta": True}, r"model.learn_beta=True and model.learn_eta=True"),
+    ({"model.block": "llama", "model.num_steps": 2}, r"model.num_steps=2 applies to CEM"),
+    ({"model.diagonal": "full"}, r"model.diagonal='full'; allowed: none, per_head, shared"),
+    ({"model.d_model": 66, "model.num_heads": 4}, r"model.d_model=66 is not divisible"),
+    ({"eval.num_steps": 0}, r"eval.num_steps=0; allowed"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", INVALID, ids=lambda v: str(v)[:40])
+def test_invalid_configs_fail_at_start_up(overrides, message):
+  cfg = tiny_config("cem")
+  with cfg.unlocked():
+    for key, value in overrides.items():
+      group, leaf = key.split(".")
+      cfg[group].__dict__["_fields"][leaf] = value  # bypass ConfigDict's type check
+  with pytest.raises(ValueError, match=message):
+    config_lib.validate(cfg)
+
+
+USER_ENERGIES = '''
+import jax.numpy as jnp
+def vector(y, context, params, aux):
+  return jnp.sum(y, axis=-1)
+def integer(y, context, params, aux):
+  return jnp.sum(y).astype(jnp.int32)
+def broken(y, context, params, aux):
+  return params["no_such_param"].sum()
+'''
+
+
+@pytest.mark.parametrize("name,message", [
+    ("vector", r"returns shape \(1, 4\); an energy must return a scalar"),
+    ("integer", r"returns dtype int32; an energy must return a float scalar"),
+    ("broken", r"failed on \[batch, seq_len, d_model\] inputs: KeyError"),
+])
+def test_bad_user_energies_fail_before_compilation(tmp_path, name, message):
+  path = tmp_path / "bad_energy.py"
+  path.write_text(USER_ENERGIES)
+  cfg = tiny_config("cem", **{"model.attention_energy": f"{path}:{name}"})
+  with pytest.raises(ValueError, match=message):
+    config_lib.validate(cfg)
+
+
+def test_fused_requested_for_an_energy_without_closed_form(tmp_path):
+  path = os.path.join(REPO, "experiments", "sigmoid_energy.py") + ":energy"
+  cfg = tiny_config("cem", **{"model.attention_energy": path, "model.update_mode": "fused"})
+  with pytest.raises(ValueError, match="has no closed-form update; use 'autodiff' or 'auto'"):
+    config_lib.validate(cfg)
