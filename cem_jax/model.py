@@ -12,6 +12,11 @@ from cem_jax.layers import DTYPES, CEMBlock, LlamaBlock, RMSNorm
 from cem_jax.layers.common import param
 
 BLOCK_TYPES = {"cem": CEMBlock, "llama": LlamaBlock}
+# model.remat -> jax.checkpoint policy: 'full' saves nothing, 'dots' keeps matmul outputs.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 class DecoderLM(nnx.Module):
@@ -79,9 +84,14 @@ class DecoderLM(nnx.Module):
     b, t = tokens.shape
     aux = self.make_aux(segment_ids, b, t)
     x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+    def run_block(block, x):
+      return block(x, aux, num_steps=num_steps, trace=trace)
+
+    if self.cfg.remat != "none":  # recompute activations in the backward pass, per block
+      run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.cfg.remat])
     traces = []
     for block in self.blocks:
-      x, rec = block(x, aux, num_steps=num_steps, trace=trace)
+      x, rec = run_block(block, x)
       traces.append(rec)
     x = self.final_norm(x)
     if self.cfg.tie_embeddings:

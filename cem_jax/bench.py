@@ -1,0 +1,212 @@
+"""Training-step benchmark of Llama and CEM variants in one run: ``python -m cem_jax.bench``.
+
+For each variant × shape it measures compile time, step time (median of ``--steps`` after
+``--warmup``), tokens/s, analytic model FLOPs per token, MFU (when the device's peak is known)
+and peak device memory, prints a table and writes JSON.
+
+    python -m cem_jax.bench --preset=tiny                  # CPU, seconds
+    python -m cem_jax.bench --preset=gpu125m --out=bench.json   # one GPU, ~125M, bf16
+
+FLOPs per token (forward; a training step is 3× forward: the backward costs 2×), counting a
+multiply-add as 2 FLOPs, L layers, width d, MLP width f, sequence length n, vocabulary V,
+heads H of width d_h:
+
+    Llama:  L·(8d² + 6df + 4nd) + 2dV
+    CEM:    L·(2d² + T·(4d² + 6df + 4n·H·d̃)) + 2dV     d̃ = d_h (+ d + 1 with a diagonal)
+            (fixed context: W_K c once; each step W_Q y, W_Qᵀ o and the MLP's W y, G x, Wᵀ h;
+             a co-evolving context adds 2d² per extra step)
+
+The attention term counts the full n×n score and value products (as XLA computes them),
+not the causal half. ``autodiff`` updates do the same model FLOPs as ``fused`` ones; their
+extra work shows up as lower MFU.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+from cem_jax import train
+from cem_jax.config import get_default_config
+from cem_jax.layers import head_dim_of
+from cem_jax.model import DecoderLM, count_params
+
+# Dense bf16 peak FLOP/s by device kind (vendor data sheets); MFU is left empty elsewhere.
+PEAK_FLOPS = {
+    "NVIDIA H200": 989e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+}
+
+VARIANTS = {
+    "llama": dict(block="llama"),
+    "cem_fused": dict(block="cem", update_mode="fused"),
+    "cem_autodiff": dict(block="cem", update_mode="autodiff"),
+    "cem_fused_T2": dict(block="cem", update_mode="fused", num_steps=2),
+    "cem_fused_diag": dict(block="cem", update_mode="fused", diagonal="per_head"),
+}
+
+PRESETS = {
+    # d_model, num_layers, num_heads, mlp_dim, vocab, batch, seq_lens, widths, dtype, steps
+    "tiny": dict(d_model=64, num_layers=2, num_heads=4, mlp_dim=256, vocab_size=512,
+                 batch_size=4, seq_lens=[64, 128], widths=[64, 128], dtype="float32",
+                 steps=10, warmup=2),
+    "cpu": dict(d_model=128, num_layers=4, num_heads=4, mlp_dim=512, vocab_size=1024,
+                batch_size=16, seq_lens=[128, 256, 512], widths=[128, 256], dtype="float32",
+                steps=10, warmup=2),
+    "gpu125m": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, vocab_size=32768,
+                    batch_size=16, seq_lens=[256, 1024, 4096], widths=[768], dtype="bfloat16",
+                    steps=10, warmup=3),
+}
+
+
+def flops_per_token(model_cfg, vocab_size: int, seq_len: int) -> float:
+  """Analytic forward FLOPs per token of ``DecoderLM`` (formula in the module docstring)."""
+  d, f, n, L = model_cfg.d_model, model_cfg.mlp_dim, seq_len, model_cfg.num_layers
+  h, dh = model_cfg.num_heads, head_dim_of(model_cfg)
+  head = 2 * d * vocab_size
+  if model_cfg.block == "llama":
+    return L * (2 * d * h * dh * 4 + 6 * d * f + 4 * n * h * dh) + head
+  t = model_cfg.num_steps
+  dt = dh + (d + 1 if model_cfg.diagonal != "none" else 0)
+  keys = 2 * d * h * dh * (t if model_cfg.context == "coevolve" else 1)
+  per_step = 4 * d * h * dh + 6 * d * f + 4 * n * h * dt
+  return L * (keys + t * per_step) + head
+
+
+def _model_config(preset: dict, variant: dict, seq_len: int, width: int):
+  c = get_default_config()
+  m = c.model
+  m.d_model = width
+  m.num_heads = max(1, preset["num_heads"] * width // preset["d_model"])
+  m.mlp_dim = preset["mlp_dim"] * width // preset["d_model"]
+  m.num_layers = preset["num_layers"]
+  m.dtype = preset["dtype"]
+  for k, v in variant.items():
+    m[k] = v
+  c.data.seq_len = seq_len
+  c.train.batch_size = preset["batch_size"]
+  return c
+
+
+def peak_memory_bytes(compiled) -> int | None:
+  """Peak device memory of the last steps, or the compiled program's footprint (CPU)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    return int(stats["peak_bytes_in_use"])
+  try:
+    mem = compiled.memory_analysis()
+    return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes)
+  except Exception:  # not every backend reports it
+    return None
+
+
+def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
+  """Compiles and times one training step of ``config``; returns the figures as a dict."""
+  model = DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx, _ = train.make_optimizer(config.train)
+  opt_state = tx.init(params)
+  step = train.make_train_step(graphdef, tx)
+  b, n = config.train.batch_size, config.data.seq_len
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, vocab_size, (b, n + 1), dtype=np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+           "segment_ids": np.ones((b, n), np.int32), "weights": np.ones((b, n), np.float32)}
+  t0 = time.perf_counter()
+  compiled = step.lower(params, opt_state, batch).compile()
+  compile_s = time.perf_counter() - t0
+  times = []
+  for i in range(warmup + steps):
+    t0 = time.perf_counter()
+    params, opt_state, metrics = compiled(params, opt_state, batch)
+    jax.block_until_ready(metrics["loss"])
+    if i >= warmup:
+      times.append(time.perf_counter() - t0)
+  step_s = statistics.median(times)
+  fpt = flops_per_token(config.model, vocab_size, n)
+  achieved = 3 * fpt * b * n / step_s
+  peak = PEAK_FLOPS.get(jax.local_devices()[0].device_kind)
+  return {
+      "params": count_params(model),
+      "compile_s": compile_s,
+      "step_ms": 1e3 * step_s,
+      "tokens_per_s": b * n / step_s,
+      "flops_per_token": fpt,
+      "tflops_per_s": achieved / 1e12,
+      "mfu": achieved / peak if peak else None,
+      "peak_memory_mb": (lambda m: m / 2**20 if m else None)(peak_memory_bytes(compiled)),
+      "loss": float(metrics["loss"]),
+  }
+
+
+def run(preset: str, variants: list[str], out: str | None = None) -> list[dict]:
+  """Benchmarks ``variants`` over the preset's seq_len and width sweeps; prints and returns rows."""
+  p = PRESETS[preset]
+  shapes = [(n, p["d_model"]) for n in p["seq_lens"]]
+  shapes += [(p["seq_lens"][0], w) for w in p["widths"] if w != p["d_model"]]
+  rows = []
+  device = jax.local_devices()[0]
+  print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
+        f"preset {preset}, batch {p['batch_size']}, {p['dtype']}", flush=True)
+  for n, width in shapes:
+    for name in variants:
+      cfg = _model_config(p, VARIANTS[name], n, width)
+      row = {"variant": name, "seq_len": n, "d_model": width,
+             **bench_one(cfg, p["vocab_size"], p["steps"], p["warmup"])}
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  print(format_table(rows))
+  if out:
+    with open(out, "w") as f:
+      json.dump({"device": device.device_kind, "platform": device.platform,
+                 "jax": jax.__version__, "preset": preset, "rows": rows}, f, indent=2)
+  return rows
+
+
+def format_table(rows: list[dict]) -> str:
+  """A markdown table of the rows, with step-time ratios against Llama and fused CEM."""
+  base = {(r["seq_len"], r["d_model"], r["variant"]): r["step_ms"] for r in rows}
+  lines = ["| variant | seq_len | d_model | params | compile s | step ms | tokens/s | "
+           "GFLOP/token | MFU | peak MB | × llama | × cem_fused |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    key = (r["seq_len"], r["d_model"])
+    ratio = lambda other, r=r, key=key: (f"{r['step_ms'] / base[(*key, other)]:.2f}"
+                                         if (*key, other) in base else "")
+    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+    mem = f"{r['peak_memory_mb']:.0f}" if r["peak_memory_mb"] is not None else "n/a"
+    lines.append(
+        f"| {r['variant']} | {r['seq_len']} | {r['d_model']} | {r['params'] / 1e6:.2f}M | "
+        f"{r['compile_s']:.1f} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
+        f"{r['flops_per_token'] / 1e9:.4f} | {mfu} | {mem} | {ratio('llama')} | "
+        f"{ratio('cem_fused')} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  fl = flags.FLAGS
+  unknown = [v for v in fl.variants if v not in VARIANTS]
+  if unknown:
+    raise SystemExit(f"error: --variants={','.join(unknown)}; allowed: {', '.join(VARIANTS)}")
+  run(fl.preset, fl.variants, fl.out)
+
+
+if __name__ == "__main__":
+  flags.DEFINE_enum("preset", "tiny", list(PRESETS), "Model size and sweeps.")
+  flags.DEFINE_list("variants", list(VARIANTS), "Which variants to run.")
+  flags.DEFINE_string("out", None, "Write the rows as JSON here.")
+  app.run(main)
