@@ -50,6 +50,8 @@ def get_default_config() -> ml_collections.ConfigDict:
   m.param_dtype = "float32"
   m.init_std = 0.02
   # CEM options (CEM_MATH.md sections 1-5).
+  m.cem_attention = True  # False: the standard untied attention inside a CEM block (controls)
+  m.cem_mlp = True  # False: the standard SwiGLU inside a CEM block (controls)
   m.update_mode = "auto"  # 'auto' (fused where a closed form exists) | 'fused' | 'autodiff'
   m.attention_energy = "softmax"  # registry name or 'module:function'
   m.mlp_energy = "silu"  # registry name or 'module:function'
@@ -217,6 +219,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f"model.{key}={m[key]!r} applies to CEM blocks only; model.block='llama' "
             f"needs model.{key}={neutral!r}"
         )
+  if m.block == "cem" and not m.cem_attention and m.diagonal != "none":
+    raise ValueError(
+        f"model.diagonal={m.diagonal!r} needs the energy attention; set model.cem_attention="
+        "True or model.diagonal='none'"
+    )
   ev = config.eval.num_steps
   if isinstance(ev, bool) or not isinstance(ev, int) or (ev < 1 and ev != -1):
     raise ValueError(f"eval.num_steps={ev!r}; allowed: -1 (= model.num_steps) or an int >= 1")
@@ -265,10 +272,12 @@ def validate_energies(config: ml_collections.ConfigDict) -> None:
       "g": jax.ShapeDtypeStruct((d, m.mlp_dim), jnp.float32),
       "eta": jax.ShapeDtypeStruct((), jnp.float32),
   }
-  for field, kind, params in (
-      ("model.attention_energy", "attention", att_params),
-      ("model.mlp_energy", "mlp", mlp_params),
-  ):
+  slots = []
+  if m.cem_attention:
+    slots.append(("model.attention_energy", "attention", att_params))
+  if m.cem_mlp:
+    slots.append(("model.mlp_energy", "mlp", mlp_params))
+  for field, kind, params in slots:
     spec = energies.get(m[field.split(".")[1]], kind, field)
     updates.resolve_update(spec, m.update_mode)
     try:

@@ -23,12 +23,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cem_jax import energies, updates
-from cem_jax.layers.common import DTYPES, RMSNorm, const_param, param, softplus_inverse
-
-
-def head_dim_of(cfg) -> int:
-  """``model.head_dim``, or ``d_model // num_heads`` when it is -1."""
-  return cfg.head_dim if cfg.head_dim > 0 else cfg.d_model // cfg.num_heads
+from cem_jax.layers.common import (
+    DTYPES,
+    RMSNorm,
+    const_param,
+    head_dim_of,
+    param,
+    softplus_inverse,
+)
+from cem_jax.layers.llama import LlamaAttention, SwiGLU
 
 
 def _copies(cfg, per_step: bool) -> int:
@@ -156,12 +159,18 @@ class CEMBlock(nnx.Module):
     pdt = DTYPES[cfg.param_dtype]
     self.norm_att = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
     self.norm_mlp = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
-    self.attn = CEMAttention(cfg, rngs=rngs)
-    self.mlp = CEMMLP(cfg, rngs=rngs)
-    self.att_spec = energies.get(cfg.attention_energy, "attention", "model.attention_energy")
-    self.mlp_spec = energies.get(cfg.mlp_energy, "mlp", "model.mlp_energy")
-    self.att_update = updates.resolve_update(self.att_spec, cfg.update_mode)
-    self.mlp_update = updates.resolve_update(self.mlp_spec, cfg.update_mode)
+    # A sub-layer is an energy step (CEM) or, for controlled comparisons, the standard
+    # untied Llama sub-layer applied as a residual update (model.cem_attention/cem_mlp).
+    self.attn = CEMAttention(cfg, rngs=rngs) if cfg.cem_attention else LlamaAttention(
+        cfg, rngs=rngs)
+    self.mlp = CEMMLP(cfg, rngs=rngs) if cfg.cem_mlp else SwiGLU(cfg, rngs=rngs)
+    self.att_spec = self.mlp_spec = self.att_update = self.mlp_update = None
+    if cfg.cem_attention:
+      self.att_spec = energies.get(cfg.attention_energy, "attention", "model.attention_energy")
+      self.att_update = updates.resolve_update(self.att_spec, cfg.update_mode)
+    if cfg.cem_mlp:
+      self.mlp_spec = energies.get(cfg.mlp_energy, "mlp", "model.mlp_energy")
+      self.mlp_update = updates.resolve_update(self.mlp_spec, cfg.update_mode)
     self.precond_att = nnx.data(
         Preconditioner(cfg, rngs=rngs) if cfg.precond in ("attention", "both") else None)
     self.precond_mlp = nnx.data(
@@ -182,6 +191,33 @@ class CEMBlock(nnx.Module):
   def _energy(self, spec, norm, y, context, params, aux):
     return spec.energy(self._view(norm, y), context, params, aux) / (y.shape[0] * y.shape[1])
 
+  def _att_delta(self, y, context, aux, t, rec, key):
+    """The attention sub-step's residual update at ``y``; records E_att when ``rec``."""
+    if self.att_spec is None:
+      return self.attn(self._view(self.norm_att, y), aux)
+    params = self.attn.energy_params(t, self.dtype)
+    if rec is not None:
+      rec[f"att_{key}"] = self._energy(self.att_spec, self.norm_att, y, context, params, aux)
+    return self._step(self.att_update, self.norm_att, self.precond_att, y, context, params,
+                      aux, t)
+
+  def _mlp_delta(self, y, gate, aux, t, rec, key):
+    """The MLP sub-step's residual update at ``y`` (gate input held fixed)."""
+    if self.mlp_spec is None:
+      return self.mlp(self._view(self.norm_mlp, y))
+    params = self.mlp.energy_params(t, self.dtype)
+    if rec is not None:
+      rec[f"mlp_{key}"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, params, aux)
+    return self._step(self.mlp_update, self.norm_mlp, self.precond_mlp, y, gate, params, aux, t)
+
+  def _energy_after(self, y, att_context, gate, aux, t, rec):
+    if self.att_spec is not None and "att_after" not in rec:
+      params = self.attn.energy_params(t, self.dtype)
+      rec["att_after"] = self._energy(self.att_spec, self.norm_att, y, att_context, params, aux)
+    if self.mlp_spec is not None and gate is not None:
+      params = self.mlp.energy_params(t, self.dtype)
+      rec["mlp_after"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, params, aux)
+
   def __call__(self, x, aux, num_steps: int | None = None, trace: bool = False):
     cfg = self.cfg
     steps = cfg.num_steps if num_steps is None else num_steps
@@ -193,38 +229,18 @@ class CEMBlock(nnx.Module):
     for t in range(steps):
       if cfg.context == "coevolve" and t > 0:
         att_context = self._view(self.norm_att, y)
-      att_p = self.attn.energy_params(t, self.dtype)
-      mlp_p = self.mlp.energy_params(t, self.dtype)
-      rec = {}
+      rec = {} if trace else None
       if cfg.split == "joint":
         gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y)
-        if trace:
-          rec["att_before"] = self._energy(self.att_spec, self.norm_att, y, att_context,
-                                           att_p, aux)
-          rec["mlp_before"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, mlp_p, aux)
-        u_att = self._step(self.att_update, self.norm_att, self.precond_att, y, att_context,
-                           att_p, aux, t)
-        u_mlp = self._step(self.mlp_update, self.norm_mlp, self.precond_mlp, y, gate, mlp_p,
-                           aux, t)
-        y = y + u_att + u_mlp
-        if trace:
-          rec["att_after"] = self._energy(self.att_spec, self.norm_att, y, att_context,
-                                          att_p, aux)
-          rec["mlp_after"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, mlp_p, aux)
+        delta = self._att_delta(y, att_context, aux, t, rec, "before")
+        y = y + delta + self._mlp_delta(y, gate, aux, t, rec, "before")
       else:
+        y = y + self._att_delta(y, att_context, aux, t, rec, "before")
         if trace:
-          rec["att_before"] = self._energy(self.att_spec, self.norm_att, y, att_context,
-                                           att_p, aux)
-        y = y + self._step(self.att_update, self.norm_att, self.precond_att, y, att_context,
-                           att_p, aux, t)
+          self._energy_after(y, att_context, None, aux, t, rec)
         gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y)
-        if trace:
-          rec["att_after"] = self._energy(self.att_spec, self.norm_att, y, att_context,
-                                          att_p, aux)
-          rec["mlp_before"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, mlp_p, aux)
-        y = y + self._step(self.mlp_update, self.norm_mlp, self.precond_mlp, y, gate, mlp_p,
-                           aux, t)
-        if trace:
-          rec["mlp_after"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, mlp_p, aux)
-      records.append(rec)
+        y = y + self._mlp_delta(y, gate, aux, t, rec, "before")
+      if trace:
+        self._energy_after(y, att_context, gate, aux, t, rec)
+        records.append(rec)
     return y, records

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -26,9 +28,14 @@ def const_param(value, logical_axes, dtype=jnp.float32) -> nnx.Param:
   return nnx.Param(jnp.asarray(value, dtype), logical_axes=tuple(logical_axes))
 
 
+def head_dim_of(cfg) -> int:
+  """``model.head_dim``, or ``d_model // num_heads`` when it is -1."""
+  return cfg.head_dim if cfg.head_dim > 0 else cfg.d_model // cfg.num_heads
+
+
 def softplus_inverse(x: float) -> float:
   """``y`` with ``softplus(y) == x`` for ``x > 0``."""
-  return float(jnp.log(jnp.expm1(jnp.asarray(x, jnp.float32))))
+  return math.log(math.expm1(x))  # plain Python: also valid under nnx.eval_shape
 
 
 class RMSNorm(nnx.Module):

@@ -9,8 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cem_jax.energies import EnergyAux, apply_rope
-from cem_jax.layers.cem import head_dim_of
-from cem_jax.layers.common import DTYPES, RMSNorm, param
+from cem_jax.layers.common import DTYPES, RMSNorm, head_dim_of, param
 
 
 class LlamaAttention(nnx.Module):

@@ -1,0 +1,74 @@
+"""Scales and data shared by the paper-table configs in ``experiments/paper/``.
+
+Each table file there defines ``ROWS`` (row name → a function editing the config) and
+``get_config(arg)`` with ``arg = "ROW"`` or ``"ROW,SCALE"`` (scale ``tiny`` by default).
+
+Scales:
+  tiny:  d_model 128, 4 layers, 4 heads, mlp_dim 512, seq_len 128, batch 16, 400 steps on
+         War and Peace (../shared/data/warpeace.txt, last 10% held out): ~3 min a row on
+         2 CPU cores.
+  small: d_model 512, 8 layers, 8 heads, mlp_dim 1376, seq_len 512, batch 64, 6,000 steps
+         (~200M tokens): ~25M non-embedding Llama parameters, under an hour a row on one GPU.
+  paper: d_model 768, 12 layers, 12 heads, mlp_dim 2048, seq_len 1024, global batch 256,
+         20,000 steps (5.2B tokens; a Chinchilla-style ~40 tokens/parameter budget for
+         ~125M), for a TPU pod slice or a multi-GPU node. small/paper read
+         ``data.files`` or ``data.tfds_name`` given on the command line (e.g. a local
+         dump of a web-text corpus); they default to War and Peace only so that they build.
+"""
+
+import os
+
+from cem_jax.config import get_default_config
+
+SCALES = ("tiny", "small", "paper")
+# ../shared/data beside the repository (read there, never copied in).
+_SHARED = os.path.normpath(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data"))
+TABLE_TEXT = os.path.join(_SHARED, "warpeace.txt")
+
+
+def parse_arg(arg: str, rows, table: str) -> tuple[str, str]:
+  """``"ROW[,SCALE]"`` → ``(row, scale)``; raises ValueError naming the allowed values."""
+  row, _, scale = arg.partition(",")
+  scale = scale or "tiny"
+  if row not in rows:
+    raise ValueError(f"experiments/paper/{table}.py:{row}; allowed rows: {', '.join(rows)}")
+  if scale not in SCALES:
+    raise ValueError(f"experiments/paper/{table}.py:{arg}; allowed scales: "
+                     f"{', '.join(SCALES)}")
+  return row, scale
+
+
+def base_config(scale: str):
+  """The config every row of every table starts from at ``scale``."""
+  c = get_default_config()
+  m, d, t = c.model, c.data, c.train
+  d.files = TABLE_TEXT
+  if scale == "tiny":
+    m.d_model, m.num_layers, m.num_heads, m.mlp_dim = 128, 4, 4, 512
+    d.seq_len, d.vocab_size = 128, 1024
+    t.batch_size, t.num_steps, t.warmup_steps = 16, 400, 40
+    t.learning_rate, t.eval_every_steps = 3e-3, 100
+    c.eval.max_batches = 40
+  elif scale == "small":
+    m.d_model, m.num_layers, m.num_heads, m.mlp_dim = 512, 8, 8, 1376
+    d.seq_len, d.vocab_size = 512, 8192
+    t.batch_size, t.num_steps, t.warmup_steps = 64, 6000, 300
+    t.learning_rate, t.eval_every_steps = 1e-3, 500
+    m.dtype = "bfloat16"
+    c.eval.max_batches = 50
+  else:
+    m.d_model, m.num_layers, m.num_heads, m.mlp_dim = 768, 12, 12, 2048
+    d.seq_len, d.vocab_size = 1024, 32768
+    t.batch_size, t.num_steps, t.warmup_steps = 256, 20000, 1000
+    t.learning_rate, t.eval_every_steps = 6e-4, 1000
+    m.dtype = "bfloat16"
+    c.eval.max_batches = 100
+  c.checkpoint.every_steps = max(t.num_steps // 4, 1)
+  c.eval.energy_trace = False
+  return c
+
+
+def matched_llama_mlp_dim(d_model: int, target_params_per_layer: int) -> int:
+  """SwiGLU width f' such that a Llama layer has ``target`` params: 4d² + 3d·f' = target."""
+  return max(1, round((target_params_per_layer - 4 * d_model * d_model) / (3 * d_model)))

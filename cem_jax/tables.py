@@ -1,0 +1,228 @@
+"""Run a paper table's rows over seeds and aggregate them: ``python -m cem_jax.tables``.
+
+    python -m cem_jax.tables --table=attention --scale=tiny --seeds=3 --workdir=results/tiny
+
+``--table`` is a file name in ``experiments/paper/`` (``attention``, ``mlp``, ``design``,
+``end_to_end``) or a path to a file with the same shape (``ROWS`` and ``get_config(arg)``
+taking ``"ROW,SCALE"``). Each run trains in ``WORKDIR/TABLE/ROW/seed{S}``: a finished run is
+skipped (its ``result.json`` exists), an interrupted one resumes from its checkpoint. Then
+``WORKDIR/TABLE.{md,csv,png}`` are written: parameters (total, non-embedding, attention, MLP),
+analytic FLOPs per token, eval loss (mean ± std over seeds), perplexity, bits per byte and
+training tokens/s; the plot has one eval-loss curve per row (mean over seeds).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import statistics
+
+import jax
+from absl import app, flags, logging
+from flax import nnx
+from tqdm import tqdm
+
+from cem_jax import bench, train
+from cem_jax.metrics import read_metrics
+from cem_jax.model import DecoderLM
+
+PAPER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "experiments", "paper")
+COLUMNS = ["row", "params", "non_embedding_params", "attention_params", "mlp_params",
+           "flops_per_token", "eval_loss_mean", "eval_loss_std", "perplexity",
+           "bits_per_byte_mean", "bits_per_byte_std", "tokens_per_sec", "seeds"]
+
+
+def load_table(table: str):
+  """Imports a table config module by name (``experiments/paper/NAME.py``) or by path.
+
+  Raises:
+    ValueError: no such table file, or it lacks ``ROWS``/``get_config``.
+  """
+  path = table if table.endswith(".py") else os.path.join(PAPER_DIR, f"{table}.py")
+  if not os.path.isfile(path):
+    known = sorted(f[:-3] for f in os.listdir(PAPER_DIR) if f.endswith(".py"))
+    raise ValueError(f"--table={table!r}: no file {path}; known tables: {', '.join(known)}")
+  spec = importlib.util.spec_from_file_location(f"cem_table_{os.path.basename(path)[:-3]}",
+                                                path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "ROWS") or not hasattr(module, "get_config"):
+    raise ValueError(f"--table={table!r}: {path} must define ROWS and get_config(arg)")
+  return module
+
+
+def row_config(module, row: str, scale: str, seed: int, steps: int | None = None):
+  """The resolved config of one run: the row at ``scale`` with ``seed`` (init and data order)."""
+  c = module.get_config(f"{row},{scale}")
+  c.seed = seed
+  c.data.shuffle_seed = seed
+  if steps is not None:
+    c.train.num_steps = steps
+    c.train.warmup_steps = min(c.train.warmup_steps, max(steps // 10, 1))
+    c.train.eval_every_steps = min(c.train.eval_every_steps, steps)
+    c.checkpoint.every_steps = min(c.checkpoint.every_steps, steps)
+  return c
+
+
+def parameter_counts(config) -> dict:
+  """Total, non-embedding, attention and MLP parameters of ``config``'s model (no allocation)."""
+  model = nnx.eval_shape(lambda: DecoderLM(config.model, config.data.vocab_size,
+                                           rngs=nnx.Rngs(0)))
+  counts = {"params": 0, "non_embedding_params": 0, "attention_params": 0, "mlp_params": 0}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+    keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+    counts["params"] += leaf.size
+    if "embedding" not in keys and "lm_head" not in keys:
+      counts["non_embedding_params"] += leaf.size
+    if "attn" in keys:
+      counts["attention_params"] += leaf.size
+    if "mlp" in keys:
+      counts["mlp_params"] += leaf.size
+  return counts
+
+
+def run_dir(workdir: str, table: str, row: str, seed: int) -> str:
+  return os.path.join(workdir, table, row, f"seed{seed}")
+
+
+def run_table(module, table: str, scale: str, seeds: int, workdir: str,
+              steps: int | None = None) -> list[dict]:
+  """Trains every (row, seed) not finished yet; returns the per-run results."""
+  runs = [(row, seed) for row in module.ROWS for seed in range(seeds)]
+  results = []
+  for row, seed in tqdm(runs, desc=f"table {table}", unit="run"):
+    out = run_dir(workdir, table, row, seed)
+    result_path = os.path.join(out, "result.json")
+    if os.path.exists(result_path):
+      with open(result_path) as f:
+        results.append(json.load(f))
+      continue
+    cfg = row_config(module, row, scale, seed, steps)
+    logging.info("table %s: row %s seed %d -> %s", table, row, seed, out)
+    final = train.train_and_evaluate(cfg, out)
+    rates = [m["train/tokens_per_sec"] for m in read_metrics(out) if "train/tokens_per_sec" in m]
+    result = {"row": row, "seed": seed, **final,
+              "tokens_per_sec": statistics.median(rates[1:] or rates)}
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(result, f, indent=2)
+    os.replace(tmp, result_path)  # written last: its presence means the run finished
+    results.append(result)
+  return results
+
+
+def aggregate(module, scale: str, results: list[dict], steps: int | None = None) -> list[dict]:
+  """One summary dict per row (keys ``COLUMNS``), rows in table order."""
+  rows = []
+  for row in module.ROWS:
+    runs = [r for r in results if r["row"] == row]
+    if not runs:
+      continue
+    cfg = row_config(module, row, scale, 0, steps)
+    losses = [r["eval/loss"] for r in runs]
+    bpb = [r["eval/bits_per_byte"] for r in runs]
+    mean_loss = statistics.fmean(losses)
+    rows.append({
+        "row": row,
+        **parameter_counts(cfg),
+        "flops_per_token": bench.flops_per_token(cfg.model, cfg.data.vocab_size,
+                                                 cfg.data.seq_len),
+        "eval_loss_mean": mean_loss,
+        "eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+        "perplexity": math.exp(mean_loss),
+        "bits_per_byte_mean": statistics.fmean(bpb),
+        "bits_per_byte_std": statistics.stdev(bpb) if len(bpb) > 1 else 0.0,
+        "tokens_per_sec": statistics.fmean(r["tokens_per_sec"] for r in runs),
+        "seeds": len(runs),
+    })
+  return rows
+
+
+def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, header: str) -> list:
+  """Writes ``TABLE.md``, ``TABLE.csv`` and ``TABLE.png`` in ``workdir``; returns the paths."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  base = os.path.join(workdir, table)
+  with open(base + ".csv", "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+  lines = [header, "",
+           "| row | params | non-emb. | attention | MLP | GFLOP/token | eval loss | "
+           "perplexity | bits/byte | tokens/s |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(
+        f"| {r['row']} | {r['params'] / 1e6:.3f}M | {r['non_embedding_params'] / 1e6:.3f}M | "
+        f"{r['attention_params'] / 1e6:.3f}M | {r['mlp_params'] / 1e6:.3f}M | "
+        f"{r['flops_per_token'] / 1e9:.4f} | {r['eval_loss_mean']:.4f} ± "
+        f"{r['eval_loss_std']:.4f} | {r['perplexity']:.2f} | {r['bits_per_byte_mean']:.4f} ± "
+        f"{r['bits_per_byte_std']:.4f} | {r['tokens_per_sec']:.0f} |")
+  with open(base + ".md", "w") as f:
+    f.write("\n".join(lines) + "\n")
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for row, points in curves.items():
+    ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=row, ms=3)
+  ax.set_xlabel("step")
+  ax.set_ylabel("eval loss (nats/token), mean over seeds")
+  ax.set_title(table)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(base + ".png", dpi=120)
+  plt.close(fig)
+  return [base + ext for ext in (".md", ".csv", ".png")]
+
+
+def eval_curves(workdir: str, table: str, module, seeds: int) -> dict:
+  """``{row: [(step, mean eval loss over seeds), ...]}`` from the runs' metrics."""
+  curves = {}
+  for row in module.ROWS:
+    by_step: dict[int, list[float]] = {}
+    for seed in range(seeds):
+      path = run_dir(workdir, table, row, seed)
+      if os.path.exists(os.path.join(path, "metrics.jsonl")):
+        for m in read_metrics(path):
+          if "eval/loss" in m:
+            by_step.setdefault(m["step"], []).append(m["eval/loss"])
+    curves[row] = [(s, statistics.fmean(v)) for s, v in sorted(by_step.items())]
+  return curves
+
+
+def main(argv):
+  del argv
+  fl = flags.FLAGS
+  try:
+    module = load_table(fl.table)
+    name = os.path.basename(fl.table)[:-3] if fl.table.endswith(".py") else fl.table
+    if fl.seeds < 1:
+      raise ValueError(f"--seeds={fl.seeds}; allowed: an integer >= 1")
+    os.makedirs(fl.workdir, exist_ok=True)
+    results = run_table(module, name, fl.scale, fl.seeds, fl.workdir, fl.steps)
+  except (ValueError, FileNotFoundError) as e:
+    raise SystemExit(f"error: {e}") from None
+  rows = aggregate(module, fl.scale, results, fl.steps)
+  header = (f"Table {name}, scale {fl.scale}, {fl.seeds} seed(s); command: python -m "
+            f"cem_jax.tables --table={fl.table} --scale={fl.scale} --seeds={fl.seeds}"
+            + (f" --steps={fl.steps}" if fl.steps else ""))
+  paths = write_outputs(fl.workdir, name, rows, eval_curves(fl.workdir, name, module,
+                                                            fl.seeds), header)
+  print(open(paths[0]).read())
+  print("\n".join(paths))
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("table", None, "Table name in experiments/paper/ or a path to one.")
+  flags.DEFINE_enum("scale", "tiny", ["tiny", "small", "paper"], "Model scale.")
+  flags.DEFINE_integer("seeds", 3, "Seeds per row (init and data order).")
+  flags.DEFINE_string("workdir", None, "Where runs and the table files go.")
+  flags.DEFINE_integer("steps", None, "Override train.num_steps of every row (quick looks).")
+  flags.mark_flags_as_required(["table", "workdir"])
+  app.run(main)

@@ -1,0 +1,44 @@
+"""Table "attention": weight-tied CEM attention against Llama attention (MLP = SwiGLU in all).
+
+    python -m cem_jax.tables --table=attention --scale=tiny --seeds=3 --workdir=results/tiny
+
+Rows:
+  llama_mha:     Llama MHA, 4d² attention parameters.
+  cem_tied:      CEM tied attention (W_V = W_K, W_O = W_Qᵀ, learned per-head η), 2d².
+  cem_tied_diag: + a per-head diagonal (diagonal-plus-low-rank interaction), 2d² + H·d.
+  llama_matched: Llama MHA with the tied row's parameter count (head_dim halved: 2d²).
+Single row: ``python -m cem_jax.main --config=experiments/paper/attention.py:cem_tied,tiny``.
+Measured results: results/tiny/attention.md.
+"""
+
+from cem_jax import scales as common
+
+
+def _llama(c):
+  c.model.block = "llama"
+
+
+def _cem_tied(c):
+  c.model.block = "cem"
+  c.model.cem_mlp = False
+
+
+def _cem_tied_diag(c):
+  _cem_tied(c)
+  c.model.diagonal = "per_head"
+
+
+def _llama_matched(c):
+  c.model.block = "llama"
+  c.model.head_dim = c.model.d_model // c.model.num_heads // 2
+
+
+ROWS = {"llama_mha": _llama, "cem_tied": _cem_tied, "cem_tied_diag": _cem_tied_diag,
+        "llama_matched": _llama_matched}
+
+
+def get_config(arg: str = "cem_tied"):
+  row, scale = common.parse_arg(arg, ROWS, "attention")
+  c = common.base_config(scale)
+  ROWS[row](c)
+  return c

@@ -1,0 +1,46 @@
+"""Table "end_to_end": Llama against CEM models, with a parameter-matched Llama.
+
+    python -m cem_jax.tables --table=end_to_end --scale=tiny --seeds=3 --workdir=results/tiny
+
+Rows:
+  llama:         Llama block (4d² + 3df per layer).
+  cem:           CEM tied attention + tied MLP (2d² + 2df per layer).
+  cem_full:      CEM + per-head diagonal + T = 2 (fixed context) + diagonal+rank-8
+                 preconditioners.
+  llama_matched: Llama with the CEM row's per-layer parameters (narrower SwiGLU).
+Measured results: results/tiny/end_to_end.md.
+"""
+
+from cem_jax import scales as common
+
+
+def _llama(c):
+  c.model.block = "llama"
+
+
+def _cem(c):
+  c.model.block = "cem"
+
+
+def _cem_full(c):
+  _cem(c)
+  c.model.diagonal = "per_head"
+  c.model.num_steps = 2
+  c.model.precond = "both"
+  c.model.precond_rank = 8
+
+
+def _llama_matched(c):
+  _llama(c)
+  d, f = c.model.d_model, c.model.mlp_dim
+  c.model.mlp_dim = common.matched_llama_mlp_dim(d, 2 * d * d + 2 * d * f)
+
+
+ROWS = {"llama": _llama, "cem": _cem, "cem_full": _cem_full, "llama_matched": _llama_matched}
+
+
+def get_config(arg: str = "cem"):
+  row, scale = common.parse_arg(arg, ROWS, "end_to_end")
+  c = common.base_config(scale)
+  ROWS[row](c)
+  return c

@@ -1,0 +1,107 @@
+"""Paper tables: every row builds with the right parameter counts; the runner resumes."""
+
+import csv
+import os
+
+import pytest
+
+from cem_jax import tables
+
+D, L, F, H = 128, 4, 512, 4  # the tiny scale
+
+
+def _counts(table, row):
+  module = tables.load_table(table)
+  return tables.parameter_counts(tables.row_config(module, row, "tiny", 0))
+
+
+@pytest.mark.parametrize("table", ["attention", "mlp", "design", "end_to_end"])
+def test_every_row_builds_at_tiny_scale(table):
+  module = tables.load_table(table)
+  for row in module.ROWS:
+    counts = tables.parameter_counts(tables.row_config(module, row, "tiny", 0))
+    assert counts["params"] > counts["non_embedding_params"] > 0, row
+
+
+def test_attention_table_parameter_counts():
+  assert _counts("attention", "llama_mha")["attention_params"] == L * 4 * D * D
+  assert _counts("attention", "cem_tied")["attention_params"] == L * (2 * D * D + H)
+  assert _counts("attention", "cem_tied_diag")["attention_params"] == L * (2 * D * D + H + H * D)
+  tied = _counts("attention", "cem_tied")["attention_params"]
+  matched = _counts("attention", "llama_matched")["attention_params"]
+  assert abs(matched / tied - 1) <= 0.02
+  # the MLP is the same SwiGLU in every row of this table
+  assert {_counts("attention", r)["mlp_params"] for r in
+          ("llama_mha", "cem_tied", "llama_matched")} == {L * 3 * D * F}
+
+
+def test_mlp_table_parameter_counts():
+  swiglu = _counts("mlp", "swiglu")["mlp_params"]
+  tied = _counts("mlp", "cem_tied")["mlp_params"]
+  assert swiglu == L * 3 * D * F and tied == L * (2 * D * F + 1)
+  assert abs(_counts("mlp", "swiglu_matched")["mlp_params"] / tied - 1) <= 0.02
+  assert abs(_counts("mlp", "cem_widened")["mlp_params"] / swiglu - 1) <= 0.02
+  assert {_counts("mlp", r)["attention_params"] for r in ("swiglu", "cem_tied")} == {
+      L * 4 * D * D}
+
+
+def test_design_and_end_to_end_parameter_counts():
+  t1 = _counts("design", "t1")["non_embedding_params"]
+  assert _counts("design", "t2_fixed")["non_embedding_params"] == t1  # shared across steps
+  assert _counts("design", "t1_precond_dlr")["non_embedding_params"] == t1 + L * 2 * (D + D * 8)
+  cem = _counts("end_to_end", "cem")["non_embedding_params"]
+  llama = _counts("end_to_end", "llama")["non_embedding_params"]
+  assert llama > 1.4 * cem
+  assert abs(_counts("end_to_end", "llama_matched")["non_embedding_params"] / cem - 1) <= 0.02
+
+
+TOY = '''
+from cem_jax.config import get_default_config
+
+def _small(c, block):
+  c.model.block = block
+  c.model.d_model, c.model.num_heads, c.model.mlp_dim, c.model.num_layers = 32, 2, 64, 1
+  c.data.seq_len, c.data.vocab_size, c.data.files = 32, 512, FILES
+  c.train.batch_size, c.train.num_steps, c.train.warmup_steps = 4, 5, 1
+  c.train.eval_every_steps, c.train.log_every_steps, c.eval.max_batches = 5, 1, 2
+
+ROWS = {"llama": lambda c: _small(c, "llama"), "cem": lambda c: _small(c, "cem")}
+
+def get_config(arg):
+  row, _, scale = arg.partition(",")
+  c = get_default_config()
+  ROWS[row](c)
+  return c
+'''
+
+
+def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data, monkeypatch):
+  toy = tmp_path / "toy.py"
+  toy.write_text(TOY.replace("FILES", repr(str(shared_data / "wikitext2_test.txt"))))
+  module = tables.load_table(str(toy))
+  workdir = str(tmp_path / "out")
+  results = tables.run_table(module, "toy", "tiny", 2, workdir)
+  assert sorted((r["row"], r["seed"]) for r in results) == [
+      ("cem", 0), ("cem", 1), ("llama", 0), ("llama", 1)]
+  rows = tables.aggregate(module, "tiny", results)
+  paths = tables.write_outputs(workdir, "toy", rows,
+                               tables.eval_curves(workdir, "toy", module, 2), "toy table")
+  assert [os.path.basename(p) for p in paths] == ["toy.md", "toy.csv", "toy.png"]
+  with open(paths[1]) as f:
+    records = list(csv.DictReader(f))
+  assert list(records[0]) == tables.COLUMNS
+  assert [r["row"] for r in records] == ["llama", "cem"]
+  assert all(int(r["seeds"]) == 2 and float(r["eval_loss_std"]) > 0 for r in records)
+  assert "| llama |" in open(paths[0]).read()
+
+  def no_training(*args, **kwargs):
+    raise AssertionError("a finished run was trained again")
+
+  monkeypatch.setattr(tables.train, "train_and_evaluate", no_training)
+  again = tables.run_table(module, "toy", "tiny", 2, workdir)
+  assert again == results
+
+
+def test_unknown_table_is_a_clear_error():
+  with pytest.raises(ValueError, match="--table='nope': no file .*known tables: attention"):
+    tables.load_table("nope")
