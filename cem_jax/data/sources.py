@@ -2,7 +2,8 @@
 
 Sources, by precedence: ``data.files`` (local files, through the TFDS array_record builder),
 ``data.tfds_name`` (a TFDS catalog dataset with its own splits), else ``data.builtin``. The
-builtin and files sources are split by ``text.split_documents``.
+builtin and files sources are split by ``text.split_documents`` (for ``pydoc+docstrings`` only
+the pydoc topics are split: validation is their tail, the docstrings are all training text).
 """
 
 from __future__ import annotations
@@ -60,5 +61,12 @@ def text_splits(data_config, workdir: str | os.PathLike) -> TextSplits:
     )
     return TextSplits(train, validation, source)
   docs = builtin.builtin_documents(data_config.builtin)
-  train, validation = text_lib.split_documents(docs, data_config.validation_fraction)
+  if data_config.builtin == "pydoc+docstrings":
+    # The held-out text stays the tail of the pydoc topics, the text the byte 4-gram reference
+    # is scored on; the stdlib docstrings only add training text.
+    topics = builtin.pydoc_topics()
+    train, validation = text_lib.split_documents(topics, data_config.validation_fraction)
+    train = docs[len(topics):] + train
+  else:
+    train, validation = text_lib.split_documents(docs, data_config.validation_fraction)
   return TextSplits(train, validation, f"builtin: {data_config.builtin} ({len(docs)} documents)")
