@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 
-import ml_collections
 from absl import app, flags
 
 
@@ -27,6 +26,7 @@ def load_run(workdir: str):
   """
   from flax import nnx
 
+  from cem_jax import config as config_lib
   from cem_jax import data as data_lib
   from cem_jax import train
   from cem_jax.checkpoint import Checkpointer
@@ -35,7 +35,10 @@ def load_run(workdir: str):
   if not os.path.exists(path):
     raise FileNotFoundError(f"--workdir={workdir}: no config.json (not a cem_jax run)")
   with open(path) as f:
-    config = ml_collections.ConfigDict(json.load(f))
+    saved = json.load(f)
+  # Start from today's defaults so a run saved before a key existed still loads.
+  config = config_lib.get_default_config()
+  config.update(saved)
   data = data_lib.build_data(config, workdir)
   model = train.build_model(config, data.tokenizer.vocab_size)
   graphdef, params = nnx.split(model, nnx.Param)

@@ -61,6 +61,25 @@ class DecoderLM(nnx.Module):
         is_plain_causal=segment_ids is None and not cfg.strict_causal,
     )
 
+  def make_decode_aux(self, batch: int, num_new: int, max_len: int, index) -> EnergyAux:
+    """Aux for ``num_new`` new tokens at positions ``index..`` against a ``max_len`` cache."""
+    cfg = self.cfg
+    query = index + jnp.arange(num_new, dtype=jnp.int32)
+    keys = jnp.arange(max_len, dtype=jnp.int32)
+    visible = keys[None, :] < query[:, None] if cfg.strict_causal else (
+        keys[None, :] <= query[:, None])
+    return EnergyAux(
+        mask=jnp.broadcast_to(visible, (batch, num_new, max_len)),
+        positions=jnp.broadcast_to(query, (batch, num_new)),
+        key_positions=jnp.broadcast_to(keys, (batch, max_len)),
+        rope_theta=cfg.rope_theta if cfg.rope else None,
+        diagonal_form=cfg.diagonal_form,
+    )
+
+  def init_cache(self, batch: int, max_len: int, num_steps: int | None = None) -> list:
+    """An empty decoding cache (one entry per block) for up to ``max_len`` positions."""
+    return [block.init_cache(batch, max_len, num_steps) for block in self.blocks]
+
   def __call__(
       self,
       tokens: jax.Array,
@@ -68,6 +87,8 @@ class DecoderLM(nnx.Module):
       *,
       num_steps: int | None = None,
       trace: bool = False,
+      cache: list | None = None,
+      index: jax.Array | int = 0,
   ):
     """Next-token logits.
 
@@ -77,28 +98,45 @@ class DecoderLM(nnx.Module):
         document only; 0 = padding), or None for one causal sequence.
       num_steps: recursive steps per CEM layer at this call (default ``model.num_steps``).
       trace: also return the energy trace, a list over layers of the block's trace.
+      cache: a decoding cache from :meth:`init_cache`: ``tokens`` are then the new tokens at
+        positions ``index, index+1, ...`` (prefill: the prompt at 0; then one at a time).
+      index: where the new tokens go in the cache (int or int32 scalar).
     Returns:
-      ``logits`` ``[batch, seq_len, vocab_size]`` float32, and with ``trace`` a tuple
-      ``(logits, traces)``.
+      ``logits`` ``[batch, seq_len, vocab_size]`` float32; with ``trace`` a tuple
+      ``(logits, traces)``; with ``cache`` a tuple ``(logits, cache)``.
     """
     b, t = tokens.shape
-    aux = self.make_aux(segment_ids, b, t)
+    if cache is None:
+      aux = self.make_aux(segment_ids, b, t)
+    else:
+      # Llama caches k/v [batch, max_len, heads, head_dim]; CEM the context
+      # [copies, batch, max_len, d_model].
+      max_len = jax.tree.leaves(cache[0])[0].shape[-3 if self.cfg.block == "llama" else -2]
+      aux = self.make_decode_aux(b, t, max_len, index)
     x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
-    def run_block(block, x):
-      return block(x, aux, num_steps=num_steps, trace=trace)
+
+    def run_block(block, x, block_cache):
+      if block_cache is None:
+        return block(x, aux, num_steps=num_steps, trace=trace)
+      return block(x, aux, num_steps=num_steps, trace=trace, cache=block_cache, index=index)
 
     if self.cfg.remat != "none":  # recompute activations in the backward pass, per block
       run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.cfg.remat])
-    traces = []
-    for block in self.blocks:
-      x, rec = run_block(block, x)
+    traces, new_cache = [], []
+    for i, block in enumerate(self.blocks):
+      out = run_block(block, x, None if cache is None else cache[i])
+      x, rec = out[0], out[1]
       traces.append(rec)
+      if cache is not None:
+        new_cache.append(out[2])
     x = self.final_norm(x)
     if self.cfg.tie_embeddings:
       head = self.embedding[...].astype(self.dtype).T
     else:
       head = self.lm_head[...].astype(self.dtype)
     logits = (x @ head).astype(jnp.float32)
+    if cache is not None:
+      return logits, new_cache
     return (logits, traces) if trace else logits
 
 

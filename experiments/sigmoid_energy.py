@@ -36,7 +36,7 @@ def energy(y, context, params, aux):
   k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
   if aux.rope_theta is not None:
     q = apply_rope(q, aux.positions, aux.rope_theta)
-    k = apply_rope(k, aux.positions, aux.rope_theta)
+    k = apply_rope(k, aux.context_positions, aux.rope_theta)
   beta, eta = params["beta"], params["eta"]
   scores = jnp.einsum("bthk,bshk->bhts", q, k) * beta[None, :, None, None]
   visible = jnp.sum(aux.mask, axis=-1)  # |N(i)|, [batch, seq_len]

@@ -31,10 +31,14 @@ class EnergyAux:
   """Causal structure and static options shared by all energies of a layer.
 
   Attributes:
-    mask: ``[batch, seq_len, seq_len]`` bool; ``mask[b, i, j]`` is True when query ``i`` may
-      see key ``j`` (causal, same document, not padding). Rows may be all False (a padded
-      query, or position 0 with ``strict_causal``): their energy and update are exactly 0.
-    positions: ``[batch, seq_len]`` int32 token positions used by RoPE.
+    mask: ``[batch, seq_len, context_len]`` bool (``context_len = seq_len`` in training);
+      ``mask[b, i, j]`` is True when query ``i`` may see key ``j`` (causal, same document,
+      not padding). Rows may be all False (a padded query, or position 0 with
+      ``strict_causal``): their energy and update are exactly 0.
+    positions: ``[batch, seq_len]`` int32 positions of the queries (``y``), used by RoPE.
+    key_positions: ``[batch, context_len]`` int32 positions of the context (keys), or None
+      when they are ``positions`` (training; in cached decoding ``y`` holds the new tokens and
+      ``context`` the whole cache). Read them through :attr:`context_positions`.
     rope_theta: RoPE base; ``None`` turns RoPE off (static).
     diagonal_form: ``'bilinear'`` or ``'distance'`` (static, CEM_MATH.md section 1).
     is_plain_causal: True when ``mask`` is exactly the lower triangle ``j <= i`` with no
@@ -43,9 +47,15 @@ class EnergyAux:
 
   mask: jax.Array
   positions: jax.Array
+  key_positions: jax.Array | None = None
   rope_theta: float | None = flax.struct.field(pytree_node=False, default=10_000.0)
   diagonal_form: str = flax.struct.field(pytree_node=False, default="bilinear")
   is_plain_causal: bool = flax.struct.field(pytree_node=False, default=False)
+
+  @property
+  def context_positions(self) -> jax.Array:
+    """Positions of the context tokens (``key_positions``, else ``positions``)."""
+    return self.positions if self.key_positions is None else self.key_positions
 
 
 def make_mask(

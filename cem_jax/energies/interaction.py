@@ -31,7 +31,7 @@ def _project(y, context, params, aux):
   k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
   if aux.rope_theta is not None:
     q = apply_rope(q, aux.positions, aux.rope_theta)
-    k = apply_rope(k, aux.positions, aux.rope_theta)
+    k = apply_rope(k, aux.context_positions, aux.rope_theta)
   return q, k
 
 
@@ -83,7 +83,7 @@ def fused_update(y: jax.Array, context: jax.Array, params: dict, aux: EnergyAux)
   if diag is not None:
     diag = diag.astype(q.dtype)
     q_extra = [y[:, :, None, :] * diag[None, None]]  # d ⊙ y   [b, t, h, d]
-    k_extra = [jnp.broadcast_to(context[:, :, None, :], (b, t, num_heads, d))]
+    k_extra = [jnp.broadcast_to(context[:, :, None, :], (b, context.shape[1], num_heads, d))]
     if aux.diagonal_form == "distance":
       # The -½ Σ d y² term is constant over keys and leaves the softmax unchanged.
       q_extra.append(jnp.full((b, t, num_heads, 1), -0.5, q.dtype))

@@ -151,6 +151,10 @@ class CEMBlock(nnx.Module):
   from the last trained step beyond T). With ``trace``, ``energy_trace`` is a list, one dict
   per step, of per-token mean energies before/after each sub-step (``att_before``,
   ``att_after``, ``mlp_before``, ``mlp_after``); otherwise it is empty.
+
+  Decoding: with ``cache`` (:meth:`init_cache`) ``x`` holds new tokens at positions
+  ``index, index+1, ...``; their context is written into the cache and the call returns
+  ``(y, energy_trace, cache)``.
   """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -218,17 +222,41 @@ class CEMBlock(nnx.Module):
       params = self.mlp.energy_params(t, self.dtype)
       rec["mlp_after"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, params, aux)
 
-  def __call__(self, x, aux, num_steps: int | None = None, trace: bool = False):
+  def _cached_context(self, new, cache, slot, index):
+    """Writes the new positions' context into cache slot ``slot``; returns the full context."""
+    buf = jax.lax.dynamic_update_slice(cache["context"][slot],
+                                       new.astype(cache["context"].dtype), (0, index, 0))
+    return buf.astype(self.dtype), {"context": cache["context"].at[slot].set(buf)}
+
+  def init_cache(self, batch: int, max_len: int, num_steps: int | None = None) -> dict:
+    """Empty decoding cache: the attention context ``c_j`` of every position.
+
+    ``context``: ``[copies, batch, max_len, d_model]``, one copy with a fixed context (keys =
+    values follow from it: the energy reads them off ``c_j``) and one per recursive step with
+    a co-evolving context. Any energy, user-defined ones included, decodes from it.
+    """
+    if not self.cfg.cem_attention:
+      raise NotImplementedError("cached decoding of a CEM block with model.cem_attention=False")
+    steps = self.cfg.num_steps if num_steps is None else num_steps
+    copies = steps if self.cfg.context == "coevolve" else 1
+    return {"context": jnp.zeros((copies, batch, max_len, self.cfg.d_model), self.dtype)}
+
+  def __call__(self, x, aux, num_steps: int | None = None, trace: bool = False,
+               cache: dict | None = None, index: jax.Array | int = 0):
     cfg = self.cfg
     steps = cfg.num_steps if num_steps is None else num_steps
     x = x.astype(self.dtype)
     y = x
     att_context = self._view(self.norm_att, x)
+    if cache is not None:  # decoding: x holds the new tokens, the cache every earlier one
+      att_context, cache = self._cached_context(att_context, cache, 0, index)
     layer_gate = self._view(self.norm_mlp, x)
     records = []
     for t in range(steps):
       if cfg.context == "coevolve" and t > 0:
         att_context = self._view(self.norm_att, y)
+        if cache is not None:
+          att_context, cache = self._cached_context(att_context, cache, t, index)
       rec = {} if trace else None
       if cfg.split == "joint":
         gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y)
@@ -243,4 +271,4 @@ class CEMBlock(nnx.Module):
       if trace:
         self._energy_after(y, att_context, gate, aux, t, rec)
         records.append(rec)
-    return y, records
+    return (y, records) if cache is None else (y, records, cache)

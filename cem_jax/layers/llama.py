@@ -29,7 +29,11 @@ class LlamaAttention(nnx.Module):
     self.w_v = param(rngs, (d, h, dh), cfg.init_std, ("embed", "heads", "head_dim"), pdt)
     self.w_o = param(rngs, (h, dh, d), cfg.init_std, ("heads", "head_dim", "embed"), pdt)
 
-  def __call__(self, x: jax.Array, aux: EnergyAux) -> jax.Array:
+  def __call__(self, x: jax.Array, aux: EnergyAux, cache: dict | None = None,
+               index: jax.Array | int = 0):
+    """Attention output ``[batch, seq_len, d_model]``; with ``cache`` (``k``, ``v``:
+    ``[batch, max_len, num_heads, head_dim]``) the new keys/values are written at ``index``
+    and ``(output, cache)`` is returned."""
     dt = x.dtype
     q = jnp.einsum("btd,dhk->bthk", x, self.w_q[...].astype(dt))
     k = jnp.einsum("btd,dhk->bthk", x, self.w_k[...].astype(dt))
@@ -37,13 +41,23 @@ class LlamaAttention(nnx.Module):
     if aux.rope_theta is not None:
       q = apply_rope(q, aux.positions, aux.rope_theta)
       k = apply_rope(k, aux.positions, aux.rope_theta)
+    if cache is not None:
+      start = (0, index, 0, 0)
+      cache = {"k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start),
+               "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start)}
+      k, v = cache["k"].astype(dt), cache["v"].astype(dt)
     scale = 1.0 / math.sqrt(self.head_dim)
     if aux.is_plain_causal:
       o = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
     else:
       o = jax.nn.dot_product_attention(q, k, v, mask=aux.mask[:, None], scale=scale)
       o = o * jnp.any(aux.mask, axis=-1)[..., None, None].astype(o.dtype)
-    return jnp.einsum("bthk,hkd->btd", o, self.w_o[...].astype(dt))
+    out = jnp.einsum("bthk,hkd->btd", o, self.w_o[...].astype(dt))
+    return out if cache is None else (out, cache)
+
+  def init_cache(self, batch: int, max_len: int, dtype) -> dict:
+    shape = (batch, max_len, self.w_k.shape[1], self.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
 class SwiGLU(nnx.Module):
@@ -69,7 +83,8 @@ class LlamaBlock(nnx.Module):
   """Pre-norm block ``h = x + attn(norm(x)); y = h + mlp(norm(h))``.
 
   Same call signature as :class:`cem_jax.layers.CEMBlock`; ``num_steps`` and ``trace`` are
-  accepted for a uniform interface (the block has no energy: the trace is empty).
+  accepted for a uniform interface (the block has no energy: the trace is empty). The
+  decoding cache holds the rotated keys and the values of every layer.
   """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -80,8 +95,19 @@ class LlamaBlock(nnx.Module):
     self.attn = LlamaAttention(cfg, rngs=rngs)
     self.mlp = SwiGLU(cfg, rngs=rngs)
 
-  def __call__(self, x, aux, num_steps: int | None = None, trace: bool = False):
+  def __call__(self, x, aux, num_steps: int | None = None, trace: bool = False,
+               cache: dict | None = None, index: jax.Array | int = 0):
+    """``(y, [])``, or ``(y, [], cache)`` when decoding with a ``cache`` (see CEMBlock)."""
     del num_steps, trace
     x = x.astype(self.dtype)
-    h = x + self.attn(self.norm_att(x), aux)
-    return h + self.mlp(self.norm_mlp(h)), []
+    if cache is None:
+      h = x + self.attn(self.norm_att(x), aux)
+      return h + self.mlp(self.norm_mlp(h)), []
+    a, cache = self.attn(self.norm_att(x), aux, cache, index)
+    h = x + a
+    return h + self.mlp(self.norm_mlp(h)), [], cache
+
+  def init_cache(self, batch: int, max_len: int, num_steps: int | None = None) -> dict:
+    """Empty key/value cache for decoding up to ``max_len`` tokens."""
+    del num_steps
+    return self.attn.init_cache(batch, max_len, self.dtype)

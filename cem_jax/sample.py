@@ -1,0 +1,132 @@
+"""Generate text from a trained run: ``python -m cem_jax.sample --workdir=DIR --prompt="..."``.
+
+Loads the run's config, tokenizer and newest checkpoint, then samples with a decoding cache
+(Llama: rotated keys and values; CEM: the layer context, whose keys double as values) —
+greedy (``--temperature=0``), or temperature with optional top-k / top-p (nucleus) filtering.
+``--no_cache`` recomputes the whole prefix at every token (the reference the cache is tested
+against: greedy tokens are identical).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+
+def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+  """Scaled and filtered logits ``[batch, vocab]`` (removed entries are -inf).
+
+  ``top_k`` <= 0 and ``top_p`` >= 1 disable those filters. ``temperature`` must be > 0.
+  """
+  logits = logits / temperature
+  if top_k > 0:
+    kth = jnp.sort(logits, axis=-1)[:, -top_k][:, None]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if top_p < 1.0:
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
+        keep_sorted)
+    logits = jnp.where(keep, logits, -jnp.inf)
+  return logits
+
+
+def _choose(logits, rng, temperature, top_k, top_p):
+  if temperature <= 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(rng, filter_logits(logits, temperature, top_k, top_p)).astype(
+      jnp.int32)
+
+
+def generate(graphdef, params, prompt: np.ndarray, max_new_tokens: int, *, rng=None,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             use_cache: bool = True, num_steps: int | None = None) -> np.ndarray:
+  """Continues ``prompt`` (``[batch, prompt_len]`` int) by ``max_new_tokens`` tokens.
+
+  Returns ``[batch, max_new_tokens]`` int32 new token ids. ``temperature`` 0 is greedy.
+  ``num_steps`` overrides a CEM model's recursive steps.
+
+  Raises:
+    ValueError: empty prompt or ``max_new_tokens`` < 1.
+  """
+  prompt = np.asarray(prompt, np.int32)
+  if prompt.ndim != 2 or prompt.shape[1] < 1:
+    raise ValueError(f"prompt must be [batch, prompt_len >= 1], got shape {prompt.shape}")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens}; allowed: >= 1")
+  rng = jax.random.PRNGKey(0) if rng is None else rng
+  batch, plen = prompt.shape
+  total = plen + max_new_tokens
+  choose = functools.partial(_choose, temperature=temperature, top_k=top_k, top_p=top_p)
+  out = []
+  if use_cache:
+    @jax.jit
+    def step(params, cache, tokens, index, rng):
+      logits, cache = nnx.merge(graphdef, params)(tokens, cache=cache, index=index,
+                                                  num_steps=num_steps)
+      return choose(logits[:, -1], rng), cache
+
+    cache = nnx.merge(graphdef, params).init_cache(batch, total, num_steps)
+    rng, sub = jax.random.split(rng)
+    token, cache = step(params, cache, jnp.asarray(prompt), 0, sub)  # prefill
+    out.append(token)
+    for i in range(plen, total - 1):
+      rng, sub = jax.random.split(rng)
+      token, cache = step(params, cache, token[:, None], i, sub)
+      out.append(token)
+  else:
+    @jax.jit
+    def full(params, tokens, rng):
+      logits = nnx.merge(graphdef, params)(tokens, num_steps=num_steps)
+      return choose(logits[:, -1], rng)
+
+    tokens = jnp.asarray(prompt)
+    for _ in range(max_new_tokens):
+      rng, sub = jax.random.split(rng)
+      token = full(params, tokens, sub)
+      out.append(token)
+      tokens = jnp.concatenate([tokens, token[:, None]], axis=1)
+  return np.asarray(jnp.stack(out, axis=1))
+
+
+def main(argv):
+  del argv
+  from cem_jax.evaluate import load_run
+
+  fl = flags.FLAGS
+  try:
+    if fl.max_new_tokens < 1:
+      raise ValueError(f"--max_new_tokens={fl.max_new_tokens}; allowed: >= 1")
+    if not 0.0 < fl.top_p <= 1.0:
+      raise ValueError(f"--top_p={fl.top_p}; allowed: 0 < top_p <= 1")
+    config, data, graphdef, params, step = load_run(fl.workdir)
+    ids = data.tokenizer.encode(fl.prompt)
+    if not ids:
+      raise ValueError("--prompt is empty; give at least one character")
+    new = generate(graphdef, params, np.asarray([ids]), fl.max_new_tokens,
+                   rng=jax.random.PRNGKey(fl.seed), temperature=fl.temperature,
+                   top_k=fl.top_k, top_p=fl.top_p, use_cache=not fl.no_cache)
+  except (ValueError, FileNotFoundError) as e:
+    raise SystemExit(f"error: {e}") from None
+  print(fl.prompt + data.tokenizer.decode(new[0].tolist()))
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("workdir", None, "A trained run's folder.")
+  flags.DEFINE_string("prompt", "", "Text to continue.")
+  flags.DEFINE_integer("max_new_tokens", 100, "Tokens to generate.")
+  flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
+  flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: all).")
+  flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
+  flags.DEFINE_integer("seed", 0, "Sampling seed.")
+  flags.DEFINE_bool("no_cache", False, "Recompute the prefix at every token.")
+  flags.mark_flag_as_required("workdir")
+  app.run(main)
