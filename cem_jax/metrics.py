@@ -1,4 +1,5 @@
-"""``metrics.jsonl``: one JSON object per line, each with ``step`` (DESIGN.md contract)."""
+"""``metrics.jsonl`` (one JSON object per line, each with ``step``: DESIGN.md's contract) and,
+beside it, TensorBoard event files in ``WORKDIR/tensorboard`` with the same scalars."""
 
 from __future__ import annotations
 
@@ -14,15 +15,24 @@ class MetricsWriter:
     workdir: the run's folder.
     enabled: False on processes other than 0, which then write nothing.
     truncate_after_step: on resume, lines with a larger ``step`` (written by a run that died
-      after its last checkpoint) are dropped so the file never shows a step twice.
+      after its last checkpoint) are dropped so the file never shows a step twice; TensorBoard
+      is told to purge its events after that step too.
+    tensorboard: also write the numeric values as TensorBoard scalars.
   """
 
-  def __init__(self, workdir: str, enabled: bool = True, truncate_after_step: int | None = None):
+  def __init__(self, workdir: str, enabled: bool = True, truncate_after_step: int | None = None,
+               tensorboard: bool = True):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.enabled = enabled
     self._file = None
+    self._tb = None
     if not enabled:
       return
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # imported here: only process 0 writes events
+
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                               purge_step=truncate_after_step or None)
     if truncate_after_step is not None and os.path.exists(self.path):
       kept = []
       with open(self.path) as f:
@@ -44,11 +54,19 @@ class MetricsWriter:
       return
     self._file.write(json.dumps({"step": int(step), **metrics}) + "\n")
     self._file.flush()
+    if self._tb is not None:
+      for key, value in metrics.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+          self._tb.add_scalar(key, value, int(step))
+      self._tb.flush()
 
   def close(self) -> None:
     if self._file is not None:
       self._file.close()
       self._file = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
 
 
 def read_metrics(workdir: str) -> list[dict]:

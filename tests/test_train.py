@@ -94,3 +94,20 @@ def test_cli_bad_choice_is_one_clear_line(tmp_path):
   assert proc.returncode == 1
   assert "error: model.block='gpt'; allowed: cem, llama" in proc.stderr
   assert not (tmp_path / "w").exists()
+
+
+def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  from cem_jax.metrics import MetricsWriter
+
+  writer = MetricsWriter(str(tmp_path))
+  writer.write(10, {"train/loss": 2.5, "train/learning_rate": 1e-3, "data/source": "x"})
+  writer.write(20, {"train/loss": 2.0, "eval/energy/layer0/step1/att_after": -3.0})
+  writer.close()
+  events = EventAccumulator(str(tmp_path / "tensorboard"))
+  events.Reload()
+  assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 2.5), (20, 2.0)]
+  assert events.Scalars("eval/energy/layer0/step1/att_after")[0].value == -3.0
+  assert "data/source" not in events.Tags()["scalars"]
+  assert read_metrics(str(tmp_path))[1]["step"] == 20
