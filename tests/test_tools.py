@@ -1,0 +1,59 @@
+"""Inspection and sharding rules: counts equal the built model; specs follow the rules."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import tiny_config
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from cem_jax import inspect as inspect_lib
+from cem_jax import sharding
+from cem_jax.model import DecoderLM, count_params
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.block": "llama"},
+    {"model.block": "cem", "model.diagonal": "per_head", "model.precond": "both",
+     "model.precond_rank": 4, "model.num_steps": 2, "model.tie_embeddings": False},
+])
+def test_inspect_totals_equal_the_built_model(overrides):
+  cfg = tiny_config(**overrides)
+  s = inspect_lib.summary(cfg, vocab_size=300)
+  built = DecoderLM(cfg.model, 300, rngs=nnx.Rngs(0))
+  assert s["totals"]["params"] == count_params(built)
+  assert sum(r["count"] for r in s["rows"]) == count_params(built)
+  assert s["totals"]["attention"] == sum(count_params(b.attn) for b in built.blocks)
+  assert s["totals"]["mlp"] == sum(count_params(b.mlp) for b in built.blocks)
+  embedding = 300 * cfg.model.d_model * (1 if cfg.model.tie_embeddings else 2)
+  assert s["totals"]["non_embedding"] == count_params(built) - embedding
+
+
+def test_inspect_cli_prints_the_summary():
+  proc = subprocess.run([sys.executable, "-m", "cem_jax.inspect",
+                         "--config=experiments/tiny.py:llama"], capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "parameters: 1,180,800 total" in proc.stdout
+  assert "['blocks'][0]['attn']['w_o']" in proc.stdout
+
+
+def test_logical_rules_to_partition_specs():
+  assert sharding.logical_to_spec(("embed", "heads", "head_dim")) == P("fsdp", "tensor", None)
+  assert sharding.logical_to_spec(("vocab", "embed")) == P("tensor", "fsdp")
+  assert sharding.logical_to_spec(("batch", None)) == P(("data", "fsdp"), None)
+  # a mesh axis is used once per spec: the second 'tensor' user is replicated
+  assert sharding.logical_to_spec(("heads", "mlp")) == P("tensor", None)
+
+
+def test_mesh_shape_resolution_and_errors():
+  cfg = tiny_config().mesh
+  cfg.data, cfg.fsdp, cfg.tensor = -1, 2, 2
+  assert sharding.mesh_shape(cfg, 8) == (2, 2, 2)
+  cfg.data = 3
+  with pytest.raises(ValueError, match=r"= 3\*2\*2 = 12, but there are 8 devices"):
+    sharding.mesh_shape(cfg, 8)
+  cfg.data, cfg.fsdp = -1, -1
+  with pytest.raises(ValueError, match="at most one may be -1"):
+    sharding.mesh_shape(cfg, 8)
