@@ -161,6 +161,8 @@ _MINIMUMS = {
     "eval.batch_size": 1,
     "checkpoint.every_steps": 1,
     "checkpoint.keep": 1,
+    "mesh.fsdp": 1,
+    "mesh.tensor": 1,
 }
 
 
@@ -224,6 +226,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"model.diagonal={m.diagonal!r} needs the energy attention; set model.cem_attention="
         "True or model.diagonal='none'"
     )
+  md = config.mesh.data
+  if isinstance(md, bool) or not isinstance(md, int) or (md < 1 and md != -1):
+    raise ValueError(f"mesh.data={md!r}; allowed: -1 (the devices left over) or an int >= 1")
   ev = config.eval.num_steps
   if isinstance(ev, bool) or not isinstance(ev, int) or (ev < 1 and ev != -1):
     raise ValueError(f"eval.num_steps={ev!r}; allowed: -1 (= model.num_steps) or an int >= 1")

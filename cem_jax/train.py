@@ -12,6 +12,10 @@ import functools
 import json
 import math
 import os
+import shutil
+import signal
+import tempfile
+import threading
 import time
 
 import jax
@@ -26,7 +30,7 @@ from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax.checkpoint import Checkpointer
 from cem_jax.layers import DECAYED_PARAM_NAMES
-from cem_jax.metrics import MetricsWriter
+from cem_jax.metrics import MetricsWriter, read_metrics
 from cem_jax.model import DecoderLM, count_params
 
 # ---------------------------------------------------------------------------------------------
@@ -97,8 +101,20 @@ def weighted_cross_entropy(logits, targets, weights):
 # Steps
 
 
-def make_train_step(graphdef, tx):
-  """Returns the jitted ``step(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None):
+  """Returns the jitted ``step(params, opt_state, batch, guard=0, done=0) -> (params, opt_state,
+  metrics)``.
+
+  ``metrics``: ``loss`` (nats/token), ``grad_norm``, ``nonfinite_total`` (skipped updates so
+  far, optax's count), ``nonfinite_consecutive`` and ``nonfinite_guard``.
+
+  The guard (int32 ``[]``): pass the previous step's ``metrics["nonfinite_guard"]`` as ``guard``
+  and this update's step number (the ``step`` of its metrics line) as ``done``. It becomes the
+  first ``done`` at which ``max_consecutive_nonfinite`` updates in a row had a non-finite loss
+  or gradient, and then stays; 0 = never (and always 0 when ``max_consecutive_nonfinite`` is
+  None). It lives on the device so the loop need not fetch anything every step (that would
+  stall asynchronous dispatch) yet cannot miss a run of failures that ended between checks.
+  """
 
   def loss_fn(params, batch):
     model = nnx.merge(graphdef, params)
@@ -107,15 +123,22 @@ def make_train_step(graphdef, tx):
     return loss_sum / jnp.maximum(weight_sum, 1.0)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, batch):
+  def step(params, opt_state, batch, guard=0, done=0):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    # A NaN/Inf loss or gradient: apply_if_finite (make_optimizer) leaves params and moments
+    # unchanged and counts it.
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
+    guard = jnp.asarray(guard, jnp.int32)
+    if max_consecutive_nonfinite is not None:
+      hit = (guard == 0) & (opt_state.notfinite_count >= max_consecutive_nonfinite)
+      guard = jnp.where(hit, jnp.asarray(done, jnp.int32), guard)
     metrics = {
         "loss": loss,
         "grad_norm": optax.tree.norm(grads),
         "nonfinite_total": opt_state.total_notfinite,
         "nonfinite_consecutive": opt_state.notfinite_count,
+        "nonfinite_guard": guard,
     }
     return params, opt_state, metrics
 
@@ -214,94 +237,266 @@ def _format_eta(seconds: float) -> str:
   return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains ``config`` in ``workdir`` (resuming from its newest checkpoint); returns final metrics.
+def data_parallel_devices(config: ml_collections.ConfigDict) -> int:
+  """Devices the global batch is split over: ``mesh.data × mesh.fsdp`` of ``jax.device_count()``.
 
-  Writes ``workdir/config.json`` (resolved config), ``workdir/metrics.jsonl`` (one JSON object
-  per line: train lines every ``train.log_every_steps``, eval lines every
-  ``train.eval_every_steps`` and at the end) and ``workdir/checkpoints/``.
+  ``mesh.data = -1`` takes the devices left over by ``mesh.fsdp × mesh.tensor``.
 
   Raises:
-    ValueError: invalid config or data (one line naming the field, value and what is allowed).
-    FloatingPointError: ``train.max_consecutive_nonfinite`` non-finite steps in a row.
+    ValueError: the mesh does not use exactly the available devices, or ``train.batch_size``
+      is not divisible by the data-parallel devices (naming both and the fix).
+  """
+  n = jax.device_count()
+  m = config.mesh
+  model_parallel = m.fsdp * m.tensor
+  data = m.data if m.data > 0 else n // model_parallel
+  if data < 1 or data * model_parallel != n:
+    raise ValueError(
+        f"mesh.data={m.data} x mesh.fsdp={m.fsdp} x mesh.tensor={m.tensor} does not fit the "
+        f"{n} devices; choose sizes whose product is {n} (mesh.data=-1 takes the rest)"
+    )
+  dp = data * m.fsdp
+  bs = config.train.batch_size
+  if bs % dp:
+    raise ValueError(
+        f"train.batch_size={bs} is not divisible by the {dp} data-parallel devices "
+        f"({n} devices, mesh.data x mesh.fsdp = {data} x {m.fsdp}); use a multiple of {dp}, "
+        f"e.g. {-(-bs // dp) * dp}"
+    )
+  return dp
+
+
+def _prepare_workdir(workdir: str) -> bool:
+  """Creates ``workdir`` if needed and checks that files can be written in it.
+
+  Returns True if this call created it (so a failed start-up can remove it again).
+
+  Raises:
+    ValueError: it cannot be created or written (one line naming ``--workdir`` and the reason).
+  """
+  created = not os.path.isdir(workdir)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=workdir, prefix=".write_probe")
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    raise ValueError(
+        f"--workdir={workdir!r} is not a writable folder ({e.strerror or e}: "
+        f"{e.filename or workdir}); choose another --workdir or fix its permissions"
+    ) from None
+  return created
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+class _Preemption:
+  """Turns SIGTERM (a preemption notice) into a flag the loop checks at each step boundary.
+
+  Only for single-process runs started from the main thread: with several processes every
+  process must save at the same step, which Orbax's ``reached_preemption`` (JAX's preemption
+  sync point) decides instead.
+  """
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def __enter__(self):
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True  # nothing else: a signal handler may interrupt anything
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def _last_eval(workdir: str) -> dict:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return {}
+  evals = [m for m in read_metrics(workdir) if "eval/loss" in m]
+  return {k: v for k, v in evals[-1].items() if k != "step"} if evals else {}
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains ``config`` in ``workdir``, resuming from its newest intact checkpoint.
+
+  Start-up checks everything (config, devices, workdir, data, checkpoint) before it writes
+  ``workdir/config.json`` or ``metrics.jsonl``; if it fails and ``workdir`` did not exist
+  before, ``workdir`` is removed again, so no failed start looks like a run.
+
+  Writes ``workdir/config.json`` (resolved config), ``workdir/metrics.jsonl`` (train lines every
+  ``train.log_every_steps``, eval lines every ``train.eval_every_steps`` and at the end; on
+  resume, lines after the restored step are dropped first) and ``workdir/checkpoints/``
+  (every ``checkpoint.every_steps``, at the end and on SIGTERM; see :mod:`cem_jax.checkpoint`).
+
+  A checkpoint holds params, optimizer state and metadata (step, data position, seed, resolved
+  config). The data position *is* the step (batches are a pure function of the step) and the
+  seed only matters at initialisation (there is no dropout or other randomness in training),
+  so a resumed run continues exactly as an uninterrupted one.
+
+  SIGTERM (preemption) is honoured at the next step boundary: save, wait for the save, return.
+
+  Returns:
+    The last eval metrics (``eval/loss`` etc.); ``{}`` if preempted before any eval.
+
+  Raises:
+    ValueError: invalid config, data, devices, workdir or checkpoint (one line naming the
+      field/file, the value and the fix; :class:`cem_jax.checkpoint.CheckpointError` for
+      checkpoints that are all damaged or do not fit the model).
+    FloatingPointError: ``train.max_consecutive_nonfinite`` consecutive non-finite steps (or
+      non-finite parameters at a save); nothing from those steps is saved.
   """
   config_lib.validate(config)
-  os.makedirs(workdir, exist_ok=True)
-  data = data_lib.build_data(config, workdir)
-  vocab_size = data.tokenizer.vocab_size
-  model = build_model(config, vocab_size)
-  graphdef, params = nnx.split(model, nnx.Param)
-  tx, schedule = make_optimizer(config.train)
-  opt_state = tx.init(params)
+  data_parallel_devices(config)
+  created = _prepare_workdir(workdir)
+  ckpt = None
+  try:
+    data = data_lib.build_data(config, workdir)
+    model = build_model(config, data.tokenizer.vocab_size)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx, schedule = make_optimizer(config.train)
+    opt_state = tx.init(params)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
+                        every_steps=config.checkpoint.every_steps,
+                        async_save=config.checkpoint.async_save)
+    start_step = 0
+    resume = ckpt.restorable_step()
+    if resume is not None:
+      # The target is the freshly initialised state on the current devices: the restore takes
+      # its structure (optax's state types) and shardings, whatever the saving run used.
+      state, meta = ckpt.restore(resume, {"params": params, "opt_state": opt_state})
+      params, opt_state = state["params"], state["opt_state"]
+      start_step = int(meta["step"])
+  except BaseException:
+    if ckpt is not None:
+      ckpt.close()
+    if created:
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
 
   is_main = jax.process_index() == 0
   resolved = config.to_dict()
+  if resume is not None:
+    saved, now = _flatten(meta.get("config", {})), _flatten(resolved)
+    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    logging.info("resumed from %s at step %d", ckpt.step_dir(resume), start_step)
+    if changed:
+      logging.warning("config differs from the checkpoint's: %s",
+                      ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed))
   if is_main:
     _write_json_atomic(os.path.join(workdir, "config.json"), resolved)
-
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
-                      async_save=config.checkpoint.async_save)
-  start_step = 0
-  latest = ckpt.latest_step()
-  if latest is not None:
-    state, meta = ckpt.restore(latest, {"params": params, "opt_state": opt_state})
-    params, opt_state = state["params"], state["opt_state"]
-    start_step = int(meta["step"])
-    logging.info("resumed from %s at step %d", ckpt.directory, start_step)
-
-  writer = MetricsWriter(workdir, enabled=is_main, truncate_after_step=start_step)
+  # A run killed before its first checkpoint starts over: drop its step-0 line too.
+  writer = MetricsWriter(workdir, enabled=is_main,
+                         truncate_after_step=start_step if start_step > 0 else -1)
   if start_step == 0:
     stats = {f"data/{k}": v for k, v in data.stats().items()}
     writer.write(0, {"params/total": count_params(model), **stats})
-  train_step = make_train_step(graphdef, tx)
+
+  cfg_t = config.train
+  max_bad = cfg_t.max_consecutive_nonfinite
+  train_step = make_train_step(graphdef, tx, max_bad)
   eval_num_steps = None if config.eval.num_steps < 0 else config.eval.num_steps
   trace = config.eval.energy_trace and config.model.block == "cem"
   eval_step = make_eval_step(graphdef, data.tokenizer.token_bytes, eval_num_steps, trace)
-  cfg_t = config.train
   num_steps = cfg_t.num_steps
   tokens_per_step = cfg_t.batch_size * config.data.seq_len
+  guard = jnp.zeros((), jnp.int32)
+  last_saved = resume
 
-  def meta(step):
-    return {"step": step, "data_position": step, "seed": config.seed, "config": resolved}
+  def check_guard():
+    hit = int(jax.device_get(guard))
+    if hit:
+      raise FloatingPointError(
+          f"non-finite loss or gradient in {max_bad} consecutive steps, steps "
+          f"{hit - max_bad + 1}..{hit} (train.max_consecutive_nonfinite={max_bad}); the "
+          f"updates were skipped and the last checkpoint is step {last_saved}; lower "
+          "train.learning_rate or raise train.warmup_steps"
+      )
 
-  last_eval = {}
+  def save(done: int, force: bool) -> None:
+    nonlocal last_saved
+    check_guard()
+    state = {"params": params, "opt_state": opt_state}
+    if not bool(jax.device_get(_all_finite(state))):
+      raise FloatingPointError(
+          f"non-finite parameters or optimizer state at step {done}: not saved (the last "
+          f"checkpoint is step {last_saved}); lower train.learning_rate"
+      )
+    meta = {"step": done, "data_position": done, "seed": config.seed, "config": resolved}
+    if ckpt.save(done, state, meta, force=force):
+      last_saved = done
+
+  last_eval = _last_eval(workdir) if start_step >= num_steps else {}
   t_start = t_log = time.perf_counter()
   step_at_log = start_step
-  for step in range(start_step, num_steps):
-    batch = data.train.batch(step, jax.process_index(), jax.process_count())
-    params, opt_state, m = train_step(params, opt_state, batch)
-    done = step + 1
-    if done % cfg_t.log_every_steps == 0 or done == num_steps:
-      m = jax.device_get(m)
-      if int(m["nonfinite_consecutive"]) >= cfg_t.max_consecutive_nonfinite:
-        raise FloatingPointError(
-            f"{int(m['nonfinite_consecutive'])} consecutive non-finite loss/gradient steps up "
-            f"to step {done} (train.max_consecutive_nonfinite="
-            f"{cfg_t.max_consecutive_nonfinite}); lower train.learning_rate"
-        )
-      now = time.perf_counter()
-      rate = (done - step_at_log) * tokens_per_step / max(now - t_log, 1e-9)
-      writer.write(done, {
-          "train/loss": float(m["loss"]),
-          "train/grad_norm": float(m["grad_norm"]),
-          "train/learning_rate": float(schedule(step)),
-          "train/tokens_per_sec": rate,
-          "train/nonfinite_steps": int(m["nonfinite_total"]),
-      })
-      eta = (now - t_start) / max(done - start_step, 1) * (num_steps - done)
-      logging.info("step %d/%d  loss %.4f  %.0f tok/s  ETA %s", done, num_steps,
-                   float(m["loss"]), rate, _format_eta(eta))
-      t_log, step_at_log = now, done
-    if done % cfg_t.eval_every_steps == 0 or done == num_steps:
-      last_eval = evaluate(eval_step, params, data, config)
-      writer.write(done, last_eval)
-      logging.info("eval at step %d: loss %.4f  ppl %.2f  bits/byte %.4f", done,
-                   last_eval["eval/loss"], last_eval["eval/perplexity"],
-                   last_eval["eval/bits_per_byte"])
-    if done % config.checkpoint.every_steps == 0 or done == num_steps:
-      ckpt.save(done, {"params": params, "opt_state": opt_state}, meta(done),
-                force=done == num_steps)
-  ckpt.wait()
+  try:
+    with _Preemption() as preemption:
+      for step in range(start_step, num_steps):
+        batch = data.train.batch(step, jax.process_index(), jax.process_count())
+        done = step + 1
+        params, opt_state, m = train_step(params, opt_state, batch, guard, np.int32(done))
+        guard = m["nonfinite_guard"]
+        if done % cfg_t.log_every_steps == 0 or done == num_steps:
+          check_guard()
+          m = jax.device_get(m)
+          now = time.perf_counter()
+          rate = (done - step_at_log) * tokens_per_step / max(now - t_log, 1e-9)
+          writer.write(done, {
+              "train/loss": float(m["loss"]),
+              "train/grad_norm": float(m["grad_norm"]),
+              "train/learning_rate": float(schedule(step)),
+              "train/tokens_per_sec": rate,
+              "train/nonfinite_steps": int(m["nonfinite_total"]),
+          })
+          eta = (now - t_start) / max(done - start_step, 1) * (num_steps - done)
+          logging.info("step %d/%d  loss %.4f  %.0f tok/s  ETA %s", done, num_steps,
+                       float(m["loss"]), rate, _format_eta(eta))
+          t_log, step_at_log = now, done
+        if done % cfg_t.eval_every_steps == 0 or done == num_steps:
+          last_eval = evaluate(eval_step, params, data, config)
+          writer.write(done, last_eval)
+          logging.info("eval at step %d: loss %.4f  ppl %.2f  bits/byte %.4f", done,
+                       last_eval["eval/loss"], last_eval["eval/perplexity"],
+                       last_eval["eval/bits_per_byte"])
+        preempted = preemption.requested or (
+            jax.process_count() > 1 and ckpt.manager.reached_preemption(done))
+        if preempted or done == num_steps or ckpt.should_save(done):
+          save(done, force=preempted or done == num_steps)
+        if preempted:
+          ckpt.wait()
+          logging.warning("preempted (SIGTERM): saved step %d in %s; rerun the same command to "
+                          "resume", done, ckpt.directory)
+          break
+  except BaseException:
+    # Saves already started passed the checks: let them commit before the error propagates.
+    try:
+      ckpt.close()
+    except Exception:  # noqa: BLE001 - the original error matters more
+      logging.exception("could not finish the pending checkpoint save")
+    writer.close()
+    raise
   ckpt.close()
   writer.close()
   return last_eval

@@ -1,0 +1,445 @@
+"""Checkpoints: exact resume after SIGKILL/SIGTERM/damage, integrity, other device counts.
+
+The scripted "done when" check of issue 4 is ``test_resume_after_kill_term_and_damage_is_exact``:
+one uninterrupted 40-step run against one run that is SIGKILLed at step >= 20, resumed and
+SIGTERMed at step >= 30, resumed to the end, then has a byte of its newest checkpoint flipped
+and is resumed again; every train loss (logged every step) must match. All runs go through the
+command line, as a user or a scheduler would restart them.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from conftest import tiny_config
+from flax import nnx
+
+from cem_jax import train
+from cem_jax.checkpoint import Checkpointer, CheckpointError
+from cem_jax.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A model small enough to compile in seconds but slow enough per step (~20 ms on 2 cores) that
+# a kill lands mid-run.
+RUN_CONFIG = """
+from cem_jax.config import get_default_config
+
+
+def get_config():
+  c = get_default_config()
+  c.model.d_model, c.model.num_heads, c.model.mlp_dim, c.model.num_layers = 64, 2, 128, 1
+  c.data.files = {files!r}
+  c.data.seq_len, c.data.vocab_size = 64, 512
+  c.train.batch_size, c.train.num_steps, c.train.warmup_steps = 16, 40, 5
+  c.train.log_every_steps, c.train.eval_every_steps = 1, 20
+  c.eval.batch_size, c.eval.max_batches, c.eval.energy_trace = 16, 2, False
+  c.checkpoint.every_steps, c.checkpoint.keep, c.checkpoint.async_save = 5, 3, True
+  return c
+"""
+
+
+def _env(cache_dir) -> dict:
+  # A compilation cache shared by this module's subprocesses: each run compiles in ~1 s instead
+  # of ~6 s. Cached executables are the same programs, so losses are unaffected.
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  return env
+
+
+@pytest.fixture(scope="module")
+def run_setup(tmp_path_factory):
+  root = tmp_path_factory.mktemp("resume")
+  config = root / "run_config.py"
+  config.write_text(RUN_CONFIG.format(files=str(REPO.parent / "shared" / "data" /
+                                                  "tinyshakespeare.txt")))
+  return config, _env(root / "jax_cache")
+
+
+def _cli(config: Path, workdir: Path) -> list[str]:
+  return [sys.executable, "-m", "cem_jax.main", f"--config={config}", f"--workdir={workdir}"]
+
+
+def _losses(workdir: Path) -> dict[int, float]:
+  lines = [m for m in read_metrics(str(workdir)) if "train/loss" in m]
+  steps = [m["step"] for m in lines]
+  assert len(steps) == len(set(steps)), f"a step is logged twice: {steps}"
+  return {m["step"]: m["train/loss"] for m in lines}
+
+
+def _max_metric_step(workdir: Path) -> int:
+  try:
+    text = (workdir / "metrics.jsonl").read_text()
+  except FileNotFoundError:
+    return -1
+  steps = [json.loads(line)["step"] for line in text.splitlines() if line.endswith("}")]
+  return max(steps, default=-1)
+
+
+def _start_and_signal(cmd, env, workdir: Path, at_step: int, sig) -> subprocess.CompletedProcess:
+  """Starts ``cmd``; sends ``sig`` once metrics.jsonl shows a step >= ``at_step`` (or that
+  step's checkpoint exists); returns the finished process."""
+  # A resumed run first truncates metrics.jsonl: ignore what an earlier run left there.
+  stale = _max_metric_step(workdir)
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  seen_restart = stale < 0
+  while proc.poll() is None and time.time() < deadline:
+    step = _max_metric_step(workdir)
+    seen_restart = seen_restart or step < stale
+    if seen_restart and (step >= at_step or (workdir / "checkpoints" / str(at_step)).is_dir()):
+      proc.send_signal(sig)
+      break
+    time.sleep(0.005)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode is not None
+  return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _flip_byte(path: Path) -> None:
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x01
+  path.write_bytes(bytes(data))
+
+
+def test_resume_after_kill_term_and_damage_is_exact(run_setup, tmp_path):
+  config, env = run_setup
+  ref_dir, run_dir = tmp_path / "reference", tmp_path / "interrupted"
+  reference = subprocess.Popen(_cli(config, ref_dir), cwd=REPO, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+  # 1. SIGKILL at step >= 20 (possibly mid-save: saves are asynchronous, every 5 steps).
+  killed = _start_and_signal(_cli(config, run_dir), env, run_dir, 20, signal.SIGKILL)
+  assert killed.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+  killed_at = _max_metric_step(run_dir)
+  assert 20 <= killed_at < 40
+
+  # 2. Same command: resumes; SIGTERM at step >= 30 saves at the next step boundary, exits 0.
+  termed = _start_and_signal(_cli(config, run_dir), env, run_dir, 30, signal.SIGTERM)
+  assert termed.returncode == 0, termed.stderr[-3000:]
+  assert "resumed from" in termed.stderr
+  assert "preempted (SIGTERM)" in termed.stderr
+  stopped_at = _max_metric_step(run_dir)
+  assert 30 <= stopped_at < 40
+  ckpt = Checkpointer(str(run_dir / "checkpoints"))
+  assert ckpt.latest_step() == stopped_at and ckpt.verify(stopped_at) == []  # no step lost
+  ckpt.close()
+
+  # 3. Same command: runs to the end.
+  finished = subprocess.run(_cli(config, run_dir), cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+  assert finished.returncode == 0, finished.stderr[-3000:]
+  assert reference.wait(timeout=300) == 0, reference.stderr.read()[-3000:]
+  ref = _losses(ref_dir)
+  assert sorted(ref) == list(range(1, 41))
+  after_kill = _losses(run_dir)
+  assert sorted(after_kill) == list(range(1, 41))
+  delta_kill_term = max(abs(after_kill[s] - ref[s]) for s in ref)
+  assert delta_kill_term <= 1e-6, delta_kill_term
+
+  # 4. A flipped byte in the newest step (40): reported, step 35 used, still exact.
+  files = sorted((run_dir / "checkpoints" / "40" / "state").rglob("ocdbt.process_0/d/*"),
+                 key=lambda p: p.stat().st_size)
+  _flip_byte(files[-1])
+  damaged = subprocess.run(_cli(config, run_dir), cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
+  assert damaged.returncode == 0, damaged.stderr[-3000:]
+  assert "checkpoint step 40 is damaged" in damaged.stderr and files[-1].name in damaged.stderr
+  assert "at step 35" in damaged.stderr
+  after_flip = _losses(run_dir)
+  assert sorted(after_flip) == list(range(1, 41))
+  delta_flip = max(abs(after_flip[s] - ref[s]) for s in ref)
+  assert delta_flip <= 1e-6, delta_flip
+  evals = {m["step"]: m["eval/loss"] for m in read_metrics(str(run_dir)) if "eval/loss" in m}
+  ref_evals = {m["step"]: m["eval/loss"] for m in read_metrics(str(ref_dir)) if "eval/loss" in m}
+  assert evals == ref_evals
+  print(f"\nresume check: killed at {killed_at}, SIGTERM stop at {stopped_at}; "
+        f"max |dloss| kill+term {delta_kill_term:.3g}, after flip {delta_flip:.3g}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Integrity of single steps (no training: a few small arrays).
+
+
+def _small_state(k: float):
+  return {"w": jnp.arange(1000.0) * k, "b": {"c": jnp.full((3, 4), k)}}
+
+
+def _save_steps(directory, steps=(1, 2, 3)) -> Checkpointer:
+  ckpt = Checkpointer(str(directory), keep=5)
+  for s in steps:
+    assert ckpt.save(s, _small_state(float(s)), {"step": s}, force=True)
+  ckpt.wait()
+  return ckpt
+
+
+def _largest_file(step_dir: Path) -> Path:
+  files = [p for p in step_dir.rglob("*") if p.is_file() and p.name != "_CHECKPOINT_METADATA"]
+  return max(files, key=lambda p: p.stat().st_size)
+
+
+def _empty(step_dir: Path) -> str:
+  shutil.rmtree(step_dir)
+  step_dir.mkdir()
+  return str(step_dir)
+
+
+def _truncate(step_dir: Path) -> str:
+  path = _largest_file(step_dir)
+  with open(path, "r+b") as f:
+    f.truncate(path.stat().st_size // 2)
+  return path.name
+
+
+def _flip(step_dir: Path) -> str:
+  path = _largest_file(step_dir)
+  _flip_byte(path)
+  return path.name
+
+
+def _no_commit_marker(step_dir: Path) -> str:
+  (step_dir / "commit_success.txt").unlink()
+  return "commit_success.txt"
+
+
+def _no_digest(step_dir: Path) -> str:
+  path = step_dir.parent / "digests" / f"{step_dir.name}.json"
+  path.unlink()
+  return path.name
+
+
+@pytest.mark.parametrize("damage", [_empty, _truncate, _flip, _no_commit_marker, _no_digest])
+def test_damaged_newest_step_is_reported_and_the_previous_used(damage, tmp_path, caplog):
+  _save_steps(tmp_path).close()
+  named = damage(tmp_path / "3")
+  ckpt = Checkpointer(str(tmp_path), keep=5)
+  assert ckpt.latest_step() == 3  # Orbax alone would restore the damaged step
+  with caplog.at_level("WARNING"):
+    assert ckpt.restorable_step() == 2
+  warning = next(r.getMessage() for r in caplog.records if "step 3 is damaged" in r.getMessage())
+  assert named in warning
+  assert ckpt.all_steps() == [1, 2] and list((tmp_path / "rejected").glob("3.*"))
+  state, meta = ckpt.restore(2, _small_state(0.0))
+  np.testing.assert_array_equal(state["w"], np.arange(1000.0) * 2)
+  assert meta == {"step": 2}
+  # The step number can be saved again, and then verifies.
+  assert ckpt.save(3, _small_state(3.0), {"step": 3}, force=True)
+  ckpt.wait()
+  assert ckpt.verify(3) == [] and ckpt.restorable_step() == 3
+  ckpt.close()
+
+
+def test_no_intact_step_is_a_clear_error(tmp_path):
+  _save_steps(tmp_path, steps=(1, 2)).close()
+  _truncate(tmp_path / "1")
+  _flip(tmp_path / "2")
+  ckpt = Checkpointer(str(tmp_path))
+  with pytest.raises(CheckpointError) as e:
+    ckpt.restorable_step()
+  msg = str(e.value)
+  assert "no intact checkpoint" in msg and "step 2:" in msg and "step 1:" in msg
+  assert "\n" not in msg
+  assert ckpt.all_steps() == [1, 2]  # nothing moved: the user decides
+  ckpt.close()
+
+
+def test_digests_follow_keep(tmp_path):
+  ckpt = Checkpointer(str(tmp_path), keep=2)
+  for s in range(1, 6):
+    ckpt.save(s, _small_state(float(s)), {"step": s}, force=True)
+  ckpt.close()
+  assert ckpt.all_steps() == [4, 5]
+  assert sorted(p.name for p in (tmp_path / "digests").iterdir()) == ["4.json", "5.json"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Restore targets: optax types, mismatches, other devices.
+
+
+def _model_state(d_model=32, tx=None):
+  cfg = tiny_config("cem", **{"model.d_model": d_model, "model.mlp_dim": 64,
+                              "model.num_layers": 1, "model.num_heads": 2})
+  _, params = nnx.split(train.build_model(cfg, 64), nnx.Param)
+  tx = tx or train.make_optimizer(cfg.train)[0]
+  return {"params": params, "opt_state": tx.init(params)}, tx
+
+
+def test_optimizer_state_round_trips_to_optax_types(tmp_path):
+  """Restored without a target, Orbax returns dicts and lists where optax had namedtuples
+  (then ``tx.update`` fails); restored onto ``tx.init``'s tree, the structure is identical."""
+  state, tx = _model_state()
+  ckpt = Checkpointer(str(tmp_path))
+  ckpt.save(1, state, {"step": 1}, force=True)
+  ckpt.wait()
+  generic = ckpt.manager.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  assert isinstance(generic["state"]["opt_state"], dict)
+  assert jax.tree.structure(generic["state"]["opt_state"]) != jax.tree.structure(
+      state["opt_state"])
+
+  restored, _ = ckpt.restore(1, state)
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  assert type(restored["opt_state"]) is type(state["opt_state"])
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+    np.testing.assert_array_equal(a, b)
+  grads = jax.tree.map(jnp.ones_like, restored["params"])
+  tx.update(grads, restored["opt_state"], restored["params"])  # usable as is
+  ckpt.close()
+
+
+def test_mismatch_names_the_keys(tmp_path):
+  state, _ = _model_state(d_model=32)
+  ckpt = Checkpointer(str(tmp_path))
+  ckpt.save(1, state, {"step": 1}, force=True)
+  ckpt.wait()
+  wider, _ = _model_state(d_model=64)
+  with pytest.raises(CheckpointError) as e:
+    ckpt.restore(1, wider)
+  msg = str(e.value)
+  assert "\n" not in msg and "checkpoint step 1" in msg
+  assert ("params/blocks/0/attn/w_k/value saved (32, 2, 16) float32 vs now (64, 2, 32) float32"
+          in msg)
+
+  # Another optax chain (no clipping, no apply_if_finite): the state tree differs.
+  plain = optax.adamw(1e-3)
+  other = {"params": state["params"], "opt_state": plain.init(state["params"])}
+  with pytest.raises(CheckpointError) as e:
+    ckpt.restore(1, other)
+  msg = str(e.value)
+  assert "not in checkpoint: opt_state/0/count" in msg
+  assert "only in checkpoint: opt_state/inner_state/" in msg
+  ckpt.close()
+
+
+def test_resume_with_a_changed_model_fails_and_keeps_the_run(run_setup, tmp_path):
+  config, env = run_setup
+  # The module's run unchanged (its executables are in the compilation cache), then wider.
+  first = subprocess.run(_cli(config, tmp_path), cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+  assert first.returncode == 0, first.stderr[-3000:]
+  before = {p: p.read_bytes() for p in (tmp_path / "config.json", tmp_path / "metrics.jsonl")}
+  wider = subprocess.run(_cli(config, tmp_path) + ["--config.model.d_model=96"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=300)
+  assert wider.returncode == 1
+  error = wider.stderr.strip().splitlines()[-1]
+  assert error.startswith("error: checkpoint step 40 in ") and "does not fit" in error
+  assert "params/blocks/0/attn/w_k/value saved (64, 2, 32) float32 vs now (96, 2, 48)" in error
+  assert {p: p.read_bytes() for p in before} == before  # the run is left as it was
+  assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [30, 35, 40]
+
+
+_DEVICES_SCRIPT = textwrap.dedent("""
+    import hashlib, json, sys
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from flax import nnx
+    sys.path.insert(0, {tests!r})
+    from conftest import tiny_config
+    from cem_jax import train
+    from cem_jax.checkpoint import Checkpointer
+
+    mode, directory = sys.argv[1], sys.argv[2]
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    cfg = tiny_config("cem", **{{"model.d_model": 32, "model.mlp_dim": 64,
+                                 "model.num_layers": 1, "model.num_heads": 2}})
+    tx = train.make_optimizer(cfg.train)[0]
+
+    def sharding(shape):  # shard the first axis over all devices where it divides, else replicate
+      return NamedSharding(mesh, P("data") if shape and shape[0] % n == 0 else P())
+
+    def digests(tree):
+      return {{jax.tree_util.keystr(k): hashlib.sha256(np.asarray(v).tobytes()).hexdigest()
+              for k, v in jax.tree_util.tree_leaves_with_path(tree)}}
+
+    ckpt = Checkpointer(directory)
+    if mode == "save":
+      _, params = nnx.split(train.build_model(cfg, 64), nnx.Param)
+      state = {{"params": params, "opt_state": tx.init(params)}}
+      # Not the initial values: one real update, so the moments are not zeros.
+      grads = jax.tree.map(lambda x: jax.numpy.cos(x) + 0.5, params)
+      updates, state["opt_state"] = tx.update(grads, state["opt_state"], params)
+      state["params"] = jax.tree.map(lambda p, u: p + u, params, updates)
+      state = jax.tree.map(lambda x: jax.device_put(x, sharding(x.shape)), state)
+      ckpt.save(1, state, {{"step": 1}}, force=True)
+      ckpt.close()
+    else:
+      # An abstract target built on the current devices, with no checkpoint values in it.
+      # (Shapes from a concrete model: nnx.eval_shape cannot trace layers.common's
+      # softplus_inverse, a Python float of an array.)
+      _, params = nnx.split(train.build_model(cfg, 64), nnx.Param)
+      target = {{"params": params, "opt_state": jax.eval_shape(tx.init, params)}}
+      target = jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x.shape)), target)
+      state, _ = ckpt.restore(ckpt.restorable_step(), target)
+      assert jax.tree.structure(state) == jax.tree.structure(target)
+      for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(target), strict=True):
+        assert got.sharding == want.sharding, (got.sharding, want.sharding)
+      state = {{"params": state["params"], "opt_state": state["opt_state"]}}
+      ckpt.close()
+    sharded = sum(1 for x in jax.tree.leaves(state) if not x.sharding.is_fully_replicated)
+    print(json.dumps({{"devices": n, "sharded_leaves": sharded, "digests": digests(state)}}))
+""")
+
+
+def test_restore_on_8_4_and_1_devices_is_bit_identical(tmp_path):
+  script = tmp_path / "devices.py"
+  script.write_text(_DEVICES_SCRIPT.format(tests=str(REPO / "tests")))
+  env = _env(tmp_path / "jax_cache")
+  results = []
+  for mode, n in (("save", 8), ("restore", 4), ("restore", 1)):
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+    proc = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "ckpt")], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+  assert [r["devices"] for r in results] == [8, 4, 1]
+  assert results[0]["sharded_leaves"] > 0 and results[1]["sharded_leaves"] > 0
+  assert results[2]["sharded_leaves"] == 0
+  assert results[0]["digests"] == results[1]["digests"] == results[2]["digests"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A save killed midway.
+
+
+def test_leftover_tmp_folder_and_uncommitted_step_after_a_kill(run_setup, tmp_path):
+  """A kill mid-save leaves ``<step>.orbax-checkpoint-tmp*``, and on file systems without
+  atomic rename a step folder without ``commit_success.txt``, which Orbax lists as a finished
+  step. Resume must start from the newest complete step and keep saving."""
+  config, env = run_setup
+  cmd = _cli(config, tmp_path)
+  first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert first.returncode == 0, first.stderr[-3000:]
+  losses = _losses(tmp_path)
+  ckpts = tmp_path / "checkpoints"
+  assert Checkpointer(str(ckpts)).all_steps() == [30, 35, 40]
+  # Step 40 died before its commit marker (its files and digest were written); a later attempt
+  # at step 36 died mid-write and left its temporary folder.
+  (ckpts / "40" / "commit_success.txt").unlink()
+  shutil.copytree(ckpts / "35", ckpts / "36.orbax-checkpoint-tmp-1234")
+
+  again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "checkpoint step 40 is damaged" in again.stderr and "commit_success.txt" in again.stderr
+  assert "at step 35" in again.stderr
+  assert not list(ckpts.glob("*.orbax-checkpoint-tmp*"))
+  ckpt = Checkpointer(str(ckpts))
+  assert ckpt.all_steps() == [30, 35, 40]
+  assert all(ckpt.verify(s) == [] for s in ckpt.all_steps())
+  ckpt.close()
+  assert _losses(tmp_path) == losses  # steps 36 to 40 again, exactly
