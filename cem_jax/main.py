@@ -1,10 +1,15 @@
 """Train a model: ``python -m cem_jax.main --config=experiments/tiny.py --workdir=DIR``.
 
-Any config key can be overridden: ``--config.model.num_layers=2 --config.data.files=a.txt``.
+Any config key can be overridden: ``--config.model.num_layers=2 --config.data.files=a.txt``;
+a misspelt key or a value of the wrong type fails while the flags are parsed. Rerunning the same
+command resumes from the newest intact checkpoint in ``DIR``. Exit status: 0 when done or
+stopped by SIGTERM after saving (preemption), 1 with a one-line ``error: ...`` for bad input or
+a diverged run.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 
 from absl import app, flags, logging
@@ -24,6 +29,27 @@ class _QuietLibraries(logging.logging.Filter):
     return not noisy or record.levelno >= logging.logging.WARNING
 
 
+def _parse_flags(argv):
+  """absl's flag parsing, with a one-line error for a misspelt ``--config.KEY`` override.
+
+  A wrong type already fails in absl with one line; a key that does not exist raises a bare
+  ``AttributeError``/``KeyError`` from ml_collections, which would print a traceback.
+  """
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as e:
+    text = str(e)
+    name = re.search(r"'(\w+)", text)
+    name = name.group(1) if name else text
+    hint = re.search(r'Did you mean "(\w+)"', text)
+    hint = f"did you mean {hint.group(1)!r}?" if hint else "see cem_jax/config.py for the fields"
+    bad = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.") and
+           name in a.split("=", 1)[0].split(".")]
+    where = bad[0] if bad else "--config"
+    print(f"error: {where}: the config has no field {name!r}; {hint}", file=sys.stderr)
+    sys.exit(1)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -33,11 +59,13 @@ def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraries())
   try:
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (ValueError, FileNotFoundError, FloatingPointError, PermissionError) as e:
+  except (ValueError, OSError, FloatingPointError) as e:
+    # Bad input (config, data, workdir, checkpoint) or a diverged run: one line, exit status 1.
+    # Anything else is a bug and keeps its traceback.
     logging.error("%s", e)
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

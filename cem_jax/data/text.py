@@ -87,7 +87,8 @@ def read_documents(paths: Sequence[Path]) -> list[str]:
   docs = [decode_utf8(Path(p).read_bytes(), p) for p in paths]
   if not any(doc.strip() for doc in docs):
     names = ", ".join(os.fspath(p) for p in paths)
-    raise ValueError(f"data.files: the corpus is empty (only empty or whitespace files): {names}")
+    raise ValueError(f"data.files: the corpus is empty (only empty or whitespace files): {names}; "
+                     "point data.files at files with text")
   return docs
 
 

@@ -243,7 +243,8 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Tokenizer:
   """
   path = Path(os.path.expanduser(os.fspath(path)))
   if not path.is_file():
-    raise FileNotFoundError(f"data.tokenizer={os.fspath(path)!r}: no such file")
+    raise FileNotFoundError(f"data.tokenizer={os.fspath(path)!r}: no such file; give a "
+                            "SentencePiece .model file, or data.tokenizer='' to train one")
   try:
     tok = Tokenizer.from_file(path)
   except RuntimeError as e:

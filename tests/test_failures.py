@@ -1,0 +1,324 @@
+"""Bad input and failing runs: one clear line, a non-zero exit, nothing misleading left behind.
+
+Each case of the catalogue checks the message (field or file, value, fix), that it is one line,
+and that a workdir that did not exist before is not left behind (so no ``config.json``,
+``metrics.jsonl`` or ``checkpoints/`` can be mistaken for a run). A few go through the command
+line; the rest call ``train_and_evaluate`` directly (the same code, without a new process).
+Also here: the non-finite guard, and regression tests reduced from public bug reports.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl import flags
+from conftest import tiny_config
+from flax import nnx
+from ml_collections import config_flags
+
+from cem_jax import config as config_lib
+from cem_jax import data as data_lib
+from cem_jax import energies, train
+from cem_jax.checkpoint import Checkpointer
+from cem_jax.data import pipeline
+from cem_jax.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_FILE = """
+from cem_jax.config import get_default_config
+
+
+def get_config():
+  return get_default_config()
+"""
+
+
+@pytest.fixture
+def texts(tmp_path, shared_data) -> Path:
+  folder = tmp_path / "texts"
+  folder.mkdir()
+  (folder / "empty.txt").write_text("\n   \n\n")
+  (folder / "latin1.txt").write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+  (folder / "small.txt").write_text((shared_data / "tinyshakespeare.txt").read_text()[:3000])
+  return folder
+
+
+def _run_cli(args, env=None) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "cem_jax.main", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def _last_line(proc) -> str:
+  return proc.stderr.strip().splitlines()[-1]
+
+
+def _assert_nothing_left(workdir: Path, existed: bool = False) -> None:
+  if not existed:
+    assert not workdir.exists(), sorted(os.listdir(workdir))
+    return
+  for name in ("config.json", "metrics.jsonl", "checkpoints"):
+    assert not (workdir / name).exists(), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: parse time.
+
+
+def _parse(tmp_path, *args):
+  """Parses flags as ``python -m cem_jax.main`` does; returns the resolved config."""
+  path = tmp_path / "cfg.py"
+  path.write_text(CONFIG_FILE)
+  argv = ["prog", f"--config={path}", *args]
+  values = flags.FlagValues()
+  # The overrides are read from argv when --config is parsed (sys.argv by default).
+  holder = config_flags.DEFINE_config_file("config", None, "", flag_values=values,
+                                           lock_config=True, sys_argv=argv)
+  values(argv)
+  return holder.value
+
+
+def test_every_config_field_is_overridable_from_the_command_line(tmp_path):
+  """No field defaults to None (ml_collections cannot parse a value for a None field): an
+  'unset' field has a typed sentinel ('' or -1), so it can still be set on the command line."""
+  flat = config_lib.get_default_config().to_dict()
+
+  def leaves(d, prefix=""):
+    for k, v in d.items():
+      yield from leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+
+  assert [k for k, v in leaves(flat) if v is None] == []
+  cfg = _parse(tmp_path, "--config.data.tokenizer=/some/spm.model", "--config.eval.num_steps=3",
+               "--config.mesh.data=2", "--config.data.files=a.txt,b.txt")
+  assert (cfg.data.tokenizer, cfg.eval.num_steps, cfg.mesh.data) == ("/some/spm.model", 3, 2)
+  assert cfg.data.files == "a.txt,b.txt"
+
+
+@pytest.mark.parametrize("arg, field", [("--config.train.num_steps=ten", "num_steps"),
+                                        ("--config.train.batch_size=1.5", "batch_size"),
+                                        ("--config.model.rope=maybe", "rope"),
+                                        ("--config.train.numsteps=10", "numsteps")])
+def test_config_typos_and_wrong_types_fail_at_parse_time(tmp_path, arg, field):
+  # A typo surfaces as ml_collections' AttributeError; main.py turns it into one line.
+  with pytest.raises((flags.Error, AttributeError), match=field):
+    _parse(tmp_path, arg)
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("--config.train.batch_size=eight",
+     "FATAL Flags parsing error: flag --config.train.batch_size=eight: invalid literal for "
+     "int() with base 10: 'eight'"),
+    ("--config.train.batchsize=8",
+     "error: --config.train.batchsize: the config has no field 'batchsize'; did you mean "
+     "'batch_size'?"),
+])
+def test_cli_config_errors_exit_before_anything_is_written(tmp_path, arg, expected):
+  (tmp_path / "cfg.py").write_text(CONFIG_FILE)
+  proc = _run_cli([f"--config={tmp_path / 'cfg.py'}", f"--workdir={tmp_path / 'w'}", arg])
+  assert proc.returncode == 1
+  assert expected in proc.stderr.strip().splitlines()
+  assert "Traceback" not in proc.stderr
+  _assert_nothing_left(tmp_path / "w")
+
+
+def test_validation_names_field_value_and_what_is_allowed():
+  cfg = tiny_config("cem")
+  cfg.mesh.data = 0
+  with pytest.raises(ValueError, match=r"^mesh\.data=0; allowed: -1 \(the devices left over\) "
+                                       r"or an int >= 1$"):
+    config_lib.validate(cfg)
+  cfg = tiny_config("cem", **{"checkpoint.keep": 0})
+  with pytest.raises(ValueError, match=r"^checkpoint\.keep=0 must be >= 1$"):
+    config_lib.validate(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data and workdir: start-up, through train_and_evaluate.
+
+
+def _data_case(name, texts: Path):
+  """(config overrides, exception type, regex of the message) of catalogue case ``name``."""
+  return {
+      "empty corpus": ({"data.files": str(texts / "empty.txt")}, ValueError,
+                       r"^data\.files: the corpus is empty .*empty\.txt; point data\.files at "),
+      "not UTF-8": ({"data.files": str(texts / "latin1.txt")}, ValueError,
+                    r"latin1\.txt: not UTF-8 text: byte 0xe9 at byte offset 3 .*; convert the "
+                    r"file to UTF-8$"),
+      "vocab too large": ({"data.files": str(texts / "small.txt"), "data.vocab_size": 5000},
+                          ValueError, r"^data\.vocab_size=5000 is too large for this training "
+                                      r"text .*: the maximum allowed is \d+$"),
+      "seq_len too long": ({"data.files": str(texts / "small.txt"), "data.vocab_size": 400,
+                            "data.seq_len": 5000}, ValueError,
+                           r"^data\.seq_len=5000 is too long for the train split: .*; lower "
+                           r"data\.seq_len or use more text$"),
+      "missing tokenizer": ({"data.tokenizer": str(texts / "nope.model")}, FileNotFoundError,
+                            r"^data\.tokenizer='.*nope\.model': no such file; give a "
+                            r"SentencePiece \.model file, or data\.tokenizer='' to train one$"),
+      "glob matches nothing": ({"data.files": str(texts / "missing*.txt")}, ValueError,
+                               r"^data\.files: glob '.*missing\*\.txt' matches no file$"),
+  }[name]
+
+
+@pytest.mark.parametrize("name", ["empty corpus", "not UTF-8", "vocab too large",
+                                  "seq_len too long", "missing tokenizer",
+                                  "glob matches nothing"])
+@pytest.mark.parametrize("existed", [False, True], ids=["new workdir", "existing workdir"])
+def test_bad_data_is_one_line_and_leaves_no_run(name, existed, texts, tmp_path):
+  overrides, error, pattern = _data_case(name, texts)
+  workdir = tmp_path / "w"
+  if existed:
+    workdir.mkdir()
+  with pytest.raises(error, match=pattern) as e:
+    train.train_and_evaluate(tiny_config("llama", **overrides), str(workdir))
+  assert "\n" not in str(e.value)
+  _assert_nothing_left(workdir, existed)
+
+
+def test_cli_empty_corpus(texts, tmp_path):
+  (tmp_path / "cfg.py").write_text(CONFIG_FILE)
+  workdir = tmp_path / "w"
+  proc = _run_cli([f"--config={tmp_path / 'cfg.py'}", f"--workdir={workdir}",
+                   f"--config.data.files={texts / 'empty.txt'}"])
+  assert proc.returncode == 1
+  assert _last_line(proc).startswith("error: data.files: the corpus is empty")
+  _assert_nothing_left(workdir)
+
+
+def test_cli_unwritable_workdir(tmp_path):
+  (tmp_path / "cfg.py").write_text(CONFIG_FILE)
+  (tmp_path / "a_file").write_text("not a folder")
+  workdir = tmp_path / "a_file" / "w"
+  proc = _run_cli([f"--config={tmp_path / 'cfg.py'}", f"--workdir={workdir}"])
+  assert proc.returncode == 1
+  line = _last_line(proc)
+  assert line.startswith(f"error: --workdir='{workdir}' is not a writable folder (")
+  assert line.endswith("; choose another --workdir or fix its permissions")
+  assert (tmp_path / "a_file").read_text() == "not a folder"
+
+
+def test_cli_batch_not_divisible_by_data_parallel_devices(tmp_path):
+  (tmp_path / "cfg.py").write_text(CONFIG_FILE)
+  workdir = tmp_path / "w"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  proc = _run_cli([f"--config={tmp_path / 'cfg.py'}", f"--workdir={workdir}",
+                   "--config.train.batch_size=6"], env=env)
+  assert proc.returncode == 1
+  assert _last_line(proc) == (
+      "error: train.batch_size=6 is not divisible by the 4 data-parallel devices (4 devices, "
+      "mesh.data x mesh.fsdp = 4 x 1); use a multiple of 4, e.g. 8")
+  _assert_nothing_left(workdir)
+
+
+def test_eval_padding_rows_have_zero_weight(shared_data, tmp_path):
+  """The last eval batch is filled with zero-weight rows: any eval batch size gives the same
+  metrics, over exactly the split's predicted tokens."""
+  text = (shared_data / "tinyshakespeare.txt").read_text()[:40_000]
+  (tmp_path / "eval.txt").write_text(text)
+  cfg = tiny_config("llama", **{"data.files": str(tmp_path / "eval.txt"), "data.seq_len": 32,
+                                "model.d_model": 32, "model.mlp_dim": 64, "model.num_heads": 2,
+                                "model.num_layers": 1, "eval.max_batches": -1})
+  data = data_lib.build_data(cfg, str(tmp_path / "w"))
+  padded = next(b for b in (8, 7, 5, 3) if data.eval.num_windows % b)  # last batch padded
+  assert data.eval.num_windows > padded
+  graphdef, params = nnx.split(train.build_model(cfg, data.tokenizer.vocab_size), nnx.Param)
+  step = train.make_eval_step(graphdef, data.tokenizer.token_bytes, None)
+  results = {}
+  for bs in (1, padded):
+    cfg.eval.batch_size = bs
+    results[bs] = train.evaluate(step, params, data, cfg)
+  assert results[1]["eval/tokens"] == results[padded]["eval/tokens"] == data.eval.total_weight()
+  for key in ("eval/loss", "eval/bits_per_byte"):
+    np.testing.assert_allclose(results[padded][key], results[1][key], rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite steps.
+
+
+def test_nonfinite_steps_are_skipped_counted_and_k_in_a_row_stop_the_run(
+    shared_data, tmp_path, monkeypatch):
+  """NaN loss at step 3 (isolated) and at steps 6, 7, 8 (K = 3 in a row), then finite again.
+  The guard is checked only at log/save steps (every 5): the run of three must still be caught
+  at step 10, naming steps 6..8, with nothing saved after step 5."""
+  bad = {3, 6, 7, 8}  # 1-based step numbers, as in metrics.jsonl
+  real_batch = pipeline.TrainBatches.batch
+
+  def batch(self, step, process_index=0, process_count=1):
+    out = real_batch(self, step, process_index, process_count)
+    if step + 1 in bad:
+      out = dict(out, weights=np.full_like(out["weights"], np.nan))
+    return out
+
+  monkeypatch.setattr(pipeline.TrainBatches, "batch", batch)
+  cfg = tiny_config("llama", **{"data.files": str(shared_data / "wikitext2_valid.txt"),
+                                "model.d_model": 32, "model.mlp_dim": 64, "model.num_heads": 2,
+                                "model.num_layers": 1, "data.seq_len": 32,
+                                "train.batch_size": 4, "train.num_steps": 12,
+                                "train.log_every_steps": 5, "train.eval_every_steps": 100,
+                                "train.max_consecutive_nonfinite": 3,
+                                "checkpoint.every_steps": 5, "eval.max_batches": 1})
+  with pytest.raises(FloatingPointError) as e:
+    train.train_and_evaluate(cfg, str(tmp_path))
+  msg = str(e.value)
+  assert "\n" not in msg
+  assert msg.startswith("non-finite loss or gradient in 3 consecutive steps, steps 6..8 "
+                        "(train.max_consecutive_nonfinite=3)")
+  assert "the last checkpoint is step 5" in msg
+  lines = [m for m in read_metrics(str(tmp_path)) if "train/loss" in m]
+  assert [m["step"] for m in lines] == [5]
+  assert lines[0]["train/nonfinite_steps"] == 1  # step 3, skipped and counted
+
+  ckpt = Checkpointer(str(tmp_path / "checkpoints"))
+  assert ckpt.all_steps() == [5]
+  _, params = nnx.split(train.build_model(cfg, 512), nnx.Param)
+  tx = train.make_optimizer(cfg.train)[0]
+  state, meta = ckpt.restore(5, {"params": params, "opt_state": tx.init(params)})
+  ckpt.close()
+  assert meta["step"] == 5
+  assert bool(train._all_finite(state))
+  opt = state["opt_state"]
+  assert int(opt.total_notfinite) == 1 and int(opt.notfinite_count) == 0
+  # The inner (Adam, schedule) counters count applied updates only: 4 of the 5 steps.
+  counts = [int(v) for p, v in jax.tree_util.tree_leaves_with_path(opt.inner_state)
+            if jax.tree_util.keystr(p).endswith(".count")]
+  assert counts and set(counts) == {4}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reduced from public bug reports.
+
+
+def test_custom_jvp_potential_has_the_plain_hessian():
+  """A ``custom_jvp`` rule is differentiated again for second derivatives; a rule whose tangent
+  is not itself differentiable (or ``jax.grad`` through ``spence``, NaN) would give a Hessian
+  that differs from the plain function's. Φ_silu's must be silu' exactly, in every mode, and
+  Hessian-vector products through the MLP energy must be finite and match finite differences
+  of the closed-form update."""
+  z = jnp.concatenate([jnp.linspace(-30.0, 30.0, 61), jnp.array([-2.0, 2.0, 1.999, 2.001,
+                                                                 1e-4])])
+  silu_prime = jax.vmap(jax.grad(jax.nn.silu))(z)
+  # Forward-over-reverse (jax.hessian) and reverse-over-reverse; eager, as silu' above, so
+  # that no fusion reorders the arithmetic.
+  for second in (jax.hessian, lambda g: jax.grad(jax.grad(g))):
+    np.testing.assert_array_equal(jax.vmap(second(energies.phi_silu))(z), silu_prime)
+
+  energy, fused_update = energies.make_gated_energy("silu")
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(0)  # numpy: eager jax.random would compile op by op
+    d, f = 8, 16
+    params = {"w": jnp.asarray(rng.standard_normal((d, f)) / 3),
+              "g": jnp.asarray(rng.standard_normal((d, f)) / 3), "eta": jnp.float64(0.7)}
+    y, ctx, v = (jnp.asarray(rng.standard_normal((2, 3, d))) for _ in range(3))
+    grad = jax.grad(lambda y_: energy(y_, ctx, params))
+    hvp = jax.jit(lambda y_, v_: jax.jvp(grad, (y_,), (v_,))[1])(y, v)
+    assert bool(jnp.all(jnp.isfinite(hvp)))
+    eps = 1e-4  # -∇E is the fused update (float64 throughout): central differences of it
+    fd = -(fused_update(y + eps * v, ctx, params) - fused_update(y - eps * v, ctx, params)) / (
+        2 * eps)
+    # The energy itself runs in float32 (by design), so agreement is to float32 precision.
+    np.testing.assert_allclose(np.asarray(hvp), np.asarray(fd), rtol=2e-4, atol=2e-5)
