@@ -114,12 +114,15 @@ class Checkpointer:
     every_steps: save interval (``checkpoint.every_steps``): :meth:`should_save` is true on
       multiples of it (and at a multi-host preemption sync point).
     async_save: False waits for each save to finish before :meth:`save` returns.
+    read_only: for tools that only restore (e.g. evaluating a run that may still be training):
+      nothing is created, cleaned up or moved aside; damaged steps are only skipped.
   """
 
   def __init__(self, directory: str, keep: int = 3, every_steps: int = 1,
-               async_save: bool = True):
+               async_save: bool = True, read_only: bool = False):
     self.directory = os.path.abspath(directory)
     self.async_save = async_save
+    self.read_only = read_only
     self._saving_step: int | None = None
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
@@ -133,8 +136,11 @@ class Checkpointer:
         # is an async one followed by a wait.
         enable_async_checkpointing=True,
         async_options=ocp.AsyncOptions(post_finalization_callback=self._write_digest),
-        create=True,
-        cleanup_tmp_directories=True,
+        create=not read_only,
+        # A killed save's temporary folder is removed when a training run starts; a reader
+        # must not remove the folder of a save in progress.
+        cleanup_tmp_directories=not read_only,
+        read_only=read_only,
     )
     # Handlers named up front so that a fresh process can read a step's tree metadata.
     self.manager = ocp.CheckpointManager(
@@ -261,7 +267,8 @@ class Checkpointer:
     """The newest intact step, or None when there is no step at all.
 
     Newer damaged steps are reported with ``logging.warning`` (step and file) and moved to
-    ``rejected/`` (process 0), so that training can save those step numbers again.
+    ``rejected/`` (process 0; not when ``read_only``), so that training can save those step
+    numbers again.
 
     Raises:
       CheckpointError: steps exist but none is intact (one line listing each step's first
@@ -285,7 +292,7 @@ class Checkpointer:
             "start over, or restore a backup"
         )
       return None
-    if rejected:
+    if rejected and not self.read_only:
       self._move_aside(sorted(rejected))
     return step
 

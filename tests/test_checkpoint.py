@@ -86,28 +86,40 @@ def _max_metric_step(workdir: Path) -> int:
     text = (workdir / "metrics.jsonl").read_text()
   except FileNotFoundError:
     return -1
-  steps = [json.loads(line)["step"] for line in text.splitlines() if line.endswith("}")]
+  steps = []
+  for line in text.splitlines():
+    try:
+      steps.append(json.loads(line)["step"])
+    except ValueError:  # a line being written
+      pass
   return max(steps, default=-1)
+
+
+def _metrics_inode(workdir: Path) -> int | None:
+  try:
+    return (workdir / "metrics.jsonl").stat().st_ino
+  except FileNotFoundError:
+    return None
 
 
 def _start_and_signal(cmd, env, workdir: Path, at_step: int, sig) -> subprocess.CompletedProcess:
   """Starts ``cmd``; sends ``sig`` once metrics.jsonl shows a step >= ``at_step`` (or that
   step's checkpoint exists); returns the finished process."""
-  # A resumed run first truncates metrics.jsonl: ignore what an earlier run left there.
-  stale = _max_metric_step(workdir)
+  # What an earlier run left must not trigger the signal: a resuming run always rewrites
+  # metrics.jsonl (dropping lines after its checkpoint) into a new file, so wait for a new inode.
+  stale = _metrics_inode(workdir)
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
-  seen_restart = stale < 0
   while proc.poll() is None and time.time() < deadline:
-    step = _max_metric_step(workdir)
-    seen_restart = seen_restart or step < stale
-    if seen_restart and (step >= at_step or (workdir / "checkpoints" / str(at_step)).is_dir()):
+    inode = _metrics_inode(workdir)
+    if inode is not None and inode != stale and (
+        _max_metric_step(workdir) >= at_step
+        or (workdir / "checkpoints" / str(at_step)).is_dir()):
       proc.send_signal(sig)
       break
     time.sleep(0.005)
   out, err = proc.communicate(timeout=300)
-  assert proc.returncode is not None
   return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -265,6 +277,21 @@ def test_digests_follow_keep(tmp_path):
   ckpt.close()
   assert ckpt.all_steps() == [4, 5]
   assert sorted(p.name for p in (tmp_path / "digests").iterdir()) == ["4.json", "5.json"]
+
+
+def test_read_only_reader_skips_damage_and_touches_nothing(tmp_path):
+  """A tool reading a run that may still be training must not delete the folder of a save in
+  progress nor move steps around."""
+  _save_steps(tmp_path, steps=(1, 2)).close()
+  shutil.copytree(tmp_path / "2", tmp_path / "3.orbax-checkpoint-tmp-5")
+  _flip(tmp_path / "2")
+  before = sorted(p.name for p in tmp_path.iterdir())
+  reader = Checkpointer(str(tmp_path), read_only=True)
+  assert reader.restorable_step() == 1
+  state, _ = reader.restore(1, _small_state(0.0))
+  np.testing.assert_array_equal(state["w"], np.arange(1000.0))
+  reader.close()
+  assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 # ---------------------------------------------------------------------------------------------
