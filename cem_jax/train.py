@@ -425,14 +425,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   guard = jnp.zeros((), jnp.int32)
   last_saved = resume
 
+  def saved_text() -> str:
+    return "no checkpoint saved" if last_saved is None else f"last checkpoint: step {last_saved}"
+
   def check_guard():
     hit = int(jax.device_get(guard))
     if hit:
       raise FloatingPointError(
           f"non-finite loss or gradient in {max_bad} consecutive steps, steps "
-          f"{hit - max_bad + 1}..{hit} (train.max_consecutive_nonfinite={max_bad}); the "
-          f"updates were skipped and the last checkpoint is step {last_saved}; lower "
-          "train.learning_rate or raise train.warmup_steps"
+          f"{hit - max_bad + 1}..{hit} (train.max_consecutive_nonfinite={max_bad}); "
+          f"{saved_text()}; lower train.learning_rate or raise train.warmup_steps"
       )
 
   def save(done: int, force: bool) -> None:
@@ -441,8 +443,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     state = {"params": params, "opt_state": opt_state}
     if not bool(jax.device_get(_all_finite(state))):
       raise FloatingPointError(
-          f"non-finite parameters or optimizer state at step {done}: not saved (the last "
-          f"checkpoint is step {last_saved}); lower train.learning_rate"
+          f"non-finite parameters or optimizer state at step {done}, not saved; "
+          f"{saved_text()}; lower train.learning_rate"
       )
     meta = {"step": done, "data_position": done, "seed": config.seed, "config": resolved}
     if ckpt.save(done, state, meta, force=force):
