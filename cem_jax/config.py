@@ -22,6 +22,17 @@ SPLIT_MODES = ("lie_trotter", "joint")
 MLP_CONDITIONS = ("step", "layer")
 PRECOND_TARGETS = ("none", "attention", "mlp", "both")
 DTYPES = ("float32", "bfloat16")
+# mesh.rules default: logical axis (named in the model code) -> mesh axis, None (replicated) or
+# a tuple of mesh axes. FSDP shards the model dimension of every matrix, tensor parallelism the
+# heads, the MLP width and the vocabulary; batches are split over data x fsdp.
+DEFAULT_MESH_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+)
 
 
 def get_default_config() -> ml_collections.ConfigDict:
@@ -112,9 +123,11 @@ def get_default_config() -> ml_collections.ConfigDict:
 
   # ---- mesh --------------------------------------------------------------------------------
   h = c.mesh = ml_collections.ConfigDict()
+  # data x fsdp x tensor = the devices of all processes (one size may be -1: the rest).
   h.data = -1  # -1: take the devices left over
-  h.fsdp = 1
-  h.tensor = 1
+  h.fsdp = 1  # parameters and optimizer state sharded over it (ZeRO-3 style), batch too
+  h.tensor = 1  # heads, MLP width and vocabulary split over it (must divide them)
+  h.rules = DEFAULT_MESH_RULES  # ((logical_axis, mesh_axis | None | (mesh_axes...)), ...)
 
   # ---- checkpoint --------------------------------------------------------------------------
   k = c.checkpoint = ml_collections.ConfigDict()
@@ -229,6 +242,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
   md = config.mesh.data
   if isinstance(md, bool) or not isinstance(md, int) or (md < 1 and md != -1):
     raise ValueError(f"mesh.data={md!r}; allowed: -1 (the devices left over) or an int >= 1")
+  # Imported here: sharding imports jax, which this module must not do at import time.
+  from cem_jax import sharding
+
+  sharding.rules_from_config(config.mesh)
   ev = config.eval.num_steps
   if isinstance(ev, bool) or not isinstance(ev, int) or (ev < 1 and ev != -1):
     raise ValueError(f"eval.num_steps={ev!r}; allowed: -1 (= model.num_steps) or an int >= 1")

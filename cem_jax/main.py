@@ -5,6 +5,11 @@ a misspelt key or a value of the wrong type fails while the flags are parsed. Re
 command resumes from the newest intact checkpoint in ``DIR``. Exit status: 0 when done or
 stopped by SIGTERM after saving (preemption), 1 with a one-line ``error: ...`` for bad input or
 a diverged run.
+
+Several processes (TPU pod workers, ``srun`` tasks, ``launch/local.py``) run this same command;
+``jax.distributed.initialize`` is called when the environment or the flags say so (see
+:mod:`cem_jax.distributed`): ``--distributed=on`` on TPU pods, automatic under SLURM/Open MPI,
+or explicit ``--coordinator_address=HOST:PORT --num_processes=N --process_id=I``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,17 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for metrics, config and checkpoints.")
+_DISTRIBUTED = flags.DEFINE_enum(
+    "distributed", "auto", ["auto", "on", "off"],
+    "jax.distributed.initialize: 'auto' when a coordinator is given or SLURM/Open MPI started "
+    "several processes; 'on' always (TPU pods: JAX finds the workers); 'off' never.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "HOST:PORT of process 0 (default: $CEM_COORDINATOR_ADDRESS or "
+    "detected by JAX).")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Number of processes (default: $CEM_NUM_PROCESSES or detected).")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "This process's index (default: $CEM_PROCESS_ID or detected).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -53,11 +69,14 @@ def _parse_flags(argv):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from cem_jax import train  # after flag parsing: a bad flag fails before jax loads
+  from cem_jax import distributed, train  # after flag parsing: a bad flag fails before jax loads
 
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_QuietLibraries())
   try:
+    # Before anything touches a device: the runtime must know all processes first.
+    distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
+                           _PROCESS_ID.value)
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except (ValueError, OSError, FloatingPointError) as e:
     # Bad input (config, data, workdir, checkpoint) or a diverged run: one line, exit status 1.

@@ -1,13 +1,17 @@
 """The training loop: state, jitted step, periodic eval, metrics and checkpoints.
 
-One clear path (nanodo-style): build data → build model → split it into ``graphdef`` and
-``params`` → ``jax.jit`` a pure train step over ``(params, opt_state, batch)`` → evaluate,
-log and checkpoint at step boundaries. The data order is a pure function of the step, so the
-checkpointed step *is* the data position and a resumed run sees exactly the same batches.
+One clear path (nanodo-style): build data → build the mesh → initialise ``params`` (sharded, by
+``jax.jit`` with ``out_shardings``) and split off the ``graphdef`` → ``jax.jit`` a pure train
+step over ``(params, opt_state, batch)`` with in/out shardings and donation → evaluate, log and
+checkpoint at step boundaries. One process or many (``jax.distributed``): every process runs
+this same loop on global ``jax.Array``s and feeds only its own rows of each batch. The data
+order is a pure function of the step, so the checkpointed step *is* the data position and a
+resumed run sees exactly the same batches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -28,6 +32,7 @@ from flax import nnx
 
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
+from cem_jax import sharding as sharding_lib
 from cem_jax.checkpoint import Checkpointer
 from cem_jax.layers import DECAYED_PARAM_NAMES
 from cem_jax.metrics import MetricsWriter, read_metrics
@@ -98,12 +103,82 @@ def weighted_cross_entropy(logits, targets, weights):
 
 
 # ---------------------------------------------------------------------------------------------
+# Sharded state
+
+
+@dataclasses.dataclass(frozen=True)
+class StateShardings:
+  """Where everything lives on the mesh.
+
+  Attributes:
+    mesh: the ``('data', 'fsdp', 'tensor')`` mesh of all processes' devices.
+    params: ``NamedSharding`` per Param (a prefix tree of the params ``nnx.State``).
+    opt_state: the same for the optimizer state (moments like their params, counts replicated).
+    batch: ``[batch, seq_len]`` arrays, rows over the data-parallel axes.
+    replicated: scalars (metrics, the non-finite guard).
+  """
+
+  mesh: jax.sharding.Mesh
+  params: object
+  opt_state: object
+  batch: jax.sharding.NamedSharding
+  replicated: jax.sharding.NamedSharding
+
+  def process_slice(self, global_rows: int) -> tuple[int, int]:
+    """``(index, count)``: this process reads block ``index`` of ``count`` of every batch."""
+    return sharding_lib.process_slice(self.batch, global_rows)
+
+  def global_batch(self, local: dict, global_rows: int) -> dict:
+    """This process's rows → global arrays ``[global_rows, seq_len]`` on the mesh."""
+    return sharding_lib.global_batch(local, self.batch, global_rows)
+
+
+def init_state(config: ml_collections.ConfigDict, vocab_size: int, tx, mesh=None):
+  """Initialises params and optimizer state directly in their shards on ``mesh``.
+
+  The model is built inside ``jax.jit`` with ``out_shardings`` (its shapes come from
+  ``nnx.eval_shape``), so no process ever holds a full copy: each device computes only its
+  shards. The values equal :func:`build_model`'s for any mesh (same seed, same random bits).
+
+  Args:
+    config: resolved config (``model``, ``seed``, ``mesh.rules``).
+    vocab_size: the tokenizer's vocabulary size.
+    tx: the optax optimizer (:func:`make_optimizer`).
+    mesh: default ``sharding.make_mesh(config.mesh)`` over all processes' devices.
+  Returns:
+    ``(graphdef, params, opt_state, shardings, abstract_model)``: ``params`` an ``nnx.State``
+    of Params, ``shardings`` a :class:`StateShardings`.
+  Raises:
+    ValueError: a mesh that does not fit the devices, or bad ``mesh.rules``.
+  """
+  mesh = sharding_lib.make_mesh(config.mesh) if mesh is None else mesh
+  rules = sharding_lib.rules_from_config(config.mesh)
+  abstract_model = nnx.eval_shape(lambda: build_model(config, vocab_size))
+  graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+  param_sh = sharding_lib.param_shardings(abstract_params, mesh, rules)
+  params = jax.jit(lambda: nnx.state(build_model(config, vocab_size), nnx.Param),
+                   out_shardings=param_sh)()
+  opt_sh = sharding_lib.opt_state_shardings(tx, jax.eval_shape(tx.init, abstract_params),
+                                            param_sh, mesh)
+  opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+  shardings = StateShardings(mesh=mesh, params=param_sh, opt_state=opt_sh,
+                             batch=sharding_lib.batch_sharding(mesh, rules),
+                             replicated=sharding_lib.replicated(mesh))
+  return graphdef, params, opt_state, shardings, abstract_model
+
+
+# ---------------------------------------------------------------------------------------------
 # Steps
 
 
-def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None):
+def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
+                    shardings: StateShardings | None = None):
   """Returns the jitted ``step(params, opt_state, batch, guard=0, done=0) -> (params, opt_state,
-  metrics)``.
+  metrics)``; ``params`` and ``opt_state`` are donated.
+
+  With ``shardings`` the step is compiled for them (params and optimizer state stay sharded
+  as given, the batch is split over its data-parallel axes, the metrics are replicated);
+  without, for the inputs' own placement (one device).
 
   ``metrics``: ``loss`` (nats/token), ``grad_norm``, ``nonfinite_total`` (skipped updates so
   far, optax's count), ``nonfinite_consecutive`` and ``nonfinite_guard``.
@@ -122,7 +197,13 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None):
     loss_sum, weight_sum = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
     return loss_sum / jnp.maximum(weight_sum, 1.0)
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  jit_kwargs = {}
+  if shardings is not None:
+    s = shardings
+    jit_kwargs = {"in_shardings": (s.params, s.opt_state, s.batch, s.replicated, s.replicated),
+                  "out_shardings": (s.params, s.opt_state, s.replicated)}
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1), **jit_kwargs)
   def step(params, opt_state, batch, guard=0, done=0):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     # A NaN/Inf loss or gradient: apply_if_finite (make_optimizer) leaves params and moments
@@ -146,24 +227,31 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None):
 
 
 def make_eval_step(graphdef, token_bytes: np.ndarray, num_steps: int | None,
-                   energy_trace: bool = False):
+                   energy_trace: bool = False, shardings: StateShardings | None = None):
   """Returns the jitted ``eval_step(params, batch) -> dict`` of sums over the batch.
+
+  With ``shardings`` the batch is split over the data-parallel axes and the sums (reduced over
+  every device, so over every process's rows) come back replicated.
 
   Keys: ``loss_sum`` (nats), ``weight_sum`` (predicted tokens), ``byte_sum`` (their UTF-8
   bytes) and, with ``energy_trace``, ``energy`` (per layer, per step: the mean per-token
   energies before/after each sub-step, see :class:`cem_jax.layers.CEMBlock`).
   ``num_steps`` overrides the recursive steps T of every CEM layer (test-time steps).
   """
-  token_bytes = jnp.asarray(token_bytes, jnp.float32)
+  token_bytes = np.asarray(token_bytes, np.float32)  # a constant of the compiled step
+  jit_kwargs = {}
+  if shardings is not None:
+    jit_kwargs = {"in_shardings": (shardings.params, shardings.batch),
+                  "out_shardings": shardings.replicated}
 
-  @jax.jit
+  @functools.partial(jax.jit, **jit_kwargs)
   def eval_step(params, batch):
     model = nnx.merge(graphdef, params)
     outputs = model(batch["inputs"], batch["segment_ids"], num_steps=num_steps,
                     trace=energy_trace)
     logits, traces = outputs if energy_trace else (outputs, None)
     loss_sum, weight_sum = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
-    byte_sum = jnp.sum(token_bytes[batch["targets"]] * batch["weights"])
+    byte_sum = jnp.sum(jnp.asarray(token_bytes)[batch["targets"]] * batch["weights"])
     out = {"loss_sum": loss_sum, "weight_sum": weight_sum, "byte_sum": byte_sum}
     if energy_trace:
       out["energy"] = traces
@@ -185,18 +273,26 @@ def energy_metrics(traces) -> dict:
   return out
 
 
-def evaluate(eval_step, params, data, cfg) -> dict:
+def evaluate(eval_step, params, data, cfg, shardings: StateShardings | None = None) -> dict:
   """Runs ``eval_step`` over the validation split; returns ``eval/...`` metrics.
 
   ``eval/loss`` is nats per predicted token, ``eval/perplexity`` its exponential and
   ``eval/bits_per_byte`` the total bits over the UTF-8 bytes of the predicted tokens. Energy
   traces (when ``eval_step`` makes them) are averaged over the evaluated batches.
+
+  With ``shardings`` (and an ``eval_step`` made with them) each process reads only its rows of
+  every global eval batch; ``eval_step`` sums over all of them on the devices, so every
+  process gets the same totals, equal to one process's up to float summation order.
   """
+  bs = cfg.eval.batch_size
+  index, count = (0, 1) if shardings is None else shardings.process_slice(bs)
   totals = {"loss_sum": 0.0, "weight_sum": 0.0, "byte_sum": 0.0}
   energy_sum, batches = None, 0
-  for i, batch in enumerate(data.eval_batches(cfg.eval.batch_size)):
+  for i, batch in enumerate(data.eval_batches(bs, index, count)):
     if 0 <= cfg.eval.max_batches <= i:
       break
+    if shardings is not None:
+      batch = shardings.global_batch(batch, bs)
     out = jax.device_get(eval_step(params, batch))
     for k in totals:
       totals[k] += float(out[k])
@@ -238,32 +334,47 @@ def _format_eta(seconds: float) -> str:
 
 
 def data_parallel_devices(config: ml_collections.ConfigDict) -> int:
-  """Devices the global batch is split over: ``mesh.data × mesh.fsdp`` of ``jax.device_count()``.
+  """Devices the global batch is split over (``mesh.data × mesh.fsdp`` under the default rules)
+  of all processes' ``jax.device_count()``; checks the mesh first (:func:`sharding.check_config`).
 
   ``mesh.data = -1`` takes the devices left over by ``mesh.fsdp × mesh.tensor``.
 
   Raises:
-    ValueError: the mesh does not use exactly the available devices, or ``train.batch_size``
-      is not divisible by the data-parallel devices (naming both and the fix).
+    ValueError: one line naming the field, the value and what is allowed: mesh sizes that do
+      not multiply to the device count; ``train.batch_size`` or ``eval.batch_size`` not
+      divisible by the data-parallel devices; ``mesh.tensor`` (or ``mesh.fsdp``) not dividing
+      ``model.num_heads``, ``model.mlp_dim`` (``model.d_model``).
   """
-  n = jax.device_count()
-  m = config.mesh
-  model_parallel = m.fsdp * m.tensor
-  data = m.data if m.data > 0 else n // model_parallel
-  if data < 1 or data * model_parallel != n:
-    raise ValueError(
-        f"mesh.data={m.data} x mesh.fsdp={m.fsdp} x mesh.tensor={m.tensor} does not fit the "
-        f"{n} devices; choose sizes whose product is {n} (mesh.data=-1 takes the rest)"
-    )
-  dp = data * m.fsdp
-  bs = config.train.batch_size
-  if bs % dp:
-    raise ValueError(
-        f"train.batch_size={bs} is not divisible by the {dp} data-parallel devices "
-        f"({n} devices, mesh.data x mesh.fsdp = {data} x {m.fsdp}); use a multiple of {dp}, "
-        f"e.g. {-(-bs // dp) * dp}"
-    )
-  return dp
+  sizes = sharding_lib.check_config(config, jax.device_count())
+  batch_axes = dict(sharding_lib.rules_from_config(config.mesh)).get("batch")
+  names = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
+  return math.prod(sizes[n] for n in names)
+
+
+def _build_data_once(config: ml_collections.ConfigDict, workdir: str):
+  """``data.build_data``; with several processes, process 0 first (it fills the workdir's
+  tokenizer and TFDS caches, which the others then load instead of racing to write them).
+
+  Raises:
+    ValueError: as ``build_data``; on processes other than 0 also when process 0 failed.
+  """
+  if jax.process_count() == 1:
+    return data_lib.build_data(config, workdir)
+  from jax.experimental import multihost_utils
+
+  data, error = None, None
+  if jax.process_index() == 0:
+    try:
+      data = data_lib.build_data(config, workdir)
+    except (ValueError, OSError, RuntimeError) as e:
+      error = e
+  # A collective every process joins, so a failure on process 0 stops the others too.
+  ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+  if error is not None:
+    raise error
+  if not ok:
+    raise ValueError("process 0 could not build the data (see its error); nothing trained")
+  return data if data is not None else data_lib.build_data(config, workdir)
 
 
 def _prepare_workdir(workdir: str) -> bool:
@@ -373,11 +484,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   created = _prepare_workdir(workdir)
   ckpt = None
   try:
-    data = data_lib.build_data(config, workdir)
-    model = build_model(config, data.tokenizer.vocab_size)
-    graphdef, params = nnx.split(model, nnx.Param)
+    data = _build_data_once(config, workdir)
     tx, schedule = make_optimizer(config.train)
-    opt_state = tx.init(params)
+    graphdef, params, opt_state, shardings, model = init_state(
+        config, data.tokenizer.vocab_size, tx)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                         every_steps=config.checkpoint.every_steps,
                         async_save=config.checkpoint.async_save)
@@ -399,7 +509,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   is_main = jax.process_index() == 0
   resolved = config.to_dict()
   if resume is not None:
-    saved, now = _flatten(meta.get("config", {})), _flatten(resolved)
+    # Through JSON, as the checkpoint stored it: tuples (mesh.rules) come back as lists.
+    saved, now = _flatten(meta.get("config", {})), _flatten(json.loads(json.dumps(resolved)))
     changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     logging.info("resumed from %s at step %d", ckpt.step_dir(resume), start_step)
     if changed:
@@ -416,13 +527,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   cfg_t = config.train
   max_bad = cfg_t.max_consecutive_nonfinite
-  train_step = make_train_step(graphdef, tx, max_bad)
+  train_step = make_train_step(graphdef, tx, max_bad, shardings)
   eval_num_steps = None if config.eval.num_steps < 0 else config.eval.num_steps
   trace = config.eval.energy_trace and config.model.block == "cem"
-  eval_step = make_eval_step(graphdef, data.tokenizer.token_bytes, eval_num_steps, trace)
+  eval_step = make_eval_step(graphdef, data.tokenizer.token_bytes, eval_num_steps, trace,
+                             shardings)
   num_steps = cfg_t.num_steps
-  tokens_per_step = cfg_t.batch_size * config.data.seq_len
-  guard = jnp.zeros((), jnp.int32)
+  global_rows = cfg_t.batch_size
+  tokens_per_step = global_rows * config.data.seq_len
+  block, blocks = shardings.process_slice(global_rows)
+  logging.info("mesh %s over %d devices of %d processes; process %d reads rows block %d of %d "
+               "of every global batch", dict(shardings.mesh.shape), jax.device_count(),
+               jax.process_count(), jax.process_index(), block, blocks)
+  guard = jax.make_array_from_process_local_data(shardings.replicated, np.zeros((), np.int32))
   last_saved = resume
 
   def saved_text() -> str:
@@ -456,7 +573,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   try:
     with _Preemption() as preemption:
       for step in range(start_step, num_steps):
-        batch = data.train.batch(step, jax.process_index(), jax.process_count())
+        batch = shardings.global_batch(data.train.batch(step, block, blocks), global_rows)
         done = step + 1
         params, opt_state, m = train_step(params, opt_state, batch, guard, np.int32(done))
         guard = m["nonfinite_guard"]
@@ -477,7 +594,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                        float(m["loss"]), rate, _format_eta(eta))
           t_log, step_at_log = now, done
         if done % cfg_t.eval_every_steps == 0 or done == num_steps:
-          last_eval = evaluate(eval_step, params, data, config)
+          last_eval = evaluate(eval_step, params, data, config, shardings)
           writer.write(done, last_eval)
           logging.info("eval at step %d: loss %.4f  ppl %.2f  bits/byte %.4f", done,
                        last_eval["eval/loss"], last_eval["eval/perplexity"],

@@ -1,0 +1,107 @@
+"""Multi-process start-up: ``jax.distributed.initialize`` when launched as several processes.
+
+JAX's own multi-controller runtime does all the work; this module only decides *whether* to
+call it and with which values, so that one command works everywhere:
+
+* explicit values: ``--coordinator_address``, ``--num_processes``, ``--process_id`` flags of
+  ``cem_jax.main``, or the environment variables ``CEM_COORDINATOR_ADDRESS``,
+  ``CEM_NUM_PROCESSES``, ``CEM_PROCESS_ID`` (set by ``launch/local.py``);
+* SLURM (``srun``, ``SLURM_NTASKS`` > 1) and Open MPI (``OMPI_COMM_WORLD_SIZE`` > 1): JAX
+  detects coordinator, process count and id from the environment;
+* TPU pod slices: ``--distributed=on`` (``launch/tpu_pod.py`` passes it); JAX reads the
+  worker list from the TPU VM metadata.
+
+It must run before anything touches a JAX device (``jax.devices()``, the first array).
+"""
+
+from __future__ import annotations
+
+import os
+
+MODES = ("auto", "on", "off")
+ENV_ADDRESS = "CEM_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "CEM_NUM_PROCESSES"
+ENV_PROCESS_ID = "CEM_PROCESS_ID"
+
+
+def _env_int(env, name: str) -> int | None:
+  value = env.get(name, "")
+  if not value:
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"environment variable {name}={value!r}; allowed: an int") from None
+
+
+def cluster_processes(environ=None) -> int:
+  """Processes a SLURM step or Open MPI job launched (1 outside such a job)."""
+  env = os.environ if environ is None else environ
+  for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    if key == "SLURM_NTASKS" and "SLURM_STEP_NODELIST" not in env:
+      continue  # inside `salloc`/`sbatch` but not an `srun` step: one process
+    try:
+      n = int(env.get(key, "1"))
+    except ValueError:
+      continue
+    if n > 1:
+      return n
+  return 1
+
+
+def resolve(mode: str = "auto", coordinator_address: str | None = None,
+            num_processes: int | None = None, process_id: int | None = None,
+            environ=None) -> dict | None:
+  """The keyword arguments for ``jax.distributed.initialize``, or None for one process.
+
+  Flag values win over the ``CEM_*`` environment variables. ``mode``: ``'auto'`` initialises
+  when a coordinator is given or a SLURM/Open MPI job has several processes; ``'on'`` always
+  (values not given are detected by JAX: TPU pods, SLURM, Open MPI); ``'off'`` never.
+
+  Raises:
+    ValueError: an unknown mode, a non-int environment value, or a coordinator given without
+      ``num_processes`` and ``process_id`` (or those out of range) — one line naming the field.
+  """
+  env = os.environ if environ is None else environ
+  if mode not in MODES:
+    raise ValueError(f"--distributed={mode!r}; allowed: {', '.join(MODES)}")
+  if mode == "off":
+    return None
+  address = coordinator_address or env.get(ENV_ADDRESS) or None
+  n = num_processes if num_processes is not None else _env_int(env, ENV_NUM_PROCESSES)
+  pid = process_id if process_id is not None else _env_int(env, ENV_PROCESS_ID)
+  if address is not None:
+    if n is None or pid is None:
+      raise ValueError(f"--coordinator_address={address!r} needs --num_processes and "
+                       f"--process_id (or {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID})")
+    if n < 1 or not 0 <= pid < n:
+      raise ValueError(f"--process_id={pid} with --num_processes={n}; allowed: "
+                       f"0 <= process_id < num_processes")
+    return {"coordinator_address": address, "num_processes": n, "process_id": pid}
+  if mode == "on" or cluster_processes(env) > 1:
+    kwargs = {}
+    if n is not None:
+      kwargs["num_processes"] = n
+    if pid is not None:
+      kwargs["process_id"] = pid
+    return kwargs
+  return None
+
+
+def initialize(mode: str = "auto", coordinator_address: str | None = None,
+               num_processes: int | None = None, process_id: int | None = None) -> bool:
+  """Calls ``jax.distributed.initialize`` if :func:`resolve` says so; True if it did.
+
+  A peer that never connects makes JAX abort after its ``initialization_timeout`` (300 s);
+  ``launch/local.py`` kills the others as soon as one process fails.
+
+  Raises:
+    ValueError: as :func:`resolve`.
+  """
+  kwargs = resolve(mode, coordinator_address, num_processes, process_id)
+  if kwargs is None:
+    return False
+  import jax
+
+  jax.distributed.initialize(**kwargs)
+  return True
