@@ -59,16 +59,17 @@ VARIANTS = {
 }
 
 PRESETS = {
-    # d_model, num_layers, num_heads, mlp_dim, vocab, batch, seq_lens, widths, dtype, steps
+    # Each batch holds tokens_per_batch tokens (batch = tokens_per_batch // seq_len), so the
+    # seq_len sweep shows the attention's n² cost at a constant number of tokens.
     "tiny": dict(d_model=64, num_layers=2, num_heads=4, mlp_dim=256, vocab_size=512,
-                 batch_size=4, seq_lens=[64, 128], widths=[64, 128], dtype="float32",
-                 steps=10, warmup=2),
+                 tokens_per_batch=512, seq_lens=[64, 128], widths=[64, 128],
+                 dtype="float32", steps=10, warmup=2),
     "cpu": dict(d_model=128, num_layers=4, num_heads=4, mlp_dim=512, vocab_size=1024,
-                batch_size=16, seq_lens=[128, 256, 512], widths=[128, 256], dtype="float32",
-                steps=10, warmup=2),
+                tokens_per_batch=2048, seq_lens=[128, 256, 512, 1024], widths=[128, 256],
+                dtype="float32", steps=10, warmup=2),
     "gpu125m": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, vocab_size=32768,
-                    batch_size=16, seq_lens=[256, 1024, 4096], widths=[768], dtype="bfloat16",
-                    steps=10, warmup=3),
+                    tokens_per_batch=16384, seq_lens=[1024, 4096], widths=[768],
+                    dtype="bfloat16", steps=10, warmup=3),
 }
 
 
@@ -97,7 +98,7 @@ def _model_config(preset: dict, variant: dict, seq_len: int, width: int):
   for k, v in variant.items():
     m[k] = v
   c.data.seq_len = seq_len
-  c.train.batch_size = preset["batch_size"]
+  c.train.batch_size = max(1, preset["tokens_per_batch"] // seq_len)
   return c
 
 
@@ -160,7 +161,7 @@ def run(preset: str, variants: list[str], out: str | None = None) -> list[dict]:
   rows = []
   device = jax.local_devices()[0]
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
-        f"preset {preset}, batch {p['batch_size']}, {p['dtype']}", flush=True)
+        f"preset {preset}, {p['tokens_per_batch']} tokens per batch, {p['dtype']}", flush=True)
   for n, width in shapes:
     for name in variants:
       cfg = _model_config(p, VARIANTS[name], n, width)

@@ -22,3 +22,22 @@ def test_analytic_flops_match_xla_cost_analysis(variant):
   xla_per_token = cost["flops"] / (2 * n)
   analytic = bench.flops_per_token(cfg.model, vocab, n)
   assert abs(analytic / xla_per_token - 1.0) <= 0.10, (analytic, xla_per_token)
+
+
+def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys):
+  tiny = dict(bench.PRESETS["tiny"], seq_lens=[32], widths=[32], d_model=32, num_layers=1,
+              mlp_dim=64, tokens_per_batch=64, steps=2, warmup=1)
+  monkeypatch.setitem(bench.PRESETS, "tiny", tiny)
+  out = tmp_path / "bench.json"
+  rows = bench.run("tiny", ["llama", "cem_fused", "cem_autodiff"], str(out))
+  printed = capsys.readouterr().out
+  assert "| variant | seq_len |" in printed and "| cem_autodiff | 32 | 32 |" in printed
+  assert [r["variant"] for r in rows] == ["llama", "cem_fused", "cem_autodiff"]
+  for r in rows:
+    assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["compile_s"] > 0
+    assert r["flops_per_token"] == bench.flops_per_token(
+        bench._model_config(tiny, bench.VARIANTS[r["variant"]], 32, 32).model, 512, 32)
+  import json
+
+  saved = json.load(open(out))
+  assert saved["preset"] == "tiny" and len(saved["rows"]) == 3
