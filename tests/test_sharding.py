@@ -1,0 +1,330 @@
+"""Sharded training: mesh checks and rules, equal losses on every mesh, two processes = one.
+
+Multi-device runs happen in subprocesses with ``XLA_FLAGS=--xla_force_host_platform_device_count``
+set before jax loads; this pytest process stays single-device so other tests are unaffected.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import tiny_config
+
+from cem_jax import config as config_lib
+from cem_jax import distributed, sharding
+
+REPO = Path(__file__).resolve().parents[1]
+MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]
+
+
+# Less XLA optimisation: these tiny models compile twice as fast; every run compared in a test
+# uses the same flags.
+FAST_COMPILE = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+
+
+def _env(devices: int, fast_compile: bool = True) -> dict:
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  flags += FAST_COMPILE if fast_compile else []
+  return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+              XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up checks: one line each, naming the field, the value and what is allowed.
+
+
+def _check(num_devices=8, **overrides):
+  cfg = tiny_config("cem", **overrides)
+  return sharding.check_config(cfg, num_devices)
+
+
+def test_mesh_that_does_not_use_the_devices_is_one_clear_line():
+  with pytest.raises(ValueError) as e:
+    _check(**{"mesh.data": 3, "mesh.fsdp": 2})
+  assert str(e.value) == ("mesh.data*mesh.fsdp*mesh.tensor = 3*2*1 = 6, but there are 8 "
+                          "devices; allowed: sizes whose product is 8 (one of them may be -1 = "
+                          "the rest)")
+  with pytest.raises(ValueError, match=r"^mesh sizes .* do not divide the 8 devices; allowed"):
+    _check(**{"mesh.fsdp": 3})
+  assert _check(**{"mesh.fsdp": 2, "mesh.tensor": 2}) == {"data": 2, "fsdp": 2, "tensor": 2}
+
+
+def test_batch_not_divisible_by_data_times_fsdp_is_one_clear_line():
+  with pytest.raises(ValueError) as e:
+    _check(**{"mesh.fsdp": 4, "train.batch_size": 4})  # data=2 x fsdp=4 = 8 rows per step
+  assert str(e.value) == (
+      "train.batch_size=4 is not divisible by the 8 data-parallel devices (8 devices, "
+      "mesh.data x mesh.fsdp = 2 x 4); use a multiple of 8, e.g. 8")
+  with pytest.raises(ValueError, match=r"^eval\.batch_size=12 is not divisible by the 8 "):
+    _check(**{"eval.batch_size": 12})
+  # Tensor parallelism does not split the batch: 8 devices as 2 x 1 x 4 need multiples of 2.
+  _check(**{"mesh.tensor": 4, "model.num_heads": 4, "train.batch_size": 2,
+            "eval.batch_size": 2})
+
+
+@pytest.mark.parametrize("field,value,logical", [
+    ("model.num_heads", 2, "heads"), ("model.mlp_dim", 102, "mlp")])
+def test_tensor_size_must_divide_heads_and_mlp(field, value, logical):
+  with pytest.raises(ValueError) as e:
+    _check(**{"mesh.tensor": 4, field: value})
+  assert str(e.value) == (f"{field}={value} is not divisible by mesh.tensor=4 (mesh.rules shards "
+                          f"'{logical}' over tensor); allowed: a tensor size dividing {value}")
+
+
+def test_fsdp_size_must_divide_d_model():
+  with pytest.raises(ValueError, match=r"^model\.d_model=60 is not divisible by mesh\.fsdp=8 "):
+    _check(**{"mesh.fsdp": 8, "model.d_model": 60, "model.num_heads": 2})
+
+
+def test_cli_reports_a_bad_mesh_in_one_line(tmp_path):
+  cfg = tmp_path / "cfg.py"
+  cfg.write_text("from cem_jax.config import get_default_config\n\n\n"
+                 "def get_config():\n  return get_default_config()\n")
+  proc = subprocess.run(
+      [sys.executable, "-m", "cem_jax.main", f"--config={cfg}", f"--workdir={tmp_path / 'w'}",
+       "--config.mesh.tensor=3"], cwd=REPO, env=_env(3), capture_output=True, text=True,
+      timeout=120)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "error: model.num_heads=4 is not divisible by mesh.tensor=3 (mesh.rules shards 'heads' "
+      "over tensor); allowed: a tensor size dividing 4")
+  assert not (tmp_path / "w").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# mesh.rules in the config.
+
+
+def test_rules_default_survive_config_json_and_reach_the_specs():
+  cfg = config_lib.get_default_config()
+  assert sharding.rules_from_config(cfg.mesh) == sharding.DEFAULT_RULES
+  saved = json.loads(json.dumps(cfg.to_dict()))  # what config.json holds: lists, not tuples
+  loaded = config_lib.get_default_config()
+  loaded.update(saved)
+  assert sharding.rules_from_config(loaded.mesh) == sharding.DEFAULT_RULES
+  config_lib.validate(loaded)
+  spec = sharding.logical_to_spec(("embed", "mlp"), sharding.rules_from_config(loaded.mesh))
+  assert spec == sharding.PartitionSpec("fsdp", "tensor")
+
+
+def test_rules_override_from_the_command_line(tmp_path):
+  script = textwrap.dedent("""
+      from absl import app
+      from ml_collections import config_flags
+      from cem_jax import config, sharding
+      C = config_flags.DEFINE_config_file("config", None, "", lock_config=True)
+      def main(argv):
+        config.validate(C.value)
+        rules = sharding.rules_from_config(C.value.mesh)
+        print(rules, tuple(sharding.logical_to_spec(("embed", "mlp"), rules)))
+      app.run(main)
+  """)
+  (tmp_path / "show.py").write_text(script)
+  rules = "(('batch', ('data', 'fsdp')), ('embed', None), ('mlp', ('fsdp', 'tensor')))"
+  proc = subprocess.run([sys.executable, str(tmp_path / "show.py"),
+                         f"--config={REPO / 'experiments/tiny.py'}",
+                         f"--config.mesh.rules={rules}"], cwd=REPO, env=_env(1),
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == f"{rules} (None, ('fsdp', 'tensor'))"
+
+
+def test_bad_rules_are_one_clear_line():
+  cfg = tiny_config("cem", **{"mesh.rules": (("embed", "fdsp"),)})
+  with pytest.raises(ValueError, match=r"^mesh\.rules maps 'embed' to 'fdsp'; allowed mesh axes: "
+                                       r"data, fsdp, tensor \(or None: replicated\)$"):
+    config_lib.validate(cfg)
+  cfg = tiny_config("cem", **{"mesh.rules": (("hidden", "fsdp"),)})
+  with pytest.raises(ValueError, match=r"^mesh\.rules names logical axis 'hidden'; allowed: "):
+    config_lib.validate(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# jax.distributed start-up decisions (no processes started).
+
+
+def test_distributed_resolve():
+  assert distributed.resolve("auto", environ={}) is None
+  assert distributed.resolve("off", "h:1", 2, 0, environ={}) is None
+  env = {"CEM_COORDINATOR_ADDRESS": "127.0.0.1:5", "CEM_NUM_PROCESSES": "2",
+         "CEM_PROCESS_ID": "1"}
+  assert distributed.resolve("auto", environ=env) == {
+      "coordinator_address": "127.0.0.1:5", "num_processes": 2, "process_id": 1}
+  assert distributed.resolve("auto", "h:9", 4, 3, environ=env)["coordinator_address"] == "h:9"
+  slurm = {"SLURM_NTASKS": "16", "SLURM_STEP_NODELIST": "gpu[01-02]", "SLURM_JOB_ID": "7"}
+  assert distributed.resolve("auto", environ=slurm) == {}  # JAX detects the rest
+  assert distributed.resolve("auto", environ={**slurm, "SLURM_NTASKS": "1"}) is None
+  assert distributed.resolve("on", environ={}) == {}  # TPU pods: JAX asks the metadata server
+  with pytest.raises(ValueError, match=r"needs --num_processes and --process_id"):
+    distributed.resolve("auto", "h:1", environ={})
+  with pytest.raises(ValueError, match=r"^--process_id=2 with --num_processes=2; allowed"):
+    distributed.resolve("auto", "h:1", 2, 2, environ={})
+  with pytest.raises(ValueError, match=r"^environment variable CEM_PROCESS_ID='x'"):
+    distributed.resolve("auto", environ={**env, "CEM_PROCESS_ID": "x"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Eight forced CPU devices: every mesh gives the 1-device losses.
+
+MESH_SCRIPT = """
+import json, sys
+import jax, numpy as np
+from flax import nnx
+sys.path.insert(0, {tests!r})
+from conftest import tiny_config
+from cem_jax import data as data_lib, sharding, train
+
+assert jax.device_count() == 8, jax.devices()
+block = {block!r}
+overrides = {{"data.files": {text!r}, "data.seq_len": 32, "data.vocab_size": 512,
+             "model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64,
+             "model.num_layers": 1, "train.batch_size": 8, "eval.batch_size": 8,
+             "eval.max_batches": 2, "train.warmup_steps": 1, "train.learning_rate": 1e-2}}
+if block == "cem":  # T = 2, a diagonal and a low-rank preconditioner: every CEM parameter kind
+  overrides.update({{"model.num_steps": 2, "model.diagonal": "per_head",
+                    "model.precond": "both", "model.precond_rank": 2}})
+else:  # an untied LM head too
+  overrides.update({{"model.tie_embeddings": False}})
+cfg = tiny_config(block, **overrides)
+data = data_lib.build_data(cfg, {workdir!r})
+vocab = data.tokenizer.vocab_size
+tx, _ = train.make_optimizer(cfg.train)
+_, eager = nnx.split(train.build_model(cfg, vocab), nnx.Param)
+out = {{}}
+for shape in [(1, 1, 1)] + {meshes!r}:
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = shape
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(shape))])
+  graphdef, params, opt_state, sh, _ = train.init_state(cfg, vocab, tx, mesh)
+  rec = {{"init_max_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                              for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(eager)))}}
+  # Each parameter's sharding, the number of distinct shards, and its moment's sharding.
+  rules = sharding.rules_from_config(cfg.mesh)
+  mu = opt_state.inner_state[1][0].mu
+  rec["params"] = {{}}
+  for (path, var), (_, m) in zip(nnx.to_flat_state(params), nnx.to_flat_state(mu)):
+    a = var.get_value()
+    rec["params"]["/".join(map(str, path))] = {{
+        "shape": list(a.shape), "logical": list(var.get_metadata()["logical_axes"]),
+        "spec": str(a.sharding.spec), "want": str(sharding.logical_to_spec(
+            var.get_metadata()["logical_axes"], rules)),
+        "shards": len({{str(s.index) for s in a.addressable_shards}}),
+        "shard_shape": list(a.addressable_shards[0].data.shape),
+        "moment_spec": str(m.get_value().sharding.spec)}}
+  step = train.make_train_step(graphdef, tx, 5, sh)
+  guard = jax.make_array_from_process_local_data(sh.replicated, np.zeros((), np.int32))
+  losses = []
+  for s in range(5):
+    batch = sh.global_batch(data.train.batch(s), cfg.train.batch_size)
+    params, opt_state, m = step(params, opt_state, batch, guard, np.int32(s + 1))
+    losses.append(float(m["loss"]))
+  rec["losses"] = losses
+  rec["batch_spec"] = str(tuple(batch["inputs"].sharding.spec))
+  eval_step = train.make_eval_step(graphdef, data.tokenizer.token_bytes, None, False, sh)
+  rec["eval"] = train.evaluate(eval_step, params, data, cfg, sh)
+  out["x".join(map(str, shape))] = rec
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("block", ["cem", "llama"])
+def test_every_mesh_gives_the_one_device_losses(block, shared_data, tmp_path):
+  script = MESH_SCRIPT.format(tests=str(REPO / "tests"), block=block, meshes=MESHES,
+                              text=str(shared_data / "tinyshakespeare.txt"),
+                              workdir=str(tmp_path / "w"))
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(8),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+  runs = json.loads(line[len("RESULT "):])
+  ref = runs.pop("1x1x1")
+  assert len(ref["losses"]) == 5 and ref["losses"][-1] < ref["losses"][0]
+  for name, rec in runs.items():
+    diff = max(abs(a - b) for a, b in zip(rec["losses"], ref["losses"], strict=True))
+    assert diff <= 1e-5, (name, rec["losses"], ref["losses"])
+    for key in ("eval/loss", "eval/bits_per_byte"):
+      assert abs(rec["eval"][key] - ref["eval"][key]) <= 1e-5, (name, key)
+    assert rec["eval"]["eval/tokens"] == ref["eval"]["eval/tokens"]
+    assert rec["init_max_diff"] <= 1e-6, name  # sharded init = the eager model's values
+    assert rec["batch_spec"] == "(('data', 'fsdp'), None)"
+    shape = dict(zip(("data", "fsdp", "tensor"), map(int, name.split("x")), strict=True))
+    for path, p in rec["params"].items():
+      # Every parameter is sharded as its logical axes and the rules say (tied embedding
+      # included), split into as many distinct shards as its mesh axes have devices, and its
+      # Adam moment is sharded the same way.
+      assert p["spec"] == p["want"], (name, path, p)
+      assert p["moment_spec"] == p["spec"], (name, path, p)
+      parts = 1
+      for entry in sharding.logical_to_spec(p["logical"]):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        for n in names:
+          parts *= shape[n]
+      assert p["shards"] == parts, (name, path, p)
+      assert math.prod(p["shard_shape"]) * parts == math.prod(p["shape"]), (name, path, p)
+  # On 2 x 2 x 2 every matrix is split over fsdp and (but norms, biases) over tensor too.
+  both = runs["2x2x2"]["params"]
+  matrices = [p for p in both.values() if len(p["shape"]) >= 2 and "embed" in p["logical"]]
+  assert matrices and all(p["shards"] >= 2 for p in matrices)
+  assert "embedding" in both and both["embedding"]["shards"] == 4  # vocab/tensor x embed/fsdp
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes x 4 devices through launch/local.py = one process with 8 devices.
+
+CONFIG = """
+from cem_jax.config import get_default_config
+
+
+def get_config():
+  c = get_default_config()
+  c.model.d_model, c.model.num_heads, c.model.mlp_dim, c.model.num_layers = 32, 2, 64, 1
+  c.data.files = {text!r}
+  c.data.seq_len, c.data.vocab_size = 32, 512
+  c.train.batch_size, c.train.num_steps, c.train.warmup_steps = 8, 6, 1
+  c.train.learning_rate = 1e-2
+  c.train.eval_every_steps, c.train.log_every_steps = 3, 1
+  c.eval.batch_size, c.eval.max_batches = 8, 3
+  c.checkpoint.every_steps = 3
+  c.mesh.fsdp, c.mesh.tensor = 2, 2
+  return c
+"""
+
+
+def _metrics(workdir: Path) -> list[dict]:
+  return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_match_one_process(shared_data, tmp_path):
+  cfg = tmp_path / "cfg.py"
+  cfg.write_text(CONFIG.format(text=str(shared_data / "tinyshakespeare.txt")))
+  main = [sys.executable, "-m", "cem_jax.main", f"--config={cfg}"]
+  multi = subprocess.run(
+      [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4", "--",
+       *main, f"--workdir={tmp_path / 'mp'}"], cwd=REPO, env=_env(1), capture_output=True,
+      text=True, timeout=600)
+  assert multi.returncode == 0, multi.stdout[-4000:] + multi.stderr[-2000:]
+  single = subprocess.run([*main, f"--workdir={tmp_path / 'sp'}"], cwd=REPO, env=_env(8),
+                          capture_output=True, text=True, timeout=600)
+  assert single.returncode == 0, single.stderr[-3000:]
+  # Each process read its own half of every batch (one process: all of it).
+  for i in (0, 1):
+    assert any(line.startswith(f"[{i}] ") and
+               f"of 2 processes; process {i} reads rows block {i} of 2" in line
+               for line in multi.stdout.splitlines()), multi.stdout[-3000:]
+  assert "of 1 processes; process 0 reads rows block 0 of 1" in single.stderr
+  mp, sp = _metrics(tmp_path / "mp"), _metrics(tmp_path / "sp")
+  assert [m["step"] for m in mp] == [m["step"] for m in sp]
+  for a, b in zip(mp, sp, strict=True):
+    for key in ("train/loss", "eval/loss", "eval/bits_per_byte"):
+      if key in b:
+        assert abs(a[key] - b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
+  assert sum("train/loss" in m for m in mp) == 6 and sum("eval/loss" in m for m in mp) == 2
+  # Both processes wrote checkpoints together; only process 0 wrote metrics and config.json.
+  assert sorted(p.name for p in (tmp_path / "mp" / "checkpoints").iterdir()
+                if p.name.isdigit()) == ["3", "6"]
+  assert json.loads((tmp_path / "mp" / "config.json").read_text())["mesh"]["tensor"] == 2
