@@ -23,6 +23,7 @@ def load_run(workdir: str):
 
   Raises:
     FileNotFoundError: no ``config.json`` or no checkpoint in ``workdir``.
+    CheckpointError: checkpoints exist but none is intact.
   """
   from flax import nnx
 
@@ -43,9 +44,10 @@ def load_run(workdir: str):
   model = train.build_model(config, data.tokenizer.vocab_size)
   graphdef, params = nnx.split(model, nnx.Param)
   tx, _ = train.make_optimizer(config.train)
+  # Read-only: the run may still be training here; its in-flight saves must not be touched.
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
-                      async_save=False)
-  step = ckpt.latest_step()
+                      async_save=False, read_only=True)
+  step = ckpt.restorable_step()  # the newest *verified* step
   if step is None:
     raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
   state, _ = ckpt.restore(step, {"params": params, "opt_state": tx.init(params)})

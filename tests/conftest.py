@@ -22,6 +22,7 @@ def tiny_config(block: str = "cem", **overrides):
   c.model.block = block
   c.model.d_model, c.model.num_heads, c.model.mlp_dim, c.model.num_layers = 64, 4, 128, 2
   c.data.seq_len, c.data.vocab_size = 64, 512
+  c.data.builtin = "pydoc"  # the smaller built-in corpus keeps tests fast
   c.train.batch_size, c.train.num_steps, c.train.warmup_steps = 8, 30, 5
   c.train.eval_every_steps, c.train.log_every_steps = 10, 5
   c.eval.batch_size, c.eval.max_batches = 16, 4
