@@ -1,0 +1,195 @@
+"""Expand a config file's sweep into runs and launch the ones not finished yet.
+
+    python launch/sweep.py --config=experiments/lr_sweep.py --workdir=/tmp/lr_sweep
+    python launch/sweep.py --config=experiments/lr_sweep.py --workdir=/mnt/shared/lr_sweep \\
+        --launcher=tpu_pod --tpu=my-v4-32 --zone=us-central2-b
+
+The config file defines ``get_sweep(arg)`` (or ``get_sweep()``) beside ``get_config``: a list
+of override dicts such as ``{"train.learning_rate": 3e-3, "model.block": "llama"}`` (an optional
+``"name"`` entry names the run). Run ``i`` trains in ``WORKDIR/NAME`` (default name: its
+overrides, ``train.learning_rate=0.003,model.block=llama``) with
+
+    python -m cem_jax.main --config=FILE[:ARG] --workdir=WORKDIR/NAME --config.KEY=VALUE ... EXTRA
+
+where ``EXTRA`` is everything after ``--``. Runs go one after the other: ``--launcher=local``
+(default) on this machine (``--num_processes`` > 1: through ``launch/local.py``),
+``--launcher=tpu_pod`` through ``launch/tpu_pod.py`` on every worker of a pod (the code is
+copied once, before the first run).
+
+A run is finished, and skipped, when ``WORKDIR/NAME/metrics.jsonl`` has its final eval line
+(``step`` == ``train.num_steps``) and ``WORKDIR/NAME/checkpoints/<train.num_steps>`` exists.
+An unfinished run resumes from its checkpoint. (On a pod, a ``WORKDIR`` not visible here cannot
+be checked: finished runs then start, find their final checkpoint and stop.) ``--dry_run``
+prints, per run, ``skip NAME (finished)`` or the exact command. Exit status: 0 if every run
+finished, else 1 (failed runs are listed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = os.path.join(REPO, "launch")
+
+
+def load_config_module(spec: str):
+  """``FILE[:ARG]`` → ``(module, arg or None)``; the module is imported from its path."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise SystemExit(f"error: --config={spec!r}: no such file {path!r}")
+  if REPO not in sys.path:
+    sys.path.insert(0, REPO)  # experiment files import cem_jax.config
+  module_spec = importlib.util.spec_from_file_location("sweep_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module, (arg or None)
+
+
+def _call(fn, arg):
+  return fn() if arg is None else fn(arg)
+
+
+def format_value(value) -> str:
+  """A Python value as ``--config.KEY=`` text that ml_collections parses back to it."""
+  return value if isinstance(value, str) else repr(value)
+
+
+def run_name(overrides: dict) -> str:
+  """Default run name: ``key=value`` pairs, characters unsafe in a folder name replaced."""
+  text = ",".join(f"{k}={format_value(v)}" for k, v in overrides.items()) or "default"
+  return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
+
+
+def expand(module, arg) -> list[tuple[str, dict]]:
+  """The sweep as ``[(name, overrides)]``.
+
+  Raises:
+    SystemExit: no ``get_sweep``, a malformed entry, or two runs with the same name.
+  """
+  if not hasattr(module, "get_sweep"):
+    raise SystemExit("error: the config file has no get_sweep(); define one returning a list "
+                     "of override dicts, e.g. [{'train.learning_rate': 1e-3}, ...]")
+  runs, seen = [], set()
+  for i, entry in enumerate(_call(module.get_sweep, arg)):
+    if not isinstance(entry, dict):
+      raise SystemExit(f"error: get_sweep() entry {i} is {entry!r}; allowed: a dict of "
+                       "'group.key': value overrides")
+    overrides = {k: v for k, v in entry.items() if k != "name"}
+    name = str(entry.get("name") or run_name(overrides))
+    if name in seen:
+      raise SystemExit(f"error: get_sweep() has two runs named {name!r}; give one a 'name'")
+    seen.add(name)
+    runs.append((name, overrides))
+  return runs
+
+
+def num_steps(module, arg, overrides: dict, extra: list[str]) -> int:
+  """``train.num_steps`` of a run: the config, then its overrides, then ``EXTRA`` flags."""
+  config = _call(module.get_config, arg)
+  steps = overrides.get("train.num_steps", config.train.num_steps)
+  for a in extra:
+    if a.startswith("--config.train.num_steps="):
+      steps = int(a.split("=", 1)[1])
+  return int(steps)
+
+
+def is_finished(run_dir: str, steps: int) -> bool:
+  """The run's final eval line and final checkpoint both exist."""
+  if not os.path.isdir(os.path.join(run_dir, "checkpoints", str(steps))):
+    return False
+  try:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+      for line in f:
+        try:
+          m = json.loads(line)
+        except json.JSONDecodeError:
+          continue  # a line cut short by a kill
+        if m.get("step") == steps and "eval/loss" in m:
+          return True
+  except OSError:
+    return False
+  return False
+
+
+def main_args(config: str, run_dir: str, overrides: dict, extra: list[str]) -> list[str]:
+  return [f"--config={config}", f"--workdir={run_dir}",
+          *(f"--config.{k}={format_value(v)}" for k, v in overrides.items()), *extra]
+
+
+def run_command(args: argparse.Namespace, mains: list[str], first: bool) -> list[str]:
+  """The command that trains one run with the chosen launcher."""
+  if args.launcher == "tpu_pod":
+    pod = [sys.executable, os.path.join(LAUNCH, "tpu_pod.py"), f"--tpu={args.tpu}",
+           f"--zone={args.zone}", *([f"--project={args.project}"] if args.project else [])]
+    if not first:
+      pod.append("--no_sync")  # the code and venv were set up before the first run
+    return [*pod, "--", *mains]
+  python = [sys.executable, "-m", "cem_jax.main", *mains]
+  if args.num_processes > 1:
+    return [sys.executable, os.path.join(LAUNCH, "local.py"),
+            f"--num_processes={args.num_processes}",
+            f"--devices_per_process={args.devices_per_process}", "--", *python]
+  return python
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+  split = argv.index("--") if "--" in argv else len(argv)
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", required=True, help="experiment file[:arg] with get_sweep()")
+  parser.add_argument("--workdir", required=True, help="one sub-folder per run")
+  parser.add_argument("--launcher", choices=("local", "tpu_pod"), default="local")
+  parser.add_argument("--num_processes", type=int, default=1, help="local: processes per run")
+  parser.add_argument("--devices_per_process", type=int, default=1,
+                      help="local, several processes: forced CPU devices per process")
+  parser.add_argument("--tpu", default="", help="tpu_pod: TPU VM name")
+  parser.add_argument("--zone", default="", help="tpu_pod: zone")
+  parser.add_argument("--project", default="", help="tpu_pod: project")
+  parser.add_argument("--dry_run", action="store_true", help="print what would run")
+  args = parser.parse_args(argv[:split])
+  if args.launcher == "tpu_pod" and not (args.tpu and args.zone):
+    parser.error("--launcher=tpu_pod needs --tpu=NAME and --zone=ZONE")
+  if args.num_processes < 1:
+    parser.error(f"--num_processes={args.num_processes}; allowed: an int >= 1")
+  return args, argv[split + 1:]
+
+
+def main(argv: list[str]) -> int:
+  args, extra = parse_args(argv)
+  module, arg = load_config_module(args.config)
+  runs = expand(module, arg)
+  failed, first = [], True
+  for name, overrides in runs:
+    run_dir = os.path.join(args.workdir, name)
+    steps = num_steps(module, arg, overrides, extra)
+    if is_finished(run_dir, steps):
+      print(f"skip {name} (finished: step {steps})", flush=True)
+      continue
+    cmd = run_command(args, main_args(args.config, run_dir, overrides, extra), first)
+    first = False
+    print(("" if args.dry_run else "+ ") + shlex.join(cmd), flush=True)
+    if args.dry_run:
+      continue
+    # Paths stay relative to the caller's folder; cem_jax imports even when not pip-installed.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))
+    code = subprocess.run(cmd, env=env).returncode
+    if code:
+      print(f"launch/sweep.py: run {name} failed with exit status {code}", file=sys.stderr)
+      failed.append(name)
+  if failed:
+    print(f"launch/sweep.py: {len(failed)} of {len(runs)} runs failed: {', '.join(failed)}",
+          file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,168 @@
+"""Train on a Cloud TPU VM pod slice: the same ``python -m cem_jax.main`` on every worker.
+
+    python launch/tpu_pod.py --tpu=my-v4-32 --zone=us-central2-b -- \\
+        --config=experiments/tiny.py --workdir=/mnt/shared/runs/tiny
+
+Three steps, each one ``gcloud compute tpus tpu-vm`` command over ``--worker=all``:
+
+1. ``scp`` this working tree (git's tracked and untracked, not ignored, files, packed into one
+   tarball here) to every worker;
+2. ``ssh``: unpack it into ``--remote_dir``, create the venv ``--venv`` if missing, install
+   ``jax[tpu]`` and the package (``pip install -e``); skipped with ``--no_install`` (then only
+   the code is refreshed);
+3. ``ssh``: ``cd --remote_dir && VENV/bin/python -m cem_jax.main --distributed=on ARGS`` on all
+   workers at once: ``jax.distributed.initialize()`` finds the other workers through the TPU
+   metadata, every worker feeds its own slice of each batch, process 0 writes the metrics.
+
+``ARGS`` (everything after ``--``) go to ``cem_jax.main`` unchanged. ``--workdir`` must be on
+storage every worker sees at the same path (a Filestore/NFS mount or a gcsfuse-mounted bucket):
+all workers write their shards of each Orbax checkpoint there and read the data caches.
+Remote paths that are not absolute are relative to the remote home folder.
+
+``--dry_run`` prints the exact commands instead of running them; every user value in them is
+shell-quoted (``shlex.quote``), also inside the remote ``--command``. A failing step stops the
+launcher with that step's exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARBALL = "cem_jax_src.tar.gz"  # in the remote home folder
+
+
+def remote_path(path: str) -> str:
+  """``path`` for a remote shell: absolute paths quoted as they are, others under ``$HOME``."""
+  if path.startswith("/"):
+    return shlex.quote(path)
+  return '"$HOME"/' + shlex.quote(path)
+
+
+def gcloud(verb: str, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+  """``(['gcloud', 'compute', 'tpus', 'tpu-vm', VERB], options)``: zone, all workers, project."""
+  cmd = ["gcloud", "compute", "tpus", "tpu-vm", verb]
+  return cmd, [f"--zone={args.zone}", "--worker=all",
+               *([f"--project={args.project}"] if args.project else [])]
+
+
+def scp_command(args: argparse.Namespace, tarball: str) -> list[str]:
+  cmd, opts = gcloud("scp", args)
+  return [*cmd, tarball, f"{args.tpu}:{TARBALL}", *opts]
+
+
+def ssh_command(args: argparse.Namespace, remote: str) -> list[str]:
+  cmd, opts = gcloud("ssh", args)
+  return [*cmd, args.tpu, *opts, f"--command={remote}"]
+
+
+def setup_script(args: argparse.Namespace) -> str:
+  """The remote shell line that unpacks the code and (unless ``--no_install``) installs it."""
+  src, venv = remote_path(args.remote_dir), remote_path(args.venv)
+  steps = ["set -e", f"mkdir -p {src}", f'tar -xzf "$HOME"/{TARBALL} -C {src}']
+  if args.install:
+    pip = f"{venv}/bin/pip"
+    steps += [f"test -x {venv}/bin/python || {shlex.quote(args.python)} -m venv {venv}",
+              f"{pip} install -q -U pip",
+              f"{pip} install -q {shlex.quote(args.jax_requirement)}",
+              f"{pip} install -q -e {src}"]
+  return "; ".join(steps)
+
+
+def train_script(args: argparse.Namespace, main_args: list[str]) -> str:
+  """The remote shell line that runs the training on one worker (the same on all)."""
+  python = f"{remote_path(args.venv)}/bin/python"
+  run = " ".join([python, "-m", "cem_jax.main", "--distributed=on",
+                  *(shlex.quote(a) for a in main_args)])
+  line = f"cd {remote_path(args.remote_dir)} && {run}"
+  if args.log:
+    # Detached: keeps training when the ssh session ends; output in --log on every worker.
+    line = f"nohup sh -c {shlex.quote(line)} > {remote_path(args.log)} 2>&1 < /dev/null &"
+  return line
+
+
+def commands(args: argparse.Namespace, main_args: list[str], tarball: str) -> list[list[str]]:
+  """The gcloud commands, in order: copy the code, install, train."""
+  out = []
+  if args.sync:
+    out.append(scp_command(args, tarball))
+    out.append(ssh_command(args, setup_script(args)))
+  out.append(ssh_command(args, train_script(args, main_args)))
+  return out
+
+
+def source_files(repo: str = REPO) -> list[str]:
+  """Files git tracks plus untracked ones it does not ignore (paths relative to ``repo``)."""
+  out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                       cwd=repo, check=True, capture_output=True).stdout
+  paths = out.decode().split("\0")
+  return sorted({p for p in paths if p and os.path.isfile(os.path.join(repo, p))})
+
+
+def pack(tarball: str, repo: str = REPO) -> int:
+  """Writes the working tree's source files into ``tarball``; returns how many."""
+  files = source_files(repo)
+  with tarfile.open(tarball, "w:gz") as tar:
+    for path in files:
+      tar.add(os.path.join(repo, path), arcname=path)
+  return len(files)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+  split = argv.index("--") if "--" in argv else len(argv)
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--tpu", required=True, help="TPU VM name")
+  parser.add_argument("--zone", required=True)
+  parser.add_argument("--project", default="", help="default: gcloud's configured project")
+  parser.add_argument("--remote_dir", default="cem_jax", help="code folder on every worker")
+  parser.add_argument("--venv", default="cem_jax_venv", help="virtualenv on every worker")
+  parser.add_argument("--python", default="python3", help="remote python that creates the venv")
+  parser.add_argument("--jax_requirement", default="jax[tpu]",
+                      help="pip requirement for JAX on the workers")
+  parser.add_argument("--no_sync", dest="sync", action="store_false",
+                      help="run only: the code and venv are already on the workers")
+  parser.add_argument("--no_install", dest="install", action="store_false",
+                      help="copy the code but do not pip install (the venv is set up)")
+  parser.add_argument("--log", default="",
+                      help="run detached (nohup), output to this remote file on every worker")
+  parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+  args = parser.parse_args(argv[:split])
+  main_args = argv[split + 1:]
+  if not any(a.startswith("--config=") for a in main_args):
+    parser.error("give cem_jax.main's arguments after --, at least --config=FILE and "
+                 "--workdir=DIR")
+  if not any(a.startswith("--workdir=") for a in main_args):
+    parser.error("give --workdir=DIR after -- (a folder every worker sees at the same path)")
+  return args, main_args
+
+
+def main(argv: list[str]) -> int:
+  args, main_args = parse_args(argv)
+  tarball = os.path.join(tempfile.gettempdir(), TARBALL)
+  cmds = commands(args, main_args, tarball)
+  if args.dry_run:
+    if args.sync:
+      print(f"# pack {len(source_files())} files of {REPO} into {tarball}")
+    for cmd in cmds:
+      print(shlex.join(cmd))
+    return 0
+  if args.sync:
+    print(f"packed {pack(tarball)} files into {tarball}", flush=True)
+  for cmd in cmds:
+    print("+ " + shlex.join(cmd), flush=True)
+    code = subprocess.run(cmd).returncode
+    if code:
+      print(f"launch/tpu_pod.py: {cmd[4]} failed with exit status {code}", file=sys.stderr)
+      return code
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

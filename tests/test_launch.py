@@ -1,0 +1,297 @@
+"""launch/: dry runs print the exact commands (hostile values quoted); the local launcher runs N
+processes, forwards their environment and stops them all when one fails; the sweep skips
+finished runs. No JAX here: every command is a plain Python script."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HOSTILE = "--config.data.files=a b;rm -rf x"
+MAIN_ARGS = ["--config=experiments/tiny.py", "--workdir=/mnt/runs/t w", HOSTILE]
+
+
+def _launch(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, f"launch/{script}", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# local.py
+
+
+def test_local_dry_run_prints_each_process_environment_and_command():
+  proc = _launch("local.py", "--num_processes=2", "--devices_per_process=4", "--port=4321",
+                 "--dry_run", "--", "python", "-m", "cem_jax.main", *MAIN_ARGS)
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  assert lines == [
+      f"CEM_COORDINATOR_ADDRESS=127.0.0.1:4321 CEM_NUM_PROCESSES=2 CEM_PROCESS_ID={i} "
+      "XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu python -m "
+      "cem_jax.main --config=experiments/tiny.py '--workdir=/mnt/runs/t w' "
+      "'--config.data.files=a b;rm -rf x'" for i in (0, 1)]
+  assert shlex.split(lines[1])[-len(MAIN_ARGS):] == MAIN_ARGS  # the shell gets the exact args
+
+
+def test_local_runs_every_process_with_its_environment():
+  code = ("import os; print(os.environ['CEM_PROCESS_ID'], os.environ['CEM_NUM_PROCESSES'], "
+          "os.environ['CEM_COORDINATOR_ADDRESS'], os.environ['XLA_FLAGS'])")
+  proc = _launch("local.py", "--num_processes=3", "--devices_per_process=2", "--",
+                 sys.executable, "-c", code)
+  assert proc.returncode == 0, proc.stderr
+  lines = sorted(proc.stdout.splitlines())
+  assert len(lines) == 3
+  addresses = set()
+  for i, line in enumerate(lines):
+    prefix, pid, n, address, flags = line.split(" ")
+    assert (prefix, pid, n) == (f"[{i}]", str(i), "3")
+    assert flags == "--xla_force_host_platform_device_count=2"
+    addresses.add(address)
+  (address,) = addresses  # one coordinator for all
+  assert address.startswith("127.0.0.1:") and int(address.split(":")[1]) > 0
+
+
+def test_local_stops_all_processes_when_one_fails(tmp_path):
+  # Process 1 fails; 0 sleeps; 2 ignores SIGTERM and must get SIGKILL after the grace period.
+  code = f"""
+import os, signal, sys, time
+i = int(os.environ["CEM_PROCESS_ID"])
+open(os.path.join({str(tmp_path)!r}, f"pid{{i}}"), "w").write(str(os.getpid()))
+if i == 1:
+  time.sleep(1)
+  sys.exit(3)
+if i == 2:
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(120)
+"""
+  start = time.monotonic()
+  proc = _launch("local.py", "--num_processes=3", "--kill_grace_s=1", "--",
+                 sys.executable, "-c", code)
+  elapsed = time.monotonic() - start
+  assert proc.returncode == 3
+  assert "process 1 exited with status 3; stopping the others" in proc.stderr
+  assert elapsed < 30
+  for i in (0, 2):
+    pid = int((tmp_path / f"pid{i}").read_text())
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)
+
+
+def test_local_reports_a_killed_process_as_128_plus_signal():
+  code = ("import os, signal, time\n"
+          "if os.environ['CEM_PROCESS_ID'] == '0': os.kill(os.getpid(), signal.SIGKILL)\n"
+          "time.sleep(120)\n")
+  proc = _launch("local.py", "--num_processes=2", "--kill_grace_s=1", "--",
+                 sys.executable, "-c", code)
+  assert proc.returncode == 128 + 9
+
+
+def test_local_needs_a_command():
+  proc = _launch("local.py", "--num_processes=2")
+  assert proc.returncode != 0 and "give the command after --" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# tpu_pod.py
+
+
+def test_tpu_pod_dry_run_prints_the_exact_gcloud_commands():
+  proc = _launch("tpu_pod.py", "--tpu=my-v4-32", "--zone=us-central2-b", "--project=p1",
+                 "--dry_run", "--", *MAIN_ARGS)
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  assert lines[0].startswith("# pack ") and lines[0].endswith("/cem_jax_src.tar.gz")
+  scp, setup, run = (shlex.split(line) for line in lines[1:])
+  opts = ["--zone=us-central2-b", "--worker=all", "--project=p1"]
+  assert scp[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "scp"]
+  assert scp[6:] == ["my-v4-32:cem_jax_src.tar.gz", *opts]
+  assert setup[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v4-32"]
+  assert setup[6:9] == opts and setup[9].startswith("--command=")
+  assert setup[9] == (
+      '--command=set -e; mkdir -p "$HOME"/cem_jax; tar -xzf "$HOME"/cem_jax_src.tar.gz -C '
+      '"$HOME"/cem_jax; test -x "$HOME"/cem_jax_venv/bin/python || python3 -m venv '
+      '"$HOME"/cem_jax_venv; "$HOME"/cem_jax_venv/bin/pip install -q -U pip; '
+      '"$HOME"/cem_jax_venv/bin/pip install -q \'jax[tpu]\'; "$HOME"/cem_jax_venv/bin/pip '
+      'install -q -e "$HOME"/cem_jax')
+  assert run[:9] == setup[:9]
+  remote = run[9][len("--command="):]
+  # What each worker's shell executes: the same command everywhere, hostile value intact.
+  assert shlex.split(remote) == [
+      "cd", "$HOME/cem_jax", "&&", "$HOME/cem_jax_venv/bin/python", "-m", "cem_jax.main",
+      "--distributed=on", *MAIN_ARGS]
+  assert "'--config.data.files=a b;rm -rf x'" in remote
+
+
+def test_tpu_pod_quotes_hostile_names_and_detaches_with_a_log():
+  proc = _launch("tpu_pod.py", "--tpu=tpu;reboot", "--zone=z one", "--no_sync",
+                 "--remote_dir=/opt/my code", "--log=logs/run 1.log", "--dry_run", "--",
+                 *MAIN_ARGS)
+  assert proc.returncode == 0, proc.stderr
+  (line,) = proc.stdout.splitlines()  # --no_sync: only the run
+  argv = shlex.split(line)
+  assert argv[5:8] == ["tpu;reboot", "--zone=z one", "--worker=all"]
+  remote = shlex.split(argv[8][len("--command="):])
+  assert remote[:3] == ["nohup", "sh", "-c"]
+  assert remote[4:] == [">", "$HOME/logs/run 1.log", "2>&1", "<", "/dev/null", "&"]
+  assert shlex.split(remote[3]) == [
+      "cd", "/opt/my code", "&&", "$HOME/cem_jax_venv/bin/python", "-m", "cem_jax.main",
+      "--distributed=on", *MAIN_ARGS]
+
+
+def test_tpu_pod_needs_config_and_workdir():
+  proc = _launch("tpu_pod.py", "--tpu=t", "--zone=z", "--dry_run", "--", "--config=a.py")
+  assert proc.returncode == 2 and "give --workdir=DIR after --" in proc.stderr
+
+
+def test_tpu_pod_packs_the_working_tree(tmp_path):
+  sys.path.insert(0, str(REPO / "launch"))
+  try:
+    import tpu_pod
+  finally:
+    sys.path.pop(0)
+  import tarfile
+
+  n = tpu_pod.pack(str(tmp_path / "src.tar.gz"))
+  names = tarfile.open(tmp_path / "src.tar.gz").getnames()
+  assert n == len(names) and "cem_jax/train.py" in names and "setup.cfg" in names
+  assert not any("__pycache__" in x or x.startswith(".git/") for x in names)
+
+
+# ---------------------------------------------------------------------------------------------
+# slurm.py
+
+
+def test_slurm_dry_run_prints_the_sbatch_script():
+  proc = _launch("slurm.py", "--nodes=2", "--gpus_per_node=4", "--partition=gpu",
+                 "--time=1-00:00:00", "--python=/opt/venv/bin/python", "--repo=/shared/cem jax",
+                 "--dry_run", "--", *MAIN_ARGS)
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  assert lines[:10] == [
+      "# cem_jax.sbatch",
+      "#!/bin/bash",
+      "#SBATCH --job-name=cem_jax",
+      "#SBATCH --nodes=2",
+      "#SBATCH --ntasks-per-node=4",
+      "#SBATCH --gpus-per-node=4",
+      "#SBATCH --time=1-00:00:00",
+      "#SBATCH --output=cem_jax-%j.out",
+      "#SBATCH --partition=gpu",
+      "# Generated by launch/slurm.py: 2 node(s) x 4 process(es), 4 GPU(s) per node.",
+  ]
+  assert lines[10:13] == ["set -euo pipefail", "cd '/shared/cem jax'", (
+      "srun --kill-on-bad-exit=1 /opt/venv/bin/python -m cem_jax.main --distributed=on "
+      "--config=experiments/tiny.py '--workdir=/mnt/runs/t w' "
+      "'--config.data.files=a b;rm -rf x'")]
+  assert shlex.split(lines[12])[-len(MAIN_ARGS):] == MAIN_ARGS
+  assert lines[13] == "# then: sbatch cem_jax.sbatch"
+  assert not any("JAX_LOCAL_DEVICE_IDS" in x for x in lines)
+
+
+def test_slurm_one_process_per_node_drives_all_its_gpus(tmp_path):
+  script = tmp_path / "job.sbatch"
+  proc = _launch("slurm.py", "--per=node", "--nodes=4", "--gpus_per_node=8", "--no_submit",
+                 f"--script={script}", "--", "--config=c.py", "--workdir=/w")
+  assert proc.returncode == 0, proc.stderr
+  text = script.read_text()
+  assert "#SBATCH --ntasks-per-node=1\n" in text and "#SBATCH --gpus-per-node=8\n" in text
+  assert "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7" in text
+  assert text.rstrip().endswith("-m cem_jax.main --distributed=on --config=c.py --workdir=/w")
+
+
+def test_slurm_rejects_values_sbatch_cannot_quote():
+  proc = _launch("slurm.py", "--partition=gpu\n#SBATCH --x", "--dry_run", "--", "--config=c",
+                 "--workdir=w")
+  assert proc.returncode == 2
+  assert "--partition='gpu\\n#SBATCH --x'; allowed: letters, digits" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# sweep.py
+
+SWEEP_CONFIG = """
+from cem_jax.config import get_default_config
+
+
+def get_config(arg="a"):
+  c = get_default_config()
+  c.train.num_steps = 40 if arg == "a" else 10
+  return c
+
+
+def get_sweep(arg="a"):
+  return [{"train.learning_rate": 1e-3}, {"train.learning_rate": 3e-3, "model.block": "llama"},
+          {"name": "custom", "data.files": "a b;c"}]
+"""
+
+
+def _finish(run_dir: Path, steps: int, eval_line: bool = True, checkpoint: bool = True):
+  run_dir.mkdir(parents=True)
+  lines = [{"step": steps, "train/loss": 1.0}] + ([{"step": steps, "eval/loss": 1.0}]
+                                                  if eval_line else [])
+  (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+  if checkpoint:
+    (run_dir / "checkpoints" / str(steps)).mkdir(parents=True)
+
+
+def test_sweep_dry_run_skips_finished_runs(tmp_path):
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_CONFIG)
+  work = tmp_path / "sw"
+  _finish(work / "train.learning_rate=0.001", 40)
+  _finish(work / "custom", 40, checkpoint=False)  # interrupted before its final save
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run", "--",
+                 "--config.eval.batch_size=8")
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  assert lines[0] == "skip train.learning_rate=0.001 (finished: step 40)"
+  assert shlex.split(lines[1]) == [
+      sys.executable, "-m", "cem_jax.main", f"--config={cfg}",
+      f"--workdir={work}/train.learning_rate=0.003,model.block=llama",
+      "--config.train.learning_rate=0.003", "--config.model.block=llama",
+      "--config.eval.batch_size=8"]
+  assert shlex.split(lines[2])[3:] == [
+      f"--config={cfg}", f"--workdir={work}/custom", "--config.data.files=a b;c",
+      "--config.eval.batch_size=8"]
+  assert len(lines) == 3
+  # Longer training (an override after --) makes the finished run unfinished again.
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run", "--",
+                 "--config.train.num_steps=80")
+  assert not proc.stdout.startswith("skip")
+
+
+def test_sweep_on_a_pod_and_through_the_local_launcher(tmp_path):
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_CONFIG)
+  proc = _launch("sweep.py", f"--config={cfg}:b", f"--workdir={tmp_path / 'w'}", "--dry_run",
+                 "--launcher=tpu_pod", "--tpu=t1", "--zone=z1")
+  assert proc.returncode == 0, proc.stderr
+  runs = [shlex.split(x) for x in proc.stdout.splitlines()]
+  assert [r[1:5] for r in runs] == [[str(REPO / "launch/tpu_pod.py"), "--tpu=t1", "--zone=z1",
+                                     x] for x in ("--", "--no_sync", "--no_sync")]
+  assert runs[0][5] == f"--config={cfg}:b"
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={tmp_path / 'w'}", "--dry_run",
+                 "--num_processes=2", "--devices_per_process=4")
+  first = shlex.split(proc.stdout.splitlines()[0])
+  assert first[1:6] == [str(REPO / "launch/local.py"), "--num_processes=2",
+                        "--devices_per_process=4", "--", sys.executable]
+
+
+def test_sweep_errors_are_one_line(tmp_path):
+  cfg = tmp_path / "nosweep.py"
+  cfg.write_text("def get_config():\n  return None\n")
+  proc = _launch("sweep.py", f"--config={cfg}", "--workdir=/tmp/x", "--dry_run")
+  assert proc.returncode == 1
+  assert proc.stderr.strip() == ("error: the config file has no get_sweep(); define one returning "
+                                 "a list of override dicts, e.g. [{'train.learning_rate': 1e-3}, "
+                                 "...]")
+  cfg.write_text(SWEEP_CONFIG.replace('"name": "custom"', '"name": "train.learning_rate=0.001"'))
+  proc = _launch("sweep.py", f"--config={cfg}", "--workdir=/tmp/x", "--dry_run")
+  assert proc.stderr.strip() == ("error: get_sweep() has two runs named "
+                                 "'train.learning_rate=0.001'; give one a 'name'")
