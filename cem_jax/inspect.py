@@ -35,7 +35,7 @@ def summary(config, vocab_size: int | None = None, devices=None) -> dict:
   mesh = sharding.make_mesh(config.mesh, devices)
   model = nnx.eval_shape(lambda: DecoderLM(config.model, vocab, rngs=nnx.Rngs(0)))
   state = nnx.state(model, nnx.Param)
-  specs = sharding.param_specs(state)
+  specs = sharding.param_specs(state, sharding.rules_from_config(config.mesh), mesh)
   is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
   spec_by_path = {jax.tree_util.keystr(p): s
                   for p, s in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec)}
