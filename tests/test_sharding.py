@@ -328,3 +328,11 @@ def test_two_processes_match_one_process(shared_data, tmp_path):
   assert sorted(p.name for p in (tmp_path / "mp" / "checkpoints").iterdir()
                 if p.name.isdigit()) == ["3", "6"]
   assert json.loads((tmp_path / "mp" / "config.json").read_text())["mesh"]["tensor"] == 2
+  # The two processes' checkpoint restores in one process on another mesh (fsdp over all 8).
+  resumed = subprocess.run([*main, f"--workdir={tmp_path / 'mp'}", "--config.train.num_steps=8",
+                            "--config.mesh.fsdp=8", "--config.mesh.tensor=1"], cwd=REPO,
+                           env=_env(8), capture_output=True, text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"resumed from {tmp_path / 'mp' / 'checkpoints' / '6'} at step 6" in resumed.stderr
+  after = [m for m in _metrics(tmp_path / "mp") if "train/loss" in m and m["step"] > 6]
+  assert [m["step"] for m in after] == [7, 8] and all(m["train/loss"] < 7 for m in after)
