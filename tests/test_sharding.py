@@ -204,6 +204,11 @@ for shape in [(1, 1, 1)] + {meshes!r}:
   rec = {{"init_max_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                               for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(eager)))}}
   # Each parameter's sharding, the number of distinct shards, and its moment's sharding.
+  # Sharded init: what one device computes and keeps (no device ever holds a full copy).
+  init = jax.jit(lambda: nnx.state(train.build_model(cfg, vocab), nnx.Param),
+                 out_shardings=sh.params).lower().compile().memory_analysis()
+  rec["init_bytes"] = {{"full": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),
+                       "output": init.output_size_in_bytes, "temp": init.temp_size_in_bytes}}
   rules = sharding.rules_from_config(cfg.mesh)
   mu = opt_state.inner_state[1][0].mu
   rec["params"] = {{}}
@@ -266,7 +271,12 @@ def test_every_mesh_gives_the_one_device_losses(block, shared_data, tmp_path):
           parts *= shape[n]
       assert p["shards"] == parts, (name, path, p)
       assert math.prod(p["shard_shape"]) * parts == math.prod(p["shape"]), (name, path, p)
-  # On 2 x 2 x 2 every matrix is split over fsdp and (but norms, biases) over tensor too.
+  # On 2 x 2 x 2 every device initialises about a quarter of the parameters (fsdp x tensor;
+  # vectors over fsdp only), and its scratch space is smaller than one full copy.
+  size = runs["2x2x2"]["init_bytes"]
+  assert size["output"] < size["full"] / 2 and size["temp"] < size["full"], size
+  assert ref["init_bytes"]["output"] >= ref["init_bytes"]["full"]  # one device: all of it
+  # Every matrix is split over fsdp (and, but for norms and step sizes, over tensor too).
   both = runs["2x2x2"]["params"]
   matrices = [p for p in both.values() if len(p["shape"]) >= 2 and "embed" in p["logical"]]
   assert matrices and all(p["shards"] >= 2 for p in matrices)
