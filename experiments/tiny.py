@@ -19,7 +19,7 @@ Measured (2026-11-30, 2-core CPU shared with other jobs, so wall times are upper
 | run | eval bits/byte at step 1000 | reference |
 |---|---|---|
 | CEM, built-in corpus | 1.732 | byte 4-gram 2.06; bar 1.9 |
-| Llama, built-in corpus | see results/tiny/main_job.md | |
+| Llama, built-in corpus | 1.595 | |
 | CEM, tinyshakespeare | 2.290 | byte 4-gram 2.51; bar 2.35 |
 | Llama, tinyshakespeare | 2.172 | |
 
