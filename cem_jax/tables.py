@@ -5,7 +5,10 @@
 ``--table`` is a file name in ``experiments/paper/`` (``attention``, ``mlp``, ``design``,
 ``end_to_end``) or a path to a file with the same shape (``ROWS`` and ``get_config(arg)``
 taking ``"ROW,SCALE"``). Each run trains in ``WORKDIR/TABLE/ROW/seed{S}``: a finished run is
-skipped (its ``result.json`` exists), an interrupted one resumes from its checkpoint. Then
+skipped (its ``result.json`` exists), an interrupted one resumes from its checkpoint, and a
+run whose resolved config equals a finished run of another table under the same ``WORKDIR``
+(e.g. the Llama baseline shared by the attention, mlp and end_to_end tables) reuses that run's
+result and metrics instead of training again (``reused_from`` in its ``result.json``). Then
 ``WORKDIR/TABLE.{md,csv,png}`` are written: parameters (total, non-embedding, attention, MLP),
 analytic FLOPs per token, eval loss (mean ± std over seeds), perplexity, bits per byte and
 training tokens/s; the plot has one eval-loss curve per row (mean over seeds).
@@ -14,10 +17,13 @@ training tokens/s; the plot has one eval-loss curve per row (mean over seeds).
 from __future__ import annotations
 
 import csv
+import glob
+import hashlib
 import importlib.util
 import json
 import math
 import os
+import shutil
 import statistics
 
 import jax
@@ -89,6 +95,28 @@ def run_dir(workdir: str, table: str, row: str, seed: int) -> str:
   return os.path.join(workdir, table, row, f"seed{seed}")
 
 
+def config_digest(config) -> str:
+  """sha256 of the resolved config: equal digests mean the same training run."""
+  return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()
+
+
+def _write_json(path: str, obj) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)  # written last: a result.json's presence means the run finished
+
+
+def _finished_run(workdir: str, digest: str) -> str | None:
+  """The directory of a finished run under ``workdir`` with config ``digest``, if any."""
+  for path in sorted(glob.glob(os.path.join(workdir, "*", "*", "seed*", "result.json"))):
+    with open(path) as f:
+      result = json.load(f)
+    if result.get("config_digest") == digest and "reused_from" not in result:
+      return os.path.dirname(path)
+  return None
+
+
 def run_table(module, table: str, scale: str, seeds: int, workdir: str,
               steps: int | None = None) -> list[dict]:
   """Trains every (row, seed) not finished yet; returns the per-run results."""
@@ -102,15 +130,22 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
         results.append(json.load(f))
       continue
     cfg = row_config(module, row, scale, seed, steps)
-    logging.info("table %s: row %s seed %d -> %s", table, row, seed, out)
-    final = train.train_and_evaluate(cfg, out)
-    rates = [m["train/tokens_per_sec"] for m in read_metrics(out) if "train/tokens_per_sec" in m]
-    result = {"row": row, "seed": seed, **final,
-              "tokens_per_sec": statistics.median(rates[1:] or rates)}
-    tmp = result_path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(result, f, indent=2)
-    os.replace(tmp, result_path)  # written last: its presence means the run finished
+    digest = config_digest(cfg)
+    source = _finished_run(workdir, digest)
+    if source is not None:
+      logging.info("table %s: row %s seed %d reuses %s (same config)", table, row, seed, source)
+      os.makedirs(out, exist_ok=True)
+      shutil.copyfile(os.path.join(source, "metrics.jsonl"), os.path.join(out, "metrics.jsonl"))
+      with open(os.path.join(source, "result.json")) as f:
+        result = {**json.load(f), "row": row, "reused_from": os.path.relpath(source, out)}
+    else:
+      logging.info("table %s: row %s seed %d -> %s", table, row, seed, out)
+      final = train.train_and_evaluate(cfg, out)
+      rates = [m["train/tokens_per_sec"] for m in read_metrics(out)
+               if "train/tokens_per_sec" in m]
+      result = {"row": row, "seed": seed, **final, "config_digest": digest,
+                "tokens_per_sec": statistics.median(rates[1:] or rates)}
+    _write_json(result_path, result)
     results.append(result)
   return results
 

@@ -100,6 +100,13 @@ def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data,
   monkeypatch.setattr(tables.train, "train_and_evaluate", no_training)
   again = tables.run_table(module, "toy", "tiny", 2, workdir)
   assert again == results
+  # another table with the same rows reuses the finished runs (same resolved config)
+  other = tables.run_table(module, "toy_again", "tiny", 2, workdir)
+  assert [{k: v for k, v in r.items() if k != "reused_from"} for r in other] == results
+  assert all(r["reused_from"] == os.path.join("..", "..", "..", "toy", r["row"], f"seed{r['seed']}")
+             for r in other)
+  assert tables.eval_curves(workdir, "toy_again", module, 2) == tables.eval_curves(
+      workdir, "toy", module, 2)
 
 
 def test_unknown_table_is_a_clear_error():
