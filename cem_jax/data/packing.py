@@ -14,12 +14,16 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from cem_jax.data.tokenizer import Tokenizer
 
 # Documents are encoded in pieces of at most this many characters (cut at a paragraph or line
 # break) so that one huge file is still encoded on all cores.
 ENCODE_PIECE_CHARS = 1 << 16
+# Pieces handed to SentencePiece per call: large enough to keep its threads busy, small enough
+# for the progress bar to move.
+ENCODE_GROUP = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +61,13 @@ def _pieces(doc: str) -> list[str]:
   return out
 
 
-def encode_documents(tok: Tokenizer, docs: Sequence[str]) -> list[np.ndarray]:
+def encode_documents(tok: Tokenizer, docs: Sequence[str], desc: str = "encode"
+                     ) -> list[np.ndarray]:
   """Returns each document's ids (int32 ``[n_i]``, no EOS), encoded in parallel.
 
   A long document is encoded in paragraph-aligned pieces; decoding the result still gives the
-  document back exactly (the split can only change how a piece boundary is tokenized).
+  document back exactly (the split can only change how a piece boundary is tokenized). Shows a
+  progress bar (characters, ETA) labelled ``desc`` when stderr is a terminal.
   """
   pieces, owner = [], []
   for i, doc in enumerate(docs):
@@ -69,8 +75,14 @@ def encode_documents(tok: Tokenizer, docs: Sequence[str]) -> list[np.ndarray]:
       pieces.append(piece)
       owner.append(i)
   per_doc: list[list[np.ndarray]] = [[] for _ in docs]
-  for i, ids in zip(owner, tok.encode_batch(pieces), strict=True):
-    per_doc[i].append(np.asarray(ids, np.int32))
+  with tqdm(total=sum(map(len, pieces)), desc=desc, unit="char", unit_scale=True,
+            disable=None, leave=False) as bar:
+    for start in range(0, len(pieces), ENCODE_GROUP):
+      group = pieces[start:start + ENCODE_GROUP]
+      for i, ids in zip(owner[start:start + ENCODE_GROUP], tok.encode_batch(group),
+                        strict=True):
+        per_doc[i].append(np.asarray(ids, np.int32))
+      bar.update(sum(map(len, group)))
   return [np.concatenate(p) if p else np.zeros(0, np.int32) for p in per_doc]
 
 

@@ -224,8 +224,8 @@ def build_data(config, workdir: str | os.PathLike) -> Data:
   d = config.data
   splits = sources.text_splits(d, workdir)
   tok = tokenizer_lib.tokenizer_for(d, splits.train, workdir)
-  train_ids = packing.encode_documents(tok, splits.train)
-  eval_ids = packing.encode_documents(tok, splits.validation)
+  train_ids = packing.encode_documents(tok, splits.train, "encode train")
+  eval_ids = packing.encode_documents(tok, splits.validation, "encode validation")
   train_windows = packing.pack(train_ids, d.seq_len, tok.eos_id, tok.pad_id, keep_tail=False,
                                split="train")
   eval_windows = packing.pack(eval_ids, d.seq_len, tok.eos_id, tok.pad_id, keep_tail=True,

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -105,15 +106,16 @@ class LocalTextFiles(tfds.core.GeneratorBasedBuilder):
 
 @contextlib.contextmanager
 def quiet_tfds() -> Iterator[None]:
-  """Silences TFDS's progress bars and info/warning logs (e.g. 'custom data configuration')
-  for the duration of the block; restores the previous settings afterwards."""
+  """Silences TFDS's info/warning logs (e.g. 'custom data configuration') for the duration of
+  the block, and shows its progress bars (examples written, ETA) only when stderr is a
+  terminal; restores the previous settings afterwards."""
   from tensorflow_datasets.core.utils import tqdm_utils  # private, hence the guard below
 
   absl_logger = logging.getLogger("absl")
   old_level = absl_logger.level
   old_active = getattr(tqdm_utils, "_active", True)
   absl_logger.setLevel(logging.ERROR)
-  tfds.display_progress_bar(False)
+  tfds.display_progress_bar(sys.stderr.isatty())
   try:
     yield
   finally:

@@ -21,14 +21,17 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
+from tqdm import tqdm
 
 MODEL_TYPES = ("bpe", "unigram")
 TRAIN_CHUNK_CHARS = 2000
@@ -180,11 +183,19 @@ def train_model(docs: Sequence[str], vocab_size: int, model_type: str = "bpe") -
     raise ValueError(f"data.tokenizer_model_type={model_type!r} is not one of {MODEL_TYPES}")
   chunks = _training_chunks(docs)
   writer = io.BytesIO()
+  start = time.perf_counter()
+  # SentencePiece reads every chunk before it trains, and has no progress callback for the
+  # training itself: the bar covers the reading, the log lines time the whole.
+  logging.getLogger(__name__).info(
+      "training a %d-piece %s tokenizer on %d characters", vocab_size, model_type,
+      sum(map(len, chunks)))
   try:
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(chunks), model_writer=writer, vocab_size=vocab_size,
-        model_type=model_type, minloglevel=2, **TRAINER_SETTINGS,
-    )
+    with tqdm(chunks, desc=f"tokenizer: read text ({model_type} {vocab_size})",
+              unit="chunk", disable=None, leave=False) as reading:
+      spm.SentencePieceTrainer.train(
+          sentence_iterator=iter(reading), model_writer=writer, vocab_size=vocab_size,
+          model_type=model_type, minloglevel=2, **TRAINER_SETTINGS,
+      )
   except RuntimeError as e:
     msg = str(e)
     if m := _TOO_HIGH.search(msg):
@@ -199,6 +210,7 @@ def train_model(docs: Sequence[str], vocab_size: int, model_type: str = "bpe") -
           "(4 special + 256 byte pieces + every distinct character of the training text)"
       ) from None
     raise
+  logging.getLogger(__name__).info("tokenizer trained in %.1f s", time.perf_counter() - start)
   return writer.getvalue()
 
 
