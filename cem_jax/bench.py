@@ -61,15 +61,18 @@ VARIANTS = {
 PRESETS = {
     # Each batch holds tokens_per_batch tokens (batch = tokens_per_batch // seq_len), so the
     # seq_len sweep shows the attention's n² cost at a constant number of tokens.
+    # document_mask: the model.document_mask of every variant (True: an explicit [b, n, n]
+    # mask as in training on packed documents; False: is_causal, which reaches cuDNN's flash
+    # attention on GPU). Override with --document_mask.
     "tiny": dict(d_model=64, num_layers=2, num_heads=4, mlp_dim=256, vocab_size=512,
                  tokens_per_batch=512, seq_lens=[64, 128], widths=[64, 128],
-                 dtype="float32", steps=10, warmup=2),
+                 dtype="float32", steps=10, warmup=2, document_mask=True),
     "cpu": dict(d_model=128, num_layers=4, num_heads=4, mlp_dim=512, vocab_size=1024,
                 tokens_per_batch=2048, seq_lens=[128, 256, 512, 1024], widths=[128, 256],
-                dtype="float32", steps=10, warmup=2),
+                dtype="float32", steps=10, warmup=2, document_mask=True),
     "gpu125m": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, vocab_size=32768,
                     tokens_per_batch=16384, seq_lens=[1024, 4096], widths=[768],
-                    dtype="bfloat16", steps=10, warmup=3),
+                    dtype="bfloat16", steps=10, warmup=3, document_mask=False),
 }
 
 
@@ -95,6 +98,7 @@ def _model_config(preset: dict, variant: dict, seq_len: int, width: int):
   m.mlp_dim = preset["mlp_dim"] * width // preset["d_model"]
   m.num_layers = preset["num_layers"]
   m.dtype = preset["dtype"]
+  m.document_mask = preset.get("document_mask", True)
   for k, v in variant.items():
     m[k] = v
   c.data.seq_len = seq_len
@@ -103,15 +107,20 @@ def _model_config(preset: dict, variant: dict, seq_len: int, width: int):
 
 
 def peak_memory_bytes(compiled) -> int | None:
-  """Peak device memory of the last steps, or the compiled program's footprint (CPU)."""
-  stats = jax.local_devices()[0].memory_stats() or {}
-  if "peak_bytes_in_use" in stats:
-    return int(stats["peak_bytes_in_use"])
+  """The compiled step's device memory: arguments + outputs + XLA temporaries, in bytes.
+
+  Read from XLA's memory analysis rather than the allocator's ``peak_bytes_in_use``, which is
+  a process-wide high-water mark: in a one-run sweep it would carry the largest earlier
+  variant into every later row. None where the backend does not report it.
+  """
   try:
     mem = compiled.memory_analysis()
-    return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes)
-  except Exception:  # not every backend reports it
+  except Exception:  # not every backend implements it
     return None
+  if mem is None:
+    return None
+  return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+             - mem.alias_size_in_bytes)
 
 
 def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
@@ -153,19 +162,27 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
   }
 
 
-def run(preset: str, variants: list[str], out: str | None = None) -> list[dict]:
-  """Benchmarks ``variants`` over the preset's seq_len and width sweeps; prints and returns rows."""
-  p = PRESETS[preset]
+def run(preset: str, variants: list[str], out: str | None = None,
+        document_mask: bool | None = None) -> list[dict]:
+  """Benchmarks ``variants`` over the preset's seq_len and width sweeps; prints and returns rows.
+
+  ``document_mask`` overrides the preset's ``model.document_mask`` for every variant.
+  """
+  p = dict(PRESETS[preset])
+  if document_mask is not None:
+    p["document_mask"] = document_mask
   shapes = [(n, p["d_model"]) for n in p["seq_lens"]]
   shapes += [(p["seq_lens"][0], w) for w in p["widths"] if w != p["d_model"]]
   rows = []
   device = jax.local_devices()[0]
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
-        f"preset {preset}, {p['tokens_per_batch']} tokens per batch, {p['dtype']}", flush=True)
+        f"preset {preset}, {p['tokens_per_batch']} tokens per batch, {p['dtype']}, "
+        f"document_mask={p['document_mask']}", flush=True)
   for n, width in shapes:
     for name in variants:
       cfg = _model_config(p, VARIANTS[name], n, width)
       row = {"variant": name, "seq_len": n, "d_model": width,
+             "document_mask": p["document_mask"],
              **bench_one(cfg, p["vocab_size"], p["steps"], p["warmup"])}
       rows.append(row)
       print(json.dumps(row), flush=True)
@@ -203,11 +220,14 @@ def main(argv):
   unknown = [v for v in fl.variants if v not in VARIANTS]
   if unknown:
     raise SystemExit(f"error: --variants={','.join(unknown)}; allowed: {', '.join(VARIANTS)}")
-  run(fl.preset, fl.variants, fl.out)
+  document_mask = None if fl.document_mask is None else fl.document_mask.lower() == "true"
+  run(fl.preset, fl.variants, fl.out, document_mask)
 
 
 if __name__ == "__main__":
   flags.DEFINE_enum("preset", "tiny", list(PRESETS), "Model size and sweeps.")
   flags.DEFINE_list("variants", list(VARIANTS), "Which variants to run.")
   flags.DEFINE_string("out", None, "Write the rows as JSON here.")
+  flags.DEFINE_enum("document_mask", None, ["true", "false"],
+                    "Override the preset's model.document_mask (see PRESETS).")
   app.run(main)

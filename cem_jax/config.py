@@ -58,6 +58,11 @@ def get_default_config() -> ml_collections.ConfigDict:
   m.rope = True
   m.rope_theta = 10_000.0
   m.norm_eps = 1e-6
+  # True: in a packed window a token sees only its own document (an explicit [b, n, n] mask).
+  # False: plain causal attention over the whole window (nanoGPT/nanodo), which lets fused
+  # kernels use is_causal (cuDNN flash attention on GPU, no n x n mask in memory). The loss
+  # never crosses a document boundary either way (data/packing.py weights).
+  m.document_mask = True
   m.dtype = "float32"  # compute dtype
   m.param_dtype = "float32"
   m.init_std = 0.02

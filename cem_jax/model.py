@@ -95,7 +95,8 @@ class DecoderLM(nnx.Module):
     Args:
       tokens: ``[batch, seq_len]`` int token ids.
       segment_ids: ``[batch, seq_len]`` int document ids (tokens attend within their
-        document only; 0 = padding), or None for one causal sequence.
+        document only; 0 = padding), or None for one causal sequence. Ignored when
+        ``model.document_mask`` is False (plain causal attention over the window).
       num_steps: recursive steps per CEM layer at this call (default ``model.num_steps``).
       trace: also return the energy trace, a list over layers of the block's trace.
       cache: a decoding cache from :meth:`init_cache`: ``tokens`` are then the new tokens at
@@ -107,7 +108,7 @@ class DecoderLM(nnx.Module):
     """
     b, t = tokens.shape
     if cache is None:
-      aux = self.make_aux(segment_ids, b, t)
+      aux = self.make_aux(segment_ids if self.cfg.document_mask else None, b, t)
     else:
       # Llama caches k/v [batch, max_len, heads, head_dim]; CEM the context
       # [copies, batch, max_len, d_model].

@@ -204,3 +204,22 @@ def test_bfloat16_fused_equals_autodiff_within_bf16_tolerance(block_kw):
     assert y.dtype == jnp.bfloat16 and block.attn.w_q[...].dtype == jnp.float32
     outs.append(y.astype(jnp.float32) - x.astype(jnp.bfloat16).astype(jnp.float32))
   assert _rel(outs[0], outs[1]) <= 3e-2  # compares the updates y - x, not y
+
+
+@pytest.mark.parametrize("block_kw", [dict(block="llama"), dict(block="cem"),
+                                      dict(block="cem", update_mode="autodiff")])
+def test_document_mask_false_is_plain_causal_attention_over_the_window(block_kw):
+  """model.document_mask=False ignores segment ids (is_causal kernels); True keeps the second
+  document from seeing the first, which changes its logits and only its logits."""
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (B, T), 0, V)
+  segments = jnp.where(jnp.arange(T) < 5, 1, 2)[None].repeat(B, 0)  # two documents
+  masked = DecoderLM(model_cfg(**block_kw), V, rngs=nnx.Rngs(0))
+  plain = DecoderLM(model_cfg(document_mask=False, **block_kw), V, rngs=nnx.Rngs(0))
+  assert plain.make_aux(None, B, T).is_plain_causal
+  np.testing.assert_array_equal(np.asarray(plain(tokens, segments)), np.asarray(plain(tokens)))
+  np.testing.assert_allclose(np.asarray(plain(tokens)), np.asarray(masked(tokens)),
+                             rtol=1e-5, atol=1e-6)  # same weights; one is_causal, one mask
+  with_docs = np.asarray(masked(tokens, segments))
+  np.testing.assert_allclose(with_docs[:, :5], np.asarray(plain(tokens))[:, :5],
+                             rtol=1e-5, atol=1e-6)
+  assert np.max(np.abs(with_docs[:, 5:] - np.asarray(plain(tokens))[:, 5:])) > 1e-3
