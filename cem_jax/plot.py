@@ -26,8 +26,10 @@ def plot_losses(metrics: list[dict], path: str, title: str = "") -> None:
   evals = [(m["step"], m["eval/loss"]) for m in metrics if "eval/loss" in m]
   if train:
     ax.plot(*zip(*train, strict=True), label="train", alpha=0.7)
+  bpb = [m["eval/bits_per_byte"] for m in metrics if "eval/bits_per_byte" in m]
   if evals:
-    ax.plot(*zip(*evals, strict=True), "o-", label="eval")
+    final = f" (last: {bpb[-1]:.4f} bits/byte)" if bpb else ""
+    ax.plot(*zip(*evals, strict=True), "o-", label="eval" + final)
   ax.set_xlabel("step")
   ax.set_ylabel("loss (nats/token)")
   ax.set_title(title)
@@ -69,7 +71,7 @@ def plot_run(workdir: str) -> list[str]:
   out_dir = os.path.join(workdir, "plots")
   os.makedirs(out_dir, exist_ok=True)
   written = [os.path.join(out_dir, "loss.png")]
-  plot_losses(metrics, written[0], os.path.basename(os.path.normpath(workdir)))
+  plot_losses(metrics, written[0], os.path.abspath(workdir))
   evals = [m for m in metrics if "eval/loss" in m and energy_trace(m)]
   if evals:
     written.append(os.path.join(out_dir, "energy.png"))

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 from flax import nnx
 
 
@@ -102,6 +102,10 @@ def main(argv):
   from cem_jax.evaluate import load_run
 
   fl = flags.FLAGS
+  if not fl["verbosity"].present:
+    # The text is the output: Orbax logs every restore at INFO and its read-only mode at
+    # WARNING. --verbosity=0 shows them.
+    logging.set_verbosity(logging.ERROR)
   try:
     if fl.max_new_tokens < 1:
       raise ValueError(f"--max_new_tokens={fl.max_new_tokens}; allowed: >= 1")
