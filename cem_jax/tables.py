@@ -107,11 +107,20 @@ def _write_json(path: str, obj) -> None:
   os.replace(tmp, path)  # written last: a result.json's presence means the run finished
 
 
+def _read_result(path: str) -> dict:
+  """A finished run's ``result.json``; ValueError naming the file when it is damaged."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON ({e}); delete it to train that run again"
+                     ) from None
+
+
 def _finished_run(workdir: str, digest: str) -> str | None:
   """The directory of a finished run under ``workdir`` with config ``digest``, if any."""
   for path in sorted(glob.glob(os.path.join(workdir, "*", "*", "seed*", "result.json"))):
-    with open(path) as f:
-      result = json.load(f)
+    result = _read_result(path)
     if result.get("config_digest") == digest and "reused_from" not in result:
       return os.path.dirname(path)
   return None
@@ -126,8 +135,7 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
     out = run_dir(workdir, table, row, seed)
     result_path = os.path.join(out, "result.json")
     if os.path.exists(result_path):
-      with open(result_path) as f:
-        results.append(json.load(f))
+      results.append(_read_result(result_path))
       continue
     cfg = row_config(module, row, scale, seed, steps)
     digest = config_digest(cfg)
@@ -136,8 +144,8 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
       logging.info("table %s: row %s seed %d reuses %s (same config)", table, row, seed, source)
       os.makedirs(out, exist_ok=True)
       shutil.copyfile(os.path.join(source, "metrics.jsonl"), os.path.join(out, "metrics.jsonl"))
-      with open(os.path.join(source, "result.json")) as f:
-        result = {**json.load(f), "row": row, "reused_from": os.path.relpath(source, out)}
+      result = {**_read_result(os.path.join(source, "result.json")), "row": row,
+                "reused_from": os.path.relpath(source, out)}
     else:
       logging.info("table %s: row %s seed %d -> %s", table, row, seed, out)
       final = train.train_and_evaluate(cfg, out)

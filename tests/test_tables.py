@@ -112,3 +112,14 @@ def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data,
 def test_unknown_table_is_a_clear_error():
   with pytest.raises(ValueError, match="--table='nope': no file .*known tables: attention"):
     tables.load_table("nope")
+
+
+def test_a_damaged_result_is_a_clear_error_not_a_crash(tmp_path, shared_data):
+  toy = tmp_path / "toy.py"
+  toy.write_text(TOY.replace("FILES", repr(str(shared_data / "wikitext2_test.txt"))))
+  module = tables.load_table(str(toy))
+  bad = tmp_path / "out" / "toy" / "llama" / "seed0" / "result.json"
+  bad.parent.mkdir(parents=True)
+  bad.write_text('{"row": "llama", "eval/lo')  # cut short by hand
+  with pytest.raises(ValueError, match=r"seed0/result.json is not valid JSON .*delete it"):
+    tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"))
