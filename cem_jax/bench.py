@@ -24,6 +24,7 @@ extra work shows up as lower MFU.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
@@ -32,7 +33,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from cem_jax import train
+from cem_jax import cli, train
 from cem_jax.config import get_default_config
 from cem_jax.layers import head_dim_of
 from cem_jax.model import DecoderLM, count_params
@@ -218,8 +219,12 @@ def main(argv):
   del argv
   fl = flags.FLAGS
   unknown = [v for v in fl.variants if v not in VARIANTS]
-  if unknown:
-    raise SystemExit(f"error: --variants={','.join(unknown)}; allowed: {', '.join(VARIANTS)}")
+  if unknown or not fl.variants:
+    raise SystemExit(f"error: --variants={','.join(unknown)}; allowed: one or more of "
+                     f"{', '.join(VARIANTS)}")
+  out_dir = os.path.dirname(os.path.abspath(fl.out)) if fl.out else None
+  if out_dir and not os.path.isdir(out_dir):  # found out now, not after the whole sweep
+    raise SystemExit(f"error: --out={fl.out}: folder {out_dir} does not exist")
   document_mask = None if fl.document_mask is None else fl.document_mask.lower() == "true"
   run(fl.preset, fl.variants, fl.out, document_mask)
 
@@ -230,4 +235,4 @@ if __name__ == "__main__":
   flags.DEFINE_string("out", None, "Write the rows as JSON here.")
   flags.DEFINE_enum("document_mask", None, ["true", "false"],
                     "Override the preset's model.document_mask (see PRESETS).")
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

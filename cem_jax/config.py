@@ -180,8 +180,6 @@ _MINIMUMS = {
     "eval.batch_size": 1,
     "checkpoint.every_steps": 1,
     "checkpoint.keep": 1,
-    "mesh.fsdp": 1,
-    "mesh.tensor": 1,
 }
 
 
@@ -245,13 +243,23 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"model.diagonal={m.diagonal!r} needs the energy attention; set model.cem_attention="
         "True or model.diagonal='none'"
     )
-  md = config.mesh.data
-  if isinstance(md, bool) or not isinstance(md, int) or (md < 1 and md != -1):
-    raise ValueError(f"mesh.data={md!r}; allowed: -1 (the devices left over) or an int >= 1")
+  rest = []
+  for axis in ("data", "fsdp", "tensor"):
+    size = config.mesh[axis]
+    if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+      raise ValueError(f"mesh.{axis}={size!r}; allowed: -1 (the devices left over) or an "
+                       "int >= 1")
+    rest += [f"mesh.{axis}=-1"] if size == -1 else []
+  if len(rest) > 1:
+    raise ValueError(f"{' and '.join(rest)}: at most one mesh size may be -1 (the devices "
+                     "left over); give the others as ints (mesh.data defaults to -1)")
   # Imported here: sharding imports jax, which this module must not do at import time.
   from cem_jax import sharding
 
   sharding.rules_from_config(config.mesh)
+  mb = config.eval.max_batches
+  if isinstance(mb, bool) or not isinstance(mb, int) or (mb < 1 and mb != -1):
+    raise ValueError(f"eval.max_batches={mb!r}; allowed: -1 (the whole split) or an int >= 1")
   ev = config.eval.num_steps
   if isinstance(ev, bool) or not isinstance(ev, int) or (ev < 1 and ev != -1):
     raise ValueError(f"eval.num_steps={ev!r}; allowed: -1 (= model.num_steps) or an int >= 1")

@@ -17,6 +17,8 @@ import os
 
 from absl import app, flags
 
+from cem_jax import cli
+
 
 def load_run(workdir: str):
   """Returns ``(config, data, graphdef, params, step)`` of the newest checkpoint in ``workdir``.
@@ -35,8 +37,12 @@ def load_run(workdir: str):
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     raise FileNotFoundError(f"--workdir={workdir}: no config.json (not a cem_jax run)")
-  with open(path) as f:
-    saved = json.load(f)
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON ({e}); it is written once at the start of a "
+                     "run: restore it from the run's command") from None
   # Start from today's defaults so a run saved before a key existed still loads.
   config = config_lib.get_default_config()
   config.update(saved)
@@ -129,11 +135,16 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
 def main(argv):
   del argv
   fl = flags.FLAGS
+  # Checked before anything is loaded: a typo must not cost a model build and an eval.
   try:
     steps = [int(s) for s in fl.num_steps]
   except ValueError:
+    steps = []
+  if not steps or min(steps) < 1:
     raise SystemExit(f"error: --num_steps={','.join(fl.num_steps)}; allowed: "
                      "comma-separated integers >= 1") from None
+  if fl.max_batches < 1 and fl.max_batches != -1:
+    raise SystemExit(f"error: --max_batches={fl.max_batches}; allowed: -1 (all) or an int >= 1")
   try:
     rows = test_time_steps(fl.workdir, steps, fl.max_batches)
   except (ValueError, FileNotFoundError) as e:
@@ -151,4 +162,4 @@ if __name__ == "__main__":
   flags.DEFINE_list("num_steps", ["1", "2", "3", "4"], "T_eval values.")
   flags.DEFINE_integer("max_batches", -1, "Eval batches (-1: all).")
   flags.mark_flag_as_required("workdir")
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

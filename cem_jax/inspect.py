@@ -16,7 +16,7 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from cem_jax import bench, sharding
+from cem_jax import bench, cli, sharding
 from cem_jax import config as config_lib
 from cem_jax.model import DecoderLM
 
@@ -32,6 +32,10 @@ def summary(config, vocab_size: int | None = None, devices=None) -> dict:
   """
   config_lib.validate(config)
   vocab = config.data.vocab_size if vocab_size is None else vocab_size
+  if vocab < 1:
+    raise ValueError(f"--vocab_size={vocab}; allowed: an int >= 1")
+  devices = jax.devices() if devices is None else devices
+  sharding.check_config(config, len(devices))  # the layout main.py would accept, or its error
   mesh = sharding.make_mesh(config.mesh, devices)
   model = nnx.eval_shape(lambda: DecoderLM(config.model, vocab, rngs=nnx.Rngs(0)))
   state = nnx.state(model, nnx.Param)
@@ -78,7 +82,7 @@ def format_summary(s: dict) -> str:
 def main(argv):
   del argv
   try:
-    print(format_summary(summary(flags.FLAGS.config, flags.FLAGS.vocab_size)))
+    print(format_summary(summary(cli.load_config(), flags.FLAGS.vocab_size)))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
@@ -89,4 +93,4 @@ if __name__ == "__main__":
                                   lock_config=True)
   flags.DEFINE_integer("vocab_size", None, "Vocabulary size (default: data.vocab_size).")
   flags.mark_flag_as_required("config")
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -14,11 +14,12 @@ or explicit ``--coordinator_address=HOST:PORT --num_processes=N --process_id=I``
 
 from __future__ import annotations
 
-import re
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from cem_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
                                           lock_config=True)
@@ -37,54 +38,24 @@ _PROCESS_ID = flags.DEFINE_integer(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-class _QuietLibraries(logging.logging.Filter):
-  """Drops INFO chatter of Orbax/TFDS (dozens of lines per checkpoint); keeps their warnings."""
-
-  def filter(self, record):
-    noisy = "orbax" in record.pathname or "tensorflow_datasets" in record.pathname
-    return not noisy or record.levelno >= logging.logging.WARNING
-
-
-def _parse_flags(argv):
-  """absl's flag parsing, with a one-line error for a misspelt ``--config.KEY`` override.
-
-  A wrong type already fails in absl with one line; a key that does not exist raises a bare
-  ``AttributeError``/``KeyError`` from ml_collections, which would print a traceback.
-  """
-  try:
-    return app.parse_flags_with_usage(argv)
-  except (AttributeError, KeyError) as e:
-    text = str(e)
-    name = re.search(r"'(\w+)", text)
-    name = name.group(1) if name else text
-    hint = re.search(r'Did you mean "(\w+)"', text)
-    hint = f"did you mean {hint.group(1)!r}?" if hint else "see cem_jax/config.py for the fields"
-    bad = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.") and
-           name in a.split("=", 1)[0].split(".")]
-    where = bad[0] if bad else "--config"
-    print(f"error: {where}: the config has no field {name!r}; {hint}", file=sys.stderr)
-    sys.exit(1)
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   from cem_jax import distributed, train  # after flag parsing: a bad flag fails before jax loads
 
   logging.set_verbosity(logging.INFO)
-  logging.get_absl_handler().addFilter(_QuietLibraries())
+  cli.quiet_libraries()
   try:
     # Before anything touches a device: the runtime must know all processes first.
     distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
                            _PROCESS_ID.value)
-    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    train.train_and_evaluate(cli.load_config(), _WORKDIR.value)
   except (ValueError, OSError, FloatingPointError) as e:
     # Bad input (config, data, workdir, checkpoint) or a diverged run: one line, exit status 1.
     # Anything else is a bug and keeps its traceback.
-    logging.error("%s", e)
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -70,9 +70,27 @@ class MetricsWriter:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  """All lines of ``WORKDIR/metrics.jsonl`` as dicts."""
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """All lines of ``WORKDIR/metrics.jsonl`` as dicts.
+
+  A last line without its newline (a run still writing, or killed mid-write) is skipped.
+
+  Raises:
+    ValueError: an earlier line is not JSON (names the file and line).
+  """
+  path = os.path.join(workdir, "metrics.jsonl")
+  with open(path) as f:
+    lines = f.read().split("\n")
+  out = []
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      out.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if i == len(lines) - 1:
+        break  # cut short: no newline after it
+      raise ValueError(f"{path}:{i + 1} is not valid JSON ({e})") from None
+  return out
 
 
 _ENERGY_KEY = re.compile(r"eval/energy/layer(\d+)/step(\d+)/(att|mlp)_(before|after)")

@@ -16,6 +16,7 @@ matplotlib.use("Agg")  # files only; no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from cem_jax import cli  # noqa: E402
 from cem_jax.metrics import energy_trace, read_metrics  # noqa: E402
 
 
@@ -64,10 +65,14 @@ def plot_run(workdir: str) -> list[str]:
 
   Raises:
     FileNotFoundError: ``workdir/metrics.jsonl`` does not exist.
+    ValueError: it holds no losses yet, or a damaged line before the last.
   """
   if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
     raise FileNotFoundError(f"--workdir={workdir}: no metrics.jsonl (train there first)")
   metrics = read_metrics(workdir)
+  if not any("train/loss" in m or "eval/loss" in m for m in metrics):
+    raise ValueError(f"--workdir={workdir}: metrics.jsonl has no losses yet (the first is "
+                     "logged after train.log_every_steps steps)")
   out_dir = os.path.join(workdir, "plots")
   os.makedirs(out_dir, exist_ok=True)
   written = [os.path.join(out_dir, "loss.png")]
@@ -84,7 +89,7 @@ def main(argv):
   try:
     for path in plot_run(flags.FLAGS.workdir):
       print(path)
-  except FileNotFoundError as e:
+  except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
 
 
@@ -92,4 +97,4 @@ if __name__ == "__main__":
   # Flags are defined only when run as a program, so other tools can import the functions.
   flags.DEFINE_string("workdir", None, "A run's folder (holds metrics.jsonl).")
   flags.mark_flag_as_required("workdir")
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -10,12 +10,15 @@ against: greedy tokens are identical).
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 from flax import nnx
+
+from cem_jax import cli
 
 
 def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -103,18 +106,32 @@ def main(argv):
 
   fl = flags.FLAGS
   if not fl["verbosity"].present:
-    # The text is the output: Orbax logs every restore at INFO and its read-only mode at
-    # WARNING. --verbosity=0 shows them.
-    logging.set_verbosity(logging.ERROR)
+    # The text is the output: Orbax logs every restore (INFO) and its read-only mode
+    # (WARNING); our own warnings, e.g. a damaged newest checkpoint, still show.
+    logging.set_verbosity(logging.WARNING)
+    cli.quiet_libraries(logging.logging.ERROR)  # a Python logging level
   try:
     if fl.max_new_tokens < 1:
       raise ValueError(f"--max_new_tokens={fl.max_new_tokens}; allowed: >= 1")
     if not 0.0 < fl.top_p <= 1.0:
       raise ValueError(f"--top_p={fl.top_p}; allowed: 0 < top_p <= 1")
+    if not fl.temperature >= 0.0:  # also rejects nan
+      raise ValueError(f"--temperature={fl.temperature}; allowed: 0 (greedy) or > 0")
+    if fl.top_k < 0:
+      raise ValueError(f"--top_k={fl.top_k}; allowed: 0 (off) or 1..vocab_size")
     config, data, graphdef, params, step = load_run(fl.workdir)
+    vocab = data.tokenizer.vocab_size
+    if fl.top_k > vocab:
+      raise ValueError(f"--top_k={fl.top_k}; allowed: 0 (off) or 1..{vocab} (the vocabulary)")
     ids = data.tokenizer.encode(fl.prompt)
     if not ids:
       raise ValueError("--prompt is empty; give at least one character")
+    if len(ids) + fl.max_new_tokens > config.data.seq_len:
+      raise ValueError(
+          f"--prompt ({len(ids)} tokens) + --max_new_tokens={fl.max_new_tokens} exceeds "
+          f"data.seq_len={config.data.seq_len}, the longest context the model was trained on; "
+          f"allowed: at most {config.data.seq_len - len(ids)} new tokens for this prompt")
+    print(f"sampling from {fl.workdir}, checkpoint step {step}", file=sys.stderr)
     new = generate(graphdef, params, np.asarray([ids]), fl.max_new_tokens,
                    rng=jax.random.PRNGKey(fl.seed), temperature=fl.temperature,
                    top_k=fl.top_k, top_p=fl.top_p, use_cache=not fl.no_cache)
@@ -133,4 +150,4 @@ if __name__ == "__main__":
   flags.DEFINE_integer("seed", 0, "Sampling seed.")
   flags.DEFINE_bool("no_cache", False, "Recompute the prefix at every token.")
   flags.mark_flag_as_required("workdir")
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

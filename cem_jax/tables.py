@@ -31,7 +31,7 @@ from absl import app, flags, logging
 from flax import nnx
 from tqdm import tqdm
 
-from cem_jax import bench, train
+from cem_jax import bench, cli, train
 from cem_jax.metrics import read_metrics
 from cem_jax.model import DecoderLM
 
@@ -55,7 +55,10 @@ def load_table(table: str):
   spec = importlib.util.spec_from_file_location(f"cem_table_{os.path.basename(path)[:-3]}",
                                                 path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  try:
+    spec.loader.exec_module(module)
+  except SyntaxError as e:
+    raise ValueError(f"--table={table!r}: {path}:{e.lineno}: {e.msg}") from None
   if not hasattr(module, "ROWS") or not hasattr(module, "get_config"):
     raise ValueError(f"--table={table!r}: {path} must define ROWS and get_config(arg)")
   return module
@@ -107,14 +110,31 @@ def _write_json(path: str, obj) -> None:
   os.replace(tmp, path)  # written last: a result.json's presence means the run finished
 
 
-def _read_result(path: str) -> dict:
-  """A finished run's ``result.json``; ValueError naming the file when it is damaged."""
+RESULT_KEYS = ("row", "seed", "eval/loss", "eval/bits_per_byte", "tokens_per_sec",
+               "config_digest")
+
+
+def _read_result(path: str, digest: str | None = None) -> dict:
+  """A finished run's ``result.json``, checked: valid JSON with :data:`RESULT_KEYS`, and
+  trained with the config of digest ``digest`` when given.
+
+  Raises:
+    ValueError: one line naming the file and what to do.
+  """
   try:
     with open(path) as f:
-      return json.load(f)
+      result = json.load(f)
   except json.JSONDecodeError as e:
     raise ValueError(f"{path} is not valid JSON ({e}); delete it to train that run again"
                      ) from None
+  missing = [k for k in RESULT_KEYS if k not in result] if isinstance(result, dict) else ["all"]
+  if missing:
+    raise ValueError(f"{path} lacks {', '.join(missing)}; delete it to train that run again")
+  if digest is not None and result["config_digest"] != digest:
+    raise ValueError(f"{path} was trained with another config (e.g. another --steps or "
+                     "--scale, or an edited table file); use a new --workdir, or delete that "
+                     "run to train it again")
+  return result
 
 
 def _finished_run(workdir: str, digest: str) -> str | None:
@@ -134,17 +154,17 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
   for row, seed in tqdm(runs, desc=f"table {table}", unit="run"):
     out = run_dir(workdir, table, row, seed)
     result_path = os.path.join(out, "result.json")
-    if os.path.exists(result_path):
-      results.append(_read_result(result_path))
-      continue
     cfg = row_config(module, row, scale, seed, steps)
     digest = config_digest(cfg)
+    if os.path.exists(result_path):
+      results.append(_read_result(result_path, digest))
+      continue
     source = _finished_run(workdir, digest)
     if source is not None:
       logging.info("table %s: row %s seed %d reuses %s (same config)", table, row, seed, source)
       os.makedirs(out, exist_ok=True)
       shutil.copyfile(os.path.join(source, "metrics.jsonl"), os.path.join(out, "metrics.jsonl"))
-      result = {**_read_result(os.path.join(source, "result.json")), "row": row,
+      result = {**_read_result(os.path.join(source, "result.json"), digest), "row": row,
                 "reused_from": os.path.relpath(source, out)}
     else:
       logging.info("table %s: row %s seed %d -> %s", table, row, seed, out)
@@ -247,6 +267,8 @@ def main(argv):
     name = os.path.basename(fl.table)[:-3] if fl.table.endswith(".py") else fl.table
     if fl.seeds < 1:
       raise ValueError(f"--seeds={fl.seeds}; allowed: an integer >= 1")
+    if fl.steps is not None and fl.steps < 1:
+      raise ValueError(f"--steps={fl.steps}; allowed: an integer >= 1 (or leave it out)")
     os.makedirs(fl.workdir, exist_ok=True)
     results = run_table(module, name, fl.scale, fl.seeds, fl.workdir, fl.steps)
   except (ValueError, FileNotFoundError) as e:
@@ -268,4 +290,4 @@ if __name__ == "__main__":
   flags.DEFINE_string("workdir", None, "Where runs and the table files go.")
   flags.DEFINE_integer("steps", None, "Override train.num_steps of every row (quick looks).")
   flags.mark_flags_as_required(["table", "workdir"])
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,6 +1,7 @@
 """Paper tables: every row builds with the right parameter counts; the runner resumes."""
 
 import csv
+import json
 import os
 
 import pytest
@@ -122,4 +123,17 @@ def test_a_damaged_result_is_a_clear_error_not_a_crash(tmp_path, shared_data):
   bad.parent.mkdir(parents=True)
   bad.write_text('{"row": "llama", "eval/lo')  # cut short by hand
   with pytest.raises(ValueError, match=r"seed0/result.json is not valid JSON .*delete it"):
+    tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"))
+
+
+def test_a_result_from_another_config_is_not_reused_silently(tmp_path, shared_data):
+  toy = tmp_path / "toy.py"
+  toy.write_text(TOY.replace("FILES", repr(str(shared_data / "wikitext2_test.txt"))))
+  module = tables.load_table(str(toy))
+  stale = tmp_path / "out" / "toy" / "llama" / "seed0" / "result.json"
+  stale.parent.mkdir(parents=True)
+  stale.write_text(json.dumps({"row": "llama", "seed": 0, "eval/loss": 3.0,
+                               "eval/bits_per_byte": 1.5, "tokens_per_sec": 1.0,
+                               "config_digest": "from --steps=3"}))
+  with pytest.raises(ValueError, match=r"seed0/result.json was trained with another config"):
     tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"))

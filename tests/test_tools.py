@@ -57,3 +57,13 @@ def test_mesh_shape_resolution_and_errors():
   cfg.data, cfg.fsdp = -1, -1
   with pytest.raises(ValueError, match="at most one may be -1"):
     sharding.mesh_shape(cfg, 8)
+
+
+def test_read_metrics_skips_a_cut_short_last_line_and_names_a_damaged_one(tmp_path):
+  from cem_jax.metrics import read_metrics
+
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.5}\n{"step": 2, "tr')
+  assert read_metrics(str(tmp_path)) == [{"step": 1, "train/loss": 2.5}]
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "tr\n{"step": 2, "train/loss": 2.0}\n')
+  with pytest.raises(ValueError, match=r"metrics\.jsonl:1 is not valid JSON"):
+    read_metrics(str(tmp_path))
