@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import statistics
+import time
 
 import jax
 from absl import app, flags, logging
@@ -32,14 +33,16 @@ from flax import nnx
 from tqdm import tqdm
 
 from cem_jax import bench, cli, train
+from cem_jax.config import get_default_config
 from cem_jax.metrics import read_metrics
 from cem_jax.model import DecoderLM
 
 PAPER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                          "experiments", "paper")
 COLUMNS = ["row", "params", "non_embedding_params", "attention_params", "mlp_params",
-           "flops_per_token", "eval_loss_mean", "eval_loss_std", "perplexity",
-           "bits_per_byte_mean", "bits_per_byte_std", "tokens_per_sec", "seeds"]
+           "flops_per_token", "eval_loss_mean", "eval_loss_std", "delta_loss_mean",
+           "delta_loss_std", "perplexity", "bits_per_byte_mean", "bits_per_byte_std",
+           "tokens_per_sec", "seeds"]
 
 
 def load_table(table: str):
@@ -114,9 +117,29 @@ RESULT_KEYS = ("row", "seed", "eval/loss", "eval/bits_per_byte", "tokens_per_sec
                "config_digest")
 
 
-def _read_result(path: str, digest: str | None = None) -> dict:
+def _same_config(run: str, config) -> bool:
+  """True when ``run/config.json`` is ``config`` up to keys added to the defaults since that
+  run (which must hold their default values: new options default to the old behaviour)."""
+  path = os.path.join(run, "config.json")
+  if not os.path.exists(path):
+    return False
+  def flat(d: dict) -> dict:
+    out = train._flatten(d)
+    if out.get("data.files"):  # the same files reached from another checkout or symlink
+      out["data.files"] = ",".join(os.path.realpath(p) for p in out["data.files"].split(","))
+    return out
+
+  with open(path) as f:
+    saved = flat(json.load(f))
+  now = flat(json.loads(config.to_json()))
+  default = flat(json.loads(get_default_config().to_json()))
+  return set(saved) <= set(now) and all(
+      saved[k] == v if k in saved else default.get(k) == v for k, v in now.items())
+
+
+def _read_result(path: str, digest: str | None = None, config=None) -> dict:
   """A finished run's ``result.json``, checked: valid JSON with :data:`RESULT_KEYS`, and
-  trained with the config of digest ``digest`` when given.
+  trained with ``config`` (digest ``digest``, else the run's ``config.json``) when given.
 
   Raises:
     ValueError: one line naming the file and what to do.
@@ -130,18 +153,22 @@ def _read_result(path: str, digest: str | None = None) -> dict:
   missing = [k for k in RESULT_KEYS if k not in result] if isinstance(result, dict) else ["all"]
   if missing:
     raise ValueError(f"{path} lacks {', '.join(missing)}; delete it to train that run again")
-  if digest is not None and result["config_digest"] != digest:
+  trained = os.path.normpath(os.path.join(os.path.dirname(path),
+                                          result.get("reused_from", ".")))
+  if digest is not None and result["config_digest"] != digest and not (
+      config is not None and _same_config(trained, config)):
     raise ValueError(f"{path} was trained with another config (e.g. another --steps or "
                      "--scale, or an edited table file); use a new --workdir, or delete that "
                      "run to train it again")
   return result
 
 
-def _finished_run(workdir: str, digest: str) -> str | None:
-  """The directory of a finished run under ``workdir`` with config ``digest``, if any."""
+def _finished_run(workdir: str, digest: str, config) -> str | None:
+  """The directory of a finished run under ``workdir`` trained with ``config``, if any."""
   for path in sorted(glob.glob(os.path.join(workdir, "*", "*", "seed*", "result.json"))):
     result = _read_result(path)
-    if result.get("config_digest") == digest and "reused_from" not in result:
+    if "reused_from" not in result and (result["config_digest"] == digest or _same_config(
+        os.path.dirname(path), config)):
       return os.path.dirname(path)
   return None
 
@@ -157,14 +184,14 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
     cfg = row_config(module, row, scale, seed, steps)
     digest = config_digest(cfg)
     if os.path.exists(result_path):
-      results.append(_read_result(result_path, digest))
+      results.append(_read_result(result_path, digest, cfg))
       continue
-    source = _finished_run(workdir, digest)
+    source = _finished_run(workdir, digest, cfg)
     if source is not None:
       logging.info("table %s: row %s seed %d reuses %s (same config)", table, row, seed, source)
       os.makedirs(out, exist_ok=True)
       shutil.copyfile(os.path.join(source, "metrics.jsonl"), os.path.join(out, "metrics.jsonl"))
-      result = {**_read_result(os.path.join(source, "result.json"), digest), "row": row,
+      result = {**_read_result(os.path.join(source, "result.json"), digest, cfg), "row": row,
                 "reused_from": os.path.relpath(source, out)}
     else:
       logging.info("table %s: row %s seed %d -> %s", table, row, seed, out)
@@ -179,12 +206,19 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
 
 
 def aggregate(module, scale: str, results: list[dict], steps: int | None = None) -> list[dict]:
-  """One summary dict per row (keys ``COLUMNS``), rows in table order."""
+  """One summary dict per row (keys ``COLUMNS``), rows in table order.
+
+  ``delta_loss_*``: eval loss minus the first row's, paired by seed (same initialisation seed
+  and data order), mean and std over the seeds both rows have. Seeds move all rows together
+  (a lucky data order helps every model), so the paired difference is the fair comparison.
+  """
   rows = []
+  base = {r["seed"]: r["eval/loss"] for r in results if r["row"] == next(iter(module.ROWS))}
   for row in module.ROWS:
     runs = [r for r in results if r["row"] == row]
     if not runs:
       continue
+    deltas = [r["eval/loss"] - base[r["seed"]] for r in runs if r["seed"] in base]
     cfg = row_config(module, row, scale, 0, steps)
     losses = [r["eval/loss"] for r in runs]
     bpb = [r["eval/bits_per_byte"] for r in runs]
@@ -196,6 +230,8 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None)
                                                  cfg.data.seq_len),
         "eval_loss_mean": mean_loss,
         "eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+        "delta_loss_mean": statistics.fmean(deltas) if deltas else math.nan,
+        "delta_loss_std": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
         "perplexity": math.exp(mean_loss),
         "bits_per_byte_mean": statistics.fmean(bpb),
         "bits_per_byte_std": statistics.stdev(bpb) if len(bpb) > 1 else 0.0,
@@ -219,14 +255,16 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
     writer.writerows(rows)
   lines = [header, "",
            "| row | params | non-emb. | attention | MLP | GFLOP/token | eval loss | "
-           "perplexity | bits/byte | tokens/s |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           f"Δ loss vs {rows[0]['row'] if rows else '-'} (paired) | perplexity | bits/byte | "
+           "tokens/s |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     lines.append(
         f"| {r['row']} | {r['params'] / 1e6:.3f}M | {r['non_embedding_params'] / 1e6:.3f}M | "
         f"{r['attention_params'] / 1e6:.3f}M | {r['mlp_params'] / 1e6:.3f}M | "
         f"{r['flops_per_token'] / 1e9:.4f} | {r['eval_loss_mean']:.4f} ± "
-        f"{r['eval_loss_std']:.4f} | {r['perplexity']:.2f} | {r['bits_per_byte_mean']:.4f} ± "
+        f"{r['eval_loss_std']:.4f} | {r['delta_loss_mean']:+.4f} ± {r['delta_loss_std']:.4f} | "
+        f"{r['perplexity']:.2f} | {r['bits_per_byte_mean']:.4f} ± "
         f"{r['bits_per_byte_std']:.4f} | {r['tokens_per_sec']:.0f} |")
   with open(base + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
@@ -274,7 +312,10 @@ def main(argv):
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None
   rows = aggregate(module, fl.scale, results, fl.steps)
-  header = (f"Table {name}, scale {fl.scale}, {fl.seeds} seed(s); command: python -m "
+  device = jax.devices()[0].device_kind
+  when = time.strftime("%Y-%m-%d", time.gmtime())
+  header = (f"Table {name}, scale {fl.scale}, {fl.seeds} seed(s), written {when} ({device}); "
+            f"command: python -m "
             f"cem_jax.tables --table={fl.table} --scale={fl.scale} --seeds={fl.seeds}"
             + (f" --steps={fl.steps}" if fl.steps else ""))
   paths = write_outputs(fl.workdir, name, rows, eval_curves(fl.workdir, name, module,

@@ -93,6 +93,10 @@ def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data,
   assert list(records[0]) == tables.COLUMNS
   assert [r["row"] for r in records] == ["llama", "cem"]
   assert all(int(r["seeds"]) == 2 and float(r["eval_loss_std"]) > 0 for r in records)
+  assert float(records[0]["delta_loss_mean"]) == 0.0  # the first row is the baseline
+  losses = {(r["row"], r["seed"]): r["eval/loss"] for r in results}
+  paired = [losses["cem", s] - losses["llama", s] for s in (0, 1)]
+  assert float(records[1]["delta_loss_mean"]) == pytest.approx(sum(paired) / 2)
   assert "| llama |" in open(paths[0]).read()
 
   def no_training(*args, **kwargs):
@@ -108,6 +112,14 @@ def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data,
              for r in other)
   assert tables.eval_curves(workdir, "toy_again", module, 2) == tables.eval_curves(
       workdir, "toy", module, 2)
+  # a run trained before a config key existed (its default = the old behaviour) still counts
+  run = os.path.join(workdir, "toy", "cem", "seed0")
+  saved = json.load(open(os.path.join(run, "config.json")))
+  del saved["model"]["document_mask"]
+  json.dump(saved, open(os.path.join(run, "config.json"), "w"))
+  result = json.load(open(os.path.join(run, "result.json")))
+  json.dump({**result, "config_digest": "older code"}, open(os.path.join(run, "result.json"), "w"))
+  assert tables.run_table(module, "toy", "tiny", 2, workdir)[2]["eval/loss"] == result["eval/loss"]
 
 
 def test_unknown_table_is_a_clear_error():
