@@ -1,6 +1,6 @@
 """Run a paper table's rows over seeds and aggregate them: ``python -m cem_jax.tables``.
 
-    python -m cem_jax.tables --table=attention --scale=tiny --seeds=3 --workdir=results/tiny
+    python -m cem_jax.tables --table=attention --scale=tiny --seeds=2 --workdir=results/tiny
 
 ``--table`` is a file name in ``experiments/paper/`` (``attention``, ``mlp``, ``design``,
 ``end_to_end``) or a path to a file with the same shape (``ROWS`` and ``get_config(arg)``
