@@ -76,10 +76,15 @@ def get_config(arg):
 '''
 
 
-def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data, monkeypatch):
+def _toy_table(tmp_path, shared_data):
+  """The 2-row toy table above, written to ``tmp_path/toy.py`` and loaded."""
   toy = tmp_path / "toy.py"
   toy.write_text(TOY.replace("FILES", repr(str(shared_data / "wikitext2_test.txt"))))
-  module = tables.load_table(str(toy))
+  return tables.load_table(str(toy))
+
+
+def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data, monkeypatch):
+  module = _toy_table(tmp_path, shared_data)
   workdir = str(tmp_path / "out")
   results = tables.run_table(module, "toy", "tiny", 2, workdir)
   assert sorted((r["row"], r["seed"]) for r in results) == [
@@ -128,9 +133,7 @@ def test_unknown_table_is_a_clear_error():
 
 
 def test_a_damaged_result_is_a_clear_error_not_a_crash(tmp_path, shared_data):
-  toy = tmp_path / "toy.py"
-  toy.write_text(TOY.replace("FILES", repr(str(shared_data / "wikitext2_test.txt"))))
-  module = tables.load_table(str(toy))
+  module = _toy_table(tmp_path, shared_data)
   bad = tmp_path / "out" / "toy" / "llama" / "seed0" / "result.json"
   bad.parent.mkdir(parents=True)
   bad.write_text('{"row": "llama", "eval/lo')  # cut short by hand
@@ -139,9 +142,7 @@ def test_a_damaged_result_is_a_clear_error_not_a_crash(tmp_path, shared_data):
 
 
 def test_a_result_from_another_config_is_not_reused_silently(tmp_path, shared_data):
-  toy = tmp_path / "toy.py"
-  toy.write_text(TOY.replace("FILES", repr(str(shared_data / "wikitext2_test.txt"))))
-  module = tables.load_table(str(toy))
+  module = _toy_table(tmp_path, shared_data)
   stale = tmp_path / "out" / "toy" / "llama" / "seed0" / "result.json"
   stale.parent.mkdir(parents=True)
   stale.write_text(json.dumps({"row": "llama", "seed": 0, "eval/loss": 3.0,
