@@ -17,7 +17,6 @@ change CEM_MATH.md and the reference together.
 import math
 import zlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ from flax import nnx
 
 from cem_jax import energies, updates
 from cem_jax.config import get_default_config
-from cem_jax.layers import CEMBlock
+from cem_jax.layers import CEMBlock, LlamaBlock
 from cem_jax.model import DecoderLM
 
 B, N, D, H, F = 2, 8, 16, 2, 24  # batch, seq_len, d_model, num_heads, mlp_dim
@@ -235,6 +234,34 @@ def ref_block(x, prm, cfg, mask, pos):
   return y
 
 
+def ref_llama_block(x, prm, cfg, mask, pos):
+  """The pre-norm Llama block ``h = x + attn(norm(x)); h + W_down(silu(W_gate z) ⊙ W_up z)``,
+  ``z = norm(h)``, with untied ``W_Q, W_K, W_V, W_O``, RoPE on ``q`` and ``k`` only and
+  ``1/√d_h`` scaling; a query row with no visible key outputs 0."""
+  heads, dh = prm["attn.w_q"].shape[1:]
+  theta = cfg.rope_theta if cfg.rope else None
+  z = ref_rms_norm(x, prm["norm_att.scale"], cfg.norm_eps)
+  att = np.zeros_like(x)
+  for b in range(x.shape[0]):
+    for i in range(x.shape[1]):
+      visible = np.flatnonzero(mask[b, i])
+      if visible.size == 0:
+        continue
+      for k in range(heads):
+        rot = [ref_rope_matrix(pos[b, j], dh, theta) if theta else np.eye(dh)
+               for j in range(x.shape[1])]
+        q = rot[i] @ prm["attn.w_q"][:, k, :].T @ z[b, i]
+        keys = np.stack([rot[j] @ prm["attn.w_k"][:, k, :].T @ z[b, j] for j in visible])
+        values = z[b, visible] @ prm["attn.w_v"][:, k, :]
+        scores = keys @ q / math.sqrt(dh)
+        a = np.exp(scores - scores.max())
+        att[b, i] += (a / a.sum()) @ values @ prm["attn.w_o"][k]
+  h = x + att
+  z = ref_rms_norm(h, prm["norm_mlp.scale"], cfg.norm_eps)
+  return h + (ref_activation("silu", z @ prm["mlp.w_gate"]) * (z @ prm["mlp.w_up"])) @ (
+      prm["mlp.w_down"])
+
+
 def test_reference_updates_are_the_gradients_of_the_reference_energies():
   """The reference's closed forms are -∇ of its energies (central differences, float64)."""
   rng = _rng("reference-self-check")
@@ -374,6 +401,7 @@ def _random_value(name, shape, rng):
       "w": lambda: 0.35 * noise,
       "g": lambda: 0.35 * noise,
       "embedding": lambda: noise,
+      **{name: lambda: 0.35 * noise for name in ("w_v", "w_o", "w_gate", "w_up", "w_down")},
   }
   if leaf not in values:
     raise AssertionError(f"parameter {name} is new: give it a random value here and add it to "
@@ -458,3 +486,32 @@ def test_decoder_lm_matches_reference():
                   mask, pos)
   ref = ref_rms_norm(x, prm["final_norm.scale"], cfg.norm_eps) @ prm["embedding"].T
   assert _rel(logits, ref) <= 2 * TOL
+
+
+def test_llama_block_matches_reference_and_with_rope_is_not_the_tied_cem_step():
+  """The baseline at random weights. With W_V = W_K and W_O = W_Qᵀ and no RoPE it is the CEM
+  step (test_layers); with RoPE it is not: the CEM step uses the rotated key as value and
+  un-rotates the aggregate (CEM_MATH.md §1)."""
+  cfg = block_cfg(block="llama")
+  block = LlamaBlock(cfg, rngs=nnx.Rngs(0))
+  prm = randomize(block, "llama")
+  aux = DecoderLM(cfg, 11, rngs=nnx.Rngs(0)).make_aux(jnp.asarray(SEGMENTS), B, N)
+  x = _rng("llama-x").standard_normal((B, N, D))
+  mask, pos = ref_mask(SEGMENTS, B, N, strict=False), np.broadcast_to(np.arange(N), (B, N))
+  ref = ref_llama_block(x, prm, cfg, mask, pos)
+  got = block(jnp.asarray(x, jnp.float32), aux)[0]
+  assert _rel(np.asarray(got, np.float64) - x, ref - x) <= 2 * TOL
+  # The same weights, tied, as a CEM step (η = 1, P = I): the reference says how far apart.
+  tied = {"norm_att.scale": prm["norm_att.scale"], "norm_mlp.scale": prm["norm_mlp.scale"],
+          "attn.w_q": prm["attn.w_q"], "attn.w_k": prm["attn.w_k"],
+          "attn.w_v": prm["attn.w_k"], "attn.w_o": np.transpose(prm["attn.w_q"], (1, 2, 0)),
+          "mlp.w_gate": prm["mlp.w_gate"], "mlp.w_up": prm["mlp.w_up"],
+          "mlp.w_down": prm["mlp.w_gate"].T}
+  cem = {**tied, "mlp.w": prm["mlp.w_gate"], "mlp.g": prm["mlp.w_up"]}
+  cem_cfg = block_cfg(learn_eta=False)
+  cem_ref = ref_block(x, cem, cem_cfg, mask, pos)
+  assert _rel(ref_llama_block(x, tied, cfg, mask, pos) - x, cem_ref - x) > 1e-2
+  no_rope = block_cfg(rope=False)
+  np.testing.assert_allclose(ref_llama_block(x, tied, no_rope, mask, pos),
+                             ref_block(x, cem, block_cfg(rope=False, learn_eta=False), mask, pos),
+                             rtol=1e-12, atol=1e-12)
