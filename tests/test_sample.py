@@ -84,7 +84,7 @@ def _kept_reference(logits, top_k, top_p):
   probs = np.exp(logits[order] - logits[order].max())
   probs /= probs.sum()
   kept, mass = [], 0.0
-  for i, p in zip(order, probs):
+  for i, p in zip(order, probs, strict=True):
     if top_p < 1.0 and mass >= top_p:
       break
     kept.append(i)
