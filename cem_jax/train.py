@@ -57,14 +57,34 @@ def decay_mask(params):
 
 
 def make_schedule(cfg: ml_collections.ConfigDict):
-  """Linear warmup to ``train.learning_rate``, then cosine decay to ``min_learning_rate_ratio``."""
-  return optax.warmup_cosine_decay_schedule(
+  """The learning rate of each update: ``schedule(count)`` for the update made after ``count``
+  applied updates (optax's count, 0 for the first).
+
+  Update ``k = count + 1`` uses ``peak * k / warmup_steps`` while ``k <= warmup_steps`` (so the
+  first update already moves the weights, and update ``warmup_steps`` uses the peak
+  ``train.learning_rate``), then a cosine decay reaching ``peak * min_learning_rate_ratio`` at
+  update ``train.num_steps``. ``warmup_steps = 0``: the cosine from the first update.
+  """
+  base = optax.warmup_cosine_decay_schedule(
       init_value=0.0,
       peak_value=cfg.learning_rate,
       warmup_steps=cfg.warmup_steps,
       decay_steps=max(cfg.num_steps, cfg.warmup_steps + 1),
       end_value=cfg.learning_rate * cfg.min_learning_rate_ratio,
   )
+  # optax's schedule gives init_value (0) at count 0: shift by one so update k gets base(k).
+  return lambda count: base(count + 1)
+
+
+def applied_updates(opt_state) -> jax.Array:
+  """Updates applied so far (int32 ``[]``): the count of the learning-rate schedule's state,
+  which a skipped non-finite update (``optax.apply_if_finite``) does not advance."""
+  is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+  states = [x for x in jax.tree.leaves(opt_state, is_leaf=is_sched) if is_sched(x)]
+  if len(states) != 1:
+    raise ValueError(f"expected one learning-rate schedule in the optimizer state, found "
+                     f"{len(states)}; build the optimizer with make_optimizer")
+  return states[0].count
 
 
 def make_optimizer(cfg: ml_collections.ConfigDict):
@@ -173,7 +193,7 @@ def init_state(config: ml_collections.ConfigDict, vocab_size: int, tx, mesh=None
 
 
 def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
-                    shardings: StateShardings | None = None):
+                    shardings: StateShardings | None = None, schedule=None):
   """Returns the jitted ``step(params, opt_state, batch, guard=0, done=0) -> (params, opt_state,
   metrics)``; ``params`` and ``opt_state`` are donated.
 
@@ -182,7 +202,10 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   without, for the inputs' own placement (one device).
 
   ``metrics``: ``loss`` (nats/token), ``grad_norm``, ``nonfinite_total`` (skipped updates so
-  far, optax's count), ``nonfinite_consecutive`` and ``nonfinite_guard``.
+  far, optax's count), ``nonfinite_consecutive``, ``nonfinite_guard`` and, with ``schedule``
+  (:func:`make_optimizer`'s), ``learning_rate``: the rate of this update, ``schedule`` at the
+  updates applied before it (a skipped update does not count, so after one the rate is not a
+  step ahead; on the skipped step itself it is the rate that was not applied).
 
   The guard (int32 ``[]``): pass the previous step's ``metrics["nonfinite_guard"]`` as ``guard``
   and this update's step number (the ``step`` of its metrics line) as ``done``. It becomes the
@@ -207,6 +230,7 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   @functools.partial(jax.jit, donate_argnums=(0, 1), **jit_kwargs)
   def step(params, opt_state, batch, guard=0, done=0):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    lr = None if schedule is None else schedule(applied_updates(opt_state))
     # A NaN/Inf loss or gradient: apply_if_finite (make_optimizer) leaves params and moments
     # unchanged and counts it.
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -222,6 +246,8 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
         "nonfinite_consecutive": opt_state.notfinite_count,
         "nonfinite_guard": guard,
     }
+    if lr is not None:
+      metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
     return params, opt_state, metrics
 
   return step
@@ -528,7 +554,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   cfg_t = config.train
   max_bad = cfg_t.max_consecutive_nonfinite
-  train_step = make_train_step(graphdef, tx, max_bad, shardings)
+  train_step = make_train_step(graphdef, tx, max_bad, shardings, schedule)
   eval_num_steps = None if config.eval.num_steps < 0 else config.eval.num_steps
   trace = config.eval.energy_trace and config.model.block == "cem"
   eval_step = make_eval_step(graphdef, data.tokenizer.token_bytes, eval_num_steps, trace,
@@ -586,7 +612,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           writer.write(done, {
               "train/loss": float(m["loss"]),
               "train/grad_norm": float(m["grad_norm"]),
-              "train/learning_rate": float(schedule(step)),
+              "train/learning_rate": float(m["learning_rate"]),
               "train/tokens_per_sec": rate,
               "train/nonfinite_steps": int(m["nonfinite_total"]),
           })
