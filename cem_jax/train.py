@@ -261,8 +261,9 @@ def make_eval_step(graphdef, token_bytes: np.ndarray, num_steps: int | None,
   every device, so over every process's rows) come back replicated.
 
   Keys: ``loss_sum`` (nats), ``weight_sum`` (predicted tokens), ``byte_sum`` (their UTF-8
-  bytes) and, with ``energy_trace``, ``energy`` (per layer, per step: the mean per-token
-  energies before/after each sub-step, see :class:`cem_jax.layers.CEMBlock`).
+  bytes) and, with ``energy_trace``, ``energy`` (per layer, per step: the energies before/after
+  each sub-step summed over the real input tokens, see :class:`cem_jax.layers.CEMBlock`) and
+  ``token_sum`` (the number of those tokens, ``segment_ids > 0``).
   ``num_steps`` overrides the recursive steps T of every CEM layer (test-time steps).
   """
   token_bytes = np.asarray(token_bytes, np.float32)  # a constant of the compiled step
@@ -282,6 +283,7 @@ def make_eval_step(graphdef, token_bytes: np.ndarray, num_steps: int | None,
     out = {"loss_sum": loss_sum, "weight_sum": weight_sum, "byte_sum": byte_sum}
     if energy_trace:
       out["energy"] = traces
+      out["token_sum"] = jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)
     return out
 
   return eval_step
@@ -290,7 +292,7 @@ def make_eval_step(graphdef, token_bytes: np.ndarray, num_steps: int | None,
 def energy_metrics(traces) -> dict:
   """Flattens a model's energy trace into ``eval/energy/layer{l}/step{t}/{att,mlp}_{before,after}``.
 
-  ``traces``: list over layers of lists over steps of dicts of scalars (mean energy per token).
+  ``traces``: list over layers of lists over steps of dicts of scalars (energy per token).
   """
   out = {}
   for layer, steps in enumerate(traces):
@@ -303,9 +305,11 @@ def energy_metrics(traces) -> dict:
 def evaluate(eval_step, params, data, cfg, shardings: StateShardings | None = None) -> dict:
   """Runs ``eval_step`` over the validation split; returns ``eval/...`` metrics.
 
-  ``eval/loss`` is nats per predicted token, ``eval/perplexity`` its exponential and
-  ``eval/bits_per_byte`` the total bits over the UTF-8 bytes of the predicted tokens. Energy
-  traces (when ``eval_step`` makes them) are averaged over the evaluated batches.
+  Every per-token metric is a total over all evaluated batches divided by the total count,
+  never a mean of per-batch means, so none depends on ``eval.batch_size`` (or on the padding
+  that fills the last batch): ``eval/loss`` is nats per predicted token, ``eval/perplexity``
+  its exponential, ``eval/bits_per_byte`` the total bits over the UTF-8 bytes of the predicted
+  tokens, and the energy trace (when ``eval_step`` makes it) the energy per real input token.
 
   With ``shardings`` (and an ``eval_step`` made with them) each process reads only its rows of
   every global eval batch; ``eval_step`` sums over all of them on the devices, so every
@@ -314,7 +318,7 @@ def evaluate(eval_step, params, data, cfg, shardings: StateShardings | None = No
   bs = cfg.eval.batch_size
   index, count = (0, 1) if shardings is None else shardings.process_slice(bs)
   totals = {"loss_sum": 0.0, "weight_sum": 0.0, "byte_sum": 0.0}
-  energy_sum, batches = None, 0
+  energy_sum, tokens = None, 0.0
   for i, batch in enumerate(data.eval_batches(bs, index, count)):
     if 0 <= cfg.eval.max_batches <= i:
       break
@@ -324,9 +328,10 @@ def evaluate(eval_step, params, data, cfg, shardings: StateShardings | None = No
     for k in totals:
       totals[k] += float(out[k])
     if "energy" in out:
-      energy_sum = out["energy"] if energy_sum is None else jax.tree.map(
-          lambda a, b: a + b, energy_sum, out["energy"])
-    batches += 1
+      energy = jax.tree.map(np.float64, out["energy"])
+      energy_sum = energy if energy_sum is None else jax.tree.map(
+          lambda a, b: a + b, energy_sum, energy)
+      tokens += float(out["token_sum"])
   loss = totals["loss_sum"] / max(totals["weight_sum"], 1.0)
   metrics = {
       "eval/loss": loss,
@@ -335,7 +340,7 @@ def evaluate(eval_step, params, data, cfg, shardings: StateShardings | None = No
       "eval/tokens": int(totals["weight_sum"]),
   }
   if energy_sum is not None:
-    metrics.update(energy_metrics(jax.tree.map(lambda a: a / batches, energy_sum)))
+    metrics.update(energy_metrics(jax.tree.map(lambda a: a / max(tokens, 1.0), energy_sum)))
   return metrics
 
 
