@@ -482,6 +482,27 @@ def _last_eval(workdir: str) -> dict:
   return {k: v for k, v in evals[-1].items() if k != "step"} if evals else {}
 
 
+# The schedule passing over the training tokens this many times or more gets a warning: from the
+# second pass on the model can fit the training text itself, and held-out loss may rise.
+EPOCHS_WARNING = 2.0
+
+
+def epochs(config: ml_collections.ConfigDict, train_windows: int) -> float:
+  """Passes of the schedule over the training windows: ``num_steps × batch_size / windows``."""
+  return config.train.num_steps * config.train.batch_size / max(train_windows, 1)
+
+
+def best_eval(evals: list[dict]) -> dict:
+  """``eval/best_loss``, ``eval/best_bits_per_byte`` and ``eval/best_step`` (its step) of the
+  eval line with the lowest ``eval/loss``; ``{}`` without eval lines."""
+  evals = [m for m in evals if "eval/loss" in m]
+  if not evals:
+    return {}
+  best = min(evals, key=lambda m: (m["eval/loss"], m["step"]))
+  return {"eval/best_loss": best["eval/loss"],
+          "eval/best_bits_per_byte": best["eval/bits_per_byte"], "eval/best_step": best["step"]}
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains ``config`` in ``workdir``, resuming from its newest intact checkpoint.
 
@@ -501,8 +522,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   SIGTERM (preemption) is honoured at the next step boundary: save, wait for the save, return.
 
+  It logs (and writes as ``data/epochs`` in the step-0 line) how many times the schedule passes
+  over the training windows, with a warning from :data:`EPOCHS_WARNING` passes on, and keeps the
+  best eval beside the last: ``eval/best_*`` in every eval line and ``workdir/best_eval.json``.
+
   Returns:
-    The last eval metrics (``eval/loss`` etc.); ``{}`` if preempted before any eval.
+    The last eval metrics (``eval/loss`` etc.) with the best so far (``eval/best_loss``,
+    ``eval/best_bits_per_byte``, ``eval/best_step``); ``{}`` if preempted before any eval.
 
   Raises:
     ValueError: invalid config, data, devices, workdir or checkpoint (one line naming the
@@ -553,9 +579,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   # A run killed before its first checkpoint starts over: drop its step-0 line too.
   writer = MetricsWriter(workdir, enabled=is_main,
                          truncate_after_step=start_step if start_step > 0 else -1)
+  passes = epochs(config, data.stats()["train_windows"])
   if start_step == 0:
     stats = {f"data/{k}": v for k, v in data.stats().items()}
-    writer.write(0, {"params/total": count_params(model), **stats})
+    writer.write(0, {"params/total": count_params(model), **stats, "data/epochs": passes})
+  logging.info("the schedule passes over the training tokens %.2f times (epochs)", passes)
+  if passes >= EPOCHS_WARNING and is_main:
+    logging.warning(
+        "train.num_steps=%d x train.batch_size=%d passes over the %d training windows %.1f "
+        "times: held-out loss may rise after the first epochs (eval/best_* keeps the best "
+        "eval); use more data or fewer steps", config.train.num_steps,
+        config.train.batch_size, data.stats()["train_windows"], passes)
+  # On resume: the eval lines kept (those up to the restored step) hold the best so far.
+  resumed_metrics = is_main and start_step > 0 and os.path.exists(writer.path)
+  best = best_eval(read_metrics(workdir)) if resumed_metrics else {}
 
   cfg_t = config.train
   max_bad = cfg_t.max_consecutive_nonfinite
@@ -627,7 +664,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           t_log, step_at_log = now, done
         if done % cfg_t.eval_every_steps == 0 or done == num_steps:
           last_eval = evaluate(eval_step, params, data, config, shardings)
+          if not best or last_eval["eval/loss"] < best["eval/best_loss"]:
+            best = best_eval([{**last_eval, "step": done}])
+          last_eval = {**last_eval, **best}
           writer.write(done, last_eval)
+          if is_main:
+            _write_json_atomic(os.path.join(workdir, "best_eval.json"), best)
           logging.info("eval at step %d: loss %.4f  ppl %.2f  bits/byte %.4f", done,
                        last_eval["eval/loss"], last_eval["eval/perplexity"],
                        last_eval["eval/bits_per_byte"])
