@@ -37,6 +37,7 @@ from cem_jax.checkpoint import Checkpointer
 from cem_jax.layers import DECAYED_PARAM_NAMES
 from cem_jax.metrics import MetricsWriter, read_metrics
 from cem_jax.model import DecoderLM, count_params
+from cem_jax.version import NUMERICS_VERSION
 
 # ---------------------------------------------------------------------------------------------
 # Optimizer
@@ -582,7 +583,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   passes = epochs(config, data.stats()["train_windows"])
   if start_step == 0:
     stats = {f"data/{k}": v for k, v in data.stats().items()}
-    writer.write(0, {"params/total": count_params(model), **stats, "data/epochs": passes})
+    writer.write(0, {"params/total": count_params(model), **stats, "data/epochs": passes,
+                     "numerics_version": NUMERICS_VERSION})
   logging.info("the schedule passes over the training tokens %.2f times (epochs)", passes)
   if passes >= EPOCHS_WARNING and is_main:
     logging.warning(
@@ -632,7 +634,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           f"non-finite parameters or optimizer state at step {done}, not saved; "
           f"{saved_text()}; lower train.learning_rate"
       )
-    meta = {"step": done, "data_position": done, "seed": config.seed, "config": resolved}
+    meta = {"step": done, "data_position": done, "seed": config.seed, "config": resolved,
+            "numerics_version": NUMERICS_VERSION}
     if ckpt.save(done, state, meta, force=force):
       last_saved = done
 
