@@ -183,6 +183,100 @@ _MINIMUMS = {
 }
 
 
+# field -> (low, low inclusive, high, high inclusive): a finite real number in that interval
+# (None: unbounded). One rule per numeric float key of the defaults.
+_RANGES = {
+    "model.rope_theta": (0.0, False, None, False),
+    "model.norm_eps": (0.0, False, None, False),
+    "model.init_std": (0.0, False, None, False),
+    # P = diag(softplus(p) + eps) + U U^T starts at I: softplus(p) = 1 - eps needs eps < 1,
+    # and eps > 0 keeps P positive definite (CEM_MATH.md section 3).
+    "model.precond_eps": (0.0, False, 1.0, False),
+    "train.learning_rate": (0.0, False, None, False),
+    "train.min_learning_rate_ratio": (0.0, True, 1.0, True),
+    "train.weight_decay": (0.0, True, None, False),
+    "train.b1": (0.0, True, 1.0, False),
+    "train.b2": (0.0, True, 1.0, False),
+    # 0 would scale every update to nothing, a negative norm turns descent into ascent.
+    "train.grad_clip": (0.0, False, None, False),
+}
+
+
+def _interval(low, low_in, high, high_in) -> str:
+  left = "" if low is None else f"{low:g} {'<=' if low_in else '<'} "
+  right = "" if high is None else f" {'<=' if high_in else '<'} {high:g}"
+  return f"{left}value{right}" if left or right else "any finite number"
+
+
+def check_range(field: str, value) -> None:
+  """Checks one numeric field against :data:`_RANGES`.
+
+  Raises:
+    ValueError: one line naming the field, the value and the allowed interval; also for
+      nan, inf and non-numbers.
+  """
+  import math
+
+  low, low_in, high, high_in = _RANGES[field]
+  allowed = f"allowed: a finite number, {_interval(low, low_in, high, high_in)}"
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    raise ValueError(f"{field}={value!r}; {allowed}")
+  below = low is not None and (value < low or (value == low and not low_in))
+  above = high is not None and (value > high or (value == high and not high_in))
+  if below or above:
+    raise ValueError(f"{field}={value!r}; {allowed}")
+
+
+# Options that build or change nothing in some configurations. (condition on the model group,
+# why, keys that must then keep their default): a non-default value there would be silently
+# ignored, so validation refuses it.
+_CEM_ONLY = ("cem_attention", "cem_mlp", "update_mode", "attention_energy", "mlp_energy",
+             "learn_beta", "learn_eta", "diagonal", "diagonal_form", "precond", "precond_rank",
+             "precond_eps", "precond_shared", "num_steps", "context", "split", "eta_per_step",
+             "mlp_condition", "norm_mode")
+_UNUSED = (
+    (lambda m: m.block == "llama", "with model.block='llama' (it applies to CEM blocks only)",
+     _CEM_ONLY),
+    (lambda m: m.block == "cem" and not m.cem_attention,
+     "with model.cem_attention=False (the standard attention has no energy)",
+     ("attention_energy", "learn_beta", "diagonal", "context")),
+    (lambda m: m.block == "cem" and not m.cem_mlp,
+     "with model.cem_mlp=False (the standard SwiGLU has no energy)",
+     ("mlp_energy", "mlp_condition")),
+    (lambda m: m.block == "cem" and not (m.cem_attention or m.cem_mlp),
+     "with model.cem_attention=False and model.cem_mlp=False (no energy step)",
+     ("update_mode", "learn_eta")),
+    (lambda m: m.diagonal == "none", "with model.diagonal='none'", ("diagonal_form",)),
+    (lambda m: m.precond == "none", "with model.precond='none'",
+     ("precond_eps", "precond_shared")),
+    # T=1 has one step: one set of per-step parameters either way (later test-time steps
+    # reuse the last trained step's).
+    (lambda m: m.num_steps == 1, "with model.num_steps=1 (one step: nothing per step)",
+     ("eta_per_step", "precond_shared")),
+)
+
+
+def _check_unused(config: ml_collections.ConfigDict) -> None:
+  m, default = config.model, get_default_config().model
+  for applies, why, keys in _UNUSED:
+    if not applies(m):
+      continue
+    for key in keys:
+      if m[key] == default[key]:
+        continue
+      if m.block == "llama":  # the message users of the llama block have always seen
+        raise ValueError(f"model.{key}={m[key]!r} applies to CEM blocks only; "
+                         f"model.block='llama' needs model.{key}={default[key]!r}")
+      raise ValueError(f"model.{key}={m[key]!r} has no effect {why}; leave it at "
+                       f"{default[key]!r}")
+  targets = {"attention": m.cem_attention, "mlp": m.cem_mlp}
+  wanted = ("attention", "mlp") if m.precond == "both" else (m.precond,)
+  for target in wanted:
+    if m.block == "cem" and target in targets and not targets[target]:
+      raise ValueError(f"model.precond={m.precond!r} preconditions an energy step that "
+                       f"model.cem_{target}=False replaces; choose another model.precond")
+
+
 def _get(config, dotted: str):
   node = config
   for part in dotted.split("."):
@@ -206,7 +300,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"{field}={value!r} must be an int (a static Python int)")
     if value < minimum:
       raise ValueError(f"{field}={value} must be >= {minimum}")
+  for field in _RANGES:
+    check_range(field, _get(config, field))
   m = config.model
+  if m.param_dtype != "float32":
+    raise ValueError(
+        f"model.param_dtype={m.param_dtype!r}: the optimizer would update bfloat16 weights "
+        "directly (no float32 master copy), so small updates round away; allowed: 'float32' "
+        "(set model.dtype='bfloat16' for bfloat16 compute)")
   head_dim = m.head_dim if m.head_dim > 0 else m.d_model // m.num_heads
   if m.head_dim <= 0 and m.d_model % m.num_heads:
     raise ValueError(
@@ -230,19 +331,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"model.precond_rank={m.precond_rank} has no effect with model.precond='none'; "
         "set model.precond to attention, mlp or both"
     )
-  if m.block == "llama":
-    cem_only = {"num_steps": 1, "diagonal": "none", "precond": "none"}
-    for key, neutral in cem_only.items():
-      if m[key] != neutral:
-        raise ValueError(
-            f"model.{key}={m[key]!r} applies to CEM blocks only; model.block='llama' "
-            f"needs model.{key}={neutral!r}"
-        )
-  if m.block == "cem" and not m.cem_attention and m.diagonal != "none":
-    raise ValueError(
-        f"model.diagonal={m.diagonal!r} needs the energy attention; set model.cem_attention="
-        "True or model.diagonal='none'"
-    )
+  _check_unused(config)
   rest = []
   for axis in ("data", "fsdp", "tensor"):
     size = config.mesh[axis]

@@ -98,7 +98,8 @@ class DecoderLM(nnx.Module):
         document only; 0 = padding), or None for one causal sequence. Ignored when
         ``model.document_mask`` is False (plain causal attention over the window).
       num_steps: recursive steps per CEM layer at this call (default ``model.num_steps``).
-      trace: also return the energy trace, a list over layers of the block's trace.
+      trace: also return the energy trace, a list over layers of the block's trace: energies
+        summed over the real tokens (``segment_ids > 0``; all tokens without segment ids).
       cache: a decoding cache from :meth:`init_cache`: ``tokens`` are then the new tokens at
         positions ``index, index+1, ...`` (prefill: the prompt at 0; then one at a time).
       index: where the new tokens go in the cache (int or int32 scalar).
@@ -109,6 +110,8 @@ class DecoderLM(nnx.Module):
     b, t = tokens.shape
     if cache is None:
       aux = self.make_aux(segment_ids if self.cfg.document_mask else None, b, t)
+      if segment_ids is not None:  # padding is known even when attention ignores documents
+        aux = aux.replace(real=segment_ids > 0)
     else:
       # Llama caches k/v [batch, max_len, heads, head_dim]; CEM the context
       # [copies, batch, max_len, d_model].

@@ -43,6 +43,9 @@ class EnergyAux:
     diagonal_form: ``'bilinear'`` or ``'distance'`` (static, CEM_MATH.md section 1).
     is_plain_causal: True when ``mask`` is exactly the lower triangle ``j <= i`` with no
       segments or padding, so fused kernels may use ``is_causal=True`` (static).
+    real: ``[batch, seq_len]`` bool, True where the query holds a real token (not padding),
+      or None when all do. Only the layers' energy trace reads it (to sum over real tokens);
+      energies need not.
   """
 
   mask: jax.Array
@@ -51,6 +54,7 @@ class EnergyAux:
   rope_theta: float | None = flax.struct.field(pytree_node=False, default=10_000.0)
   diagonal_form: str = flax.struct.field(pytree_node=False, default="bilinear")
   is_plain_causal: bool = flax.struct.field(pytree_node=False, default=False)
+  real: jax.Array | None = None
 
   @property
   def context_positions(self) -> jax.Array:
