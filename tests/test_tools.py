@@ -55,7 +55,9 @@ def test_mesh_shape_resolution_and_errors():
   with pytest.raises(ValueError, match=r"= 3\*2\*2 = 12, but there are 8 devices"):
     sharding.mesh_shape(cfg, 8)
   cfg.data, cfg.fsdp = -1, -1
-  with pytest.raises(ValueError, match="at most one may be -1"):
+  # The same wording as config.validate: both go through axes.check_mesh_sizes.
+  with pytest.raises(ValueError, match=r"^mesh\.data=-1 and mesh\.fsdp=-1: at most one mesh "
+                     r"size may be -1"):
     sharding.mesh_shape(cfg, 8)
 
 
