@@ -83,9 +83,11 @@ def parse_flags(argv):
     cause = _run_config_file(given[0].split("=", 1)[1])[1] if failed_to_load else None
     _fail(cause or str(e).splitlines()[0])
   except (AttributeError, KeyError):
-    # ml_collections applies --config.KEY overrides by attribute lookup: a missing field.
-    config, _ = _run_config_file(given[0].split("=", 1)[1]) if given else (None, None)
-    cause = _unknown_override(config, argv) if config is not None else None
+    # ml_collections applies --config.KEY overrides by attribute lookup: a missing field. It
+    # also lets these two escape the config file's own get_config unwrapped.
+    config, cause = _run_config_file(given[0].split("=", 1)[1]) if given else (None, None)
+    if config is not None:
+      cause = _unknown_override(config, argv)
     if cause is None:
       raise  # not a misspelt field: a bug, keep the traceback
     _fail(cause)
