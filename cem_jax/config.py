@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from cem_jax import axes
+
 BLOCKS = ("cem", "llama")
 UPDATE_MODES = ("auto", "fused", "autodiff")
 NORM_MODES = ("prenorm", "chain", "none")
@@ -22,17 +24,8 @@ SPLIT_MODES = ("lie_trotter", "joint")
 MLP_CONDITIONS = ("step", "layer")
 PRECOND_TARGETS = ("none", "attention", "mlp", "both")
 DTYPES = ("float32", "bfloat16")
-# mesh.rules default: logical axis (named in the model code) -> mesh axis, None (replicated) or
-# a tuple of mesh axes. FSDP shards the model dimension of every matrix, tensor parallelism the
-# heads, the MLP width and the vocabulary; batches are split over data x fsdp.
-DEFAULT_MESH_RULES = (
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-)
+# mesh.rules default (logical axis -> mesh axes): see axes.py.
+DEFAULT_MESH_RULES = axes.DEFAULT_RULES
 
 
 def get_default_config() -> ml_collections.ConfigDict:
@@ -308,7 +301,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"model.param_dtype={m.param_dtype!r}: the optimizer would update bfloat16 weights "
         "directly (no float32 master copy), so small updates round away; allowed: 'float32' "
         "(set model.dtype='bfloat16' for bfloat16 compute)")
-  head_dim = m.head_dim if m.head_dim > 0 else m.d_model // m.num_heads
+  head_dim = axes.head_dim_of(m)
   if m.head_dim <= 0 and m.d_model % m.num_heads:
     raise ValueError(
         f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
@@ -332,20 +325,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
         "set model.precond to attention, mlp or both"
     )
   _check_unused(config)
-  rest = []
-  for axis in ("data", "fsdp", "tensor"):
-    size = config.mesh[axis]
-    if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
-      raise ValueError(f"mesh.{axis}={size!r}; allowed: -1 (the devices left over) or an "
-                       "int >= 1")
-    rest += [f"mesh.{axis}=-1"] if size == -1 else []
-  if len(rest) > 1:
-    raise ValueError(f"{' and '.join(rest)}: at most one mesh size may be -1 (the devices "
-                     "left over); give the others as ints (mesh.data defaults to -1)")
-  # Imported here: sharding imports jax, which this module must not do at import time.
-  from cem_jax import sharding
-
-  sharding.rules_from_config(config.mesh)
+  axes.check_mesh_sizes(config.mesh)
+  axes.rules_from_config(config.mesh)
   mb = config.eval.max_batches
   if isinstance(mb, bool) or not isinstance(mb, int) or (mb < 1 and mb != -1):
     raise ValueError(f"eval.max_batches={mb!r}; allowed: -1 (the whole split) or an int >= 1")
@@ -356,64 +337,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if not 0.0 < vf <= 0.5:
     raise ValueError(f"data.validation_fraction={vf}; allowed: 0 < fraction <= 0.5")
   if m.block == "cem":
-    validate_energies(config)
+    # Imported here: the energy checks need jax, which this module must not import at import
+    # time (start-up errors in the config come before jax loads).
+    from cem_jax.energies import checks
 
-
-def validate_energies(config: ml_collections.ConfigDict) -> None:
-  """Looks up both energies and checks, by abstract evaluation (no compilation), that each
-  returns a scalar float and that the chosen update mode exists for it.
-
-  Raises:
-    ValueError: unknown energy, no closed form for ``update_mode='fused'``, or an energy that
-      returns a non-scalar or non-float value.
-  """
-  # Imported here: config is the leftmost module and must not pull in jax at import time.
-  import jax
-  import jax.numpy as jnp
-
-  from cem_jax import energies, updates
-
-  m = config.model
-  d, h = m.d_model, m.num_heads
-  dh = m.head_dim if m.head_dim > 0 else d // h
-  b, t = 1, 4
-  y = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
-  aux = energies.EnergyAux(
-      mask=jnp.tril(jnp.ones((b, t, t), bool)),
-      positions=jnp.zeros((b, t), jnp.int32),
-      rope_theta=m.rope_theta if m.rope else None,
-      diagonal_form=m.diagonal_form,
-  )
-  att_params = {
-      "w_q": jax.ShapeDtypeStruct((d, h, dh), jnp.float32),
-      "w_k": jax.ShapeDtypeStruct((d, h, dh), jnp.float32),
-      "eta": jax.ShapeDtypeStruct((h,), jnp.float32),
-      "beta": jax.ShapeDtypeStruct((h,), jnp.float32),
-  }
-  if m.diagonal != "none":
-    att_params["diag"] = jax.ShapeDtypeStruct((h, d), jnp.float32)
-  mlp_params = {
-      "w": jax.ShapeDtypeStruct((d, m.mlp_dim), jnp.float32),
-      "g": jax.ShapeDtypeStruct((d, m.mlp_dim), jnp.float32),
-      "eta": jax.ShapeDtypeStruct((), jnp.float32),
-  }
-  slots = []
-  if m.cem_attention:
-    slots.append(("model.attention_energy", "attention", att_params))
-  if m.cem_mlp:
-    slots.append(("model.mlp_energy", "mlp", mlp_params))
-  for field, kind, params in slots:
-    spec = energies.get(m[field.split(".")[1]], kind, field)
-    updates.resolve_update(spec, m.update_mode)
-    try:
-      out = jax.eval_shape(lambda y_, p_, s=spec: s.energy(y_, y_, p_, aux), y, params)
-    except Exception as e:  # the user's function failed on valid shapes: say whose it is
-      raise ValueError(f"{field}={spec.name!r} failed on [batch, seq_len, d_model] inputs: "
-                       f"{type(e).__name__}: {e}") from e
-    if not hasattr(out, "shape") or out.shape != ():
-      shape = getattr(out, "shape", type(out).__name__)
-      raise ValueError(f"{field}={spec.name!r} returns shape {shape}; an energy must return "
-                       "a scalar (sum over batch and positions)")
-    if not jnp.issubdtype(out.dtype, jnp.floating):
-      raise ValueError(f"{field}={spec.name!r} returns dtype {out.dtype}; an energy must "
-                       "return a float scalar")
+    checks.validate_energies(config)

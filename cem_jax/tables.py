@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from cem_jax import bench, cli, train
 from cem_jax.config import get_default_config
+from cem_jax.files import atomic_write_json
 from cem_jax.metrics import read_metrics
 from cem_jax.model import DecoderLM
 from cem_jax.version import NUMERICS_VERSION
@@ -111,10 +112,7 @@ def config_digest(config) -> str:
 
 
 def _write_json(path: str, obj) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2)
-  os.replace(tmp, path)  # written last: a result.json's presence means the run finished
+  atomic_write_json(path, obj)  # written last: a result.json's presence means the run finished
 
 
 RESULT_KEYS = ("row", "seed", "eval/loss", "eval/bits_per_byte", "tokens_per_sec",

@@ -34,6 +34,7 @@ from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax import sharding as sharding_lib
 from cem_jax.checkpoint import Checkpointer
+from cem_jax.files import atomic_write_json
 from cem_jax.layers import DECAYED_PARAM_NAMES
 from cem_jax.metrics import MetricsWriter, read_metrics
 from cem_jax.model import DecoderLM, count_params
@@ -349,13 +350,6 @@ def evaluate(eval_step, params, data, cfg, shardings: StateShardings | None = No
 # The loop
 
 
-def _write_json_atomic(path: str, obj) -> None:
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
-
-
 def build_model(config, vocab_size: int) -> DecoderLM:
   """The model of ``config.model`` with ``vocab_size`` tokens, initialised from ``config.seed``."""
   return DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(params=config.seed))
@@ -576,7 +570,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       logging.warning("config differs from the checkpoint's: %s",
                       ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed))
   if is_main:
-    _write_json_atomic(os.path.join(workdir, "config.json"), resolved)
+    atomic_write_json(os.path.join(workdir, "config.json"), resolved, sort_keys=True)
   # A run killed before its first checkpoint starts over: drop its step-0 line too.
   writer = MetricsWriter(workdir, enabled=is_main,
                          truncate_after_step=start_step if start_step > 0 else -1)
@@ -672,7 +666,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           last_eval = {**last_eval, **best}
           writer.write(done, last_eval)
           if is_main:
-            _write_json_atomic(os.path.join(workdir, "best_eval.json"), best)
+            atomic_write_json(os.path.join(workdir, "best_eval.json"), best, sort_keys=True)
           logging.info("eval at step %d: loss %.4f  ppl %.2f  bits/byte %.4f", done,
                        last_eval["eval/loss"], last_eval["eval/perplexity"],
                        last_eval["eval/bits_per_byte"])
