@@ -54,8 +54,8 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
       only what does not depend on the machine (config validation, before jax starts).
     dtype: ``model.dtype`` (``'float32'`` or ``'bfloat16'``).
     head_dim: the attention head width.
-    augmented_head_dim: with the CEM per-head diagonal, the width ``d_h + d_model + 1`` of the
-      augmented head the fused update attends with (None without a diagonal).
+    augmented_head_dim: with the CEM diagonal, the width of the augmented head the fused
+      update attends with, ``d_h + d_model`` (+ 1 in the distance form); None without one.
     seq_len: the query length if known (splash needs a multiple of 128).
   Returns:
     ``(implementation, reason)``, the implementation one of ``'xla'``, ``'cudnn'``,
@@ -69,8 +69,9 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
   width = head_dim if augmented_head_dim is None else augmented_head_dim
   limit = cudnn_max_head_dim(platform) if platform is not None else 256
   if augmented_head_dim is not None:
-    why_wide = (f"the CEM per-head diagonal attends with one augmented head of width "
-                f"d_h + d_model + 1 = {augmented_head_dim}, beyond flash kernels' head sizes")
+    why_wide = (f"the CEM diagonal attends with one augmented head of width "
+                f"{augmented_head_dim} (d_h + d_model, + 1 in the distance form), beyond "
+                "flash kernels' head sizes")
   if requested == "xla":
     return "xla", "explicit"
   if requested == "cudnn":
@@ -143,7 +144,7 @@ def dot_product_attention(
     is_causal: bool = False,
     strict_causal: bool = False,
     segment_ids: jax.Array | None = None,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> jax.Array:
   """``softmax(scale · q kᵀ, visible) v`` per head with the mask given as structure.
 
@@ -163,7 +164,8 @@ def dot_product_attention(
     strict_causal: ``N(i) = {j < i}`` (CEM_MATH.md section 1).
     segment_ids: ``[batch, t]`` int document ids, 0 = padding (tokens see their own document
       only), for kernels that take them (splash); needs ``is_causal``.
-    interpret: run Pallas kernels in interpret mode (CPU tests of 'splash').
+    interpret: run Pallas kernels in interpret mode; None: off TPU only (so the CPU tests run
+      the splash kernel's own code; a model never picks splash off TPU, see :func:`resolve`).
   Returns:
     ``[batch, t, heads, head_dim_v]`` in ``q.dtype``; rows with no visible key are exactly 0.
   Raises:
@@ -191,6 +193,8 @@ def dot_product_attention(
     if t % SPLASH_BLOCK:
       raise ValueError(f"attention_impl='splash': seq_len={t} must be a multiple of "
                        f"{SPLASH_BLOCK}")
+    if interpret is None:
+      interpret = jax.default_backend() != "tpu"
     out = _splash(q * jnp.asarray(scale, q.dtype), k, v, strict_causal, segment_ids,
                   interpret)
   else:
