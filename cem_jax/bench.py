@@ -58,6 +58,8 @@ VARIANTS = {
     "cem_autodiff": dict(block="cem", update_mode="autodiff"),
     "cem_fused_T2": dict(block="cem", update_mode="fused", num_steps=2),
     "cem_fused_diag": dict(block="cem", update_mode="fused", diagonal="per_head"),
+    # jax.grad of the energy with the online log-sum-exp over 512-key blocks.
+    "cem_autodiff_blocks": dict(block="cem", update_mode="autodiff", energy_block_size=512),
     # Packed documents (model.document_mask=True, 4 documents per window): the kernel gets
     # segment ids (splash) or a dense mask (XLA; cuDNN as a bias), never is_causal alone.
     "llama_docs": dict(block="llama", document_mask=True),
