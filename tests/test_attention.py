@@ -15,8 +15,13 @@ import pytest
 from flax import nnx
 
 from cem_jax import attention, config, updates
-from cem_jax.energies import EnergyAux, interaction_energy, interaction_fused_update, make_mask
-from cem_jax.energies.base import blockwise_logsumexp
+from cem_jax.energies import (
+  EnergyAux,
+  blockwise_logsumexp,
+  interaction_energy,
+  interaction_fused_update,
+  make_mask,
+)
 from cem_jax.model import DecoderLM
 from tests.conftest import tiny_config
 
