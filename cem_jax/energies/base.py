@@ -137,7 +137,8 @@ def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask: jax.Array, block_size:
       (``preferred_element_type``) whatever its dtype.
     k: ``[batch, s, heads, e]``, same dtype as ``q``.
     mask: ``[batch, t, s]`` bool, True where query ``i`` sees key ``j``.
-    block_size: keys per block (>= 1); ``s`` is padded with invisible keys to a multiple.
+    block_size: keys per block (>= 1; at most ``s`` is used); ``s`` is padded with invisible
+      keys to a multiple.
     scale: a float or ``[heads]`` float32 inverse temperature, applied to the float32 scores.
   Returns:
     ``[batch, heads, t]`` float32.
@@ -148,6 +149,7 @@ def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask: jax.Array, block_size:
     raise ValueError(f"block_size={block_size}; allowed: an int >= 1")
   b, t, h, e = q.shape
   s = k.shape[1]
+  block_size = min(block_size, s)  # never pad a short sequence up to one long block
   nb = -(-s // block_size)
   pad = nb * block_size - s
   if pad:
