@@ -81,6 +81,14 @@ def get_default_config() -> ml_collections.ConfigDict:
   m.mlp_condition = "step"  # gate input: 'step' (state entering the MLP step) | 'layer'
   m.norm_mode = "prenorm"  # 'prenorm' | 'chain' | 'none' (section 5)
   m.remat = "none"  # 'none' | 'full' | 'dots' : jax.checkpoint policy per block
+  # Attention kernel of the Llama block, the fused CEM update (cem_jax/attention.py):
+  # 'auto' (CPU: xla; GPU bf16: cudnn; TPU: splash; the per-head diagonal: xla) | 'xla' |
+  # 'cudnn' | 'splash'. The model logs one line with its choice and why; an explicit choice
+  # that cannot run is an error at start-up.
+  m.attention_impl = "auto"
+  # Key block of the interaction energy's online log-sum-exp (0 = dense scores): jax.grad of
+  # the energy (update_mode='autodiff') then needs memory linear in seq_len.
+  m.energy_block_size = 0
 
   # ---- data --------------------------------------------------------------------------------
   d = c.data = ml_collections.ConfigDict()
@@ -150,6 +158,7 @@ _CHOICES = {
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
     "model.remat": ("none", "full", "dots"),
+    "model.attention_impl": ("auto", "xla", "cudnn", "splash"),
     "data.builtin": ("pydoc", "pydoc+docstrings"),
     "data.tokenizer_model_type": ("bpe", "unigram"),
 }
@@ -162,6 +171,7 @@ _MINIMUMS = {
     "model.num_layers": 1,
     "model.num_steps": 1,
     "model.precond_rank": 0,
+    "model.energy_block_size": 0,
     "data.seq_len": 2,
     "data.vocab_size": 8,
     "train.num_steps": 1,
@@ -226,13 +236,13 @@ def check_range(field: str, value) -> None:
 _CEM_ONLY = ("cem_attention", "cem_mlp", "update_mode", "attention_energy", "mlp_energy",
              "learn_beta", "learn_eta", "diagonal", "diagonal_form", "precond", "precond_rank",
              "precond_eps", "precond_shared", "num_steps", "context", "split", "eta_per_step",
-             "mlp_condition", "norm_mode")
+             "mlp_condition", "norm_mode", "energy_block_size")
 _UNUSED = (
     (lambda m: m.block == "llama", "with model.block='llama' (it applies to CEM blocks only)",
      _CEM_ONLY),
     (lambda m: m.block == "cem" and not m.cem_attention,
      "with model.cem_attention=False (the standard attention has no energy)",
-     ("attention_energy", "learn_beta", "diagonal", "context")),
+     ("attention_energy", "learn_beta", "diagonal", "context", "energy_block_size")),
     (lambda m: m.block == "cem" and not m.cem_mlp,
      "with model.cem_mlp=False (the standard SwiGLU has no energy)",
      ("mlp_energy", "mlp_condition")),
@@ -325,6 +335,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
         "set model.precond to attention, mlp or both"
     )
   _check_unused(config)
+  if m.block == "cem" and m.cem_attention and m.diagonal != "none":
+    augmented = head_dim + m.d_model + (m.diagonal_form == "distance")
+  else:
+    augmented = None
+  # Imported here (it imports jax); platform=None: what the machine decides is checked when
+  # the model is built.
+  from cem_jax import attention
+
+  attention.resolve(m.attention_impl, platform=None, dtype=m.dtype, head_dim=head_dim,
+                    augmented_head_dim=augmented, seq_len=config.data.seq_len)
   axes.check_mesh_sizes(config.mesh)
   axes.rules_from_config(config.mesh)
   mb = config.eval.max_batches

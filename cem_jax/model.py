@@ -5,11 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import ml_collections
+from absl import logging
 from flax import nnx
 
+from cem_jax import attention
 from cem_jax.energies import EnergyAux, make_mask
 from cem_jax.layers import DTYPES, CEMBlock, LlamaBlock, RMSNorm
-from cem_jax.layers.common import param
+from cem_jax.layers.common import head_dim_of, param
 
 BLOCK_TYPES = {"cem": CEMBlock, "llama": LlamaBlock}
 # model.remat -> jax.checkpoint policy: 'full' saves nothing, 'dots' keeps matmul outputs.
@@ -17,6 +19,45 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+_LOGGED: set[str] = set()  # one log line per distinct attention choice, not per model copy
+
+
+def _log_once(line: str) -> None:
+  if line not in _LOGGED:
+    _LOGGED.add(line)
+    logging.info("%s", line)
+
+
+def resolve_attention(cfg, blocks, platform: str | None = None) -> tuple[str, str]:
+  """The attention kernel of a model and why (:func:`cem_jax.attention.resolve`).
+
+  Args:
+    cfg: the ``model`` config group.
+    blocks: the model's blocks (they know whether the CEM update is fused).
+    platform: ``jax.default_backend()`` if None.
+  Raises:
+    ValueError: an explicit ``model.attention_impl`` that cannot run here, or that no layer
+      would use (an autodiff CEM update calls no attention kernel).
+  """
+  platform = jax.default_backend() if platform is None else platform
+  requested = cfg.attention_impl
+  block = blocks[0]
+  if isinstance(block, CEMBlock) and block.att_spec is not None:
+    fused = block.att_update is block.att_spec.fused_update
+    if not fused:
+      if requested not in ("auto", "xla"):
+        raise ValueError(
+            f"model.attention_impl={requested!r} has no effect: the CEM attention update is "
+            f"jax.grad of {cfg.attention_energy!r} (model.update_mode={cfg.update_mode!r}), "
+            "which calls no attention kernel; use 'auto' or 'xla' (memory: "
+            "model.energy_block_size)")
+      return "xla", ("no attention kernel: the CEM update is jax.grad of the energy "
+                     f"(model.energy_block_size={cfg.energy_block_size})")
+  augmented = None
+  if isinstance(block, CEMBlock) and block.att_spec is not None and cfg.diagonal != "none":
+    augmented = head_dim_of(cfg) + cfg.d_model + (cfg.diagonal_form == "distance")
+  return attention.resolve(requested, platform=platform, dtype=cfg.dtype,
+                           head_dim=head_dim_of(cfg), augmented_head_dim=augmented)
 
 
 class DecoderLM(nnx.Module):
@@ -29,8 +70,13 @@ class DecoderLM(nnx.Module):
     cfg: the ``model`` config group (``cem_jax.config``).
     vocab_size: number of token ids (the tokenizer's, ``data.vocab_size``).
     rngs: ``nnx.Rngs`` with a ``params`` stream.
+  The attention kernel (``model.attention_impl``, :mod:`cem_jax.attention`) is resolved here,
+  once, and logged in one line with the reason; ``attention_impl`` and ``attention_reason``
+  hold it.
+
   Raises:
-    ValueError: unknown ``model.block``, or an energy/update option the layers reject.
+    ValueError: unknown ``model.block``, an energy/update option the layers reject, or an
+      explicit ``model.attention_impl`` that cannot run on this machine with this model.
   """
 
   def __init__(self, cfg: ml_collections.ConfigDict, vocab_size: int, *, rngs: nnx.Rngs):
@@ -45,6 +91,9 @@ class DecoderLM(nnx.Module):
     block_cls = BLOCK_TYPES[cfg.block]
     self.blocks = nnx.List([block_cls(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
+    self.attention_impl, self.attention_reason = resolve_attention(cfg, self.blocks)
+    _log_once(f"attention: {self.attention_impl} ({self.attention_reason}); cached "
+              "decoding: xla")
     if not cfg.tie_embeddings:
       self.lm_head = param(rngs, (cfg.d_model, vocab_size), cfg.init_std,
                            ("embed", "vocab"), pdt)
@@ -53,16 +102,35 @@ class DecoderLM(nnx.Module):
     """Mask and positions for a ``[batch, seq_len]`` input (segment 0 = padding)."""
     cfg = self.cfg
     positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+    impl = self.attention_impl
+    if impl == "splash" and seq_len % attention.SPLASH_BLOCK:
+      if cfg.attention_impl != "auto":
+        raise ValueError(f"model.attention_impl='splash' cannot run: seq_len={seq_len} must "
+                         f"be a multiple of {attention.SPLASH_BLOCK}")
+      impl = "xla"
+      _log_once(f"attention: xla at seq_len={seq_len} (auto: splash needs a multiple of "
+                f"{attention.SPLASH_BLOCK})")
     return EnergyAux(
         mask=make_mask(segment_ids, seq_len, batch, strict=cfg.strict_causal),
         positions=positions,
         rope_theta=cfg.rope_theta if cfg.rope else None,
         diagonal_form=cfg.diagonal_form,
         is_plain_causal=segment_ids is None and not cfg.strict_causal,
+        segment_ids=segment_ids,
+        is_causal=True,
+        strict_causal=cfg.strict_causal,
+        attention_impl=impl,
+        energy_block_size=cfg.energy_block_size,
     )
 
   def make_decode_aux(self, batch: int, num_new: int, max_len: int, index) -> EnergyAux:
-    """Aux for ``num_new`` new tokens at positions ``index..`` against a ``max_len`` cache."""
+    """Aux for ``num_new`` new tokens at positions ``index..`` against a ``max_len`` cache.
+
+    Decoding attends through the same entry point with a dense ``[batch, num_new, max_len]``
+    mask, always on 'xla' (said in the model's log line): the offset ``index`` is traced,
+    splash masks are static and block-aligned, and cuDNN would take the mask as a dense bias
+    on a memory-bound step with no measured gain.
+    """
     cfg = self.cfg
     query = index + jnp.arange(num_new, dtype=jnp.int32)
     keys = jnp.arange(max_len, dtype=jnp.int32)
@@ -74,6 +142,9 @@ class DecoderLM(nnx.Module):
         key_positions=jnp.broadcast_to(keys, (batch, max_len)),
         rope_theta=cfg.rope_theta if cfg.rope else None,
         diagonal_form=cfg.diagonal_form,
+        strict_causal=cfg.strict_causal,
+        attention_impl="xla",
+        energy_block_size=cfg.energy_block_size,
     )
 
   def init_cache(self, batch: int, max_len: int, num_steps: int | None = None) -> list:

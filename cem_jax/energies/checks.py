@@ -50,7 +50,12 @@ def validate_energies(config) -> None:
     slots.append(("model.mlp_energy", "mlp", mlp_params))
   for field, kind, params in slots:
     spec = energies.get(m[field.split(".")[1]], kind, field)
-    updates.resolve_update(spec, m.update_mode)
+    update = updates.resolve_update(spec, m.update_mode)
+    if kind == "attention" and m.energy_block_size > 0 and update is spec.fused_update:
+      raise ValueError(
+          f"model.energy_block_size={m.energy_block_size} has no effect on the fused update "
+          f"of {spec.name!r} (it changes how jax.grad of the energy is computed); set "
+          "model.update_mode='autodiff' or model.energy_block_size=0")
     try:
       out = jax.eval_shape(lambda y_, p_, s=spec: s.energy(y_, y_, p_, aux), y, params)
     except Exception as e:  # the user's function failed on valid shapes: say whose it is
