@@ -81,7 +81,7 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> li
   for t_eval in steps:
     if t_eval < 1:
       raise ValueError(f"--num_steps={t_eval}; allowed: integers >= 1")
-    eval_step = train.make_eval_step(graphdef, data.tokenizer.token_bytes, t_eval, True)
+    eval_step = train.make_eval_step(graphdef, t_eval, True)
     metrics = train.evaluate(eval_step, params, data, config)
     trace = energy_trace(metrics)
     final = sum(parts["att"][-1] + parts["mlp"][-1] for parts in trace.values())

@@ -26,7 +26,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +114,36 @@ class Tokenizer:
       ids.extend(self._sp.encode(part))
     return ids
 
+  def encode_with_bytes(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """Returns ``(ids, nbytes)``, int32 ``[n]`` each: ``encode(text)`` and the UTF-8 bytes of
+    ``text`` each id stands for, counted from the text itself: ``nbytes.sum() ==
+    len(text.encode('utf-8'))`` whatever the pieces (an unknown piece covers the bytes of the
+    characters it replaced; text a normalising model drops counts for the id before it).
+
+    Piece lengths (``token_bytes``) are used when they add up to the text's length; otherwise
+    SentencePiece's byte offsets of each id in the text assign every byte to the id whose
+    span starts at or before it.
+    """
+    ids = np.asarray(self.encode(text), np.int32)
+    size = len(text.encode("utf-8"))
+    nbytes = self.token_bytes[ids]
+    if int(nbytes.sum()) == size or len(ids) == 0:
+      return ids, nbytes.astype(np.int32)
+    begins = np.zeros(len(ids) + 1, np.int64)
+    begins[-1] = size
+    parts = text.split(_META_SPACE) if self._meta_space_ids is not None else [text]
+    pos, offset = 0, 0
+    for j, part in enumerate(parts):
+      if j:  # the three byte pieces of a literal '▁' (see ``encode``)
+        begins[pos:pos + 3] = offset + np.arange(3)
+        pos, offset = pos + 3, offset + 3
+      proto = self._sp.encode(part, return_type="proto")
+      n = len(proto.pieces)
+      begins[pos:pos + n] = [offset + p.begin for p in proto.pieces]
+      pos, offset = pos + n, offset + len(part.encode("utf-8"))
+    begins[0] = 0  # bytes no piece covers at the start belong to the first id
+    return ids, np.diff(begins).astype(np.int32)
+
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     """Returns ``[encode(t) for t in texts]``, encoding in parallel where possible."""
     plain = [i for i, t in enumerate(texts) if _META_SPACE not in t]
@@ -135,8 +165,7 @@ class Tokenizer:
     return self._sp.id_to_piece(int(i))
 
 
-def _training_chunks(docs: Sequence[str]) -> list[str]:
-  chunks = []
+def _chunks(docs: Iterable[str]) -> Iterator[str]:
   for doc in docs:
     start = 0
     while start < len(doc):
@@ -147,12 +176,18 @@ def _training_chunks(docs: Sequence[str]) -> list[str]:
           cut = doc.rfind(" ", start, end)
         if cut >= start:
           end = cut + 1
-      chunks.append(doc[start:end])
+      yield doc[start:end]
       start = end
-  total = sum(len(c) for c in chunks)
-  if total > MAX_TRAIN_CHARS:
-    chunks = chunks[:: -(-total // MAX_TRAIN_CHARS)]
-  return chunks
+
+
+def _training_chunks(docs: Iterable[str]) -> list[str]:
+  """The training sample: ``docs`` cut into chunks of ~``TRAIN_CHUNK_CHARS`` characters after
+  a newline, every k-th chunk kept when they hold more than ``MAX_TRAIN_CHARS``. ``docs`` is
+  read twice (total, then sample), so an iterable that re-reads a large corpus on each pass
+  never holds more than the sample."""
+  total = sum(len(doc) for doc in docs)
+  stride = -(-total // MAX_TRAIN_CHARS) if total > MAX_TRAIN_CHARS else 1
+  return [c for i, c in enumerate(_chunks(docs)) if i % stride == 0]
 
 
 def cache_key(docs: Sequence[str], vocab_size: int, model_type: str) -> str:
@@ -172,8 +207,9 @@ _TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a
 _TOO_LOW = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
 
 
-def train_model(docs: Sequence[str], vocab_size: int, model_type: str = "bpe") -> bytes:
-  """Trains a SentencePiece model on ``docs`` in memory; returns the serialized model.
+def train_model(docs: Iterable[str], vocab_size: int, model_type: str = "bpe") -> bytes:
+  """Trains a SentencePiece model on ``docs`` (a re-iterable; only the sample of
+  ``_training_chunks`` is held in memory); returns the serialized model.
 
   Raises:
     ValueError: ``model_type`` unknown, or ``vocab_size`` too large or too small for the
@@ -214,7 +250,9 @@ def train_model(docs: Sequence[str], vocab_size: int, model_type: str = "bpe") -
   return writer.getvalue()
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
+  """Writes ``data`` to ``path`` through a temporary file in the same folder and
+  ``os.replace``: readers see the old file or the whole new one, never a part."""
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
   try:
@@ -241,7 +279,7 @@ def train_or_load(docs: Sequence[str], vocab_size: int, model_type: str,
   if path.is_file():
     return Tokenizer.from_file(path)
   model = train_model(docs, vocab_size, model_type)
-  _write_atomically(path, model)
+  write_atomically(path, model)
   return Tokenizer(model, path=path)
 
 
