@@ -260,8 +260,9 @@ def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD
   elif out_dir.is_dir() and any(out_dir.iterdir()):
     raise ValueError(f"--out={os.fspath(out_dir)} is not empty and holds no prepared dataset; "
                      "choose an empty or new folder")
-  out_dir.mkdir(parents=True, exist_ok=True)
-  _write_json(progress, {"fingerprint": fp, "format_version": FORMAT_VERSION})
+  else:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(progress, {"fingerprint": fp, "format_version": FORMAT_VERSION})
   if manifest_path.is_file():
     try:
       PreparedData.open_manifest(out_dir, verify=True)
