@@ -200,13 +200,15 @@ def test_killed_prepare_then_rerun_equals_an_uninterrupted_one(tmp_path):
                                                                   "manifest.json").exists()
   first = _shard_sums(tmp_path / "a")
   assert len(first) == 1
+  kept = {p: p.stat().st_mtime_ns for p in (tmp_path / "a").glob("train-00000.*")}
   with pytest.raises(ValueError, match=r"no manifest\.json.*prepare did not finish"):
     prepared.PreparedData.open(tmp_path / "a")
   prepared.prepare(config.data, tmp_path / "a", shard_chars=20_000)
   prepared.prepare(config.data, tmp_path / "b", shard_chars=20_000)
   sums = _shard_sums(tmp_path / "a")
   assert len(sums) >= 3 and sums == _shard_sums(tmp_path / "b")
-  assert {k: sums[k] for k in first} == first  # the finished shard was kept
+  assert {k: sums[k] for k in first} == first
+  assert {p: p.stat().st_mtime_ns for p in kept} == kept  # the finished shard was not redone
   manifest_a = json.loads((tmp_path / "a" / "manifest.json").read_text())
   assert manifest_a == json.loads((tmp_path / "b" / "manifest.json").read_text())
   # Complete: running again is a no-op.
