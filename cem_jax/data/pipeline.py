@@ -13,7 +13,9 @@ at any step therefore needs no iterator state, and every window is seen once per
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -250,9 +252,13 @@ def build_data(config, workdir: str | os.PathLike) -> Data:
     RuntimeError: a TFDS catalog dataset is not prepared and there is no network.
   """
   d = config.data
+  start = time.perf_counter()
   directory = prepared_lib.prepared_for(d, workdir)
   ds = prepared_lib.PreparedData.open(directory, d if d.prepared_dir else None)
   tok, info = ds.tokenizer, ds.manifest["splits"]
+  logging.getLogger(__name__).info(
+      "data: %s (%d train / %d validation tokens) ready in %.2f s", directory,
+      info["train"]["tokens"], info["validation"]["tokens"], time.perf_counter() - start)
   train_windows = prepared_lib.StreamWindows(ds.streams["train"], d.seq_len, tok.eos_id,
                                              tok.pad_id, keep_tail=False, split="train")
   eval_windows = prepared_lib.StreamWindows(ds.streams["validation"], d.seq_len, tok.eos_id,
