@@ -298,3 +298,37 @@ def test_two_processes_read_disjoint_rows_that_make_the_one_process_batch(tmp_pa
     halves = [train.batch(step, i, 2) for i in range(2)]
     for key in whole:
       assert np.array_equal(np.concatenate([h[key] for h in halves]), whole[key])
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def test_prepare_cli_then_main_from_prepared_dir(tmp_path):
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(2000))
+  (tmp_path / "cfg.py").write_text(
+      "from tests.conftest import tiny_config\n"
+      "def get_config():\n"
+      "  c = tiny_config('llama', **{'data.vocab_size': 300, 'data.seq_len': 32,\n"
+      "                  'train.num_steps': 2, 'model.d_model': 32, 'model.mlp_dim': 64,\n"
+      "                  'model.num_heads': 2, 'model.num_layers': 1, 'eval.max_batches': 1})\n"
+      "  return c\n")
+  env = {**os.environ, "PYTHONPATH": os.fspath(REPO)}
+  prep = [sys.executable, "-m", "cem_jax.prepare", f"--config={tmp_path / 'cfg.py'}",
+          f"--config.data.files={corpus}", f"--out={tmp_path / 'p'}"]
+  done = subprocess.run(prep, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert f"prepared {tmp_path / 'p'}; train with --config.data.prepared_dir=" in done.stdout
+  assert "validation: " in done.stdout and " tokens in 1 shards" in done.stdout
+  bad = subprocess.run(prep[:-1] + [f"--out={tmp_path}"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 1
+  assert bad.stderr.strip().splitlines()[-1].startswith(f"error: --out={tmp_path} is not empty")
+  run = subprocess.run(
+      [sys.executable, "-m", "cem_jax.main", f"--config={tmp_path / 'cfg.py'}",
+       f"--workdir={tmp_path / 'w'}", f"--config.data.prepared_dir={tmp_path / 'p'}"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert not (tmp_path / "w" / "data").exists()
+  first = json.loads((tmp_path / "w" / "metrics.jsonl").read_text().splitlines()[0])
+  assert first["data/source"].endswith(f"via {tmp_path / 'p'}")
