@@ -2,7 +2,7 @@
 
     python -m cem_jax.evaluate --workdir=DIR --num_steps=1,2,3,4
 
-Loads ``DIR/config.json``, the tokenizer cached in ``DIR`` and the newest checkpoint, then
+Loads ``DIR/config.json``, the run's prepared data and tokenizer and the newest checkpoint, then
 evaluates the validation split with every CEM layer running ``T_eval`` steps. Writes
 ``DIR/test_time_steps.{md,json,png}``: perplexity, bits per byte and the final energy (the
 sum over layers of the attention + MLP energy after the last step, mean per token) per

@@ -354,8 +354,9 @@ def data_parallel_devices(config: ml_collections.ConfigDict) -> int:
 
 
 def _build_data_once(config: ml_collections.ConfigDict, workdir: str):
-  """``data.build_data``; with several processes, process 0 first (it fills the workdir's
-  tokenizer and TFDS caches, which the others then load instead of racing to write them).
+  """``data.build_data``; with several processes, process 0 first (it prepares the tokens
+  into ``WORKDIR/data`` unless ``data.prepared_dir`` is set; the others then open them
+  instead of racing to write them).
 
   Raises:
     ValueError: as ``build_data``; on processes other than 0 also when process 0 failed.

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sentencepiece as spm
+from conftest import closed_port, fake_catalog
 
 from cem_jax.config import get_default_config
 from cem_jax.data import build_data, build_data_in_memory, prepared, read_documents
@@ -90,10 +91,9 @@ def test_prepared_from_a_multi_shard_stream_equals_in_memory(tmp_path):
 
 def test_prepared_from_a_streamed_tfds_catalog_equals_in_memory(tmp_path, monkeypatch):
   from cem_jax.data import tfds_catalog
-  from tests.test_data import _closed_port, _fake_catalog
 
-  monkeypatch.setattr(tfds_catalog, "PROBE_ADDRESS", ("127.0.0.1", _closed_port()))
-  name = _fake_catalog(tmp_path / "tfds", [_text(300, "t"), _text(200, "u")], [_text(80, "v")])
+  monkeypatch.setattr(tfds_catalog, "PROBE_ADDRESS", ("127.0.0.1", closed_port()))
+  name = fake_catalog(tmp_path / "tfds", [_text(300, "t"), _text(200, "u")], [_text(80, "v")])
   config = _config(tfds_name=name, tfds_data_dir=os.fspath(tmp_path / "tfds"), vocab_size=300)
   _assert_same_data(build_data(config, tmp_path / "wd"), build_data_in_memory(config))
 
@@ -175,8 +175,9 @@ def _shard_sums(out: Path) -> dict[str, str]:
 
 _KILLED_AFTER_FIRST_SHARD = """
 import os, signal, sys
+sys.path.insert(0, "tests")
 from cem_jax.data import prepared
-from tests.test_prepared import _config
+from test_prepared import _config
 original = prepared._encode_and_write
 def write_then_die(job):
   meta = original(job)

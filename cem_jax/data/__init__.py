@@ -13,7 +13,7 @@ from cem_jax.data.pipeline import Data, EvalWindows, TrainBatches, build_data, b
 from cem_jax.data.prepared import PreparedData, StreamWindows, prepare
 from cem_jax.data.sources import TextSplits, text_splits
 from cem_jax.data.text import normalize_newlines, read_documents, resolve_files, split_documents
-from cem_jax.data.tokenizer import Tokenizer, load_tokenizer, train_or_load
+from cem_jax.data.tokenizer import Tokenizer, load_tokenizer, train_model
 
 __all__ = [
     "Data",
@@ -36,5 +36,5 @@ __all__ = [
     "resolve_files",
     "split_documents",
     "text_splits",
-    "train_or_load",
+    "train_model",
 ]

@@ -104,17 +104,18 @@ def _first_step(prepared_dir: str) -> None:
          "--config.train.eval_every_steps=1000", "--config.eval.max_batches=1"]
   start = time.perf_counter()
   proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-  first = ready = None
+  first = ready = own = None
   for line in proc.stderr:
-    if ready is None and re.search(r"data: .* ready in", line):
-      ready = time.perf_counter() - start
+    if ready is None and (m := re.search(r"data: .* ready in ([\d.]+) s", line)):
+      ready, own = time.perf_counter() - start, float(m.group(1))
     if first is None and re.search(r"step 1/5", line):
       first = time.perf_counter() - start
   proc.wait()
   rss_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6
   if proc.returncode:
     raise RuntimeError(f"the 5-step run failed (exit {proc.returncode}): {' '.join(cmd)}")
-  print(f"first_step: {prepared_dir}: data ready {ready:.1f} s and first step logged "
+  print(f"first_step: {prepared_dir}: data ready {ready:.1f} s (build_data itself {own:.2f} s) "
+        f"and first step logged "
         f"{first:.1f} s after start, whole run "
         f"{time.perf_counter() - start:.1f} s, peak RSS {rss_gb:.2f} GB")
 

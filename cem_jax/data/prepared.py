@@ -92,7 +92,10 @@ def fingerprint(data_config, identity: dict) -> str:
   if data_config.tokenizer:
     path = Path(os.path.expanduser(data_config.tokenizer))
     spec["tokenizer"] = _sha256_file(path) if path.is_file() else os.fspath(path)
-  blob = json.dumps([FORMAT_VERSION, RECORD_TOKENS, spec, identity], sort_keys=True)
+  # How a tokenizer is trained and the text cut for encoding also decide the tokens.
+  how = [tokenizer_lib.TRAINER_SETTINGS, tokenizer_lib.TRAIN_CHUNK_CHARS,
+         tokenizer_lib.MAX_TRAIN_CHARS, packing.ENCODE_PIECE_CHARS]
+  blob = json.dumps([FORMAT_VERSION, RECORD_TOKENS, spec, identity, how], sort_keys=True)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

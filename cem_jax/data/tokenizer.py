@@ -18,9 +18,7 @@ only as exact as its own settings.
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import logging
 import os
 import re
@@ -55,8 +53,6 @@ TRAINER_SETTINGS = {
     "unk_id": 3,
     "num_threads": 1,
 }
-# Part of the cache key: change it when the training procedure changes.
-_TRAINING_VERSION = 1
 
 
 class Tokenizer:
@@ -190,19 +186,6 @@ def _training_chunks(docs: Iterable[str]) -> list[str]:
   return [c for i, c in enumerate(_chunks(docs)) if i % stride == 0]
 
 
-def cache_key(docs: Sequence[str], vocab_size: int, model_type: str) -> str:
-  """Returns a 16-hex-digit hash of the training text, vocabulary size, model type and
-  trainer settings: the name of the cached model."""
-  h = hashlib.sha256()
-  h.update(json.dumps([_TRAINING_VERSION, vocab_size, model_type, TRAINER_SETTINGS,
-                       TRAIN_CHUNK_CHARS, MAX_TRAIN_CHARS]).encode())
-  for doc in docs:
-    data = doc.encode("utf-8")
-    h.update(len(data).to_bytes(8, "little"))
-    h.update(data)
-  return h.hexdigest()[:16]
-
-
 _TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
 _TOO_LOW = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
 
@@ -266,23 +249,6 @@ def write_atomically(path: Path, data: bytes) -> None:
     raise
 
 
-def train_or_load(docs: Sequence[str], vocab_size: int, model_type: str,
-                  cache_dir: str | os.PathLike) -> Tokenizer:
-  """Returns the tokenizer trained on ``docs``, reusing ``cache_dir/spm_<type>_<vocab>_<key>``
-  ``.model`` when it exists and training (then writing it atomically) when it does not.
-
-  Raises:
-    ValueError: as ``train_model``.
-  """
-  key = cache_key(docs, vocab_size, model_type)
-  path = Path(cache_dir) / f"spm_{model_type}_{vocab_size}_{key}.model"
-  if path.is_file():
-    return Tokenizer.from_file(path)
-  model = train_model(docs, vocab_size, model_type)
-  write_atomically(path, model)
-  return Tokenizer(model, path=path)
-
-
 def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Tokenizer:
   """Loads the ``data.tokenizer`` model file and checks it against ``data.vocab_size``.
 
@@ -306,15 +272,3 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Tokenizer:
   if tok.eos_id < 0:
     raise ValueError(f"data.tokenizer={os.fspath(path)!r} has no EOS piece (eos_id=-1)")
   return tok
-
-
-def tokenizer_for(data_config, train_docs: Sequence[str], workdir: str | os.PathLike
-                  ) -> Tokenizer:
-  """Returns the tokenizer the ``data`` config asks for: ``data.tokenizer`` if set, else one
-  trained on ``train_docs`` and cached in ``WORKDIR/tokenizer/``. Raises as
-  ``load_tokenizer`` / ``train_model``."""
-  if data_config.tokenizer:
-    return load_tokenizer(data_config.tokenizer, data_config.vocab_size)
-  return train_or_load(train_docs, data_config.vocab_size, data_config.tokenizer_model_type,
-                       Path(workdir) / "tokenizer")
-
