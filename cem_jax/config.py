@@ -99,12 +99,22 @@ def get_default_config() -> ml_collections.ConfigDict:
   d.tfds_train_split = "train"
   d.tfds_eval_split = "validation"
   d.builtin = "pydoc+docstrings"  # built-in offline corpus: 'pydoc' | 'pydoc+docstrings'
-  d.validation_fraction = 0.1  # tail of the text held out (builtin and files sources)
+  # Fraction of the characters held out (builtin and files sources). Files: every k-th chunk,
+  # k = round(1 / fraction), of chunks of <= 16,384 characters cut after a paragraph break
+  # (data/text.py interleave_split), so the held-out text samples the whole corpus, not its
+  # tail (e-texts end in licence text). Builtin: the tail of the pydoc topics (the text the
+  # README's byte 4-gram reference is scored on).
+  d.validation_fraction = 0.1
   d.seq_len = 128
   d.vocab_size = 1024
   d.tokenizer = ""  # path to a sentencepiece .model; '' = train one on the train split
   d.tokenizer_model_type = "bpe"  # 'bpe' | 'unigram'
   d.shuffle_seed = 0
+  # Folder made by `python -m cem_jax.prepare --out=DIR` (token shards + manifest): train from
+  # it, reading no raw text. '' = prepare into WORKDIR/data/<fingerprint> first (process 0;
+  # reused while the text and the keys above are unchanged). data.files/tfds_name may then
+  # be left '': the folder is the source; set, they must match it, as vocab_size must.
+  d.prepared_dir = ""
 
   # ---- train -------------------------------------------------------------------------------
   t = c.train = ml_collections.ConfigDict()

@@ -2,7 +2,7 @@
 
     python -m cem_jax.evaluate --workdir=DIR --num_steps=1,2,3,4
 
-Loads ``DIR/config.json``, the tokenizer cached in ``DIR`` and the newest checkpoint, then
+Loads ``DIR/config.json``, the run's prepared data and tokenizer and the newest checkpoint, then
 evaluates the validation split with every CEM layer running ``T_eval`` steps. Writes
 ``DIR/test_time_steps.{md,json,png}``: perplexity, bits per byte and the final energy (the
 sum over layers of the attention + MLP energy after the last step, mean per token) per
@@ -81,7 +81,7 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> li
   for t_eval in steps:
     if t_eval < 1:
       raise ValueError(f"--num_steps={t_eval}; allowed: integers >= 1")
-    eval_step = train.make_eval_step(graphdef, data.tokenizer.token_bytes, t_eval, True)
+    eval_step = train.make_eval_step(graphdef, t_eval, True)
     metrics = train.evaluate(eval_step, params, data, config)
     trace = energy_trace(metrics)
     final = sum(parts["att"][-1] + parts["mlp"][-1] for parts in trace.values())

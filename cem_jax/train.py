@@ -255,20 +255,21 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   return step
 
 
-def make_eval_step(graphdef, token_bytes: np.ndarray, num_steps: int | None,
-                   energy_trace: bool = False, shardings: StateShardings | None = None):
+def make_eval_step(graphdef, num_steps: int | None, energy_trace: bool = False,
+                   shardings: StateShardings | None = None):
   """Returns the jitted ``eval_step(params, batch) -> dict`` of sums over the batch.
 
   With ``shardings`` the batch is split over the data-parallel axes and the sums (reduced over
   every device, so over every process's rows) come back replicated.
 
-  Keys: ``loss_sum`` (nats), ``weight_sum`` (predicted tokens), ``byte_sum`` (their UTF-8
-  bytes) and, with ``energy_trace``, ``energy`` (per layer, per step: the energies before/after
-  each sub-step summed over the real input tokens, see :class:`cem_jax.layers.CEMBlock`) and
-  ``token_sum`` (the number of those tokens, ``segment_ids > 0``).
+  Keys: ``loss_sum`` (nats), ``weight_sum`` (predicted tokens), ``byte_sum`` (the UTF-8
+  bytes of the text they stand for, the batch's ``target_bytes``, counted from the text when
+  the data was prepared, so unknown pieces count their real bytes) and, with
+  ``energy_trace``, ``energy`` (per layer, per step: the energies before/after each sub-step
+  summed over the real input tokens, see :class:`cem_jax.layers.CEMBlock`) and ``token_sum``
+  (the number of those tokens, ``segment_ids > 0``).
   ``num_steps`` overrides the recursive steps T of every CEM layer (test-time steps).
   """
-  token_bytes = np.asarray(token_bytes, np.float32)  # a constant of the compiled step
   jit_kwargs = {}
   if shardings is not None:
     jit_kwargs = {"in_shardings": (shardings.params, shardings.batch),
@@ -281,7 +282,7 @@ def make_eval_step(graphdef, token_bytes: np.ndarray, num_steps: int | None,
                     trace=energy_trace)
     logits, traces = outputs if energy_trace else (outputs, None)
     loss_sum, weight_sum = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
-    byte_sum = jnp.sum(jnp.asarray(token_bytes)[batch["targets"]] * batch["weights"])
+    byte_sum = jnp.sum(batch["target_bytes"] * batch["weights"])
     out = {"loss_sum": loss_sum, "weight_sum": weight_sum, "byte_sum": byte_sum}
     if energy_trace:
       out["energy"] = traces
@@ -379,8 +380,9 @@ def data_parallel_devices(config: ml_collections.ConfigDict) -> int:
 
 
 def _build_data_once(config: ml_collections.ConfigDict, workdir: str):
-  """``data.build_data``; with several processes, process 0 first (it fills the workdir's
-  tokenizer and TFDS caches, which the others then load instead of racing to write them).
+  """``data.build_data``; with several processes, process 0 first (it prepares the tokens
+  into ``WORKDIR/data`` unless ``data.prepared_dir`` is set; the others then open them
+  instead of racing to write them).
 
   Raises:
     ValueError: as ``build_data``; on processes other than 0 also when process 0 failed.
@@ -595,8 +597,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   train_step = make_train_step(graphdef, tx, max_bad, shardings, schedule)
   eval_num_steps = None if config.eval.num_steps < 0 else config.eval.num_steps
   trace = config.eval.energy_trace and config.model.block == "cem"
-  eval_step = make_eval_step(graphdef, data.tokenizer.token_bytes, eval_num_steps, trace,
-                             shardings)
+  eval_step = make_eval_step(graphdef, eval_num_steps, trace, shardings)
   num_steps = cfg_t.num_steps
   global_rows = cfg_t.batch_size
   tokens_per_step = global_rows * config.data.seq_len

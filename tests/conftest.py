@@ -1,5 +1,7 @@
 """Shared fixtures: where the shared corpora live and a tiny training config."""
 
+import os
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -44,3 +46,43 @@ def tiny_config(block: str = "cem", **overrides):
       node = node[p]
     node[leaf] = value
   return c
+
+
+def closed_port() -> int:
+  """A local TCP port nothing listens on (an offline stand-in for a network address)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+_FAKE_CATALOG = None
+
+
+def fake_catalog(data_dir: Path, train: list[str], validation: list[str]) -> str:
+  """Prepares a stand-in TFDS catalog dataset (array_record, feature ``text``, splits
+  ``train``/``validation``, documents in the given order) in ``data_dir``; returns its name.
+  Offline; the builder class is registered with TFDS once per session."""
+  global _FAKE_CATALOG
+  import tensorflow_datasets as tfds
+
+  if _FAKE_CATALOG is None:
+    class FakeCatalog(tfds.core.GeneratorBasedBuilder):
+      VERSION = tfds.core.Version("1.0.0")
+      TEXTS: dict = {}
+
+      def _info(self):
+        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+            {"text": tfds.features.Text()}), disable_shuffling=True)
+
+      def _split_generators(self, dl_manager):
+        return {split: self._generate_examples(texts) for split, texts in self.TEXTS.items()}
+
+      def _generate_examples(self, texts):
+        for i, text in enumerate(texts):
+          yield f"{i:06d}", {"text": text}
+
+    _FAKE_CATALOG = FakeCatalog
+  _FAKE_CATALOG.TEXTS = {"train": train, "validation": validation}
+  builder = _FAKE_CATALOG(data_dir=os.fspath(data_dir), file_format="array_record")
+  builder.download_and_prepare()
+  return builder.name

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import closed_port, fake_catalog
 
 from cem_jax.config import get_default_config
 from cem_jax.data import (
@@ -26,7 +27,6 @@ from cem_jax.data import (
   split_documents,
   text_splits,
   tfds_catalog,
-  tfds_local,
 )
 from cem_jax.data import tokenizer as tokenizer_lib
 
@@ -100,7 +100,7 @@ def test_split_rule_single_document_and_bad_fraction():
 
 
 def test_pydoc_source(tmp_path):
-  splits = text_splits(_config().data, tmp_path)
+  splits = text_splits(_config().data)
   topics = builtin.pydoc_topics()
   assert 70 <= len(topics) <= 90
   assert splits.source.startswith("builtin: pydoc")
@@ -108,7 +108,7 @@ def test_pydoc_source(tmp_path):
   assert "\n\n".join(topics).endswith("\n\n".join(splits.validation))
   frac = sum(map(len, splits.validation)) / sum(map(len, topics))
   assert 0.09 < frac < 0.11
-  assert text_splits(_config().data, tmp_path) == splits
+  assert text_splits(_config().data) == splits
 
 
 def test_docstrings_source_is_deterministic():
@@ -136,7 +136,7 @@ def test_file_errors(tmp_path):
   empty.write_bytes(b"")
   with pytest.raises(ValueError, match=r"corpus is empty.*empty\.txt.*blank\.txt"):
     read_documents([empty, blank])
-  # The same errors come out of the full pipeline, before TFDS writes anything.
+  # The same errors come out of the full pipeline, before anything is written.
   config = _config(files=os.fspath(bad))
   with pytest.raises(ValueError, match="offset 12"):
     build_data(config, tmp_path / "wd")
@@ -153,55 +153,9 @@ def test_glob_order_and_dedup(tmp_path):
 # ---- TFDS ----------------------------------------------------------------------------------------
 
 
-def test_local_files_go_through_tfds_array_record(tmp_path):
-  corpus = tmp_path / "corpus"
-  corpus.mkdir()
-  _write(corpus / "one.txt", _corpus_text(300, "one "))
-  _write(corpus / "two.txt", _corpus_text(300, "two "))
-  config = _config(files=f"{corpus}/*.txt")
-  workdir = tmp_path / "wd"
-  before = tfds_local.prepare_count
-  data = build_data(config, workdir)
-  records = sorted((workdir / "tfds").rglob("*.array_record-*"))
-  assert {r.name.split(".")[0] for r in records} == {"local_text_files-train",
-                                                     "local_text_files-validation"}
-  assert tfds_local.prepare_count == before + 1
-  assert "via" in data.source and data.train_documents == 2 and data.eval_documents == 1
-  # What TFDS gives back is exactly the split of the files' text.
-  splits = text_splits(config.data, workdir)
-  assert (splits.train, splits.validation) == split_documents(
-      read_documents(resolve_files(config.data.files)), 0.1)
-  mtimes = {r: r.stat().st_mtime_ns for r in records}
-
-  build_data(config, workdir)  # unchanged files: reused
-  assert tfds_local.prepare_count == before + 1
-  assert {r: r.stat().st_mtime_ns for r in records} == mtimes
-
-  _write(corpus / "two.txt", _corpus_text(310, "TWO "))  # changed content: prepared again
-  text = text_splits(config.data, workdir)
-  assert tfds_local.prepare_count == before + 2
-  assert "TWO line 309" in text.validation[-1]
-  assert len(list((workdir / "tfds").rglob("*train.array_record-*"))) == 2
-
-
-def test_long_documents_come_back_whole_from_tfds(tmp_path):
-  doc = _corpus_text(4000)  # ~290 KB: several 64 KB chunks
-  assert len(doc) > 3 * tfds_local.CHUNK_CHARS
-  path = _write(tmp_path / "long.txt", doc)
-  train, validation, _ = tfds_local.load_local_files([path], 0.1, tmp_path / "tfds")
-  assert train[0] + validation[0] == doc
-  assert "".join(tfds_local.chunk_text(doc)) == doc
-
-
-def _closed_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_tfds_catalog_offline_fails_fast(tmp_path, monkeypatch):
   # Point the reachability probe at a closed local port so the test is offline everywhere.
-  monkeypatch.setattr(tfds_catalog, "PROBE_ADDRESS", ("127.0.0.1", _closed_port()))
+  monkeypatch.setattr(tfds_catalog, "PROBE_ADDRESS", ("127.0.0.1", closed_port()))
   config = _config(tfds_name="tiny_shakespeare", tfds_data_dir=os.fspath(tmp_path / "tfds"))
   start = time.monotonic()
   with pytest.raises(RuntimeError) as info:
@@ -225,23 +179,25 @@ def test_network_probe_is_bounded():
 
 
 def test_tfds_catalog_reads_a_prepared_dataset_offline(tmp_path, monkeypatch):
-  monkeypatch.setattr(tfds_catalog, "PROBE_ADDRESS", ("127.0.0.1", _closed_port()))
-  paths = [_write(tmp_path / "a.txt", _corpus_text(200))]
-  train, validation, dataset_dir = tfds_local.load_local_files(paths, 0.2, tmp_path / "tfds")
-  name = f"local_text_files/{dataset_dir.parent.name}"
+  monkeypatch.setattr(tfds_catalog, "PROBE_ADDRESS", ("127.0.0.1", closed_port()))
+  train = [_corpus_text(100, "t"), "second\r\ndoc\n"]
+  validation = [_corpus_text(20, "v")]
+  name = fake_catalog(tmp_path / "tfds", train, validation)
   config = _config(tfds_name=name, tfds_data_dir=os.fspath(tmp_path / "tfds"))
-  splits = text_splits(config.data, tmp_path / "wd")
-  assert (splits.train, splits.validation) == (train, validation)
+  splits = text_splits(config.data)
+  assert (list(splits.train), list(splits.validation)) == (
+      [train[0], "second\ndoc\n"], validation)
+  assert list(splits.train) == list(splits.train)  # re-iterable
   assert splits.source.startswith(f"tfds:{name}")
   config.data.tfds_text_key = "body"
   with pytest.raises(ValueError, match=r"data\.tfds_text_key='body' is not a feature"):
-    text_splits(config.data, tmp_path / "wd")
+    text_splits(config.data)
   config.data.tfds_text_key = "text"
   config.data.tfds_eval_split = "test"
   with pytest.raises(ValueError, match=r"data\.tfds_eval_split='test': no such split"):
-    text_splits(config.data, tmp_path / "wd")
+    text_splits(config.data)
   with pytest.raises(ValueError, match="set only one"):
-    text_splits(_config(tfds_name=name, files="x.txt").data, tmp_path / "wd")
+    text_splits(_config(tfds_name=name, files="x.txt").data)
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------
@@ -280,16 +236,10 @@ def test_tokenizer_round_trips_awkward_text(pydoc_tokenizer):
   assert (tok.pad_id, tok.eos_id) == (0, 1)
 
 
-def test_tokenizer_training_is_deterministic_and_cached(tmp_path):
+def test_tokenizer_training_is_deterministic():
   train, _ = split_documents(builtin.pydoc_topics(), 0.1)
   assert tokenizer_lib.train_model(train, 512) == tokenizer_lib.train_model(train, 512)
-  first = tokenizer_lib.train_or_load(train, 512, "bpe", tmp_path)
-  mtime = first.path.stat().st_mtime_ns
-  again = tokenizer_lib.train_or_load(train, 512, "bpe", tmp_path)
-  assert again.path == first.path and again.path.stat().st_mtime_ns == mtime
-  other = tokenizer_lib.train_or_load(train, 600, "bpe", tmp_path)
-  assert other.path != first.path
-  assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.path.name, other.path.name])
+  assert tokenizer_lib.train_model(train, 600) != tokenizer_lib.train_model(train, 512)
 
 
 def test_tokenizer_errors(tmp_path):
@@ -308,10 +258,10 @@ def test_tokenizer_errors(tmp_path):
 def test_given_tokenizer_is_used_and_checked(tmp_path):
   data = build_data(_config(), tmp_path / "wd")
   path = os.fspath(data.tokenizer.path)
-  assert data.tokenizer.path.parent == tmp_path / "wd" / "tokenizer"
+  assert data.tokenizer.path.parent.parent == tmp_path / "wd" / "data"
   again = build_data(_config(tokenizer=path), tmp_path / "other")
   assert np.array_equal(again.train.batch(3)["inputs"], data.train.batch(3)["inputs"])
-  assert not (tmp_path / "other" / "tokenizer").exists()
+  assert again.tokenizer.path.read_bytes() == data.tokenizer.path.read_bytes()
   with pytest.raises(ValueError, match=r"has 512 pieces but data\.vocab_size=1024"):
     build_data(_config(tokenizer=path, vocab_size=1024), tmp_path / "other")
 
@@ -440,7 +390,11 @@ def test_every_window_once_per_epoch():
 
 def test_eval_padding_keeps_total_weight():
   lengths = [5, 1, 12, 3, 30, 2, 7, 9, 20]
-  windows = pack(_distinct_docs(lengths), 5, EOS, PAD, keep_tail=True, split="validation")
+  docs = _distinct_docs(lengths)
+  windows = pack(docs, 5, EOS, PAD, keep_tail=True, split="validation",
+                 doc_bytes=[np.ones_like(d) for d in docs])
+  with pytest.raises(ValueError, match="per-token text bytes"):
+    EvalWindows(pack(docs, 5, EOS, PAD, keep_tail=True, split="validation"), PAD)
   evals = EvalWindows(windows, PAD)
   direct = make_batch(windows.tokens, windows.segment_ids)["weights"].sum()
   assert evals.total_weight() == direct > 0
@@ -460,8 +414,8 @@ def test_eval_padding_keeps_total_weight():
 
 
 def test_pydoc_plus_docstrings_holds_out_the_pydoc_tail_only(tmp_path):
-  both = text_splits(_config(builtin="pydoc+docstrings").data, tmp_path)
-  pydoc = text_splits(_config().data, tmp_path)
+  both = text_splits(_config(builtin="pydoc+docstrings").data)
+  pydoc = text_splits(_config().data)
   assert both.validation == pydoc.validation
   docstrings = builtin.stdlib_docstrings()
   assert both.train == docstrings + pydoc.train
@@ -480,7 +434,7 @@ def test_build_data_on_pydoc(tmp_path):
   assert np.array_equal(batch["targets"][:, :-1], batch["inputs"][:, 1:])
   assert batch["weights"].sum() > 0.9 * batch["weights"].size
   # Bits-per-byte denominators: the bytes of all eval targets plus first tokens equal the text.
-  ev = data.eval.windows
-  assert int(data.tokenizer.token_bytes[ev.tokens[ev.segment_ids > 0]].sum()) == data.eval_bytes
+  ev = data.eval.windows.rows(np.arange(data.eval_windows))
+  assert int(ev["nbytes"].sum()) == data.eval_bytes
   eval_weight = sum(b["weights"].sum() for b in data.eval_batches(32))
   assert eval_weight == data.eval.total_weight()

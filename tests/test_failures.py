@@ -258,7 +258,7 @@ def test_eval_padding_rows_have_zero_weight(shared_data, tmp_path):
   padded = next(b for b in (8, 7, 5, 3) if data.eval.num_windows % b)  # last batch padded
   assert data.eval.num_windows > padded
   graphdef, params = nnx.split(train.build_model(cfg, data.tokenizer.vocab_size), nnx.Param)
-  step = train.make_eval_step(graphdef, data.tokenizer.token_bytes, None)
+  step = train.make_eval_step(graphdef, None)
   results = {}
   for bs in (1, padded):
     cfg.eval.batch_size = bs

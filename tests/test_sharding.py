@@ -230,7 +230,7 @@ for shape in [(1, 1, 1)] + {meshes!r}:
     losses.append(float(m["loss"]))
   rec["losses"] = losses
   rec["batch_spec"] = str(tuple(batch["inputs"].sharding.spec))
-  eval_step = train.make_eval_step(graphdef, data.tokenizer.token_bytes, None, False, sh)
+  eval_step = train.make_eval_step(graphdef, None, False, sh)
   rec["eval"] = train.evaluate(eval_step, params, data, cfg, sh)
   out["x".join(map(str, shape))] = rec
 print("RESULT " + json.dumps(out))

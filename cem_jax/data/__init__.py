@@ -1,16 +1,19 @@
-"""Data pipeline: text sources, TFDS local-files builder, SentencePiece tokenizer, packing.
+"""Data pipeline: text sources, SentencePiece tokenizer, prepared ArrayRecord shards, packing.
 
 Entry point: ``build_data(config, workdir) -> Data``. Flow: ``sources.text_splits`` (builtin
-corpus, local files via TFDS array_record, or a TFDS catalog dataset) -> tokenizer (trained on
-the train split, cached) -> ``packing`` (EOS-separated documents in windows with segment ids)
--> ``TrainBatches`` (pure function of the step) and ``EvalWindows``.
+corpus, local files, or a TFDS catalog dataset) -> tokenizer (trained on the train split) ->
+``prepared.prepare`` (each split's token stream in ArrayRecord shards, once) ->
+``prepared.StreamWindows`` (EOS-separated documents in windows with segment ids, read by
+position) -> ``TrainBatches`` (pure function of the step) and ``EvalWindows``.
+``build_data_in_memory`` and ``packing.pack`` are the in-memory reference of the same result.
 """
 
 from cem_jax.data.packing import Windows, encode_documents, make_batch, pack
-from cem_jax.data.pipeline import Data, EvalWindows, TrainBatches, build_data
+from cem_jax.data.pipeline import Data, EvalWindows, TrainBatches, build_data, build_data_in_memory
+from cem_jax.data.prepared import PreparedData, StreamWindows, prepare
 from cem_jax.data.sources import TextSplits, text_splits
 from cem_jax.data.text import normalize_newlines, read_documents, resolve_files, split_documents
-from cem_jax.data.tokenizer import Tokenizer, load_tokenizer, train_or_load
+from cem_jax.data.tokenizer import Tokenizer, load_tokenizer, train_model
 
 __all__ = [
     "Data",
@@ -19,15 +22,19 @@ __all__ = [
     "Tokenizer",
     "TrainBatches",
     "Windows",
+    "PreparedData",
+    "StreamWindows",
     "build_data",
+    "build_data_in_memory",
     "encode_documents",
     "load_tokenizer",
     "make_batch",
     "normalize_newlines",
     "pack",
+    "prepare",
     "read_documents",
     "resolve_files",
     "split_documents",
     "text_splits",
-    "train_or_load",
+    "train_model",
 ]

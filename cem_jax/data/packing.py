@@ -33,10 +33,23 @@ class Windows:
   Attributes:
     tokens: int32 ``[num_windows, seq_len + 1]`` token ids (pad id where padded).
     segment_ids: int32, same shape; 1-based document index within each window, 0 = padding.
+    nbytes: int32, same shape, the UTF-8 bytes of text each token stands for (EOS and padding
+      0), or None when not packed (``pack(..., doc_bytes=None)``).
   """
 
   tokens: np.ndarray
   segment_ids: np.ndarray
+  nbytes: np.ndarray | None = None
+
+  @property
+  def has_bytes(self) -> bool:
+    return self.nbytes is not None
+
+  def rows(self, idx) -> dict[str, np.ndarray | None]:
+    """Returns windows ``idx`` (an int array or a slice): ``tokens``, ``segment_ids`` and
+    ``nbytes`` (None without bytes), ``[len(idx), seq_len + 1]``."""
+    return {"tokens": self.tokens[idx], "segment_ids": self.segment_ids[idx],
+            "nbytes": None if self.nbytes is None else self.nbytes[idx]}
 
   @property
   def num_windows(self) -> int:
@@ -63,6 +76,7 @@ def _pieces(doc: str) -> list[str]:
 
 def encode_documents(tok: Tokenizer, docs: Sequence[str], desc: str = "encode"
                      ) -> list[np.ndarray]:
+  # The in-memory reference of the prepared path (``prepared.py`` encodes the same pieces).
   """Returns each document's ids (int32 ``[n_i]``, no EOS), encoded in parallel.
 
   A long document is encoded in paragraph-aligned pieces; decoding the result still gives the
@@ -87,7 +101,8 @@ def encode_documents(tok: Tokenizer, docs: Sequence[str], desc: str = "encode"
 
 
 def pack(doc_ids: Sequence[np.ndarray], seq_len: int, eos_id: int, pad_id: int, *,
-         keep_tail: bool, split: str) -> Windows:
+         keep_tail: bool, split: str, doc_bytes: Sequence[np.ndarray] | None = None
+         ) -> Windows:
   """Packs tokenized documents into windows of ``seq_len + 1`` tokens.
 
   Args:
@@ -97,6 +112,8 @@ def pack(doc_ids: Sequence[np.ndarray], seq_len: int, eos_id: int, pad_id: int, 
     keep_tail: False (train) drops the final partial window; True (validation) keeps it,
       padded with ``pad_id`` and segment 0.
     split: split name, for error messages.
+    doc_bytes: optional, each document's per-token UTF-8 bytes (as ``doc_ids``), packed
+      alongside into ``Windows.nbytes``.
 
   Returns:
     ``Windows`` with int32 ``[num_windows, seq_len + 1]`` arrays.
@@ -111,8 +128,11 @@ def pack(doc_ids: Sequence[np.ndarray], seq_len: int, eos_id: int, pad_id: int, 
   lengths = np.array([len(d) + 1 for d in doc_ids], np.int64)
   flat = np.full(int(lengths.sum()), eos_id, np.int32)
   ends = np.cumsum(lengths)
+  flat_bytes = np.zeros(len(flat), np.int32)
   for ids, end, n in zip(doc_ids, ends, lengths, strict=True):
     flat[end - n : end - 1] = ids
+  for nb, end, n in zip(doc_bytes or (), ends, lengths, strict=False):
+    flat_bytes[end - n : end - 1] = nb
   doc_index = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
   num = len(flat) // width if not keep_tail else -(-len(flat) // width)
   # A padded tail needs two real tokens to hold one weighted target.
@@ -129,27 +149,35 @@ def pack(doc_ids: Sequence[np.ndarray], seq_len: int, eos_id: int, pad_id: int, 
   used = min(total, len(flat))
   tokens[:used] = flat[:used]
   segments[:used] = doc_index[:used]
+  nbytes = np.zeros(total, np.int32)
+  nbytes[:used] = flat_bytes[:used]
   tokens = tokens.reshape(num, width)
   segments = segments.reshape(num, width)
   # Documents are consecutive, so subtracting each window's first document numbers them 1..k.
   segment_ids = np.where(
       np.arange(total).reshape(num, width) < used, segments - segments[:, :1] + 1, 0
   ).astype(np.int32)
-  return Windows(tokens=tokens, segment_ids=segment_ids)
+  return Windows(tokens=tokens, segment_ids=segment_ids,
+                 nbytes=nbytes.reshape(num, width) if doc_bytes is not None else None)
 
 
-def make_batch(tokens: np.ndarray, segment_ids: np.ndarray) -> dict[str, np.ndarray]:
+def make_batch(tokens: np.ndarray, segment_ids: np.ndarray, nbytes: np.ndarray | None = None
+               ) -> dict[str, np.ndarray]:
   """Turns windows ``[b, seq_len + 1]`` into a model batch of ``[b, seq_len]`` arrays.
 
   Returns:
     ``inputs`` (int32, tokens[:, :-1]), ``targets`` (int32, tokens[:, 1:]), ``segment_ids``
-    (int32, of the inputs) and ``weights`` (float32: 1 where the target is in the same
-    non-padding document as its input, else 0).
+    (int32, of the inputs), ``weights`` (float32: 1 where the target is in the same
+    non-padding document as its input, else 0) and, when ``nbytes`` is given,
+    ``target_bytes`` (float32, the UTF-8 bytes of text each target stands for).
   """
   seg_in, seg_out = segment_ids[:, :-1], segment_ids[:, 1:]
-  return {
+  batch = {
       "inputs": np.ascontiguousarray(tokens[:, :-1], np.int32),
       "targets": np.ascontiguousarray(tokens[:, 1:], np.int32),
       "segment_ids": np.ascontiguousarray(seg_in, np.int32),
       "weights": ((seg_in == seg_out) & (seg_out > 0)).astype(np.float32),
   }
+  if nbytes is not None:
+    batch["target_bytes"] = np.ascontiguousarray(nbytes[:, 1:], np.float32)
+  return batch

@@ -1,5 +1,9 @@
 """Batches for training and evaluation, and ``build_data``, the entry point of the package.
 
+Windows come from a prepared dataset (``prepared.StreamWindows``, read by position from
+ArrayRecord shards) or, as the in-memory reference, from ``packing.pack`` (``Windows``): both
+offer ``num_windows``, ``seq_len``, ``has_bytes`` and ``rows(idx)``.
+
 Training batches are a pure function of ``(shuffle_seed, step)``: global example ``g`` of
 step ``s`` is ``s * batch_size + g``; it lies in epoch ``g // num_windows`` at position
 ``g % num_windows`` of that epoch's permutation, seeded by ``(shuffle_seed, epoch)``. Resuming
@@ -9,12 +13,15 @@ at any step therefore needs no iterator state, and every window is seen once per
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import time
 from collections.abc import Iterator
 
 import numpy as np
 
 from cem_jax.data import packing, sources
+from cem_jax.data import prepared as prepared_lib
 from cem_jax.data import tokenizer as tokenizer_lib
 
 
@@ -22,7 +29,7 @@ class TrainBatches:
   """Shuffled training batches of packed windows, indexed by step.
 
   Args:
-    windows: the packed train split.
+    windows: the packed train split (``packing.Windows`` or ``prepared.StreamWindows``).
     batch_size: global batch size (``train.batch_size``), in sequences.
     shuffle_seed: ``data.shuffle_seed``, >= 0.
 
@@ -30,7 +37,7 @@ class TrainBatches:
     ValueError: ``batch_size`` < 1 or ``shuffle_seed`` < 0 (naming the field).
   """
 
-  def __init__(self, windows: packing.Windows, batch_size: int, shuffle_seed: int):
+  def __init__(self, windows, batch_size: int, shuffle_seed: int):
     if batch_size < 1:
       raise ValueError(f"train.batch_size={batch_size} must be >= 1")
     if shuffle_seed < 0:
@@ -101,14 +108,26 @@ class TrainBatches:
       ValueError: ``step`` < 0, bad process index, or ``train.batch_size`` not divisible by
         ``process_count``.
     """
-    idx = self.window_indices(step, process_index, process_count)
-    return packing.make_batch(self.windows.tokens[idx], self.windows.segment_ids[idx])
+    rows = self.windows.rows(self.window_indices(step, process_index, process_count))
+    return packing.make_batch(rows["tokens"], rows["segment_ids"])
 
 
 class EvalWindows:
-  """The whole validation split as windows in order, served as padded batches."""
+  """The whole validation split as windows in order, served as padded batches.
 
-  def __init__(self, windows: packing.Windows, pad_id: int):
+  Args:
+    windows: the packed validation split, with per-token bytes (``has_bytes``).
+    pad_id: the tokenizer's pad id.
+
+  Raises:
+    ValueError: ``windows`` carry no per-token bytes (bits per byte would have no exact
+      denominator).
+  """
+
+  def __init__(self, windows, pad_id: int):
+    if not windows.has_bytes:
+      raise ValueError("validation windows need per-token text bytes (pack(..., doc_bytes=...)"
+                       " or a prepared validation split) for bits per byte")
     self.windows = windows
     self.pad_id = int(pad_id)
 
@@ -118,8 +137,12 @@ class EvalWindows:
 
   def total_weight(self) -> float:
     """Number of weighted targets in the split (the sum of all eval batches' weights)."""
-    seg = self.windows.segment_ids
-    return float(((seg[:, :-1] == seg[:, 1:]) & (seg[:, 1:] > 0)).sum())
+    total = 0.0
+    for start in range(0, self.num_windows, 256):
+      seg = self.windows.rows(np.arange(start, min(start + 256, self.num_windows)))[
+          "segment_ids"]
+      total += float(((seg[:, :-1] == seg[:, 1:]) & (seg[:, 1:] > 0)).sum())
+    return total
 
   def num_batches(self, batch_size: int) -> int:
     return -(-self.num_windows // batch_size)
@@ -133,7 +156,9 @@ class EvalWindows:
     same shape and the summed weights equal ``total_weight()``.
 
     Yields:
-      dicts as ``TrainBatches.batch``, arrays ``[batch_size // process_count, seq_len]``.
+      dicts as ``TrainBatches.batch`` plus ``target_bytes`` (float32, the UTF-8 bytes of text
+      each target stands for, from the text itself), arrays
+      ``[batch_size // process_count, seq_len]``.
 
     Raises:
       ValueError: ``batch_size`` < 1 or not divisible by ``process_count``
@@ -145,17 +170,18 @@ class EvalWindows:
           f"{process_count}"
       )
     local = batch_size // process_count
-    tokens, segs = self.windows.tokens, self.windows.segment_ids
     for b in range(self.num_batches(batch_size)):
       start = b * batch_size + process_index * local
-      rows_tok = tokens[start : start + local]
-      rows_seg = segs[start : start + local]
-      missing = local - rows_tok.shape[0]
+      idx = np.arange(start, min(start + local, self.num_windows))
+      rows = self.windows.rows(idx)
+      tok, seg, nb = rows["tokens"], rows["segment_ids"], rows["nbytes"]
+      missing = local - len(idx)
       if missing:
-        rows_tok = np.concatenate([rows_tok, np.full((missing, tokens.shape[1]), self.pad_id,
-                                                      np.int32)])
-        rows_seg = np.concatenate([rows_seg, np.zeros((missing, segs.shape[1]), np.int32)])
-      yield packing.make_batch(rows_tok, rows_seg)
+        width = self.windows.seq_len + 1
+        tok = np.concatenate([tok, np.full((missing, width), self.pad_id, np.int32)])
+        seg = np.concatenate([seg, np.zeros((missing, width), np.int32)])
+        nb = np.concatenate([nb, np.zeros((missing, width), np.int32)])
+      yield packing.make_batch(tok, seg, nb)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,11 +191,12 @@ class Data:
   Attributes:
     train: training batches by step.
     eval: validation windows (``eval.batches(batch_size)``).
-    tokenizer: the tokenizer (``token_bytes`` for bits per byte).
+    tokenizer: the tokenizer.
     source: one-line description of the text source.
     train_documents, eval_documents: number of documents per split.
     train_tokens, eval_tokens: tokens per split, one EOS per document included.
-    train_bytes, eval_bytes: UTF-8 bytes of the split's text (no separators).
+    train_bytes, eval_bytes: UTF-8 bytes of the split's text (no separators), counted from
+      the text.
     train_windows, eval_windows: number of packed windows (eval: padded tail included).
   """
 
@@ -212,33 +239,78 @@ class Data:
 def build_data(config, workdir: str | os.PathLike) -> Data:
   """Builds the data of an experiment from its resolved config.
 
-  Reads ``config.data`` (source, split, tokenizer, ``seq_len``, ``shuffle_seed``) and
-  ``config.train.batch_size``. Writes only caches under ``workdir``: ``tfds/`` (prepared
-  local files) and ``tokenizer/`` (trained models), both reused on the next run.
+  Reads ``config.data`` (source, split, tokenizer, ``seq_len``, ``shuffle_seed``,
+  ``prepared_dir``) and ``config.train.batch_size``. Trains from the prepared dataset in
+  ``data.prepared_dir``, or, when that is '', from ``WORKDIR/data/<fingerprint>``, prepared
+  there first (``prepared.prepare``) unless it already is. No raw text is read when the
+  prepared data is there.
 
   Raises:
-    ValueError: bad config values or inputs (one line naming the field or file).
+    ValueError: bad config values or inputs, a prepared dataset that does not fit the config
+      or is damaged (one line naming the field or file).
     FileNotFoundError: ``data.tokenizer`` does not exist.
     RuntimeError: a TFDS catalog dataset is not prepared and there is no network.
   """
   d = config.data
-  splits = sources.text_splits(d, workdir)
-  tok = tokenizer_lib.tokenizer_for(d, splits.train, workdir)
-  train_ids = packing.encode_documents(tok, splits.train, "encode train")
-  eval_ids = packing.encode_documents(tok, splits.validation, "encode validation")
+  start = time.perf_counter()
+  directory = prepared_lib.prepared_for(d, workdir)
+  ds = prepared_lib.PreparedData.open(directory, d if d.prepared_dir else None)
+  tok, info = ds.tokenizer, ds.manifest["splits"]
+  logging.getLogger(__name__).info(
+      "data: %s (%d train / %d validation tokens) ready in %.2f s", directory,
+      info["train"]["tokens"], info["validation"]["tokens"], time.perf_counter() - start)
+  train_windows = prepared_lib.StreamWindows(ds.streams["train"], d.seq_len, tok.eos_id,
+                                             tok.pad_id, keep_tail=False, split="train")
+  eval_windows = prepared_lib.StreamWindows(ds.streams["validation"], d.seq_len, tok.eos_id,
+                                            tok.pad_id, keep_tail=True, split="validation")
+  return Data(
+      train=TrainBatches(train_windows, config.train.batch_size, d.shuffle_seed),
+      eval=EvalWindows(eval_windows, tok.pad_id),
+      tokenizer=tok,
+      source=f"{ds.manifest['source']} via {directory}",
+      train_documents=info["train"]["documents"],
+      eval_documents=info["validation"]["documents"],
+      train_tokens=info["train"]["tokens"],
+      eval_tokens=info["validation"]["tokens"],
+      train_bytes=info["train"]["bytes"],
+      eval_bytes=info["validation"]["bytes"],
+  )
+
+
+def build_data_in_memory(config) -> Data:
+  """The reference of ``build_data``: the same splits, tokenizer rule and packing, built in
+  memory from the raw text (``data.tokenizer`` or a tokenizer trained on the train split,
+  not cached). Used by tests to pin the prepared path token for token.
+
+  Raises:
+    As ``build_data``.
+  """
+  d = config.data
+  splits = sources.text_splits(d)
+  train_docs, eval_docs = list(splits.train), list(splits.validation)
+  tok = (tokenizer_lib.load_tokenizer(d.tokenizer, d.vocab_size) if d.tokenizer else
+         tokenizer_lib.Tokenizer(tokenizer_lib.train_model(train_docs, d.vocab_size,
+                                                           d.tokenizer_model_type)))
+  train_ids = packing.encode_documents(tok, train_docs, "encode train")
+  eval_enc = []
+  for doc in eval_docs:  # in the pieces the prepared path encodes
+    parts = [tok.encode_with_bytes(piece) for piece in packing._pieces(doc)]
+    eval_enc.append((np.concatenate([p[0] for p in parts] or [np.zeros(0, np.int32)]),
+                     np.concatenate([p[1] for p in parts] or [np.zeros(0, np.int32)])))
   train_windows = packing.pack(train_ids, d.seq_len, tok.eos_id, tok.pad_id, keep_tail=False,
                                split="train")
-  eval_windows = packing.pack(eval_ids, d.seq_len, tok.eos_id, tok.pad_id, keep_tail=True,
-                              split="validation")
+  eval_windows = packing.pack([e[0] for e in eval_enc], d.seq_len, tok.eos_id, tok.pad_id,
+                              keep_tail=True, split="validation",
+                              doc_bytes=[e[1] for e in eval_enc])
   return Data(
       train=TrainBatches(train_windows, config.train.batch_size, d.shuffle_seed),
       eval=EvalWindows(eval_windows, tok.pad_id),
       tokenizer=tok,
       source=splits.source,
-      train_documents=len(splits.train),
-      eval_documents=len(splits.validation),
+      train_documents=len(train_docs),
+      eval_documents=len(eval_docs),
       train_tokens=sum(len(i) + 1 for i in train_ids),
-      eval_tokens=sum(len(i) + 1 for i in eval_ids),
-      train_bytes=sum(len(t.encode("utf-8")) for t in splits.train),
-      eval_bytes=sum(len(t.encode("utf-8")) for t in splits.validation),
+      eval_tokens=sum(len(e[0]) + 1 for e in eval_enc),
+      train_bytes=sum(len(t.encode("utf-8")) for t in train_docs),
+      eval_bytes=sum(len(t.encode("utf-8")) for t in eval_docs),
   )

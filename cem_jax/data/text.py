@@ -147,3 +147,83 @@ def split_documents(
         "(too small, or no line break after the cut); use more text or another fraction"
     )
   return train, validation
+
+
+# Held-out chunks of local files are at most this many characters: long enough for many
+# windows of context, short enough that the held-out text samples the whole corpus.
+HOLDOUT_CHUNK_CHARS = 16 * 1024
+
+
+def holdout_chunks(doc: str, size: int) -> list[str]:
+  """Cuts ``doc`` into pieces of at most ``size`` characters, each ending after a paragraph
+  break (``'\\n\\n'``) when the window has one, else after a newline, else at ``size``;
+  ``''.join(result) == doc``."""
+  pieces = []
+  start = 0
+  while start < len(doc):
+    end = start + size
+    if end < len(doc):
+      cut = doc.rfind("\n\n", start, end - 1)
+      cut = cut + 2 if cut >= start else doc.rfind("\n", start, end) + 1
+      end = cut if cut > start else end
+    pieces.append(doc[start:end])
+    start = end
+  return pieces
+
+
+def interleave_split(
+    docs: Sequence[str], validation_fraction: float
+) -> tuple[list[str], list[str]]:
+  """Splits documents into train and validation by holding out every k-th chunk.
+
+  The rule for local files (``data.files``), so the held-out text samples the whole corpus
+  rather than its tail (the licence text of many e-texts): every document is cut by
+  ``holdout_chunks`` into chunks of at most ``size = min(HOLDOUT_CHUNK_CHARS, ceil(total /
+  (4 k)))`` characters, ``total`` the characters of all documents and ``k =
+  round(1 / validation_fraction)``, so every corpus has at least ~4 held-out chunks. Chunks
+  are numbered across the corpus from 0; chunk ``c`` is held out when ``c % k == k - 1``.
+  Each held-out chunk is one validation document; the consecutive training chunks of a
+  document stay one training document. About ``1 / k`` of the characters are held out.
+
+  Args:
+    docs: documents in their canonical order.
+    validation_fraction: in (0, 0.5].
+
+  Returns:
+    ``(train_docs, validation_docs)``, both non-empty lists of non-empty strings, in corpus
+    order.
+
+  Raises:
+    ValueError: the fraction is outside (0, 0.5], or either split is empty (corpus too small);
+      the message names ``data.validation_fraction``.
+  """
+  if not 0.0 < validation_fraction <= 0.5:
+    raise ValueError(
+        f"data.validation_fraction={validation_fraction} must be in (0, 0.5]"
+    )
+  k = round(1.0 / validation_fraction)
+  total = sum(len(d) for d in docs)
+  size = max(1, min(HOLDOUT_CHUNK_CHARS, -(-total // (4 * k))))
+  train: list[str] = []
+  validation: list[str] = []
+  c = 0
+  for doc in docs:
+    run: list[str] = []
+    for chunk in holdout_chunks(doc, size):
+      if c % k == k - 1:
+        if run:
+          train.append("".join(run))
+          run = []
+        validation.append(chunk)
+      else:
+        run.append(chunk)
+      c += 1
+    if run:
+      train.append("".join(run))
+  if not train or not validation:
+    raise ValueError(
+        f"data.validation_fraction={validation_fraction} leaves an empty "
+        f"{'train' if not train else 'validation'} split of a {total}-character corpus "
+        f"(every {k}th of its {c} chunks is held out); use more text or another fraction"
+    )
+  return train, validation

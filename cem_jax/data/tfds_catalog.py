@@ -88,8 +88,27 @@ def prepared_dir(name: str, data_dir: Path) -> Path | None:
   return None
 
 
+class CatalogTexts:
+  """The ``text_key`` feature of every example of a TFDS data source, as documents (str,
+  newlines normalised), in the source's order. Re-iterable; each pass reads the examples one
+  at a time, so a split larger than memory streams through."""
+
+  def __init__(self, source, text_key: str):
+    self._source = source
+    self._key = text_key
+
+  def __len__(self) -> int:
+    return len(self._source)
+
+  def __iter__(self):
+    for i in range(len(self._source)):
+      value = self._source[i][self._key]
+      value = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+      yield text_lib.normalize_newlines(value)
+
+
 def _read_texts(name: str, split: str, data_dir: Path, text_key: str, download: bool,
-                field: str) -> list[str]:
+                field: str) -> CatalogTexts:
   try:
     source = tfds.data_source(
         name, split=split, data_dir=os.fspath(data_dir), download=download,
@@ -115,21 +134,17 @@ def _read_texts(name: str, split: str, data_dir: Path, text_key: str, download: 
         f"data.tfds_text_key={text_key!r} is not a feature of {name!r}; it has "
         f"{sorted(example)}"
     )
-  texts = []
-  for i in range(len(source)):
-    value = source[i][text_key]
-    value = value.decode("utf-8") if isinstance(value, bytes) else str(value)
-    texts.append(text_lib.normalize_newlines(value))
-  return texts
+  return CatalogTexts(source, text_key)
 
 
 def load_catalog(name: str, data_dir: str, text_key: str, train_split: str,
-                 eval_split: str) -> tuple[list[str], list[str], str]:
+                 eval_split: str) -> tuple[CatalogTexts, CatalogTexts, str]:
   """Returns (train documents, eval documents, description) of TFDS dataset ``name``.
 
-  Each example's ``text_key`` feature is one document, in the data source's order, newlines
-  normalised. ``data_dir`` '' means TFDS's default. A dataset not yet prepared there is
-  downloaded and prepared (array_record) by TFDS when the network is reachable.
+  The documents are read lazily (``CatalogTexts``). Each example's ``text_key`` feature is
+  one document, in the data source's order, newlines normalised. ``data_dir`` '' means
+  TFDS's default. A dataset not yet prepared there is downloaded and prepared
+  (array_record) by TFDS when the network is reachable.
 
   Raises:
     RuntimeError: not prepared and no network (one line, within ~4 s).

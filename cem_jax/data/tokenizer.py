@@ -18,21 +18,17 @@ only as exact as its own settings.
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import logging
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
-
-from cem_jax.files import atomic_write_bytes
 
 MODEL_TYPES = ("bpe", "unigram")
 TRAIN_CHUNK_CHARS = 2000
@@ -56,8 +52,6 @@ TRAINER_SETTINGS = {
     "unk_id": 3,
     "num_threads": 1,
 }
-# Part of the cache key: change it when the training procedure changes.
-_TRAINING_VERSION = 1
 
 
 class Tokenizer:
@@ -115,6 +109,36 @@ class Tokenizer:
       ids.extend(self._sp.encode(part))
     return ids
 
+  def encode_with_bytes(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """Returns ``(ids, nbytes)``, int32 ``[n]`` each: ``encode(text)`` and the UTF-8 bytes of
+    ``text`` each id stands for, counted from the text itself: ``nbytes.sum() ==
+    len(text.encode('utf-8'))`` whatever the pieces (an unknown piece covers the bytes of the
+    characters it replaced; text a normalising model drops counts for the id before it).
+
+    Piece lengths (``token_bytes``) are used when they add up to the text's length; otherwise
+    SentencePiece's byte offsets of each id in the text assign every byte to the id whose
+    span starts at or before it.
+    """
+    ids = np.asarray(self.encode(text), np.int32)
+    size = len(text.encode("utf-8"))
+    nbytes = self.token_bytes[ids]
+    if int(nbytes.sum()) == size or len(ids) == 0:
+      return ids, nbytes.astype(np.int32)
+    begins = np.zeros(len(ids) + 1, np.int64)
+    begins[-1] = size
+    parts = text.split(_META_SPACE) if self._meta_space_ids is not None else [text]
+    pos, offset = 0, 0
+    for j, part in enumerate(parts):
+      if j:  # the three byte pieces of a literal '▁' (see ``encode``)
+        begins[pos:pos + 3] = offset + np.arange(3)
+        pos, offset = pos + 3, offset + 3
+      proto = self._sp.encode(part, return_type="proto")
+      n = len(proto.pieces)
+      begins[pos:pos + n] = [offset + p.begin for p in proto.pieces]
+      pos, offset = pos + n, offset + len(part.encode("utf-8"))
+    begins[0] = 0  # bytes no piece covers at the start belong to the first id
+    return ids, np.diff(begins).astype(np.int32)
+
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     """Returns ``[encode(t) for t in texts]``, encoding in parallel where possible."""
     plain = [i for i, t in enumerate(texts) if _META_SPACE not in t]
@@ -136,8 +160,7 @@ class Tokenizer:
     return self._sp.id_to_piece(int(i))
 
 
-def _training_chunks(docs: Sequence[str]) -> list[str]:
-  chunks = []
+def _chunks(docs: Iterable[str]) -> Iterator[str]:
   for doc in docs:
     start = 0
     while start < len(doc):
@@ -148,33 +171,27 @@ def _training_chunks(docs: Sequence[str]) -> list[str]:
           cut = doc.rfind(" ", start, end)
         if cut >= start:
           end = cut + 1
-      chunks.append(doc[start:end])
+      yield doc[start:end]
       start = end
-  total = sum(len(c) for c in chunks)
-  if total > MAX_TRAIN_CHARS:
-    chunks = chunks[:: -(-total // MAX_TRAIN_CHARS)]
-  return chunks
 
 
-def cache_key(docs: Sequence[str], vocab_size: int, model_type: str) -> str:
-  """Returns a 16-hex-digit hash of the training text, vocabulary size, model type and
-  trainer settings: the name of the cached model."""
-  h = hashlib.sha256()
-  h.update(json.dumps([_TRAINING_VERSION, vocab_size, model_type, TRAINER_SETTINGS,
-                       TRAIN_CHUNK_CHARS, MAX_TRAIN_CHARS]).encode())
-  for doc in docs:
-    data = doc.encode("utf-8")
-    h.update(len(data).to_bytes(8, "little"))
-    h.update(data)
-  return h.hexdigest()[:16]
+def _training_chunks(docs: Iterable[str]) -> list[str]:
+  """The training sample: ``docs`` cut into chunks of ~``TRAIN_CHUNK_CHARS`` characters after
+  a newline, every k-th chunk kept when they hold more than ``MAX_TRAIN_CHARS``. ``docs`` is
+  read twice (total, then sample), so an iterable that re-reads a large corpus on each pass
+  never holds more than the sample."""
+  total = sum(len(doc) for doc in docs)
+  stride = -(-total // MAX_TRAIN_CHARS) if total > MAX_TRAIN_CHARS else 1
+  return [c for i, c in enumerate(_chunks(docs)) if i % stride == 0]
 
 
 _TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
 _TOO_LOW = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
 
 
-def train_model(docs: Sequence[str], vocab_size: int, model_type: str = "bpe") -> bytes:
-  """Trains a SentencePiece model on ``docs`` in memory; returns the serialized model.
+def train_model(docs: Iterable[str], vocab_size: int, model_type: str = "bpe") -> bytes:
+  """Trains a SentencePiece model on ``docs`` (a re-iterable; only the sample of
+  ``_training_chunks`` is held in memory); returns the serialized model.
 
   Raises:
     ValueError: ``model_type`` unknown, or ``vocab_size`` too large or too small for the
@@ -215,24 +232,6 @@ def train_model(docs: Sequence[str], vocab_size: int, model_type: str = "bpe") -
   return writer.getvalue()
 
 
-def train_or_load(docs: Sequence[str], vocab_size: int, model_type: str,
-                  cache_dir: str | os.PathLike) -> Tokenizer:
-  """Returns the tokenizer trained on ``docs``, reusing ``cache_dir/spm_<type>_<vocab>_<key>``
-  ``.model`` when it exists and training (then writing it atomically) when it does not.
-
-  Raises:
-    ValueError: as ``train_model``.
-  """
-  key = cache_key(docs, vocab_size, model_type)
-  path = Path(cache_dir) / f"spm_{model_type}_{vocab_size}_{key}.model"
-  if path.is_file():
-    return Tokenizer.from_file(path)
-  model = train_model(docs, vocab_size, model_type)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  atomic_write_bytes(path, model)
-  return Tokenizer(model, path=path)
-
-
 def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Tokenizer:
   """Loads the ``data.tokenizer`` model file and checks it against ``data.vocab_size``.
 
@@ -256,15 +255,3 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Tokenizer:
   if tok.eos_id < 0:
     raise ValueError(f"data.tokenizer={os.fspath(path)!r} has no EOS piece (eos_id=-1)")
   return tok
-
-
-def tokenizer_for(data_config, train_docs: Sequence[str], workdir: str | os.PathLike
-                  ) -> Tokenizer:
-  """Returns the tokenizer the ``data`` config asks for: ``data.tokenizer`` if set, else one
-  trained on ``train_docs`` and cached in ``WORKDIR/tokenizer/``. Raises as
-  ``load_tokenizer`` / ``train_model``."""
-  if data_config.tokenizer:
-    return load_tokenizer(data_config.tokenizer, data_config.vocab_size)
-  return train_or_load(train_docs, data_config.vocab_size, data_config.tokenizer_model_type,
-                       Path(workdir) / "tokenizer")
-

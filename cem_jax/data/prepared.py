@@ -1,0 +1,606 @@
+"""Prepared datasets: the token stream of each split in sharded ArrayRecord files.
+
+``prepare(data_config, out_dir)`` trains (or loads) the tokenizer and writes, in ``out_dir``:
+
+* ``tokenizer.model`` -- the SentencePiece model;
+* ``{split}-{i:05d}.array_record`` -- shard ``i`` of split ``train`` / ``validation``: the
+  token stream of that split's documents (each followed by EOS, as ``packing.pack``
+  concatenates them), cut into records of ``RECORD_TOKENS`` tokens, little-endian
+  ``token_dtype`` (``<u2`` for vocabularies up to 65,536, else ``<u4``). Validation records
+  carry after their tokens the UTF-8 bytes of the text each token stands for (``<u4``,
+  ``Tokenizer.encode_with_bytes``; EOS 0), the bits-per-byte denominators;
+* ``{split}-{i:05d}.json`` -- the shard's sidecar (its token, record and byte counts, sha256
+  and the hash of the text it encodes), written after the shard;
+* ``prepare.json`` -- the fingerprint of the config and source text being prepared;
+* ``manifest.json`` -- written last: sources (paths, sizes, sha256), the data config,
+  tokenizer sha256, and per split the documents, tokens, exact UTF-8 bytes of the text and
+  the shard list with checksums.
+
+Shards are defined by the input: the text of a split, cut into pieces of at most
+``packing.ENCODE_PIECE_CHARS`` characters exactly as the in-memory path encodes it, is grouped
+into shards of about ``shard_chars`` characters. Each shard is encoded and written on its own
+(in ``workers`` processes), to a temporary name then renamed, so a killed prepare leaves only
+whole shards and no manifest; running it again skips every shard whose sidecar matches and
+writes the rest, and with a complete, intact manifest it is a no-op.
+
+``PreparedData`` opens such a folder (checking every shard's size and sha256 against the
+manifest) and serves windows of ``seq_len + 1`` tokens by position: window ``w`` is stream
+tokens ``[w (seq_len + 1), (w + 1) (seq_len + 1))``, read from the one or two records holding
+them by ``ArrayRecordDataSource`` random access; segment ids follow from the EOS positions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+from array_record.python import array_record_data_source, array_record_module
+from tqdm import tqdm
+
+from cem_jax.data import packing, sources
+from cem_jax.data import tokenizer as tokenizer_lib
+from cem_jax.files import atomic_write_bytes
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "validation")
+RECORD_TOKENS = 1024
+# About 16 MB of text per shard: a few seconds of encoding, so a killed prepare loses little
+# and the shards of a large corpus keep both workers busy.
+SHARD_CHARS = 1 << 24
+# Below this many characters the text is encoded in this process: starting workers would
+# take longer than the encoding (the tiny default corpus is ~1.8M characters).
+POOL_MIN_CHARS = 1 << 23
+# group_size:1 makes every record directly addressable (random access reads one record).
+WRITER_OPTIONS = "group_size:1"
+MANIFEST = "manifest.json"
+PROGRESS = "prepare.json"
+TOKENIZER = "tokenizer.model"
+# The data config keys that define a prepared dataset (seq_len, shuffle_seed do not).
+SPEC_KEYS = ("files", "tfds_name", "tfds_data_dir", "tfds_text_key", "tfds_train_split",
+             "tfds_eval_split", "builtin", "validation_fraction", "vocab_size", "tokenizer",
+             "tokenizer_model_type")
+
+
+def _sha256_bytes(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    while block := f.read(1 << 20):
+      h.update(block)
+  return h.hexdigest()
+
+
+def _write_json(path: Path, obj) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+
+def fingerprint(data_config, identity: dict) -> str:
+  """Returns a 16-hex-digit hash of the source identity, the defining ``data`` keys (the given
+  tokenizer by content) and the format: equal fingerprints mean the same prepared data."""
+  spec = {k: data_config[k] for k in SPEC_KEYS}
+  if data_config.tokenizer:
+    path = Path(os.path.expanduser(data_config.tokenizer))
+    spec["tokenizer"] = _sha256_file(path) if path.is_file() else os.fspath(path)
+  # How a tokenizer is trained and the text cut for encoding also decide the tokens.
+  how = [tokenizer_lib.TRAINER_SETTINGS, tokenizer_lib.TRAIN_CHUNK_CHARS,
+         tokenizer_lib.MAX_TRAIN_CHARS, packing.ENCODE_PIECE_CHARS]
+  blob = json.dumps([FORMAT_VERSION, RECORD_TOKENS, spec, identity, how], sort_keys=True)
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _shard_tasks(docs: Iterable[str], split: str, shard_chars: int) -> Iterator[dict]:
+  """Groups the split's encode pieces (``packing._pieces`` of each document) into shards."""
+  pieces, ends, size, index = [], [], 0, 0
+  for doc in docs:
+    doc_pieces = packing._pieces(doc) or [""]
+    for j, piece in enumerate(doc_pieces):
+      pieces.append(piece)
+      ends.append(j == len(doc_pieces) - 1)
+      size += len(piece)
+      if size >= shard_chars:
+        yield {"split": split, "index": index, "pieces": pieces, "ends": ends}
+        pieces, ends, size, index = [], [], 0, index + 1
+  if pieces:
+    yield {"split": split, "index": index, "pieces": pieces, "ends": ends}
+
+
+def _task_hash(task: dict) -> str:
+  h = hashlib.sha256()
+  for piece, end in zip(task["pieces"], task["ends"], strict=True):
+    data = piece.encode("utf-8")
+    h.update(len(data).to_bytes(8, "little") + bytes([end]))
+    h.update(data)
+  return h.hexdigest()
+
+
+def shard_name(split: str, index: int) -> str:
+  return f"{split}-{index:05d}.array_record"
+
+
+def _sidecar(out_dir: Path, split: str, index: int) -> Path:
+  return out_dir / f"{split}-{index:05d}.json"
+
+
+def _token_dtype(vocab_size: int) -> str:
+  return "<u2" if vocab_size <= 1 << 16 else "<u4"
+
+
+_worker_tokenizer: tokenizer_lib.Tokenizer | None = None
+
+
+def _init_worker(model: bytes) -> None:
+  global _worker_tokenizer
+  _worker_tokenizer = tokenizer_lib.Tokenizer(model)
+
+
+def _encode_and_write(job: tuple[dict, str, str, str]) -> dict:
+  """Encodes one shard task and writes it atomically with its sidecar; returns the sidecar."""
+  task, out_dir, dtype, tok_sha = job
+  tok = _worker_tokenizer
+  out_dir = Path(out_dir)
+  with_bytes = task["split"] == "validation"
+  ids_parts, byte_parts, text_bytes = [], [], 0
+  eos = np.array([tok.eos_id], np.int32)
+  for piece, end in zip(task["pieces"], task["ends"], strict=True):
+    if with_bytes:
+      ids, nbytes = tok.encode_with_bytes(piece)
+      byte_parts += [nbytes] + ([np.zeros(1, np.int32)] if end else [])
+    else:
+      ids = np.asarray(tok.encode(piece), np.int32)
+    text_bytes += len(piece.encode("utf-8"))
+    ids_parts += [ids] + ([eos] if end else [])
+  ids = np.concatenate(ids_parts).astype(dtype)
+  nbytes = np.concatenate(byte_parts).astype("<u4") if with_bytes else None
+  name = shard_name(task["split"], task["index"])
+  path = out_dir / name
+  tmp = out_dir / f"{name}.tmp{os.getpid()}"
+  writer = array_record_module.ArrayRecordWriter(os.fspath(tmp), WRITER_OPTIONS)
+  try:
+    for start in range(0, len(ids), RECORD_TOKENS):
+      record = ids[start:start + RECORD_TOKENS].tobytes()
+      if nbytes is not None:
+        record += nbytes[start:start + RECORD_TOKENS].tobytes()
+      writer.write(record)
+    writer.close()
+    with open(tmp, "rb") as f:
+      os.fsync(f.fileno())
+    digest = _sha256_file(tmp)
+    os.replace(tmp, path)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+  meta = {
+      "file": name, "tokens": int(len(ids)), "records": -(-len(ids) // RECORD_TOKENS),
+      "size": path.stat().st_size, "sha256": digest, "text_sha256": _task_hash(task),
+      "tokenizer_sha256": tok_sha, "documents": int(sum(task["ends"])),
+      "characters": int(sum(map(len, task["pieces"]))), "bytes": int(text_bytes),
+  }
+  _write_json(_sidecar(out_dir, task["split"], task["index"]), meta)
+  return meta
+
+
+def _done(out_dir: Path, task: dict, tok_sha: str) -> dict | None:
+  """The sidecar of an intact, already written shard of ``task``, or None."""
+  side = _sidecar(out_dir, task["split"], task["index"])
+  try:
+    meta = json.loads(side.read_text())
+    path = out_dir / meta["file"]
+    ok = (meta["text_sha256"] == _task_hash(task) and meta["tokenizer_sha256"] == tok_sha
+          and path.stat().st_size == meta["size"] and _sha256_file(path) == meta["sha256"])
+  except (OSError, ValueError, KeyError):
+    return None
+  return meta if ok else None
+
+
+def _tokenizer(data_config, splits: sources.TextSplits, out_dir: Path
+               ) -> tuple[tokenizer_lib.Tokenizer, bytes, bool]:
+  path = out_dir / TOKENIZER
+  if data_config.tokenizer:
+    given = tokenizer_lib.load_tokenizer(data_config.tokenizer, data_config.vocab_size)
+    model = given.path.read_bytes()
+    trained = False
+  elif path.is_file():  # an interrupted prepare of the same fingerprint trained it already
+    model, trained = path.read_bytes(), True
+  else:
+    model = tokenizer_lib.train_model(splits.train, data_config.vocab_size,
+                                      data_config.tokenizer_model_type)
+    trained = True
+  if not path.is_file() or path.read_bytes() != model:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, model)
+  return tokenizer_lib.Tokenizer(model, path=path), model, trained
+
+
+def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD_CHARS,
+            workers: int | None = None) -> Path:
+  """Prepares the data of ``data_config`` in ``out_dir`` (see the module docstring).
+
+  Args:
+    data_config: the ``data`` group of a resolved config.
+    out_dir: the dataset folder; created if missing. A folder holding another dataset
+      (another fingerprint) is refused.
+    shard_chars: characters of text per shard (recorded in the manifest).
+    workers: encoding processes; None = ``min(2, cpu count)`` for corpora of at least
+      ``POOL_MIN_CHARS`` characters, else this process alone.
+
+  Returns:
+    ``out_dir`` as a Path.
+
+  Raises:
+    ValueError: bad config values or input (one line naming the field or file), or
+      ``out_dir`` holds another dataset.
+    RuntimeError: a TFDS catalog dataset is not prepared and there is no network.
+  """
+  log = logging.getLogger(__name__)
+  out_dir = Path(os.path.expanduser(os.fspath(out_dir)))
+  identity = sources.source_identity(data_config)
+  fp = fingerprint(data_config, identity)
+  manifest_path = out_dir / MANIFEST
+  progress = out_dir / PROGRESS
+  if progress.is_file():
+    try:
+      previous = json.loads(progress.read_text()).get("fingerprint")
+    except ValueError:
+      previous = None
+    if previous != fp:
+      raise ValueError(
+          f"--out={os.fspath(out_dir)} holds another dataset (fingerprint {previous}, this "
+          f"config and text: {fp}); choose another folder or delete it")
+  elif out_dir.is_dir() and any(out_dir.iterdir()):
+    raise ValueError(f"--out={os.fspath(out_dir)} is not empty and holds no prepared dataset; "
+                     "choose an empty or new folder")
+  else:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(progress, {"fingerprint": fp, "format_version": FORMAT_VERSION})
+  if manifest_path.is_file():
+    try:
+      PreparedData.open_manifest(out_dir, verify=True)
+      log.info("prepared data in %s is complete and intact: nothing to do", out_dir)
+      return out_dir
+    except ValueError as e:
+      log.warning("%s; preparing the damaged part again", e)
+      manifest_path.unlink()
+
+  start = time.perf_counter()
+  splits = sources.text_splits(data_config)
+  tok, model, trained = _tokenizer(data_config, splits, out_dir)
+  tok_sha = _sha256_bytes(model)
+  dtype = _token_dtype(tok.vocab_size)
+  docs = {"train": splits.train, "validation": splits.validation}
+  total = (sum(len(d) for split in SPLITS for d in docs[split])
+           if identity["kind"] != "tfds" else None)
+  if workers is None:
+    workers = min(2, os.cpu_count() or 1) if total is None or total >= POOL_MIN_CHARS else 1
+  results: dict[str, list[dict]] = {s: [] for s in SPLITS}
+
+  def jobs() -> Iterator[tuple[dict, str, str, str]]:
+    for split in SPLITS:
+      for task in _shard_tasks(docs[split], split, shard_chars):
+        meta = _done(out_dir, task, tok_sha)
+        if meta is not None:
+          results[split].append(meta)
+          bar.update(meta["characters"])
+          continue
+        yield task, os.fspath(out_dir), dtype, tok_sha
+
+  with tqdm(total=total, desc="prepare: encode", unit="char", unit_scale=True,
+            disable=None, leave=False) as bar, contextlib.ExitStack() as stack:
+    if workers > 1:
+      # spawn, not fork: the caller may already run JAX's threads.
+      pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(
+          workers, initializer=_init_worker, initargs=(model,)))
+      done = pool.imap(_encode_and_write, jobs())
+    else:
+      _init_worker(model)
+      done = map(_encode_and_write, jobs())
+    for meta in done:
+      split = meta["file"].split("-")[0]
+      results[split].append(meta)
+      bar.update(meta["characters"])
+  seconds = time.perf_counter() - start
+
+  split_info = {}
+  for split in SPLITS:
+    shards = sorted(results[split], key=lambda m: m["file"])
+    if not shards or not sum(m["tokens"] for m in shards):
+      raise ValueError(f"the {split} split of {splits.source} is empty; use more text")
+    split_info[split] = {
+        "documents": sum(m["documents"] for m in shards),
+        "tokens": sum(m["tokens"] for m in shards),
+        "characters": sum(m["characters"] for m in shards),
+        "bytes": sum(m["bytes"] for m in shards),
+        "fields": ["tokens", "bytes"] if split == "validation" else ["tokens"],
+        "shards": [{k: m[k] for k in ("file", "tokens", "records", "size", "sha256")}
+                   for m in shards],
+    }
+  manifest = {
+      "format_version": FORMAT_VERSION,
+      "fingerprint": fp,
+      "source": splits.source,
+      "sources": identity,
+      "config": {k: data_config[k] for k in SPEC_KEYS},
+      "tokenizer": {"file": TOKENIZER, "sha256": tok_sha, "vocab_size": tok.vocab_size,
+                    "eos_id": tok.eos_id, "pad_id": tok.pad_id, "trained_here": trained},
+      "token_dtype": dtype,
+      "record_tokens": RECORD_TOKENS,
+      "shard_chars": shard_chars,
+      "splits": split_info,
+  }
+  _write_json(manifest_path, manifest)
+  text_mb = sum(i["bytes"] for i in split_info.values()) / 1e6
+  log.info("prepared %s in %s: %.1f MB of text, %d train / %d validation tokens in %.1f s "
+           "(%.1f MB/s, %d workers)", splits.source, out_dir, text_mb,
+           split_info["train"]["tokens"], split_info["validation"]["tokens"], seconds,
+           text_mb / max(seconds, 1e-9), workers)
+  return out_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+class TokenStream:
+  """One split's token stream (and, for validation, per-token text bytes), read by position.
+
+  Args:
+    directory: the prepared folder.
+    info: the split's manifest entry.
+    dtype: the manifest's ``token_dtype``.
+  """
+
+  def __init__(self, directory: Path, info: dict, dtype: str):
+    self.num_tokens = int(info["tokens"])
+    self.has_bytes = "bytes" in info["fields"]
+    self._dtype = np.dtype(dtype)
+    self._record = RECORD_TOKENS
+    shards = info["shards"]
+    self._tok_off = np.cumsum([0] + [s["tokens"] for s in shards]).tolist()
+    self._rec_off = np.cumsum([0] + [s["records"] for s in shards]).tolist()
+    self._source = array_record_data_source.ArrayRecordDataSource(
+        [os.fspath(directory / s["file"]) for s in shards])
+
+  def _record_of(self, pos: int) -> tuple[int, int, int]:
+    """(global record index, offset in it, tokens left in it) of stream position ``pos``."""
+    s = bisect.bisect_right(self._tok_off, pos) - 1
+    local = pos - self._tok_off[s]
+    r, off = divmod(local, self._record)
+    left = min(self._record, self._tok_off[s + 1] - self._tok_off[s] - r * self._record) - off
+    return self._rec_off[s] + r, off, left
+
+  def read(self, starts: np.ndarray, length: int, fill: int
+           ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """Returns ``(tokens, nbytes, valid)`` of rows ``stream[start : start + length]``.
+
+    ``tokens``: int32 ``[rows, length]``, ``fill`` past the end of the stream; ``nbytes``:
+    int32 likewise (0 past the end), None for a split without bytes; ``valid``: int64
+    ``[rows]``, the real tokens per row.
+    """
+    plan = []
+    for start in np.asarray(starts, np.int64).tolist():
+      pos, end, row = start, min(start + length, self.num_tokens), []
+      while pos < end:
+        rec, off, left = self._record_of(pos)
+        take = min(left, end - pos)
+        row.append((rec, off, take))
+        pos += take
+      plan.append(row)
+    wanted = sorted({rec for row in plan for rec, _, _ in row})
+    raw = dict(zip(wanted, self._source.__getitems__(wanted), strict=True)) if wanted else {}
+    rows = len(plan)
+    tokens = np.full((rows, length), fill, np.int32)
+    nbytes = np.zeros((rows, length), np.int32) if self.has_bytes else None
+    valid = np.zeros(rows, np.int64)
+    decoded: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+    for i, row in enumerate(plan):
+      at = 0
+      for rec, off, take in row:
+        if rec not in decoded:
+          data = raw[rec]
+          if self.has_bytes:
+            n = len(data) // (self._dtype.itemsize + 4)
+            decoded[rec] = (np.frombuffer(data, self._dtype, n),
+                            np.frombuffer(data, "<u4", n, offset=n * self._dtype.itemsize))
+          else:
+            decoded[rec] = (np.frombuffer(data, self._dtype), None)
+        t, b = decoded[rec]
+        tokens[i, at:at + take] = t[off:off + take]
+        if nbytes is not None:
+          nbytes[i, at:at + take] = b[off:off + take]
+        at += take
+      valid[i] = at
+    return tokens, nbytes, valid
+
+
+class StreamWindows:
+  """Packed windows of ``seq_len + 1`` tokens over a ``TokenStream``, like ``packing.pack``.
+
+  Args:
+    stream: the split's tokens.
+    seq_len: ``data.seq_len``.
+    eos_id, pad_id: tokenizer ids.
+    keep_tail: as ``packing.pack`` (False for train, True for validation).
+    split: split name, for errors.
+
+  Raises:
+    ValueError: as ``packing.pack`` when the split holds no window.
+  """
+
+  def __init__(self, stream: TokenStream, seq_len: int, eos_id: int, pad_id: int, *,
+               keep_tail: bool, split: str):
+    if seq_len < 1:
+      raise ValueError(f"data.seq_len={seq_len} must be >= 1")
+    self.stream, self.eos_id, self.pad_id = stream, int(eos_id), int(pad_id)
+    self.width = seq_len + 1
+    n = stream.num_tokens
+    self.num_windows = n // self.width if not keep_tail else -(-n // self.width)
+    if self.num_windows == 0 or (keep_tail and n < 2):
+      what = ("one full train window needs seq_len + 1 tokens" if not keep_tail
+              else "it needs at least 2 tokens")
+      raise ValueError(
+          f"data.seq_len={seq_len} is too long for the {split} split: it has {n} tokens "
+          f"(EOS included) and {what}; lower data.seq_len or use more text")
+
+  @property
+  def seq_len(self) -> int:
+    return self.width - 1
+
+  @property
+  def has_bytes(self) -> bool:
+    return self.stream.has_bytes
+
+  def rows(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+    """Windows ``idx`` as ``packing.Windows.rows`` returns them."""
+    idx = np.asarray(idx, np.int64)
+    tokens, nbytes, valid = self.stream.read(idx * self.width, self.width, self.pad_id)
+    pos = np.arange(self.width)
+    real = pos[None, :] < valid[:, None]
+    # EOS ends its document: positions after k EOS of the window are in its (k+1)-th document.
+    eos_before = np.cumsum(tokens == self.eos_id, axis=1) - (tokens == self.eos_id)
+    segment_ids = np.where(real, eos_before + 1, 0).astype(np.int32)
+    return {"tokens": tokens, "segment_ids": segment_ids, "nbytes": nbytes}
+
+
+class PreparedData:
+  """A prepared folder opened for reading: its manifest, tokenizer and split streams."""
+
+  def __init__(self, directory: Path, manifest: dict):
+    self.directory = directory
+    self.manifest = manifest
+    self.tokenizer = tokenizer_lib.Tokenizer.from_file(directory / manifest["tokenizer"]["file"])
+    self.streams = {split: TokenStream(directory, manifest["splits"][split],
+                                       manifest["token_dtype"]) for split in SPLITS}
+
+  @staticmethod
+  def open_manifest(directory: str | os.PathLike, verify: bool = True) -> dict:
+    """Reads ``directory``'s manifest and checks that every file it lists is there, of its
+    size and (``verify``) sha256.
+
+    Raises:
+      ValueError: one line naming the folder or the damaged file and what to do.
+    """
+    directory = Path(os.path.expanduser(os.fspath(directory)))
+    path = directory / MANIFEST
+    if not path.is_file():
+      raise ValueError(
+          f"data.prepared_dir={os.fspath(directory)}: no {MANIFEST} (not a prepared dataset, "
+          "or its prepare did not finish); run python -m cem_jax.prepare --out=DIR again")
+    try:
+      manifest = json.loads(path.read_text())
+    except ValueError as e:
+      raise ValueError(f"{path} is not valid JSON ({e}); run prepare again") from None
+    if manifest.get("format_version") != FORMAT_VERSION or manifest.get(
+        "record_tokens") != RECORD_TOKENS:
+      raise ValueError(
+          f"{path}: format {manifest.get('format_version')} with {manifest.get('record_tokens')}"
+          f"-token records; this version reads format {FORMAT_VERSION} with {RECORD_TOKENS}; "
+          "prepare the data again")
+    files = [(manifest["tokenizer"]["file"], None, manifest["tokenizer"]["sha256"])]
+    for split in SPLITS:
+      files += [(s["file"], s["size"], s["sha256"]) for s in manifest["splits"][split]["shards"]]
+    for name, size, sha in files:
+      f = directory / name
+      try:
+        actual = f.stat().st_size
+      except OSError as e:
+        raise ValueError(f"{f}: damaged prepared data: cannot read it ({e.strerror}); run "
+                         "prepare again to rebuild it") from None
+      if size is not None and actual != size:
+        raise ValueError(f"{f}: damaged prepared data: {actual} bytes, the manifest says "
+                         f"{size}; run prepare again to rebuild it")
+      if verify and _sha256_file(f) != sha:
+        raise ValueError(f"{f}: damaged prepared data: sha256 differs from the manifest's; "
+                         "run prepare again to rebuild it")
+    return manifest
+
+  @classmethod
+  def open(cls, directory: str | os.PathLike, data_config=None) -> PreparedData:
+    """Opens a prepared folder; with ``data_config`` checks that it fits (see ``check_fits``).
+
+    Raises:
+      ValueError: no or damaged manifest/shard/tokenizer, or a dataset not made for the
+        config (one line naming the file or field).
+    """
+    directory = Path(os.path.expanduser(os.fspath(directory)))
+    manifest = cls.open_manifest(directory, verify=True)
+    if data_config is not None:
+      check_fits(manifest, data_config, directory)
+    try:
+      return cls(directory, manifest)
+    except RuntimeError as e:  # array_record/sentencepiece reading a file that is not theirs
+      raise ValueError(f"{directory}: damaged prepared data: {str(e).splitlines()[0]}") from None
+
+
+def check_fits(manifest: dict, data_config, directory: Path) -> None:
+  """Checks that a prepared manifest fits the ``data`` config: equal ``vocab_size``, the same
+  given tokenizer (by sha256), and the same source where the config names one (``data.files``
+  or ``data.tfds_name`` left empty take the prepared dataset's; ``validation_fraction`` and
+  the trained tokenizer's model type must match). ``seq_len`` and ``shuffle_seed`` do not
+  matter: windows are cut when read.
+
+  Raises:
+    ValueError: one line naming the field, both values and the folder.
+  """
+  d, saved = data_config, manifest["config"]
+  where = f"data.prepared_dir={os.fspath(directory)}"
+
+  def mismatch(field, ours, theirs):
+    return ValueError(f"data.{field}={ours!r} does not fit {where}, prepared with {theirs!r}; "
+                      f"use the same value or prepare again")
+
+  if manifest["tokenizer"]["vocab_size"] != d.vocab_size:
+    raise mismatch("vocab_size", d.vocab_size, manifest["tokenizer"]["vocab_size"])
+  if d.tokenizer:
+    path = Path(os.path.expanduser(d.tokenizer))
+    sha = _sha256_file(path) if path.is_file() else "missing"
+    if sha != manifest["tokenizer"]["sha256"]:
+      raise mismatch("tokenizer", d.tokenizer, saved["tokenizer"] or "a trained tokenizer")
+  elif manifest["tokenizer"]["trained_here"] and (
+      d.tokenizer_model_type != saved["tokenizer_model_type"]):
+    raise mismatch("tokenizer_model_type", d.tokenizer_model_type, saved["tokenizer_model_type"])
+  kind = manifest["sources"]["kind"]
+  if d.files:
+    ours = [os.fspath(p) for p in sources.text_lib.resolve_files(d.files)]
+    theirs = [f["path"] for f in manifest["sources"].get("files", [])]
+    if ours != theirs:
+      raise mismatch("files", d.files, saved["files"] or f"a {kind} source")
+  if d.tfds_name and d.tfds_name != saved["tfds_name"]:
+    raise mismatch("tfds_name", d.tfds_name, saved["tfds_name"] or f"a {kind} source")
+  if not d.files and not d.tfds_name and kind == "builtin" and d.builtin != saved["builtin"]:
+    raise mismatch("builtin", d.builtin, saved["builtin"])
+  if kind != "tfds" and d.validation_fraction != saved["validation_fraction"]:
+    raise mismatch("validation_fraction", d.validation_fraction, saved["validation_fraction"])
+
+
+def prepared_for(data_config, workdir: str | os.PathLike) -> Path:
+  """Returns the folder of the config's prepared data: ``data.prepared_dir`` when set, else
+  ``WORKDIR/data/<fingerprint>``, prepared there first unless complete (an edited file or
+  another tokenizer setting gets a new fingerprint, so it is prepared again).
+
+  Raises:
+    As ``prepare``.
+  """
+  if data_config.prepared_dir:
+    return Path(os.path.expanduser(data_config.prepared_dir))
+  identity = sources.source_identity(data_config)
+  out = Path(workdir) / "data" / fingerprint(data_config, identity)
+  if not (out / MANIFEST).is_file():
+    prepare(data_config, out)
+  return out
+

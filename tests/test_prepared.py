@@ -1,0 +1,335 @@
+"""Tests of the prepared (ArrayRecord) data path: equality with the in-memory reference, the
+held-out split, exact bytes, interrupted and damaged preparations, fit to the config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+from conftest import closed_port, fake_catalog
+
+from cem_jax.config import get_default_config
+from cem_jax.data import build_data, build_data_in_memory, prepared, read_documents
+from cem_jax.data import text as text_lib
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+REPO = Path(__file__).resolve().parents[1]
+needs_shared = pytest.mark.usefixtures("shared_data")
+
+
+def _config(**data):
+  config = get_default_config()
+  config.data.builtin = "pydoc"
+  config.data.seq_len, config.data.vocab_size = 32, 512
+  config.train.batch_size = 8
+  for key, value in data.items():
+    setattr(config.data, key, value)
+  return config
+
+
+def _text(lines: int, tag: str = "") -> str:
+  words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+  return "".join(f"{tag}line {i}: " + " ".join(words[(i * j) % 12] for j in range(1, 9)) + ".\n"
+                 for i in range(lines))
+
+
+def _assert_same_data(a, b, steps=(0, 1, 17)):
+  assert a.stats() | {"source": ""} == b.stats() | {"source": ""}
+  for step in steps:
+    x, y = a.train.batch(step), b.train.batch(step)
+    assert x.keys() == y.keys()
+    for key in x:
+      assert np.array_equal(x[key], y[key]), (step, key)
+  evals = list(zip(a.eval_batches(16), b.eval_batches(16), strict=True))
+  for x, y in evals:
+    assert x.keys() == y.keys() == {"inputs", "targets", "segment_ids", "weights", "target_bytes"}
+    for key in x:
+      assert np.array_equal(x[key], y[key]), key
+
+
+# ---- equality with the in-memory reference ----------------------------------------------------
+
+
+@needs_shared
+def test_prepared_batches_equal_in_memory_batches_on_war_and_peace(tmp_path):
+  config = _config(files=os.fspath(SHARED_DATA / "warpeace.txt"), seq_len=128, vocab_size=1024)
+  config.train.batch_size = 16
+  data = build_data(config, tmp_path / "wd")
+  reference = build_data_in_memory(config)
+  _assert_same_data(data, reference, steps=(0, 5, 500))  # 500: past the first epoch
+  # Exact bytes: the split's text bytes, counted from the text.
+  (doc,) = read_documents([SHARED_DATA / "warpeace.txt"])
+  train, validation = text_lib.interleave_split([doc], 0.1)
+  assert data.eval_bytes == sum(len(t.encode()) for t in validation)
+  assert data.train_bytes + data.eval_bytes == len(doc.encode())
+
+
+def test_prepared_from_a_multi_shard_stream_equals_in_memory(tmp_path):
+  # Several shards per split and documents longer than one encode piece: windows cross
+  # records, shards and documents.
+  docs = [_text(3000, "a"), _text(200, "b"), _text(1500, "c")]
+  paths = []
+  for i, doc in enumerate(docs):
+    paths.append(tmp_path / f"{i}.txt")
+    paths[-1].write_text(doc)
+  config = _config(files=",".join(os.fspath(p) for p in paths), vocab_size=300)
+  out = prepared.prepare(config.data, tmp_path / "prep", shard_chars=20_000)
+  manifest = json.loads((out / "manifest.json").read_text())
+  assert len(manifest["splits"]["train"]["shards"]) >= 5
+  assert len(manifest["splits"]["validation"]["shards"]) >= 1
+  config.data.prepared_dir = os.fspath(out)
+  _assert_same_data(build_data(config, tmp_path / "wd"), build_data_in_memory(config),
+                    steps=(0, 3, 40, 41))
+  assert not (tmp_path / "wd" / "data").exists()  # read from prepared_dir only
+
+
+def test_prepared_from_a_streamed_tfds_catalog_equals_in_memory(tmp_path, monkeypatch):
+  from cem_jax.data import tfds_catalog
+
+  monkeypatch.setattr(tfds_catalog, "PROBE_ADDRESS", ("127.0.0.1", closed_port()))
+  name = fake_catalog(tmp_path / "tfds", [_text(300, "t"), _text(200, "u")], [_text(80, "v")])
+  config = _config(tfds_name=name, tfds_data_dir=os.fspath(tmp_path / "tfds"), vocab_size=300)
+  _assert_same_data(build_data(config, tmp_path / "wd"), build_data_in_memory(config))
+
+
+# ---- held-out split ---------------------------------------------------------------------------
+
+
+def test_interleave_split_holds_out_every_kth_chunk():
+  docs = [_text(400, "a"), _text(900, "b"), _text(50, "c")]
+  train, validation = text_lib.interleave_split(docs, 0.2)
+  assert (train, validation) == text_lib.interleave_split(list(docs), 0.2)
+  total = sum(map(len, docs))
+  size = min(text_lib.HOLDOUT_CHUNK_CHARS, -(-total // 20))
+  chunks = [c for d in docs for c in text_lib.holdout_chunks(d, size)]
+  assert validation == chunks[4::5]
+  # Training keeps each document's consecutive chunks together, in order.
+  assert "".join(train) == "".join(c for i, c in enumerate(chunks) if i % 5 != 4)
+  assert all(len({line[0] for line in t.splitlines()}) == 1 for t in train)  # one document
+  assert len(train) > len(docs)  # held-out chunks cut documents
+  frac = sum(map(len, validation)) / total
+  assert 0.17 < frac < 0.23
+  # Held-out text comes from the whole corpus, not its tail.
+  assert any("aline" in v for v in validation) and any("bline" in v for v in validation)
+  with pytest.raises(ValueError, match=r"data\.validation_fraction=0\.6 must be in"):
+    text_lib.interleave_split(docs, 0.6)
+  with pytest.raises(ValueError, match="empty validation split"):
+    text_lib.interleave_split(["x"], 0.1)
+
+
+@needs_shared
+def test_war_and_peace_held_out_text_is_not_its_tail():
+  (doc,) = read_documents([SHARED_DATA / "warpeace.txt"])
+  train, validation = text_lib.interleave_split([doc], 0.1)
+  assert 0.08 < sum(map(len, validation)) / len(doc) < 0.12
+  assert len(validation) >= 15
+  tail = doc[int(0.9 * len(doc)):]
+  assert sum(len(v) for v in validation if v in tail) < 0.2 * sum(map(len, validation))
+
+
+# ---- exact bytes with unknown pieces (issue 14 item 9) ------------------------------------------
+
+
+def test_bits_per_byte_denominator_counts_the_text_with_an_unk_tokenizer(tmp_path):
+  train_text = _text(400)
+  model = tmp_path / "unk.model"
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(train_text.splitlines(keepends=True)), model_prefix=os.fspath(
+          tmp_path / "unk"), vocab_size=80, model_type="bpe", character_coverage=1.0,
+      byte_fallback=False, minloglevel=2, num_threads=1)
+  corpus = tmp_path / "c.txt"
+  # Characters the tokenizer never saw: each becomes <unk>, worth 1-4 bytes of text.
+  corpus.write_text("".join(f"{line} caf\u00e9 \u30ce\u30ce \U0001f600!\n"
+                            for line in _text(300).splitlines()))
+  config = _config(files=os.fspath(corpus), tokenizer=os.fspath(model), vocab_size=80)
+  data = build_data(config, tmp_path / "wd")
+  tok = data.tokenizer
+  (doc,) = read_documents([corpus])
+  _, validation = text_lib.interleave_split([doc], 0.1)
+  true_bytes = sum(len(v.encode()) for v in validation)
+  assert data.eval_bytes == true_bytes
+  rows = data.eval.windows.rows(np.arange(data.eval_windows))
+  assert int(rows["nbytes"].sum()) == true_bytes
+  ids = rows["tokens"][rows["segment_ids"] > 0]
+  assert (ids == tok._sp.unk_id()).sum() > 100
+  piece_bytes = int(tok.token_bytes[ids].sum())
+  assert piece_bytes < true_bytes  # what the old denominator counted
+  # Every unknown piece carries the bytes of the characters it replaced.
+  ids, nbytes = tok.encode_with_bytes("ab \u30ce\u30ce\U0001f600 caf\u00e9\n")
+  assert int(nbytes.sum()) == len("ab \u30ce\u30ce\U0001f600 caf\u00e9\n".encode())
+  assert 10 in nbytes[ids == tok._sp.unk_id()]  # '\u30ce\u30ce\U0001f600': one <unk>, 10 bytes
+
+
+# ---- interrupted, repeated and damaged preparations ---------------------------------------------
+
+
+def _shard_sums(out: Path) -> dict[str, str]:
+  return {p.name: prepared._sha256_file(p) for p in sorted(out.glob("*.array_record"))}
+
+
+_KILLED_AFTER_FIRST_SHARD = """
+import os, signal, sys
+sys.path.insert(0, "tests")
+from cem_jax.data import prepared
+from test_prepared import _config
+original = prepared._encode_and_write
+def write_then_die(job):
+  meta = original(job)
+  os.kill(os.getpid(), signal.SIGKILL)
+prepared._encode_and_write = write_then_die
+prepared.prepare(_config(files=sys.argv[1], vocab_size=300).data, sys.argv[2],
+                 shard_chars=20_000, workers=1)
+"""
+
+
+def test_killed_prepare_then_rerun_equals_an_uninterrupted_one(tmp_path):
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(3000, "a") + "\n\n" + _text(2000, "b"))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  killed = subprocess.run(
+      [sys.executable, "-c", _KILLED_AFTER_FIRST_SHARD, os.fspath(corpus),
+       os.fspath(tmp_path / "a")], cwd=REPO, env={**os.environ, "PYTHONPATH": os.fspath(REPO)},
+      capture_output=True, text=True, timeout=300)
+  assert killed.returncode == -9, killed.stderr[-2000:]
+  assert list((tmp_path / "a").glob("*.array_record")) and not (tmp_path / "a" /
+                                                                  "manifest.json").exists()
+  first = _shard_sums(tmp_path / "a")
+  assert len(first) == 1
+  kept = {p: p.stat().st_mtime_ns for p in (tmp_path / "a").glob("train-00000.*")}
+  with pytest.raises(ValueError, match=r"no manifest\.json.*prepare did not finish"):
+    prepared.PreparedData.open(tmp_path / "a")
+  prepared.prepare(config.data, tmp_path / "a", shard_chars=20_000)
+  prepared.prepare(config.data, tmp_path / "b", shard_chars=20_000)
+  sums = _shard_sums(tmp_path / "a")
+  assert len(sums) >= 3 and sums == _shard_sums(tmp_path / "b")
+  assert {k: sums[k] for k in first} == first
+  assert {p: p.stat().st_mtime_ns for p in kept} == kept  # the finished shard was not redone
+  manifest_a = json.loads((tmp_path / "a" / "manifest.json").read_text())
+  assert manifest_a == json.loads((tmp_path / "b" / "manifest.json").read_text())
+  # Complete: running again is a no-op.
+  mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "a").iterdir()}
+  prepared.prepare(config.data, tmp_path / "a", shard_chars=20_000)
+  assert {p: p.stat().st_mtime_ns for p in (tmp_path / "a").iterdir()} == mtimes
+  # Another config into the same folder is refused.
+  with pytest.raises(ValueError, match=r"--out=.* holds another dataset"):
+    prepared.prepare(_config(files=os.fspath(corpus), vocab_size=320).data, tmp_path / "a")
+
+
+def test_damaged_shard_is_a_one_line_error_naming_the_file(tmp_path):
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(2000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  out = prepared.prepare(config.data, tmp_path / "p", shard_chars=20_000)
+  config.data.prepared_dir = os.fspath(out)
+  build_data(config, tmp_path / "wd")
+  shard = sorted(out.glob("train-*.array_record"))[1]
+  data = bytearray(shard.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  shard.write_bytes(bytes(data))
+  with pytest.raises(ValueError) as info:
+    build_data(config, tmp_path / "wd")
+  assert str(info.value).startswith(f"{shard}: damaged prepared data: sha256")
+  assert "\n" not in str(info.value)
+  shard.write_bytes(bytes(data[:100]))
+  with pytest.raises(ValueError, match=rf"^{shard}: damaged prepared data: 100 bytes"):
+    build_data(config, tmp_path / "wd")
+  shard.unlink()
+  with pytest.raises(ValueError, match=rf"^{shard}: damaged prepared data: cannot read"):
+    build_data(config, tmp_path / "wd")
+  # prepare rebuilds exactly the damaged shard.
+  config.data.prepared_dir = ""
+  prepared.prepare(config.data, out, shard_chars=20_000)
+  config.data.prepared_dir = os.fspath(out)
+  build_data(config, tmp_path / "wd")
+
+
+def test_prepared_dir_must_fit_the_config(tmp_path):
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(2000))
+  other = tmp_path / "d.txt"
+  other.write_text(_text(2000, "x"))
+  out = prepared.prepare(_config(files=os.fspath(corpus), vocab_size=300).data, tmp_path / "p")
+  base = {"prepared_dir": os.fspath(out), "vocab_size": 300}
+  data = build_data(_config(**base, seq_len=16), tmp_path / "wd")  # source from the folder
+  assert data.train.seq_len == 16 and "c.txt" in data.source
+  for field, value, message in (
+      ("vocab_size", 320, r"data\.vocab_size=320 does not fit data\.prepared_dir=.*300"),
+      ("files", os.fspath(other), r"data\.files='.*d\.txt' does not fit"),
+      ("validation_fraction", 0.2, r"data\.validation_fraction=0\.2 does not fit"),
+  ):
+    with pytest.raises(ValueError, match=message):
+      build_data(_config(**{**base, field: value}), tmp_path / "wd")
+  with pytest.raises(ValueError, match=r"no manifest\.json"):
+    build_data(_config(prepared_dir=os.fspath(tmp_path / "nothing")), tmp_path / "wd")
+
+
+def test_workdir_preparation_is_reused_and_follows_edits(tmp_path):
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(2000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  build_data(config, tmp_path / "wd")
+  (first,) = (tmp_path / "wd" / "data").iterdir()
+  mtimes = {p: p.stat().st_mtime_ns for p in first.iterdir()}
+  build_data(config, tmp_path / "wd")
+  assert {p: p.stat().st_mtime_ns for p in first.iterdir()} == mtimes
+  corpus.write_text(_text(2100))
+  build_data(config, tmp_path / "wd")
+  assert len(list((tmp_path / "wd" / "data").iterdir())) == 2
+
+
+# ---- processes read disjoint rows ---------------------------------------------------------------
+
+
+def test_two_processes_read_disjoint_rows_that_make_the_one_process_batch(tmp_path):
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(3000))
+  data = build_data(_config(files=os.fspath(corpus), vocab_size=300), tmp_path / "wd")
+  train = data.train
+  for step in (0, 9, 31):
+    parts = [train.window_indices(step, i, 2) for i in range(2)]
+    assert not set(parts[0].tolist()) & set(parts[1].tolist())
+    assert np.array_equal(np.concatenate(parts), train.window_indices(step))
+    whole = train.batch(step)
+    halves = [train.batch(step, i, 2) for i in range(2)]
+    for key in whole:
+      assert np.array_equal(np.concatenate([h[key] for h in halves]), whole[key])
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def test_prepare_cli_then_main_from_prepared_dir(tmp_path):
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(2000))
+  (tmp_path / "cfg.py").write_text(
+      "from tests.conftest import tiny_config\n"
+      "def get_config():\n"
+      "  c = tiny_config('llama', **{'data.vocab_size': 300, 'data.seq_len': 32,\n"
+      "                  'train.num_steps': 2, 'model.d_model': 32, 'model.mlp_dim': 64,\n"
+      "                  'model.num_heads': 2, 'model.num_layers': 1, 'eval.max_batches': 1})\n"
+      "  return c\n")
+  env = {**os.environ, "PYTHONPATH": os.fspath(REPO)}
+  prep = [sys.executable, "-m", "cem_jax.prepare", f"--config={tmp_path / 'cfg.py'}",
+          f"--config.data.files={corpus}", f"--out={tmp_path / 'p'}"]
+  done = subprocess.run(prep, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert f"prepared {tmp_path / 'p'}; train with --config.data.prepared_dir=" in done.stdout
+  assert "validation: " in done.stdout and " tokens in 1 shards" in done.stdout
+  bad = subprocess.run(prep[:-1] + [f"--out={tmp_path}"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 1
+  assert bad.stderr.strip().splitlines()[-1].startswith(f"error: --out={tmp_path} is not empty")
+  run = subprocess.run(
+      [sys.executable, "-m", "cem_jax.main", f"--config={tmp_path / 'cfg.py'}",
+       f"--workdir={tmp_path / 'w'}", f"--config.data.prepared_dir={tmp_path / 'p'}"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert not (tmp_path / "w" / "data").exists()
+  first = json.loads((tmp_path / "w" / "metrics.jsonl").read_text().splitlines()[0])
+  assert first["data/source"].endswith(f"via {tmp_path / 'p'}")
