@@ -8,8 +8,10 @@ this constant, says here what changed, and re-pins the golden numbers.
 History:
   1: everything before the constant existed.
   2: the warm-up's first update uses ``peak / warmup_steps`` (it used 0, so every update came
-     one schedule step late); the held-out split interleaves chunks of the text instead of
-     taking its tail.
+     one schedule step late); for local files (``data.files``) the held-out split is every
+     k-th chunk of the text instead of its tail (the built-in corpus keeps its held-out
+     pydoc tail); bits/byte counts the text's own bytes (an unknown piece used to count
+     the bytes of its piece, not of the text it replaced).
 """
 
 NUMERICS_VERSION = 2
