@@ -22,6 +22,8 @@ SPLIT_MODES = ("lie_trotter", "joint")
 MLP_CONDITIONS = ("step", "layer")
 PRECOND_TARGETS = ("none", "attention", "mlp", "both")
 DTYPES = ("float32", "bfloat16")
+INNER_OPTIMIZERS = ("gd", "heavy_ball", "nesterov")  # cem_jax/inner.py
+MANIFOLDS = ("euclidean", "sphere")
 # mesh.rules default: logical axis (named in the model code) -> mesh axis, None (replicated) or
 # a tuple of mesh axes. FSDP shards the model dimension of every matrix, tensor parallelism the
 # heads, the MLP width and the vocabulary; batches are split over data x fsdp.
@@ -87,6 +89,13 @@ def get_default_config() -> ml_collections.ConfigDict:
   m.eta_per_step = False  # a separate step size per recursive step
   m.mlp_condition = "step"  # gate input: 'step' (state entering the MLP step) | 'layer'
   m.norm_mode = "prenorm"  # 'prenorm' | 'chain' | 'none' (section 5)
+  # Neighbours of CEM (cem_jax/inner.py): the rule that applies each sub-step's update.
+  m.inner_optimizer = "gd"  # 'gd' | 'heavy_ball' | 'nesterov' (velocity carried across layers)
+  m.momentum_init = 0.5  # initial learned momentum per block, in (0, 1); momentum rules only
+  m.manifold = "euclidean"  # 'euclidean' | 'sphere' (tokens on the sphere of radius sqrt(d))
+  # Shared depth: G unique blocks, layer l runs block l % G (G must divide num_layers);
+  # -1 = num_layers (no sharing).
+  m.num_unique_blocks = -1
   m.remat = "none"  # 'none' | 'full' | 'dots' : jax.checkpoint policy per block
 
   # ---- data --------------------------------------------------------------------------------
@@ -154,6 +163,8 @@ _CHOICES = {
     "model.split": SPLIT_MODES,
     "model.mlp_condition": MLP_CONDITIONS,
     "model.precond": PRECOND_TARGETS,
+    "model.inner_optimizer": INNER_OPTIMIZERS,
+    "model.manifold": MANIFOLDS,
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
     "model.remat": ("none", "full", "dots"),
@@ -230,8 +241,22 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"model.precond_rank={m.precond_rank} has no effect with model.precond='none'; "
         "set model.precond to attention, mlp or both"
     )
+  g = m.num_unique_blocks
+  if isinstance(g, bool) or not isinstance(g, int) or not (g == -1 or 1 <= g <= m.num_layers):
+    raise ValueError(f"model.num_unique_blocks={g!r}; allowed: -1 (= model.num_layers) or an "
+                     f"int in 1..{m.num_layers} (model.num_layers)")
+  if g > 0 and m.num_layers % g:
+    raise ValueError(f"model.num_unique_blocks={g} does not divide model.num_layers="
+                     f"{m.num_layers}; each block is reused num_layers / G times")
+  mi = m.momentum_init
+  if isinstance(mi, bool) or not isinstance(mi, (int, float)) or not 0.0 < mi < 1.0:
+    raise ValueError(f"model.momentum_init={mi!r}; allowed: a float with 0 < momentum < 1")
+  if m.inner_optimizer == "gd" and mi != 0.5:
+    raise ValueError(f"model.momentum_init={mi} has no effect with model.inner_optimizer='gd'; "
+                     "set model.inner_optimizer to heavy_ball or nesterov")
   if m.block == "llama":
-    cem_only = {"num_steps": 1, "diagonal": "none", "precond": "none"}
+    cem_only = {"num_steps": 1, "diagonal": "none", "precond": "none", "inner_optimizer": "gd",
+                "manifold": "euclidean"}
     for key, neutral in cem_only.items():
       if m[key] != neutral:
         raise ValueError(
