@@ -297,3 +297,43 @@ def test_invalid_neighbour_options_fail_at_start_up(overrides, message):
       cfg[group].__dict__["_fields"][leaf] = value  # bypass ConfigDict's type check
   with pytest.raises(ValueError, match=message):
     config_lib.validate(cfg)
+
+
+# ---- the example configs and the table -------------------------------------------------------
+
+def test_neighbours_table_rows_build_with_the_expected_parameter_counts():
+  from cem_jax import tables
+
+  module = tables.load_table("neighbours")
+  counts = {row: tables.parameter_counts(tables.row_config(module, row, "tiny", 0))
+            for row in module.ROWS}
+  layers = 4  # tiny scale
+  cem = counts["cem"]["non_embedding_params"]
+  assert counts["yuriiformer"]["non_embedding_params"] == cem + layers  # one μ per layer
+  shared = counts["cem_shared"]["non_embedding_params"]
+  assert counts["hyperset"]["non_embedding_params"] == shared
+  assert counts["energy_transformer"]["non_embedding_params"] == shared
+  final_norm = 128
+  assert shared - final_norm == (cem - final_norm) // layers  # one block instead of four
+  assert abs(counts["llama_matched"]["non_embedding_params"] / cem - 1) <= 0.02
+  # the cem and llama_matched rows are end_to_end's rows: the table reuses those runs
+  e2e = tables.load_table("end_to_end")
+  for row in ("cem", "llama_matched"):
+    assert tables.config_digest(tables.row_config(module, row, "tiny", 0)) == (
+        tables.config_digest(tables.row_config(e2e, row, "tiny", 0)))
+
+
+def test_example_config_names_its_allowed_args():
+  import importlib.util
+  import os
+
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "experiments", "neighbours.py")
+  spec = importlib.util.spec_from_file_location("neighbours_example", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config("hyperset")
+  assert (c.model.manifold, c.model.num_unique_blocks) == ("sphere", 1)
+  config_lib.validate(c)
+  with pytest.raises(ValueError, match=r"experiments/neighbours.py:nope; allowed: .*yuriiformer"):
+    module.get_config("nope")
