@@ -6,6 +6,7 @@ and peak device memory, prints a table and writes JSON.
 
     python -m cem_jax.bench --preset=tiny                  # CPU, seconds
     python -m cem_jax.bench --preset=gpu125m --out=bench.json   # one GPU, ~125M, bf16
+    python -m cem_jax.bench --preset=gpu125m --attention_impl=xla  # the XLA attention path
 
 FLOPs per token (forward; a training step is 3× forward: the backward costs 2×), counting a
 multiply-add as 2 FLOPs, L layers, width d, MLP width f, sequence length n, vocabulary V,
@@ -57,14 +58,21 @@ VARIANTS = {
     "cem_autodiff": dict(block="cem", update_mode="autodiff"),
     "cem_fused_T2": dict(block="cem", update_mode="fused", num_steps=2),
     "cem_fused_diag": dict(block="cem", update_mode="fused", diagonal="per_head"),
+    # jax.grad of the energy with the online log-sum-exp over 512-key blocks.
+    "cem_autodiff_blocks": dict(block="cem", update_mode="autodiff", energy_block_size=512),
+    # Packed documents (model.document_mask=True, 4 documents per window): the kernel gets
+    # segment ids (splash) or a dense mask (XLA; cuDNN as a bias), never is_causal alone.
+    "llama_docs": dict(block="llama", document_mask=True),
+    "cem_fused_docs": dict(block="cem", update_mode="fused", document_mask=True),
 }
 
 PRESETS = {
     # Each batch holds tokens_per_batch tokens (batch = tokens_per_batch // seq_len), so the
     # seq_len sweep shows the attention's n² cost at a constant number of tokens.
-    # document_mask: the model.document_mask of every variant (True: an explicit [b, n, n]
-    # mask as in training on packed documents; False: is_causal, which reaches cuDNN's flash
-    # attention on GPU). Override with --document_mask.
+    # document_mask: the model.document_mask of every variant that does not set its own
+    # (True: packed documents, an explicit mask or segment ids; False: plain causal attention
+    # over the window, which cuDNN and splash take as structure, no n x n array). Override
+    # with --document_mask. The kernel is model.attention_impl ('auto'; --attention_impl).
     "tiny": dict(d_model=64, num_layers=2, num_heads=4, mlp_dim=256, vocab_size=512,
                  tokens_per_batch=512, seq_lens=[64, 128], widths=[64, 128],
                  dtype="float32", steps=10, warmup=2, document_mask=True),
@@ -74,7 +82,14 @@ PRESETS = {
     "gpu125m": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, vocab_size=32768,
                     tokens_per_batch=16384, seq_lens=[1024, 4096], widths=[768],
                     dtype="bfloat16", steps=10, warmup=3, document_mask=False),
+    # The same model at 4x the tokens per batch (65,536), where kernel launch and optimizer
+    # overheads weigh less.
+    "gpu125m_64k": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=2048,
+                        vocab_size=32768, tokens_per_batch=65536, seq_lens=[1024, 4096],
+                        widths=[768], dtype="bfloat16", steps=10, warmup=3,
+                        document_mask=False),
 }
+DOCUMENTS_PER_WINDOW = 4  # the benchmark batch's packed documents (equal lengths)
 
 
 def flops_per_token(model_cfg, vocab_size: int, seq_len: int) -> float:
@@ -91,7 +106,8 @@ def flops_per_token(model_cfg, vocab_size: int, seq_len: int) -> float:
   return L * (keys + t * per_step) + head
 
 
-def _model_config(preset: dict, variant: dict, seq_len: int, width: int):
+def _model_config(preset: dict, variant: dict, seq_len: int, width: int,
+                  attention_impl: str | None = None):
   c = get_default_config()
   m = c.model
   m.d_model = width
@@ -102,6 +118,8 @@ def _model_config(preset: dict, variant: dict, seq_len: int, width: int):
   m.document_mask = preset.get("document_mask", True)
   for k, v in variant.items():
     m[k] = v
+  if attention_impl is not None:
+    m.attention_impl = attention_impl
   c.data.seq_len = seq_len
   c.train.batch_size = max(1, preset["tokens_per_batch"] // seq_len)
   return c
@@ -134,8 +152,10 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
   b, n = config.train.batch_size, config.data.seq_len
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, vocab_size, (b, n + 1), dtype=np.int32)
+  segment_ids = 1 + np.arange(n, dtype=np.int32) * DOCUMENTS_PER_WINDOW // n
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-           "segment_ids": np.ones((b, n), np.int32), "weights": np.ones((b, n), np.float32)}
+           "segment_ids": np.broadcast_to(segment_ids, (b, n)).copy(),
+           "weights": np.ones((b, n), np.float32)}
   t0 = time.perf_counter()
   compiled = step.lower(params, opt_state, batch).compile()
   compile_s = time.perf_counter() - t0
@@ -151,6 +171,8 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
   achieved = 3 * fpt * b * n / step_s
   peak = PEAK_FLOPS.get(jax.local_devices()[0].device_kind)
   return {
+      "attention": model.attention_impl,
+      "attention_reason": model.attention_reason,
       "params": count_params(model),
       "compile_s": compile_s,
       "step_ms": 1e3 * step_s,
@@ -164,10 +186,12 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
 
 
 def run(preset: str, variants: list[str], out: str | None = None,
-        document_mask: bool | None = None) -> list[dict]:
+        document_mask: bool | None = None, attention_impl: str | None = None) -> list[dict]:
   """Benchmarks ``variants`` over the preset's seq_len and width sweeps; prints and returns rows.
 
-  ``document_mask`` overrides the preset's ``model.document_mask`` for every variant.
+  ``document_mask`` overrides the preset's ``model.document_mask`` (variants that set it
+  keep theirs); ``attention_impl`` sets ``model.attention_impl`` of every variant (default:
+  the config's 'auto'). Each row records the kernel the model actually used.
   """
   p = dict(PRESETS[preset])
   if document_mask is not None:
@@ -178,12 +202,13 @@ def run(preset: str, variants: list[str], out: str | None = None,
   device = jax.local_devices()[0]
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
         f"preset {preset}, {p['tokens_per_batch']} tokens per batch, {p['dtype']}, "
-        f"document_mask={p['document_mask']}", flush=True)
+        f"document_mask={p['document_mask']}, attention_impl={attention_impl or 'auto'}",
+        flush=True)
   for n, width in shapes:
     for name in variants:
-      cfg = _model_config(p, VARIANTS[name], n, width)
+      cfg = _model_config(p, VARIANTS[name], n, width, attention_impl)
       row = {"variant": name, "seq_len": n, "d_model": width,
-             "document_mask": p["document_mask"],
+             "document_mask": cfg.model.document_mask,
              **bench_one(cfg, p["vocab_size"], p["steps"], p["warmup"])}
       rows.append(row)
       print(json.dumps(row), flush=True)
@@ -198,9 +223,9 @@ def run(preset: str, variants: list[str], out: str | None = None,
 def format_table(rows: list[dict]) -> str:
   """A markdown table of the rows, with step-time ratios against Llama and fused CEM."""
   base = {(r["seq_len"], r["d_model"], r["variant"]): r["step_ms"] for r in rows}
-  lines = ["| variant | seq_len | d_model | params | compile s | step ms | tokens/s | "
-           "GFLOP/token | MFU | peak MB | × llama | × cem_fused |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  lines = ["| variant | attention | seq_len | d_model | params | compile s | step ms | "
+           "tokens/s | GFLOP/token | MFU | peak MB | × llama | × cem_fused |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     key = (r["seq_len"], r["d_model"])
     ratio = lambda other, r=r, key=key: (f"{r['step_ms'] / base[(*key, other)]:.2f}"
@@ -208,7 +233,8 @@ def format_table(rows: list[dict]) -> str:
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
     mem = f"{r['peak_memory_mb']:.0f}" if r["peak_memory_mb"] is not None else "n/a"
     lines.append(
-        f"| {r['variant']} | {r['seq_len']} | {r['d_model']} | {r['params'] / 1e6:.2f}M | "
+        f"| {r['variant']} | {r['attention']} | {r['seq_len']} | {r['d_model']} | "
+        f"{r['params'] / 1e6:.2f}M | "
         f"{r['compile_s']:.1f} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
         f"{r['flops_per_token'] / 1e9:.4f} | {mfu} | {mem} | {ratio('llama')} | "
         f"{ratio('cem_fused')} |")
@@ -226,7 +252,7 @@ def main(argv):
   if out_dir and not os.path.isdir(out_dir):  # found out now, not after the whole sweep
     raise SystemExit(f"error: --out={fl.out}: folder {out_dir} does not exist")
   document_mask = None if fl.document_mask is None else fl.document_mask.lower() == "true"
-  run(fl.preset, fl.variants, fl.out, document_mask)
+  run(fl.preset, fl.variants, fl.out, document_mask, fl.attention_impl)
 
 
 if __name__ == "__main__":
@@ -235,4 +261,6 @@ if __name__ == "__main__":
   flags.DEFINE_string("out", None, "Write the rows as JSON here.")
   flags.DEFINE_enum("document_mask", None, ["true", "false"],
                     "Override the preset's model.document_mask (see PRESETS).")
+  flags.DEFINE_enum("attention_impl", None, ["auto", "xla", "cudnn", "splash"],
+                    "model.attention_impl of every variant (default: the config's 'auto').")
   app.run(main, flags_parser=cli.parse_flags)

@@ -9,89 +9,28 @@ Layout of ``DIR/checkpoints`` (``DIR`` = ``--workdir``)::
     rejected/<step>.<time_ns>/  damaged steps moved aside on resume (kept for inspection)
 
 What Orbax does and this module does not repeat: asynchronous writes, atomic commit (a step is
-written to ``<step>.orbax-checkpoint-tmp*`` and renamed when complete; leftovers of a killed
-save are removed when the manager starts), keeping the newest ``keep`` steps, and restoring onto
-whatever shardings the abstract target names (so a checkpoint reads onto another mesh or device
-count).
+written to a temporary folder and renamed when complete; leftovers of a killed save are removed
+when the manager starts), keeping the newest ``keep`` steps, and restoring onto whatever
+shardings the abstract target names (so a checkpoint reads onto another mesh or device count).
 
-What it adds: **integrity**. Orbax lists any integer-named folder as a finished step, so an
-emptied, truncated or bit-flipped step would be restored (or crash the restore). After Orbax
-has written and finalized a step's files but *before* it commits the step (the
-``post_finalization_callback`` of ``AsyncOptions``), process 0 hashes every file of the step
-and writes ``digests/<step>.json``; so a committed step always has its digest, and a digest
-without a step (killed between the two) is harmless. Two files are excluded because the commit
-itself writes them afterwards: ``_CHECKPOINT_METADATA`` (gets a commit timestamp) and the
-top-level ``commit_success.txt``; the latter's presence is checked instead (it is the commit
-marker where rename is not atomic). On resume, steps are verified newest first; a damaged one is
-reported (``logging.warning`` naming the step and the file) and moved to ``rejected/`` so the
-run can save that step number again, and the newest intact step is used. If steps exist but
-none is intact, :class:`CheckpointError` says so. Verification reads every file once (about
-1 GB/s of sha256 per core).
+What it adds: **integrity**, run by :mod:`cem_jax.integrity` (the only module that knows
+Orbax's file names): every step gets a sha256 digest before Orbax commits it, and on resume the
+newest step whose files match their digest is restored; damaged newer steps are reported and
+moved to ``rejected/``. This module only wires that in (the digest hook, the list of steps) and
+checks that a step fits the model before restoring it.
 """
 
 from __future__ import annotations
 
-import glob
-import hashlib
-import json
 import os
-import time
 
 import jax
 import orbax.checkpoint as ocp
-from absl import logging
 
-DIGEST_DIR = "digests"
-REJECTED_DIR = "rejected"
-COMMIT_MARKER = "commit_success.txt"
-# Written by the commit after the digest is taken (see the module docstring).
-_NOT_DIGESTED = ("_CHECKPOINT_METADATA", COMMIT_MARKER)
-_HASH_CHUNK = 1 << 20
+from cem_jax import integrity
+from cem_jax.integrity import COMMIT_MARKER, DIGEST_DIR, REJECTED_DIR, CheckpointError
 
-
-class CheckpointError(ValueError):
-  """A checkpoint cannot be used: none intact, or it does not fit the model/optimizer.
-
-  A ``ValueError`` so that the command line reports it as bad input (one line, exit status 1).
-  """
-
-
-def _file_sha256(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    while chunk := f.read(_HASH_CHUNK):
-      h.update(chunk)
-  return h.hexdigest()
-
-
-def _step_files(step_dir: str) -> list[str]:
-  """Relative paths (``/``-separated, sorted) of the files under ``step_dir``, minus the two the
-  commit writes."""
-  out = []
-  for root, _, files in os.walk(step_dir):
-    for name in files:
-      rel = os.path.relpath(os.path.join(root, name), step_dir).replace(os.sep, "/")
-      if rel not in _NOT_DIGESTED:
-        out.append(rel)
-  return sorted(out)
-
-
-def compute_digest(step_dir: str) -> dict[str, dict]:
-  """Returns ``{relative path: {"size": bytes, "sha256": hex}}`` for the files of a step folder."""
-  out = {}
-  for rel in _step_files(step_dir):
-    path = os.path.join(step_dir, rel)
-    out[rel] = {"size": os.path.getsize(path), "sha256": _file_sha256(path)}
-  return out
-
-
-def _write_json_atomic(path: str, obj) -> None:
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=1, sort_keys=True)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+__all__ = ["COMMIT_MARKER", "DIGEST_DIR", "REJECTED_DIR", "CheckpointError", "Checkpointer"]
 
 
 def _flat_arrays(tree) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -152,10 +91,10 @@ class Checkpointer:
   # -- paths ------------------------------------------------------------------------------------
 
   def step_dir(self, step: int) -> str:
-    return os.path.join(self.directory, str(step))
+    return integrity.step_dir(self.directory, step)
 
   def digest_path(self, step: int) -> str:
-    return os.path.join(self.directory, DIGEST_DIR, f"{step}.json")
+    return integrity.digest_path(self.directory, step)
 
   # -- saving -----------------------------------------------------------------------------------
 
@@ -197,34 +136,9 @@ class Checkpointer:
     return saved
 
   def _write_digest(self) -> None:
-    """Orbax's post-finalization hook: digests the step about to be committed (process 0)."""
-    step = self._saving_step
-    if step is None or jax.process_index() != 0:
-      return
-    # Before the commit the step is still in its temporary folder (atomic-rename filesystems);
-    # where commits use a marker file instead, it is already in its final folder.
-    tmp = sorted(glob.glob(glob.escape(self.step_dir(step)) + ".orbax-checkpoint-tmp*"),
-                 key=os.path.getmtime)
-    folder = tmp[-1] if tmp else self.step_dir(step)
-    os.makedirs(os.path.join(self.directory, DIGEST_DIR), exist_ok=True)
-    _write_json_atomic(self.digest_path(step), {
-        "step": step, "algorithm": "sha256", "excluded": list(_NOT_DIGESTED),
-        "files": compute_digest(folder),
-    })
-
-  def _prune_digests(self) -> None:
-    """Removes digests of steps Orbax has deleted (``keep``); never the one being saved."""
-    if jax.process_index() != 0:
-      return
-    folder = os.path.join(self.directory, DIGEST_DIR)
-    if not os.path.isdir(folder):
-      return
-    steps = set(self.manager.all_steps())
-    newest = max(steps, default=-1)
-    for name in os.listdir(folder):
-      stem = name.removesuffix(".json")
-      if stem.isdigit() and int(stem) not in steps and int(stem) < newest:
-        os.remove(os.path.join(folder, name))
+    """Orbax's post-finalization hook: digests the step about to be committed."""
+    if self._saving_step is not None:
+      integrity.write_digest(self.directory, self._saving_step)
 
   # -- verifying --------------------------------------------------------------------------------
 
@@ -234,34 +148,7 @@ class Checkpointer:
     Each problem is one short phrase naming the file, e.g. ``"state/manifest.ocdbt: 0 bytes,
     digest says 115 (truncated)"``.
     """
-    folder = self.step_dir(step)
-    if not os.path.isdir(folder):
-      return [f"{folder}: no such folder"]
-    if not os.listdir(folder):
-      return [f"{folder}: empty folder"]
-    problems = []
-    if not os.path.isfile(os.path.join(folder, COMMIT_MARKER)):
-      problems.append(f"{folder}/{COMMIT_MARKER}: missing (the save did not finish)")
-    digest_path = self.digest_path(step)
-    try:
-      with open(digest_path) as f:
-        files = json.load(f)["files"]
-    except FileNotFoundError:
-      return problems + [f"{digest_path}: missing (the save did not finish)"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-      return problems + [f"{digest_path}: unreadable ({type(e).__name__})"]
-    for rel, want in sorted(files.items()):
-      path = os.path.join(folder, rel)
-      if not os.path.isfile(path):
-        problems.append(f"{path}: missing")
-        continue
-      size = os.path.getsize(path)
-      if size != want["size"]:
-        kind = "truncated" if size < want["size"] else "grown"
-        problems.append(f"{path}: {size} bytes, digest says {want['size']} ({kind})")
-      elif _file_sha256(path) != want["sha256"]:
-        problems.append(f"{path}: sha256 differs from {digest_path} (damaged)")
-    return problems
+    return integrity.verify(self.directory, step)
 
   def restorable_step(self) -> int | None:
     """The newest intact step, or None when there is no step at all.
@@ -275,42 +162,11 @@ class Checkpointer:
         problem and the fix).
     """
     self.manager.reload()  # the folder may have changed since the manager started
-    steps = sorted(self.manager.all_steps(), reverse=True)
-    rejected = {}
-    for step in steps:
-      problems = self.verify(step)
-      if not problems:
-        break
-      rejected[step] = problems
-      logging.warning("checkpoint step %d is damaged, not restoring it: %s", step,
-                      "; ".join(problems))
-    else:
-      if steps:
-        summary = "; ".join(f"step {s}: {p[0]}" for s, p in rejected.items())
-        raise CheckpointError(
-            f"{self.directory}: no intact checkpoint ({summary}); move the folder away to "
-            "start over, or restore a backup"
-        )
-      return None
-    if rejected and not self.read_only:
-      self._move_aside(sorted(rejected))
+    steps = self.manager.all_steps()
+    step = integrity.newest_intact(self.directory, steps, self.read_only)
+    if step is not None and not self.read_only and step != max(steps):
+      self.manager.reload()  # damaged newer steps were moved aside
     return step
-
-  def _move_aside(self, steps: list[int]) -> None:
-    if jax.process_index() == 0:
-      target = os.path.join(self.directory, REJECTED_DIR)
-      os.makedirs(target, exist_ok=True)
-      for step in steps:
-        dest = os.path.join(target, f"{step}.{time.time_ns()}")
-        os.replace(self.step_dir(step), dest)
-        if os.path.exists(self.digest_path(step)):
-          os.replace(self.digest_path(step), dest + ".digest.json")
-        logging.warning("moved damaged checkpoint step %d to %s", step, dest)
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-
-      multihost_utils.sync_global_devices("cem_jax.checkpoint.move_aside")
-    self.manager.reload()
 
   # -- restoring --------------------------------------------------------------------------------
 
@@ -373,7 +229,7 @@ class Checkpointer:
     """Blocks until pending saves are committed (raising their errors); prunes old digests."""
     self.manager.wait_until_finished()
     self.manager.check_for_errors()
-    self._prune_digests()
+    integrity.prune_digests(self.directory, self.manager.all_steps())
 
   def close(self) -> None:
     self.wait()

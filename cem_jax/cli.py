@@ -7,10 +7,13 @@ value and what is allowed, and exit status 1 — never a traceback for a typo.
 
 from __future__ import annotations
 
-import re
+import difflib
+import importlib.util
 import sys
 
 from absl import flags, logging
+
+CONFIG_FLAG = "config"
 
 
 def _fail(message: str) -> None:
@@ -18,34 +21,76 @@ def _fail(message: str) -> None:
   sys.exit(1)
 
 
+def _one_line(e: BaseException) -> str:
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  return lines[-1] if lines else type(e).__name__
+
+
+def _run_config_file(spec: str):
+  """Runs the config file ``FILE[:ARG]`` by itself, as ml_collections does.
+
+  Returns ``(config, None)``, or ``(None, one line naming the file)`` when it raises: the
+  cause of ml_collections rejecting ``--config``, found without reading its message.
+  """
+  path, _, arg = spec.partition(":")
+  try:
+    module_spec = importlib.util.spec_from_file_location("cem_jax_cli_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(*([arg] if arg else [])), None
+  except Exception as e:  # the user's file: any exception is its message to the user
+    message = _one_line(e)
+    return None, (message if path in message else f"--{CONFIG_FLAG}={spec}: {message}")
+
+
+def _unknown_override(config, argv) -> str | None:
+  """The first ``--config.KEY=VALUE`` whose KEY is not a field of ``config``, as one line with
+  the closest field name (None when every KEY exists)."""
+  for arg in argv[1:]:
+    if not arg.startswith(f"--{CONFIG_FLAG}."):
+      continue
+    name = arg.split("=", 1)[0]
+    node, path = config, CONFIG_FLAG
+    for part in name[len(CONFIG_FLAG) + 3:].split("."):
+      if not hasattr(node, "keys"):
+        return f"{name}: the config has no field {part!r}; {path} is a value, not a group"
+      if part not in node.keys():
+        close = difflib.get_close_matches(part, list(node.keys()), n=1)
+        hint = (f"did you mean {close[0]!r}?" if close
+                else "see cem_jax/config.py for the fields")
+        return f"{name}: the config has no field {part!r}; {hint}"
+      node, path = node[part], f"{path}.{part}"
+  return None
+
+
 def parse_flags(argv):
   """absl flag parsing with one-line errors; pass as ``app.run(main, flags_parser=...)``.
 
   Covers: a bad flag value (absl's own message, first line), a ``--config`` file whose
-  ``get_config`` raises (the exception's last line), and a misspelt ``--config.KEY`` override
-  (ml_collections raises a bare ``AttributeError``/``KeyError``).
+  ``get_config`` raises (its message, naming the file), and a misspelt ``--config.KEY``
+  override (the field that does not exist and the closest one). The causes are found by
+  checking the values (running the config file, looking the keys up), not by reading the
+  libraries' message texts.
   """
+  given = [a for a in argv[1:] if a.startswith(f"--{CONFIG_FLAG}=")]
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    text = str(e)
-    if "Error whilst parsing config file" in text:
-      last = [line.strip() for line in text.splitlines() if line.strip()][-1]
-      last = re.sub(r"^\w+Error: ", "", last)
-      given = [a for a in argv[1:] if a.startswith("--config=")]
-      _fail(last if given and given[0][len("--config="):].split(":")[0] in last
-            else f"{given[0] if given else '--config'}: {last}")
-    _fail(text.splitlines()[0])
-  except (AttributeError, KeyError) as e:
-    text = str(e)
-    name = re.search(r"'(\w+)", text)
-    name = name.group(1) if name else text
-    hint = re.search(r'Did you mean "(\w+)"', text)
-    hint = f"did you mean {hint.group(1)!r}?" if hint else "see cem_jax/config.py for the fields"
-    bad = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.") and
-           name in a.split("=", 1)[0].split(".")]
-    where = bad[0] if bad else "--config"
-    _fail(f"{where}: the config has no field {name!r}; {hint}")
+    # ml_collections loads the file while parsing --config: if that flag did not parse, run the
+    # file by itself to learn why (None: it loads, the error is another flag's).
+    failed_to_load = (given and CONFIG_FLAG in flags.FLAGS
+                      and not flags.FLAGS[CONFIG_FLAG].present)
+    cause = _run_config_file(given[0].split("=", 1)[1])[1] if failed_to_load else None
+    _fail(cause or str(e).splitlines()[0])
+  except (AttributeError, KeyError):
+    # ml_collections applies --config.KEY overrides by attribute lookup: a missing field. It
+    # also lets these two escape the config file's own get_config unwrapped.
+    config, cause = _run_config_file(given[0].split("=", 1)[1]) if given else (None, None)
+    if config is not None:
+      cause = _unknown_override(config, argv)
+    if cause is None:
+      raise  # not a misspelt field: a bug, keep the traceback
+    _fail(cause)
 
 
 def load_config(name: str = "config"):

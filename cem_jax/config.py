@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from cem_jax import axes
+
 BLOCKS = ("cem", "llama")
 UPDATE_MODES = ("auto", "fused", "autodiff")
 NORM_MODES = ("prenorm", "chain", "none")
@@ -24,17 +26,8 @@ PRECOND_TARGETS = ("none", "attention", "mlp", "both")
 DTYPES = ("float32", "bfloat16")
 INNER_OPTIMIZERS = ("gd", "heavy_ball", "nesterov")  # cem_jax/inner.py
 MANIFOLDS = ("euclidean", "sphere")
-# mesh.rules default: logical axis (named in the model code) -> mesh axis, None (replicated) or
-# a tuple of mesh axes. FSDP shards the model dimension of every matrix, tensor parallelism the
-# heads, the MLP width and the vocabulary; batches are split over data x fsdp.
-DEFAULT_MESH_RULES = (
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-)
+# mesh.rules default (logical axis -> mesh axes): see axes.py.
+DEFAULT_MESH_RULES = axes.DEFAULT_RULES
 
 
 def get_default_config() -> ml_collections.ConfigDict:
@@ -97,6 +90,14 @@ def get_default_config() -> ml_collections.ConfigDict:
   # -1 = num_layers (no sharing).
   m.num_unique_blocks = -1
   m.remat = "none"  # 'none' | 'full' | 'dots' : jax.checkpoint policy per block
+  # Attention kernel of the Llama block, the fused CEM update (cem_jax/attention.py):
+  # 'auto' (CPU: xla; GPU bf16: cudnn; TPU: splash; the per-head diagonal: xla) | 'xla' |
+  # 'cudnn' | 'splash'. The model logs one line with its choice and why; an explicit choice
+  # that cannot run is an error at start-up.
+  m.attention_impl = "auto"
+  # Key block of the interaction energy's online log-sum-exp (0 = dense scores): jax.grad of
+  # the energy (update_mode='autodiff') then needs memory linear in seq_len.
+  m.energy_block_size = 0
 
   # ---- data --------------------------------------------------------------------------------
   d = c.data = ml_collections.ConfigDict()
@@ -168,6 +169,7 @@ _CHOICES = {
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
     "model.remat": ("none", "full", "dots"),
+    "model.attention_impl": ("auto", "xla", "cudnn", "splash"),
     "data.builtin": ("pydoc", "pydoc+docstrings"),
     "data.tokenizer_model_type": ("bpe", "unigram"),
 }
@@ -180,6 +182,7 @@ _MINIMUMS = {
     "model.num_layers": 1,
     "model.num_steps": 1,
     "model.precond_rank": 0,
+    "model.energy_block_size": 0,
     "data.seq_len": 2,
     "data.vocab_size": 8,
     "train.num_steps": 1,
@@ -192,6 +195,105 @@ _MINIMUMS = {
     "checkpoint.every_steps": 1,
     "checkpoint.keep": 1,
 }
+
+
+# field -> (low, low inclusive, high, high inclusive): a finite real number in that interval
+# (None: unbounded). One rule per numeric float key of the defaults.
+_RANGES = {
+    "model.rope_theta": (0.0, False, None, False),
+    "model.norm_eps": (0.0, False, None, False),
+    "model.init_std": (0.0, False, None, False),
+    # P = diag(softplus(p) + eps) + U U^T starts at I: softplus(p) = 1 - eps needs eps < 1,
+    # and eps > 0 keeps P positive definite (CEM_MATH.md section 3).
+    "model.precond_eps": (0.0, False, 1.0, False),
+    # the learned momentum mu = sigmoid(raw) starts here: 0 and 1 are the sigmoid's limits.
+    "model.momentum_init": (0.0, False, 1.0, False),
+    "train.learning_rate": (0.0, False, None, False),
+    "train.min_learning_rate_ratio": (0.0, True, 1.0, True),
+    "train.weight_decay": (0.0, True, None, False),
+    "train.b1": (0.0, True, 1.0, False),
+    "train.b2": (0.0, True, 1.0, False),
+    # 0 would scale every update to nothing, a negative norm turns descent into ascent.
+    "train.grad_clip": (0.0, False, None, False),
+}
+
+
+def _interval(low, low_in, high, high_in) -> str:
+  left = "" if low is None else f"{low:g} {'<=' if low_in else '<'} "
+  right = "" if high is None else f" {'<=' if high_in else '<'} {high:g}"
+  return f"{left}value{right}" if left or right else "any finite number"
+
+
+def check_range(field: str, value) -> None:
+  """Checks one numeric field against :data:`_RANGES`.
+
+  Raises:
+    ValueError: one line naming the field, the value and the allowed interval; also for
+      nan, inf and non-numbers.
+  """
+  import math
+
+  low, low_in, high, high_in = _RANGES[field]
+  allowed = f"allowed: a finite number, {_interval(low, low_in, high, high_in)}"
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    raise ValueError(f"{field}={value!r}; {allowed}")
+  below = low is not None and (value < low or (value == low and not low_in))
+  above = high is not None and (value > high or (value == high and not high_in))
+  if below or above:
+    raise ValueError(f"{field}={value!r}; {allowed}")
+
+
+# Options that build or change nothing in some configurations. (condition on the model group,
+# why, keys that must then keep their default): a non-default value there would be silently
+# ignored, so validation refuses it.
+_CEM_ONLY = ("cem_attention", "cem_mlp", "update_mode", "attention_energy", "mlp_energy",
+             "learn_beta", "learn_eta", "diagonal", "diagonal_form", "precond", "precond_rank",
+             "precond_eps", "precond_shared", "num_steps", "context", "split", "eta_per_step",
+             "mlp_condition", "norm_mode", "energy_block_size", "inner_optimizer",
+             "momentum_init", "manifold")
+_UNUSED = (
+    (lambda m: m.block == "llama", "with model.block='llama' (it applies to CEM blocks only)",
+     _CEM_ONLY),
+    (lambda m: m.block == "cem" and not m.cem_attention,
+     "with model.cem_attention=False (the standard attention has no energy)",
+     ("attention_energy", "learn_beta", "diagonal", "context", "energy_block_size")),
+    (lambda m: m.block == "cem" and not m.cem_mlp,
+     "with model.cem_mlp=False (the standard SwiGLU has no energy)",
+     ("mlp_energy", "mlp_condition")),
+    (lambda m: m.block == "cem" and not (m.cem_attention or m.cem_mlp),
+     "with model.cem_attention=False and model.cem_mlp=False (no energy step)",
+     ("update_mode", "learn_eta")),
+    (lambda m: m.diagonal == "none", "with model.diagonal='none'", ("diagonal_form",)),
+    (lambda m: m.inner_optimizer == "gd", "with model.inner_optimizer='gd' (no velocity)",
+     ("momentum_init",)),
+    (lambda m: m.precond == "none", "with model.precond='none'",
+     ("precond_eps", "precond_shared")),
+    # T=1 has one step: one set of per-step parameters either way (later test-time steps
+    # reuse the last trained step's).
+    (lambda m: m.num_steps == 1, "with model.num_steps=1 (one step: nothing per step)",
+     ("eta_per_step", "precond_shared")),
+)
+
+
+def _check_unused(config: ml_collections.ConfigDict) -> None:
+  m, default = config.model, get_default_config().model
+  for applies, why, keys in _UNUSED:
+    if not applies(m):
+      continue
+    for key in keys:
+      if m[key] == default[key]:
+        continue
+      if m.block == "llama":  # the message users of the llama block have always seen
+        raise ValueError(f"model.{key}={m[key]!r} applies to CEM blocks only; "
+                         f"model.block='llama' needs model.{key}={default[key]!r}")
+      raise ValueError(f"model.{key}={m[key]!r} has no effect {why}; leave it at "
+                       f"{default[key]!r}")
+  targets = {"attention": m.cem_attention, "mlp": m.cem_mlp}
+  wanted = ("attention", "mlp") if m.precond == "both" else (m.precond,)
+  for target in wanted:
+    if m.block == "cem" and target in targets and not targets[target]:
+      raise ValueError(f"model.precond={m.precond!r} preconditions an energy step that "
+                       f"model.cem_{target}=False replaces; choose another model.precond")
 
 
 def _get(config, dotted: str):
@@ -217,8 +319,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"{field}={value!r} must be an int (a static Python int)")
     if value < minimum:
       raise ValueError(f"{field}={value} must be >= {minimum}")
+  for field in _RANGES:
+    check_range(field, _get(config, field))
   m = config.model
-  head_dim = m.head_dim if m.head_dim > 0 else m.d_model // m.num_heads
+  if m.param_dtype != "float32":
+    raise ValueError(
+        f"model.param_dtype={m.param_dtype!r}: the optimizer would update bfloat16 weights "
+        "directly (no float32 master copy), so small updates round away; allowed: 'float32' "
+        "(set model.dtype='bfloat16' for bfloat16 compute)")
+  head_dim = axes.head_dim_of(m)
   if m.head_dim <= 0 and m.d_model % m.num_heads:
     raise ValueError(
         f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
@@ -248,40 +357,19 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if g > 0 and m.num_layers % g:
     raise ValueError(f"model.num_unique_blocks={g} does not divide model.num_layers="
                      f"{m.num_layers}; each block is reused num_layers / G times")
-  mi = m.momentum_init
-  if isinstance(mi, bool) or not isinstance(mi, (int, float)) or not 0.0 < mi < 1.0:
-    raise ValueError(f"model.momentum_init={mi!r}; allowed: a float with 0 < momentum < 1")
-  if m.inner_optimizer == "gd" and mi != 0.5:
-    raise ValueError(f"model.momentum_init={mi} has no effect with model.inner_optimizer='gd'; "
-                     "set model.inner_optimizer to heavy_ball or nesterov")
-  if m.block == "llama":
-    cem_only = {"num_steps": 1, "diagonal": "none", "precond": "none", "inner_optimizer": "gd",
-                "manifold": "euclidean"}
-    for key, neutral in cem_only.items():
-      if m[key] != neutral:
-        raise ValueError(
-            f"model.{key}={m[key]!r} applies to CEM blocks only; model.block='llama' "
-            f"needs model.{key}={neutral!r}"
-        )
-  if m.block == "cem" and not m.cem_attention and m.diagonal != "none":
-    raise ValueError(
-        f"model.diagonal={m.diagonal!r} needs the energy attention; set model.cem_attention="
-        "True or model.diagonal='none'"
-    )
-  rest = []
-  for axis in ("data", "fsdp", "tensor"):
-    size = config.mesh[axis]
-    if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
-      raise ValueError(f"mesh.{axis}={size!r}; allowed: -1 (the devices left over) or an "
-                       "int >= 1")
-    rest += [f"mesh.{axis}=-1"] if size == -1 else []
-  if len(rest) > 1:
-    raise ValueError(f"{' and '.join(rest)}: at most one mesh size may be -1 (the devices "
-                     "left over); give the others as ints (mesh.data defaults to -1)")
-  # Imported here: sharding imports jax, which this module must not do at import time.
-  from cem_jax import sharding
+  _check_unused(config)
+  if m.block == "cem" and m.cem_attention and m.diagonal != "none":
+    augmented = head_dim + m.d_model + (m.diagonal_form == "distance")
+  else:
+    augmented = None
+  # Imported here (it imports jax); platform=None: what the machine decides is checked when
+  # the model is built.
+  from cem_jax import attention
 
-  sharding.rules_from_config(config.mesh)
+  attention.resolve(m.attention_impl, platform=None, dtype=m.dtype, head_dim=head_dim,
+                    augmented_head_dim=augmented, seq_len=config.data.seq_len)
+  axes.check_mesh_sizes(config.mesh)
+  axes.rules_from_config(config.mesh)
   mb = config.eval.max_batches
   if isinstance(mb, bool) or not isinstance(mb, int) or (mb < 1 and mb != -1):
     raise ValueError(f"eval.max_batches={mb!r}; allowed: -1 (the whole split) or an int >= 1")
@@ -292,64 +380,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if not 0.0 < vf <= 0.5:
     raise ValueError(f"data.validation_fraction={vf}; allowed: 0 < fraction <= 0.5")
   if m.block == "cem":
-    validate_energies(config)
+    # Imported here: the energy checks need jax, which this module must not import at import
+    # time (start-up errors in the config come before jax loads).
+    from cem_jax.energies import checks
 
-
-def validate_energies(config: ml_collections.ConfigDict) -> None:
-  """Looks up both energies and checks, by abstract evaluation (no compilation), that each
-  returns a scalar float and that the chosen update mode exists for it.
-
-  Raises:
-    ValueError: unknown energy, no closed form for ``update_mode='fused'``, or an energy that
-      returns a non-scalar or non-float value.
-  """
-  # Imported here: config is the leftmost module and must not pull in jax at import time.
-  import jax
-  import jax.numpy as jnp
-
-  from cem_jax import energies, updates
-
-  m = config.model
-  d, h = m.d_model, m.num_heads
-  dh = m.head_dim if m.head_dim > 0 else d // h
-  b, t = 1, 4
-  y = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
-  aux = energies.EnergyAux(
-      mask=jnp.tril(jnp.ones((b, t, t), bool)),
-      positions=jnp.zeros((b, t), jnp.int32),
-      rope_theta=m.rope_theta if m.rope else None,
-      diagonal_form=m.diagonal_form,
-  )
-  att_params = {
-      "w_q": jax.ShapeDtypeStruct((d, h, dh), jnp.float32),
-      "w_k": jax.ShapeDtypeStruct((d, h, dh), jnp.float32),
-      "eta": jax.ShapeDtypeStruct((h,), jnp.float32),
-      "beta": jax.ShapeDtypeStruct((h,), jnp.float32),
-  }
-  if m.diagonal != "none":
-    att_params["diag"] = jax.ShapeDtypeStruct((h, d), jnp.float32)
-  mlp_params = {
-      "w": jax.ShapeDtypeStruct((d, m.mlp_dim), jnp.float32),
-      "g": jax.ShapeDtypeStruct((d, m.mlp_dim), jnp.float32),
-      "eta": jax.ShapeDtypeStruct((), jnp.float32),
-  }
-  slots = []
-  if m.cem_attention:
-    slots.append(("model.attention_energy", "attention", att_params))
-  if m.cem_mlp:
-    slots.append(("model.mlp_energy", "mlp", mlp_params))
-  for field, kind, params in slots:
-    spec = energies.get(m[field.split(".")[1]], kind, field)
-    updates.resolve_update(spec, m.update_mode)
-    try:
-      out = jax.eval_shape(lambda y_, p_, s=spec: s.energy(y_, y_, p_, aux), y, params)
-    except Exception as e:  # the user's function failed on valid shapes: say whose it is
-      raise ValueError(f"{field}={spec.name!r} failed on [batch, seq_len, d_model] inputs: "
-                       f"{type(e).__name__}: {e}") from e
-    if not hasattr(out, "shape") or out.shape != ():
-      shape = getattr(out, "shape", type(out).__name__)
-      raise ValueError(f"{field}={spec.name!r} returns shape {shape}; an energy must return "
-                       "a scalar (sum over batch and positions)")
-    if not jnp.issubdtype(out.dtype, jnp.floating):
-      raise ValueError(f"{field}={spec.name!r} returns dtype {out.dtype}; an energy must "
-                       "return a float scalar")
+    checks.validate_energies(config)

@@ -7,6 +7,8 @@ import json
 import os
 import re
 
+from cem_jax.files import atomic_write_bytes
+
 
 class MetricsWriter:
   """Appends metric lines to ``WORKDIR/metrics.jsonl`` (only where ``enabled``: process 0).
@@ -42,10 +44,7 @@ class MetricsWriter:
               kept.append(line if line.endswith("\n") else line + "\n")
           except (json.JSONDecodeError, KeyError, TypeError):
             continue  # a line cut short by a kill
-      tmp = self.path + ".tmp"
-      with open(tmp, "w") as f:
-        f.writelines(kept)
-      os.replace(tmp, self.path)
+      atomic_write_bytes(self.path, "".join(kept).encode())
     self._file = open(self.path, "a")
 
   def write(self, step: int, metrics: dict) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import ml_collections
+from absl import logging
 from flax import nnx
 
+from cem_jax import attention
 from cem_jax.energies import EnergyAux, make_mask
 from cem_jax.layers import DTYPES, CEMBlock, LlamaBlock, RMSNorm
-from cem_jax.layers.common import param
+from cem_jax.layers.common import head_dim_of, param
 
 BLOCK_TYPES = {"cem": CEMBlock, "llama": LlamaBlock}
 # model.remat -> jax.checkpoint policy: 'full' saves nothing, 'dots' keeps matmul outputs.
@@ -17,6 +19,45 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+_LOGGED: set[str] = set()  # one log line per distinct attention choice, not per model copy
+
+
+def _log_once(line: str) -> None:
+  if line not in _LOGGED:
+    _LOGGED.add(line)
+    logging.info("%s", line)
+
+
+def resolve_attention(cfg, blocks, platform: str | None = None) -> tuple[str, str]:
+  """The attention kernel of a model and why (:func:`cem_jax.attention.resolve`).
+
+  Args:
+    cfg: the ``model`` config group.
+    blocks: the model's blocks (they know whether the CEM update is fused).
+    platform: ``jax.default_backend()`` if None.
+  Raises:
+    ValueError: an explicit ``model.attention_impl`` that cannot run here, or that no layer
+      would use (an autodiff CEM update calls no attention kernel).
+  """
+  platform = jax.default_backend() if platform is None else platform
+  requested = cfg.attention_impl
+  block = blocks[0]
+  if isinstance(block, CEMBlock) and block.att_spec is not None:
+    fused = block.att_update is block.att_spec.fused_update
+    if not fused:
+      if requested not in ("auto", "xla"):
+        raise ValueError(
+            f"model.attention_impl={requested!r} has no effect: the CEM attention update is "
+            f"jax.grad of {cfg.attention_energy!r} (model.update_mode={cfg.update_mode!r}), "
+            "which calls no attention kernel; use 'auto' or 'xla' (memory: "
+            "model.energy_block_size)")
+      return "xla", ("no attention kernel: the CEM update is jax.grad of the energy "
+                     f"(model.energy_block_size={cfg.energy_block_size})")
+  augmented = None
+  if isinstance(block, CEMBlock) and block.att_spec is not None and cfg.diagonal != "none":
+    augmented = head_dim_of(cfg) + cfg.d_model + (cfg.diagonal_form == "distance")
+  return attention.resolve(requested, platform=platform, dtype=cfg.dtype,
+                           head_dim=head_dim_of(cfg), augmented_head_dim=augmented)
 
 
 class DecoderLM(nnx.Module):
@@ -35,8 +76,13 @@ class DecoderLM(nnx.Module):
     cfg: the ``model`` config group (``cem_jax.config``).
     vocab_size: number of token ids (the tokenizer's, ``data.vocab_size``).
     rngs: ``nnx.Rngs`` with a ``params`` stream.
+  The attention kernel (``model.attention_impl``, :mod:`cem_jax.attention`) is resolved here,
+  once, and logged in one line with the reason; ``attention_impl`` and ``attention_reason``
+  hold it.
+
   Raises:
-    ValueError: unknown ``model.block``, or an energy/update option the layers reject.
+    ValueError: unknown ``model.block``, an energy/update option the layers reject, or an
+      explicit ``model.attention_impl`` that cannot run on this machine with this model.
   """
 
   def __init__(self, cfg: ml_collections.ConfigDict, vocab_size: int, *, rngs: nnx.Rngs):
@@ -52,6 +98,9 @@ class DecoderLM(nnx.Module):
     unique = cfg.num_unique_blocks if cfg.num_unique_blocks > 0 else cfg.num_layers
     self.blocks = nnx.List([block_cls(cfg, rngs=rngs) for _ in range(unique)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
+    self.attention_impl, self.attention_reason = resolve_attention(cfg, self.blocks)
+    _log_once(f"attention: {self.attention_impl} ({self.attention_reason}); cached "
+              "decoding: xla")
     if not cfg.tie_embeddings:
       self.lm_head = param(rngs, (cfg.d_model, vocab_size), cfg.init_std,
                            ("embed", "vocab"), pdt)
@@ -60,16 +109,35 @@ class DecoderLM(nnx.Module):
     """Mask and positions for a ``[batch, seq_len]`` input (segment 0 = padding)."""
     cfg = self.cfg
     positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+    impl = self.attention_impl
+    if impl == "splash" and seq_len % attention.SPLASH_BLOCK:
+      if cfg.attention_impl != "auto":
+        raise ValueError(f"model.attention_impl='splash' cannot run: seq_len={seq_len} must "
+                         f"be a multiple of {attention.SPLASH_BLOCK}")
+      impl = "xla"
+      _log_once(f"attention: xla at seq_len={seq_len} (auto: splash needs a multiple of "
+                f"{attention.SPLASH_BLOCK})")
     return EnergyAux(
         mask=make_mask(segment_ids, seq_len, batch, strict=cfg.strict_causal),
         positions=positions,
         rope_theta=cfg.rope_theta if cfg.rope else None,
         diagonal_form=cfg.diagonal_form,
         is_plain_causal=segment_ids is None and not cfg.strict_causal,
+        segment_ids=segment_ids,
+        is_causal=True,
+        strict_causal=cfg.strict_causal,
+        attention_impl=impl,
+        energy_block_size=cfg.energy_block_size,
     )
 
   def make_decode_aux(self, batch: int, num_new: int, max_len: int, index) -> EnergyAux:
-    """Aux for ``num_new`` new tokens at positions ``index..`` against a ``max_len`` cache."""
+    """Aux for ``num_new`` new tokens at positions ``index..`` against a ``max_len`` cache.
+
+    Decoding attends through the same entry point with a dense ``[batch, num_new, max_len]``
+    mask, always on 'xla' (said in the model's log line): the offset ``index`` is traced,
+    splash masks are static and block-aligned, and cuDNN would take the mask as a dense bias
+    on a memory-bound step with no measured gain.
+    """
     cfg = self.cfg
     query = index + jnp.arange(num_new, dtype=jnp.int32)
     keys = jnp.arange(max_len, dtype=jnp.int32)
@@ -81,6 +149,9 @@ class DecoderLM(nnx.Module):
         key_positions=jnp.broadcast_to(keys, (batch, max_len)),
         rope_theta=cfg.rope_theta if cfg.rope else None,
         diagonal_form=cfg.diagonal_form,
+        strict_causal=cfg.strict_causal,
+        attention_impl="xla",
+        energy_block_size=cfg.energy_block_size,
     )
 
   def layer_blocks(self) -> list:
@@ -109,7 +180,8 @@ class DecoderLM(nnx.Module):
         document only; 0 = padding), or None for one causal sequence. Ignored when
         ``model.document_mask`` is False (plain causal attention over the window).
       num_steps: recursive steps per CEM layer at this call (default ``model.num_steps``).
-      trace: also return the energy trace, a list over layers of the block's trace.
+      trace: also return the energy trace, a list over layers of the block's trace: energies
+        summed over the real tokens (``segment_ids > 0``; all tokens without segment ids).
       cache: a decoding cache from :meth:`init_cache`: ``tokens`` are then the new tokens at
         positions ``index, index+1, ...`` (prefill: the prompt at 0; then one at a time).
       index: where the new tokens go in the cache (int or int32 scalar).
@@ -120,6 +192,8 @@ class DecoderLM(nnx.Module):
     b, t = tokens.shape
     if cache is None:
       aux = self.make_aux(segment_ids if self.cfg.document_mask else None, b, t)
+      if segment_ids is not None:  # padding is known even when attention ignores documents
+        aux = aux.replace(real=segment_ids > 0)
     else:
       # Llama caches k/v [batch, max_len, heads, head_dim]; CEM the context
       # [copies, batch, max_len, d_model].

@@ -22,22 +22,29 @@ from cem_jax import cli
 
 
 def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
-  """Scaled and filtered logits ``[batch, vocab]`` (removed entries are -inf).
+  """Scaled and filtered logits ``[batch, vocab]`` float (removed entries are -inf).
 
-  ``top_k`` <= 0 and ``top_p`` >= 1 disable those filters. ``temperature`` must be > 0.
+  ``top_k`` keeps exactly ``k`` tokens and ``top_p`` exactly the smallest prefix of the tokens
+  sorted by logit whose probability mass reaches ``top_p``. Equal logits are ordered by token
+  id (the lower id first), so ties never let an extra token through and the kept set is the
+  same on every call. ``top_k`` <= 0 and ``top_p`` >= 1 disable those filters;
+  ``temperature`` must be > 0.
   """
   logits = logits / temperature
+  rows = jnp.arange(logits.shape[0])[:, None]
   if top_k > 0:
-    kth = jnp.sort(logits, axis=-1)[:, -top_k][:, None]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    # lax.top_k returns k indices, the lower index first among equal values: a threshold
+    # (logits >= the k-th largest) would keep every token tied with the k-th.
+    _, kept = jax.lax.top_k(logits, top_k)
+    keep = jnp.zeros(logits.shape, bool).at[rows, kept].set(True)
+    logits = jnp.where(keep, logits, -jnp.inf)
   if top_p < 1.0:
-    order = jnp.argsort(-logits, axis=-1)
+    order = jnp.argsort(-logits, axis=-1, stable=True)  # ties: the lower id first
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    # a token stays when the mass before it is < top_p (the first token always stays)
     keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p
-    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
-        keep_sorted)
+    keep = jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
     logits = jnp.where(keep, logits, -jnp.inf)
   return logits
 

@@ -16,41 +16,16 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from cem_jax import config as config_lib
-
-MESH_AXES = ("data", "fsdp", "tensor")
-LOGICAL_AXES = ("batch", "embed", "heads", "head_dim", "mlp", "vocab")
-
-# logical axis -> mesh axis (or None: replicated, or a tuple of mesh axes); the default of the
-# config's mesh.rules.
-DEFAULT_RULES = config_lib.DEFAULT_MESH_RULES
-
-
-def mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
-  """Resolves ``mesh.data``, ``mesh.fsdp``, ``mesh.tensor`` (one may be -1 = the rest).
-
-  Raises:
-    ValueError: more than one -1, a size < 1, or sizes whose product is not the device count.
-  """
-  sizes = [mesh_config[a] for a in MESH_AXES]
-  if sizes.count(-1) > 1:
-    raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, sizes, strict=True))}: at most one "
-                     "may be -1")
-  for axis, size in zip(MESH_AXES, sizes, strict=True):
-    if size != -1 and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-      raise ValueError(f"mesh.{axis}={size!r}; allowed: an int >= 1 or -1 (the rest)")
-  known = math.prod(s for s in sizes if s != -1)
-  if -1 in sizes:
-    if num_devices % known:
-      raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, sizes, strict=True))} do not divide "
-                       f"the {num_devices} devices; allowed: sizes whose product divides "
-                       f"{num_devices} (the -1 axis takes the rest)")
-    sizes[sizes.index(-1)] = num_devices // known
-  if math.prod(sizes) != num_devices:
-    raise ValueError(f"mesh.data*mesh.fsdp*mesh.tensor = {'*'.join(map(str, sizes))} = "
-                     f"{math.prod(sizes)}, but there are {num_devices} devices; allowed: sizes "
-                     f"whose product is {num_devices} (one of them may be -1 = the rest)")
-  return tuple(sizes)
+# The layout facts (jax-free, shared with config.py) live in axes.py; re-exported here.
+from cem_jax.axes import (  # noqa: F401
+  DEFAULT_RULES,
+  LOGICAL_AXES,
+  MESH_AXES,
+  check_config,
+  mesh_axes_of,
+  mesh_shape,
+  rules_from_config,
+)
 
 
 def make_mesh(mesh_config, devices=None) -> Mesh:
@@ -77,8 +52,7 @@ def logical_to_spec(logical_axes, rules=DEFAULT_RULES) -> PartitionSpec:
   used, out = set(), []
   for name in logical_axes:
     target = table.get(name) if name is not None else None
-    names = (target,) if isinstance(target, str) else tuple(target or ())
-    names = tuple(n for n in names if n not in used)
+    names = tuple(n for n in mesh_axes_of(target) if n not in used)
     used.update(names)
     out.append(None if not names else names[0] if len(names) == 1 else names)
   return PartitionSpec(*out)
@@ -103,7 +77,7 @@ def param_specs(state, rules=DEFAULT_RULES, mesh: Mesh | None = None):
     fitted = []
     shape = variable.get_value().shape
     for dim, entry in zip(shape, tuple(out) + (None,) * len(shape), strict=False):
-      names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+      names = mesh_axes_of(entry)
       if dim % math.prod(mesh.shape[n] for n in names):
         logging.warning("%s: dimension of size %d is not divisible by mesh axes %s; replicated",
                         jax.tree_util.keystr(path), dim, names)
@@ -119,84 +93,6 @@ def named_shardings(specs, mesh: Mesh):
   """``PartitionSpec`` pytree → ``NamedSharding`` pytree on ``mesh``."""
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-# ---------------------------------------------------------------------------------------------
-# Rules and start-up checks
-
-
-def rules_from_config(mesh_config) -> tuple:
-  """``mesh.rules`` as a tuple of ``(logical, None | mesh_axis | tuple of mesh_axes)``.
-
-  Lists (from ``config.json``) become tuples. A missing ``mesh.rules`` gives ``DEFAULT_RULES``.
-
-  Raises:
-    ValueError: a malformed pair, an unknown logical axis or an unknown mesh axis (one line).
-  """
-  raw = mesh_config.get("rules", None) if hasattr(mesh_config, "get") else None
-  if raw is None:
-    return DEFAULT_RULES
-  out = []
-  for pair in raw:
-    if isinstance(pair, str) or len(pair) != 2 or not isinstance(pair[0], str):
-      raise ValueError(f"mesh.rules entry {pair!r}; allowed: a pair (logical_axis, mesh_axis or "
-                       "None or a tuple of mesh axes)")
-    logical, target = pair
-    if logical not in LOGICAL_AXES:
-      raise ValueError(f"mesh.rules names logical axis {logical!r}; allowed: "
-                       f"{', '.join(LOGICAL_AXES)}")
-    names = (target,) if isinstance(target, str) else tuple(target or ())
-    bad = [n for n in names if n not in MESH_AXES]
-    if bad:
-      raise ValueError(f"mesh.rules maps {logical!r} to {bad[0]!r}; allowed mesh axes: "
-                       f"{', '.join(MESH_AXES)} (or None: replicated)")
-    out.append((logical, None if not names else names[0] if len(names) == 1 else names))
-  return tuple(out)
-
-
-def _axes_of(logical: str, rules) -> tuple[str, ...]:
-  target = dict(rules).get(logical)
-  return (target,) if isinstance(target, str) else tuple(target or ())
-
-
-def check_config(config, num_devices: int) -> dict[str, int]:
-  """Checks the mesh of ``config`` against the devices and the model/batch sizes.
-
-  Returns the resolved mesh sizes ``{'data': d, 'fsdp': f, 'tensor': t}``.
-
-  Raises:
-    ValueError: one line naming the field, its value and what is allowed, for: mesh sizes that
-      do not multiply to ``num_devices``; ``train.batch_size`` or ``eval.batch_size`` not
-      divisible by the data-parallel size (the mesh axes of ``batch``, data × fsdp by default);
-      ``model.num_heads``, ``model.mlp_dim``, ``model.d_model`` or the head dimension not
-      divisible by the mesh axes ``mesh.rules`` shards them over (tensor; fsdp for d_model).
-  """
-  sizes = dict(zip(MESH_AXES, mesh_shape(config.mesh, num_devices), strict=True))
-  rules = rules_from_config(config.mesh)
-  m = config.model
-  head_dim = m.head_dim if m.head_dim > 0 else m.d_model // m.num_heads
-  dims = {"heads": ("model.num_heads", m.num_heads), "mlp": ("model.mlp_dim", m.mlp_dim),
-          "embed": ("model.d_model", m.d_model), "head_dim": ("model.head_dim", head_dim)}
-  for logical, (field, size) in dims.items():
-    axes = _axes_of(logical, rules)
-    n = math.prod(sizes[a] for a in axes)
-    if size % n:
-      over = " x ".join(f"mesh.{a}={sizes[a]}" for a in axes)
-      raise ValueError(f"{field}={size} is not divisible by {over} (mesh.rules shards "
-                       f"{logical!r} over {'x'.join(axes)}); allowed: a {'x'.join(axes)} size "
-                       f"dividing {size}")
-  axes = _axes_of("batch", rules)
-  dp = math.prod(sizes[a] for a in axes)
-  names = " x ".join(f"mesh.{a}" for a in axes) or "(none: mesh.rules replicates batch)"
-  values = " x ".join(str(sizes[a]) for a in axes) or "1"
-  for field in ("train.batch_size", "eval.batch_size"):
-    group, key = field.split(".")
-    bs = config[group][key]
-    if bs % dp:
-      raise ValueError(f"{field}={bs} is not divisible by the {dp} data-parallel devices "
-                       f"({num_devices} devices, {names} = {values}); use a multiple of {dp}, "
-                       f"e.g. {-(-bs // dp) * dp}")
-  return sizes
 
 
 # ---------------------------------------------------------------------------------------------

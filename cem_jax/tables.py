@@ -8,7 +8,10 @@ taking ``"ROW,SCALE"``). Each run trains in ``WORKDIR/TABLE/ROW/seed{S}``: a fin
 skipped (its ``result.json`` exists), an interrupted one resumes from its checkpoint, and a
 run whose resolved config equals a finished run of another table under the same ``WORKDIR``
 (e.g. the Llama baseline shared by the attention, mlp and end_to_end tables) reuses that run's
-result and metrics instead of training again (``reused_from`` in its ``result.json``). Then
+result and metrics instead of training again (``reused_from`` in its ``result.json``). A run
+is reused only when trained under the current :data:`cem_jax.version.NUMERICS_VERSION`
+(``numerics_version`` in its ``result.json``; none = 1): an older one in the row's own folder
+is moved aside to ``seed{S}.numerics_v{N}`` and trained again, with a log line saying so. Then
 ``WORKDIR/TABLE.{md,csv,png}`` are written: parameters (total, non-embedding, attention, MLP),
 analytic FLOPs per token, eval loss (mean ± std over seeds), perplexity, bits per byte and
 training tokens/s; the plot has one eval-loss curve per row (mean over seeds).
@@ -34,8 +37,10 @@ from tqdm import tqdm
 
 from cem_jax import bench, cli, train
 from cem_jax.config import get_default_config
+from cem_jax.files import atomic_write_json
 from cem_jax.metrics import read_metrics
 from cem_jax.model import DecoderLM
+from cem_jax.version import NUMERICS_VERSION
 
 PAPER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                          "experiments", "paper")
@@ -107,10 +112,7 @@ def config_digest(config) -> str:
 
 
 def _write_json(path: str, obj) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2)
-  os.replace(tmp, path)  # written last: a result.json's presence means the run finished
+  atomic_write_json(path, obj)  # written last: a result.json's presence means the run finished
 
 
 RESULT_KEYS = ("row", "seed", "eval/loss", "eval/bits_per_byte", "tokens_per_sec",
@@ -165,12 +167,18 @@ def _read_result(path: str, digest: str | None = None, config=None) -> dict:
   return result
 
 
+def numerics_version(result: dict) -> int:
+  """The numerics version a result was trained under (1 for runs from before versioning)."""
+  return int(result.get("numerics_version", 1))
+
+
 def _finished_run(workdir: str, digest: str, config) -> str | None:
-  """The directory of a finished run under ``workdir`` trained with ``config``, if any."""
+  """The directory of a finished run under ``workdir`` trained with ``config`` under the
+  current numerics version, if any."""
   for path in sorted(glob.glob(os.path.join(workdir, "*", "*", "seed*", "result.json"))):
     result = _read_result(path)
-    if "reused_from" not in result and (result["config_digest"] == digest or _same_config(
-        os.path.dirname(path), config)):
+    if "reused_from" not in result and numerics_version(result) == NUMERICS_VERSION and (
+        result["config_digest"] == digest or _same_config(os.path.dirname(path), config)):
       return os.path.dirname(path)
   return None
 
@@ -186,8 +194,16 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
     cfg = row_config(module, row, scale, seed, steps)
     digest = config_digest(cfg)
     if os.path.exists(result_path):
-      results.append(_read_result(result_path, digest, cfg))
-      continue
+      result = _read_result(result_path, digest, cfg)
+      version = numerics_version(result)
+      if version == NUMERICS_VERSION:
+        results.append(result)
+        continue
+      stale = f"{out}.numerics_v{version}"
+      logging.info("table %s: row %s seed %d was trained under numerics version %d, now %d "
+                   "(cem_jax/version.py): moved to %s, training again", table, row, seed,
+                   version, NUMERICS_VERSION, stale)
+      os.replace(out, stale)
     source = _finished_run(workdir, digest, cfg)
     if source is not None:
       logging.info("table %s: row %s seed %d reuses %s (same config)", table, row, seed, source)
@@ -201,6 +217,7 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
       rates = [m["train/tokens_per_sec"] for m in read_metrics(out)
                if "train/tokens_per_sec" in m]
       result = {"row": row, "seed": seed, **final, "config_digest": digest,
+                "numerics_version": NUMERICS_VERSION,
                 "tokens_per_sec": statistics.median(rates[1:] or rates)}
     _write_json(result_path, result)
     results.append(result)

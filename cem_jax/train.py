@@ -34,9 +34,11 @@ from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax import sharding as sharding_lib
 from cem_jax.checkpoint import Checkpointer
+from cem_jax.files import atomic_write_json
 from cem_jax.layers import DECAYED_PARAM_NAMES
 from cem_jax.metrics import MetricsWriter, read_metrics
 from cem_jax.model import DecoderLM, count_params
+from cem_jax.version import NUMERICS_VERSION
 
 # ---------------------------------------------------------------------------------------------
 # Optimizer
@@ -57,14 +59,34 @@ def decay_mask(params):
 
 
 def make_schedule(cfg: ml_collections.ConfigDict):
-  """Linear warmup to ``train.learning_rate``, then cosine decay to ``min_learning_rate_ratio``."""
-  return optax.warmup_cosine_decay_schedule(
+  """The learning rate of each update: ``schedule(count)`` for the update made after ``count``
+  applied updates (optax's count, 0 for the first).
+
+  Update ``k = count + 1`` uses ``peak * k / warmup_steps`` while ``k <= warmup_steps`` (so the
+  first update already moves the weights, and update ``warmup_steps`` uses the peak
+  ``train.learning_rate``), then a cosine decay reaching ``peak * min_learning_rate_ratio`` at
+  update ``train.num_steps``. ``warmup_steps = 0``: the cosine from the first update.
+  """
+  base = optax.warmup_cosine_decay_schedule(
       init_value=0.0,
       peak_value=cfg.learning_rate,
       warmup_steps=cfg.warmup_steps,
       decay_steps=max(cfg.num_steps, cfg.warmup_steps + 1),
       end_value=cfg.learning_rate * cfg.min_learning_rate_ratio,
   )
+  # optax's schedule gives init_value (0) at count 0: shift by one so update k gets base(k).
+  return lambda count: base(count + 1)
+
+
+def applied_updates(opt_state) -> jax.Array:
+  """Updates applied so far (int32 ``[]``): the count of the learning-rate schedule's state,
+  which a skipped non-finite update (``optax.apply_if_finite``) does not advance."""
+  is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+  states = [x for x in jax.tree.leaves(opt_state, is_leaf=is_sched) if is_sched(x)]
+  if len(states) != 1:
+    raise ValueError(f"expected one learning-rate schedule in the optimizer state, found "
+                     f"{len(states)}; build the optimizer with make_optimizer")
+  return states[0].count
 
 
 def make_optimizer(cfg: ml_collections.ConfigDict):
@@ -173,7 +195,7 @@ def init_state(config: ml_collections.ConfigDict, vocab_size: int, tx, mesh=None
 
 
 def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
-                    shardings: StateShardings | None = None):
+                    shardings: StateShardings | None = None, schedule=None):
   """Returns the jitted ``step(params, opt_state, batch, guard=0, done=0) -> (params, opt_state,
   metrics)``; ``params`` and ``opt_state`` are donated.
 
@@ -182,7 +204,10 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   without, for the inputs' own placement (one device).
 
   ``metrics``: ``loss`` (nats/token), ``grad_norm``, ``nonfinite_total`` (skipped updates so
-  far, optax's count), ``nonfinite_consecutive`` and ``nonfinite_guard``.
+  far, optax's count), ``nonfinite_consecutive``, ``nonfinite_guard`` and, with ``schedule``
+  (:func:`make_optimizer`'s), ``learning_rate``: the rate of this update, ``schedule`` at the
+  updates applied before it (a skipped update does not count, so after one the rate is not a
+  step ahead; on the skipped step itself it is the rate that was not applied).
 
   The guard (int32 ``[]``): pass the previous step's ``metrics["nonfinite_guard"]`` as ``guard``
   and this update's step number (the ``step`` of its metrics line) as ``done``. It becomes the
@@ -207,6 +232,7 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   @functools.partial(jax.jit, donate_argnums=(0, 1), **jit_kwargs)
   def step(params, opt_state, batch, guard=0, done=0):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    lr = None if schedule is None else schedule(applied_updates(opt_state))
     # A NaN/Inf loss or gradient: apply_if_finite (make_optimizer) leaves params and moments
     # unchanged and counts it.
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -222,6 +248,8 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
         "nonfinite_consecutive": opt_state.notfinite_count,
         "nonfinite_guard": guard,
     }
+    if lr is not None:
+      metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
     return params, opt_state, metrics
 
   return step
@@ -235,8 +263,9 @@ def make_eval_step(graphdef, token_bytes: np.ndarray, num_steps: int | None,
   every device, so over every process's rows) come back replicated.
 
   Keys: ``loss_sum`` (nats), ``weight_sum`` (predicted tokens), ``byte_sum`` (their UTF-8
-  bytes) and, with ``energy_trace``, ``energy`` (per layer, per step: the mean per-token
-  energies before/after each sub-step, see :class:`cem_jax.layers.CEMBlock`).
+  bytes) and, with ``energy_trace``, ``energy`` (per layer, per step: the energies before/after
+  each sub-step summed over the real input tokens, see :class:`cem_jax.layers.CEMBlock`) and
+  ``token_sum`` (the number of those tokens, ``segment_ids > 0``).
   ``num_steps`` overrides the recursive steps T of every CEM layer (test-time steps).
   """
   token_bytes = np.asarray(token_bytes, np.float32)  # a constant of the compiled step
@@ -256,6 +285,7 @@ def make_eval_step(graphdef, token_bytes: np.ndarray, num_steps: int | None,
     out = {"loss_sum": loss_sum, "weight_sum": weight_sum, "byte_sum": byte_sum}
     if energy_trace:
       out["energy"] = traces
+      out["token_sum"] = jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)
     return out
 
   return eval_step
@@ -264,7 +294,7 @@ def make_eval_step(graphdef, token_bytes: np.ndarray, num_steps: int | None,
 def energy_metrics(traces) -> dict:
   """Flattens a model's energy trace into ``eval/energy/layer{l}/step{t}/{att,mlp}_{before,after}``.
 
-  ``traces``: list over layers of lists over steps of dicts of scalars (mean energy per token).
+  ``traces``: list over layers of lists over steps of dicts of scalars (energy per token).
   """
   out = {}
   for layer, steps in enumerate(traces):
@@ -277,9 +307,11 @@ def energy_metrics(traces) -> dict:
 def evaluate(eval_step, params, data, cfg, shardings: StateShardings | None = None) -> dict:
   """Runs ``eval_step`` over the validation split; returns ``eval/...`` metrics.
 
-  ``eval/loss`` is nats per predicted token, ``eval/perplexity`` its exponential and
-  ``eval/bits_per_byte`` the total bits over the UTF-8 bytes of the predicted tokens. Energy
-  traces (when ``eval_step`` makes them) are averaged over the evaluated batches.
+  Every per-token metric is a total over all evaluated batches divided by the total count,
+  never a mean of per-batch means, so none depends on ``eval.batch_size`` (or on the padding
+  that fills the last batch): ``eval/loss`` is nats per predicted token, ``eval/perplexity``
+  its exponential, ``eval/bits_per_byte`` the total bits over the UTF-8 bytes of the predicted
+  tokens, and the energy trace (when ``eval_step`` makes it) the energy per real input token.
 
   With ``shardings`` (and an ``eval_step`` made with them) each process reads only its rows of
   every global eval batch; ``eval_step`` sums over all of them on the devices, so every
@@ -288,7 +320,7 @@ def evaluate(eval_step, params, data, cfg, shardings: StateShardings | None = No
   bs = cfg.eval.batch_size
   index, count = (0, 1) if shardings is None else shardings.process_slice(bs)
   totals = {"loss_sum": 0.0, "weight_sum": 0.0, "byte_sum": 0.0}
-  energy_sum, batches = None, 0
+  energy_sum, tokens = None, 0.0
   for i, batch in enumerate(data.eval_batches(bs, index, count)):
     if 0 <= cfg.eval.max_batches <= i:
       break
@@ -298,9 +330,10 @@ def evaluate(eval_step, params, data, cfg, shardings: StateShardings | None = No
     for k in totals:
       totals[k] += float(out[k])
     if "energy" in out:
-      energy_sum = out["energy"] if energy_sum is None else jax.tree.map(
-          lambda a, b: a + b, energy_sum, out["energy"])
-    batches += 1
+      energy = jax.tree.map(np.float64, out["energy"])
+      energy_sum = energy if energy_sum is None else jax.tree.map(
+          lambda a, b: a + b, energy_sum, energy)
+      tokens += float(out["token_sum"])
   loss = totals["loss_sum"] / max(totals["weight_sum"], 1.0)
   metrics = {
       "eval/loss": loss,
@@ -309,19 +342,12 @@ def evaluate(eval_step, params, data, cfg, shardings: StateShardings | None = No
       "eval/tokens": int(totals["weight_sum"]),
   }
   if energy_sum is not None:
-    metrics.update(energy_metrics(jax.tree.map(lambda a: a / batches, energy_sum)))
+    metrics.update(energy_metrics(jax.tree.map(lambda a: a / max(tokens, 1.0), energy_sum)))
   return metrics
 
 
 # ---------------------------------------------------------------------------------------------
 # The loop
-
-
-def _write_json_atomic(path: str, obj) -> None:
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
 
 
 def build_model(config, vocab_size: int) -> DecoderLM:
@@ -451,6 +477,27 @@ def _last_eval(workdir: str) -> dict:
   return {k: v for k, v in evals[-1].items() if k != "step"} if evals else {}
 
 
+# The schedule passing over the training tokens this many times or more gets a warning: from the
+# second pass on the model can fit the training text itself, and held-out loss may rise.
+EPOCHS_WARNING = 2.0
+
+
+def epochs(config: ml_collections.ConfigDict, train_windows: int) -> float:
+  """Passes of the schedule over the training windows: ``num_steps × batch_size / windows``."""
+  return config.train.num_steps * config.train.batch_size / max(train_windows, 1)
+
+
+def best_eval(evals: list[dict]) -> dict:
+  """``eval/best_loss``, ``eval/best_bits_per_byte`` and ``eval/best_step`` (its step) of the
+  eval line with the lowest ``eval/loss``; ``{}`` without eval lines."""
+  evals = [m for m in evals if "eval/loss" in m]
+  if not evals:
+    return {}
+  best = min(evals, key=lambda m: (m["eval/loss"], m["step"]))
+  return {"eval/best_loss": best["eval/loss"],
+          "eval/best_bits_per_byte": best["eval/bits_per_byte"], "eval/best_step": best["step"]}
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains ``config`` in ``workdir``, resuming from its newest intact checkpoint.
 
@@ -470,8 +517,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   SIGTERM (preemption) is honoured at the next step boundary: save, wait for the save, return.
 
+  It logs (and writes as ``data/epochs`` in the step-0 line) how many times the schedule passes
+  over the training windows, with a warning from :data:`EPOCHS_WARNING` passes on, and keeps the
+  best eval beside the last: ``eval/best_*`` in every eval line and ``workdir/best_eval.json``.
+
   Returns:
-    The last eval metrics (``eval/loss`` etc.); ``{}`` if preempted before any eval.
+    The last eval metrics (``eval/loss`` etc.) with the best so far (``eval/best_loss``,
+    ``eval/best_bits_per_byte``, ``eval/best_step``); ``{}`` if preempted before any eval.
 
   Raises:
     ValueError: invalid config, data, devices, workdir or checkpoint (one line naming the
@@ -518,17 +570,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       logging.warning("config differs from the checkpoint's: %s",
                       ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed))
   if is_main:
-    _write_json_atomic(os.path.join(workdir, "config.json"), resolved)
+    atomic_write_json(os.path.join(workdir, "config.json"), resolved, sort_keys=True)
   # A run killed before its first checkpoint starts over: drop its step-0 line too.
   writer = MetricsWriter(workdir, enabled=is_main,
                          truncate_after_step=start_step if start_step > 0 else -1)
+  passes = epochs(config, data.stats()["train_windows"])
   if start_step == 0:
     stats = {f"data/{k}": v for k, v in data.stats().items()}
-    writer.write(0, {"params/total": count_params(model), **stats})
+    writer.write(0, {"params/total": count_params(model), **stats, "data/epochs": passes,
+                     "numerics_version": NUMERICS_VERSION})
+  logging.info("the schedule passes over the training tokens %.2f times (epochs)", passes)
+  if passes >= EPOCHS_WARNING and is_main:
+    logging.warning(
+        "train.num_steps=%d x train.batch_size=%d passes over the %d training windows %.1f "
+        "times: held-out loss may rise after the first epochs (eval/best_* keeps the best "
+        "eval); use more data or fewer steps", config.train.num_steps,
+        config.train.batch_size, data.stats()["train_windows"], passes)
+  # On resume: the eval lines kept (those up to the restored step) hold the best so far.
+  resumed_metrics = is_main and start_step > 0 and os.path.exists(writer.path)
+  best = best_eval(read_metrics(workdir)) if resumed_metrics else {}
 
   cfg_t = config.train
   max_bad = cfg_t.max_consecutive_nonfinite
-  train_step = make_train_step(graphdef, tx, max_bad, shardings)
+  train_step = make_train_step(graphdef, tx, max_bad, shardings, schedule)
   eval_num_steps = None if config.eval.num_steps < 0 else config.eval.num_steps
   trace = config.eval.energy_trace and config.model.block == "cem"
   eval_step = make_eval_step(graphdef, data.tokenizer.token_bytes, eval_num_steps, trace,
@@ -564,7 +628,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           f"non-finite parameters or optimizer state at step {done}, not saved; "
           f"{saved_text()}; lower train.learning_rate"
       )
-    meta = {"step": done, "data_position": done, "seed": config.seed, "config": resolved}
+    meta = {"step": done, "data_position": done, "seed": config.seed, "config": resolved,
+            "numerics_version": NUMERICS_VERSION}
     if ckpt.save(done, state, meta, force=force):
       last_saved = done
 
@@ -586,7 +651,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           writer.write(done, {
               "train/loss": float(m["loss"]),
               "train/grad_norm": float(m["grad_norm"]),
-              "train/learning_rate": float(schedule(step)),
+              "train/learning_rate": float(m["learning_rate"]),
               "train/tokens_per_sec": rate,
               "train/nonfinite_steps": int(m["nonfinite_total"]),
           })
@@ -596,7 +661,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           t_log, step_at_log = now, done
         if done % cfg_t.eval_every_steps == 0 or done == num_steps:
           last_eval = evaluate(eval_step, params, data, config, shardings)
+          if not best or last_eval["eval/loss"] < best["eval/best_loss"]:
+            best = best_eval([{**last_eval, "step": done}])
+          last_eval = {**last_eval, **best}
           writer.write(done, last_eval)
+          if is_main:
+            atomic_write_json(os.path.join(workdir, "best_eval.json"), best, sort_keys=True)
           logging.info("eval at step %d: loss %.4f  ppl %.2f  bits/byte %.4f", done,
                        last_eval["eval/loss"], last_eval["eval/perplexity"],
                        last_eval["eval/bits_per_byte"])

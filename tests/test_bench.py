@@ -32,10 +32,13 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
   rows = bench.run("tiny", ["llama", "cem_fused", "cem_autodiff"], str(out),
                    document_mask=False)
   printed = capsys.readouterr().out
-  assert "| variant | seq_len |" in printed and "| cem_autodiff | 32 | 32 |" in printed
+  assert "| variant | attention | seq_len |" in printed
+  assert "| cem_autodiff | xla | 32 | 32 |" in printed
   assert [r["variant"] for r in rows] == ["llama", "cem_fused", "cem_autodiff"]
   for r in rows:
     assert r["document_mask"] is False and r["peak_memory_mb"] > 0
+    assert r["attention"] == "xla"
+    assert ("jax.grad" if r["variant"] == "cem_autodiff" else "cpu") in r["attention_reason"]
     assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["compile_s"] > 0
     assert r["flops_per_token"] == bench.flops_per_token(
         bench._model_config(tiny, bench.VARIANTS[r["variant"]], 32, 32).model, 512, 32)

@@ -59,17 +59,6 @@ def test_cem_block_one_step_equals_tied_llama_block(segments, update_mode):
   assert _rel(y_cem, y_llama) <= 1e-5
 
 
-def test_with_rope_the_tied_llama_block_is_not_the_gradient_step():
-  """RoPE: the exact gradient rotates the value; Llama with W_V = W_K does not (CEM_MATH §1)."""
-  cfg = model_cfg(rope=True)
-  cem = CEMBlock(cfg, rngs=nnx.Rngs(0))
-  llama = LlamaBlock(cfg, rngs=nnx.Rngs(1))
-  tie_llama_to_cem(llama, cem)
-  aux = DecoderLM(cfg, V, rngs=nnx.Rngs(0)).make_aux(None, B, T)
-  x = _x()
-  assert _rel(cem(x, aux)[0], llama(x, aux)[0]) > 1e-3
-
-
 CAUSAL_CASES = [
     dict(block="llama"),
     dict(block="cem"),

@@ -72,3 +72,44 @@ def test_temperature_sampling_is_seeded_and_validates_length():
   np.testing.assert_array_equal(a, b)
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     sample.generate(graphdef, params, prompt, 0)
+
+
+def _kept_reference(logits, top_k, top_p):
+  """The kept token ids by the definition: sort by (logit descending, id ascending), keep the
+  first k, then the shortest prefix whose softmax mass reaches top_p (float64 NumPy)."""
+  logits = np.asarray(logits, np.float64)
+  order = sorted(range(len(logits)), key=lambda i: (-logits[i], i))
+  if top_k > 0:
+    order = order[:top_k]
+  probs = np.exp(logits[order] - logits[order].max())
+  probs /= probs.sum()
+  kept, mass = [], 0.0
+  for i, p in zip(order, probs, strict=True):
+    if top_p < 1.0 and mass >= top_p:
+      break
+    kept.append(i)
+    mass += p
+  return sorted(kept)
+
+
+@pytest.mark.parametrize("logits, top_k, top_p", [
+    ([1.0, 2.0, 2.0, 2.0, 3.0], 3, 1.0),  # a tie at the k-th place: exactly 3 stay
+    ([5.0, 5.0, 0.0, -1.0], 1, 1.0),
+    ([0.0, 0.0, 0.0, 0.0], 0, 0.5),  # uniform: exactly two tokens reach 0.5
+    ([0.0, 0.0, 0.0, 0.0], 0, 0.51),
+    ([2.0, 1.0, 1.0, 1.0, -3.0], 3, 0.6),
+    ([2.0, 1.0, 1.0, 1.0, -3.0], 0, 0.6),
+])
+def test_filters_keep_exactly_the_defined_tokens_under_ties(logits, top_k, top_p):
+  out = sample.filter_logits(jnp.asarray([logits], jnp.float32), 1.0, top_k, top_p)
+  kept = np.flatnonzero(np.isfinite(np.asarray(out[0]))).tolist()
+  assert kept == _kept_reference(logits, top_k, top_p)
+  if top_k and top_p >= 1.0:
+    assert len(kept) == top_k
+
+
+def test_top_k_1_with_a_tie_always_samples_the_same_token():
+  logits = jnp.asarray([[5.0, 5.0, 0.0, -1.0]])
+  keys = jax.random.split(jax.random.PRNGKey(0), 64)
+  tokens = {int(sample._choose(logits, k, 1.0, 1, 1.0)[0]) for k in keys}
+  assert tokens == {0}

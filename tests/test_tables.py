@@ -150,3 +150,54 @@ def test_a_result_from_another_config_is_not_reused_silently(tmp_path, shared_da
                                "config_digest": "from --steps=3"}))
   with pytest.raises(ValueError, match=r"seed0/result.json was trained with another config"):
     tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"))
+
+
+def test_a_run_from_older_numerics_is_retrained_not_reused(tmp_path, shared_data, monkeypatch,
+                                                           caplog):
+  import logging
+
+  from cem_jax.version import NUMERICS_VERSION
+
+  module = _toy_table(tmp_path, shared_data)
+  workdir = tmp_path / "out"
+  trained = []
+
+  def fake_training(cfg, out):  # writes what a finished run leaves behind, in no time
+    trained.append(out)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+      f.write(json.dumps({"step": 5, "train/tokens_per_sec": 1.0}) + "\n")
+      f.write(json.dumps({"step": 5, "eval/loss": 2.0, "eval/bits_per_byte": 1.0}) + "\n")
+    return {"eval/loss": 2.0, "eval/bits_per_byte": 1.0}
+
+  monkeypatch.setattr(tables.train, "train_and_evaluate", fake_training)
+  first = tables.run_table(module, "toy", "tiny", 1, str(workdir))
+  assert len(trained) == 2 and all(r["numerics_version"] == NUMERICS_VERSION for r in first)
+  # the same rows again: current numerics, nothing retrained; another table reuses them
+  tables.run_table(module, "toy", "tiny", 1, str(workdir))
+  tables.run_table(module, "toy_again", "tiny", 1, str(workdir))
+  assert len(trained) == 2
+  # a finished run from before versioning (no numerics_version: version 1)
+  run = workdir / "toy" / "cem" / "seed0"
+  result = json.loads((run / "result.json").read_text())
+  del result["numerics_version"]
+  (run / "result.json").write_text(json.dumps({**result, "eval/loss": 9.0}))
+  shutil_marker = run / "old_checkpoint_marker"
+  shutil_marker.write_text("x")
+  with caplog.at_level(logging.INFO):
+    again = tables.run_table(module, "toy", "tiny", 1, str(workdir))
+  assert trained[2:] == [str(run)]  # trained again, from an empty folder
+  assert not (run / "old_checkpoint_marker").exists()
+  assert (workdir / "toy" / "cem" / "seed0.numerics_v1" / "old_checkpoint_marker").exists()
+  assert [r["eval/loss"] for r in again] == [2.0, 2.0]
+  assert any(f"numerics version 1, now {NUMERICS_VERSION}" in r.getMessage()
+             for r in caplog.records)
+  # a version-1 run elsewhere is never reused by another table
+  other = workdir / "toy_again" / "llama" / "seed0"
+  src = workdir / "toy" / "llama" / "seed0"
+  result = json.loads((src / "result.json").read_text())
+  del result["numerics_version"]
+  (src / "result.json").write_text(json.dumps(result))
+  (other / "result.json").unlink()
+  tables.run_table(module, "toy_again", "tiny", 1, str(workdir))
+  assert trained[3:] == [str(other)]

@@ -47,6 +47,16 @@ def test_logical_rules_to_partition_specs():
   assert sharding.logical_to_spec(("heads", "mlp")) == P("tensor", None)
 
 
+def test_a_config_file_error_is_one_line_naming_the_file(tmp_path):
+  # The file's own message, prefixed with the flag unless it already names the file.
+  path = tmp_path / "cfg.py"
+  path.write_text("def get_config(arg='x'):\n  raise KeyError(f'no preset {arg}')\n")
+  proc = subprocess.run([sys.executable, "-m", "cem_jax.inspect", f"--config={path}:big"],
+                        capture_output=True, text=True, timeout=300)
+  assert (proc.returncode, proc.stderr.strip()) == (1, f"error: --config={path}:big: "
+                                                       "'no preset big'")
+
+
 def test_mesh_shape_resolution_and_errors():
   cfg = tiny_config().mesh
   cfg.data, cfg.fsdp, cfg.tensor = -1, 2, 2
@@ -55,8 +65,28 @@ def test_mesh_shape_resolution_and_errors():
   with pytest.raises(ValueError, match=r"= 3\*2\*2 = 12, but there are 8 devices"):
     sharding.mesh_shape(cfg, 8)
   cfg.data, cfg.fsdp = -1, -1
-  with pytest.raises(ValueError, match="at most one may be -1"):
+  # The same wording as config.validate: both go through axes.check_mesh_sizes.
+  with pytest.raises(ValueError, match=r"^mesh\.data=-1 and mesh\.fsdp=-1: at most one mesh "
+                     r"size may be -1"):
     sharding.mesh_shape(cfg, 8)
+
+
+def test_one_head_dim_rule_for_validation_mesh_checks_and_parameters():
+  from cem_jax import axes
+  from cem_jax import config as config_lib
+
+  # d_model 64, 4 heads: -1 means 64 // 4 = 16; an explicit head_dim wins.
+  assert axes.head_dim_of(tiny_config().model) == 16
+  assert axes.head_dim_of(tiny_config(**{"model.head_dim": 6}).model) == 6
+  with pytest.raises(ValueError, match=r"^model\.head_dim=5 must be even with model\.rope"):
+    config_lib.validate(tiny_config(**{"model.head_dim": 5}))
+  rules = (*axes.DEFAULT_RULES[:3], ("head_dim", "tensor"), *axes.DEFAULT_RULES[4:])
+  cfg = tiny_config(**{"model.head_dim": 6, "mesh.tensor": 4, "mesh.rules": rules})
+  with pytest.raises(ValueError, match=r"^model\.head_dim=6 is not divisible by mesh\.tensor=4"):
+    sharding.check_config(cfg, 4)
+  model = nnx.eval_shape(lambda: DecoderLM(tiny_config(**{"model.head_dim": 6}).model, 32,
+                                           rngs=nnx.Rngs(0)))
+  assert model.blocks[0].attn.w_q.shape == (64, 4, 6)
 
 
 def test_read_metrics_skips_a_cut_short_last_line_and_names_a_damaged_one(tmp_path):

@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
+
+from cem_jax.files import atomic_write_bytes
 
 MODEL_TYPES = ("bpe", "unigram")
 TRAIN_CHUNK_CHARS = 2000
@@ -214,20 +215,6 @@ def train_model(docs: Sequence[str], vocab_size: int, model_type: str = "bpe") -
   return writer.getvalue()
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    Path(tmp).unlink(missing_ok=True)
-    raise
-
-
 def train_or_load(docs: Sequence[str], vocab_size: int, model_type: str,
                   cache_dir: str | os.PathLike) -> Tokenizer:
   """Returns the tokenizer trained on ``docs``, reusing ``cache_dir/spm_<type>_<vocab>_<key>``
@@ -241,7 +228,8 @@ def train_or_load(docs: Sequence[str], vocab_size: int, model_type: str,
   if path.is_file():
     return Tokenizer.from_file(path)
   model = train_model(docs, vocab_size, model_type)
-  _write_atomically(path, model)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  atomic_write_bytes(path, model)
   return Tokenizer(model, path=path)
 
 

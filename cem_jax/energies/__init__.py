@@ -1,11 +1,12 @@
 """Energies as pure functions ``E(y, context, params, aux) -> scalar`` (no Flax, no state).
 
 See :mod:`cem_jax.energies.base` for the signature and shapes, :mod:`.interaction` for the
-log-sum-exp attention energy, :mod:`.elementwise` for the gated MLP energy and its potentials,
+log-sum-exp attention energy (and :func:`blockwise_logsumexp`, its online form for long
+sequences), :mod:`.elementwise` for the gated MLP energy and its potentials,
 and :mod:`.registry` for looking energies up by name.
 """
 
-from cem_jax.energies.base import EnergyAux, make_mask, masked_logsumexp
+from cem_jax.energies.base import EnergyAux, blockwise_logsumexp, make_mask, masked_logsumexp
 from cem_jax.energies.elementwise import POTENTIALS, make_gated_energy, phi_silu
 from cem_jax.energies.interaction import fused_update as interaction_fused_update
 from cem_jax.energies.interaction import interaction_energy
@@ -17,6 +18,7 @@ __all__ = [
     "EnergySpec",
     "POTENTIALS",
     "apply_rope",
+    "blockwise_logsumexp",
     "get",
     "interaction_energy",
     "interaction_fused_update",

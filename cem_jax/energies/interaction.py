@@ -6,15 +6,25 @@ CEM_MATH.md section 1::
     s_k(y, c)    = <R_i W_Qk y, R_j W_Kk c>                     (+ diagonal term)
 
 Its negative gradient is causal multi-head attention with ``W_V = W_K`` and ``W_O = W_Qᵀ``,
-which :func:`fused_update` computes in closed form through ``jax.nn.dot_product_attention``
-(query ``q``, key ``k``, value ``k``). The per-head step size ``η_k`` weights each head's
+which :func:`fused_update` computes in closed form through
+:func:`cem_jax.attention.dot_product_attention` (query ``β q``, key ``k``, value ``k``, scale 1;
+the kernel is ``aux.attention_impl``). The per-head step size ``η_k`` weights each head's
 energy, so ``-∇E`` already carries it.
 
 Diagonal-plus-low-rank (``A_k = diag(d_k) + W_Qkᵀ W_Kk``):
   - bilinear: ``s += Σ_m d_km y_m c_jm``; update gains ``η_k d_k ⊙ Σ_j a_ij c_j``;
   - distance: ``s += -½ Σ_m d_km (y_m - c_jm)²``; update gains ``η_k d_k ⊙ (Σ_j a_ij c_j - y)``.
 The fused form uses one augmented head ``q̃ = [q, d⊙y, -½]``, ``k̃ = ṽ = [k, c, Σ d c²]``
-(the last column only for the distance form).
+(the last column only for the distance form). That head is wider than flash kernels allow,
+so a diagonal always runs on XLA, in float32: with bf16 compute the distance form's
+``cross - ½(Σd·y² + Σd·c²)`` cancels, and bf16 rounding of each term gave 1.7e-2 relative
+error. For the same reason the energy forms every score with float32 accumulation and output
+(``preferred_element_type``) and the diagonal terms from float32 inputs.
+
+With ``aux.energy_block_size > 0`` the energy is evaluated by
+:func:`cem_jax.energies.base.blockwise_logsumexp` over key blocks, so ``jax.grad`` of it (the
+autodiff update) needs memory linear in seq_len instead of the ``[batch, heads, n, n]``
+scores; same value and gradient as the dense form.
 """
 
 from __future__ import annotations
@@ -22,7 +32,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cem_jax.energies.base import EnergyAux, masked_logsumexp
+from cem_jax import attention
+from cem_jax.energies.base import EnergyAux, blockwise_logsumexp, masked_logsumexp
 from cem_jax.energies.rope import apply_rope
 
 
@@ -43,26 +54,64 @@ def interaction_energy(y: jax.Array, context: jax.Array, params: dict, aux: Ener
     context: ``[batch, seq_len, d_model]`` fixed context (keys).
     params: ``w_q``, ``w_k``: ``[d_model, num_heads, head_dim]``; ``eta``, ``beta``:
       ``[num_heads]``; optional ``diag``: ``[num_heads, d_model]``.
-    aux: mask, positions, RoPE and diagonal form (:class:`EnergyAux`).
+    aux: mask, positions, RoPE, diagonal form and ``energy_block_size``
+      (:class:`EnergyAux`).
   Returns:
     ``[]`` float32: ``Σ_{b,i,k} -(η_k/β_k) lse_k(b, i)``; rows with no visible key give 0.
   """
+  if aux.energy_block_size > 0:
+    return _blockwise_energy(y, context, params, aux)
   q, k = _project(y, context, params, aux)
-  scores = jnp.einsum("bthk,bshk->bhts", q, k)
+  scores = jnp.einsum("bthk,bshk->bhts", q, k, preferred_element_type=jnp.float32)
   diag = params.get("diag")
   if diag is not None:
-    cross = jnp.einsum("btd,hd,bsd->bhts", y, diag, context)
+    y32, c32, d32 = (a.astype(jnp.float32) for a in (y, context, diag))
+    cross = jnp.einsum("btd,hd,bsd->bhts", y32, d32, c32)
     if aux.diagonal_form == "bilinear":
       scores = scores + cross
     elif aux.diagonal_form == "distance":
-      y_sq = jnp.einsum("btd,hd->bht", y * y, diag)[..., :, None]
-      c_sq = jnp.einsum("bsd,hd->bhs", context * context, diag)[..., None, :]
+      y_sq = jnp.einsum("btd,hd->bht", y32 * y32, d32)[..., :, None]
+      c_sq = jnp.einsum("bsd,hd->bhs", c32 * c32, d32)[..., None, :]
       scores = scores + cross - 0.5 * (y_sq + c_sq)
     else:
       raise ValueError(f"diagonal_form={aux.diagonal_form!r}; allowed: bilinear, distance")
   beta = params["beta"].astype(jnp.float32)
-  scores = scores.astype(jnp.float32) * beta[None, :, None, None]
+  scores = scores * beta[None, :, None, None]
   lse = masked_logsumexp(scores, aux.mask[:, None, :, :])  # [b, h, t]
+  weight = params["eta"].astype(jnp.float32) / beta
+  return -jnp.sum(lse * weight[None, :, None])
+
+
+def _augmented_head(y, context, q, k, diag, form):
+  """``q̃ = [q, d⊙y, -½]``, ``k̃ = [k, c, Σ d c²]`` in float32 (module docstring), and the
+  per-query constant ``-½ Σ d y²`` of the distance form (``[b, h, t]``, or None)."""
+  b, t, d = y.shape
+  num_heads = q.shape[2]
+  y32, c32, d32 = (a.astype(jnp.float32) for a in (y, context, diag))
+  q_parts = [q.astype(jnp.float32), y32[:, :, None, :] * d32[None, None]]
+  k_parts = [k.astype(jnp.float32),
+             jnp.broadcast_to(c32[:, :, None, :], (b, context.shape[1], num_heads, d))]
+  row_const = None
+  if form == "distance":
+    q_parts.append(jnp.full((b, t, num_heads, 1), -0.5, jnp.float32))
+    k_parts.append(jnp.einsum("bsd,hd->bsh", c32 * c32, d32)[..., None])
+    row_const = -0.5 * jnp.einsum("btd,hd->bht", y32 * y32, d32)
+  elif form != "bilinear":
+    raise ValueError(f"diagonal_form={form!r}; allowed: bilinear, distance")
+  return jnp.concatenate(q_parts, axis=-1), jnp.concatenate(k_parts, axis=-1), row_const
+
+
+def _blockwise_energy(y, context, params, aux):
+  q, k = _project(y, context, params, aux)
+  beta = params["beta"].astype(jnp.float32)
+  row_const = None
+  diag = params.get("diag")
+  if diag is not None:
+    q, k, row_const = _augmented_head(y, context, q, k, diag, aux.diagonal_form)
+  lse = blockwise_logsumexp(q, k, aux.mask, aux.energy_block_size, beta)  # [b, h, t]
+  if row_const is not None:  # lse(s + a_i) = lse(s) + a_i on rows that see a key
+    visible = jnp.any(aux.mask, axis=-1)[:, None, :]
+    lse = lse + jnp.where(visible, beta[None, :, None] * row_const, 0.0)
   weight = params["eta"].astype(jnp.float32) / beta
   return -jnp.sum(lse * weight[None, :, None])
 
@@ -70,40 +119,46 @@ def interaction_energy(y: jax.Array, context: jax.Array, params: dict, aux: Ener
 def fused_update(y: jax.Array, context: jax.Array, params: dict, aux: EnergyAux):
   """``-∇_y interaction_energy`` in closed form (attention with ``v = k``, ``W_O = W_Qᵀ``).
 
-  Same arguments as :func:`interaction_energy`. Returns ``[batch, seq_len, d_model]`` in
-  ``y.dtype``; rows with no visible key are exactly 0. Equal to the autodiff gradient
+  Same arguments as :func:`interaction_energy`; the attention kernel is
+  ``aux.attention_impl`` (a diagonal needs ``'xla'``). Returns ``[batch, seq_len, d_model]``
+  in ``y.dtype``; rows with no visible key are exactly 0. Equal to the autodiff gradient
   (tested to 1e-5 relative in float32).
+
+  Raises:
+    ValueError: a diagonal with ``aux.attention_impl`` other than ``'xla'``.
   """
-  b, t, d = y.shape
   q, k = _project(y, context, params, aux)
-  num_heads, head_dim = q.shape[2], q.shape[3]
-  beta = params["beta"].astype(q.dtype)
-  eta = params["eta"].astype(q.dtype)
+  head_dim = q.shape[3]
   diag = params.get("diag")
+  impl = aux.attention_impl
   if diag is not None:
-    diag = diag.astype(q.dtype)
-    q_extra = [y[:, :, None, :] * diag[None, None]]  # d ⊙ y   [b, t, h, d]
-    k_extra = [jnp.broadcast_to(context[:, :, None, :], (b, context.shape[1], num_heads, d))]
-    if aux.diagonal_form == "distance":
-      # The -½ Σ d y² term is constant over keys and leaves the softmax unchanged.
-      q_extra.append(jnp.full((b, t, num_heads, 1), -0.5, q.dtype))
-      k_extra.append(jnp.einsum("bsd,hd->bsh", context * context, diag)[..., None])
-    q = jnp.concatenate([q, *q_extra], axis=-1)
-    k = jnp.concatenate([k, *k_extra], axis=-1)
+    if impl != "xla":
+      raise ValueError(f"attention_impl={impl!r} cannot take the CEM per-head diagonal's "
+                       f"augmented head (width {head_dim + y.shape[-1] + 1}); use 'xla'")
+    q, k, _ = _augmented_head(y, context, q, k, diag, aux.diagonal_form)
+    # The -½ Σ d y² row constant leaves the softmax unchanged.
+  beta = params["beta"].astype(q.dtype)
+  eta = params["eta"].astype(jnp.float32)
   q = q * beta[None, None, :, None]  # per-head inverse temperature, so scale=1
   if aux.is_plain_causal:
-    out = jax.nn.dot_product_attention(q, k, k, scale=1.0, is_causal=True)
+    out = attention.dot_product_attention(q, k, k, scale=1.0, implementation=impl,
+                                          is_causal=True)
   else:
-    out = jax.nn.dot_product_attention(q, k, k, mask=aux.mask[:, None], scale=1.0)
+    out = attention.dot_product_attention(
+        q, k, k, scale=1.0, implementation=impl, mask=aux.mask, is_causal=aux.is_causal,
+        strict_causal=aux.strict_causal, segment_ids=aux.segment_ids)
   o = out[..., :head_dim]
   if aux.rope_theta is not None:
     o = apply_rope(o, aux.positions, aux.rope_theta, inverse=True)
-  update = jnp.einsum("bthk,dhk->btd", o * eta[None, None, :, None], params["w_q"])
+  dt = o.dtype
+  update = jnp.einsum("bthk,dhk->btd", o * eta.astype(dt)[None, None, :, None],
+                      params["w_q"].astype(dt))
   if diag is not None:
-    agg = out[..., head_dim : head_dim + d]  # Σ_j a_ij c_j   [b, t, h, d]
+    agg = out[..., head_dim : head_dim + y.shape[-1]]  # Σ_j a_ij c_j   [b, t, h, d] (f32)
     if aux.diagonal_form == "distance":
-      agg = agg - y[:, :, None, :]
-    update = update + jnp.einsum("bthd,hd->btd", agg * eta[None, None, :, None], diag)
+      agg = agg - y.astype(jnp.float32)[:, :, None, :]
+    update = update + jnp.einsum("bthd,hd->btd", agg * eta[None, None, :, None],
+                                 diag.astype(jnp.float32))
   if not aux.is_plain_causal:
     update = update * jnp.any(aux.mask, axis=-1)[..., None].astype(update.dtype)
   return update.astype(y.dtype)

@@ -152,8 +152,9 @@ class CEMBlock(nnx.Module):
   ``[batch, seq_len, d_model]`` and ``aux`` an :class:`cem_jax.energies.EnergyAux`.
   ``num_steps`` overrides T at evaluation (test-time steps; per-step parameters are reused
   from the last trained step beyond T). With ``trace``, ``energy_trace`` is a list, one dict
-  per step, of per-token mean energies before/after each sub-step (``att_before``,
-  ``att_after``, ``mlp_before``, ``mlp_after``); otherwise it is empty.
+  per step, of the energies before/after each sub-step (``att_before``, ``att_after``,
+  ``mlp_before``, ``mlp_after``), each summed over the real tokens of the batch (``aux.real``;
+  divide by their number for a per-token mean); otherwise it is empty.
 
   Decoding: with ``cache`` (:meth:`init_cache`) ``x`` holds new tokens at positions
   ``index, index+1, ...``; their context is written into the cache and the call returns
@@ -206,7 +207,14 @@ class CEMBlock(nnx.Module):
     return u if precond is None else precond(u, step)
 
   def _energy(self, spec, norm, y, context, params, aux):
-    return spec.energy(self._view(norm, y), context, params, aux) / (y.shape[0] * y.shape[1])
+    """The energy summed over the real tokens (``aux.real``). Padding positions are evaluated
+    at ``y = context = 0`` with no visible key, where every built-in energy is exactly 0:
+    without that, padding would enter per-token means and make them depend on the batching."""
+    view = self._view(norm, y)
+    if aux.real is not None:
+      real = aux.real[..., None]
+      view, context = jnp.where(real, view, 0), jnp.where(real, context, 0)
+    return spec.energy(view, context, params, aux)
 
   def _att_delta(self, y, context, aux, t, rec, key, at=None):
     """The attention sub-step's residual update at ``at`` (default ``y``; Nesterov: the

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cem_jax.axes import head_dim_of  # noqa: F401  (re-exported: the one head_dim rule)
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 # Parameters whose name is in this set are weight-decayed; everything else (norm scales, step
@@ -26,11 +28,6 @@ def param(rngs: nnx.Rngs, shape, std: float, logical_axes, dtype=jnp.float32) ->
 
 def const_param(value, logical_axes, dtype=jnp.float32) -> nnx.Param:
   return nnx.Param(jnp.asarray(value, dtype), logical_axes=tuple(logical_axes))
-
-
-def head_dim_of(cfg) -> int:
-  """``model.head_dim``, or ``d_model // num_heads`` when it is -1."""
-  return cfg.head_dim if cfg.head_dim > 0 else cfg.d_model // cfg.num_heads
 
 
 def softplus_inverse(x: float) -> float:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cem_jax import attention
 from cem_jax.energies import EnergyAux, apply_rope
 from cem_jax.layers.common import DTYPES, RMSNorm, head_dim_of, param
 
@@ -18,6 +19,7 @@ class LlamaAttention(nnx.Module):
   ``w_q``, ``w_k``, ``w_v``: ``[d_model, num_heads, head_dim]``; ``w_o``: ``[num_heads,
   head_dim, d_model]``. Call ``(x [batch, seq_len, d_model], aux) -> [batch, seq_len,
   d_model]``; a query row with no visible key outputs exactly 0 (as the CEM update does).
+  The kernel is ``aux.attention_impl`` (:mod:`cem_jax.attention`).
   """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -48,10 +50,13 @@ class LlamaAttention(nnx.Module):
       k, v = cache["k"].astype(dt), cache["v"].astype(dt)
     scale = 1.0 / math.sqrt(self.head_dim)
     if aux.is_plain_causal:
-      o = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
+      o = attention.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                          implementation=aux.attention_impl)
     else:
-      o = jax.nn.dot_product_attention(q, k, v, mask=aux.mask[:, None], scale=scale)
-      o = o * jnp.any(aux.mask, axis=-1)[..., None, None].astype(o.dtype)
+      o = attention.dot_product_attention(
+          q, k, v, scale=scale, implementation=aux.attention_impl, mask=aux.mask,
+          is_causal=aux.is_causal, strict_causal=aux.strict_causal,
+          segment_ids=aux.segment_ids)
     out = jnp.einsum("bthk,hkd->btd", o, self.w_o[...].astype(dt))
     return out if cache is None else (out, cache)
 

@@ -17,7 +17,7 @@ then the difference to llama_mha paired by seed (mean ± spread):
   llama_matched   3.987   −0.165 ± 0.017
 """
 
-from cem_jax import scales as common
+from cem_jax import scales
 
 
 def _llama(c):
@@ -44,7 +44,7 @@ ROWS = {"llama_mha": _llama, "cem_tied": _cem_tied, "cem_tied_diag": _cem_tied_d
 
 
 def get_config(arg: str = "cem_tied"):
-  row, scale = common.parse_arg(arg, ROWS, "attention")
-  c = common.base_config(scale)
+  row, scale = scales.parse_arg(arg, ROWS, "attention")
+  c = scales.base_config(scale)
   ROWS[row](c)
   return c

@@ -18,7 +18,7 @@ then the difference to t1 paired by seed (mean ± spread):
   t1_precond_dlr   4.419   -0.174 ± 0.106
 """
 
-from cem_jax import scales as common
+from cem_jax import scales
 
 
 def _t1(c):
@@ -50,7 +50,7 @@ ROWS = {"t1": _t1, "t2_fixed": _t2_fixed, "t2_coevolve": _t2_coevolve,
 
 
 def get_config(arg: str = "t1"):
-  row, scale = common.parse_arg(arg, ROWS, "design")
-  c = common.base_config(scale)
+  row, scale = scales.parse_arg(arg, ROWS, "design")
+  c = scales.base_config(scale)
   ROWS[row](c)
   return c

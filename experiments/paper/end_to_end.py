@@ -17,7 +17,7 @@ then the difference to llama paired by seed (mean ± spread):
   llama_matched   4.773   +0.620 ± 0.085
 """
 
-from cem_jax import scales as common
+from cem_jax import scales
 
 
 def _llama(c):
@@ -39,14 +39,14 @@ def _cem_full(c):
 def _llama_matched(c):
   _llama(c)
   d, f = c.model.d_model, c.model.mlp_dim
-  c.model.mlp_dim = common.matched_llama_mlp_dim(d, 2 * d * d + 2 * d * f)
+  c.model.mlp_dim = scales.matched_llama_mlp_dim(d, 2 * d * d + 2 * d * f)
 
 
 ROWS = {"llama": _llama, "cem": _cem, "cem_full": _cem_full, "llama_matched": _llama_matched}
 
 
 def get_config(arg: str = "cem"):
-  row, scale = common.parse_arg(arg, ROWS, "end_to_end")
-  c = common.base_config(scale)
+  row, scale = scales.parse_arg(arg, ROWS, "end_to_end")
+  c = scales.base_config(scale)
   ROWS[row](c)
   return c

@@ -16,7 +16,7 @@ then the difference to swiglu paired by seed (mean ± spread):
   cem_widened     4.595   +0.443 ± 0.318
 """
 
-from cem_jax import scales as common
+from cem_jax import scales
 
 
 def _swiglu(c):
@@ -43,7 +43,7 @@ ROWS = {"swiglu": _swiglu, "cem_tied": _cem_tied, "swiglu_matched": _swiglu_matc
 
 
 def get_config(arg: str = "cem_tied"):
-  row, scale = common.parse_arg(arg, ROWS, "mlp")
-  c = common.base_config(scale)
+  row, scale = scales.parse_arg(arg, ROWS, "mlp")
+  c = scales.base_config(scale)
   ROWS[row](c)
   return c

@@ -1,0 +1,248 @@
+"""One attention entry point for the Llama block, the CEM fused update and cached decoding.
+
+:func:`dot_product_attention` takes ``q``, ``k``, ``v`` ``[batch, seq, heads, head_dim]``, a
+scale and the mask as *structure* (plain causal, strict causal, segment ids, or a dense
+visibility mask for what has no structure, e.g. decoding against a cache), and dispatches to
+one kept kernel:
+
+- ``'xla'``: ``jax.nn.dot_product_attention(implementation='xla')``. Any platform and dtype;
+  materialises the ``[batch, heads, n, n]`` scores. (``implementation=None`` is this path in
+  jax today, so ``is_causal=True`` alone never reaches cuDNN.)
+- ``'cudnn'``: ``jax.nn.dot_product_attention(implementation='cudnn')``, cuDNN flash
+  attention on NVIDIA GPUs; bf16/fp16 only, head_dim a multiple of 8 and at most 128 (256 on
+  Hopper or later). Plain causal attention uses cuDNN's causal mask (no n x n array); no
+  public jax API hands segment ids to cuDNN, so a document mask goes in as a dense
+  ``[batch, 1, n, n]`` boolean mask that jax turns into an additive bias.
+- ``'splash'``: Pallas splash attention on TPU
+  (``jax.experimental.pallas.ops.tpu.splash_attention``): causal or strict-causal mask as
+  structure, documents as segment ids (no n x n array); sequence length a multiple of 128.
+
+:func:`resolve` turns ``model.attention_impl`` (``'auto'`` or an explicit name) into the
+kernel a model uses and the reason, or raises a one-line ``ValueError`` for a choice that
+cannot run. It never falls back silently. A query row with no visible key outputs exactly 0
+on every path (CEM_MATH.md section 7).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
+SPLASH_BLOCK = 128  # splash tiles the sequence in blocks of (a multiple of) 128
+
+
+def cudnn_max_head_dim(platform: str | None) -> int:
+  """cuDNN flash attention's head_dim limit: 256 on Hopper (compute capability 9.0) or
+  later, 128 before; 128 when no GPU is visible (the conservative limit)."""
+  if platform != "gpu":
+    return 128
+  capability = getattr(jax.devices()[0], "compute_capability", "0.0")
+  return 256 if tuple(int(x) for x in capability.split(".")[:2]) >= (9, 0) else 128
+
+
+def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
+            augmented_head_dim: int | None = None, seq_len: int | None = None
+            ) -> tuple[str, str]:
+  """Chooses the attention kernel for one model.
+
+  Args:
+    requested: ``model.attention_impl``: ``'auto'``, ``'xla'``, ``'cudnn'`` or ``'splash'``.
+    platform: ``jax.default_backend()`` (``'cpu'``, ``'gpu'``, ``'tpu'``), or None to check
+      only what does not depend on the machine (config validation, before jax starts).
+    dtype: ``model.dtype`` (``'float32'`` or ``'bfloat16'``).
+    head_dim: the attention head width.
+    augmented_head_dim: with the CEM diagonal, the width of the augmented head the fused
+      update attends with, ``d_h + d_model`` (+ 1 in the distance form); None without one.
+    seq_len: the query length if known (splash needs a multiple of 128).
+  Returns:
+    ``(implementation, reason)``, the implementation one of ``'xla'``, ``'cudnn'``,
+    ``'splash'``.
+  Raises:
+    ValueError: one line naming ``model.attention_impl``, the value and why it cannot run.
+  """
+  if requested not in IMPLEMENTATIONS:
+    raise ValueError(f"model.attention_impl={requested!r}; allowed: "
+                     f"{', '.join(IMPLEMENTATIONS)}")
+  width = head_dim if augmented_head_dim is None else augmented_head_dim
+  limit = cudnn_max_head_dim(platform) if platform is not None else 256
+  if augmented_head_dim is not None:
+    why_wide = (f"the CEM diagonal attends with one augmented head of width "
+                f"{augmented_head_dim} (d_h + d_model, + 1 in the distance form), beyond "
+                "flash kernels' head sizes")
+  if requested == "xla":
+    return "xla", "explicit"
+  if requested == "cudnn":
+    problems = []
+    if platform is not None and platform != "gpu":
+      problems.append(f"it needs an NVIDIA GPU, this machine's platform is {platform}")
+    if dtype not in ("bfloat16", "float16"):
+      problems.append(f"it needs model.dtype=bfloat16 (cuDNN flash attention has no {dtype})")
+    if augmented_head_dim is not None:
+      problems.append(why_wide + "; use 'xla' or model.diagonal='none'")
+    elif width % 8 or width > limit:
+      problems.append(f"head_dim={width} must be a multiple of 8 and <= {limit}")
+    if problems:
+      raise ValueError(f"model.attention_impl='cudnn' cannot run: {'; '.join(problems)}")
+    return "cudnn", "explicit"
+  if requested == "splash":
+    problems = []
+    if platform is not None and platform != "tpu":
+      problems.append(f"splash attention is a TPU kernel, this machine's platform is {platform}")
+    if augmented_head_dim is not None:
+      problems.append(why_wide + "; use 'xla' or model.diagonal='none'")
+    if seq_len is not None and seq_len % SPLASH_BLOCK:
+      problems.append(f"data.seq_len={seq_len} must be a multiple of {SPLASH_BLOCK}")
+    if problems:
+      raise ValueError(f"model.attention_impl='splash' cannot run: {'; '.join(problems)}")
+    return "splash", "explicit"
+  # auto: the fastest kernel the platform, dtype, head size and mask allow.
+  if platform is None:
+    return "auto", "resolved when the model is built"
+  if augmented_head_dim is not None:
+    return "xla", "auto: " + why_wide
+  if platform == "gpu":
+    if dtype not in ("bfloat16", "float16"):
+      return "xla", f"auto: GPU with model.dtype={dtype} (cuDNN flash attention needs bf16)"
+    if width % 8 or width > limit:
+      return "xla", f"auto: head_dim={width} is not a multiple of 8 <= {limit} (cuDNN)"
+    return "cudnn", f"auto: GPU, {dtype}, head_dim={width}: cuDNN flash attention"
+  if platform == "tpu":
+    if seq_len is not None and seq_len % SPLASH_BLOCK:
+      return "xla", f"auto: TPU but seq_len={seq_len} is not a multiple of {SPLASH_BLOCK}"
+    return "splash", f"auto: TPU, head_dim={width}: Pallas splash attention"
+  return "xla", f"auto: platform {platform} has no flash kernel here, XLA attention"
+
+
+def visible_rows(mask: jax.Array | None, *, is_causal: bool, strict: bool,
+                 segment_ids: jax.Array | None, shape: tuple[int, int]) -> jax.Array | None:
+  """``[batch, t]`` bool: queries with at least one visible key (None: every one)."""
+  if mask is not None:
+    return jnp.any(mask, axis=-1)
+  b, t = shape
+  rows = jnp.ones((b, t), bool)
+  if strict:
+    rows = rows & (jnp.arange(t) > 0)[None]
+  if segment_ids is not None:
+    rows = rows & (segment_ids > 0)
+    if strict:  # a document's first token sees nothing before it
+      prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)))
+      rows = rows & (prev == segment_ids)
+  return None if (is_causal and not strict and segment_ids is None) else rows
+
+
+def dot_product_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float,
+    implementation: str = "xla",
+    mask: jax.Array | None = None,
+    is_causal: bool = False,
+    strict_causal: bool = False,
+    segment_ids: jax.Array | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+  """``softmax(scale · q kᵀ, visible) v`` per head with the mask given as structure.
+
+  Args:
+    q: ``[batch, t, heads, head_dim]`` queries.
+    k: ``[batch, s, heads, head_dim]`` keys.
+    v: ``[batch, s, heads, head_dim_v]`` values (``head_dim_v = head_dim`` except for 'xla').
+    scale: multiplies the scores (the CEM fused update folds β into ``q`` and passes 1).
+    implementation: ``'xla'``, ``'cudnn'`` or ``'splash'`` (a resolved name, see
+      :func:`resolve`).
+    mask: ``[batch, t, s]`` bool, True where query ``i`` may see key ``j``: the full truth,
+      used by 'xla' and 'cudnn' whenever the structure below is not plain causal (training
+      with documents or strict causality, decoding against a cache). None only with
+      ``is_causal``.
+    is_causal: the mask is exactly ``j <= i`` (``j < i`` with ``strict_causal``) restricted
+      to ``segment_ids``, with ``t == s``.
+    strict_causal: ``N(i) = {j < i}`` (CEM_MATH.md section 1).
+    segment_ids: ``[batch, t]`` int document ids, 0 = padding (tokens see their own document
+      only), for kernels that take them (splash); needs ``is_causal``.
+    interpret: run Pallas kernels in interpret mode; None: off TPU only (so the CPU tests run
+      the splash kernel's own code; a model never picks splash off TPU, see :func:`resolve`).
+  Returns:
+    ``[batch, t, heads, head_dim_v]`` in ``q.dtype``; rows with no visible key are exactly 0.
+  Raises:
+    ValueError: an unknown implementation, or a structure it cannot take (e.g. 'splash'
+      without ``is_causal``, a sequence length not a multiple of 128).
+  """
+  b, t = q.shape[0], q.shape[1]
+  plain = is_causal and not strict_causal and segment_ids is None
+  if mask is None and not is_causal:
+    raise ValueError("dot_product_attention needs a mask or is_causal=True")
+  if implementation == "xla" or implementation == "cudnn":
+    impl = implementation
+    if plain:
+      out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                         implementation=impl)
+    else:
+      if mask is None:
+        mask = _structured_mask(b, t, strict_causal, segment_ids)
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
+                                         implementation=impl)
+  elif implementation == "splash":
+    if not is_causal:
+      raise ValueError("attention_impl='splash' takes causal structure (is_causal=True with "
+                       "segment ids); a dense mask (e.g. decoding) needs 'xla'")
+    if t % SPLASH_BLOCK:
+      raise ValueError(f"attention_impl='splash': seq_len={t} must be a multiple of "
+                       f"{SPLASH_BLOCK}")
+    if interpret is None:
+      interpret = jax.default_backend() != "tpu"
+    out = _splash(q * jnp.asarray(scale, q.dtype), k, v, strict_causal, segment_ids,
+                  interpret)
+  else:
+    raise ValueError(f"attention implementation={implementation!r}; allowed: xla, cudnn, "
+                     "splash (resolve 'auto' with cem_jax.attention.resolve)")
+  rows = visible_rows(mask, is_causal=is_causal, strict=strict_causal,
+                      segment_ids=segment_ids, shape=(b, t))
+  if rows is not None:
+    # where, not a product: a kernel may leave an empty row non-finite.
+    out = jnp.where(rows[:, :, None, None], out, jnp.zeros((), out.dtype))
+  return out.astype(q.dtype)
+
+
+def _structured_mask(b: int, t: int, strict: bool, segment_ids) -> jax.Array:
+  i = jnp.arange(t)[:, None]
+  j = jnp.arange(t)[None, :]
+  mask = jnp.broadcast_to((j < i) if strict else (j <= i), (b, t, t))
+  if segment_ids is not None:
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    mask = mask & same & (segment_ids[:, :, None] > 0)
+  return mask
+
+
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(t: int, heads: int, strict: bool, interpret: bool):
+  from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+  block = max(b for b in (512, 256, 128) if t % b == 0)
+  sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                        block_q_dq=block, block_kv_dq=block)
+  causal = sa.CausalMask((t, t), offset=-1 if strict else 0)
+  return sa.make_splash_mha(sa.MultiHeadMask([causal] * heads), block_sizes=sizes,
+                            head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _splash(q, k, v, strict: bool, segment_ids, interpret: bool):
+  from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+  b, t, h, _ = q.shape
+  kernel = _splash_kernel(t, h, strict, interpret)
+  # splash is per example and head-major: [heads, seq, head_dim].
+  qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+  if segment_ids is None:
+    out = jax.vmap(kernel)(qh, kh, vh)
+  else:
+    seg = segment_ids.astype(jnp.int32)
+    out = jax.vmap(lambda a, b_, c, s: kernel(a, b_, c, segment_ids=sa.SegmentIds(s, s)))(
+        qh, kh, vh, seg)
+  return jnp.swapaxes(out, 1, 2)
+

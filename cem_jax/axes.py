@@ -1,0 +1,147 @@
+"""Logical axes, their mesh rules, mesh sizes and the head dimension: plain Python, no jax.
+
+The one place for the layout facts that both the config checks (:mod:`cem_jax.config`, which
+must not import jax) and the device code (:mod:`cem_jax.sharding`) need. Model code names the
+axes of every parameter with *logical* names (``embed``, ``heads``, ``head_dim``, ``mlp``,
+``vocab``, and ``batch`` for inputs); ``mesh.rules`` maps them to the mesh axes ``data``,
+``fsdp`` and ``tensor`` (MaxText's logical-axis rules).
+"""
+
+from __future__ import annotations
+
+import math
+
+MESH_AXES = ("data", "fsdp", "tensor")
+LOGICAL_AXES = ("batch", "embed", "heads", "head_dim", "mlp", "vocab")
+
+# mesh.rules default: logical axis (named in the model code) -> mesh axis, None (replicated) or
+# a tuple of mesh axes. FSDP shards the model dimension of every matrix, tensor parallelism the
+# heads, the MLP width and the vocabulary; batches are split over data x fsdp.
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+)
+
+
+def head_dim_of(model_config) -> int:
+  """``model.head_dim``, or ``model.d_model // model.num_heads`` when it is -1 (not > 0)."""
+  m = model_config
+  return m.head_dim if m.head_dim > 0 else m.d_model // m.num_heads
+
+
+def rules_from_config(mesh_config) -> tuple:
+  """``mesh.rules`` as a tuple of ``(logical, None | mesh_axis | tuple of mesh_axes)``.
+
+  Lists (from ``config.json``) become tuples. A missing ``mesh.rules`` gives ``DEFAULT_RULES``.
+
+  Raises:
+    ValueError: a malformed pair, an unknown logical axis or an unknown mesh axis (one line).
+  """
+  raw = mesh_config.get("rules", None) if hasattr(mesh_config, "get") else None
+  if raw is None:
+    return DEFAULT_RULES
+  out = []
+  for pair in raw:
+    if isinstance(pair, str) or len(pair) != 2 or not isinstance(pair[0], str):
+      raise ValueError(f"mesh.rules entry {pair!r}; allowed: a pair (logical_axis, mesh_axis or "
+                       "None or a tuple of mesh axes)")
+    logical, target = pair
+    if logical not in LOGICAL_AXES:
+      raise ValueError(f"mesh.rules names logical axis {logical!r}; allowed: "
+                       f"{', '.join(LOGICAL_AXES)}")
+    names = mesh_axes_of(target)
+    bad = [n for n in names if n not in MESH_AXES]
+    if bad:
+      raise ValueError(f"mesh.rules maps {logical!r} to {bad[0]!r}; allowed mesh axes: "
+                       f"{', '.join(MESH_AXES)} (or None: replicated)")
+    out.append((logical, None if not names else names[0] if len(names) == 1 else names))
+  return tuple(out)
+
+
+def mesh_axes_of(target) -> tuple[str, ...]:
+  """A rule's target (``None``, a mesh axis or a tuple of them) as a tuple of mesh axes."""
+  return (target,) if isinstance(target, str) else tuple(target or ())
+
+
+def check_mesh_sizes(mesh_config) -> None:
+  """Checks ``mesh.data``, ``mesh.fsdp``, ``mesh.tensor`` without the devices: each an int
+  >= 1 or -1 (the devices left over), at most one -1.
+
+  Raises:
+    ValueError: one line naming the field, its value and what is allowed.
+  """
+  rest = []
+  for axis in MESH_AXES:
+    size = mesh_config[axis]
+    if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+      raise ValueError(f"mesh.{axis}={size!r}; allowed: -1 (the devices left over) or an "
+                       "int >= 1")
+    rest += [f"mesh.{axis}=-1"] if size == -1 else []
+  if len(rest) > 1:
+    raise ValueError(f"{' and '.join(rest)}: at most one mesh size may be -1 (the devices "
+                     "left over); give the others as ints (mesh.data defaults to -1)")
+
+
+def mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
+  """Resolves ``mesh.data``, ``mesh.fsdp``, ``mesh.tensor`` (one may be -1 = the rest).
+
+  Raises:
+    ValueError: as :func:`check_mesh_sizes`, or sizes whose product is not the device count.
+  """
+  check_mesh_sizes(mesh_config)
+  sizes = [mesh_config[a] for a in MESH_AXES]
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if num_devices % known:
+      raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, sizes, strict=True))} do not divide "
+                       f"the {num_devices} devices; allowed: sizes whose product divides "
+                       f"{num_devices} (the -1 axis takes the rest)")
+    sizes[sizes.index(-1)] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ValueError(f"mesh.data*mesh.fsdp*mesh.tensor = {'*'.join(map(str, sizes))} = "
+                     f"{math.prod(sizes)}, but there are {num_devices} devices; allowed: sizes "
+                     f"whose product is {num_devices} (one of them may be -1 = the rest)")
+  return tuple(sizes)
+
+
+def check_config(config, num_devices: int) -> dict[str, int]:
+  """Checks the mesh of ``config`` against the devices and the model/batch sizes.
+
+  Returns the resolved mesh sizes ``{'data': d, 'fsdp': f, 'tensor': t}``.
+
+  Raises:
+    ValueError: one line naming the field, its value and what is allowed, for: mesh sizes that
+      do not multiply to ``num_devices``; ``train.batch_size`` or ``eval.batch_size`` not
+      divisible by the data-parallel size (the mesh axes of ``batch``, data × fsdp by default);
+      ``model.num_heads``, ``model.mlp_dim``, ``model.d_model`` or the head dimension not
+      divisible by the mesh axes ``mesh.rules`` shards them over (tensor; fsdp for d_model).
+  """
+  sizes = dict(zip(MESH_AXES, mesh_shape(config.mesh, num_devices), strict=True))
+  rules = dict(rules_from_config(config.mesh))
+  m = config.model
+  dims = {"heads": ("model.num_heads", m.num_heads), "mlp": ("model.mlp_dim", m.mlp_dim),
+          "embed": ("model.d_model", m.d_model), "head_dim": ("model.head_dim", head_dim_of(m))}
+  for logical, (field, size) in dims.items():
+    axes = mesh_axes_of(rules.get(logical))
+    n = math.prod(sizes[a] for a in axes)
+    if size % n:
+      over = " x ".join(f"mesh.{a}={sizes[a]}" for a in axes)
+      raise ValueError(f"{field}={size} is not divisible by {over} (mesh.rules shards "
+                       f"{logical!r} over {'x'.join(axes)}); allowed: a {'x'.join(axes)} size "
+                       f"dividing {size}")
+  axes = mesh_axes_of(rules.get("batch"))
+  dp = math.prod(sizes[a] for a in axes)
+  names = " x ".join(f"mesh.{a}" for a in axes) or "(none: mesh.rules replicates batch)"
+  values = " x ".join(str(sizes[a]) for a in axes) or "1"
+  for field in ("train.batch_size", "eval.batch_size"):
+    group, key = field.split(".")
+    bs = config[group][key]
+    if bs % dp:
+      raise ValueError(f"{field}={bs} is not divisible by the {dp} data-parallel devices "
+                       f"({num_devices} devices, {names} = {values}); use a multiple of {dp}, "
+                       f"e.g. {-(-bs // dp) * dp}")
+  return sizes

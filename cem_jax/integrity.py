@@ -1,0 +1,213 @@
+"""Checkpoint integrity: sha256 digests of every saved step, verified before a restore.
+
+The only module that knows Orbax's file names. Layout under a checkpoint folder ``DIR``::
+
+    <step>/                      one Orbax step (written and committed by Orbax)
+    digests/<step>.json          sha256 and size of every file of step <step>
+    rejected/<step>.<time_ns>/   damaged steps moved aside on resume (kept for inspection)
+
+Why: Orbax lists any integer-named folder as a finished step, so an emptied, truncated or
+bit-flipped step would be restored (or crash the restore).
+
+The commit protocol. After Orbax has written and finalized a step's files but *before* it
+commits the step (the ``post_finalization_callback`` of ``AsyncOptions``), process 0 calls
+:func:`write_digest`, which hashes every file of the step and writes ``digests/<step>.json``;
+so a committed step always has its digest, and a digest without a step (killed between the two)
+is harmless. Two files are excluded because the commit itself writes them afterwards:
+``_CHECKPOINT_METADATA`` (gets a commit timestamp) and the top-level ``commit_success.txt``; the
+latter's presence is checked instead (it is the commit marker where rename is not atomic). On
+resume, :func:`newest_intact` verifies steps newest first; a damaged one is reported
+(``logging.warning`` naming the step and the file) and moved to ``rejected/`` so the run can
+save that step number again, and the newest intact step is used. If steps exist but none is
+intact, :class:`CheckpointError` says so. Verification reads every file once (about 1 GB/s of
+sha256 per core).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import time
+
+import jax
+from absl import logging
+
+from cem_jax.files import atomic_write_json
+
+DIGEST_DIR = "digests"
+REJECTED_DIR = "rejected"
+# Orbax's file names (orbax.checkpoint's commit protocol): the marker of a committed step where
+# rename is not atomic, the per-step metadata the commit rewrites, and the suffix of a step
+# folder that is still being written.
+COMMIT_MARKER = "commit_success.txt"
+_NOT_DIGESTED = ("_CHECKPOINT_METADATA", COMMIT_MARKER)
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_HASH_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+  """A checkpoint cannot be used: none intact, or it does not fit the model/optimizer.
+
+  A ``ValueError`` so that the command line reports it as bad input (one line, exit status 1).
+  """
+
+
+def step_dir(directory: str, step: int) -> str:
+  return os.path.join(directory, str(step))
+
+
+def digest_path(directory: str, step: int) -> str:
+  return os.path.join(directory, DIGEST_DIR, f"{step}.json")
+
+
+def _file_sha256(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    while chunk := f.read(_HASH_CHUNK):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def _step_files(folder: str) -> list[str]:
+  """Relative paths (``/``-separated, sorted) of the files under ``folder``, minus the two the
+  commit writes."""
+  out = []
+  for root, _, files in os.walk(folder):
+    for name in files:
+      rel = os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
+      if rel not in _NOT_DIGESTED:
+        out.append(rel)
+  return sorted(out)
+
+
+def compute_digest(folder: str) -> dict[str, dict]:
+  """Returns ``{relative path: {"size": bytes, "sha256": hex}}`` for the files of a step folder."""
+  out = {}
+  for rel in _step_files(folder):
+    path = os.path.join(folder, rel)
+    out[rel] = {"size": os.path.getsize(path), "sha256": _file_sha256(path)}
+  return out
+
+
+def write_digest(directory: str, step: int) -> None:
+  """Digests step ``step``, finalized but not yet committed, into ``digests/<step>.json``.
+
+  Call it from Orbax's ``post_finalization_callback`` (process 0 only; other processes return).
+  """
+  if jax.process_index() != 0:
+    return
+  # Before the commit the step is still in its temporary folder (atomic-rename filesystems);
+  # where commits use a marker file instead, it is already in its final folder.
+  tmp = sorted(glob.glob(glob.escape(step_dir(directory, step)) + _TMP_SUFFIX + "*"),
+               key=os.path.getmtime)
+  folder = tmp[-1] if tmp else step_dir(directory, step)
+  os.makedirs(os.path.join(directory, DIGEST_DIR), exist_ok=True)
+  atomic_write_json(digest_path(directory, step), {
+      "step": step, "algorithm": "sha256", "excluded": list(_NOT_DIGESTED),
+      "files": compute_digest(folder),
+  }, indent=1, sort_keys=True)
+
+
+def prune_digests(directory: str, steps) -> None:
+  """Removes digests of steps not in ``steps`` (those Orbax has deleted: ``keep``), except any
+  newer than the newest of ``steps`` (a save in progress). Process 0 only."""
+  if jax.process_index() != 0:
+    return
+  folder = os.path.join(directory, DIGEST_DIR)
+  if not os.path.isdir(folder):
+    return
+  steps = set(steps)
+  newest = max(steps, default=-1)
+  for name in os.listdir(folder):
+    stem = name.removesuffix(".json")
+    if stem.isdigit() and int(stem) not in steps and int(stem) < newest:
+      os.remove(os.path.join(folder, name))
+
+
+def verify(directory: str, step: int) -> list[str]:
+  """Checks step ``step`` against its digest; returns its problems (empty list = intact).
+
+  Each problem is one short phrase naming the file, e.g. ``"state/manifest.ocdbt: 0 bytes,
+  digest says 115 (truncated)"``.
+  """
+  folder = step_dir(directory, step)
+  if not os.path.isdir(folder):
+    return [f"{folder}: no such folder"]
+  if not os.listdir(folder):
+    return [f"{folder}: empty folder"]
+  problems = []
+  if not os.path.isfile(os.path.join(folder, COMMIT_MARKER)):
+    problems.append(f"{folder}/{COMMIT_MARKER}: missing (the save did not finish)")
+  path_of_digest = digest_path(directory, step)
+  try:
+    with open(path_of_digest) as f:
+      files = json.load(f)["files"]
+  except FileNotFoundError:
+    return problems + [f"{path_of_digest}: missing (the save did not finish)"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    return problems + [f"{path_of_digest}: unreadable ({type(e).__name__})"]
+  for rel, want in sorted(files.items()):
+    path = os.path.join(folder, rel)
+    if not os.path.isfile(path):
+      problems.append(f"{path}: missing")
+      continue
+    size = os.path.getsize(path)
+    if size != want["size"]:
+      kind = "truncated" if size < want["size"] else "grown"
+      problems.append(f"{path}: {size} bytes, digest says {want['size']} ({kind})")
+    elif _file_sha256(path) != want["sha256"]:
+      problems.append(f"{path}: sha256 differs from {path_of_digest} (damaged)")
+  return problems
+
+
+def newest_intact(directory: str, steps, read_only: bool) -> int | None:
+  """The newest intact step of ``steps`` (Orbax's finished steps), or None when it is empty.
+
+  Newer damaged steps are reported with ``logging.warning`` (step and file) and, unless
+  ``read_only``, moved to ``rejected/`` (:func:`move_aside`), so that training can save those
+  step numbers again.
+
+  Raises:
+    CheckpointError: steps exist but none is intact (one line listing each step's first
+      problem and the fix).
+  """
+  steps = sorted(steps, reverse=True)
+  rejected = {}
+  for step in steps:
+    problems = verify(directory, step)
+    if not problems:
+      break
+    rejected[step] = problems
+    logging.warning("checkpoint step %d is damaged, not restoring it: %s", step,
+                    "; ".join(problems))
+  else:
+    if steps:
+      summary = "; ".join(f"step {s}: {p[0]}" for s, p in rejected.items())
+      raise CheckpointError(
+          f"{directory}: no intact checkpoint ({summary}); move the folder away to "
+          "start over, or restore a backup"
+      )
+    return None
+  if rejected and not read_only:
+    move_aside(directory, sorted(rejected))
+  return step
+
+
+def move_aside(directory: str, steps: list[int]) -> None:
+  """Moves steps ``steps`` and their digests to ``rejected/`` (process 0), then syncs all
+  processes so that none lists them afterwards."""
+  if jax.process_index() == 0:
+    target = os.path.join(directory, REJECTED_DIR)
+    os.makedirs(target, exist_ok=True)
+    for step in steps:
+      dest = os.path.join(target, f"{step}.{time.time_ns()}")
+      os.replace(step_dir(directory, step), dest)
+      if os.path.exists(digest_path(directory, step)):
+        os.replace(digest_path(directory, step), dest + ".digest.json")
+      logging.warning("moved damaged checkpoint step %d to %s", step, dest)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("cem_jax.checkpoint.move_aside")

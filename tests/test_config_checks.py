@@ -1,0 +1,105 @@
+"""Config validation refuses out-of-range numbers and options that would be silently ignored."""
+
+import math
+
+import pytest
+from conftest import tiny_config
+
+from cem_jax import config as config_lib
+
+OUT_OF_RANGE = [
+    ("train.grad_clip", 0.0), ("train.grad_clip", -1.0), ("train.grad_clip", math.nan),
+    ("train.grad_clip", math.inf), ("train.learning_rate", -1e-3), ("train.learning_rate", 0.0),
+    ("train.b1", 1.5), ("train.b1", 1.0), ("train.b2", -0.1), ("train.weight_decay", -0.1),
+    ("train.min_learning_rate_ratio", 1.5), ("train.min_learning_rate_ratio", -0.1),
+    ("model.norm_eps", 0.0), ("model.norm_eps", -1e-6), ("model.rope_theta", 0.0),
+    ("model.init_std", 0.0), ("model.precond_eps", 0.0), ("model.precond_eps", -1e-3),
+    ("model.precond_eps", 1.0), ("model.precond_eps", 2.0),
+]
+
+
+@pytest.mark.parametrize("field, value", OUT_OF_RANGE, ids=lambda v: str(v))
+def test_numbers_out_of_range_are_one_line_errors(field, value):
+  cfg = tiny_config("cem", **({"model.precond": "both"} if "precond" in field else {}),
+                    **{field: value})
+  with pytest.raises(ValueError, match=rf"^{field}={value!r}; allowed: a finite number, ") as e:
+    config_lib.validate(cfg)
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("train.b1", 0.0), ("train.b2", 0.0), ("train.weight_decay", 0.0),
+    ("train.min_learning_rate_ratio", 0.0), ("train.min_learning_rate_ratio", 1.0),
+    ("model.precond_eps", 0.5), ("train.grad_clip", 1e9), ("train.learning_rate", 1)])
+def test_numbers_at_the_edges_of_their_ranges_are_accepted(field, value):
+  config_lib.validate(tiny_config("cem", **({"model.precond": "both"} if "precond" in field
+                                            else {}), **{field: value}))
+
+
+def test_the_messages_state_the_interval():
+  with pytest.raises(ValueError, match=r"train.b1=1.5; allowed: a finite number, 0 <= value < 1$"):
+    config_lib.validate(tiny_config("cem", **{"train.b1": 1.5}))
+  nan = r"train.grad_clip=nan; allowed: a finite number, 0 < value$"
+  with pytest.raises(ValueError, match=nan):
+    config_lib.validate(tiny_config("cem", **{"train.grad_clip": math.nan}))
+
+
+def test_bfloat16_parameters_are_refused_not_silently_frozen():
+  with pytest.raises(ValueError, match=r"^model.param_dtype='bfloat16': .*no float32 master"):
+    config_lib.validate(tiny_config("cem", **{"model.param_dtype": "bfloat16"}))
+  config_lib.validate(tiny_config("cem", **{"model.dtype": "bfloat16"}))  # bf16 compute is fine
+
+
+UNUSED = [
+    ({"model.cem_attention": False, "model.precond": "attention"},
+     r"model.precond='attention' preconditions an energy step that model.cem_attention=False"),
+    ({"model.cem_attention": False, "model.precond": "both"},
+     r"model.precond='both' preconditions an energy step that model.cem_attention=False"),
+    ({"model.cem_mlp": False, "model.precond": "mlp"},
+     r"model.precond='mlp' preconditions an energy step that model.cem_mlp=False"),
+    ({"model.cem_attention": False, "model.num_steps": 2, "model.context": "coevolve"},
+     r"model.context='coevolve' has no effect with model.cem_attention=False"),
+    ({"model.cem_attention": False, "model.attention_energy": "sigmoid"},
+     r"model.attention_energy='sigmoid' has no effect with model.cem_attention=False"),
+    ({"model.cem_attention": False, "model.diagonal": "per_head"},
+     r"model.diagonal='per_head' has no effect with model.cem_attention=False"),
+    ({"model.cem_attention": False, "model.learn_beta": True, "model.learn_eta": False},
+     r"model.learn_beta=True has no effect with model.cem_attention=False"),
+    ({"model.cem_mlp": False, "model.mlp_condition": "layer"},
+     r"model.mlp_condition='layer' has no effect with model.cem_mlp=False"),
+    ({"model.cem_mlp": False, "model.mlp_energy": "gelu"},
+     r"model.mlp_energy='gelu' has no effect with model.cem_mlp=False"),
+    ({"model.cem_attention": False, "model.cem_mlp": False, "model.update_mode": "autodiff"},
+     r"model.update_mode='autodiff' has no effect with model.cem_attention=False and"),
+    ({"model.diagonal_form": "distance"},
+     r"model.diagonal_form='distance' has no effect with model.diagonal='none'"),
+    ({"model.precond_eps": 0.01}, r"model.precond_eps=0.01 has no effect with model.precond="),
+    ({"model.num_steps": 2, "model.precond_shared": False},
+     r"model.precond_shared=False has no effect with model.precond='none'"),
+    ({"model.precond": "both", "model.precond_shared": False},
+     r"model.precond_shared=False has no effect with model.num_steps=1"),
+    ({"model.eta_per_step": True}, r"model.eta_per_step=True has no effect with model.num_steps"),
+    ({"model.block": "llama", "model.context": "coevolve"},
+     r"model.context='coevolve' applies to CEM blocks only; model.block='llama' needs"),
+    ({"model.block": "llama", "model.cem_mlp": False}, r"model.cem_mlp=False applies to CEM"),
+    ({"model.block": "llama", "model.norm_mode": "chain"}, r"model.norm_mode='chain' applies"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", UNUSED, ids=lambda v: str(v)[:60])
+def test_options_that_would_be_ignored_are_refused(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    config_lib.validate(tiny_config("cem", **overrides))
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.cem_attention": False, "model.precond": "mlp"},
+    {"model.cem_mlp": False, "model.precond": "attention", "model.num_steps": 2,
+     "model.context": "coevolve", "model.precond_shared": False, "model.eta_per_step": True},
+    {"model.cem_attention": False, "model.cem_mlp": False, "model.num_steps": 2},
+    {"model.diagonal": "shared", "model.diagonal_form": "distance"},
+    {"model.context": "coevolve"},  # T=1 in training, eval.num_steps may add test-time steps
+    {"model.split": "joint"},  # joint differs from lie_trotter at T=1 too
+])
+def test_options_that_do_something_are_accepted(overrides):
+  config_lib.validate(tiny_config("cem", **overrides))

@@ -1,0 +1,75 @@
+"""Eval metrics are totals over real tokens: the same for any eval.batch_size."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+from flax import nnx
+
+from cem_jax import train
+from cem_jax.data import packing
+from cem_jax.data.pipeline import EvalWindows
+from cem_jax.metrics import energy_trace
+
+V, N = 61, 16
+
+
+def _setup():
+  cfg = tiny_config("cem", **{"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 48,
+                              "model.num_layers": 2, "model.num_steps": 2,
+                              "data.seq_len": N, "eval.max_batches": -1})
+  model = train.build_model(cfg, V)
+  graphdef, params = nnx.split(model, nnx.Param)
+  # non-initial parameters: every leaf moved off its init value
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
+  params = jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape)
+                                     for x, k in zip(leaves, keys, strict=True)])
+  rng = np.random.default_rng(3)
+  docs = [rng.integers(2, V, size=n).astype(np.int32) for n in (23, 9, 40, 5, 17)]
+  windows = packing.pack(docs, N, eos_id=1, pad_id=0, keep_tail=True, split="validation")
+  data = types.SimpleNamespace(eval_batches=EvalWindows(windows, 0).batches)
+  return cfg, graphdef, params, data, windows
+
+
+def _reference(graphdef, params, windows):
+  """Per window, the model on its real prefix alone (no padding anywhere), energies and
+  losses summed in float64 over all windows and divided by the token counts."""
+  model = nnx.merge(graphdef, params)
+  energy, tokens, loss, targets = {}, 0, 0.0, 0.0
+  for tok, seg in zip(windows.tokens, windows.segment_ids, strict=True):
+    batch = packing.make_batch(tok[None], seg[None])
+    n = int((batch["segment_ids"][0] > 0).sum())  # padding is only at the tail
+    logits, traces = model(batch["inputs"][:, :n], batch["segment_ids"][:, :n], trace=True)
+    for layer, steps in enumerate(traces):
+      for t, rec in enumerate(steps):
+        for key, value in rec.items():
+          name = f"eval/energy/layer{layer}/step{t + 1}/{key}"
+          energy[name] = energy.get(name, 0.0) + float(value)
+    tokens += n
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
+    w = batch["weights"][0, :n]
+    nll = -np.take_along_axis(np.asarray(logp[0]), batch["targets"][0, :n, None], -1)[:, 0]
+    loss += float((nll * w).sum())
+    targets += float(w.sum())
+  return {k: v / tokens for k, v in energy.items()}, loss / targets
+
+
+def test_energy_trace_and_loss_do_not_depend_on_the_eval_batch_size():
+  cfg, graphdef, params, data, windows = _setup()
+  step = train.make_eval_step(graphdef, np.ones(V, np.float32), None, energy_trace=True)
+  energy_ref, loss_ref = _reference(graphdef, params, windows)
+  results = {}
+  for bs in (1, 4, 8):  # 8 > the number of windows: one batch, mostly padding rows
+    cfg.eval.batch_size = bs
+    results[bs] = train.evaluate(step, params, data, cfg)
+  assert windows.num_windows < 8 and windows.num_windows % 4
+  for bs, metrics in results.items():
+    got = {k: v for k, v in metrics.items() if k.startswith("eval/energy/")}
+    assert sorted(got) == sorted(energy_ref), bs
+    for key, want in energy_ref.items():
+      assert got[key] == pytest.approx(want, rel=1e-4, abs=1e-5), (bs, key)
+    assert metrics["eval/loss"] == pytest.approx(loss_ref, rel=1e-5), bs
+  assert len(energy_trace(results[1])) == 2

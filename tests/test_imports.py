@@ -1,0 +1,127 @@
+"""The package's import structure: no cycle, and the config modules load without jax.
+
+The graph is read from the source (``ast``), every ``import`` statement counted, including those
+inside functions (a late import that closes a cycle is still a cycle: it only hides it from
+start-up order). Importing ``a.b.c`` also runs the packages ``a.b`` and ``a``, so those are
+edges too, except for the importer's own packages (a submodule naming its siblings through its
+package is how packages work, not a cycle).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = "cem_jax"
+
+
+def _modules(root: str = os.path.join(REPO, PACKAGE)) -> dict[str, str]:
+  """``{dotted module name: path}`` for every ``.py`` file of the package."""
+  out = {}
+  for folder, _, files in os.walk(root):
+    for name in files:
+      if name.endswith(".py"):
+        path = os.path.join(folder, name)
+        parts = os.path.relpath(path, os.path.dirname(root))[:-3].split(os.sep)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return out
+
+
+def _imported_names(tree: ast.AST, module: str, is_package: bool) -> set[str]:
+  """Dotted names of the in-package modules (or attributes of them) a module imports."""
+  package = module if is_package else module.rpartition(".")[0]
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+      out.add(base)
+      out.update(f"{base}.{a.name}" for a in node.names)
+  return {n for n in out if n == PACKAGE or n.startswith(PACKAGE + ".")}
+
+
+def import_graph(modules: dict[str, str]) -> dict[str, set[str]]:
+  """``{module: modules it imports}`` over the package, by reading the source."""
+  graph = {}
+  for module, path in modules.items():
+    with open(path) as f:
+      tree = ast.parse(f.read(), path)
+    own = {module.rsplit(".", k)[0] for k in range(module.count(".") + 1)}
+    edges = set()
+    for name in _imported_names(tree, module, path.endswith("__init__.py")):
+      # `from pkg import name` names a module or an attribute: keep the longest module prefix.
+      while name not in modules:
+        name = name.rpartition(".")[0]
+      parts = name.split(".")
+      for k in range(1, len(parts) + 1):
+        target = ".".join(parts[:k])
+        if target not in own:
+          edges.add(target)
+    graph[module] = edges
+  return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """One cycle of ``graph`` as ``[a, b, ..., a]``, or None (iterative depth-first search)."""
+  state = {}  # 1: on the current path, 2: done
+  for start in sorted(graph):
+    if start in state:
+      continue
+    path, stack = [start], [iter(sorted(graph[start]))]
+    state[start] = 1
+    while stack:
+      nxt = next(stack[-1], None)
+      if nxt is None:
+        state[path.pop()] = 2
+        stack.pop()
+      elif state.get(nxt) == 1:
+        return path[path.index(nxt):] + [nxt]
+      elif nxt not in state:
+        state[nxt] = 1
+        path.append(nxt)
+        stack.append(iter(sorted(graph.get(nxt, ()))))
+  return None
+
+
+def test_the_cycle_finder_finds_cycles_and_passes_a_dag():
+  assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+  assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": {"c"}}) == ["c", "c"]
+
+
+def test_the_graph_sees_late_and_relative_imports(tmp_path):
+  pkg = tmp_path / PACKAGE
+  (pkg / "sub").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  (pkg / "a.py").write_text("def f():\n  from cem_jax.sub import b\n")
+  (pkg / "sub" / "__init__.py").write_text("from . import b\n")
+  (pkg / "sub" / "b.py").write_text("from .. import a\n")
+  graph = import_graph(_modules(str(pkg)))
+  assert graph[f"{PACKAGE}.a"] == {f"{PACKAGE}.sub", f"{PACKAGE}.sub.b"}
+  assert graph[f"{PACKAGE}.sub"] == {f"{PACKAGE}.sub.b"}
+  assert graph[f"{PACKAGE}.sub.b"] == {f"{PACKAGE}.a"}
+  assert find_cycle(graph) is not None
+
+
+def test_the_package_has_no_import_cycle():
+  graph = import_graph(_modules())
+  assert len(graph) > 20 and f"{PACKAGE}.sharding" in graph[f"{PACKAGE}.train"]
+  cycle = find_cycle(graph)
+  assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_config_and_axes_import_no_jax():
+  # A fresh interpreter: this one has jax loaded already.
+  code = ("import sys; import cem_jax.config, cem_jax.axes; "
+          "bad = sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'jaxlib', 'flax'}); "
+          "print(','.join(bad))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": REPO}, check=True)
+  assert out.stdout.strip() == "", f"importing config/axes loaded: {out.stdout.strip()}"
