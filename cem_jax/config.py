@@ -24,6 +24,8 @@ SPLIT_MODES = ("lie_trotter", "joint")
 MLP_CONDITIONS = ("step", "layer")
 PRECOND_TARGETS = ("none", "attention", "mlp", "both")
 DTYPES = ("float32", "bfloat16")
+INNER_OPTIMIZERS = ("gd", "heavy_ball", "nesterov")  # cem_jax/inner.py
+MANIFOLDS = ("euclidean", "sphere")
 # mesh.rules default (logical axis -> mesh axes): see axes.py.
 DEFAULT_MESH_RULES = axes.DEFAULT_RULES
 
@@ -80,6 +82,13 @@ def get_default_config() -> ml_collections.ConfigDict:
   m.eta_per_step = False  # a separate step size per recursive step
   m.mlp_condition = "step"  # gate input: 'step' (state entering the MLP step) | 'layer'
   m.norm_mode = "prenorm"  # 'prenorm' | 'chain' | 'none' (section 5)
+  # Neighbours of CEM (cem_jax/inner.py): the rule that applies each sub-step's update.
+  m.inner_optimizer = "gd"  # 'gd' | 'heavy_ball' | 'nesterov' (velocity carried across layers)
+  m.momentum_init = 0.5  # initial learned momentum per block, in (0, 1); momentum rules only
+  m.manifold = "euclidean"  # 'euclidean' | 'sphere' (tokens on the sphere of radius sqrt(d))
+  # Shared depth: G unique blocks, layer l runs block l % G (G must divide num_layers);
+  # -1 = num_layers (no sharing).
+  m.num_unique_blocks = -1
   m.remat = "none"  # 'none' | 'full' | 'dots' : jax.checkpoint policy per block
   # Attention kernel of the Llama block, the fused CEM update (cem_jax/attention.py):
   # 'auto' (CPU: xla; GPU bf16: cudnn; TPU: splash; the per-head diagonal: xla) | 'xla' |
@@ -165,6 +174,8 @@ _CHOICES = {
     "model.split": SPLIT_MODES,
     "model.mlp_condition": MLP_CONDITIONS,
     "model.precond": PRECOND_TARGETS,
+    "model.inner_optimizer": INNER_OPTIMIZERS,
+    "model.manifold": MANIFOLDS,
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
     "model.remat": ("none", "full", "dots"),
@@ -205,6 +216,8 @@ _RANGES = {
     # P = diag(softplus(p) + eps) + U U^T starts at I: softplus(p) = 1 - eps needs eps < 1,
     # and eps > 0 keeps P positive definite (CEM_MATH.md section 3).
     "model.precond_eps": (0.0, False, 1.0, False),
+    # the learned momentum mu = sigmoid(raw) starts here: 0 and 1 are the sigmoid's limits.
+    "model.momentum_init": (0.0, False, 1.0, False),
     "train.learning_rate": (0.0, False, None, False),
     "train.min_learning_rate_ratio": (0.0, True, 1.0, True),
     "train.weight_decay": (0.0, True, None, False),
@@ -246,7 +259,8 @@ def check_range(field: str, value) -> None:
 _CEM_ONLY = ("cem_attention", "cem_mlp", "update_mode", "attention_energy", "mlp_energy",
              "learn_beta", "learn_eta", "diagonal", "diagonal_form", "precond", "precond_rank",
              "precond_eps", "precond_shared", "num_steps", "context", "split", "eta_per_step",
-             "mlp_condition", "norm_mode", "energy_block_size")
+             "mlp_condition", "norm_mode", "energy_block_size", "inner_optimizer",
+             "momentum_init", "manifold")
 _UNUSED = (
     (lambda m: m.block == "llama", "with model.block='llama' (it applies to CEM blocks only)",
      _CEM_ONLY),
@@ -260,6 +274,8 @@ _UNUSED = (
      "with model.cem_attention=False and model.cem_mlp=False (no energy step)",
      ("update_mode", "learn_eta")),
     (lambda m: m.diagonal == "none", "with model.diagonal='none'", ("diagonal_form",)),
+    (lambda m: m.inner_optimizer == "gd", "with model.inner_optimizer='gd' (no velocity)",
+     ("momentum_init",)),
     (lambda m: m.precond == "none", "with model.precond='none'",
      ("precond_eps", "precond_shared")),
     # T=1 has one step: one set of per-step parameters either way (later test-time steps
@@ -344,6 +360,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"model.precond_rank={m.precond_rank} has no effect with model.precond='none'; "
         "set model.precond to attention, mlp or both"
     )
+  g = m.num_unique_blocks
+  if isinstance(g, bool) or not isinstance(g, int) or not (g == -1 or 1 <= g <= m.num_layers):
+    raise ValueError(f"model.num_unique_blocks={g!r}; allowed: -1 (= model.num_layers) or an "
+                     f"int in 1..{m.num_layers} (model.num_layers)")
+  if g > 0 and m.num_layers % g:
+    raise ValueError(f"model.num_unique_blocks={g} does not divide model.num_layers="
+                     f"{m.num_layers}; each block is reused num_layers / G times")
   _check_unused(config)
   if m.block == "cem" and m.cem_attention and m.diagonal != "none":
     augmented = head_dim + m.d_model + (m.diagonal_form == "distance")

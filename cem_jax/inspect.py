@@ -22,7 +22,8 @@ from cem_jax.model import DecoderLM
 
 
 def summary(config, vocab_size: int | None = None, devices=None) -> dict:
-  """Returns ``{'rows': [...], 'totals': {...}, 'flops_per_token': {...}, 'mesh': shape}``.
+  """Returns ``{'rows': [...], 'totals': {...}, 'flops_per_token': {...}, 'mesh': shape,
+  'num_layers': L, 'unique_blocks': G}`` (G < L: shared depth, layer l runs block l % G).
 
   Each row: ``path``, ``shape``, ``count``, ``logical_axes``, ``spec`` (the PartitionSpec on
   the configured mesh, as a string).
@@ -58,6 +59,7 @@ def summary(config, vocab_size: int | None = None, devices=None) -> dict:
     totals["mlp"] += count if "'mlp'" in key else 0
   forward = bench.flops_per_token(config.model, vocab, config.data.seq_len)
   return {"rows": rows, "totals": totals, "mesh": dict(mesh.shape),
+          "num_layers": config.model.num_layers, "unique_blocks": len(model.blocks),
           "flops_per_token": {"forward": forward, "train": 3 * forward}}
 
 
@@ -71,6 +73,9 @@ def format_summary(s: dict) -> str:
   lines += [
       "",
       f"mesh: {s['mesh']}",
+      f"blocks: {s['unique_blocks']} unique, {s['num_layers']} layers"
+      + (f" (layer l runs block l % {s['unique_blocks']})"
+         if s["unique_blocks"] < s["num_layers"] else ""),
       f"parameters: {t['params']:,} total, {t['non_embedding']:,} non-embedding, "
       f"{t['attention']:,} attention, {t['mlp']:,} MLP",
       f"FLOPs per token: {s['flops_per_token']['forward'] / 1e6:.2f} M forward, "

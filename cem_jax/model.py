@@ -66,6 +66,12 @@ class DecoderLM(nnx.Module):
   Parameters: ``embedding`` ``[vocab_size, d_model]``; ``blocks``; ``final_norm``; and,
   unless ``model.tie_embeddings``, ``lm_head`` ``[d_model, vocab_size]``.
 
+  Shared depth: ``blocks`` holds ``G = model.num_unique_blocks`` blocks (-1: one per layer)
+  and layer ``l`` of ``model.num_layers`` runs ``blocks[l % G]`` (Universal-Transformer /
+  MoEUT-style cyclic reuse; :meth:`layer_blocks`), so depth costs compute, not parameters.
+  With a momentum ``model.inner_optimizer`` the velocity starts at zero at the embeddings and
+  is carried from each layer to the next (``cem_jax.inner``).
+
   Args:
     cfg: the ``model`` config group (``cem_jax.config``).
     vocab_size: number of token ids (the tokenizer's, ``data.vocab_size``).
@@ -89,7 +95,8 @@ class DecoderLM(nnx.Module):
     self.embedding = param(rngs, (vocab_size, cfg.d_model), cfg.init_std,
                            ("vocab", "embed"), pdt)
     block_cls = BLOCK_TYPES[cfg.block]
-    self.blocks = nnx.List([block_cls(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    unique = cfg.num_unique_blocks if cfg.num_unique_blocks > 0 else cfg.num_layers
+    self.blocks = nnx.List([block_cls(cfg, rngs=rngs) for _ in range(unique)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
     self.attention_impl, self.attention_reason = resolve_attention(cfg, self.blocks)
     _log_once(f"attention: {self.attention_impl} ({self.attention_reason}); cached "
@@ -147,9 +154,13 @@ class DecoderLM(nnx.Module):
         energy_block_size=cfg.energy_block_size,
     )
 
+  def layer_blocks(self) -> list:
+    """The block each of the ``model.num_layers`` layers runs: ``blocks[l % G]``."""
+    return [self.blocks[i % len(self.blocks)] for i in range(self.cfg.num_layers)]
+
   def init_cache(self, batch: int, max_len: int, num_steps: int | None = None) -> list:
-    """An empty decoding cache (one entry per block) for up to ``max_len`` positions."""
-    return [block.init_cache(batch, max_len, num_steps) for block in self.blocks]
+    """An empty decoding cache (one entry per layer) for up to ``max_len`` positions."""
+    return [block.init_cache(batch, max_len, num_steps) for block in self.layer_blocks()]
 
   def __call__(
       self,
@@ -190,20 +201,27 @@ class DecoderLM(nnx.Module):
       aux = self.make_decode_aux(b, t, max_len, index)
     x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
 
-    def run_block(block, x, block_cache):
+    momentum = self.cfg.block == "cem" and self.cfg.inner_optimizer != "gd"
+
+    def run_block(block, x, block_cache, velocity):
+      kw = {"velocity": velocity} if momentum else {}
       if block_cache is None:
-        return block(x, aux, num_steps=num_steps, trace=trace)
-      return block(x, aux, num_steps=num_steps, trace=trace, cache=block_cache, index=index)
+        return block(x, aux, num_steps=num_steps, trace=trace, **kw)
+      return block(x, aux, num_steps=num_steps, trace=trace, cache=block_cache, index=index,
+                   **kw)
 
     if self.cfg.remat != "none":  # recompute activations in the backward pass, per block
       run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.cfg.remat])
     traces, new_cache = [], []
-    for i, block in enumerate(self.blocks):
-      out = run_block(block, x, None if cache is None else cache[i])
+    velocity = jnp.zeros_like(x) if momentum else None
+    for i, block in enumerate(self.layer_blocks()):
+      out = run_block(block, x, None if cache is None else cache[i], velocity)
       x, rec = out[0], out[1]
       traces.append(rec)
       if cache is not None:
         new_cache.append(out[2])
+      if momentum:
+        velocity = out[-1]
     x = self.final_norm(x)
     if self.cfg.tie_embeddings:
       head = self.embedding[...].astype(self.dtype).T

@@ -12,6 +12,9 @@ Algorithm 1::
     return y
 
 With T = 1, η = 1 and P = I it is a pre-norm block with tied attention and tied SwiGLU.
+Each ``y ← y + u`` above is ``model.inner_optimizer='gd'`` on ``model.manifold='euclidean'``;
+momentum (heavy ball, Nesterov, with a velocity carried across steps and layers) and the
+sphere replace it by the rules of ``cem_jax.inner``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from cem_jax import energies, updates
+from cem_jax import energies, inner, updates
 from cem_jax.layers.common import (
     DTYPES,
     RMSNorm,
@@ -156,6 +159,13 @@ class CEMBlock(nnx.Module):
   Decoding: with ``cache`` (:meth:`init_cache`) ``x`` holds new tokens at positions
   ``index, index+1, ...``; their context is written into the cache and the call returns
   ``(y, energy_trace, cache)``.
+
+  Momentum (``model.inner_optimizer`` heavy_ball or nesterov): ``velocity`` (like ``x``; None
+  = zeros, the first layer) enters, and the velocity after the last sub-step is appended to
+  the returned tuple, so :class:`cem_jax.model.DecoderLM` carries it to the next layer. The
+  block owns ``momentum``, the raw ``[]`` parameter of ``μ = sigmoid(momentum)``. On
+  ``model.manifold='sphere'`` the input is first retracted onto the sphere of radius
+  ``√d_model`` (the embeddings enter it here; later layers' inputs are already on it).
   """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -180,6 +190,9 @@ class CEMBlock(nnx.Module):
         Preconditioner(cfg, rngs=rngs) if cfg.precond in ("attention", "both") else None)
     self.precond_mlp = nnx.data(
         Preconditioner(cfg, rngs=rngs) if cfg.precond in ("mlp", "both") else None)
+    if inner.has_velocity(cfg.inner_optimizer):
+      mu0 = cfg.momentum_init
+      self.momentum = const_param(jnp.asarray(math.log(mu0 / (1.0 - mu0))), ())
 
   def _view(self, norm, y):
     return y if self.cfg.norm_mode == "none" else norm(y)
@@ -203,24 +216,28 @@ class CEMBlock(nnx.Module):
       view, context = jnp.where(real, view, 0), jnp.where(real, context, 0)
     return spec.energy(view, context, params, aux)
 
-  def _att_delta(self, y, context, aux, t, rec, key):
-    """The attention sub-step's residual update at ``y``; records E_att when ``rec``."""
+  def _att_delta(self, y, context, aux, t, rec, key, at=None):
+    """The attention sub-step's residual update at ``at`` (default ``y``; Nesterov: the
+    look-ahead point); records E_att at ``y`` when ``rec``."""
+    at = y if at is None else at
     if self.att_spec is None:
-      return self.attn(self._view(self.norm_att, y), aux)
+      return self.attn(self._view(self.norm_att, at), aux)
     params = self.attn.energy_params(t, self.dtype)
     if rec is not None:
       rec[f"att_{key}"] = self._energy(self.att_spec, self.norm_att, y, context, params, aux)
-    return self._step(self.att_update, self.norm_att, self.precond_att, y, context, params,
+    return self._step(self.att_update, self.norm_att, self.precond_att, at, context, params,
                       aux, t)
 
-  def _mlp_delta(self, y, gate, aux, t, rec, key):
-    """The MLP sub-step's residual update at ``y`` (gate input held fixed)."""
+  def _mlp_delta(self, y, gate, aux, t, rec, key, at=None):
+    """The MLP sub-step's residual update at ``at`` (default ``y``), gate input held fixed."""
+    at = y if at is None else at
     if self.mlp_spec is None:
-      return self.mlp(self._view(self.norm_mlp, y))
+      return self.mlp(self._view(self.norm_mlp, at))
     params = self.mlp.energy_params(t, self.dtype)
     if rec is not None:
       rec[f"mlp_{key}"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, params, aux)
-    return self._step(self.mlp_update, self.norm_mlp, self.precond_mlp, y, gate, params, aux, t)
+    return self._step(self.mlp_update, self.norm_mlp, self.precond_mlp, at, gate, params, aux,
+                      t)
 
   def _energy_after(self, y, att_context, gate, aux, t, rec):
     if self.att_spec is not None and "att_after" not in rec:
@@ -250,10 +267,20 @@ class CEMBlock(nnx.Module):
     return {"context": jnp.zeros((copies, batch, max_len, self.cfg.d_model), self.dtype)}
 
   def __call__(self, x, aux, num_steps: int | None = None, trace: bool = False,
-               cache: dict | None = None, index: jax.Array | int = 0):
+               cache: dict | None = None, index: jax.Array | int = 0,
+               velocity: jax.Array | None = None):
     cfg = self.cfg
     steps = cfg.num_steps if num_steps is None else num_steps
     x = x.astype(self.dtype)
+    opt, manifold = cfg.inner_optimizer, cfg.manifold
+    # 'gd' on the euclidean manifold keeps today's ops in today's order (bit-identical).
+    plain = opt == "gd" and manifold == "euclidean"
+    if manifold == "sphere":
+      x = inner.retract(x)
+    mu = v = None
+    if inner.has_velocity(opt):
+      mu = inner.momentum(self.momentum[...])
+      v = jnp.zeros_like(x) if velocity is None else velocity.astype(self.dtype)
     y = x
     att_context = self._view(self.norm_att, x)
     if cache is not None:  # decoding: x holds the new tokens, the cache every earlier one
@@ -266,17 +293,34 @@ class CEMBlock(nnx.Module):
         if cache is not None:
           att_context, cache = self._cached_context(att_context, cache, t, index)
       rec = {} if trace else None
-      if cfg.split == "joint":
+      if plain and cfg.split == "joint":
         gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y)
         delta = self._att_delta(y, att_context, aux, t, rec, "before")
         y = y + delta + self._mlp_delta(y, gate, aux, t, rec, "before")
-      else:
+      elif plain:
         y = y + self._att_delta(y, att_context, aux, t, rec, "before")
         if trace:
           self._energy_after(y, att_context, None, aux, t, rec)
         gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y)
         y = y + self._mlp_delta(y, gate, aux, t, rec, "before")
+      elif cfg.split == "joint":  # one inner step on E_att + E_mlp, both at the same point
+        z = inner.lookahead(y, v, mu, opt, manifold)
+        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, z)
+        delta = self._att_delta(y, att_context, aux, t, rec, "before", at=z)
+        delta = (delta, self._mlp_delta(y, gate, aux, t, rec, "before", at=z))
+        y, v = inner.apply(y, v, delta, mu, opt, manifold)
+      else:  # Lie–Trotter: each sub-step is one inner step, sharing the velocity
+        z = inner.lookahead(y, v, mu, opt, manifold)
+        delta = self._att_delta(y, att_context, aux, t, rec, "before", at=z)
+        y, v = inner.apply(y, v, delta, mu, opt, manifold)
+        if trace:
+          self._energy_after(y, att_context, None, aux, t, rec)
+        z = inner.lookahead(y, v, mu, opt, manifold)
+        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, z)
+        delta = self._mlp_delta(y, gate, aux, t, rec, "before", at=z)
+        y, v = inner.apply(y, v, delta, mu, opt, manifold)
       if trace:
         self._energy_after(y, att_context, gate, aux, t, rec)
         records.append(rec)
-    return (y, records) if cache is None else (y, records, cache)
+    out = (y, records) if cache is None else (y, records, cache)
+    return out + (v,) if v is not None else out

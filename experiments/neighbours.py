@@ -1,0 +1,72 @@
+"""Neighbours of CEM written as configs: YuriiFormer-, Hyper-SET- and Energy-Transformer-style.
+
+Each variant only sets public options (``cem_jax/config.py``) and built-in energies; a user
+could have written it. ``arg`` is ``NAME`` or ``NAME,SCALE`` (scale ``tiny`` by default: the
+tiny paper-table model of ``cem_jax/scales.py``, d_model 128, 4 layers, 400 steps on War and
+Peace from ``../shared/data``; ``small`` and ``paper`` as there). Commands::
+
+    python -m cem_jax.main --config=experiments/neighbours.py:yuriiformer --workdir=/tmp/yurii
+    python -m cem_jax.main --config=experiments/neighbours.py:hyperset --workdir=/tmp/hyperset
+    python -m cem_jax.main --config=experiments/neighbours.py:energy_transformer \\
+        --workdir=/tmp/et
+
+Variants (on the CEM block: tied softmax-interaction attention, tied gated MLP energy):
+  yuriiformer:        YuriiFormer (Zimin, Polyanskiy, Rigollet, arXiv 2601.23236): Lie–Trotter
+                      split (attention then MLP) accelerated by Nesterov momentum, one learned
+                      μ per layer, the velocity carried across layers. Same parameters as CEM
+                      plus one scalar per layer.
+  hyperset:           Hyper-SET (Hu, Zou, Xu, arXiv 2502.11646): tokens on the sphere of
+                      radius √d_model (Riemannian steps: tangent projection + retraction), one
+                      block shared by all 4 layers (recurrent depth), ReLU MLP energy
+                      (Φ = ½ relu², as its feed-forward energy). ~1/4 of CEM's non-embedding
+                      parameters.
+  energy_transformer: Energy Transformer (Hoover et al., NeurIPS 2023): one joint step on the
+                      attention energy + a Hopfield-memory energy with the ReLU² potential
+                      (Φ = ½ relu², ``relu``), the same weights for all 4 steps (one block
+                      shared by the 4 layers: keys recomputed at every step). Here with the
+                      causal mask and CEM's conditional energies (each token descends its own
+                      energy; ET differentiates all tokens at once), and with CEM's gate.
+
+Measured: the ``neighbours`` table at tiny scale (``experiments/paper/neighbours.py``,
+``results/tiny/neighbours.md``, discussion in ``docs/REPRODUCING.md``); each row of it is one
+of these configs trained with ``seed`` = ``data.shuffle_seed`` = 0 and 1.
+"""
+
+from cem_jax import scales
+
+NEIGHBOURS = ("yuriiformer", "hyperset", "energy_transformer")
+
+
+def yuriiformer(c):
+  c.model.block = "cem"
+  c.model.split = "lie_trotter"
+  c.model.inner_optimizer = "nesterov"
+
+
+def hyperset(c):
+  c.model.block = "cem"
+  c.model.manifold = "sphere"
+  c.model.num_unique_blocks = 1
+  c.model.mlp_energy = "relu"
+
+
+def energy_transformer(c):
+  c.model.block = "cem"
+  c.model.split = "joint"
+  c.model.mlp_energy = "relu"
+  c.model.num_unique_blocks = 1
+
+
+VARIANTS = {"yuriiformer": yuriiformer, "hyperset": hyperset,
+            "energy_transformer": energy_transformer}
+
+
+def get_config(arg: str = "yuriiformer"):
+  name, _, scale = arg.partition(",")
+  scale = scale or "tiny"
+  if name not in VARIANTS or scale not in scales.SCALES:
+    raise ValueError(f"experiments/neighbours.py:{arg}; allowed: NAME or NAME,SCALE with NAME "
+                     f"in {', '.join(VARIANTS)} and SCALE in {', '.join(scales.SCALES)}")
+  c = scales.base_config(scale)
+  VARIANTS[name](c)
+  return c

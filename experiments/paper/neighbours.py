@@ -1,0 +1,59 @@
+"""Table "neighbours": CEM against its neighbours (inner optimiser, manifold, shared depth).
+
+    python -m cem_jax.tables --table=neighbours --scale=tiny --seeds=2 --workdir=results/tiny
+
+Rows:
+  cem:                CEM tied attention + tied MLP, gradient steps (end_to_end's ``cem``).
+  yuriiformer:        + Nesterov momentum carried across layers (experiments/neighbours.py).
+  hyperset:           tokens on the sphere, one block shared by all layers, ReLU MLP energy.
+  energy_transformer: joint step on attention + ReLU² Hopfield energy, one shared block.
+  llama_matched:      Llama with CEM's per-layer parameters (end_to_end's ``llama_matched``).
+  cem_shared:         CEM with one block shared by all layers: the shared-depth control for
+                      hyperset and energy_transformer (same parameters as they have).
+The neighbour rows are the configs of ``experiments/neighbours.py`` (``get_config``).
+Measured at tiny scale: see results/tiny/neighbours.md and docs/REPRODUCING.md.
+"""
+
+import importlib.util
+import os
+
+from cem_jax import scales as common
+
+
+def _load_neighbours():
+  """``experiments/neighbours.py``, the one place the neighbour configs are written."""
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "neighbours.py")
+  spec = importlib.util.spec_from_file_location("cem_experiments_neighbours", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+_NEIGHBOURS = _load_neighbours()
+
+
+def _cem(c):
+  c.model.block = "cem"
+
+
+def _llama_matched(c):
+  c.model.block = "llama"
+  d, f = c.model.d_model, c.model.mlp_dim
+  c.model.mlp_dim = common.matched_llama_mlp_dim(d, 2 * d * d + 2 * d * f)
+
+
+def _cem_shared(c):
+  _cem(c)
+  c.model.num_unique_blocks = 1
+
+
+ROWS = {"cem": _cem, **_NEIGHBOURS.VARIANTS, "llama_matched": _llama_matched,
+        "cem_shared": _cem_shared}
+
+
+def get_config(arg: str = "cem"):
+  row, scale = common.parse_arg(arg, ROWS, "neighbours")
+  c = common.base_config(scale)
+  ROWS[row](c)
+  return c

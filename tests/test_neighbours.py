@@ -1,0 +1,340 @@
+"""Neighbours of CEM: momentum / Nesterov inner optimisers, the sphere manifold, shared depth.
+
+The reference for every inner rule is a float64 NumPy iteration written from the maths in
+``cem_jax/inner.py``'s docstring, driven by a quadratic user energy so that the update
+``-∇E = -A y`` is known in closed form.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from flax import nnx
+
+from cem_jax import config as config_lib
+from cem_jax import inner, inspect, train
+from cem_jax.config import get_default_config
+from cem_jax.layers.common import softplus_inverse
+from cem_jax.metrics import energy_trace, read_metrics
+from cem_jax.model import DecoderLM, count_params
+
+D, H, F, B, N, V = 16, 2, 24, 2, 6, 40
+
+# Quadratic energies through the public 'module:function' path (norm_mode='none' makes the
+# update exactly -∇_y E = -A y): attention A = 0.1 I + W Wᵀ with W = w_q as [d, h·dh];
+# MLP A = 0.1 I + ½ w wᵀ.
+QUADRATIC = '''
+import jax.numpy as jnp
+def att(y, context, params, aux):
+  w = params["w_q"].reshape(y.shape[-1], -1)
+  return 0.5 * jnp.sum(jnp.square(y @ w)) + 0.05 * jnp.sum(jnp.square(y))
+def mlp(y, context, params, aux):
+  return 0.25 * jnp.sum(jnp.square(y @ params["w"])) + 0.05 * jnp.sum(jnp.square(y))
+'''
+
+
+def model_cfg(**overrides):
+  cfg = get_default_config().model
+  cfg.d_model, cfg.num_heads, cfg.mlp_dim, cfg.num_layers = D, H, F, 3
+  cfg.init_std = 0.1
+  for k, v in overrides.items():
+    cfg[k] = v
+  return cfg
+
+
+def _tokens(seed=0):
+  return jax.random.randint(jax.random.PRNGKey(seed), (B, N), 0, V)
+
+
+def _set_momenta(model, values):
+  for block, mu in zip(model.blocks, values, strict=True):
+    block.momentum[...] = jnp.asarray(math.log(mu / (1 - mu)), jnp.float32)
+
+
+# ---- momentum 0 is gd ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("split", ["lie_trotter", "joint"])
+@pytest.mark.parametrize("opt", ["heavy_ball", "nesterov"])
+def test_momentum_zero_gives_gd_logits_bit_for_bit(opt, split):
+  tokens = _tokens(1)
+  gd = DecoderLM(model_cfg(split=split, num_steps=2), V, rngs=nnx.Rngs(0))
+  mom = DecoderLM(model_cfg(split=split, num_steps=2, inner_optimizer=opt), V,
+                  rngs=nnx.Rngs(0))
+  # Training moves the parameters; compare away from the initial values.
+  gd_params = jax.tree.map(lambda p: p * 1.3 + 0.01, nnx.state(gd, nnx.Param))
+  nnx.update(gd, gd_params)
+  for block in mom.blocks:
+    block.momentum[...] = jnp.asarray(-jnp.inf)  # sigmoid(-inf) = 0 exactly
+  nnx.update(mom, gd_params)
+  want = np.asarray(gd(tokens))
+  np.testing.assert_array_equal(np.asarray(mom(tokens)), want)
+  for block in mom.blocks:
+    block.momentum[...] = jnp.asarray(0.0)  # μ = 0.5: the velocity now matters
+  assert np.max(np.abs(np.asarray(mom(tokens)) - want)) > 1e-3
+
+
+# ---- float64 NumPy reference of every rule ---------------------------------------------------
+
+def _np_retract(z):
+  return math.sqrt(z.shape[-1]) * z / np.linalg.norm(z, axis=-1, keepdims=True)
+
+
+def _np_tangent(y, u):
+  return u - np.sum(y * u, -1, keepdims=True) / np.sum(y * y, -1, keepdims=True) * y
+
+
+def _reference_logits(model, tokens, opt, manifold, steps, mus):
+  """The rules of cem_jax/inner.py in float64 NumPy, layer by layer, sub-step by sub-step."""
+  f64 = lambda a: np.asarray(a, np.float64)
+  emb = f64(model.embedding[...])
+  y = emb[np.asarray(tokens)]
+  v = np.zeros_like(y)
+  sphere = manifold == "sphere"
+  num_layers = model.cfg.num_layers
+  for layer in range(num_layers):
+    block = model.blocks[layer % len(model.blocks)]
+    w = f64(block.attn.w_q[...]).reshape(D, -1)
+    a_att = 0.1 * np.eye(D) + w @ w.T
+    wm = f64(block.mlp.w[...])
+    a_mlp = 0.1 * np.eye(D) + 0.5 * wm @ wm.T
+    mu = mus[layer % len(mus)]
+    if sphere:
+      y = _np_retract(y)
+    for _ in range(steps):
+      for a in (a_att, a_mlp):
+        z = y + mu * v if opt == "nesterov" else y
+        if sphere and opt == "nesterov":
+          z = _np_retract(z)
+        u = -z @ a  # A symmetric
+        if sphere:
+          u = _np_tangent(y, u)
+        if opt == "gd":
+          y = y + u
+        else:
+          v = mu * v + u
+          y = y + v
+        if sphere:
+          y = _np_retract(y)
+          if opt != "gd":
+            v = _np_tangent(y, v)
+  scale = f64(model.final_norm.scale[...])
+  g = y / np.sqrt(np.mean(y * y, -1, keepdims=True) + model.cfg.norm_eps) * scale
+  return g @ emb.T
+
+
+RULES = [("gd", "sphere", 3), ("heavy_ball", "euclidean", 3), ("nesterov", "euclidean", 3),
+         ("nesterov", "euclidean", 1), ("heavy_ball", "sphere", 3), ("nesterov", "sphere", 3)]
+
+
+@pytest.mark.parametrize("opt,manifold,unique", RULES, ids=lambda v: str(v))
+def test_inner_rules_match_a_float64_numpy_iteration(tmp_path, opt, manifold, unique):
+  """Quadratic energies, 3 layers × T = 2 × 2 sub-steps; per-layer momenta 0.3/0.6/0.8 (one
+  shared momentum with G = 1): the velocity crosses steps, sub-steps and layers."""
+  (tmp_path / "quad.py").write_text(QUADRATIC)
+  cfg = model_cfg(attention_energy=f"{tmp_path}/quad.py:att",
+                  mlp_energy=f"{tmp_path}/quad.py:mlp", norm_mode="none", learn_eta=False,
+                  num_steps=2, inner_optimizer=opt, manifold=manifold, rope=False,
+                  num_unique_blocks=unique, init_std=0.12)
+  model = DecoderLM(cfg, V, rngs=nnx.Rngs(3))
+  model.embedding[...] = 2.0 * model.embedding[...] + 0.05  # not on the sphere to begin with
+  mus = [0.3, 0.6, 0.8][:unique]
+  if opt != "gd":
+    _set_momenta(model, mus)
+  tokens = _tokens(2)
+  got = np.asarray(model(tokens))
+  want = _reference_logits(model, tokens, opt, manifold, 2, mus)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+# ---- the sphere ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opt", ["gd", "nesterov"])
+def test_sphere_keeps_every_token_on_the_sphere(opt):
+  """Softmax + SiLU energies, prenorm, T = 2, trained-looking parameters: after every layer
+  every token has norm √d_model to 1e-5 (relative)."""
+  cfg = model_cfg(manifold="sphere", inner_optimizer=opt, num_steps=2, precond="both",
+                  precond_rank=2)
+  model = DecoderLM(cfg, V, rngs=nnx.Rngs(4))
+  nnx.update(model, jax.tree.map(lambda p: p * 1.5 + 0.02, nnx.state(model, nnx.Param)))
+  tokens = _tokens(3)
+  aux = model.make_aux(None, B, N)
+  x = jnp.take(model.embedding[...], tokens, axis=0)
+  v = None
+  for block in model.layer_blocks():
+    out = block(x, aux, velocity=v) if opt != "gd" else block(x, aux)
+    x = out[0]
+    v = out[-1] if opt != "gd" else None
+    radius = np.linalg.norm(np.asarray(x, np.float64), axis=-1) / math.sqrt(D)
+    np.testing.assert_allclose(radius, 1.0, atol=1e-5)
+    if v is not None:  # the velocity was transported: tangent at the new point
+      dots = np.sum(np.asarray(x) * np.asarray(v), -1) / np.linalg.norm(np.asarray(v), axis=-1)
+      assert np.max(np.abs(dots)) < 1e-4 * math.sqrt(D)
+
+
+def test_hand_computed_riemannian_step():
+  """inner.apply on one token of R^3: y = (√3, 0, 0)/… on the sphere of radius √3."""
+  r = math.sqrt(3.0)
+  y = jnp.array([[r, 0.0, 0.0]])
+  u = jnp.array([[0.5, 0.3, -0.4]])
+  # Tangent part (0, 0.3, -0.4); y + it = (√3, 0.3, -0.4), norm √3.25; retract to radius √3.
+  want = np.array([r, 0.3, -0.4]) * r / math.sqrt(3.25)
+  got, v = inner.apply(y, None, u, None, "gd", "sphere")
+  np.testing.assert_allclose(np.asarray(got)[0], want, rtol=1e-6)
+  assert v is None
+  got, v = inner.apply(y, jnp.zeros_like(y), u, jnp.float32(0.5), "heavy_ball", "sphere")
+  np.testing.assert_allclose(np.asarray(got)[0], want, rtol=1e-6)
+  # v = (0, .3, -.4) transported to the new point y' by projection.
+  v_want = np.array([0.0, 0.3, -0.4]) - np.dot(want, [0.0, 0.3, -0.4]) / 3.0 * want
+  np.testing.assert_allclose(np.asarray(v)[0], v_want, rtol=1e-5, atol=1e-7)
+
+
+# ---- shared depth ----------------------------------------------------------------------------
+
+def test_unique_blocks_equal_to_num_layers_is_todays_model():
+  tokens = _tokens(4)
+  today = DecoderLM(model_cfg(), V, rngs=nnx.Rngs(5))
+  full = DecoderLM(model_cfg(num_unique_blocks=3), V, rngs=nnx.Rngs(5))
+  a, b = nnx.state(today, nnx.Param), nnx.state(full, nnx.Param)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  np.testing.assert_array_equal(np.asarray(today(tokens)), np.asarray(full(tokens)))
+  assert len({id(b) for b in full.layer_blocks()}) == 3
+
+
+@pytest.mark.parametrize("block", ["cem", "llama"])
+def test_one_unique_block_has_one_blocks_parameters_and_is_applied_every_layer(block):
+  cfg = model_cfg(block=block, num_unique_blocks=1, num_layers=4)
+  model = DecoderLM(cfg, V, rngs=nnx.Rngs(6))
+  assert len(model.blocks) == 1
+  one_block = count_params(model.blocks[0])
+  assert count_params(model) == V * D + D + one_block  # embedding, final norm, one block
+  tokens = _tokens(5)
+  x = jnp.take(model.embedding[...], tokens, axis=0)
+  aux = model.make_aux(None, B, N)
+  for _ in range(4):
+    x = model.blocks[0](x, aux)[0]
+  want = model.final_norm(x) @ model.embedding[...].T
+  np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_cached_decoding_with_momentum_sphere_and_shared_depth():
+  cfg = model_cfg(inner_optimizer="nesterov", manifold="sphere", num_unique_blocks=1,
+                  num_steps=2)
+  model = DecoderLM(cfg, V, rngs=nnx.Rngs(7))
+  tokens = _tokens(6)
+  full = model(tokens)
+  cache = model.init_cache(B, N)
+  assert len(cache) == cfg.num_layers
+  prefill, cache = model(tokens[:, :3], cache=cache, index=0)
+  np.testing.assert_allclose(prefill, full[:, :3], atol=1e-5)
+  for i in range(3, N):
+    logits, cache = model(tokens[:, i:i + 1], cache=cache, index=i)
+    np.testing.assert_allclose(logits[:, 0], full[:, i], atol=1e-5)
+
+
+def test_shared_sphere_model_trains_restores_and_descends_its_energy(shared_data, tmp_path):
+  """G = 1 on the sphere, T = 2: the loss drops over 40 steps, the checkpoint restores, inspect
+  reports 1 unique block over 2 layers, and on the trained model with small step sizes
+  (η = 0.02) every sub-step of every layer lowers its energy in eval's energy trace."""
+  from cem_jax import evaluate
+
+  cfg = tiny_config("cem", **{"model.num_unique_blocks": 1, "model.manifold": "sphere",
+                              "model.num_steps": 2, "train.num_steps": 40,
+                              "train.eval_every_steps": 20, "checkpoint.every_steps": 40,
+                              "data.files": str(shared_data / "tinyshakespeare.txt")})
+  train.train_and_evaluate(cfg, str(tmp_path))
+  losses = [m["train/loss"] for m in read_metrics(str(tmp_path)) if "train/loss" in m]
+  assert losses[-1] < losses[0] - 0.5
+  s = inspect.summary(cfg, vocab_size=512)
+  assert (s["unique_blocks"], s["num_layers"]) == (1, 2)
+  config, data, graphdef, params, step = evaluate.load_run(str(tmp_path))
+  assert step == 40
+  model = nnx.merge(graphdef, params)
+  for block in model.blocks:
+    block.attn.eta[...] = jnp.full_like(block.attn.eta[...], softplus_inverse(0.02))
+    block.mlp.eta[...] = jnp.full_like(block.mlp.eta[...], softplus_inverse(0.02))
+  graphdef, params = nnx.split(model, nnx.Param)
+  eval_step = train.make_eval_step(graphdef, data.tokenizer.token_bytes, None, True)
+  config.eval.max_batches = 2
+  trace = energy_trace(train.evaluate(eval_step, params, data, config))
+  assert sorted(trace) == [0, 1]
+  for layer, parts in trace.items():
+    for part in ("att", "mlp"):
+      values = parts[part]  # before step 1, after step 1, after step 2
+      assert len(values) == 3
+      assert all(b < a for a, b in zip(values, values[1:], strict=False)), (layer, part, values)
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+INVALID = [
+    ({"model.inner_optimizer": "adam"}, r"model.inner_optimizer='adam'; allowed: gd, heavy_"),
+    ({"model.manifold": "torus"}, r"model.manifold='torus'; allowed: euclidean, sphere"),
+    ({"model.num_unique_blocks": 0}, r"model.num_unique_blocks=0; allowed: -1"),
+    ({"model.num_unique_blocks": 3}, r"model.num_unique_blocks=3; allowed: -1 .* 1..2"),
+    ({"model.num_layers": 4, "model.num_unique_blocks": 3},
+     r"model.num_unique_blocks=3 does not divide model.num_layers=4"),
+    ({"model.inner_optimizer": "nesterov", "model.momentum_init": 1.0},
+     r"model.momentum_init=1.0; allowed: a finite number, 0 < value < 1"),
+    ({"model.momentum_init": 0.9},
+     r"model.momentum_init=0.9 has no effect with model.inner_optimizer='gd' .*leave it at 0.5"),
+    ({"model.block": "llama", "model.inner_optimizer": "heavy_ball"},
+     r"model.inner_optimizer='heavy_ball' applies to CEM blocks only"),
+    ({"model.block": "llama", "model.manifold": "sphere"},
+     r"model.manifold='sphere' applies to CEM blocks only"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", INVALID, ids=lambda v: str(v)[:50])
+def test_invalid_neighbour_options_fail_at_start_up(overrides, message):
+  cfg = tiny_config("cem")
+  with cfg.unlocked():
+    for key, value in overrides.items():
+      group, leaf = key.split(".")
+      cfg[group].__dict__["_fields"][leaf] = value  # bypass ConfigDict's type check
+  with pytest.raises(ValueError, match=message):
+    config_lib.validate(cfg)
+
+
+# ---- the example configs and the table -------------------------------------------------------
+
+def test_neighbours_table_rows_build_with_the_expected_parameter_counts():
+  from cem_jax import tables
+
+  module = tables.load_table("neighbours")
+  counts = {row: tables.parameter_counts(tables.row_config(module, row, "tiny", 0))
+            for row in module.ROWS}
+  layers = 4  # tiny scale
+  cem = counts["cem"]["non_embedding_params"]
+  assert counts["yuriiformer"]["non_embedding_params"] == cem + layers  # one μ per layer
+  shared = counts["cem_shared"]["non_embedding_params"]
+  assert counts["hyperset"]["non_embedding_params"] == shared
+  assert counts["energy_transformer"]["non_embedding_params"] == shared
+  final_norm = 128
+  assert shared - final_norm == (cem - final_norm) // layers  # one block instead of four
+  assert abs(counts["llama_matched"]["non_embedding_params"] / cem - 1) <= 0.02
+  # the cem and llama_matched rows are end_to_end's rows: the table reuses those runs
+  e2e = tables.load_table("end_to_end")
+  for row in ("cem", "llama_matched"):
+    assert tables.config_digest(tables.row_config(module, row, "tiny", 0)) == (
+        tables.config_digest(tables.row_config(e2e, row, "tiny", 0)))
+
+
+def test_example_config_names_its_allowed_args():
+  import importlib.util
+  import os
+
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "experiments", "neighbours.py")
+  spec = importlib.util.spec_from_file_location("neighbours_example", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config("hyperset")
+  assert (c.model.manifold, c.model.num_unique_blocks) == ("sphere", 1)
+  config_lib.validate(c)
+  with pytest.raises(ValueError, match=r"experiments/neighbours.py:nope; allowed: .*yuriiformer"):
+    module.get_config("nope")
