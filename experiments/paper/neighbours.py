@@ -17,7 +17,7 @@ Measured at tiny scale: see results/tiny/neighbours.md and docs/REPRODUCING.md.
 import importlib.util
 import os
 
-from cem_jax import scales as common
+from cem_jax import scales
 
 
 def _load_neighbours():
@@ -40,7 +40,7 @@ def _cem(c):
 def _llama_matched(c):
   c.model.block = "llama"
   d, f = c.model.d_model, c.model.mlp_dim
-  c.model.mlp_dim = common.matched_llama_mlp_dim(d, 2 * d * d + 2 * d * f)
+  c.model.mlp_dim = scales.matched_llama_mlp_dim(d, 2 * d * d + 2 * d * f)
 
 
 def _cem_shared(c):
@@ -53,7 +53,7 @@ ROWS = {"cem": _cem, **_NEIGHBOURS.VARIANTS, "llama_matched": _llama_matched,
 
 
 def get_config(arg: str = "cem"):
-  row, scale = common.parse_arg(arg, ROWS, "neighbours")
-  c = common.base_config(scale)
+  row, scale = scales.parse_arg(arg, ROWS, "neighbours")
+  c = scales.base_config(scale)
   ROWS[row](c)
   return c
