@@ -8,7 +8,7 @@ import pytest
 from conftest import tiny_config
 from flax import nnx
 
-from cem_jax import train
+from cem_jax import steps as steps_lib
 from cem_jax.data import packing
 from cem_jax.data.pipeline import EvalWindows
 from cem_jax.metrics import energy_trace
@@ -20,7 +20,7 @@ def _setup():
   cfg = tiny_config("cem", **{"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 48,
                               "model.num_layers": 2, "model.num_steps": 2,
                               "data.seq_len": N, "eval.max_batches": -1})
-  model = train.build_model(cfg, V)
+  model = steps_lib.build_model(cfg, V)
   graphdef, params = nnx.split(model, nnx.Param)
   # non-initial parameters: every leaf moved off its init value
   leaves, tree = jax.tree.flatten(params)
@@ -59,12 +59,12 @@ def _reference(graphdef, params, windows):
 
 def test_energy_trace_and_loss_do_not_depend_on_the_eval_batch_size():
   cfg, graphdef, params, data, windows = _setup()
-  step = train.make_eval_step(graphdef, np.ones(V, np.float32), None, energy_trace=True)
+  step = steps_lib.make_eval_step(graphdef, np.ones(V, np.float32), None, energy_trace=True)
   energy_ref, loss_ref = _reference(graphdef, params, windows)
   results = {}
   for bs in (1, 4, 8):  # 8 > the number of windows: one batch, mostly padding rows
     cfg.eval.batch_size = bs
-    results[bs] = train.evaluate(step, params, data, cfg)
+    results[bs] = steps_lib.eval_loop(step, params, data, cfg)
   assert windows.num_windows < 8 and windows.num_windows % 4
   for bs, metrics in results.items():
     got = {k: v for k, v in metrics.items() if k.startswith("eval/energy/")}
