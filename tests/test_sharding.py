@@ -178,7 +178,7 @@ import jax, numpy as np
 from flax import nnx
 sys.path.insert(0, {tests!r})
 from conftest import tiny_config
-from cem_jax import data as data_lib, sharding, optim, steps
+from cem_jax import data as data_lib, optim, sharding, steps
 
 assert jax.device_count() == 8, jax.devices()
 block = {block!r}
