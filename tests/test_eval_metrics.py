@@ -29,7 +29,9 @@ def _setup():
                                      for x, k in zip(leaves, keys, strict=True)])
   rng = np.random.default_rng(3)
   docs = [rng.integers(2, V, size=n).astype(np.int32) for n in (23, 9, 40, 5, 17)]
-  windows = packing.pack(docs, N, eos_id=1, pad_id=0, keep_tail=True, split="validation")
+  # One byte per token (EvalWindows needs per-token bytes for bits per byte).
+  windows = packing.pack(docs, N, eos_id=1, pad_id=0, keep_tail=True, split="validation",
+                         doc_bytes=[np.ones(len(d), np.int32) for d in docs])
   data = types.SimpleNamespace(eval_batches=EvalWindows(windows, 0).batches)
   return cfg, graphdef, params, data, windows
 
@@ -59,7 +61,7 @@ def _reference(graphdef, params, windows):
 
 def test_energy_trace_and_loss_do_not_depend_on_the_eval_batch_size():
   cfg, graphdef, params, data, windows = _setup()
-  step = steps_lib.make_eval_step(graphdef, np.ones(V, np.float32), None, energy_trace=True)
+  step = steps_lib.make_eval_step(graphdef, None, energy_trace=True)
   energy_ref, loss_ref = _reference(graphdef, params, windows)
   results = {}
   for bs in (1, 4, 8):  # 8 > the number of windows: one batch, mostly padding rows
