@@ -34,7 +34,8 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from cem_jax import cli, train
+from cem_jax import cli, optim
+from cem_jax import steps as steps_lib
 from cem_jax.config import get_default_config
 from cem_jax.layers import head_dim_of
 from cem_jax.model import DecoderLM, count_params
@@ -146,9 +147,9 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
   """Compiles and times one training step of ``config``; returns the figures as a dict."""
   model = DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
-  tx, _ = train.make_optimizer(config.train)
+  tx, _ = optim.make_optimizer(config.train)
   opt_state = tx.init(params)
-  step = train.make_train_step(graphdef, tx)
+  step = steps_lib.make_train_step(graphdef, tx)
   b, n = config.train.batch_size, config.data.seq_len
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, vocab_size, (b, n + 1), dtype=np.int32)

@@ -31,7 +31,8 @@ def load_run(workdir: str):
 
   from cem_jax import config as config_lib
   from cem_jax import data as data_lib
-  from cem_jax import train
+  from cem_jax import optim
+  from cem_jax import steps as steps_lib
   from cem_jax.checkpoint import Checkpointer
 
   path = os.path.join(workdir, "config.json")
@@ -47,9 +48,9 @@ def load_run(workdir: str):
   config = config_lib.get_default_config()
   config.update(saved)
   data = data_lib.build_data(config, workdir)
-  model = train.build_model(config, data.tokenizer.vocab_size)
+  model = steps_lib.build_model(config, data.tokenizer.vocab_size)
   graphdef, params = nnx.split(model, nnx.Param)
-  tx, _ = train.make_optimizer(config.train)
+  tx, _ = optim.make_optimizer(config.train)
   # Read-only: the run may still be training here; its in-flight saves must not be touched.
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                       async_save=False, read_only=True)
@@ -70,7 +71,7 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> li
   Raises:
     ValueError: the run is not a CEM model, or a ``T_eval`` < 1.
   """
-  from cem_jax import train
+  from cem_jax import steps as steps_lib
   from cem_jax.metrics import energy_trace
 
   config, data, graphdef, params, step = load_run(workdir)
@@ -81,8 +82,8 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> li
   for t_eval in steps:
     if t_eval < 1:
       raise ValueError(f"--num_steps={t_eval}; allowed: integers >= 1")
-    eval_step = train.make_eval_step(graphdef, t_eval, True)
-    metrics = train.evaluate(eval_step, params, data, config)
+    eval_step = steps_lib.make_eval_step(graphdef, t_eval, True)
+    metrics = steps_lib.eval_loop(eval_step, params, data, config)
     trace = energy_trace(metrics)
     final = sum(parts["att"][-1] + parts["mlp"][-1] for parts in trace.values())
     rows.append({"T_eval": t_eval, "step": step, "final_energy": final,

@@ -36,6 +36,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from cem_jax import bench, cli, train
+from cem_jax import workdir as workdir_lib
 from cem_jax.config import get_default_config
 from cem_jax.files import atomic_write_json
 from cem_jax.metrics import read_metrics
@@ -128,7 +129,7 @@ def _same_config(run: str, config) -> bool:
   if not os.path.exists(path):
     return False
   def flat(d: dict) -> dict:
-    out = train._flatten(d)
+    out = workdir_lib.flatten(d)
     if out.get("data.files"):  # by name: the same corpus seen from another checkout/machine
       out["data.files"] = ",".join(os.path.basename(p) for p in out["data.files"].split(","))
     return out

@@ -26,7 +26,8 @@ import pytest
 from conftest import tiny_config
 from flax import nnx
 
-from cem_jax import train
+from cem_jax import optim
+from cem_jax import steps as steps_lib
 from cem_jax.checkpoint import Checkpointer, CheckpointError
 from cem_jax.metrics import read_metrics
 
@@ -301,8 +302,8 @@ def test_read_only_reader_skips_damage_and_touches_nothing(tmp_path):
 def _model_state(d_model=32, tx=None):
   cfg = tiny_config("cem", **{"model.d_model": d_model, "model.mlp_dim": 64,
                               "model.num_layers": 1, "model.num_heads": 2})
-  _, params = nnx.split(train.build_model(cfg, 64), nnx.Param)
-  tx = tx or train.make_optimizer(cfg.train)[0]
+  _, params = nnx.split(steps_lib.build_model(cfg, 64), nnx.Param)
+  tx = tx or optim.make_optimizer(cfg.train)[0]
   return {"params": params, "opt_state": tx.init(params)}, tx
 
 
@@ -376,7 +377,8 @@ _DEVICES_SCRIPT = textwrap.dedent("""
     from flax import nnx
     sys.path.insert(0, {tests!r})
     from conftest import tiny_config
-    from cem_jax import train
+    from cem_jax import optim
+    from cem_jax import steps as steps_lib
     from cem_jax.checkpoint import Checkpointer
 
     mode, directory = sys.argv[1], sys.argv[2]
@@ -384,7 +386,7 @@ _DEVICES_SCRIPT = textwrap.dedent("""
     mesh = Mesh(np.array(jax.devices()), ("data",))
     cfg = tiny_config("cem", **{{"model.d_model": 32, "model.mlp_dim": 64,
                                  "model.num_layers": 1, "model.num_heads": 2}})
-    tx = train.make_optimizer(cfg.train)[0]
+    tx = optim.make_optimizer(cfg.train)[0]
 
     def sharding(shape):  # shard the first axis over all devices where it divides, else replicate
       return NamedSharding(mesh, P("data") if shape and shape[0] % n == 0 else P())
@@ -395,7 +397,7 @@ _DEVICES_SCRIPT = textwrap.dedent("""
 
     ckpt = Checkpointer(directory)
     if mode == "save":
-      _, params = nnx.split(train.build_model(cfg, 64), nnx.Param)
+      _, params = nnx.split(steps_lib.build_model(cfg, 64), nnx.Param)
       state = {{"params": params, "opt_state": tx.init(params)}}
       # Not the initial values: one real update, so the moments are not zeros.
       grads = jax.tree.map(lambda x: jax.numpy.cos(x) + 0.5, params)
@@ -408,7 +410,7 @@ _DEVICES_SCRIPT = textwrap.dedent("""
       # An abstract target built on the current devices, with no checkpoint values in it.
       # (Shapes from a concrete model: nnx.eval_shape cannot trace layers.common's
       # softplus_inverse, a Python float of an array.)
-      _, params = nnx.split(train.build_model(cfg, 64), nnx.Param)
+      _, params = nnx.split(steps_lib.build_model(cfg, 64), nnx.Param)
       target = {{"params": params, "opt_state": jax.eval_shape(tx.init, params)}}
       target = jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x.shape)), target)

@@ -8,7 +8,7 @@ import pytest
 from conftest import tiny_config
 from flax import nnx
 
-from cem_jax import train
+from cem_jax import steps as steps_lib
 from cem_jax.data import packing
 from cem_jax.data.pipeline import EvalWindows
 from cem_jax.metrics import energy_trace
@@ -20,7 +20,7 @@ def _setup():
   cfg = tiny_config("cem", **{"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 48,
                               "model.num_layers": 2, "model.num_steps": 2,
                               "data.seq_len": N, "eval.max_batches": -1})
-  model = train.build_model(cfg, V)
+  model = steps_lib.build_model(cfg, V)
   graphdef, params = nnx.split(model, nnx.Param)
   # non-initial parameters: every leaf moved off its init value
   leaves, tree = jax.tree.flatten(params)
@@ -29,9 +29,9 @@ def _setup():
                                      for x, k in zip(leaves, keys, strict=True)])
   rng = np.random.default_rng(3)
   docs = [rng.integers(2, V, size=n).astype(np.int32) for n in (23, 9, 40, 5, 17)]
-  doc_bytes = [np.full(len(d), 2, np.int32) for d in docs]  # any per-token byte counts
+  # One byte per token (EvalWindows needs per-token bytes for bits per byte).
   windows = packing.pack(docs, N, eos_id=1, pad_id=0, keep_tail=True, split="validation",
-                         doc_bytes=doc_bytes)
+                         doc_bytes=[np.ones(len(d), np.int32) for d in docs])
   data = types.SimpleNamespace(eval_batches=EvalWindows(windows, 0).batches)
   return cfg, graphdef, params, data, windows
 
@@ -61,12 +61,12 @@ def _reference(graphdef, params, windows):
 
 def test_energy_trace_and_loss_do_not_depend_on_the_eval_batch_size():
   cfg, graphdef, params, data, windows = _setup()
-  step = train.make_eval_step(graphdef, None, energy_trace=True)
+  step = steps_lib.make_eval_step(graphdef, None, energy_trace=True)
   energy_ref, loss_ref = _reference(graphdef, params, windows)
   results = {}
   for bs in (1, 4, 8):  # 8 > the number of windows: one batch, mostly padding rows
     cfg.eval.batch_size = bs
-    results[bs] = train.evaluate(step, params, data, cfg)
+    results[bs] = steps_lib.eval_loop(step, params, data, cfg)
   assert windows.num_windows < 8 and windows.num_windows % 4
   for bs, metrics in results.items():
     got = {k: v for k, v in metrics.items() if k.startswith("eval/energy/")}

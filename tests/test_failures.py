@@ -23,7 +23,7 @@ from ml_collections import config_flags
 
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
-from cem_jax import energies, train
+from cem_jax import energies, optim, steps, train
 from cem_jax.checkpoint import Checkpointer
 from cem_jax.data import pipeline
 from cem_jax.metrics import read_metrics
@@ -257,12 +257,12 @@ def test_eval_padding_rows_have_zero_weight(shared_data, tmp_path):
   data = data_lib.build_data(cfg, str(tmp_path / "w"))
   padded = next(b for b in (8, 7, 5, 3) if data.eval.num_windows % b)  # last batch padded
   assert data.eval.num_windows > padded
-  graphdef, params = nnx.split(train.build_model(cfg, data.tokenizer.vocab_size), nnx.Param)
-  step = train.make_eval_step(graphdef, None)
+  graphdef, params = nnx.split(steps.build_model(cfg, data.tokenizer.vocab_size), nnx.Param)
+  step = steps.make_eval_step(graphdef, None)
   results = {}
   for bs in (1, padded):
     cfg.eval.batch_size = bs
-    results[bs] = train.evaluate(step, params, data, cfg)
+    results[bs] = steps.eval_loop(step, params, data, cfg)
   assert results[1]["eval/tokens"] == results[padded]["eval/tokens"] == data.eval.total_weight()
   for key in ("eval/loss", "eval/bits_per_byte"):
     np.testing.assert_allclose(results[padded][key], results[1][key], rtol=1e-6)
@@ -308,12 +308,12 @@ def test_nonfinite_steps_are_skipped_counted_and_k_in_a_row_stop_the_run(
 
   ckpt = Checkpointer(str(tmp_path / "checkpoints"))
   assert ckpt.all_steps() == [5]
-  _, params = nnx.split(train.build_model(cfg, 512), nnx.Param)
-  tx = train.make_optimizer(cfg.train)[0]
+  _, params = nnx.split(steps.build_model(cfg, 512), nnx.Param)
+  tx = optim.make_optimizer(cfg.train)[0]
   state, meta = ckpt.restore(5, {"params": params, "opt_state": tx.init(params)})
   ckpt.close()
   assert meta["step"] == 5
-  assert bool(train._all_finite(state))
+  assert bool(steps.all_finite(state))
   opt = state["opt_state"]
   assert int(opt.total_notfinite) == 1 and int(opt.notfinite_count) == 0
   # The inner (Adam, schedule) counters count applied updates only: 4 of the 5 steps.

@@ -1,8 +1,8 @@
 """Golden numbers: loss and gradient norm of a tiny CEM and a tiny Llama model over the first
 train steps, pinned.
 
-The train step is the real one (``train.make_optimizer``, ``train.init_state``,
-``train.make_train_step``) on fixed synthetic token batches (a pure function of the step,
+The train step is the real one (``optim.make_optimizer``, ``steps.init_state``,
+``steps.make_train_step``) on fixed synthetic token batches (a pure function of the step,
 independent of any corpus, tokenizer or held-out split), so only the model, the loss, the
 optimizer and the schedule decide these numbers.
 
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from cem_jax import train
+from cem_jax import optim, steps
 from cem_jax.version import NUMERICS_VERSION
 
 V, N, B = 97, 16, 4
@@ -60,9 +60,9 @@ def _run(block):
                "train.num_steps": 20, "train.warmup_steps": 3, "train.learning_rate": 1e-2,
                "mesh.data": 1}
   cfg = tiny_config(block, **overrides, **CONFIGS[block])
-  tx, schedule = train.make_optimizer(cfg.train)
-  graphdef, params, opt_state, shardings, _ = train.init_state(cfg, V, tx)
-  step = train.make_train_step(graphdef, tx, cfg.train.max_consecutive_nonfinite, shardings,
+  tx, schedule = optim.make_optimizer(cfg.train)
+  graphdef, params, opt_state, shardings, _ = steps.init_state(cfg, V, tx)
+  step = steps.make_train_step(graphdef, tx, cfg.train.max_consecutive_nonfinite, shardings,
                                schedule)
   out = {}
   for k in range(1, STEPS + 1):

@@ -15,7 +15,7 @@ from conftest import tiny_config
 from flax import nnx
 
 from cem_jax import config as config_lib
-from cem_jax import inner, inspect, train
+from cem_jax import inner, steps, summary, train
 from cem_jax.config import get_default_config
 from cem_jax.layers.common import softplus_inverse
 from cem_jax.metrics import energy_trace, read_metrics
@@ -249,7 +249,7 @@ def test_shared_sphere_model_trains_restores_and_descends_its_energy(shared_data
   train.train_and_evaluate(cfg, str(tmp_path))
   losses = [m["train/loss"] for m in read_metrics(str(tmp_path)) if "train/loss" in m]
   assert losses[-1] < losses[0] - 0.5
-  s = inspect.summary(cfg, vocab_size=512)
+  s = summary.summary(cfg, vocab_size=512)
   assert (s["unique_blocks"], s["num_layers"]) == (1, 2)
   config, data, graphdef, params, step = evaluate.load_run(str(tmp_path))
   assert step == 40
@@ -258,9 +258,9 @@ def test_shared_sphere_model_trains_restores_and_descends_its_energy(shared_data
     block.attn.eta[...] = jnp.full_like(block.attn.eta[...], softplus_inverse(0.02))
     block.mlp.eta[...] = jnp.full_like(block.mlp.eta[...], softplus_inverse(0.02))
   graphdef, params = nnx.split(model, nnx.Param)
-  eval_step = train.make_eval_step(graphdef, data.tokenizer.token_bytes, None, True)
+  eval_step = steps.make_eval_step(graphdef, None, True)
   config.eval.max_batches = 2
-  trace = energy_trace(train.evaluate(eval_step, params, data, config))
+  trace = energy_trace(steps.eval_loop(eval_step, params, data, config))
   assert sorted(trace) == [0, 1]
   for layer, parts in trace.items():
     for part in ("att", "mlp"):

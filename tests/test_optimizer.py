@@ -8,7 +8,7 @@ import pytest
 from conftest import tiny_config
 from flax import nnx
 
-from cem_jax import train
+from cem_jax import optim, steps
 
 V = 64
 
@@ -34,16 +34,16 @@ def _expected_lr(k, peak=1e-2, warmup=4, total=20, ratio=0.1):
 
 @pytest.mark.parametrize("k", [1, 2, 4, 5, 12, 20])
 def test_schedule_follows_the_formula_from_the_first_update(k):
-  _, schedule = train.make_optimizer(_cfg().train)
+  _, schedule = optim.make_optimizer(_cfg().train)
   assert float(schedule(k - 1)) == pytest.approx(_expected_lr(k), rel=1e-6)
   assert float(schedule(0)) > 0.0
 
 
 def _setup(cfg):
-  model = train.build_model(cfg, V)
+  model = steps.build_model(cfg, V)
   graphdef, params = nnx.split(model, nnx.Param)
-  tx, schedule = train.make_optimizer(cfg.train)
-  step = train.make_train_step(graphdef, tx, cfg.train.max_consecutive_nonfinite,
+  tx, schedule = optim.make_optimizer(cfg.train)
+  step = steps.make_train_step(graphdef, tx, cfg.train.max_consecutive_nonfinite,
                                schedule=schedule)
   return params, tx.init(params), step
 
@@ -80,4 +80,4 @@ def test_after_a_skipped_update_the_logged_rate_is_the_applied_one():
   expected = [_expected_lr(1), _expected_lr(2), _expected_lr(2), _expected_lr(3),
               _expected_lr(4), _expected_lr(5)]
   np.testing.assert_allclose(logged, expected, rtol=1e-6)
-  assert int(train.applied_updates(opt_state)) == 5
+  assert int(optim.applied_updates(opt_state)) == 5

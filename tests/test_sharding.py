@@ -178,7 +178,7 @@ import jax, numpy as np
 from flax import nnx
 sys.path.insert(0, {tests!r})
 from conftest import tiny_config
-from cem_jax import data as data_lib, sharding, train
+from cem_jax import data as data_lib, optim, sharding, steps
 
 assert jax.device_count() == 8, jax.devices()
 block = {block!r}
@@ -194,18 +194,18 @@ else:  # an untied LM head too
 cfg = tiny_config(block, **overrides)
 data = data_lib.build_data(cfg, {workdir!r})
 vocab = data.tokenizer.vocab_size
-tx, _ = train.make_optimizer(cfg.train)
-_, eager = nnx.split(train.build_model(cfg, vocab), nnx.Param)
+tx, _ = optim.make_optimizer(cfg.train)
+_, eager = nnx.split(steps.build_model(cfg, vocab), nnx.Param)
 out = {{}}
 for shape in [(1, 1, 1)] + {meshes!r}:
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = shape
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(shape))])
-  graphdef, params, opt_state, sh, _ = train.init_state(cfg, vocab, tx, mesh)
+  graphdef, params, opt_state, sh, _ = steps.init_state(cfg, vocab, tx, mesh)
   rec = {{"init_max_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                               for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(eager)))}}
   # Each parameter's sharding, the number of distinct shards, and its moment's sharding.
   # Sharded init: what one device computes and keeps (no device ever holds a full copy).
-  init = jax.jit(lambda: nnx.state(train.build_model(cfg, vocab), nnx.Param),
+  init = jax.jit(lambda: nnx.state(steps.build_model(cfg, vocab), nnx.Param),
                  out_shardings=sh.params).lower().compile().memory_analysis()
   rec["init_bytes"] = {{"full": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),
                        "output": init.output_size_in_bytes, "temp": init.temp_size_in_bytes}}
@@ -221,7 +221,7 @@ for shape in [(1, 1, 1)] + {meshes!r}:
         "shards": len({{str(s.index) for s in a.addressable_shards}}),
         "shard_shape": list(a.addressable_shards[0].data.shape),
         "moment_spec": str(m.get_value().sharding.spec)}}
-  step = train.make_train_step(graphdef, tx, 5, sh)
+  step = steps.make_train_step(graphdef, tx, 5, sh)
   guard = jax.make_array_from_process_local_data(sh.replicated, np.zeros((), np.int32))
   losses = []
   for s in range(5):
@@ -230,8 +230,8 @@ for shape in [(1, 1, 1)] + {meshes!r}:
     losses.append(float(m["loss"]))
   rec["losses"] = losses
   rec["batch_spec"] = str(tuple(batch["inputs"].sharding.spec))
-  eval_step = train.make_eval_step(graphdef, None, False, sh)
-  rec["eval"] = train.evaluate(eval_step, params, data, cfg, sh)
+  eval_step = steps.make_eval_step(graphdef, None, False, sh)
+  rec["eval"] = steps.eval_loop(eval_step, params, data, cfg, sh)
   out["x".join(map(str, shape))] = rec
 print("RESULT " + json.dumps(out))
 """

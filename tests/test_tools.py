@@ -8,8 +8,8 @@ from conftest import tiny_config
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from cem_jax import inspect as inspect_lib
 from cem_jax import sharding
+from cem_jax import summary as summary_lib
 from cem_jax.model import DecoderLM, count_params
 
 
@@ -20,7 +20,7 @@ from cem_jax.model import DecoderLM, count_params
 ])
 def test_inspect_totals_equal_the_built_model(overrides):
   cfg = tiny_config(**overrides)
-  s = inspect_lib.summary(cfg, vocab_size=300)
+  s = summary_lib.summary(cfg, vocab_size=300)
   built = DecoderLM(cfg.model, 300, rngs=nnx.Rngs(0))
   assert s["totals"]["params"] == count_params(built)
   assert sum(r["count"] for r in s["rows"]) == count_params(built)

@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_config
 from flax import nnx
 
-from cem_jax import train
+from cem_jax import optim, steps, train
 from cem_jax.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,9 +44,9 @@ def test_weight_decay_goes_by_name_not_rank():
   cfg = tiny_config("cem", **{"model.diagonal": "per_head", "model.precond": "both",
                               "model.precond_rank": 2, "model.num_steps": 2,
                               "model.eta_per_step": True, "model.precond_shared": False})
-  model = train.build_model(cfg, 64)
+  model = steps.build_model(cfg, 64)
   _, params = nnx.split(model, nnx.Param)
-  mask = train.decay_mask(params)
+  mask = optim.decay_mask(params)
   flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(mask)}
   decayed = sorted(k for k, v in flat.items() if v)
   kept = sorted(k for k, v in flat.items() if not v)
@@ -60,7 +60,7 @@ def test_weight_decay_goes_by_name_not_rank():
   assert any(len(shapes[k]) >= 2 for k in kept)
   # Stacking the norm scales (as a scanned model would) does not change the decision.
   stacked = {"blocks": {"norm_att": {"scale": jnp.ones((3, 64))}}, "w_q": jnp.ones((64, 4, 16))}
-  assert train.decay_mask(stacked) == {"blocks": {"norm_att": {"scale": False}}, "w_q": True}
+  assert optim.decay_mask(stacked) == {"blocks": {"norm_att": {"scale": False}}, "w_q": True}
 
 
 def _run_cli(args, cwd):

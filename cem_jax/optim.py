@@ -1,0 +1,75 @@
+"""The optimizer: which parameters decay, the learning-rate schedule, AdamW with clipping and a
+skip of non-finite updates (optax).
+
+Imported by :mod:`cem_jax.steps` (the train step logs the schedule's rate), the loop and the
+tools that build a train step (bench, evaluate).
+"""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+import optax
+
+from cem_jax.layers import DECAYED_PARAM_NAMES
+
+
+def _param_name(path) -> str:
+  """The variable's own name: the last dict/attribute key of its path (not ``value``)."""
+  names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+  names = [n for n in names if n and n != "value"]
+  return names[-1] if names else ""
+
+
+def decay_mask(params):
+  """True for parameters weight decay applies to: chosen by *name*, never by rank."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: _param_name(path) in DECAYED_PARAM_NAMES, params
+  )
+
+
+def make_schedule(cfg: ml_collections.ConfigDict):
+  """The learning rate of each update: ``schedule(count)`` for the update made after ``count``
+  applied updates (optax's count, 0 for the first).
+
+  Update ``k = count + 1`` uses ``peak * k / warmup_steps`` while ``k <= warmup_steps`` (so the
+  first update already moves the weights, and update ``warmup_steps`` uses the peak
+  ``train.learning_rate``), then a cosine decay reaching ``peak * min_learning_rate_ratio`` at
+  update ``train.num_steps``. ``warmup_steps = 0``: the cosine from the first update.
+  """
+  base = optax.warmup_cosine_decay_schedule(
+      init_value=0.0,
+      peak_value=cfg.learning_rate,
+      warmup_steps=cfg.warmup_steps,
+      decay_steps=max(cfg.num_steps, cfg.warmup_steps + 1),
+      end_value=cfg.learning_rate * cfg.min_learning_rate_ratio,
+  )
+  # optax's schedule gives init_value (0) at count 0: shift by one so update k gets base(k).
+  return lambda count: base(count + 1)
+
+
+def applied_updates(opt_state) -> jax.Array:
+  """Updates applied so far (int32 ``[]``): the count of the learning-rate schedule's state,
+  which a skipped non-finite update (``optax.apply_if_finite``) does not advance."""
+  is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+  states = [x for x in jax.tree.leaves(opt_state, is_leaf=is_sched) if is_sched(x)]
+  if len(states) != 1:
+    raise ValueError(f"expected one learning-rate schedule in the optimizer state, found "
+                     f"{len(states)}; build the optimizer with make_optimizer")
+  return states[0].count
+
+
+def make_optimizer(cfg: ml_collections.ConfigDict):
+  """AdamW with global-norm clipping; updates with a non-finite gradient are skipped.
+
+  Returns ``(tx, schedule)``. ``optax.apply_if_finite`` keeps the parameters unchanged on a
+  NaN/Inf gradient and counts it; the loop stops after ``train.max_consecutive_nonfinite``.
+  """
+  schedule = make_schedule(cfg)
+  inner = optax.chain(
+      optax.clip_by_global_norm(cfg.grad_clip),
+      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                  mask=decay_mask),
+  )
+  # apply_if_finite would let updates through after this many in a row; the loop stops first.
+  return optax.apply_if_finite(inner, cfg.max_consecutive_nonfinite + 1), schedule

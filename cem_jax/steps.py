@@ -1,0 +1,281 @@
+"""The pieces the loop runs: the loss, the model factory, the sharded state, the jitted train and
+eval steps, and the eval loop over the validation split.
+
+Data flows config → data → model → optim → steps → train (the loop) → tools: nothing here
+reads a workdir, writes metrics or saves checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from cem_jax import sharding as sharding_lib
+from cem_jax.model import DecoderLM
+from cem_jax.optim import applied_updates
+
+# ---------------------------------------------------------------------------------------------
+# Loss
+
+
+def weighted_cross_entropy(logits, targets, weights):
+  """Sum of ``-log p(target)`` over weighted positions, and the sum of weights.
+
+  Args:
+    logits: ``[batch, seq_len, vocab_size]`` float32.
+    targets: ``[batch, seq_len]`` int.
+    weights: ``[batch, seq_len]`` float32 (0 for targets across a document boundary or padding).
+  Returns:
+    ``(loss_sum, weight_sum)``, float32 scalars, loss in nats.
+  """
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  return jnp.sum(nll * weights), jnp.sum(weights)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and sharded state
+
+
+def build_model(config, vocab_size: int) -> DecoderLM:
+  """The model of ``config.model`` with ``vocab_size`` tokens, initialised from ``config.seed``."""
+  return DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(params=config.seed))
+
+
+@dataclasses.dataclass(frozen=True)
+class StateShardings:
+  """Where everything lives on the mesh.
+
+  Attributes:
+    mesh: the ``('data', 'fsdp', 'tensor')`` mesh of all processes' devices.
+    params: ``NamedSharding`` per Param (a prefix tree of the params ``nnx.State``).
+    opt_state: the same for the optimizer state (moments like their params, counts replicated).
+    batch: ``[batch, seq_len]`` arrays, rows over the data-parallel axes.
+    replicated: scalars (metrics, the non-finite guard).
+  """
+
+  mesh: jax.sharding.Mesh
+  params: object
+  opt_state: object
+  batch: jax.sharding.NamedSharding
+  replicated: jax.sharding.NamedSharding
+
+  def process_slice(self, global_rows: int) -> tuple[int, int]:
+    """``(index, count)``: this process reads block ``index`` of ``count`` of every batch."""
+    return sharding_lib.process_slice(self.batch, global_rows)
+
+  def global_batch(self, local: dict, global_rows: int) -> dict:
+    """This process's rows → global arrays ``[global_rows, seq_len]`` on the mesh."""
+    return sharding_lib.global_batch(local, self.batch, global_rows)
+
+
+def init_state(config: ml_collections.ConfigDict, vocab_size: int, tx, mesh=None):
+  """Initialises params and optimizer state directly in their shards on ``mesh``.
+
+  The model is built inside ``jax.jit`` with ``out_shardings`` (its shapes come from
+  ``nnx.eval_shape``), so no process ever holds a full copy: each device computes only its
+  shards. The values are :func:`build_model`'s for any mesh (same seed, same random bits; the
+  compiled arithmetic may differ in the last bit: ≤ 1e-8 measured).
+
+  Args:
+    config: resolved config (``model``, ``seed``, ``mesh.rules``).
+    vocab_size: the tokenizer's vocabulary size.
+    tx: the optax optimizer (:func:`cem_jax.optim.make_optimizer`).
+    mesh: default ``sharding.make_mesh(config.mesh)`` over all processes' devices.
+  Returns:
+    ``(graphdef, params, opt_state, shardings, abstract_model)``: ``params`` an ``nnx.State``
+    of Params, ``shardings`` a :class:`StateShardings`.
+  Raises:
+    ValueError: a mesh that does not fit the devices, or bad ``mesh.rules``.
+  """
+  mesh = sharding_lib.make_mesh(config.mesh) if mesh is None else mesh
+  rules = sharding_lib.rules_from_config(config.mesh)
+  abstract_model = nnx.eval_shape(lambda: build_model(config, vocab_size))
+  graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+  param_sh = sharding_lib.param_shardings(abstract_params, mesh, rules)
+  params = jax.jit(lambda: nnx.state(build_model(config, vocab_size), nnx.Param),
+                   out_shardings=param_sh)()
+  opt_sh = sharding_lib.opt_state_shardings(tx, jax.eval_shape(tx.init, abstract_params),
+                                            param_sh, mesh)
+  opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+  shardings = StateShardings(mesh=mesh, params=param_sh, opt_state=opt_sh,
+                             batch=sharding_lib.batch_sharding(mesh, rules),
+                             replicated=sharding_lib.replicated(mesh))
+  return graphdef, params, opt_state, shardings, abstract_model
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps
+
+
+def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
+                    shardings: StateShardings | None = None, schedule=None):
+  """Returns the jitted ``step(params, opt_state, batch, guard=0, done=0) -> (params, opt_state,
+  metrics)``; ``params`` and ``opt_state`` are donated.
+
+  With ``shardings`` the step is compiled for them (params and optimizer state stay sharded
+  as given, the batch is split over its data-parallel axes, the metrics are replicated);
+  without, for the inputs' own placement (one device).
+
+  ``metrics``: ``loss`` (nats/token), ``grad_norm``, ``nonfinite_total`` (skipped updates so
+  far, optax's count), ``nonfinite_consecutive``, ``nonfinite_guard`` and, with ``schedule``
+  (:func:`cem_jax.optim.make_optimizer`'s), ``learning_rate``: the rate of this update,
+  ``schedule`` at the updates applied before it (a skipped update does not count, so after
+  one the rate is not a step ahead; on the skipped step itself it is the rate that was not
+  applied).
+
+  The guard (int32 ``[]``): pass the previous step's ``metrics["nonfinite_guard"]`` as ``guard``
+  and this update's step number (the ``step`` of its metrics line) as ``done``. It becomes the
+  first ``done`` at which ``max_consecutive_nonfinite`` updates in a row had a non-finite loss
+  or gradient, and then stays; 0 = never (and always 0 when ``max_consecutive_nonfinite`` is
+  None). It lives on the device so the loop need not fetch anything every step (that would
+  stall asynchronous dispatch) yet cannot miss a run of failures that ended between checks.
+  """
+
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["inputs"], batch["segment_ids"])
+    loss_sum, weight_sum = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+    return loss_sum / jnp.maximum(weight_sum, 1.0)
+
+  jit_kwargs = {}
+  if shardings is not None:
+    s = shardings
+    jit_kwargs = {"in_shardings": (s.params, s.opt_state, s.batch, s.replicated, s.replicated),
+                  "out_shardings": (s.params, s.opt_state, s.replicated)}
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1), **jit_kwargs)
+  def step(params, opt_state, batch, guard=0, done=0):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    lr = None if schedule is None else schedule(applied_updates(opt_state))
+    # A NaN/Inf loss or gradient: apply_if_finite (make_optimizer) leaves params and moments
+    # unchanged and counts it.
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    guard = jnp.asarray(guard, jnp.int32)
+    if max_consecutive_nonfinite is not None:
+      hit = (guard == 0) & (opt_state.notfinite_count >= max_consecutive_nonfinite)
+      guard = jnp.where(hit, jnp.asarray(done, jnp.int32), guard)
+    metrics = {
+        "loss": loss,
+        "grad_norm": optax.tree.norm(grads),
+        "nonfinite_total": opt_state.total_notfinite,
+        "nonfinite_consecutive": opt_state.notfinite_count,
+        "nonfinite_guard": guard,
+    }
+    if lr is not None:
+      metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
+    return params, opt_state, metrics
+
+  return step
+
+
+def make_eval_step(graphdef, num_steps: int | None, energy_trace: bool = False,
+                   shardings: StateShardings | None = None):
+  """Returns the jitted ``eval_step(params, batch) -> dict`` of sums over the batch.
+
+  With ``shardings`` the batch is split over the data-parallel axes and the sums (reduced over
+  every device, so over every process's rows) come back replicated.
+
+  Keys: ``loss_sum`` (nats), ``weight_sum`` (predicted tokens), ``byte_sum`` (the UTF-8
+  bytes of the text they stand for, the batch's ``target_bytes``, counted from the text when
+  the data was prepared, so unknown pieces count their real bytes) and, with
+  ``energy_trace``, ``energy`` (per layer, per step: the energies before/after each sub-step
+  summed over the real input tokens, see :class:`cem_jax.layers.CEMBlock`) and ``token_sum``
+  (the number of those tokens, ``segment_ids > 0``).
+  ``num_steps`` overrides the recursive steps T of every CEM layer (test-time steps).
+  """
+  jit_kwargs = {}
+  if shardings is not None:
+    jit_kwargs = {"in_shardings": (shardings.params, shardings.batch),
+                  "out_shardings": shardings.replicated}
+
+  @functools.partial(jax.jit, **jit_kwargs)
+  def eval_step(params, batch):
+    model = nnx.merge(graphdef, params)
+    outputs = model(batch["inputs"], batch["segment_ids"], num_steps=num_steps,
+                    trace=energy_trace)
+    logits, traces = outputs if energy_trace else (outputs, None)
+    loss_sum, weight_sum = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+    byte_sum = jnp.sum(batch["target_bytes"] * batch["weights"])
+    out = {"loss_sum": loss_sum, "weight_sum": weight_sum, "byte_sum": byte_sum}
+    if energy_trace:
+      out["energy"] = traces
+      out["token_sum"] = jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)
+    return out
+
+  return eval_step
+
+
+def energy_metrics(traces) -> dict:
+  """Flattens a model's energy trace into ``eval/energy/layer{l}/step{t}/{att,mlp}_{before,after}``.
+
+  ``traces``: list over layers of lists over steps of dicts of scalars (energy per token).
+  """
+  out = {}
+  for layer, steps in enumerate(traces):
+    for t, rec in enumerate(steps):
+      for key, value in rec.items():
+        out[f"eval/energy/layer{layer}/step{t + 1}/{key}"] = float(value)
+  return out
+
+
+def eval_loop(eval_step, params, data, cfg, shardings: StateShardings | None = None) -> dict:
+  """Runs ``eval_step`` over the validation split; returns ``eval/...`` metrics.
+
+  Every per-token metric is a total over all evaluated batches divided by the total count,
+  never a mean of per-batch means, so none depends on ``eval.batch_size`` (or on the padding
+  that fills the last batch): ``eval/loss`` is nats per predicted token, ``eval/perplexity``
+  its exponential, ``eval/bits_per_byte`` the total bits over the UTF-8 bytes of the predicted
+  tokens, and the energy trace (when ``eval_step`` makes it) the energy per real input token.
+
+  With ``shardings`` (and an ``eval_step`` made with them) each process reads only its rows of
+  every global eval batch; ``eval_step`` sums over all of them on the devices, so every
+  process gets the same totals, equal to one process's up to float summation order.
+  """
+  bs = cfg.eval.batch_size
+  index, count = (0, 1) if shardings is None else shardings.process_slice(bs)
+  totals = {"loss_sum": 0.0, "weight_sum": 0.0, "byte_sum": 0.0}
+  energy_sum, tokens = None, 0.0
+  for i, batch in enumerate(data.eval_batches(bs, index, count)):
+    if 0 <= cfg.eval.max_batches <= i:
+      break
+    if shardings is not None:
+      batch = shardings.global_batch(batch, bs)
+    out = jax.device_get(eval_step(params, batch))
+    for k in totals:
+      totals[k] += float(out[k])
+    if "energy" in out:
+      energy = jax.tree.map(np.float64, out["energy"])
+      energy_sum = energy if energy_sum is None else jax.tree.map(
+          lambda a, b: a + b, energy_sum, energy)
+      tokens += float(out["token_sum"])
+  loss = totals["loss_sum"] / max(totals["weight_sum"], 1.0)
+  metrics = {
+      "eval/loss": loss,
+      "eval/perplexity": math.exp(min(loss, 80.0)),
+      "eval/bits_per_byte": totals["loss_sum"] / math.log(2) / max(totals["byte_sum"], 1.0),
+      "eval/tokens": int(totals["weight_sum"]),
+  }
+  if energy_sum is not None:
+    metrics.update(energy_metrics(jax.tree.map(lambda a: a / max(tokens, 1.0), energy_sum)))
+  return metrics
+
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+  """True (bool ``[]``) if every float leaf of ``tree`` is finite (checked before a save)."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)

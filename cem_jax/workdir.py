@@ -1,0 +1,113 @@
+"""What the loop needs around it: a writable workdir, the data built once across processes,
+the last eval read back from ``metrics.jsonl``, SIGTERM as a flag, and the config flattened to
+dotted keys (for comparing configs). Nothing here builds a model or runs a step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+
+import jax
+import ml_collections
+import numpy as np
+
+from cem_jax import data as data_lib
+from cem_jax.metrics import read_metrics
+
+
+def build_data_once(config: ml_collections.ConfigDict, workdir: str):
+  """``data.build_data``; with several processes, process 0 first (it prepares the tokens
+  into ``WORKDIR/data`` unless ``data.prepared_dir`` is set; the others then open them
+  instead of racing to write them).
+
+  Raises:
+    ValueError: as ``build_data``; on processes other than 0 also when process 0 failed.
+  """
+  if jax.process_count() == 1:
+    return data_lib.build_data(config, workdir)
+  from jax.experimental import multihost_utils
+
+  data, error = None, None
+  if jax.process_index() == 0:
+    try:
+      data = data_lib.build_data(config, workdir)
+    except (ValueError, OSError, RuntimeError) as e:
+      error = e
+  # A collective every process joins, so a failure on process 0 stops the others too.
+  ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+  if error is not None:
+    raise error
+  if not ok:
+    raise ValueError("process 0 could not build the data (see its error); nothing trained")
+  return data if data is not None else data_lib.build_data(config, workdir)
+
+
+def prepare_workdir(workdir: str) -> bool:
+  """Creates ``workdir`` if needed and checks that files can be written in it.
+
+  Returns True if this call created it (so a failed start-up can remove it again).
+
+  Raises:
+    ValueError: it cannot be created or written (one line naming ``--workdir`` and the reason).
+  """
+  created = not os.path.isdir(workdir)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=workdir, prefix=".write_probe")
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    raise ValueError(
+        f"--workdir={workdir!r} is not a writable folder ({e.strerror or e}: "
+        f"{e.filename or workdir}); choose another --workdir or fix its permissions"
+    ) from None
+  return created
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+  """Nested dicts → one dict with dotted keys (``{"a": {"b": 1}}`` → ``{"a.b": 1}``)."""
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+class Preemption:
+  """Turns SIGTERM (a preemption notice) into a flag the loop checks at each step boundary.
+
+  Only for single-process runs started from the main thread: with several processes every
+  process must save at the same step, which Orbax's ``reached_preemption`` (JAX's preemption
+  sync point) decides instead.
+  """
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def __enter__(self):
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True  # nothing else: a signal handler may interrupt anything
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def last_eval_in(workdir: str) -> dict:
+  """The last eval line of ``workdir/metrics.jsonl`` without its ``step``; ``{}`` if none."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return {}
+  evals = [m for m in read_metrics(workdir) if "eval/loss" in m]
+  return {k: v for k, v in evals[-1].items() if k != "step"} if evals else {}
