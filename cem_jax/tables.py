@@ -184,9 +184,16 @@ def _finished_run(workdir: str, digest: str, config) -> str | None:
   return None
 
 
+def _trained_to_the_end(out: str, num_steps: int) -> bool:
+  """True when ``out/metrics.jsonl`` has the eval line of the final step ``num_steps``."""
+  return any(m.get("step") == num_steps and "eval/loss" in m for m in read_metrics(out))
+
+
 def run_table(module, table: str, scale: str, seeds: int, workdir: str,
-              steps: int | None = None) -> list[dict]:
-  """Trains every (row, seed) not finished yet; returns the per-run results."""
+              steps: int | None = None) -> list[dict] | None:
+  """Trains every (row, seed) not finished yet; returns the per-run results, or None when a
+  run was preempted (SIGTERM) before its last step: nothing is written for it, and the same
+  command resumes it."""
   runs = [(row, seed) for row in module.ROWS for seed in range(seeds)]
   results = []
   for row, seed in tqdm(runs, desc=f"table {table}", unit="run"):
@@ -215,6 +222,12 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
     else:
       logging.info("table %s: row %s seed %d -> %s", table, row, seed, out)
       final = train.train_and_evaluate(cfg, out)
+      if not _trained_to_the_end(out, cfg.train.num_steps):
+        # Preempted (SIGTERM): the run saved a checkpoint and returned early. Writing its
+        # result.json would make a partial run count as finished; stop the table instead.
+        logging.warning("table %s: row %s seed %d stopped before step %d (preempted); rerun "
+                        "the same command to resume it", table, row, seed, cfg.train.num_steps)
+        return None
       rates = [m["train/tokens_per_sec"] for m in read_metrics(out)
                if "train/tokens_per_sec" in m]
       result = {"row": row, "seed": seed, **final, "config_digest": digest,
@@ -331,6 +344,8 @@ def main(argv):
     results = run_table(module, name, fl.scale, fl.seeds, fl.workdir, fl.steps)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None
+  if results is None:  # preempted: the table is written when every run has finished
+    return
   rows = aggregate(module, fl.scale, results, fl.steps)
   device = jax.devices()[0].device_kind
   when = time.strftime("%Y-%m-%d", time.gmtime())

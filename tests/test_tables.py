@@ -201,3 +201,22 @@ def test_a_run_from_older_numerics_is_retrained_not_reused(tmp_path, shared_data
   (other / "result.json").unlink()
   tables.run_table(module, "toy_again", "tiny", 1, str(workdir))
   assert trained[3:] == [str(other)]
+
+
+def test_a_preempted_run_writes_no_result_and_stops_the_table(tmp_path, shared_data,
+                                                               monkeypatch):
+  module = _toy_table(tmp_path, shared_data)
+  workdir = tmp_path / "out"
+  trained = []
+
+  def preempted_training(cfg, out):  # SIGTERM after step 3 of 5: an eval at 3, no final one
+    trained.append(out)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+      f.write(json.dumps({"step": 3, "eval/loss": 4.0, "eval/bits_per_byte": 2.0}) + "\n")
+    return {"eval/loss": 4.0, "eval/bits_per_byte": 2.0}
+
+  monkeypatch.setattr(tables.train, "train_and_evaluate", preempted_training)
+  assert tables.run_table(module, "toy", "tiny", 1, str(workdir)) is None
+  assert len(trained) == 1  # the table stopped at the preempted run
+  assert not (workdir / "toy" / "llama" / "seed0" / "result.json").exists()
