@@ -29,7 +29,10 @@ Variants (on the CEM block: tied softmax-interaction attention, tied gated MLP e
 
 Measured: the ``neighbours`` table at tiny scale (``experiments/paper/neighbours.py``,
 ``results/tiny/neighbours.md``, discussion in ``docs/REPRODUCING.md``); each row of it is one
-of these configs trained with ``seed`` = ``data.shuffle_seed`` = 0 and 1.
+of these configs trained with ``seed`` = ``data.shuffle_seed`` = 0 and 1. Seed 0, 400 steps,
+final eval loss (nats/token) / bits per byte on War and Peace's held-out chunks (numerics
+version 2): yuriiformer 4.330 / 2.402, hyperset 5.089 / 2.823, energy_transformer 4.019 /
+2.229, against CEM 4.165 / 2.310 (the default command above is the same run as the table's).
 """
 
 from cem_jax import scales
