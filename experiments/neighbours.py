@@ -29,10 +29,11 @@ Variants (on the CEM block: tied softmax-interaction attention, tied gated MLP e
 
 Measured: the ``neighbours`` table at tiny scale (``experiments/paper/neighbours.py``,
 ``results/tiny/neighbours.md``, discussion in ``docs/REPRODUCING.md``); each row of it is one
-of these configs trained with ``seed`` = ``data.shuffle_seed`` = 0 and 1. Seed 0, 400 steps,
-final eval loss (nats/token) / bits per byte on War and Peace's held-out chunks (numerics
-version 2): yuriiformer 4.330 / 2.402, hyperset 5.089 / 2.823, energy_transformer 4.019 /
-2.229, against CEM 4.165 / 2.310 (the default command above is the same run as the table's).
+of these configs trained with ``seed`` = ``data.shuffle_seed`` = 0 and 1. Final eval loss
+(nats/token, mean ± std over the 2 seeds) / bits per byte after 400 steps on War and Peace's
+held-out chunks (numerics version 2): yuriiformer 4.214 ± 0.164 / 2.338, hyperset 4.961 ±
+0.182 / 2.752, energy_transformer 4.031 ± 0.018 / 2.236, against CEM 4.224 ± 0.084 / 2.343.
+The command above (seed 0) is the table's seed-0 run: 4.330, 5.089 and 4.019 nats.
 """
 
 from cem_jax import scales
