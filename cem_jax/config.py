@@ -69,7 +69,10 @@ def get_default_config() -> ml_collections.ConfigDict:
   m.mlp_energy = "silu"  # registry name or 'module:function'
   m.strict_causal = False  # N(i) = {j < i} instead of {j <= i} (section 1)
   m.learn_beta = False  # learnable inverse temperature (then eta is fixed, section 1)
-  m.learn_eta = True  # per-head (attention) / scalar (MLP) step sizes, softplus, init 1
+  m.learn_eta = True  # per-head (attention) / scalar (MLP) step sizes, softplus
+  # The learned step sizes' starting value (every head, step and sub-layer). 1 / num_steps
+  # makes T steps move a token as far as one step does at initialisation (section 4).
+  m.eta_init = 1.0
   m.diagonal = "none"  # 'none' | 'per_head' | 'shared' (section 1)
   m.diagonal_form = "bilinear"  # 'bilinear' | 'distance'
   m.precond = "none"  # 'none' | 'attention' | 'mlp' | 'both' (section 3)
@@ -213,6 +216,7 @@ _RANGES = {
     "model.rope_theta": (0.0, False, None, False),
     "model.norm_eps": (0.0, False, None, False),
     "model.init_std": (0.0, False, None, False),
+    "model.eta_init": (0.0, False, None, False),
     # P = diag(softplus(p) + eps) + U U^T starts at I: softplus(p) = 1 - eps needs eps < 1,
     # and eps > 0 keeps P positive definite (CEM_MATH.md section 3).
     "model.precond_eps": (0.0, False, 1.0, False),
@@ -257,9 +261,9 @@ def check_range(field: str, value) -> None:
 # why, keys that must then keep their default): a non-default value there would be silently
 # ignored, so validation refuses it.
 _CEM_ONLY = ("cem_attention", "cem_mlp", "update_mode", "attention_energy", "mlp_energy",
-             "learn_beta", "learn_eta", "diagonal", "diagonal_form", "precond", "precond_rank",
-             "precond_eps", "precond_shared", "num_steps", "context", "split", "eta_per_step",
-             "mlp_condition", "norm_mode", "energy_block_size", "inner_optimizer",
+             "learn_beta", "learn_eta", "eta_init", "diagonal", "diagonal_form", "precond",
+             "precond_rank", "precond_eps", "precond_shared", "num_steps", "context", "split",
+             "eta_per_step", "mlp_condition", "norm_mode", "energy_block_size", "inner_optimizer",
              "momentum_init", "manifold")
 _UNUSED = (
     (lambda m: m.block == "llama", "with model.block='llama' (it applies to CEM blocks only)",
@@ -272,7 +276,9 @@ _UNUSED = (
      ("mlp_energy", "mlp_condition")),
     (lambda m: m.block == "cem" and not (m.cem_attention or m.cem_mlp),
      "with model.cem_attention=False and model.cem_mlp=False (no energy step)",
-     ("update_mode", "learn_eta")),
+     ("update_mode", "learn_eta", "eta_init")),
+    (lambda m: m.block == "cem" and not m.learn_eta,
+     "with model.learn_eta=False (the step size is then fixed at 1)", ("eta_init",)),
     (lambda m: m.diagonal == "none", "with model.diagonal='none'", ("diagonal_form",)),
     (lambda m: m.inner_optimizer == "gd", "with model.inner_optimizer='gd' (no velocity)",
      ("momentum_init",)),

@@ -14,7 +14,8 @@ OUT_OF_RANGE = [
     ("train.min_learning_rate_ratio", 1.5), ("train.min_learning_rate_ratio", -0.1),
     ("model.norm_eps", 0.0), ("model.norm_eps", -1e-6), ("model.rope_theta", 0.0),
     ("model.init_std", 0.0), ("model.precond_eps", 0.0), ("model.precond_eps", -1e-3),
-    ("model.precond_eps", 1.0), ("model.precond_eps", 2.0),
+    ("model.precond_eps", 1.0), ("model.precond_eps", 2.0), ("model.eta_init", 0.0),
+    ("model.eta_init", -0.5), ("model.eta_init", math.nan),
 ]
 
 
@@ -83,6 +84,11 @@ UNUSED = [
      r"model.context='coevolve' applies to CEM blocks only; model.block='llama' needs"),
     ({"model.block": "llama", "model.cem_mlp": False}, r"model.cem_mlp=False applies to CEM"),
     ({"model.block": "llama", "model.norm_mode": "chain"}, r"model.norm_mode='chain' applies"),
+    ({"model.block": "llama", "model.eta_init": 0.5}, r"model.eta_init=0.5 applies to CEM"),
+    ({"model.learn_eta": False, "model.learn_beta": True, "model.eta_init": 0.5},
+     r"model.eta_init=0.5 has no effect with model.learn_eta=False"),
+    ({"model.cem_attention": False, "model.cem_mlp": False, "model.eta_init": 0.5},
+     r"model.eta_init=0.5 has no effect with model.cem_attention=False and"),
 ]
 
 
@@ -100,6 +106,8 @@ def test_options_that_would_be_ignored_are_refused(overrides, message):
     {"model.diagonal": "shared", "model.diagonal_form": "distance"},
     {"model.context": "coevolve"},  # T=1 in training, eval.num_steps may add test-time steps
     {"model.split": "joint"},  # joint differs from lie_trotter at T=1 too
+    {"model.eta_init": 0.5},  # T=1 too: a smaller first step
+    {"model.cem_attention": False, "model.eta_init": 0.25},  # the MLP's step size
 ])
 def test_options_that_do_something_are_accepted(overrides):
   config_lib.validate(tiny_config("cem", **overrides))

@@ -238,3 +238,20 @@ def test_fused_requested_for_an_energy_without_closed_form(tmp_path):
   cfg = tiny_config("cem", **{"model.attention_energy": path, "model.update_mode": "fused"})
   with pytest.raises(ValueError, match="has no closed-form update; use 'autodiff' or 'auto'"):
     config_lib.validate(cfg)
+
+
+@pytest.mark.parametrize("per_step", [False, True])
+def test_eta_init_sets_every_learned_step_size(per_step):
+  """model.eta_init is the starting η of every head, recursive step and sub-layer (issue 17:
+  1/T makes T steps move a token as far as one at initialisation)."""
+  cfg = model_cfg(num_steps=3, eta_init=1 / 3, eta_per_step=per_step)
+  block = CEMBlock(cfg, rngs=nnx.Rngs(0))
+  assert block.attn.eta[...].shape == ((3, H) if per_step else (1, H))
+  for step in range(3):
+    np.testing.assert_allclose(block.attn.energy_params(step, jnp.float32)["eta"],
+                               np.full(H, 1 / 3), rtol=1e-6)
+    np.testing.assert_allclose(block.mlp.energy_params(step, jnp.float32)["eta"], 1 / 3,
+                               rtol=1e-6)
+  default = CEMBlock(model_cfg(num_steps=3), rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(default.attn.energy_params(0, jnp.float32)["eta"], np.ones(H),
+                             rtol=1e-6)

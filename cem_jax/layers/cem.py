@@ -45,9 +45,9 @@ class CEMAttention(nnx.Module):
   """Parameters of the interaction energy (CEM_MATH.md §1): 2·d_model·num_heads·head_dim.
 
   ``w_q``, ``w_k``: ``[d_model, num_heads, head_dim]``; ``eta``: raw per-head step size
-  ``[copies, num_heads]`` (softplus, starts at 1); ``beta`` (only with ``learn_beta``): raw
-  inverse temperature ``[num_heads]``; ``diag`` (with a diagonal): ``[num_heads, d_model]``
-  (per head) or ``[d_model]`` (shared), starts at 0.
+  ``[copies, num_heads]`` (softplus, starts at ``eta_init``); ``beta`` (only with
+  ``learn_beta``): raw inverse temperature ``[num_heads]``; ``diag`` (with a diagonal):
+  ``[num_heads, d_model]`` (per head) or ``[d_model]`` (shared), starts at 0.
   """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -59,7 +59,8 @@ class CEMAttention(nnx.Module):
     self.learn_eta = cfg.learn_eta
     if cfg.learn_eta:
       copies = _copies(cfg, cfg.eta_per_step)
-      self.eta = const_param(jnp.full((copies, h), softplus_inverse(1.0)), (None, "heads"))
+      self.eta = const_param(jnp.full((copies, h), softplus_inverse(cfg.eta_init)),
+                            (None, "heads"))
     self.learn_beta = cfg.learn_beta
     if cfg.learn_beta:
       self.beta = const_param(jnp.full((h,), softplus_inverse(1.0 / math.sqrt(dh))), ("heads",))
@@ -96,7 +97,7 @@ class CEMMLP(nnx.Module):
   """Parameters of the gated element-wise energy (CEM_MATH.md §2): 2·d_model·mlp_dim.
 
   ``w`` (tied to the readout ``Wᵀ``) and ``g`` (the gate): ``[d_model, mlp_dim]``; ``eta``:
-  raw scalar step size per copy ``[copies]`` (softplus, starts at 1).
+  raw scalar step size per copy ``[copies]`` (softplus, starts at ``eta_init``).
   """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -107,7 +108,7 @@ class CEMMLP(nnx.Module):
     self.learn_eta = cfg.learn_eta
     if cfg.learn_eta:
       copies = _copies(cfg, cfg.eta_per_step)
-      self.eta = const_param(jnp.full((copies,), softplus_inverse(1.0)), (None,))
+      self.eta = const_param(jnp.full((copies,), softplus_inverse(cfg.eta_init)), (None,))
 
   def energy_params(self, step: int, dtype) -> dict:
     """The ``params`` dict of the MLP energy at recursive step ``step`` (0-based)."""
