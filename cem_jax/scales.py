@@ -5,22 +5,33 @@ Each table file there defines ``ROWS`` (row name → a function editing the conf
 
 Scales:
   tiny:  d_model 128, 4 layers, 4 heads, mlp_dim 512, seq_len 128, batch 16, 400 steps on
-         War and Peace (../shared/data/warpeace.txt, last 10% held out): ~3 min a row on
+         War and Peace (../shared/data/warpeace.txt, every 10th chunk held out): ~3 min a row on
          2 CPU cores.
+  gpu:   d_model 512, 8 layers, 8 heads, mlp_dim 1376, seq_len 512, vocab 8192, batch 256
+         (131,072 tokens a step), 768 steps = 100.7M tokens a row, bf16, 1 seed: 19.7M
+         parameters in a CEM row (15.5M non-embedding), 29.5M in Llama (25.3M). Sized for
+         one table in one H200 run with the fast attention path: at 30% MFU of 989 TFLOP/s
+         (training = 3x bench.flops_per_token) a T = 1 CEM row trains in ~64 s, T = 2 in
+         ~118 s; design's five headline rows ~430 s, end_to_end's four ~435 s (cem_full's
+         diagonal attention, on XLA, ~250 s of it), plus compilation and evaluation: about
+         8-9 minutes a table. An estimate: not measured yet. Needs a corpus of >= 100M
+         tokens (``tables --set=data.prepared_dir=DIR``); War and Peace would be ~120 passes.
+         Command: ``experiments/gpu_tables.sh``.
   small: d_model 512, 8 layers, 8 heads, mlp_dim 1376, seq_len 512, batch 64, 6,000 steps
          (~200M tokens): ~25M non-embedding Llama parameters, under an hour a row on one GPU.
   paper: d_model 768, 12 layers, 12 heads, mlp_dim 2048, seq_len 1024, global batch 256,
          20,000 steps (5.2B tokens; a Chinchilla-style ~40 tokens/parameter budget for
-         ~125M), for a TPU pod slice or a multi-GPU node. small/paper read
-         ``data.files`` or ``data.tfds_name`` given on the command line (e.g. a local
-         dump of a web-text corpus); they default to War and Peace only so that they build.
+         ~125M), for a TPU pod slice or a multi-GPU node.
+gpu, small and paper read ``data.prepared_dir``, ``data.files`` or ``data.tfds_name`` given on
+the command line (``python -m cem_jax.tables --set=data.prepared_dir=DIR``, e.g. a prepared
+dump of a web-text corpus); they default to War and Peace only so that every row builds.
 """
 
 import os
 
 from cem_jax.config import get_default_config
 
-SCALES = ("tiny", "small", "paper")
+SCALES = ("tiny", "gpu", "small", "paper")
 # ../shared/data beside the repository (read there, never copied in).
 _SHARED = os.path.normpath(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data"))
@@ -50,6 +61,13 @@ def base_config(scale: str):
     t.batch_size, t.num_steps, t.warmup_steps = 16, 400, 40
     t.learning_rate, t.eval_every_steps = 3e-3, 100
     c.eval.max_batches = 40
+  elif scale == "gpu":
+    m.d_model, m.num_layers, m.num_heads, m.mlp_dim = 512, 8, 8, 1376
+    d.seq_len, d.vocab_size = 512, 8192
+    t.batch_size, t.num_steps, t.warmup_steps = 256, 768, 80
+    t.learning_rate, t.eval_every_steps = 2e-3, 256
+    m.dtype = "bfloat16"
+    c.eval.max_batches = 50
   elif scale == "small":
     m.d_model, m.num_layers, m.num_heads, m.mlp_dim = 512, 8, 8, 1376
     d.seq_len, d.vocab_size = 512, 8192

@@ -20,6 +20,7 @@ training tokens/s; the plot has one eval-loss curve per row (mean over seeds).
 from __future__ import annotations
 
 import csv
+import difflib
 import glob
 import hashlib
 import importlib.util
@@ -73,9 +74,48 @@ def load_table(table: str):
   return module
 
 
-def row_config(module, row: str, scale: str, seed: int, steps: int | None = None):
-  """The resolved config of one run: the row at ``scale`` with ``seed`` (init and data order)."""
+def parse_overrides(pairs: list[str]) -> dict:
+  """``["KEY=VALUE", ...]`` (the ``--set`` flag) → ``{KEY: value}``, each value converted to
+  the type of that key in the default config (bools: true/false/1/0).
+
+  Raises:
+    ValueError: one line naming the ``--set`` value: no ``=``, an unknown key (with the
+      closest keys), or a value that does not parse as the key's type.
+  """
+  default = workdir_lib.flatten(json.loads(get_default_config().to_json()))
+  out = {}
+  for pair in pairs:
+    key, sep, text = pair.partition("=")
+    if not sep:
+      raise ValueError(f"--set={pair!r}; allowed: KEY=VALUE, e.g. --set=data.prepared_dir=DIR")
+    if key not in default:
+      close = difflib.get_close_matches(key, default, n=3)
+      raise ValueError(f"--set={pair!r}: no config key {key!r}"
+                       + (f"; did you mean {', '.join(close)}?" if close else ""))
+    current = default[key]
+    try:
+      if isinstance(current, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+          raise ValueError
+        value = text.lower() in ("true", "1")
+      else:
+        value = type(current)(text)
+    except ValueError:
+      kind = {bool: "true or false", int: "an integer", float: "a number"}[type(current)]
+      raise ValueError(f"--set={pair!r}: {key} takes {kind}, got {text!r}") from None
+    out[key] = value
+  return out
+
+
+def row_config(module, row: str, scale: str, seed: int, steps: int | None = None,
+               overrides: dict | None = None):
+  """The resolved config of one run: the row at ``scale`` with ``seed`` (init and data order)
+  and ``overrides`` (``{"data.prepared_dir": DIR}``, from :func:`parse_overrides`) applied
+  after the row's own edits."""
   c = module.get_config(f"{row},{scale}")
+  for key, value in (overrides or {}).items():
+    group, _, name = key.rpartition(".")
+    (c[group] if group else c)[name] = value
   c.seed = seed
   c.data.shuffle_seed = seed
   if steps is not None:
@@ -190,16 +230,17 @@ def _trained_to_the_end(out: str, num_steps: int) -> bool:
 
 
 def run_table(module, table: str, scale: str, seeds: int, workdir: str,
-              steps: int | None = None) -> list[dict] | None:
-  """Trains every (row, seed) not finished yet; returns the per-run results, or None when a
-  run was preempted (SIGTERM) before its last step: nothing is written for it, and the same
-  command resumes it."""
-  runs = [(row, seed) for row in module.ROWS for seed in range(seeds)]
+              steps: int | None = None, rows: list[str] | None = None,
+              overrides: dict | None = None) -> list[dict] | None:
+  """Trains every (row, seed) not finished yet (``rows``: only those, default all); returns
+  the per-run results, or None when a run was preempted (SIGTERM) before its last step:
+  nothing is written for it, and the same command resumes it."""
+  runs = [(row, seed) for row in (rows or module.ROWS) for seed in range(seeds)]
   results = []
   for row, seed in tqdm(runs, desc=f"table {table}", unit="run"):
     out = run_dir(workdir, table, row, seed)
     result_path = os.path.join(out, "result.json")
-    cfg = row_config(module, row, scale, seed, steps)
+    cfg = row_config(module, row, scale, seed, steps, overrides)
     digest = config_digest(cfg)
     if os.path.exists(result_path):
       result = _read_result(result_path, digest, cfg)
@@ -238,21 +279,23 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
   return results
 
 
-def aggregate(module, scale: str, results: list[dict], steps: int | None = None) -> list[dict]:
-  """One summary dict per row (keys ``COLUMNS``), rows in table order.
+def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
+              rows: list[str] | None = None, overrides: dict | None = None) -> list[dict]:
+  """One summary dict per row (keys ``COLUMNS``), rows in table order (``rows``: only those).
 
   ``delta_loss_*``: eval loss minus the first row's, paired by seed (same initialisation seed
   and data order), mean and std over the seeds both rows have. Seeds move all rows together
   (a lucky data order helps every model), so the paired difference is the fair comparison.
   """
+  names = list(rows or module.ROWS)
   rows = []
-  base = {r["seed"]: r["eval/loss"] for r in results if r["row"] == next(iter(module.ROWS))}
-  for row in module.ROWS:
+  base = {r["seed"]: r["eval/loss"] for r in results if r["row"] == names[0]}
+  for row in names:
     runs = [r for r in results if r["row"] == row]
     if not runs:
       continue
     deltas = [r["eval/loss"] - base[r["seed"]] for r in runs if r["seed"] in base]
-    cfg = row_config(module, row, scale, 0, steps)
+    cfg = row_config(module, row, scale, 0, steps, overrides)
     losses = [r["eval/loss"] for r in runs]
     bpb = [r["eval/bits_per_byte"] for r in runs]
     mean_loss = statistics.fmean(losses)
@@ -315,10 +358,11 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
   return [base + ext for ext in (".md", ".csv", ".png")]
 
 
-def eval_curves(workdir: str, table: str, module, seeds: int) -> dict:
+def eval_curves(workdir: str, table: str, module, seeds: int,
+                rows: list[str] | None = None) -> dict:
   """``{row: [(step, mean eval loss over seeds), ...]}`` from the runs' metrics."""
   curves = {}
-  for row in module.ROWS:
+  for row in rows or module.ROWS:
     by_step: dict[int, list[float]] = {}
     for seed in range(seeds):
       path = run_dir(workdir, table, row, seed)
@@ -328,6 +372,22 @@ def eval_curves(workdir: str, table: str, module, seeds: int) -> dict:
             by_step.setdefault(m["step"], []).append(m["eval/loss"])
     curves[row] = [(s, statistics.fmean(v)) for s, v in sorted(by_step.items())]
   return curves
+
+
+def _rows_flag(module, value: str | None) -> list[str] | None:
+  """``--rows=a,b`` → ``["a", "b"]`` in the given order; None (all rows) when unset.
+
+  Raises:
+    ValueError: a name that is not a row of the table, naming the allowed rows.
+  """
+  if not value:
+    return None
+  rows = [r.strip() for r in value.split(",") if r.strip()]
+  unknown = [r for r in rows if r not in module.ROWS]
+  if unknown or not rows:
+    raise ValueError(f"--rows={value!r}: {', '.join(unknown) or 'no row'} is not a row of "
+                     f"the table; allowed: {', '.join(module.ROWS)}")
+  return rows
 
 
 def main(argv):
@@ -340,30 +400,41 @@ def main(argv):
       raise ValueError(f"--seeds={fl.seeds}; allowed: an integer >= 1")
     if fl.steps is not None and fl.steps < 1:
       raise ValueError(f"--steps={fl.steps}; allowed: an integer >= 1 (or leave it out)")
+    rows = _rows_flag(module, fl.rows)
+    overrides = parse_overrides(fl.set)
     os.makedirs(fl.workdir, exist_ok=True)
-    results = run_table(module, name, fl.scale, fl.seeds, fl.workdir, fl.steps)
+    results = run_table(module, name, fl.scale, fl.seeds, fl.workdir, fl.steps, rows,
+                        overrides)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"error: {e}") from None
   if results is None:  # preempted: the table is written when every run has finished
     return
-  rows = aggregate(module, fl.scale, results, fl.steps)
+  table_rows = aggregate(module, fl.scale, results, fl.steps, rows, overrides)
   device = jax.devices()[0].device_kind
   when = time.strftime("%Y-%m-%d", time.gmtime())
+  command = (f"python -m cem_jax.tables --table={fl.table} --scale={fl.scale} "
+             f"--seeds={fl.seeds}" + (f" --steps={fl.steps}" if fl.steps else "")
+             + (f" --rows={','.join(rows)}" if rows else "")
+             + "".join(f" --set={pair}" for pair in fl.set))
   header = (f"Table {name}, scale {fl.scale}, {fl.seeds} seed(s), written {when} ({device}); "
-            f"command: python -m "
-            f"cem_jax.tables --table={fl.table} --scale={fl.scale} --seeds={fl.seeds}"
-            + (f" --steps={fl.steps}" if fl.steps else ""))
-  paths = write_outputs(fl.workdir, name, rows, eval_curves(fl.workdir, name, module,
-                                                            fl.seeds), header)
+            f"command: {command}")
+  paths = write_outputs(fl.workdir, name, table_rows,
+                        eval_curves(fl.workdir, name, module, fl.seeds, rows), header)
   print(open(paths[0]).read())
   print("\n".join(paths))
 
 
 if __name__ == "__main__":
+  from cem_jax import scales
+
   flags.DEFINE_string("table", None, "Table name in experiments/paper/ or a path to one.")
-  flags.DEFINE_enum("scale", "tiny", ["tiny", "small", "paper"], "Model scale.")
+  flags.DEFINE_enum("scale", "tiny", list(scales.SCALES), "Model scale (cem_jax/scales.py).")
   flags.DEFINE_integer("seeds", 3, "Seeds per row (init and data order).")
   flags.DEFINE_string("workdir", None, "Where runs and the table files go.")
   flags.DEFINE_integer("steps", None, "Override train.num_steps of every row (quick looks).")
+  flags.DEFINE_string("rows", None, "Comma-separated rows to train and tabulate, in this "
+                      "order (default: every row of the table).")
+  flags.DEFINE_multi_string("set", [], "KEY=VALUE applied to every row's config, e.g. "
+                            "--set=data.prepared_dir=/data/corpus (repeatable).")
   flags.mark_flags_as_required(["table", "workdir"])
   app.run(main, flags_parser=cli.parse_flags)

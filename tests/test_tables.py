@@ -56,6 +56,54 @@ def test_design_and_end_to_end_parameter_counts():
   assert abs(_counts("end_to_end", "llama_matched")["non_embedding_params"] / cem - 1) <= 0.02
 
 
+@pytest.mark.parametrize("table", ["attention", "mlp", "design", "end_to_end", "neighbours"])
+def test_every_row_builds_at_gpu_scale(table):
+  module = tables.load_table(table)
+  for row in module.ROWS:
+    cfg = tables.row_config(module, row, "gpu", 0)
+    assert tables.parameter_counts(cfg)["non_embedding_params"] > 0, row
+
+
+def test_gpu_scale_sizes():
+  """The gpu scale (issue 17): 20-30M parameters, >= 100M training tokens a row."""
+  d, layers, f, h, vocab = 512, 8, 1376, 8, 8192
+  module = tables.load_table("end_to_end")
+  cem = tables.parameter_counts(tables.row_config(module, "cem", "gpu", 0))
+  llama = tables.parameter_counts(tables.row_config(module, "llama", "gpu", 0))
+  norms = (2 * layers + 1) * d
+  assert cem["attention_params"] == layers * (2 * d * d + h)  # W_Q, W_K and η per head
+  assert cem["mlp_params"] == layers * (2 * d * f + 1)
+  assert cem["non_embedding_params"] == cem["attention_params"] + cem["mlp_params"] + norms
+  assert cem["params"] == cem["non_embedding_params"] + vocab * d  # tied read-out
+  assert llama["non_embedding_params"] == layers * (4 * d * d + 3 * d * f) + norms
+  assert 19e6 < cem["params"] < llama["params"] < 30e6
+  cfg = tables.row_config(module, "cem", "gpu", 0)
+  tokens = cfg.train.num_steps * cfg.train.batch_size * cfg.data.seq_len
+  assert tokens >= 100e6 and cfg.model.dtype == "bfloat16"
+
+
+def test_overrides_parse_to_the_keys_type_and_bad_ones_are_one_line_errors():
+  assert tables.parse_overrides(["data.prepared_dir=/d", "train.learning_rate=1e-3",
+                                 "train.num_steps=7", "model.rope=false"]) == {
+      "data.prepared_dir": "/d", "train.learning_rate": 1e-3, "train.num_steps": 7,
+      "model.rope": False}
+  for pair, message in [("data.prepared_dir", r"allowed: KEY=VALUE"),
+                        ("data.prepard_dir=/d", r"no config key 'data.prepard_dir'; did you "
+                                                r"mean data.prepared_dir"),
+                        ("train.num_steps=1.5", r"train.num_steps takes an integer, got '1.5'"),
+                        ("model.rope=maybe", r"model.rope takes true or false")]:
+    with pytest.raises(ValueError, match=message):
+      tables.parse_overrides([pair])
+
+
+def test_unknown_rows_are_a_one_line_error():
+  module = tables.load_table("design")
+  assert tables._rows_flag(module, "t2_fixed,t1") == ["t2_fixed", "t1"]
+  assert tables._rows_flag(module, None) is None
+  with pytest.raises(ValueError, match=r"--rows='t1,t3': t3 is not a row .*allowed: t1, "):
+    tables._rows_flag(module, "t1,t3")
+
+
 TOY = '''
 from cem_jax.config import get_default_config
 
@@ -125,6 +173,23 @@ def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data,
   result = json.load(open(os.path.join(run, "result.json")))
   json.dump({**result, "config_digest": "older code"}, open(os.path.join(run, "result.json"), "w"))
   assert tables.run_table(module, "toy", "tiny", 2, workdir)[2]["eval/loss"] == result["eval/loss"]
+
+
+def test_rows_and_overrides_reach_the_runs_and_the_table(tmp_path, shared_data):
+  module = _toy_table(tmp_path, shared_data)
+  workdir = str(tmp_path / "out")
+  overrides = {"train.learning_rate": 1e-3}
+  results = tables.run_table(module, "toy", "tiny", 1, workdir, rows=["cem"],
+                             overrides=overrides)
+  assert [(r["row"], r["seed"]) for r in results] == [("cem", 0)]
+  assert not os.path.exists(os.path.join(workdir, "toy", "llama"))
+  saved = json.load(open(os.path.join(workdir, "toy", "cem", "seed0", "config.json")))
+  assert saved["train"]["learning_rate"] == 1e-3
+  rows = tables.aggregate(module, "tiny", results, rows=["cem"], overrides=overrides)
+  assert [r["row"] for r in rows] == ["cem"] and rows[0]["delta_loss_mean"] == 0.0
+  # the same run without the override is another config: refused, not silently reused
+  with pytest.raises(ValueError, match="was trained with another config"):
+    tables.run_table(module, "toy", "tiny", 1, workdir, rows=["cem"])
 
 
 def test_unknown_table_is_a_clear_error():

@@ -8,6 +8,14 @@ Rows:
   t2_coevolve:     T = 2, context recomputed from the current state at step 2.
   t1_precond_diag: T = 1 with a diagonal preconditioner on both sub-steps (rank 0).
   t1_precond_dlr:  T = 1 with diagonal + rank-8 preconditioners.
+Diagnostics of recursion (issue 17: why is T = 2 worse than T = 1 at tiny scale?):
+  t2_eta_half:     t2_fixed with every step size starting at 1/T = 0.5 (model.eta_init), so
+                   that the two steps together move a token as far as t1's one step at init.
+  t2_eta_per_step: t2_fixed with a separate learned step size per step (model.eta_per_step).
+  t2_lr_half:      t2_fixed at half the learning rate.
+  t1_lr_half:      t1 at half the learning rate (the control for t2_lr_half).
+Every row logs the energy trace at each eval (eval.energy_trace): the energies before and after
+each sub-step of each layer, so one can see whether each inner step lowers its energy.
 Measured at tiny scale (2026-11-30, 2 seeds, 400 steps on War and Peace, 2 CPU cores;
 results/tiny/design.md, discussion in docs/REPRODUCING.md): eval loss in nats/token (mean),
 then the difference to t1 paired by seed (mean ± spread):
@@ -45,12 +53,35 @@ def _precond_dlr(c):
   c.model.precond_rank = 8
 
 
+def _t2_eta_half(c):
+  _t2_fixed(c)
+  c.model.eta_init = 1.0 / c.model.num_steps
+
+
+def _t2_eta_per_step(c):
+  _t2_fixed(c)
+  c.model.eta_per_step = True
+
+
+def _t2_lr_half(c):
+  _t2_fixed(c)
+  c.train.learning_rate /= 2
+
+
+def _t1_lr_half(c):
+  _t1(c)
+  c.train.learning_rate /= 2
+
+
 ROWS = {"t1": _t1, "t2_fixed": _t2_fixed, "t2_coevolve": _t2_coevolve,
-        "t1_precond_diag": _precond_diag, "t1_precond_dlr": _precond_dlr}
+        "t1_precond_diag": _precond_diag, "t1_precond_dlr": _precond_dlr,
+        "t2_eta_half": _t2_eta_half, "t2_eta_per_step": _t2_eta_per_step,
+        "t2_lr_half": _t2_lr_half, "t1_lr_half": _t1_lr_half}
 
 
 def get_config(arg: str = "t1"):
   row, scale = scales.parse_arg(arg, ROWS, "design")
   c = scales.base_config(scale)
   ROWS[row](c)
+  c.eval.energy_trace = True
   return c

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The paper's design and end_to_end tables at the `gpu` scale (cem_jax/scales.py: ~20M-param
+# CEM rows, ~30M Llama, 104.9M tokens a row, bf16, 1 seed) in one run on one GPU.
+#
+#   bash experiments/gpu_tables.sh PREPARED_DIR OUT_DIR [TABLE ...]      (default: design end_to_end)
+#
+# PREPARED_DIR: a corpus prepared for the gpu scale (vocab 8192), made once beforehand with
+#   python -m cem_jax.prepare --config=experiments/paper/design.py:t1,gpu \
+#       --config.data.files='/data/corpus/*.txt' --out=PREPARED_DIR
+# It should hold >= 100M training tokens: each row trains on 104.9M, and a smaller corpus is
+# passed over several times (the run logs how many).
+# The runs go to $WORKDIR (default results/gpu; finished runs are skipped, interrupted ones
+# resume). OUT_DIR receives each TABLE.{md,csv,png} and gpu_runs.tgz (each run's config.json,
+# metrics.jsonl, result.json; no checkpoints). design runs its five headline rows; the
+# diagnostic rows (t2_eta_half, ...) are `python -m cem_jax.tables --table=design --scale=gpu
+# --seeds=1 --rows=...` with the same --set flags.
+# SCALE=tiny STEPS=2 (environment) make a quick CPU check of the script itself.
+# On the workplace's lent H200 (offline; ../shared does not travel), after
+# `bash ../shared/tools/gpu/prepare.sh` and preparing into .device/corpus here:
+#   bash .device/run.sh bash experiments/gpu_tables.sh .device/corpus $OUT design
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+prepared=${1:?usage: bash experiments/gpu_tables.sh PREPARED_DIR OUT_DIR [TABLE ...]}
+out=${2:?usage: bash experiments/gpu_tables.sh PREPARED_DIR OUT_DIR [TABLE ...]}
+shift 2
+[ -f "$prepared/manifest.json" ] || { echo "error: $prepared/manifest.json not found: prepare the corpus first (see the header of $0)" >&2; exit 1; }
+work=${WORKDIR:-results/gpu}
+tables=("$@")
+[ ${#tables[@]} -gt 0 ] || tables=(design end_to_end)
+mkdir -p "$out" "$work"
+for t in "${tables[@]}"; do
+  rows=()
+  [ "$t" = design ] && rows=(--rows=t1,t2_fixed,t2_coevolve,t1_precond_diag,t1_precond_dlr)
+  start=$(date +%s)
+  python3 -m cem_jax.tables --table="$t" --scale="${SCALE:-gpu}" --seeds=1 --workdir="$work" \
+    "${rows[@]}" ${STEPS:+--steps=$STEPS} --set=data.prepared_dir="$prepared" --set=data.files=
+  echo "table $t: $(( $(date +%s) - start )) s wall"
+  cp "$work/$t.md" "$work/$t.csv" "$work/$t.png" "$out/"
+done
+tar czf "$out/gpu_runs.tgz" --exclude=checkpoints --exclude=tensorboard --exclude=data \
+  -C "$work" .
