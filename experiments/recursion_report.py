@@ -1,0 +1,168 @@
+"""Why is T = 2 worse than T = 1 at tiny scale? The design table's runs, read three ways.
+
+    python experiments/recursion_report.py --workdir=results/tiny > results/tiny/design_recursion.md
+
+Reads ``WORKDIR/design/ROW/seedS`` (``python -m cem_jax.tables --table=design``; every row logs
+its energy trace) and prints markdown:
+
+1. Eval loss per seed and the difference to ``t1`` and to ``t2_fixed``, paired by seed (same
+   initialisation and data order), so each diagnostic row is compared with the row it changes.
+2. Energy descent at the last eval: for each recursive step and sub-layer, the change of its
+   own energy over the sub-step (after − before, nats-free energy units per token, mean over
+   layers and seeds) and how many of the layer × seed sub-steps lower it; and how much the
+   MLP sub-step between two attention sub-steps raises the attention energy again (Lie–Trotter
+   splitting: each sub-step descends its own energy, not the sum).
+3. The learned step sizes η = softplus(raw) at the end of training (mean over layers and
+   heads), per step where the row has one per step; read from the run's newest checkpoint
+   (git-ignored, so only where the runs were trained; "n/a" elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import sys
+
+from absl import app, flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from cem_jax.metrics import read_metrics  # noqa: E402
+
+ROWS = ("t1", "t2_fixed", "t2_eta_half", "t2_eta_per_step", "t2_lr_half", "t1_lr_half",
+        "t2_coevolve", "t1_precond_diag", "t1_precond_dlr")
+_KEY = re.compile(r"eval/energy/layer(\d+)/step(\d+)/(att|mlp)_(before|after)")
+
+
+def _seeds(workdir: str, row: str) -> list[str]:
+  base = os.path.join(workdir, "design", row)
+  if not os.path.isdir(base):
+    return []
+  return sorted(os.path.join(base, s) for s in os.listdir(base)
+                if re.fullmatch(r"seed\d+", s) and
+                os.path.exists(os.path.join(base, s, "result.json")))
+
+
+def _last_eval(run: str) -> dict:
+  return [m for m in read_metrics(run) if "eval/loss" in m][-1]
+
+
+def _energies(line: dict) -> dict:
+  """``{(layer, step, part): (before, after)}`` from one eval line."""
+  out: dict = {}
+  for key, value in line.items():
+    m = _KEY.fullmatch(key)
+    if m:
+      entry = out.setdefault((int(m[1]), int(m[2]), m[3]), {})
+      entry[m[4]] = value
+  return {k: (v["before"], v["after"]) for k, v in out.items()}
+
+
+def _fmt(values: list[float]) -> str:
+  if not values:
+    return "–"
+  mean = statistics.fmean(values)
+  return f"{mean:+.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{mean:+.3f}"
+
+
+def loss_table(workdir: str) -> list[str]:
+  losses = {row: {os.path.basename(r): _last_eval(r)["eval/loss"] for r in _seeds(workdir, row)}
+            for row in ROWS}
+  seeds = sorted({s for v in losses.values() for s in v})
+  lines = ["| row | " + " | ".join(f"eval loss {s}" for s in seeds)
+           + " | Δ vs t1 (paired) | Δ vs t2_fixed (paired) |",
+           "|---|" + "---:|" * (len(seeds) + 2)]
+  for row in ROWS:
+    if not losses[row]:
+      continue
+    cells = [f"{losses[row][s]:.4f}" if s in losses[row] else "–" for s in seeds]
+    deltas = []
+    for base in ("t1", "t2_fixed"):
+      paired = [losses[row][s] - losses[base][s] for s in seeds
+                if s in losses[row] and s in losses[base]]
+      deltas.append("0" if row == base else _fmt(paired))
+    lines.append(f"| {row} | " + " | ".join(cells + deltas) + " |")
+  return lines
+
+
+def energy_table(workdir: str) -> list[str]:
+  lines = ["| row | att step 1 | att step 2 | MLP step 1 | MLP step 2 | sub-steps lowering "
+           "their energy | att energy raised by the MLP step between |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+  for row in ROWS:
+    runs = _seeds(workdir, row)
+    if not runs:
+      continue
+    change: dict = {}
+    lowered = total = 0
+    undone = []
+    for run in runs:
+      e = _energies(_last_eval(run))
+      for (layer, step, part), (before, after) in e.items():
+        change.setdefault((part, step), []).append(after - before)
+        lowered += after < before
+        total += 1
+        nxt = e.get((layer, step + 1, "att"))
+        if part == "att" and nxt is not None:
+          undone.append(nxt[0] - after)
+    if not total:
+      continue
+    cells = [f"{statistics.fmean(change[p, s]):+.2f}" if (p, s) in change else "–"
+             for p in ("att", "mlp") for s in (1, 2)]
+    lines.append(f"| {row} | " + " | ".join(cells) + f" | {lowered}/{total} | "
+                 + (f"{statistics.fmean(undone):+.2f}" if undone else "–") + " |")
+  return lines
+
+
+def eta_table(workdir: str) -> list[str]:
+  import jax
+  import numpy as np
+
+  from cem_jax.evaluate import load_run
+
+  lines = ["| row | attention η (step 1, step 2) | MLP η (step 1, step 2) |", "|---|---|---|"]
+  for row in ROWS:
+    runs = _seeds(workdir, row)
+    if not runs:
+      continue
+    per_part: dict = {"attn": [], "mlp": []}
+    try:
+      for run in runs:
+        _, _, _, params, _ = load_run(run)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+          keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+          if "eta" in keys:
+            part = "attn" if "attn" in keys else "mlp"
+            eta = np.asarray(jax.nn.softplus(leaf))  # [copies, heads] or [copies]
+            per_part[part].append(eta.reshape(eta.shape[0], -1).mean(axis=1))
+    except (FileNotFoundError, ValueError):
+      lines.append(f"| {row} | n/a | n/a |")
+      continue
+    cells = []
+    for part in ("attn", "mlp"):
+      stacked = np.stack(per_part[part])  # [layers × seeds, copies]
+      cells.append(", ".join(f"{v:.3f}" for v in stacked.mean(axis=0)))
+    lines.append(f"| {row} | " + " | ".join(cells) + " |")
+  return lines
+
+
+def main(argv):
+  del argv
+  workdir = flags.FLAGS.workdir
+  print(f"Recursion diagnostics of the design table ({workdir}/design), "
+        "from `python experiments/recursion_report.py`.\n")
+  print("## Eval loss (nats/token), paired by seed\n")
+  print("\n".join(loss_table(workdir)))
+  print("\n## Energy descent at the last eval (change of each sub-step's own energy, per "
+        "token, mean over layers and seeds)\n")
+  print("\n".join(energy_table(workdir)))
+  print("\n## Learned step sizes at the end of training (mean over layers, heads and seeds; "
+        "one value where η is shared across steps)\n")
+  print("\n".join(eta_table(workdir)))
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("workdir", "results/tiny", "The table's --workdir.")
+  app.run(main)
