@@ -44,8 +44,8 @@ def cudnn_max_head_dim(platform: str | None) -> int:
 
 
 def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
-            augmented_head_dim: int | None = None, seq_len: int | None = None
-            ) -> tuple[str, str]:
+            augmented_head_dim: int | None = None, seq_len: int | None = None,
+            num_devices: int = 1) -> tuple[str, str]:
   """Chooses the attention kernel for one model.
 
   Args:
@@ -57,6 +57,9 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
     augmented_head_dim: with the CEM diagonal, the width of the augmented head the fused
       update attends with, ``d_h + d_model`` (+ 1 in the distance form); None without one.
     seq_len: the query length if known (splash needs a multiple of 128).
+    num_devices: devices the step is partitioned over (``jax.device_count()``). Splash is a
+      Pallas (Mosaic) call that XLA cannot partition; without a ``shard_map`` around it (not
+      wired yet) it runs on one device only.
   Returns:
     ``(implementation, reason)``, the implementation one of ``'xla'``, ``'cudnn'``,
     ``'splash'``.
@@ -95,6 +98,9 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
       problems.append(why_wide + "; use 'xla' or model.diagonal='none'")
     if seq_len is not None and seq_len % SPLASH_BLOCK:
       problems.append(f"data.seq_len={seq_len} must be a multiple of {SPLASH_BLOCK}")
+    if num_devices > 1:
+      problems.append(f"XLA cannot partition a Pallas call over {num_devices} devices and the "
+                      "shard_map wrapper is not wired yet; use 'xla' or one device")
     if problems:
       raise ValueError(f"model.attention_impl='splash' cannot run: {'; '.join(problems)}")
     return "splash", "explicit"
@@ -110,6 +116,9 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
       return "xla", f"auto: head_dim={width} is not a multiple of 8 <= {limit} (cuDNN)"
     return "cudnn", f"auto: GPU, {dtype}, head_dim={width}: cuDNN flash attention"
   if platform == "tpu":
+    if num_devices > 1:
+      return "xla", (f"auto: TPU with {num_devices} devices: splash needs a shard_map wrapper "
+                     "to run partitioned (not wired yet), XLA attention")
     if seq_len is not None and seq_len % SPLASH_BLOCK:
       return "xla", f"auto: TPU but seq_len={seq_len} is not a multiple of {SPLASH_BLOCK}"
     return "splash", f"auto: TPU, head_dim={width}: Pallas splash attention"

@@ -57,7 +57,8 @@ def resolve_attention(cfg, blocks, platform: str | None = None) -> tuple[str, st
   if isinstance(block, CEMBlock) and block.att_spec is not None and cfg.diagonal != "none":
     augmented = head_dim_of(cfg) + cfg.d_model + (cfg.diagonal_form == "distance")
   return attention.resolve(requested, platform=platform, dtype=cfg.dtype,
-                           head_dim=head_dim_of(cfg), augmented_head_dim=augmented)
+                           head_dim=head_dim_of(cfg), augmented_head_dim=augmented,
+                           num_devices=jax.device_count())
 
 
 class DecoderLM(nnx.Module):

@@ -240,6 +240,8 @@ def test_auto_is_xla_on_cpu_and_logs_one_line_with_the_reason(caplog):
     ("tpu", "bfloat16", {}, "splash"),
     ("tpu", "float32", {"seq_len": 100}, "xla"),
     ("tpu", "bfloat16", {"augmented_head_dim": 8 + 32 + 1}, "xla"),
+    ("tpu", "bfloat16", {"num_devices": 8}, "xla"),  # a Pallas call is not partitioned
+    ("gpu", "bfloat16", {"num_devices": 8}, "cudnn"),  # jax.nn carries partitioning rules
     ("cpu", "bfloat16", {}, "xla"),
 ])
 def test_auto_picks_the_fastest_kernel_the_platform_allows(platform, dtype, extra, want):
@@ -248,6 +250,18 @@ def test_auto_picks_the_fastest_kernel_the_platform_allows(platform, dtype, extr
   assert impl == want and reason.startswith("auto:")
   if "augmented_head_dim" in extra:
     assert "augmented head" in reason
+  if "num_devices" in extra and platform == "tpu":
+    assert "8 devices" in reason and "shard_map" in reason
+
+
+def test_explicit_splash_over_several_devices_is_a_one_line_error():
+  with pytest.raises(ValueError, match=r"^model.attention_impl='splash' cannot run: XLA cannot "
+                     r"partition a Pallas call over 4 devices") as e:
+    attention.resolve("splash", platform="tpu", dtype="bfloat16", head_dim=64, seq_len=256,
+                      num_devices=4)
+  assert "\n" not in str(e.value)
+  assert attention.resolve("splash", platform="tpu", dtype="bfloat16", head_dim=64,
+                           seq_len=256, num_devices=1) == ("splash", "explicit")
 
 
 @pytest.mark.parametrize("overrides,match", [
