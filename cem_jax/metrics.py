@@ -95,19 +95,28 @@ def read_metrics(workdir: str) -> list[dict]:
 _ENERGY_KEY = re.compile(r"eval/energy/layer(\d+)/step(\d+)/(att|mlp)_(before|after)")
 
 
-def energy_trace(metrics_line: dict) -> dict[int, dict[str, list[float]]]:
-  """``{layer: {'att': [before, after step 1, after step 2, ...], 'mlp': [...]}}`` from one
-  eval line of ``metrics.jsonl``; empty when the line has no energy trace."""
+def energy_steps(metrics_line: dict) -> dict[int, dict[str, list[tuple[float, float]]]]:
+  """``{layer: {'att': [(before, after) of step 1, of step 2, ...], 'mlp': [...]}}`` from one
+  eval line of ``metrics.jsonl`` (energies per real token); empty without an energy trace.
+
+  Each pair is one sub-step's own energy before and after it. Between two steps the other
+  sub-step moves the state, so step 2's ``before`` need not equal step 1's ``after`` (with
+  the Lie–Trotter split the MLP step may raise the attention energy again)."""
   found: dict[int, dict[str, dict[int, dict[str, float]]]] = {}
   for key, value in metrics_line.items():
     m = _ENERGY_KEY.fullmatch(key)
     if m:
       layer, step, part, when = int(m[1]), int(m[2]), m[3], m[4]
       found.setdefault(layer, {}).setdefault(part, {}).setdefault(step, {})[when] = value
-  out = {}
-  for layer, parts in sorted(found.items()):
-    out[layer] = {}
-    for part, steps in parts.items():
-      ordered = [steps[s] for s in sorted(steps)]
-      out[layer][part] = [ordered[0]["before"]] + [s["after"] for s in ordered]
-  return out
+  return {layer: {part: [(steps[s]["before"], steps[s]["after"]) for s in sorted(steps)]
+                  for part, steps in parts.items()}
+          for layer, parts in sorted(found.items())}
+
+
+def energy_trace(metrics_line: dict) -> dict[int, dict[str, list[float]]]:
+  """``{layer: {'att': [before step 1, after step 1, after step 2, ...], 'mlp': [...]}}``
+  from one eval line; empty when the line has no energy trace. A chain of "after" values:
+  for whether each step lowers its own energy, use :func:`energy_steps`."""
+  return {layer: {part: [pairs[0][0]] + [after for _, after in pairs]
+                  for part, pairs in parts.items()}
+          for layer, parts in energy_steps(metrics_line).items()}

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from cem_jax import cli  # noqa: E402
-from cem_jax.metrics import energy_trace, read_metrics  # noqa: E402
+from cem_jax.metrics import energy_steps, read_metrics  # noqa: E402
 
 
 def plot_losses(metrics: list[dict], path: str, title: str = "") -> None:
@@ -41,16 +41,28 @@ def plot_losses(metrics: list[dict], path: str, title: str = "") -> None:
   plt.close(fig)
 
 
-def plot_energy(trace: dict[int, dict[str, list[float]]], path: str, title: str = "") -> None:
-  """Energy per layer before and after each recursive step, one panel per sub-layer."""
+def plot_energy(steps: dict[int, dict[str, list[tuple[float, float]]]], path: str,
+                title: str = "") -> None:
+  """Each sub-step's energy before and after it, per layer and recursive step, one panel per
+  sub-layer (``steps`` from :func:`cem_jax.metrics.energy_steps`). Solid segments are the
+  sub-steps; dotted ones join step t's end to step t+1's start, where the other sub-step
+  (or a recomputed context) has moved the energy."""
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
   for ax, part, name in zip(axes, ("att", "mlp"), ("attention energy", "MLP energy"),
                             strict=True):
-    for layer, parts in trace.items():
-      values = parts.get(part, [])
-      ax.plot(range(len(values)), values, "o-", label=f"layer {layer}")
-    steps = max((len(p.get(part, [])) for p in trace.values()), default=1)
-    ax.set_xticks(range(steps), ["before"] + [f"after t={t}" for t in range(1, steps)])
+    count = 0
+    for layer, parts in steps.items():
+      pairs = parts.get(part, [])
+      count = max(count, len(pairs))
+      color = None
+      for t, (before, after) in enumerate(pairs):
+        line, = ax.plot([2 * t, 2 * t + 1], [before, after], "o-", color=color,
+                        label=f"layer {layer}" if t == 0 else None)
+        color = line.get_color()
+        if t + 1 < len(pairs):
+          ax.plot([2 * t + 1, 2 * t + 2], [after, pairs[t + 1][0]], ":", color=color)
+    ticks = [f"t={t} {w}" for t in range(1, count + 1) for w in ("before", "after")]
+    ax.set_xticks(range(len(ticks)), ticks, fontsize=8)
     ax.set_ylabel(f"{name} (mean per token)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -77,10 +89,10 @@ def plot_run(workdir: str) -> list[str]:
   os.makedirs(out_dir, exist_ok=True)
   written = [os.path.join(out_dir, "loss.png")]
   plot_losses(metrics, written[0], os.path.abspath(workdir))
-  evals = [m for m in metrics if "eval/loss" in m and energy_trace(m)]
+  evals = [m for m in metrics if "eval/loss" in m and energy_steps(m)]
   if evals:
     written.append(os.path.join(out_dir, "energy.png"))
-    plot_energy(energy_trace(evals[-1]), written[1], f"energy trace at step {evals[-1]['step']}")
+    plot_energy(energy_steps(evals[-1]), written[1], f"energy trace at step {evals[-1]['step']}")
   return written
 
 

@@ -29,11 +29,10 @@ from absl import app, flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from cem_jax.metrics import read_metrics  # noqa: E402
+from cem_jax.metrics import energy_steps, read_metrics  # noqa: E402
 
 ROWS = ("t1", "t2_fixed", "t2_eta_half", "t2_eta_per_step", "t2_lr_half", "t1_lr_half",
         "t2_coevolve", "t1_precond_diag", "t1_precond_dlr")
-_KEY = re.compile(r"eval/energy/layer(\d+)/step(\d+)/(att|mlp)_(before|after)")
 
 
 def _seeds(workdir: str, row: str) -> list[str]:
@@ -50,14 +49,9 @@ def _last_eval(run: str) -> dict:
 
 
 def _energies(line: dict) -> dict:
-  """``{(layer, step, part): (before, after)}`` from one eval line."""
-  out: dict = {}
-  for key, value in line.items():
-    m = _KEY.fullmatch(key)
-    if m:
-      entry = out.setdefault((int(m[1]), int(m[2]), m[3]), {})
-      entry[m[4]] = value
-  return {k: (v["before"], v["after"]) for k, v in out.items()}
+  """``{(layer, step, part): (before, after)}`` (steps from 1) from one eval line."""
+  return {(layer, t + 1, part): pair for layer, parts in energy_steps(line).items()
+          for part, pairs in parts.items() for t, pair in enumerate(pairs)}
 
 
 def _fmt(values: list[float]) -> str:

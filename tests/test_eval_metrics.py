@@ -75,3 +75,20 @@ def test_energy_trace_and_loss_do_not_depend_on_the_eval_batch_size():
       assert got[key] == pytest.approx(want, rel=1e-4, abs=1e-5), (bs, key)
     assert metrics["eval/loss"] == pytest.approx(loss_ref, rel=1e-5), bs
   assert len(energy_trace(results[1])) == 2
+
+
+def test_energy_steps_keep_each_sub_steps_own_before_and_after():
+  from cem_jax.metrics import energy_steps, energy_trace
+
+  line = {"step": 5, "eval/loss": 1.0}
+  values = {(0, 1, "att"): (-1.0, -3.0), (0, 2, "att"): (-2.0, -2.5),  # the MLP step raised it
+            (0, 1, "mlp"): (4.0, 1.0), (0, 2, "mlp"): (2.0, 0.5), (1, 1, "att"): (0.0, -1.0),
+            (1, 2, "att"): (-0.5, -0.75), (1, 1, "mlp"): (1.0, 0.0), (1, 2, "mlp"): (0.5, 0.25)}
+  for (layer, step, part), (before, after) in values.items():
+    line[f"eval/energy/layer{layer}/step{step}/{part}_before"] = before
+    line[f"eval/energy/layer{layer}/step{step}/{part}_after"] = after
+  steps = energy_steps(line)
+  assert steps[0]["att"] == [(-1.0, -3.0), (-2.0, -2.5)]
+  assert steps[1]["mlp"] == [(1.0, 0.0), (0.5, 0.25)]
+  assert energy_trace(line)[0]["att"] == [-1.0, -3.0, -2.5]
+  assert energy_steps({"step": 5, "eval/loss": 1.0}) == {}
