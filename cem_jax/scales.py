@@ -31,11 +31,38 @@ import os
 
 from cem_jax.config import get_default_config
 
-SCALES = ("tiny", "gpu", "small", "paper")
 # ../shared/data beside the repository (read there, never copied in).
 _SHARED = os.path.normpath(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data"))
 TABLE_TEXT = os.path.join(_SHARED, "warpeace.txt")
+
+# scale -> (model, data, train, eval) sizes; the rest of the config is the defaults.
+_SIZES = {
+    "tiny": ({"d_model": 128, "num_layers": 4, "num_heads": 4, "mlp_dim": 512},
+             {"seq_len": 128, "vocab_size": 1024},
+             {"batch_size": 16, "num_steps": 400, "warmup_steps": 40, "learning_rate": 3e-3,
+              "eval_every_steps": 100},
+             {"max_batches": 40}),
+    "gpu": ({"d_model": 512, "num_layers": 8, "num_heads": 8, "mlp_dim": 1376,
+             "dtype": "bfloat16"},
+            {"seq_len": 512, "vocab_size": 8192},
+            {"batch_size": 256, "num_steps": 768, "warmup_steps": 80, "learning_rate": 2e-3,
+             "eval_every_steps": 256},
+            {"max_batches": 50}),
+    "small": ({"d_model": 512, "num_layers": 8, "num_heads": 8, "mlp_dim": 1376,
+               "dtype": "bfloat16"},
+              {"seq_len": 512, "vocab_size": 8192},
+              {"batch_size": 64, "num_steps": 6000, "warmup_steps": 300, "learning_rate": 1e-3,
+               "eval_every_steps": 500},
+              {"max_batches": 50}),
+    "paper": ({"d_model": 768, "num_layers": 12, "num_heads": 12, "mlp_dim": 2048,
+               "dtype": "bfloat16"},
+              {"seq_len": 1024, "vocab_size": 32768},
+              {"batch_size": 256, "num_steps": 20000, "warmup_steps": 1000,
+               "learning_rate": 6e-4, "eval_every_steps": 1000},
+              {"max_batches": 100}),
+}
+SCALES = tuple(_SIZES)
 
 
 def parse_arg(arg: str, rows, table: str) -> tuple[str, str]:
@@ -50,39 +77,14 @@ def parse_arg(arg: str, rows, table: str) -> tuple[str, str]:
   return row, scale
 
 
+
 def base_config(scale: str):
-  """The config every row of every table starts from at ``scale``."""
+  """The config every row of every table starts from at ``scale`` (one of :data:`SCALES`)."""
   c = get_default_config()
-  m, d, t = c.model, c.data, c.train
-  d.files = TABLE_TEXT
-  if scale == "tiny":
-    m.d_model, m.num_layers, m.num_heads, m.mlp_dim = 128, 4, 4, 512
-    d.seq_len, d.vocab_size = 128, 1024
-    t.batch_size, t.num_steps, t.warmup_steps = 16, 400, 40
-    t.learning_rate, t.eval_every_steps = 3e-3, 100
-    c.eval.max_batches = 40
-  elif scale == "gpu":
-    m.d_model, m.num_layers, m.num_heads, m.mlp_dim = 512, 8, 8, 1376
-    d.seq_len, d.vocab_size = 512, 8192
-    t.batch_size, t.num_steps, t.warmup_steps = 256, 768, 80
-    t.learning_rate, t.eval_every_steps = 2e-3, 256
-    m.dtype = "bfloat16"
-    c.eval.max_batches = 50
-  elif scale == "small":
-    m.d_model, m.num_layers, m.num_heads, m.mlp_dim = 512, 8, 8, 1376
-    d.seq_len, d.vocab_size = 512, 8192
-    t.batch_size, t.num_steps, t.warmup_steps = 64, 6000, 300
-    t.learning_rate, t.eval_every_steps = 1e-3, 500
-    m.dtype = "bfloat16"
-    c.eval.max_batches = 50
-  else:
-    m.d_model, m.num_layers, m.num_heads, m.mlp_dim = 768, 12, 12, 2048
-    d.seq_len, d.vocab_size = 1024, 32768
-    t.batch_size, t.num_steps, t.warmup_steps = 256, 20000, 1000
-    t.learning_rate, t.eval_every_steps = 6e-4, 1000
-    m.dtype = "bfloat16"
-    c.eval.max_batches = 100
-  c.checkpoint.every_steps = max(t.num_steps // 4, 1)
+  c.data.files = TABLE_TEXT
+  for group, sizes in zip((c.model, c.data, c.train, c.eval), _SIZES[scale], strict=True):
+    group.update(sizes)
+  c.checkpoint.every_steps = max(c.train.num_steps // 4, 1)
   c.eval.energy_trace = False
   return c
 
