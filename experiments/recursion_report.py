@@ -9,9 +9,9 @@ its energy trace) and prints markdown:
    initialisation and data order), so each diagnostic row is compared with the row it changes.
 2. Energy descent at the last eval: for each recursive step and sub-layer, the change of its
    own energy over the sub-step (after − before, nats-free energy units per token, mean over
-   layers and seeds) and how many of the layer × seed sub-steps lower it; and how much the
-   MLP sub-step between two attention sub-steps raises the attention energy again (Lie–Trotter
-   splitting: each sub-step descends its own energy, not the sum).
+   layers and seeds) and how many of the layer × seed sub-steps lower it; and how far the
+   other sub-step between two steps moves each energy (step t+1's "before" minus step t's
+   "after"; with the Lie–Trotter split each sub-step descends its own energy, not the sum).
 3. The learned step sizes η = softplus(raw) at the end of training (mean over layers and
    heads), per step where the row has one per step; read from the run's newest checkpoint
    (git-ignored, so only where the runs were trained; "n/a" elsewhere).
@@ -83,30 +83,32 @@ def loss_table(workdir: str) -> list[str]:
 
 def energy_table(workdir: str) -> list[str]:
   lines = ["| row | att step 1 | att step 2 | MLP step 1 | MLP step 2 | sub-steps lowering "
-           "their energy | att energy raised by the MLP step between |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+           "their energy | att energy moved by the MLP step between | MLP energy moved by "
+           "the att step between |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
   for row in ROWS:
     runs = _seeds(workdir, row)
     if not runs:
       continue
     change: dict = {}
     lowered = total = 0
-    undone = []
+    undone: dict = {"att": [], "mlp": []}
     for run in runs:
       e = _energies(_last_eval(run))
       for (layer, step, part), (before, after) in e.items():
         change.setdefault((part, step), []).append(after - before)
         lowered += after < before
         total += 1
-        nxt = e.get((layer, step + 1, "att"))
-        if part == "att" and nxt is not None:
-          undone.append(nxt[0] - after)
+        nxt = e.get((layer, step + 1, part))
+        if nxt is not None:
+          undone[part].append(nxt[0] - after)
     if not total:
       continue
     cells = [f"{statistics.fmean(change[p, s]):+.2f}" if (p, s) in change else "–"
              for p in ("att", "mlp") for s in (1, 2)]
+    moved = [f"{statistics.fmean(undone[p]):+.2f}" if undone[p] else "–" for p in ("att", "mlp")]
     lines.append(f"| {row} | " + " | ".join(cells) + f" | {lowered}/{total} | "
-                 + (f"{statistics.fmean(undone):+.2f}" if undone else "–") + " |")
+                 + " | ".join(moved) + " |")
   return lines
 
 
