@@ -216,7 +216,9 @@ _RANGES = {
     "model.rope_theta": (0.0, False, None, False),
     "model.norm_eps": (0.0, False, None, False),
     "model.init_std": (0.0, False, None, False),
-    "model.eta_init": (0.0, False, None, False),
+    # float32 softplus keeps eta (and its gradient) alive in this range; below ~1e-38 it
+    # underflows to a dead 0, and a step 1000x the gradient is no descent step.
+    "model.eta_init": (1e-6, True, 1e3, True),
     # P = diag(softplus(p) + eps) + U U^T starts at I: softplus(p) = 1 - eps needs eps < 1,
     # and eps > 0 keeps P positive definite (CEM_MATH.md section 3).
     "model.precond_eps": (0.0, False, 1.0, False),

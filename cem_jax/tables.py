@@ -93,6 +93,9 @@ def parse_overrides(pairs: list[str]) -> dict:
       raise ValueError(f"--set={pair!r}: no config key {key!r}"
                        + (f"; did you mean {', '.join(close)}?" if close else ""))
     current = default[key]
+    if not isinstance(current, (bool, int, float, str)):
+      raise ValueError(f"--set={pair!r}: {key} is a {type(current).__name__}; --set takes "
+                       "numbers, booleans and strings only (edit the table file instead)")
     try:
       if isinstance(current, bool):
         if text.lower() not in ("true", "false", "1", "0"):
@@ -229,12 +232,44 @@ def _trained_to_the_end(out: str, num_steps: int) -> bool:
   return any(m.get("step") == num_steps and "eval/loss" in m for m in read_metrics(out))
 
 
+def _flat(config) -> dict:
+  return workdir_lib.flatten(json.loads(config.to_json()))
+
+
+def check_runs(module, scale: str, seeds: int, steps: int | None = None,
+               rows: list[str] | None = None, overrides: dict | None = None) -> None:
+  """Validates every run's config before any trains, so that a bad ``--set`` or row fails
+  in one line at start-up, not after the rows before it have trained.
+
+  Raises:
+    ValueError: a run's config is invalid (prefixed with the row), or an override sets a key
+      in which the rows differ (``--set=train.learning_rate`` would turn ``t2_lr_half`` into
+      ``t2_fixed``), naming the override and a row.
+  """
+  from cem_jax import config as config_lib
+
+  own = {row: _flat(row_config(module, row, scale, 0, steps)) for row in module.ROWS}
+  for key in sorted(overrides or {}):
+    values = {row: json.dumps(flat.get(key)) for row, flat in own.items()}
+    if len(set(values.values())) > 1:  # the rows differ in this key: it is what they compare
+      row = min(values, key=lambda r: list(values.values()).count(values[r]))
+      raise ValueError(f"--set={key}=... overrides what the rows set themselves (row {row!r}: "
+                       f"{key}={own[row].get(key)!r}); leave that key to the rows")
+  for row in rows or module.ROWS:
+    for seed in range(seeds):
+      try:
+        config_lib.validate(row_config(module, row, scale, seed, steps, overrides))
+      except ValueError as e:
+        raise ValueError(f"row {row!r}: {e}") from None
+
+
 def run_table(module, table: str, scale: str, seeds: int, workdir: str,
               steps: int | None = None, rows: list[str] | None = None,
               overrides: dict | None = None) -> list[dict] | None:
   """Trains every (row, seed) not finished yet (``rows``: only those, default all); returns
   the per-run results, or None when a run was preempted (SIGTERM) before its last step:
   nothing is written for it, and the same command resumes it."""
+  check_runs(module, scale, seeds, steps, rows, overrides)
   runs = [(row, seed) for row in (rows or module.ROWS) for seed in range(seeds)]
   results = []
   for row, seed in tqdm(runs, desc=f"table {table}", unit="run"):
@@ -279,15 +314,38 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
   return results
 
 
+def finished_results(module, table: str, scale: str, seeds: int, workdir: str,
+                     steps: int | None = None, overrides: dict | None = None) -> list[dict]:
+  """The results of every (row, seed) of the table already finished in ``workdir`` with the
+  config this command would give it, under the current numerics version, in table order;
+  runs trained otherwise (or not at all) are left out. ``--rows`` trains a subset but the
+  table shows every row that has such runs."""
+  out = []
+  for row in module.ROWS:
+    for seed in range(seeds):
+      path = os.path.join(run_dir(workdir, table, row, seed), "result.json")
+      if not os.path.exists(path):
+        continue
+      cfg = row_config(module, row, scale, seed, steps, overrides)
+      try:
+        result = _read_result(path, config_digest(cfg), cfg)
+      except ValueError:
+        continue
+      if numerics_version(result) == NUMERICS_VERSION:
+        out.append(result)
+  return out
+
+
 def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
               rows: list[str] | None = None, overrides: dict | None = None) -> list[dict]:
-  """One summary dict per row (keys ``COLUMNS``), rows in table order (``rows``: only those).
+  """One summary dict per row that has results (keys ``COLUMNS``), in table order (``rows``:
+  only those); the first of them is the baseline of ``delta_loss_*``.
 
   ``delta_loss_*``: eval loss minus the first row's, paired by seed (same initialisation seed
   and data order), mean and std over the seeds both rows have. Seeds move all rows together
   (a lucky data order helps every model), so the paired difference is the fair comparison.
   """
-  names = list(rows or module.ROWS)
+  names = [r for r in (rows or module.ROWS) if any(x["row"] == r for x in results)]
   rows = []
   base = {r["seed"]: r["eval/loss"] for r in results if r["row"] == names[0]}
   for row in names:
@@ -383,10 +441,14 @@ def _rows_flag(module, value: str | None) -> list[str] | None:
   if not value:
     return None
   rows = [r.strip() for r in value.split(",") if r.strip()]
+  allowed = f"allowed: {', '.join(module.ROWS)}, each at most once"
   unknown = [r for r in rows if r not in module.ROWS]
   if unknown or not rows:
-    raise ValueError(f"--rows={value!r}: {', '.join(unknown) or 'no row'} is not a row of "
-                     f"the table; allowed: {', '.join(module.ROWS)}")
+    raise ValueError(f"--rows={value!r}: not rows of the table: {', '.join(unknown) or 'none'};"
+                     f" {allowed}")
+  twice = sorted({r for r in rows if rows.count(r) > 1})
+  if twice:
+    raise ValueError(f"--rows={value!r}: {', '.join(twice)} given twice; {allowed}")
   return rows
 
 
@@ -409,17 +471,20 @@ def main(argv):
     raise SystemExit(f"error: {e}") from None
   if results is None:  # preempted: the table is written when every run has finished
     return
-  table_rows = aggregate(module, fl.scale, results, fl.steps, rows, overrides)
+  if rows:  # the table shows every row finished here, not only those trained now
+    results = finished_results(module, name, fl.scale, fl.seeds, fl.workdir, fl.steps,
+                               overrides)
+  table_rows = aggregate(module, fl.scale, results, fl.steps, None, overrides)
   device = jax.devices()[0].device_kind
   when = time.strftime("%Y-%m-%d", time.gmtime())
   command = (f"python -m cem_jax.tables --table={fl.table} --scale={fl.scale} "
              f"--seeds={fl.seeds}" + (f" --steps={fl.steps}" if fl.steps else "")
-             + (f" --rows={','.join(rows)}" if rows else "")
              + "".join(f" --set={pair}" for pair in fl.set))
   header = (f"Table {name}, scale {fl.scale}, {fl.seeds} seed(s), written {when} ({device}); "
             f"command: {command}")
   paths = write_outputs(fl.workdir, name, table_rows,
-                        eval_curves(fl.workdir, name, module, fl.seeds, rows), header)
+                        eval_curves(fl.workdir, name, module, fl.seeds,
+                                    [r["row"] for r in table_rows]), header)
   print(open(paths[0]).read())
   print("\n".join(paths))
 
@@ -432,8 +497,8 @@ if __name__ == "__main__":
   flags.DEFINE_integer("seeds", 3, "Seeds per row (init and data order).")
   flags.DEFINE_string("workdir", None, "Where runs and the table files go.")
   flags.DEFINE_integer("steps", None, "Override train.num_steps of every row (quick looks).")
-  flags.DEFINE_string("rows", None, "Comma-separated rows to train and tabulate, in this "
-                      "order (default: every row of the table).")
+  flags.DEFINE_string("rows", None, "Comma-separated rows to train, in this order (default: "
+                      "every row); the table shows every row finished in --workdir.")
   flags.DEFINE_multi_string("set", [], "KEY=VALUE applied to every row's config, e.g. "
                             "--set=data.prepared_dir=/data/corpus (repeatable).")
   flags.mark_flags_as_required(["table", "workdir"])

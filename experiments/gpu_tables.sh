@@ -11,30 +11,39 @@
 # passed over several times (the run logs how many).
 # The runs go to $WORKDIR (default results/gpu; finished runs are skipped, interrupted ones
 # resume). OUT_DIR receives each TABLE.{md,csv,png} and gpu_runs.tgz (each run's config.json,
-# metrics.jsonl, result.json; no checkpoints). design runs its five headline rows; the
+# metrics.jsonl, result.json; no checkpoints). design trains its five headline rows; the
 # diagnostic rows (t2_eta_half, ...) are `python -m cem_jax.tables --table=design --scale=gpu
-# --seeds=1 --rows=...` with the same --set flags.
+# --seeds=1 --rows=...` with the same --set flags (the table then shows every finished row).
 # SCALE=tiny STEPS=2 (environment) make a quick CPU check of the script itself.
 # On the workplace's lent H200 (offline; ../shared does not travel), after
 # `bash ../shared/tools/gpu/prepare.sh` and preparing into .device/corpus here:
 #   bash .device/run.sh bash experiments/gpu_tables.sh .device/corpus $OUT design
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-prepared=${1:?usage: bash experiments/gpu_tables.sh PREPARED_DIR OUT_DIR [TABLE ...]}
-out=${2:?usage: bash experiments/gpu_tables.sh PREPARED_DIR OUT_DIR [TABLE ...]}
+usage="usage: bash experiments/gpu_tables.sh PREPARED_DIR OUT_DIR [TABLE ...]"
+prepared=$(realpath -m "${1:?$usage}")
+out=$(realpath -m "${2:?$usage}")
 shift 2
-[ -f "$prepared/manifest.json" ] || { echo "error: $prepared/manifest.json not found: prepare the corpus first (see the header of $0)" >&2; exit 1; }
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+fail() { echo "error: $*" >&2; exit 1; }
+[ -f "$prepared/manifest.json" ] || fail "$prepared/manifest.json not found: prepare the corpus first (see the header of $0)"
 work=${WORKDIR:-results/gpu}
 tables=("$@")
 [ ${#tables[@]} -gt 0 ] || tables=(design end_to_end)
+for t in "${tables[@]}"; do
+  [ -f "experiments/paper/$t.py" ] || fail "table $t: no experiments/paper/$t.py"
+done
 mkdir -p "$out" "$work"
+probe="$out/.write_test.$$"
+{ : > "$probe" && rm -f "$probe"; } 2>/dev/null || fail "OUT_DIR $out is not writable"
 for t in "${tables[@]}"; do
   rows=()
   [ "$t" = design ] && rows=(--rows=t1,t2_fixed,t2_coevolve,t1_precond_diag,t1_precond_dlr)
   start=$(date +%s)
+  rm -f "$work/$t.md"  # written only when every run of the table has finished
   python3 -m cem_jax.tables --table="$t" --scale="${SCALE:-gpu}" --seeds=1 --workdir="$work" \
     "${rows[@]}" ${STEPS:+--steps=$STEPS} --set=data.prepared_dir="$prepared" --set=data.files=
   echo "table $t: $(( $(date +%s) - start )) s wall"
+  [ -f "$work/$t.md" ] || fail "table $t did not finish (preempted?): rerun the same command to resume it"
   cp "$work/$t.md" "$work/$t.csv" "$work/$t.png" "$out/"
 done
 tar czf "$out/gpu_runs.tgz" --exclude=checkpoints --exclude=tensorboard --exclude=data \

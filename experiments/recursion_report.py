@@ -11,7 +11,9 @@ its energy trace) and prints markdown:
    own energy over the sub-step (after − before, nats-free energy units per token, mean over
    layers and seeds) and how many of the layer × seed sub-steps lower it; and how far the
    other sub-step between two steps moves each energy (step t+1's "before" minus step t's
-   "after"; with the Lie–Trotter split each sub-step descends its own energy, not the sum).
+   "after": the MLP step moves the attention energy, the next attention step the MLP energy,
+   and with a co-evolving context the recomputed keys too; with the Lie–Trotter split each
+   sub-step descends its own energy, not the sum).
 3. The learned step sizes η = softplus(raw) at the end of training (mean over layers and
    heads), per step where the row has one per step; read from the run's newest checkpoint
    (git-ignored, so only where the runs were trained; "n/a" elsewhere).
@@ -83,8 +85,7 @@ def loss_table(workdir: str) -> list[str]:
 
 def energy_table(workdir: str) -> list[str]:
   lines = ["| row | att step 1 | att step 2 | MLP step 1 | MLP step 2 | sub-steps lowering "
-           "their energy | att energy moved by the MLP step between | MLP energy moved by "
-           "the att step between |",
+           "their energy | att energy moved between steps | MLP energy moved between steps |",
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
   for row in ROWS:
     runs = _seeds(workdir, row)
@@ -147,6 +148,9 @@ def eta_table(workdir: str) -> list[str]:
 def main(argv):
   del argv
   workdir = flags.FLAGS.workdir
+  if not any(_seeds(workdir, row) for row in ROWS):
+    raise SystemExit(f"error: --workdir={workdir}: no finished design runs in "
+                     f"{workdir}/design (python -m cem_jax.tables --table=design ...)")
   print(f"Recursion diagnostics of the design table ({workdir}/design), "
         "from `python experiments/recursion_report.py`.\n")
   print("## Eval loss (nats/token), paired by seed\n")

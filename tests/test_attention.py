@@ -254,6 +254,17 @@ def test_auto_picks_the_fastest_kernel_the_platform_allows(platform, dtype, extr
     assert "8 devices" in reason and "shard_map" in reason
 
 
+def test_the_model_passes_its_device_count_to_the_kernel_choice(monkeypatch):
+  from cem_jax.model import resolve_attention
+
+  cfg = tiny_config("llama", **{"model.dtype": "bfloat16"}).model
+  blocks = DecoderLM(cfg, 64, rngs=nnx.Rngs(0)).blocks
+  assert resolve_attention(cfg, blocks, platform="tpu")[0] == "splash"
+  monkeypatch.setattr(jax, "device_count", lambda: 4)
+  impl, reason = resolve_attention(cfg, blocks, platform="tpu")
+  assert impl == "xla" and "4 devices" in reason
+
+
 def test_explicit_splash_over_several_devices_is_a_one_line_error():
   with pytest.raises(ValueError, match=r"^model.attention_impl='splash' cannot run: XLA cannot "
                      r"partition a Pallas call over 4 devices") as e:

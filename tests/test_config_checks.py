@@ -15,7 +15,8 @@ OUT_OF_RANGE = [
     ("model.norm_eps", 0.0), ("model.norm_eps", -1e-6), ("model.rope_theta", 0.0),
     ("model.init_std", 0.0), ("model.precond_eps", 0.0), ("model.precond_eps", -1e-3),
     ("model.precond_eps", 1.0), ("model.precond_eps", 2.0), ("model.eta_init", 0.0),
-    ("model.eta_init", -0.5), ("model.eta_init", math.nan),
+    ("model.eta_init", -0.5), ("model.eta_init", math.nan), ("model.eta_init", 1e-50),
+    ("model.eta_init", 1e4),
 ]
 
 
@@ -31,7 +32,8 @@ def test_numbers_out_of_range_are_one_line_errors(field, value):
 @pytest.mark.parametrize("field, value", [
     ("train.b1", 0.0), ("train.b2", 0.0), ("train.weight_decay", 0.0),
     ("train.min_learning_rate_ratio", 0.0), ("train.min_learning_rate_ratio", 1.0),
-    ("model.precond_eps", 0.5), ("train.grad_clip", 1e9), ("train.learning_rate", 1)])
+    ("model.precond_eps", 0.5), ("train.grad_clip", 1e9), ("train.learning_rate", 1),
+    ("model.eta_init", 1e-6), ("model.eta_init", 1e3)])
 def test_numbers_at_the_edges_of_their_ranges_are_accepted(field, value):
   config_lib.validate(tiny_config("cem", **({"model.precond": "both"} if "precond" in field
                                             else {}), **{field: value}))

@@ -92,3 +92,11 @@ def test_energy_steps_keep_each_sub_steps_own_before_and_after():
   assert steps[1]["mlp"] == [(1.0, 0.0), (0.5, 0.25)]
   assert energy_trace(line)[0]["att"] == [-1.0, -3.0, -2.5]
   assert energy_steps({"step": 5, "eval/loss": 1.0}) == {}
+  # steps and layers in numeric order whatever the key order (step10 after step9)
+  many = {"eval/loss": 1.0}
+  for step in reversed(range(1, 12)):
+    for layer in (10, 2):
+      many[f"eval/energy/layer{layer}/step{step}/att_before"] = float(step)
+      many[f"eval/energy/layer{layer}/step{step}/att_after"] = step - 0.5
+  got = energy_steps(many)
+  assert list(got) == [2, 10] and got[10]["att"] == [(s, s - 0.5) for s in range(1, 12)]

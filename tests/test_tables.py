@@ -84,14 +84,17 @@ def test_gpu_scale_sizes():
 
 def test_overrides_parse_to_the_keys_type_and_bad_ones_are_one_line_errors():
   assert tables.parse_overrides(["data.prepared_dir=/d", "train.learning_rate=1e-3",
-                                 "train.num_steps=7", "model.rope=false"]) == {
+                                 "train.num_steps=7", "model.rope=false", "data.files=",
+                                 "model.tie_embeddings=0", "model.document_mask=1"]) == {
       "data.prepared_dir": "/d", "train.learning_rate": 1e-3, "train.num_steps": 7,
-      "model.rope": False}
+      "model.rope": False, "data.files": "", "model.tie_embeddings": False,
+      "model.document_mask": True}
   for pair, message in [("data.prepared_dir", r"allowed: KEY=VALUE"),
                         ("data.prepard_dir=/d", r"no config key 'data.prepard_dir'; did you "
                                                 r"mean data.prepared_dir"),
                         ("train.num_steps=1.5", r"train.num_steps takes an integer, got '1.5'"),
-                        ("model.rope=maybe", r"model.rope takes true or false")]:
+                        ("model.rope=maybe", r"model.rope takes true or false"),
+                        ("mesh.rules=abc", r"mesh.rules is a list; --set takes numbers")]:
     with pytest.raises(ValueError, match=message):
       tables.parse_overrides([pair])
 
@@ -100,8 +103,34 @@ def test_unknown_rows_are_a_one_line_error():
   module = tables.load_table("design")
   assert tables._rows_flag(module, "t2_fixed,t1") == ["t2_fixed", "t1"]
   assert tables._rows_flag(module, None) is None
-  with pytest.raises(ValueError, match=r"--rows='t1,t3': t3 is not a row .*allowed: t1, "):
+  with pytest.raises(ValueError, match=r"--rows='t1,t3': not rows of the table: t3; allowed: "):
     tables._rows_flag(module, "t1,t3")
+  with pytest.raises(ValueError, match=r"--rows='t1,t2_fixed,t1': t1 given twice"):
+    tables._rows_flag(module, "t1,t2_fixed,t1")
+
+
+def test_design_diagnostic_rows_change_what_they_say():
+  module = tables.load_table("design")
+  cfg = {row: tables.row_config(module, row, "tiny", 0) for row in module.ROWS}
+  assert all(c.eval.energy_trace for c in cfg.values())
+  assert cfg["t2_eta_half"].model.eta_init == 1 / cfg["t2_eta_half"].model.num_steps == 0.5
+  assert cfg["t2_eta_per_step"].model.eta_per_step and cfg["t2_fixed"].model.eta_init == 1.0
+  for half, full in (("t2_lr_half", "t2_fixed"), ("t1_lr_half", "t1")):
+    assert cfg[half].train.learning_rate == cfg[full].train.learning_rate / 2
+    assert cfg[half].model.to_dict() == cfg[full].model.to_dict()
+
+
+def test_every_run_is_checked_before_any_trains():
+  design, end_to_end = tables.load_table("design"), tables.load_table("end_to_end")
+  # the rows differ in the learning rate: overriding it would merge t2_lr_half into t2_fixed
+  with pytest.raises(ValueError, match=r"--set=train.learning_rate=\.\.\. overrides what the "
+                     r"rows set themselves \(row 't2_lr_half': train.learning_rate=0.0015\)"):
+    tables.check_runs(design, "tiny", 1, overrides={"train.learning_rate": 1e-3})
+  # valid for the CEM rows, refused for the Llama ones: one line before anything trains
+  with pytest.raises(ValueError, match=r"^row 'llama': model.eta_init=0.5 applies to CEM"):
+    tables.check_runs(end_to_end, "gpu", 1, overrides={"model.eta_init": 0.5})
+  tables.check_runs(end_to_end, "gpu", 1, overrides={"data.prepared_dir": "/d",
+                                                     "data.files": ""})
 
 
 TOY = '''
@@ -187,6 +216,18 @@ def test_rows_and_overrides_reach_the_runs_and_the_table(tmp_path, shared_data):
   assert saved["train"]["learning_rate"] == 1e-3
   rows = tables.aggregate(module, "tiny", results, rows=["cem"], overrides=overrides)
   assert [r["row"] for r in rows] == ["cem"] and rows[0]["delta_loss_mean"] == 0.0
+  # the table shows every row finished with this command's config; cem is the first one here
+  assert tables.finished_results(module, "toy", "tiny", 2, workdir,
+                                 overrides=overrides) == results
+  assert tables.finished_results(module, "toy", "tiny", 1, workdir) == []  # another config
+  assert [r["row"] for r in tables.aggregate(module, "tiny", results)] == ["cem"]
+  assert list(tables.eval_curves(workdir, "toy", module, 1, ["cem"])) == ["cem"]
+  # a value one row refuses stops the table before any row trains
+  fresh = str(tmp_path / "fresh")
+  with pytest.raises(ValueError, match=r"^row 'llama': model.eta_init=0.5 applies to CEM"):
+    tables.run_table(module, "toy", "tiny", 1, fresh, rows=["cem", "llama"],
+                     overrides={"model.eta_init": 0.5})
+  assert not os.path.exists(os.path.join(fresh, "toy"))
   # the same run without the override is another config: refused, not silently reused
   with pytest.raises(ValueError, match="was trained with another config"):
     tables.run_table(module, "toy", "tiny", 1, workdir, rows=["cem"])

@@ -32,7 +32,9 @@ def const_param(value, logical_axes, dtype=jnp.float32) -> nnx.Param:
 
 def softplus_inverse(x: float) -> float:
   """``y`` with ``softplus(y) == x`` for ``x > 0``."""
-  return math.log(math.expm1(x))  # plain Python: also valid under nnx.eval_shape
+  # log(e^x - 1) = x + log(1 - e^-x): no overflow for large x. Plain Python: also valid
+  # under nnx.eval_shape.
+  return x + math.log(-math.expm1(-x))
 
 
 class RMSNorm(nnx.Module):
