@@ -3,8 +3,8 @@
     python -m cem_jax.tables --table=attention --scale=tiny --seeds=2 --workdir=results/tiny
 
 ``--table`` is a file name in ``experiments/paper/`` (``attention``, ``mlp``, ``design``,
-``end_to_end``) or a path to a file with the same shape (``ROWS`` and ``get_config(arg)``
-taking ``"ROW,SCALE"``). Each run trains in ``WORKDIR/TABLE/ROW/seed{S}``: a finished run is
+``end_to_end``, ``neighbours``) or a path to a file with the same shape (``ROWS`` and
+``get_config(arg)`` taking ``"ROW,SCALE"``). Each run trains in ``WORKDIR/TABLE/ROW/seed{S}``: a finished run is
 skipped (its ``result.json`` exists), an interrupted one resumes from its checkpoint, and a
 run whose resolved config equals a finished run of another table under the same ``WORKDIR``
 (e.g. the Llama baseline shared by the attention, mlp and end_to_end tables) reuses that run's
@@ -392,14 +392,19 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
            f"Δ loss vs {rows[0]['row'] if rows else '-'} (paired) | perplexity | bits/byte | "
            "tokens/s |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  def spread(mean: float, std: float, seeds: int, fmt: str) -> str:
+    return f"{mean:{fmt}} ± {std:.4f}" if seeds > 1 else f"{mean:{fmt}}"
+
   for r in rows:
     lines.append(
         f"| {r['row']} | {r['params'] / 1e6:.3f}M | {r['non_embedding_params'] / 1e6:.3f}M | "
         f"{r['attention_params'] / 1e6:.3f}M | {r['mlp_params'] / 1e6:.3f}M | "
-        f"{r['flops_per_token'] / 1e9:.4f} | {r['eval_loss_mean']:.4f} ± "
-        f"{r['eval_loss_std']:.4f} | {r['delta_loss_mean']:+.4f} ± {r['delta_loss_std']:.4f} | "
-        f"{r['perplexity']:.2f} | {r['bits_per_byte_mean']:.4f} ± "
-        f"{r['bits_per_byte_std']:.4f} | {r['tokens_per_sec']:.0f} |")
+        f"{r['flops_per_token'] / 1e9:.4f} | "
+        f"{spread(r['eval_loss_mean'], r['eval_loss_std'], r['seeds'], '.4f')} | "
+        f"{spread(r['delta_loss_mean'], r['delta_loss_std'], r['seeds'], '+.4f')} | "
+        f"{r['perplexity']:.2f} | "
+        f"{spread(r['bits_per_byte_mean'], r['bits_per_byte_std'], r['seeds'], '.4f')} | "
+        f"{r['tokens_per_sec']:.0f} |")
   with open(base + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
   fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -454,6 +459,7 @@ def _rows_flag(module, value: str | None) -> list[str] | None:
 
 def main(argv):
   del argv
+  cli.quiet_libraries()
   fl = flags.FLAGS
   try:
     module = load_table(fl.table)
@@ -478,7 +484,8 @@ def main(argv):
   device = jax.devices()[0].device_kind
   when = time.strftime("%Y-%m-%d", time.gmtime())
   command = (f"python -m cem_jax.tables --table={fl.table} --scale={fl.scale} "
-             f"--seeds={fl.seeds}" + (f" --steps={fl.steps}" if fl.steps else "")
+             f"--seeds={fl.seeds} --workdir={fl.workdir}"
+             + (f" --steps={fl.steps}" if fl.steps else "")
              + "".join(f" --set={pair}" for pair in fl.set))
   header = (f"Table {name}, scale {fl.scale}, {fl.seeds} seed(s), written {when} ({device}); "
             f"command: {command}")

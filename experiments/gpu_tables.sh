@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The paper's design and end_to_end tables at the `gpu` scale (cem_jax/scales.py: ~20M-param
-# CEM rows, ~30M Llama, 104.9M tokens a row, bf16, 1 seed) in one run on one GPU.
+# CEM rows, ~30M Llama, 100.7M tokens a row, bf16, 1 seed) in one run on one GPU.
 #
 #   bash experiments/gpu_tables.sh PREPARED_DIR OUT_DIR [TABLE ...]      (default: design end_to_end)
 #
 # PREPARED_DIR: a corpus prepared for the gpu scale (vocab 8192), made once beforehand with
 #   python -m cem_jax.prepare --config=experiments/paper/design.py:t1,gpu \
 #       --config.data.files='/data/corpus/*.txt' --out=PREPARED_DIR
-# It should hold >= 100M training tokens: each row trains on 104.9M, and a smaller corpus is
+# It should hold >= 100M training tokens: each row trains on 100.7M, and a smaller corpus is
 # passed over several times (the run logs how many).
 # The runs go to $WORKDIR (default results/gpu; finished runs are skipped, interrupted ones
 # resume). OUT_DIR receives each TABLE.{md,csv,png} and gpu_runs.tgz (each run's config.json,

@@ -147,6 +147,9 @@ def eta_table(workdir: str) -> list[str]:
 
 def main(argv):
   del argv
+  from cem_jax import cli
+
+  cli.quiet_libraries()
   workdir = flags.FLAGS.workdir
   if not any(_seeds(workdir, row) for row in ROWS):
     raise SystemExit(f"error: --workdir={workdir}: no finished design runs in "
