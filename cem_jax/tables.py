@@ -4,17 +4,18 @@
 
 ``--table`` is a file name in ``experiments/paper/`` (``attention``, ``mlp``, ``design``,
 ``end_to_end``, ``neighbours``) or a path to a file with the same shape (``ROWS`` and
-``get_config(arg)`` taking ``"ROW,SCALE"``). Each run trains in ``WORKDIR/TABLE/ROW/seed{S}``: a finished run is
-skipped (its ``result.json`` exists), an interrupted one resumes from its checkpoint, and a
-run whose resolved config equals a finished run of another table under the same ``WORKDIR``
-(e.g. the Llama baseline shared by the attention, mlp and end_to_end tables) reuses that run's
-result and metrics instead of training again (``reused_from`` in its ``result.json``). A run
-is reused only when trained under the current :data:`cem_jax.version.NUMERICS_VERSION`
-(``numerics_version`` in its ``result.json``; none = 1): an older one in the row's own folder
-is moved aside to ``seed{S}.numerics_v{N}`` and trained again, with a log line saying so. Then
-``WORKDIR/TABLE.{md,csv,png}`` are written: parameters (total, non-embedding, attention, MLP),
-analytic FLOPs per token, eval loss (mean ± std over seeds), perplexity, bits per byte and
-training tokens/s; the plot has one eval-loss curve per row (mean over seeds).
+``get_config(arg)`` taking ``"ROW,SCALE"``). Each run trains in ``WORKDIR/TABLE/ROW/seed{S}``: a
+finished run is skipped (its ``result.json`` exists), an interrupted one resumes from its
+checkpoint, and a run whose resolved config equals a finished run of another table under the
+same ``WORKDIR`` (e.g. the Llama baseline shared by the attention, mlp and end_to_end tables)
+reuses that run's result and metrics instead of training again (``reused_from`` in its
+``result.json``). A run is reused only when trained under the current
+:data:`cem_jax.version.NUMERICS_VERSION` (``numerics_version`` in its ``result.json``; none =
+1): an older one in the row's own folder is moved aside to ``seed{S}.numerics_v{N}`` and trained
+again, with a log line saying so. Then ``WORKDIR/TABLE.{md,csv,png}`` are written: parameters
+(total, non-embedding, attention, MLP), analytic FLOPs per token, eval loss (mean ± std over
+seeds), perplexity, bits per byte and training tokens/s; the plot has one eval-loss curve per
+row (mean over seeds).
 """
 
 from __future__ import annotations

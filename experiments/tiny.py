@@ -14,7 +14,8 @@ Data: CPython's pydoc topics + stdlib docstrings (offline); held out: the last 1
 pydoc topics, the text the byte 4-gram reference (``../shared/tools/ngram_bpb.py pydoc``:
 2.06 bits/byte, fitted on the first 90% of the topics) is scored on.
 
-Measured 2026-11-30 under numerics version 1 (cem_jax/version.py). The CEM main job alone on a 2-core CPU, fresh clone: 488 s wall, final
+Measured 2026-11-30 under numerics version 1 (cem_jax/version.py). The CEM main job alone
+on a 2-core CPU, fresh clone: 488 s wall, final
 eval bits/byte 1.7318 (step 500: 1.921). The other rows ran while other jobs shared the CPU
 (same losses, longer wall times):
 
