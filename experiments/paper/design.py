@@ -14,6 +14,8 @@ Diagnostics of recursion (issue 17: why is T = 2 worse than T = 1 at tiny scale?
   t2_eta_per_step: t2_fixed with a separate learned step size per step (model.eta_per_step).
   t2_lr_half:      t2_fixed at half the learning rate.
   t1_lr_half:      t1 at half the learning rate (the control for t2_lr_half).
+  t1_eta_half:     t1 with its step sizes starting at 0.5 (the control for t2_eta_half: is it
+                   the smaller step or the recursion?).
 Every row logs the energy trace at each eval (eval.energy_trace): the energies before and after
 each sub-step of each layer, so one can see whether each inner step lowers its energy.
 Measured at tiny scale (2026-11-30, 2 seeds, 400 steps on War and Peace, 2 CPU cores;
@@ -73,10 +75,15 @@ def _t1_lr_half(c):
   c.train.learning_rate /= 2
 
 
+def _t1_eta_half(c):
+  _t1(c)
+  c.model.eta_init = 0.5
+
+
 ROWS = {"t1": _t1, "t2_fixed": _t2_fixed, "t2_coevolve": _t2_coevolve,
         "t1_precond_diag": _precond_diag, "t1_precond_dlr": _precond_dlr,
         "t2_eta_half": _t2_eta_half, "t2_eta_per_step": _t2_eta_per_step,
-        "t2_lr_half": _t2_lr_half, "t1_lr_half": _t1_lr_half}
+        "t2_lr_half": _t2_lr_half, "t1_lr_half": _t1_lr_half, "t1_eta_half": _t1_eta_half}
 
 
 def get_config(arg: str = "t1"):
