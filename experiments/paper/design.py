@@ -18,14 +18,21 @@ Diagnostics of recursion (issue 17: why is T = 2 worse than T = 1 at tiny scale?
                    the smaller step or the recursion?).
 Every row logs the energy trace at each eval (eval.energy_trace): the energies before and after
 each sub-step of each layer, so one can see whether each inner step lowers its energy.
-Measured at tiny scale (2026-11-30, 2 seeds, 400 steps on War and Peace, 2 CPU cores;
-results/tiny/design.md, discussion in docs/REPRODUCING.md): eval loss in nats/token (mean),
-then the difference to t1 paired by seed (mean ± spread):
-  t1               4.593   0
-  t2_fixed         4.872   +0.278 ± 0.062
-  t2_coevolve      5.041   +0.448 ± 0.090
-  t1_precond_diag  4.298   -0.296 ± 0.065
-  t1_precond_dlr   4.419   -0.174 ± 0.106
+Measured at tiny scale (2026-12-01, numerics version 2, 2 seeds, 400 steps on War and Peace,
+2 CPU cores; results/tiny/design.md and design_recursion.md, discussion in
+docs/REPRODUCING.md): eval loss in nats/token (mean), then the difference to t1 paired by seed
+(mean ± spread):
+  t1               4.224   0
+  t2_fixed         4.391   +0.167 ± 0.163
+  t2_coevolve      4.516   +0.292 ± 0.014
+  t1_precond_diag  4.016   -0.209 ± 0.135
+  t1_precond_dlr   4.245   +0.021 ± 0.200
+  t2_eta_half      3.990   -0.234 ± 0.129
+  t2_eta_per_step  4.636   +0.412 ± 0.469
+  t2_lr_half       4.251   +0.026 ± 0.146
+  t1_lr_half       4.173   -0.051 ± 0.061
+  t1_eta_half      3.952   -0.273 ± 0.116
+(η = 1 is too large a starting step for both T; at equal η T = 2 trails T = 1 by 0.04.)
 """
 
 from cem_jax import scales
