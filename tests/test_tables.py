@@ -107,6 +107,8 @@ def test_unknown_rows_are_a_one_line_error():
     tables._rows_flag(module, "t1,t3")
   with pytest.raises(ValueError, match=r"--rows='t1,t2_fixed,t1': t1 given twice"):
     tables._rows_flag(module, "t1,t2_fixed,t1")
+  with pytest.raises(ValueError, match=r"--rows=' , ': not rows of the table: none"):
+    tables._rows_flag(module, " , ")
 
 
 def test_design_diagnostic_rows_change_what_they_say():
