@@ -16,6 +16,10 @@ one kept kernel:
 - ``'splash'``: Pallas splash attention on TPU
   (``jax.experimental.pallas.ops.tpu.splash_attention``): causal or strict-causal mask as
   structure, documents as segment ids (no n x n array); sequence length a multiple of 128.
+  XLA cannot partition a Pallas call, so over several devices it runs inside
+  ``jax.shard_map`` on the mesh set with ``jax.set_mesh`` (the train and eval steps set it):
+  rows over the mesh axes of the ``batch`` logical axis, heads over those of ``heads``
+  (MaxText's layout; ``partition``).
 
 :func:`resolve` turns ``model.attention_impl`` (``'auto'`` or an explicit name) into the
 kernel a model uses and the reason, or raises a one-line ``ValueError`` for a choice that
@@ -26,12 +30,27 @@ on every path (CEM_MATH.md section 7).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from cem_jax.axes import DEFAULT_RULES
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
 SPLASH_BLOCK = 128  # splash tiles the sequence in blocks of (a multiple of) 128
+
+
+def partition_of(rules=DEFAULT_RULES) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """``(batch mesh axes, heads mesh axes)`` of logical-axis ``rules`` (``mesh.rules``): where
+  a kernel that runs per device (splash, under ``shard_map``) puts rows and heads."""
+  table = dict(rules)
+
+  def axes(target):
+    return () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+
+  return axes(table.get("batch")), axes(table.get("heads"))
 
 
 def cudnn_max_head_dim(platform: str | None) -> int:
@@ -44,8 +63,8 @@ def cudnn_max_head_dim(platform: str | None) -> int:
 
 
 def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
-            augmented_head_dim: int | None = None, seq_len: int | None = None,
-            num_devices: int = 1) -> tuple[str, str]:
+            augmented_head_dim: int | None = None,
+            seq_len: int | None = None) -> tuple[str, str]:
   """Chooses the attention kernel for one model.
 
   Args:
@@ -57,9 +76,6 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
     augmented_head_dim: with the CEM diagonal, the width of the augmented head the fused
       update attends with, ``d_h + d_model`` (+ 1 in the distance form); None without one.
     seq_len: the query length if known (splash needs a multiple of 128).
-    num_devices: devices the step is partitioned over (``jax.device_count()``). Splash is a
-      Pallas (Mosaic) call that XLA cannot partition; without a ``shard_map`` around it (not
-      wired yet) it runs on one device only.
   Returns:
     ``(implementation, reason)``, the implementation one of ``'xla'``, ``'cudnn'``,
     ``'splash'``.
@@ -98,9 +114,6 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
       problems.append(why_wide + "; use 'xla' or model.diagonal='none'")
     if seq_len is not None and seq_len % SPLASH_BLOCK:
       problems.append(f"data.seq_len={seq_len} must be a multiple of {SPLASH_BLOCK}")
-    if num_devices > 1:
-      problems.append(f"XLA cannot partition a Pallas call over {num_devices} devices and the "
-                      "shard_map wrapper is not wired yet; use 'xla' or one device")
     if problems:
       raise ValueError(f"model.attention_impl='splash' cannot run: {'; '.join(problems)}")
     return "splash", "explicit"
@@ -116,9 +129,6 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
       return "xla", f"auto: head_dim={width} is not a multiple of 8 <= {limit} (cuDNN)"
     return "cudnn", f"auto: GPU, {dtype}, head_dim={width}: cuDNN flash attention"
   if platform == "tpu":
-    if num_devices > 1:
-      return "xla", (f"auto: TPU with {num_devices} devices: splash needs a shard_map wrapper "
-                     "to run partitioned (not wired yet), XLA attention")
     if seq_len is not None and seq_len % SPLASH_BLOCK:
       return "xla", f"auto: TPU but seq_len={seq_len} is not a multiple of {SPLASH_BLOCK}"
     return "splash", f"auto: TPU, head_dim={width}: Pallas splash attention"
@@ -154,6 +164,7 @@ def dot_product_attention(
     strict_causal: bool = False,
     segment_ids: jax.Array | None = None,
     interpret: bool | None = None,
+    partition: tuple[tuple[str, ...], tuple[str, ...]] | None = None,
 ) -> jax.Array:
   """``softmax(scale · q kᵀ, visible) v`` per head with the mask given as structure.
 
@@ -175,6 +186,9 @@ def dot_product_attention(
       only), for kernels that take them (splash); needs ``is_causal``.
     interpret: run Pallas kernels in interpret mode; None: off TPU only (so the CPU tests run
       the splash kernel's own code; a model never picks splash off TPU, see :func:`resolve`).
+    partition: ``(batch mesh axes, heads mesh axes)`` (:func:`partition_of` of ``mesh.rules``;
+      None: the default rules'). Used by 'splash' under a ``jax.set_mesh`` mesh of more than
+      one device; an axis that does not divide its dimension is left out (replicated).
   Returns:
     ``[batch, t, heads, head_dim_v]`` in ``q.dtype``; rows with no visible key are exactly 0.
   Raises:
@@ -204,8 +218,8 @@ def dot_product_attention(
                        f"{SPLASH_BLOCK}")
     if interpret is None:
       interpret = jax.default_backend() != "tpu"
-    out = _splash(q * jnp.asarray(scale, q.dtype), k, v, strict_causal, segment_ids,
-                  interpret)
+    out = _splash_partitioned(q * jnp.asarray(scale, q.dtype), k, v, strict_causal,
+                              segment_ids, interpret, partition or partition_of())
   else:
     raise ValueError(f"attention implementation={implementation!r}; allowed: xla, cudnn, "
                      "splash (resolve 'auto' with cem_jax.attention.resolve)")
@@ -236,8 +250,11 @@ def _splash_kernel(t: int, heads: int, strict: bool, interpret: bool):
                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                         block_q_dq=block, block_kv_dq=block)
   causal = sa.CausalMask((t, t), offset=-1 if strict else 0)
-  return sa.make_splash_mha(sa.MultiHeadMask([causal] * heads), block_sizes=sizes,
-                            head_shards=1, q_seq_shards=1, interpret=interpret)
+  # Concrete mask tables, whatever trace first asks for them: the kernel is cached and shared by
+  # later traces (jit, shard_map), which must not see another trace's tracers.
+  with jax.ensure_compile_time_eval():
+    return sa.make_splash_mha(sa.MultiHeadMask([causal] * heads), block_sizes=sizes,
+                              head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def _splash(q, k, v, strict: bool, segment_ids, interpret: bool):
@@ -255,3 +272,27 @@ def _splash(q, k, v, strict: bool, segment_ids, interpret: bool):
         qh, kh, vh, seg)
   return jnp.swapaxes(out, 1, 2)
 
+
+def _splash_partitioned(q, k, v, strict: bool, segment_ids, interpret: bool, partition):
+  """:func:`_splash` per device under ``shard_map`` when a multi-device mesh is set."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return _splash(q, k, v, strict, segment_ids, interpret)
+  b, _, h, _ = q.shape
+
+  def fit(axes, size):
+    axes = tuple(a for a in axes if a in mesh.axis_names)
+    return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else None
+
+  rows, heads = fit(partition[0], b), fit(partition[1], h)
+  spec = PartitionSpec(rows, None, heads, None)
+  if segment_ids is None:
+    fn = functools.partial(_splash, strict=strict, segment_ids=None, interpret=interpret)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
+                         check_vma=False)(q, k, v)
+
+  def fn(q, k, v, seg):
+    return _splash(q, k, v, strict, seg, interpret)
+
+  return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec(rows, None)),
+                       out_specs=spec, check_vma=False)(q, k, v, segment_ids)

@@ -9,6 +9,7 @@ from absl import logging
 from flax import nnx
 
 from cem_jax import attention
+from cem_jax.axes import DEFAULT_RULES
 from cem_jax.energies import EnergyAux, make_mask
 from cem_jax.layers import DTYPES, CEMBlock, LlamaBlock, RMSNorm
 from cem_jax.layers.common import head_dim_of, param
@@ -57,8 +58,7 @@ def resolve_attention(cfg, blocks, platform: str | None = None) -> tuple[str, st
   if isinstance(block, CEMBlock) and block.att_spec is not None and cfg.diagonal != "none":
     augmented = head_dim_of(cfg) + cfg.d_model + (cfg.diagonal_form == "distance")
   return attention.resolve(requested, platform=platform, dtype=cfg.dtype,
-                           head_dim=head_dim_of(cfg), augmented_head_dim=augmented,
-                           num_devices=jax.device_count())
+                           head_dim=head_dim_of(cfg), augmented_head_dim=augmented)
 
 
 class DecoderLM(nnx.Module):
@@ -77,6 +77,8 @@ class DecoderLM(nnx.Module):
     cfg: the ``model`` config group (``cem_jax.config``).
     vocab_size: number of token ids (the tokenizer's, ``data.vocab_size``).
     rngs: ``nnx.Rngs`` with a ``params`` stream.
+    rules: the logical-axis rules (``mesh.rules``, :func:`cem_jax.axes.rules_from_config`);
+      they tell a kernel that runs per device (splash) how rows and heads are laid out.
   The attention kernel (``model.attention_impl``, :mod:`cem_jax.attention`) is resolved here,
   once, and logged in one line with the reason; ``attention_impl`` and ``attention_reason``
   hold it.
@@ -86,7 +88,8 @@ class DecoderLM(nnx.Module):
       explicit ``model.attention_impl`` that cannot run on this machine with this model.
   """
 
-  def __init__(self, cfg: ml_collections.ConfigDict, vocab_size: int, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ml_collections.ConfigDict, vocab_size: int, *, rngs: nnx.Rngs,
+               rules=DEFAULT_RULES):
     cfg = ml_collections.FrozenConfigDict(cfg)
     if cfg.block not in BLOCK_TYPES:
       raise ValueError(f"model.block={cfg.block!r}; allowed: {', '.join(BLOCK_TYPES)}")
@@ -100,6 +103,7 @@ class DecoderLM(nnx.Module):
     self.blocks = nnx.List([block_cls(cfg, rngs=rngs) for _ in range(unique)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
     self.attention_impl, self.attention_reason = resolve_attention(cfg, self.blocks)
+    self.attention_partition = attention.partition_of(rules)
     _log_once(f"attention: {self.attention_impl} ({self.attention_reason}); cached "
               "decoding: xla")
     if not cfg.tie_embeddings:
@@ -128,6 +132,7 @@ class DecoderLM(nnx.Module):
         is_causal=True,
         strict_causal=cfg.strict_causal,
         attention_impl=impl,
+        attention_partition=self.attention_partition,
         energy_block_size=cfg.energy_block_size,
     )
 

@@ -48,7 +48,8 @@ def weighted_cross_entropy(logits, targets, weights):
 
 def build_model(config, vocab_size: int) -> DecoderLM:
   """The model of ``config.model`` with ``vocab_size`` tokens, initialised from ``config.seed``."""
-  return DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(params=config.seed))
+  return DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(params=config.seed),
+                   rules=sharding_lib.rules_from_config(config.mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +125,9 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   metrics)``; ``params`` and ``opt_state`` are donated.
 
   With ``shardings`` the step is compiled for them (params and optimizer state stay sharded
-  as given, the batch is split over its data-parallel axes, the metrics are replicated);
-  without, for the inputs' own placement (one device).
+  as given, the batch is split over its data-parallel axes, the metrics are replicated) and
+  runs under ``jax.set_mesh(shardings.mesh)``; without, for the inputs' own placement (one
+  device).
 
   ``metrics``: ``loss`` (nats/token), ``grad_norm``, ``nonfinite_total`` (skipped updates so
   far, optax's count), ``nonfinite_consecutive``, ``nonfinite_guard`` and, with ``schedule``
@@ -177,7 +179,7 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
       metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
     return params, opt_state, metrics
 
-  return step
+  return step if shardings is None else _UnderMesh(step, shardings.mesh)
 
 
 def make_eval_step(graphdef, num_steps: int | None, energy_trace: bool = False,
@@ -214,7 +216,25 @@ def make_eval_step(graphdef, num_steps: int | None, energy_trace: bool = False,
       out["token_sum"] = jnp.sum(batch["segment_ids"] > 0).astype(jnp.float32)
     return out
 
-  return eval_step
+  return eval_step if shardings is None else _UnderMesh(eval_step, shardings.mesh)
+
+
+class _UnderMesh:
+  """A jitted step called (and lowered) under ``jax.set_mesh(mesh)``: a kernel that XLA cannot
+  partition (splash attention, a Pallas call) reads the mesh there to run per device in
+  ``shard_map``."""
+
+  def __init__(self, step, mesh):
+    self.step, self.mesh = step, mesh
+    functools.update_wrapper(self, step)
+
+  def __call__(self, *args, **kwargs):
+    with jax.set_mesh(self.mesh):
+      return self.step(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    with jax.set_mesh(self.mesh):
+      return self.step.lower(*args, **kwargs)
 
 
 def energy_metrics(traces) -> dict:

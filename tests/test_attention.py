@@ -240,8 +240,6 @@ def test_auto_is_xla_on_cpu_and_logs_one_line_with_the_reason(caplog):
     ("tpu", "bfloat16", {}, "splash"),
     ("tpu", "float32", {"seq_len": 100}, "xla"),
     ("tpu", "bfloat16", {"augmented_head_dim": 8 + 32 + 1}, "xla"),
-    ("tpu", "bfloat16", {"num_devices": 8}, "xla"),  # a Pallas call is not partitioned
-    ("gpu", "bfloat16", {"num_devices": 8}, "cudnn"),  # jax.nn carries partitioning rules
     ("cpu", "bfloat16", {}, "xla"),
 ])
 def test_auto_picks_the_fastest_kernel_the_platform_allows(platform, dtype, extra, want):
@@ -250,29 +248,21 @@ def test_auto_picks_the_fastest_kernel_the_platform_allows(platform, dtype, extr
   assert impl == want and reason.startswith("auto:")
   if "augmented_head_dim" in extra:
     assert "augmented head" in reason
-  if "num_devices" in extra and platform == "tpu":
-    assert "8 devices" in reason and "shard_map" in reason
 
 
-def test_the_model_passes_its_device_count_to_the_kernel_choice(monkeypatch):
+def test_the_model_picks_splash_on_tpu_and_lays_it_out_by_the_mesh_rules():
   from cem_jax.model import resolve_attention
+  from cem_jax.steps import build_model
 
-  cfg = tiny_config("llama", **{"model.dtype": "bfloat16"}).model
-  blocks = DecoderLM(cfg, 64, rngs=nnx.Rngs(0)).blocks
-  assert resolve_attention(cfg, blocks, platform="tpu")[0] == "splash"
-  monkeypatch.setattr(jax, "device_count", lambda: 4)
-  impl, reason = resolve_attention(cfg, blocks, platform="tpu")
-  assert impl == "xla" and "4 devices" in reason
-
-
-def test_explicit_splash_over_several_devices_is_a_one_line_error():
-  with pytest.raises(ValueError, match=r"^model.attention_impl='splash' cannot run: XLA cannot "
-                     r"partition a Pallas call over 4 devices") as e:
-    attention.resolve("splash", platform="tpu", dtype="bfloat16", head_dim=64, seq_len=256,
-                      num_devices=4)
-  assert "\n" not in str(e.value)
-  assert attention.resolve("splash", platform="tpu", dtype="bfloat16", head_dim=64,
-                           seq_len=256, num_devices=1) == ("splash", "explicit")
+  cfg = tiny_config("llama", **{"model.dtype": "bfloat16"})
+  blocks = DecoderLM(cfg.model, 64, rngs=nnx.Rngs(0)).blocks
+  assert resolve_attention(cfg.model, blocks, platform="tpu")[0] == "splash"
+  # Rows over the mesh axes of 'batch', heads over those of 'heads' (splash runs per device in
+  # shard_map; tests/test_sharding.py runs it on a 2 x 1 x 2 mesh).
+  assert build_model(cfg, 64).make_aux(None, 2, 128).attention_partition == (
+      ("data", "fsdp"), ("tensor",))
+  cfg.mesh.rules = [["batch", "data"], ["heads", None]]
+  assert build_model(cfg, 64).make_aux(None, 2, 128).attention_partition == (("data",), ())
 
 
 @pytest.mark.parametrize("overrides,match", [

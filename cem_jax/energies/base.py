@@ -53,6 +53,8 @@ class EnergyAux:
     strict_causal: ``N(i) = {j < i}`` (static).
     attention_impl: the attention kernel of fused updates: ``'xla'``, ``'cudnn'`` or
       ``'splash'`` (resolved by :func:`cem_jax.attention.resolve`, static).
+    attention_partition: ``(batch mesh axes, heads mesh axes)`` for a kernel that runs per
+      device under ``shard_map`` (splash); None: the default rules' (static).
     energy_block_size: key block of the interaction energy's online log-sum-exp
       (:func:`blockwise_logsumexp`); 0 = dense scores (static).
   """
@@ -68,6 +70,7 @@ class EnergyAux:
   is_causal: bool = flax.struct.field(pytree_node=False, default=False)
   strict_causal: bool = flax.struct.field(pytree_node=False, default=False)
   attention_impl: str = flax.struct.field(pytree_node=False, default="xla")
+  attention_partition: tuple | None = flax.struct.field(pytree_node=False, default=None)
   energy_block_size: int = flax.struct.field(pytree_node=False, default=0)
 
   @property

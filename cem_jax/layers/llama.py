@@ -51,12 +51,13 @@ class LlamaAttention(nnx.Module):
     scale = 1.0 / math.sqrt(self.head_dim)
     if aux.is_plain_causal:
       o = attention.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                          implementation=aux.attention_impl)
+                                          implementation=aux.attention_impl,
+                                          partition=aux.attention_partition)
     else:
       o = attention.dot_product_attention(
           q, k, v, scale=scale, implementation=aux.attention_impl, mask=aux.mask,
           is_causal=aux.is_causal, strict_causal=aux.strict_causal,
-          segment_ids=aux.segment_ids)
+          segment_ids=aux.segment_ids, partition=aux.attention_partition)
     out = jnp.einsum("bthk,hkd->btd", o, self.w_o[...].astype(dt))
     return out if cache is None else (out, cache)
 
