@@ -257,11 +257,12 @@ def _splash_kernel(t: int, heads: int, strict: bool, interpret: bool):
                               head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def _splash(q, k, v, strict: bool, segment_ids, interpret: bool):
+def _splash(q, k, v, strict: bool, segment_ids, interpret: bool, kernel=None):
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
   b, t, h, _ = q.shape
-  kernel = _splash_kernel(t, h, strict, interpret)
+  if kernel is None:
+    kernel = _splash_kernel(t, h, strict, interpret)
   # splash is per example and head-major: [heads, seq, head_dim].
   qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
   if segment_ids is None:
@@ -284,15 +285,22 @@ def _splash_partitioned(q, k, v, strict: bool, segment_ids, interpret: bool, par
     axes = tuple(a for a in axes if a in mesh.axis_names)
     return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else None
 
-  rows, heads = fit(partition[0], b), fit(partition[1], h)
+  rows = fit(partition[0], b)
+  # A mesh axis splits at most one dimension (as sharding.logical_to_spec): rows win.
+  heads = fit(tuple(a for a in partition[1] if a not in (rows or ())), h)
   spec = PartitionSpec(rows, None, heads, None)
+  # The kernel (cached) is built here, outside shard_map: inside, its mask tables would belong
+  # to that shard_map's trace and manual mesh, and a later trace (eager, another mesh) fails.
+  local_heads = h // (math.prod(mesh.shape[a] for a in heads) if heads else 1)
+  kernel = _splash_kernel(q.shape[1], local_heads, strict, interpret)
   if segment_ids is None:
-    fn = functools.partial(_splash, strict=strict, segment_ids=None, interpret=interpret)
+    fn = functools.partial(_splash, strict=strict, segment_ids=None, interpret=interpret,
+                           kernel=kernel)
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                          check_vma=False)(q, k, v)
 
   def fn(q, k, v, seg):
-    return _splash(q, k, v, strict, seg, interpret)
+    return _splash(q, k, v, strict, seg, interpret, kernel)
 
   return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec(rows, None)),
                        out_specs=spec, check_vma=False)(q, k, v, segment_ids)

@@ -352,8 +352,9 @@ def test_two_processes_match_one_process(shared_data, tmp_path):
 # Splash attention (a Pallas call XLA cannot partition) runs per device in shard_map.
 
 SPLASH_SCRIPT = """
-import json, sys
+import json, re, sys
 import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from cem_jax import attention, data as data_lib, optim, sharding, steps
 from cem_jax import model as model_lib
@@ -361,56 +362,88 @@ from tests.conftest import tiny_config
 from tests.test_attention import _qkv, _structure, np_attention, rel
 
 assert jax.device_count() == 4, jax.devices()
-out = {{"kernel": {{}}, "losses": {{}}, "manual": {{}}}}
-cfg = tiny_config("llama")
-cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 2, 1, 2
-mesh = sharding.make_mesh(cfg.mesh)
-# Kernel: rows over data x fsdp, heads over tensor; values and gradients against float64.
-for kind in ("causal", "documents", "strict_documents"):
+out = {{"kernel": {{}}, "losses": {{}}, "manual": {{}}, "eval": {{}}, "specs": {{}}}}
+# Kernel: rows over the batch rule's axes, heads over the heads rule's (an axis that does not
+# divide its dimension, or that the rows already use, is left out); eager and jitted, several
+# meshes in one process (the cached kernel must not belong to one trace or mesh); values and
+# gradients against float64.
+CASES = [((2, 1, 2), None, "documents"), ((1, 2, 2), (("data",), ("fsdp",)), "causal"),
+         ((1, 1, 4), None, "strict_documents"),  # 4 does not divide 2 heads
+         ((1, 2, 2), (("data", "fsdp"), ("fsdp",)), "documents")]  # fsdp taken by the rows
+for i, (shape, partition, kind) in enumerate(CASES):
   q, k, v, cot = _qkv(11)
   kw, mask = _structure(kind)
 
   def loss(q, k, v):
     o = attention.dot_product_attention(q, k, v, scale=0.3, implementation="splash",
-                                        interpret=True, **kw)
+                                        interpret=True, partition=partition, **kw)
     return jnp.sum(o * cot), o
 
-  sh = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor", None))
-  args = [jax.device_put(x, sh) for x in (q, k, v)]
-  with jax.set_mesh(mesh):
-    jaxpr = str(jax.make_jaxpr(loss)(*args))
-    (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
+  mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  args = [jax.device_put(x, NamedSharding(mesh, P(None))) for x in (q, k, v)]
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
   want = np_attention(q, k, v, mask, 0.3, cot)
-  out["kernel"][kind] = {{
-      "errors": [rel(a, b) for a, b in zip((o, *grads), want, strict=True)],
-      "shard_map": "shard_map[" in jaxpr,
-      "spec": "P(('data', 'fsdp'), None, 'tensor', None)" in jaxpr}}
-# Training: splash on the 2 x 1 x 2 mesh = XLA attention on one device, Llama and fused CEM.
-for block in ("llama", "cem"):
+  # The kernel is cached across traces: built first eagerly or first under jit, it must hold
+  # no tracer of the trace that built it (nor of a shard_map inside it).
+  attention._splash_kernel.cache_clear()
+  order = (("eager", grad), ("jit", jax.jit(grad)))[::1 if i % 2 else -1]
+  with jax.set_mesh(mesh):
+    results = {{how: fn(*args) for how, fn in order}}
+    jaxpr = str(jax.make_jaxpr(loss)(*args))
+  spec = jaxpr[jaxpr.index("out_specs="):].split(",)")[0] if "out_specs=" in jaxpr else ""
+  for how, ((_, o), grads) in results.items():
+    out["kernel"]["x".join(map(str, shape)) + f"/{{partition}}/{{how}}"] = {{
+        "errors": [rel(a, b) for a, b in zip((o, *grads), want, strict=True)],
+        "shard_map": "shard_map[" in jaxpr, "spec": spec}}
+# Training and eval: splash on a mesh = XLA attention on one device, Llama and fused CEM (with
+# the energy trace in eval), under the default rules and under rules of our own (rows over
+# data, heads over fsdp), which reach the kernel only through the model and its layers.
+RULES = [["batch", "data"], ["heads", "fsdp"], ["embed", None], ["mlp", "tensor"],
+         ["vocab", "tensor"], ["head_dim", None]]
+RUNS = {{"llama": [("xla_1", (1, 1, 1), "xla", None),
+                  ("splash_1x2x2_rules", (1, 2, 2), "splash", RULES)],
+        "cem": [("xla_1", (1, 1, 1), "xla", None), ("splash_2x1x2", (2, 1, 2), "splash", None),
+                ("splash_1x2x2_rules", (1, 2, 2), "splash", RULES)]}}
+for block, runs in RUNS.items():
   cfg = tiny_config(block, **{{"data.files": {text!r}, "data.seq_len": 128,
                               "model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64,
-                              "model.num_layers": 1, "train.batch_size": 4,
-                              "train.warmup_steps": 1, "train.learning_rate": 1e-2}})
+                              "model.num_layers": 1, "train.batch_size": 4, "eval.batch_size": 4,
+                              "eval.max_batches": 2, "train.warmup_steps": 1,
+                              "train.learning_rate": 1e-2}})
   data = data_lib.build_data(cfg, {workdir!r} + block)
   vocab = data.tokenizer.vocab_size
   tx, _ = optim.make_optimizer(cfg.train)
-  for name, shape, impl in (("xla_1", (1, 1, 1), "xla"), ("splash_2x1x2", (2, 1, 2), "splash")):
+  for name, shape, impl, rules in runs:
     model_lib.resolve_attention = lambda cfg, blocks, platform=None, impl=impl: (impl, "test")
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = shape
+    if rules is not None:
+      cfg.mesh.rules = rules
     m = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(shape))])
     graphdef, params, opt_state, sh, _ = steps.init_state(cfg, vocab, tx, m)
     step = steps.make_train_step(graphdef, tx, 5, sh)
+    eval_step = steps.make_eval_step(graphdef, None, block == "cem", sh)
     guard = jax.make_array_from_process_local_data(sh.replicated, np.zeros((), np.int32))
+    key = block + "/" + name
     losses = []
     for s in range(3):
       batch = sh.global_batch(data.train.batch(s), cfg.train.batch_size)
-      if s == 0:  # the step itself puts splash in shard_map (no mesh set here)
-        hlo = step.lower(params, opt_state, batch, guard, np.int32(1)).as_text()
-        out["manual"][block + "/" + name] = ("manual_computation" in hlo
-                                             or "SPMDFullToShardShape" in hlo)
+      if s == 0:  # the steps themselves put splash in shard_map (no mesh set here)
+        hlos = [step.lower(params, opt_state, batch, guard, np.int32(1)).as_text(),
+                eval_step.lower(params, sh.global_batch(
+                    next(iter(data.eval_batches(4, 0, 1))), 4)).as_text()]
+        out["manual"][key] = [("manual_computation" in h or "SPMDFullToShardShape" in h)
+                              for h in hlos]
+        model = nnx.merge(graphdef, params)
+        with jax.set_mesh(m):
+          jaxpr = str(jax.make_jaxpr(lambda t, g: model(t, g))(batch["inputs"],
+                                                              batch["segment_ids"]))
+        spec = r"out_specs=\\((P\\((?:[^()]|\\([^()]*\\))*\\))"  # P(...) with nested tuples
+        out["specs"][key] = sorted(set(re.findall(spec, jaxpr)))
       params, opt_state, met = step(params, opt_state, batch, guard, np.int32(s + 1))
       losses.append(float(met["loss"]))
-    out["losses"][block + "/" + name] = losses
+    out["losses"][key] = losses
+    out["eval"][key] = steps.eval_loop(eval_step, params, data, cfg, sh)
 print("RESULT " + json.dumps(out))
 """
 
@@ -423,11 +456,28 @@ def test_splash_runs_per_device_in_shard_map_on_a_mesh(shared_data, tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
   res = json.loads(line[len("RESULT "):])
-  for kind, rec in res["kernel"].items():
-    assert rec["shard_map"] and rec["spec"], (kind, rec)  # rows and heads split, per device
-    assert max(rec["errors"]) <= 1e-5, (kind, rec["errors"])  # output, dq, dk, dv
-  for block in ("llama", "cem"):
-    ref, got = (res["losses"][f"{block}/{n}"] for n in ("xla_1", "splash_2x1x2"))
-    assert ref[-1] < ref[0]
-    assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) <= 1e-5, (block, got, ref)
-    assert res["manual"][f"{block}/splash_2x1x2"] and not res["manual"][f"{block}/xla_1"]
+  assert len(res["kernel"]) == 8
+  for case, rec in res["kernel"].items():
+    assert rec["shard_map"], case  # split per device
+    assert max(rec["errors"]) <= 1e-5, (case, rec["errors"])  # output, dq, dk, dv
+  specs = {case.rsplit("/", 1)[0]: rec["spec"] for case, rec in res["kernel"].items()}
+  assert specs == {
+      "2x1x2/None": "out_specs=(P(('data', 'fsdp'), None, 'tensor', None)",
+      "1x2x2/(('data',), ('fsdp',))": "out_specs=(P('data', None, 'fsdp', None)",
+      "1x1x4/None": "out_specs=(P(('data', 'fsdp'), None, None, None)",
+      "1x2x2/(('data', 'fsdp'), ('fsdp',))": "out_specs=(P(('data', 'fsdp'), None, None, None)"}
+  for block, names in (("llama", ["splash_1x2x2_rules"]),
+                       ("cem", ["splash_2x1x2", "splash_1x2x2_rules"])):
+    ref = res["losses"][f"{block}/xla_1"]
+    assert ref[-1] < ref[0] and res["manual"][f"{block}/xla_1"] == [False, False]
+    for name in names:
+      key = f"{block}/{name}"
+      got = res["losses"][key]
+      assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) <= 1e-5, (key, got, ref)
+      assert res["manual"][key] == [True, True], key  # train and eval steps
+      want = "P('data', None, 'fsdp', None)" if "rules" in name else (
+          "P(('data', 'fsdp'), None, 'tensor', None)")
+      assert res["specs"][key] == [want], (key, res["specs"][key])  # the layers pass the rules
+      for metric, value in res["eval"][f"{block}/xla_1"].items():
+        tol = 1e-5 * max(1.0, abs(value))
+        assert abs(res["eval"][key][metric] - value) <= tol, (key, metric)
