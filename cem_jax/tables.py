@@ -11,8 +11,8 @@ same ``WORKDIR`` (e.g. the Llama baseline shared by the attention, mlp and end_t
 reuses that run's result and metrics instead of training again (``reused_from`` in its
 ``result.json``). A run is reused only when trained under the current
 :data:`cem_jax.version.NUMERICS_VERSION` (``numerics_version`` in its ``result.json``; none =
-1): an older one in the row's own folder is moved aside to ``seed{S}.numerics_v{N}`` and trained
-again, with a log line saying so. Then ``WORKDIR/TABLE.{md,csv,png}`` are written: parameters
+1): an older one in the row's own folder, whatever its config, is moved aside to
+``seed{S}.numerics_v{N}`` and trained again, with a log line saying so. Then ``WORKDIR/TABLE.{md,csv,png}`` are written: parameters
 (total, non-embedding, attention, MLP), analytic FLOPs per token, eval loss (mean ± std over
 seeds), perplexity, bits per byte and training tokens/s; the plot has one eval-loss curve per
 row (mean over seeds).
@@ -279,10 +279,11 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
     cfg = row_config(module, row, scale, seed, steps, overrides)
     digest = config_digest(cfg)
     if os.path.exists(result_path):
-      result = _read_result(result_path, digest, cfg)
-      version = numerics_version(result)
+      # An older version's run is retrained whatever its config; the config is checked only
+      # for a run that would be reused (a stale run may point into runs retrained since).
+      version = numerics_version(_read_result(result_path))
       if version == NUMERICS_VERSION:
-        results.append(result)
+        results.append(_read_result(result_path, digest, cfg))
         continue
       stale = f"{out}.numerics_v{version}"
       logging.info("table %s: row %s seed %d was trained under numerics version %d, now %d "

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from cem_jax import tables
+from cem_jax.version import NUMERICS_VERSION
 
 D, L, F, H = 128, 4, 512, 4  # the tiny scale
 
@@ -256,7 +257,8 @@ def test_a_result_from_another_config_is_not_reused_silently(tmp_path, shared_da
   stale.parent.mkdir(parents=True)
   stale.write_text(json.dumps({"row": "llama", "seed": 0, "eval/loss": 3.0,
                                "eval/bits_per_byte": 1.5, "tokens_per_sec": 1.0,
-                               "config_digest": "from --steps=3"}))
+                               "config_digest": "from --steps=3",
+                               "numerics_version": NUMERICS_VERSION}))
   with pytest.raises(ValueError, match=r"seed0/result.json was trained with another config"):
     tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"))
 
@@ -310,6 +312,16 @@ def test_a_run_from_older_numerics_is_retrained_not_reused(tmp_path, shared_data
   (other / "result.json").unlink()
   tables.run_table(module, "toy_again", "tiny", 1, str(workdir))
   assert trained[3:] == [str(other)]
+  # a version-1 run that reused a run since retrained (its config no longer there to compare):
+  # moved aside and trained again, not refused as "another config"
+  reused = workdir / "toy_third" / "llama" / "seed0"
+  reused.mkdir(parents=True)
+  (reused / "result.json").write_text(json.dumps(
+      {**result, "config_digest": "v1 digest", "reused_from": "../../../gone/llama/seed0"}))
+  tables.run_table(module, "toy_third", "tiny", 1, str(workdir), rows=["llama"])
+  assert (workdir / "toy_third" / "llama" / "seed0.numerics_v1" / "result.json").exists()
+  now = json.loads((reused / "result.json").read_text())
+  assert now["numerics_version"] == NUMERICS_VERSION and now["config_digest"] != "v1 digest"
 
 
 def test_a_preempted_run_writes_no_result_and_stops_the_table(tmp_path, shared_data,
