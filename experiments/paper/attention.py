@@ -8,13 +8,13 @@ Rows:
   cem_tied_diag: + a per-head diagonal (diagonal-plus-low-rank interaction), 2d² + H·d.
   llama_matched: Llama MHA with the tied row's parameter count (head_dim halved: 2d²).
 Single row: ``python -m cem_jax.main --config=experiments/paper/attention.py:cem_tied,tiny``.
-Measured at tiny scale (2026-11-30, 2 seeds, 400 steps on War and Peace, 2 CPU cores;
-results/tiny/attention.md, discussion in docs/REPRODUCING.md): eval loss in nats/token (mean),
-then the difference to llama_mha paired by seed (mean ± spread):
-  llama_mha       4.152   0
-  cem_tied        4.240   +0.088 ± 0.051
-  cem_tied_diag   4.238   +0.085 ± 0.050
-  llama_matched   3.987   −0.165 ± 0.017
+Measured at tiny scale (2026-12-01, numerics version 2, 2 seeds, 400 steps on War and Peace,
+2 CPU cores; results/tiny/attention.md, discussion in docs/REPRODUCING.md): eval loss in
+nats/token (mean), then the difference to llama_mha paired by seed (mean ± spread):
+  llama_mha       3.918   0
+  cem_tied        3.956   +0.039 ± 0.194
+  cem_tied_diag   3.951   +0.034 ± 0.192
+  llama_matched   3.683   −0.234 ± 0.169
 """
 
 from cem_jax import scales

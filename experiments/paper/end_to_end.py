@@ -8,13 +8,13 @@ Rows:
   cem_full:      CEM + per-head diagonal + T = 2 (fixed context) + diagonal+rank-8
                  preconditioners.
   llama_matched: Llama with the CEM row's per-layer parameters (narrower SwiGLU).
-Measured at tiny scale (2026-11-30, 2 seeds, 400 steps on War and Peace, 2 CPU cores;
-results/tiny/end_to_end.md, discussion in docs/REPRODUCING.md): eval loss in nats/token (mean),
-then the difference to llama paired by seed (mean ± spread):
-  llama           4.152   0
-  cem             4.593   +0.441 ± 0.038
-  cem_full        5.000   +0.848 ± 0.080
-  llama_matched   4.773   +0.620 ± 0.085
+Measured at tiny scale (2026-12-01, numerics version 2, 2 seeds, 400 steps on War and Peace,
+2 CPU cores; results/tiny/end_to_end.md, discussion in docs/REPRODUCING.md): eval loss in
+nats/token (mean), then the difference to llama paired by seed (mean ± spread):
+  llama           3.918   0
+  cem             4.224   +0.307 ± 0.106
+  cem_full        4.666   +0.749 ± 0.249
+  llama_matched   4.394   +0.476 ± 0.264
 """
 
 from cem_jax import scales
