@@ -7,13 +7,13 @@ Rows:
   cem_tied:       CEM tied MLP (W_down = W_gateᵀ, separate gate G), 2·d·f.
   swiglu_matched: SwiGLU narrowed to the tied MLP's parameters (f' = 2f/3).
   cem_widened:    CEM MLP widened to SwiGLU's parameters (f' = 3f/2).
-Measured at tiny scale (2026-11-30, 2 seeds, 400 steps on War and Peace, 2 CPU cores;
-results/tiny/mlp.md, discussion in docs/REPRODUCING.md): eval loss in nats/token (mean),
-then the difference to swiglu paired by seed (mean ± spread):
-  swiglu          4.152   0
-  cem_tied        4.634   +0.481 ± 0.294
-  swiglu_matched  4.451   +0.299 ± 0.200
-  cem_widened     4.595   +0.443 ± 0.318
+Measured at tiny scale (2026-12-01, numerics version 2, 2 seeds, 400 steps on War and Peace,
+2 CPU cores; results/tiny/mlp.md, discussion in docs/REPRODUCING.md): eval loss in nats/token
+(mean), then the difference to swiglu paired by seed (mean ± spread):
+  swiglu          3.918   0
+  cem_tied        4.390   +0.472 ± 0.402
+  swiglu_matched  4.112   +0.195 ± 0.102
+  cem_widened     4.146   +0.229 ± 0.154
 """
 
 from cem_jax import scales
