@@ -12,10 +12,10 @@ reuses that run's result and metrics instead of training again (``reused_from`` 
 ``result.json``). A run is reused only when trained under the current
 :data:`cem_jax.version.NUMERICS_VERSION` (``numerics_version`` in its ``result.json``; none =
 1): an older one in the row's own folder, whatever its config, is moved aside to
-``seed{S}.numerics_v{N}`` and trained again, with a log line saying so. Then ``WORKDIR/TABLE.{md,csv,png}`` are written: parameters
-(total, non-embedding, attention, MLP), analytic FLOPs per token, eval loss (mean ± std over
-seeds), perplexity, bits per byte and training tokens/s; the plot has one eval-loss curve per
-row (mean over seeds).
+``seed{S}.numerics_v{N}`` and trained again, with a log line saying so. Then
+``WORKDIR/TABLE.{md,csv,png}`` are written: parameters (total, non-embedding, attention,
+MLP), analytic FLOPs per token, eval loss (mean ± std over seeds), perplexity, bits per byte and
+training tokens/s; the plot has one eval-loss curve per row (mean over seeds).
 """
 
 from __future__ import annotations
