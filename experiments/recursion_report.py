@@ -33,8 +33,9 @@ sys.path.insert(0, REPO)
 
 from cem_jax.metrics import energy_steps, read_metrics  # noqa: E402
 
-ROWS = ("t1", "t2_fixed", "t2_eta_half", "t1_eta_half", "t2_eta_per_step", "t2_lr_half",
-        "t1_lr_half", "t2_coevolve", "t1_precond_diag", "t1_precond_dlr")
+ROWS = ("t1", "t2_fixed", "t2_eta_half", "t1_eta_half", "t2_joint_eta_half",
+        "t1_joint_eta_half", "t2_eta_per_step", "t2_lr_half", "t1_lr_half", "t2_coevolve",
+        "t1_precond_diag", "t1_precond_dlr")
 
 
 def _seeds(workdir: str, row: str) -> list[str]:

@@ -119,6 +119,10 @@ def test_design_diagnostic_rows_change_what_they_say():
   assert cfg["t2_eta_half"].model.eta_init == 1 / cfg["t2_eta_half"].model.num_steps == 0.5
   assert cfg["t2_eta_per_step"].model.eta_per_step and cfg["t2_fixed"].model.eta_init == 1.0
   assert cfg["t1_eta_half"].model.eta_init == 0.5 and cfg["t1_eta_half"].model.num_steps == 1
+  for t in (1, 2):  # the joint rows differ from their Lie–Trotter rows in the split alone
+    joint, trotter = cfg[f"t{t}_joint_eta_half"].model, cfg[f"t{t}_eta_half"].model
+    assert joint.split == "joint" and trotter.split == "lie_trotter"
+    assert {**joint.to_dict(), "split": "lie_trotter"} == trotter.to_dict()
   for half, full in (("t2_lr_half", "t2_fixed"), ("t1_lr_half", "t1")):
     assert cfg[half].train.learning_rate == cfg[full].train.learning_rate / 2
     assert cfg[half].model.to_dict() == cfg[full].model.to_dict()

@@ -16,6 +16,10 @@ Diagnostics of recursion (issue 17: why is T = 2 worse than T = 1 at tiny scale?
   t1_lr_half:      t1 at half the learning rate (the control for t2_lr_half).
   t1_eta_half:     t1 with its step sizes starting at 0.5 (the control for t2_eta_half: is it
                    the smaller step or the recursion?).
+  t2_joint_eta_half: t2_eta_half with a joint step (model.split='joint': one step on
+                   E_att + E_mlp, both gradients at the same point) instead of Lie–Trotter's
+                   attention-then-MLP, whose sub-steps partly undo each other.
+  t1_joint_eta_half: t1_eta_half with a joint step (the control for t2_joint_eta_half).
 Every row logs the energy trace at each eval (eval.energy_trace): the energies before and after
 each sub-step of each layer, so one can see whether each inner step lowers its energy.
 Measured at tiny scale (2026-12-01, numerics version 2, 2 seeds, 400 steps on War and Peace,
@@ -87,10 +91,21 @@ def _t1_eta_half(c):
   c.model.eta_init = 0.5
 
 
+def _t2_joint_eta_half(c):
+  _t2_eta_half(c)
+  c.model.split = "joint"
+
+
+def _t1_joint_eta_half(c):
+  _t1_eta_half(c)
+  c.model.split = "joint"
+
+
 ROWS = {"t1": _t1, "t2_fixed": _t2_fixed, "t2_coevolve": _t2_coevolve,
         "t1_precond_diag": _precond_diag, "t1_precond_dlr": _precond_dlr,
         "t2_eta_half": _t2_eta_half, "t2_eta_per_step": _t2_eta_per_step,
-        "t2_lr_half": _t2_lr_half, "t1_lr_half": _t1_lr_half, "t1_eta_half": _t1_eta_half}
+        "t2_lr_half": _t2_lr_half, "t1_lr_half": _t1_lr_half, "t1_eta_half": _t1_eta_half,
+        "t2_joint_eta_half": _t2_joint_eta_half, "t1_joint_eta_half": _t1_joint_eta_half}
 
 
 def get_config(arg: str = "t1"):
