@@ -36,7 +36,10 @@ docs/REPRODUCING.md): eval loss in nats/token (mean), then the difference to t1 
   t2_lr_half       4.251   +0.026 ± 0.146
   t1_lr_half       4.173   -0.051 ± 0.061
   t1_eta_half      3.952   -0.273 ± 0.116
-(η = 1 is too large a starting step for both T; at equal η T = 2 trails T = 1 by 0.04.)
+  t2_joint_eta_half  3.900   -0.324 ± 0.137
+  t1_joint_eta_half  3.847   -0.377 ± 0.089
+(η = 1 is too large a starting step for both T; the joint split helps both T by ~0.1; at
+equal η and split T = 2 trails T = 1 by 0.04-0.05.)
 """
 
 from cem_jax import scales
