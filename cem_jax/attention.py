@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from cem_jax.axes import DEFAULT_RULES
+from cem_jax.axes import DEFAULT_RULES, mesh_axes_of
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
 SPLASH_BLOCK = 128  # splash tiles the sequence in blocks of (a multiple of) 128
@@ -46,11 +46,7 @@ def partition_of(rules=DEFAULT_RULES) -> tuple[tuple[str, ...], tuple[str, ...]]
   """``(batch mesh axes, heads mesh axes)`` of logical-axis ``rules`` (``mesh.rules``): where
   a kernel that runs per device (splash, under ``shard_map``) puts rows and heads."""
   table = dict(rules)
-
-  def axes(target):
-    return () if target is None else ((target,) if isinstance(target, str) else tuple(target))
-
-  return axes(table.get("batch")), axes(table.get("heads"))
+  return mesh_axes_of(table.get("batch")), mesh_axes_of(table.get("heads"))
 
 
 def cudnn_max_head_dim(platform: str | None) -> int:
