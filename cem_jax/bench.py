@@ -245,15 +245,16 @@ def format_table(rows: list[dict]) -> str:
 def main(argv):
   del argv
   fl = flags.FLAGS
-  unknown = [v for v in fl.variants if v not in VARIANTS]
-  if unknown or not fl.variants:
-    raise SystemExit(f"error: --variants={','.join(unknown)}; allowed: one or more of "
-                     f"{', '.join(VARIANTS)}")
-  out_dir = os.path.dirname(os.path.abspath(fl.out)) if fl.out else None
-  if out_dir and not os.path.isdir(out_dir):  # found out now, not after the whole sweep
-    raise SystemExit(f"error: --out={fl.out}: folder {out_dir} does not exist")
-  document_mask = None if fl.document_mask is None else fl.document_mask.lower() == "true"
-  run(fl.preset, fl.variants, fl.out, document_mask, fl.attention_impl)
+  with cli.user_errors():
+    unknown = [v for v in fl.variants if v not in VARIANTS]
+    if unknown or not fl.variants:
+      raise ValueError(f"--variants={','.join(unknown)}; allowed: one or more of "
+                       f"{', '.join(VARIANTS)}")
+    out_dir = os.path.dirname(os.path.abspath(fl.out)) if fl.out else None
+    if out_dir and not os.path.isdir(out_dir):  # found out now, not after the whole sweep
+      raise ValueError(f"--out={fl.out}: folder {out_dir} does not exist")
+    document_mask = None if fl.document_mask is None else fl.document_mask.lower() == "true"
+    run(fl.preset, fl.variants, fl.out, document_mask, fl.attention_impl)
 
 
 if __name__ == "__main__":

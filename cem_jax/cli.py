@@ -7,6 +7,7 @@ value and what is allowed, and exit status 1 — never a traceback for a typo.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib.util
 import sys
@@ -19,6 +20,21 @@ CONFIG_FLAG = "config"
 def _fail(message: str) -> None:
   print(f"error: {message}", file=sys.stderr)
   sys.exit(1)
+
+
+@contextlib.contextmanager
+def user_errors(*also: type[BaseException]):
+  """Reports bad input as ``error: MESSAGE`` on stderr and exit status 1, the standard above.
+
+  Bad input is a ValueError (a value: config field, flag, file contents) or an OSError (a
+  file, folder or the network: missing, unreadable, unreachable); ``also`` adds a program's
+  own, e.g. FloatingPointError for a training run that diverged. Anything else is a bug and
+  keeps its traceback.
+  """
+  try:
+    yield
+  except (ValueError, OSError, *also) as e:
+    _fail(str(e))
 
 
 def _one_line(e: BaseException) -> str:

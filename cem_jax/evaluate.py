@@ -136,23 +136,21 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
 def main(argv):
   del argv
   fl = flags.FLAGS
-  # Checked before anything is loaded: a typo must not cost a model build and an eval.
-  try:
-    steps = [int(s) for s in fl.num_steps]
-  except ValueError:
-    steps = []
-  if not steps or min(steps) < 1:
-    raise SystemExit(f"error: --num_steps={','.join(fl.num_steps)}; allowed: "
-                     "comma-separated integers >= 1") from None
-  if fl.max_batches < 1 and fl.max_batches != -1:
-    raise SystemExit(f"error: --max_batches={fl.max_batches}; allowed: -1 (all) or an int >= 1")
-  try:
+  with cli.user_errors():
+    # Checked before anything is loaded: a typo must not cost a model build and an eval.
+    try:
+      steps = [int(s) for s in fl.num_steps]
+    except ValueError:
+      steps = []
+    if not steps or min(steps) < 1:
+      raise ValueError(f"--num_steps={','.join(fl.num_steps)}; allowed: comma-separated "
+                       "integers >= 1")
+    if fl.max_batches < 1 and fl.max_batches != -1:
+      raise ValueError(f"--max_batches={fl.max_batches}; allowed: -1 (all) or an int >= 1")
     rows = test_time_steps(fl.workdir, steps, fl.max_batches)
-  except (ValueError, FileNotFoundError) as e:
-    raise SystemExit(f"error: {e}") from None
-  with open(os.path.join(fl.workdir, "config.json")) as f:
-    trained = json.load(f)["model"]["num_steps"]
-  paths = write_report(fl.workdir, rows, trained)
+    with open(os.path.join(fl.workdir, "config.json")) as f:
+      trained = json.load(f)["model"]["num_steps"]
+    paths = write_report(fl.workdir, rows, trained)
   print(open(paths[0]).read())
   print("\n".join(paths))
 

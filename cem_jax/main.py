@@ -14,8 +14,6 @@ or explicit ``--coordinator_address=HOST:PORT --num_processes=N --process_id=I``
 
 from __future__ import annotations
 
-import sys
-
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -45,16 +43,11 @@ def main(argv):
 
   logging.set_verbosity(logging.INFO)
   cli.quiet_libraries()
-  try:
+  with cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
     # Before anything touches a device: the runtime must know all processes first.
     distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
                            _PROCESS_ID.value)
     train.train_and_evaluate(cli.load_config(), _WORKDIR.value)
-  except (ValueError, OSError, FloatingPointError) as e:
-    # Bad input (config, data, workdir, checkpoint) or a diverged run: one line, exit status 1.
-    # Anything else is a bug and keeps its traceback.
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
 
 
 if __name__ == "__main__":

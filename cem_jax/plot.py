@@ -98,11 +98,9 @@ def plot_run(workdir: str) -> list[str]:
 
 def main(argv):
   del argv
-  try:
+  with cli.user_errors():
     for path in plot_run(flags.FLAGS.workdir):
       print(path)
-  except (FileNotFoundError, ValueError) as e:
-    raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ Exit status 0 when done, 1 with a one-line ``error: ...`` for bad input.
 
 from __future__ import annotations
 
-import sys
-
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -36,7 +34,7 @@ def main(argv):
 
   logging.set_verbosity(logging.INFO)
   cli.quiet_libraries()
-  try:
+  with cli.user_errors():
     config = cli.load_config()
     if config.data.prepared_dir:
       raise ValueError(f"data.prepared_dir={config.data.prepared_dir!r}: prepare writes to "
@@ -49,9 +47,6 @@ def main(argv):
       print(f"{split}: {info['documents']} documents, {info['bytes']} bytes of text, "
             f"{info['tokens']} tokens in {len(info['shards'])} shards")
     print(f"prepared {out}; train with --config.data.prepared_dir={out}")
-  except (ValueError, OSError, RuntimeError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
 
 
 if __name__ == "__main__":

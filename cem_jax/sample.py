@@ -117,7 +117,7 @@ def main(argv):
     # (WARNING); our own warnings, e.g. a damaged newest checkpoint, still show.
     logging.set_verbosity(logging.WARNING)
     cli.quiet_libraries(logging.logging.ERROR)  # a Python logging level
-  try:
+  with cli.user_errors():
     if fl.max_new_tokens < 1:
       raise ValueError(f"--max_new_tokens={fl.max_new_tokens}; allowed: >= 1")
     if not 0.0 < fl.top_p <= 1.0:
@@ -142,8 +142,6 @@ def main(argv):
     new = generate(graphdef, params, np.asarray([ids]), fl.max_new_tokens,
                    rng=jax.random.PRNGKey(fl.seed), temperature=fl.temperature,
                    top_k=fl.top_k, top_p=fl.top_p, use_cache=not fl.no_cache)
-  except (ValueError, FileNotFoundError) as e:
-    raise SystemExit(f"error: {e}") from None
   print(fl.prompt + data.tokenizer.decode(new[0].tolist()))
 
 

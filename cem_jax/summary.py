@@ -10,8 +10,6 @@ seconds on a laptop. ``--vocab_size`` stands in for the tokenizer's size (defaul
 
 from __future__ import annotations
 
-import sys
-
 import jax
 from absl import app, flags
 from flax import nnx
@@ -87,11 +85,8 @@ def format_summary(s: dict) -> str:
 
 def main(argv):
   del argv
-  try:
+  with cli.user_errors():
     print(format_summary(summary(cli.load_config(), flags.FLAGS.vocab_size)))
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
 
 
 def run() -> None:

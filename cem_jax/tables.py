@@ -463,7 +463,7 @@ def main(argv):
   del argv
   cli.quiet_libraries()
   fl = flags.FLAGS
-  try:
+  with cli.user_errors():
     module = load_table(fl.table)
     name = os.path.basename(fl.table)[:-3] if fl.table.endswith(".py") else fl.table
     if fl.seeds < 1:
@@ -475,8 +475,6 @@ def main(argv):
     os.makedirs(fl.workdir, exist_ok=True)
     results = run_table(module, name, fl.scale, fl.seeds, fl.workdir, fl.steps, rows,
                         overrides)
-  except (ValueError, FileNotFoundError) as e:
-    raise SystemExit(f"error: {e}") from None
   if results is None:  # preempted: the table is written when every run has finished
     return
   if rows:  # the table shows every row finished here, not only those trained now

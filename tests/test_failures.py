@@ -21,9 +21,9 @@ from conftest import quadrature_phi_silu, tiny_config
 from flax import nnx
 from ml_collections import config_flags
 
+from cem_jax import cli, energies, optim, steps, train
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
-from cem_jax import energies, optim, steps, train
 from cem_jax.checkpoint import Checkpointer
 from cem_jax.data import pipeline
 from cem_jax.metrics import read_metrics
@@ -165,6 +165,23 @@ def test_tool_flags_are_checked_before_the_run_is_loaded(tmp_path, tool, args, e
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines() == [expected]
+
+
+def test_user_errors_reports_bad_input_on_one_line_and_keeps_bugs(capsys):
+  # Every program wraps its work in cli.user_errors: no network for a TFDS catalog dataset is
+  # a ConnectionError (an OSError), a diverged run a FloatingPointError where asked for.
+  for error, also in [(ConnectionError("data.tfds_name='lm1b' is not prepared"), ()),
+                      (FileNotFoundError("--workdir=/x: no checkpoint"), ()),
+                      (FloatingPointError("loss is nan at step 3"), (FloatingPointError,))]:
+    with pytest.raises(SystemExit) as info:
+      with cli.user_errors(*also):
+        raise error
+    assert info.value.code == 1
+    assert capsys.readouterr().err == f"error: {error}\n"
+  for bug, also in [(RuntimeError("a bug"), ()), (FloatingPointError("a bug"), ())]:
+    with pytest.raises(type(bug)):
+      with cli.user_errors(*also):
+        raise bug
 
 
 # ---------------------------------------------------------------------------------------------

@@ -249,7 +249,7 @@ def build_data(config, workdir: str | os.PathLike) -> Data:
     ValueError: bad config values or inputs, a prepared dataset that does not fit the config
       or is damaged (one line naming the field or file).
     FileNotFoundError: ``data.tokenizer`` does not exist.
-    RuntimeError: a TFDS catalog dataset is not prepared and there is no network.
+    ConnectionError: a TFDS catalog dataset is not prepared and there is no network.
   """
   d = config.data
   start = time.perf_counter()

@@ -246,7 +246,7 @@ def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD
   Raises:
     ValueError: bad config values or input (one line naming the field or file), or
       ``out_dir`` holds another dataset.
-    RuntimeError: a TFDS catalog dataset is not prepared and there is no network.
+    ConnectionError: a TFDS catalog dataset is not prepared and there is no network.
   """
   log = logging.getLogger(__name__)
   out_dir = Path(os.path.expanduser(os.fspath(out_dir)))

@@ -81,7 +81,7 @@ def text_splits(data_config) -> TextSplits:
 
   Raises:
     ValueError: bad config values or input files (messages name the field or file).
-    RuntimeError: a catalog dataset is not prepared and there is no network.
+    ConnectionError: a catalog dataset is not prepared and there is no network.
   """
   identity = source_identity(data_config)
   if identity["kind"] == "files":

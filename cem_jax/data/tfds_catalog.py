@@ -147,13 +147,14 @@ def load_catalog(name: str, data_dir: str, text_key: str, train_split: str,
   (array_record) by TFDS when the network is reachable.
 
   Raises:
-    RuntimeError: not prepared and no network (one line, within ~4 s).
+    ConnectionError: not prepared and no network (one line, within ~4 s; an OSError, so the
+      programs report it as bad input).
     ValueError: unknown dataset, split or text key (the message names the config field).
   """
   root = Path(os.path.expanduser(data_dir)) if data_dir else default_data_dir()
   found = prepared_dir(name, root)
   if found is None and not network_reachable():
-    raise RuntimeError(
+    raise ConnectionError(
         f"data.tfds_name={name!r} is not prepared in {root} and there is no network: "
         f"no verified TLS connection to {PROBE_ADDRESS[0]}:{PROBE_ADDRESS[1]}; use data.files "
         "or prepare it elsewhere (file_format='array_record') and set data.tfds_data_dir"
