@@ -65,7 +65,9 @@ class Checkpointer:
     self._saving_step: int | None = None
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
+        # A reader keeps and saves nothing (Orbax warns when read_only meets other values).
+        max_to_keep=None if read_only else keep,
+        save_interval_steps=0 if read_only else 1,
         # Not Orbax's default policy: that one also saves the first step of every fresh run.
         save_decision_policy=policies.AnySavePolicy([
             policies.FixedIntervalPolicy(every_steps),

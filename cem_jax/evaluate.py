@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from cem_jax import cli
 
@@ -47,16 +47,17 @@ def load_run(workdir: str):
   # Start from today's defaults so a run saved before a key existed still loads.
   config = config_lib.get_default_config()
   config.update(saved)
-  data = data_lib.build_data(config, workdir)
-  model = steps_lib.build_model(config, data.tokenizer.vocab_size)
-  graphdef, params = nnx.split(model, nnx.Param)
-  tx, _ = optim.make_optimizer(config.train)
   # Read-only: the run may still be training here; its in-flight saves must not be touched.
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                       async_save=False, read_only=True)
   step = ckpt.restorable_step()  # the newest *verified* step
-  if step is None:
+  if step is None:  # found before the data are built (a tokenizer trained for nothing)
+    ckpt.close()
     raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
+  data = data_lib.build_data(config, workdir)
+  model = steps_lib.build_model(config, data.tokenizer.vocab_size)
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx, _ = optim.make_optimizer(config.train)
   state, _ = ckpt.restore(step, {"params": params, "opt_state": tx.init(params)})
   ckpt.close()
   return config, data, graphdef, state["params"], step
@@ -136,6 +137,9 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
 def main(argv):
   del argv
   fl = flags.FLAGS
+  # Orbax warns that a read-only manager is read-only; our own warnings (a damaged newest
+  # checkpoint) still show.
+  cli.quiet_libraries(logging.logging.ERROR)  # a Python logging level
   with cli.user_errors():
     # Checked before anything is loaded: a typo must not cost a model build and an eval.
     try:

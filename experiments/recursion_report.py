@@ -1,6 +1,7 @@
 """Why is T = 2 worse than T = 1 at tiny scale? The design table's runs, read three ways.
 
-    python experiments/recursion_report.py --workdir=results/tiny > results/tiny/design_recursion.md
+    python experiments/recursion_report.py --workdir=results/tiny \
+        --out=results/tiny/design_recursion.md
 
 Reads ``WORKDIR/design/ROW/seedS`` (``python -m cem_jax.tables --table=design``; every row logs
 its energy trace) and prints markdown:
@@ -17,6 +18,10 @@ its energy trace) and prints markdown:
 3. The learned step sizes η = softplus(raw) at the end of training (mean over layers and
    heads), per step where the row has one per step; read from the run's newest checkpoint
    (git-ignored, so only where the runs were trained; "n/a" elsewhere).
+
+Without ``--out`` the report goes to stdout. ``--out=FILE`` writes it atomically and refuses
+to replace an existing FILE with one whose η rows are "n/a": on a fresh clone the checkpoints
+are missing, and the committed η values would be lost.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import re
 import statistics
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -146,27 +151,48 @@ def eta_table(workdir: str) -> list[str]:
   return lines
 
 
+def report(workdir: str) -> tuple[str, list[str]]:
+  """The markdown report of ``workdir``'s design runs and the rows whose η is "n/a"."""
+  etas = eta_table(workdir)
+  missing = [line.split("|")[1].strip() for line in etas if "| n/a |" in line]
+  text = "\n".join([
+      f"Recursion diagnostics of the design table ({workdir}/design), "
+      "from `python experiments/recursion_report.py`.\n",
+      "## Eval loss (nats/token), paired by seed\n",
+      *loss_table(workdir),
+      "\n## Energy descent at the last eval (change of each sub-step's own energy, per "
+      "token, mean over layers and seeds)\n",
+      *energy_table(workdir),
+      "\n## Learned step sizes at the end of training (mean over layers, heads and seeds; "
+      "one value where η is shared across steps)\n",
+      *etas]) + "\n"
+  return text, missing
+
+
 def main(argv):
   del argv
   from cem_jax import cli
+  from cem_jax.files import atomic_write_bytes
 
-  cli.quiet_libraries()
-  workdir = flags.FLAGS.workdir
-  if not any(_seeds(workdir, row) for row in ROWS):
-    raise SystemExit(f"error: --workdir={workdir}: no finished design runs in "
-                     f"{workdir}/design (python -m cem_jax.tables --table=design ...)")
-  print(f"Recursion diagnostics of the design table ({workdir}/design), "
-        "from `python experiments/recursion_report.py`.\n")
-  print("## Eval loss (nats/token), paired by seed\n")
-  print("\n".join(loss_table(workdir)))
-  print("\n## Energy descent at the last eval (change of each sub-step's own energy, per "
-        "token, mean over layers and seeds)\n")
-  print("\n".join(energy_table(workdir)))
-  print("\n## Learned step sizes at the end of training (mean over layers, heads and seeds; "
-        "one value where η is shared across steps)\n")
-  print("\n".join(eta_table(workdir)))
+  cli.quiet_libraries(logging.logging.ERROR)  # Orbax: "read only" per checkpoint
+  workdir, out = flags.FLAGS.workdir, flags.FLAGS.out
+  with cli.user_errors():
+    if not any(_seeds(workdir, row) for row in ROWS):
+      raise ValueError(f"--workdir={workdir}: no finished design runs in {workdir}/design "
+                       "(python -m cem_jax.tables --table=design ...)")
+    text, missing = report(workdir)
+    if not out:
+      print(text, end="")
+      return
+    if missing and os.path.exists(out):
+      raise ValueError(f"--out={out} exists and rows {', '.join(missing)} have no checkpoint "
+                       f"in {workdir}/design (git-ignored: train them first), so their η "
+                       "would become n/a; write elsewhere or leave --out out")
+    atomic_write_bytes(out, text.encode())
+    print(out)
 
 
 if __name__ == "__main__":
   flags.DEFINE_string("workdir", "results/tiny", "The table's --workdir.")
+  flags.DEFINE_string("out", None, "Write the report here (atomically) instead of stdout.")
   app.run(main)

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import tiny_config
@@ -97,3 +98,28 @@ def test_read_metrics_skips_a_cut_short_last_line_and_names_a_damaged_one(tmp_pa
   (tmp_path / "metrics.jsonl").write_text('{"step": 1, "tr\n{"step": 2, "train/loss": 2.0}\n')
   with pytest.raises(ValueError, match=r"metrics\.jsonl:1 is not valid JSON"):
     read_metrics(str(tmp_path))
+
+
+def test_recursion_report_never_replaces_eta_values_it_cannot_read(tmp_path):
+  # The committed design runs keep no checkpoints (git-ignored), so their η cannot be read:
+  # --out must then refuse to overwrite an existing report, and write a new one with "n/a".
+  root = Path(__file__).resolve().parents[1]
+  if any((root / "results/tiny/design").glob("*/seed*/checkpoints")):
+    pytest.skip("this checkout holds trained design runs")
+  existing = tmp_path / "existing.md"
+  existing.write_text("the committed report\n")
+  cmd = [sys.executable, "experiments/recursion_report.py", "--workdir=results/tiny"]
+  proc = subprocess.run([*cmd, f"--out={existing}"], cwd=root, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 1
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: --out={existing} exists and rows t1, t2_fixed, ")
+  assert "η would become n/a" in last
+  assert existing.read_text() == "the committed report\n"
+  fresh = tmp_path / "fresh.md"
+  proc = subprocess.run([*cmd, f"--out={fresh}"], cwd=root, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  text = fresh.read_text()
+  assert "| t1 | n/a | n/a |" in text and "## Eval loss (nats/token), paired by seed" in text
+  assert not list((root / "results/tiny/design").glob("*/seed*/data"))  # nothing prepared
