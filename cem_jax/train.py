@@ -206,6 +206,9 @@ def _log_resume(run: Run, resolved: dict) -> None:
   now = workdir_lib.flatten(json.loads(json.dumps(resolved)))
   changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
   logging.info("resumed from %s at step %d", run.ckpt.step_dir(run.resume), run.start_step)
+  if run.start_step >= run.config.train.num_steps:
+    logging.info("the run is already finished (train.num_steps=%d): nothing to train; raise "
+                 "train.num_steps to train on", run.config.train.num_steps)
   if changed:
     logging.warning("config differs from the checkpoint's: %s",
                     ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed))
@@ -232,6 +235,13 @@ def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWrite
         "times: held-out loss may rise after the first epochs (eval/best_* keeps the best "
         "eval); use more data or fewer steps", config.train.num_steps,
         config.train.batch_size, data.stats()["train_windows"], passes)
+  t = config.train
+  if t.warmup_steps > t.num_steps and is_main:
+    logging.warning(
+        "train.warmup_steps=%d > train.num_steps=%d: the learning rate never reaches "
+        "train.learning_rate=%g (at most %g); lower train.warmup_steps for a short run",
+        t.warmup_steps, t.num_steps, t.learning_rate,
+        t.learning_rate * t.num_steps / max(t.warmup_steps, 1))
   # On resume: the eval lines kept (those up to the restored step) hold the best so far.
   resumed_metrics = is_main and run.start_step > 0 and os.path.exists(writer.path)
   best = best_eval(read_metrics(workdir)) if resumed_metrics else {}

@@ -83,6 +83,15 @@ def test_cli_trains_and_writes_the_contract_files(tmp_path, shared_data):
   assert metrics[-1]["step"] == 6 and "eval/bits_per_byte" in metrics[-1]
   assert json.load(open(workdir / "config.json"))["data"]["seq_len"] == 32
   assert (workdir / "checkpoints" / "6").is_dir()
+  # The default 50 warmup updates never end in 6: said once, with the highest rate reached.
+  assert ("train.warmup_steps=50 > train.num_steps=6: the learning rate never reaches "
+          "train.learning_rate=0.003 (at most 0.00036)") in proc.stderr
+  # The same command again: the run is finished, nothing is trained or appended.
+  again = _run_cli([f"--config={REPO}/experiments/tiny.py", f"--workdir={workdir}",
+                    *overrides], cwd=tmp_path)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "the run is already finished (train.num_steps=6): nothing to train" in again.stderr
+  assert read_metrics(str(workdir)) == metrics
 
 
 def test_cli_config_typo_fails_before_training(tmp_path):
