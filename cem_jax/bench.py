@@ -1,10 +1,10 @@
 """Training-step benchmark of Llama and CEM variants in one run: ``python -m cem_jax.bench``.
 
-For each variant × shape it measures compile time, step time (median of ``--steps`` after
-``--warmup``), tokens/s, analytic model FLOPs per token, MFU (when the device's peak is known)
-and peak device memory, prints a table and writes JSON.
+For each variant × shape it measures compile time, step time (median of the preset's
+``steps`` after its ``warmup`` steps), tokens/s, analytic model FLOPs per token, MFU (when
+the device's peak is known) and peak device memory, prints a table and writes JSON.
 
-    python -m cem_jax.bench --preset=tiny                  # CPU, seconds
+    python -m cem_jax.bench --preset=tiny                  # CPU, ~3 min for all 8 variants
     python -m cem_jax.bench --preset=gpu125m --out=bench.json   # one GPU, ~125M, bf16
     python -m cem_jax.bench --preset=gpu125m --attention_impl=xla  # the XLA attention path
 

@@ -1,6 +1,8 @@
 """The CEM design space on the built-in corpus (CEM_MATH.md §1, §3, §4): one arg per variant.
 
-Commands (each a few minutes on 2 CPU cores; eval lines carry energy traces)::
+Commands (1000 steps each: ~10 min on 2 idle CPU cores, ~15 min for t2, more when other jobs
+share them; ``--config.train.num_steps=300`` for a quick look; eval lines carry energy
+traces)::
 
     python -m cem_jax.main --config=experiments/design.py:diagonal --workdir=/tmp/diag
     python -m cem_jax.main --config=experiments/design.py:precond  --workdir=/tmp/precond

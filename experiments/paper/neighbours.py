@@ -5,8 +5,10 @@
 Rows:
   cem:                CEM tied attention + tied MLP, gradient steps (end_to_end's ``cem``).
   yuriiformer:        + Nesterov momentum carried across layers (experiments/neighbours.py).
-  hyperset:           tokens on the sphere, one block shared by all layers, ReLU MLP energy.
-  energy_transformer: joint step on attention + ReLU² Hopfield energy, one shared block.
+  hyperset:           tokens on the sphere, one block shared by all layers, MLP energy with
+                      the potential Φ = ½relu² (``mlp_energy='relu'``).
+  energy_transformer: joint step on attention + Hopfield energy with the same potential
+                      (``relu``), one shared block.
   llama_matched:      Llama with CEM's per-layer parameters (end_to_end's ``llama_matched``).
   cem_shared:         CEM with one block shared by all layers: the shared-depth control for
                       hyperset and energy_transformer (same parameters as they have).
