@@ -255,3 +255,22 @@ def test_eta_init_sets_every_learned_step_size(per_step):
   default = CEMBlock(model_cfg(num_steps=3), rngs=nnx.Rngs(0))
   np.testing.assert_allclose(default.attn.energy_params(0, jnp.float32)["eta"], np.ones(H),
                              rtol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [-1, 16])
+def test_learned_beta_starts_at_one_over_sqrt_head_dim(head_dim):
+  """model.learn_beta=True: β_k starts at the fixed value 1/√d_h of every head (CEM_MATH.md
+  §1), d_h = model.head_dim or d_model // num_heads; so at initialisation the block equals the
+  fixed-β block with the same weights."""
+  dh = head_dim if head_dim > 0 else D // H
+  learned = CEMBlock(model_cfg(learn_beta=True, learn_eta=False, head_dim=head_dim),
+                     rngs=nnx.Rngs(0))
+  raw = np.asarray(learned.attn.beta[...], np.float64)
+  assert raw.shape == (H,)
+  np.testing.assert_allclose(np.logaddexp(0.0, raw), np.full(H, 1 / math.sqrt(dh)), rtol=1e-6)
+  np.testing.assert_allclose(learned.attn.energy_params(0, jnp.float32)["beta"],
+                             np.full(H, 1 / math.sqrt(dh)), rtol=1e-6)
+  fixed_cfg = model_cfg(learn_eta=False, head_dim=head_dim)
+  fixed = CEMBlock(fixed_cfg, rngs=nnx.Rngs(0))
+  aux, x = _aux(fixed_cfg), _x(6)
+  np.testing.assert_allclose(learned(x, aux)[0], fixed(x, aux)[0], rtol=1e-5, atol=1e-6)

@@ -212,3 +212,117 @@ def test_document_mask_false_is_plain_causal_attention_over_the_window(block_kw)
   np.testing.assert_allclose(with_docs[:, :5], np.asarray(plain(tokens))[:, :5],
                              rtol=1e-5, atol=1e-6)
   assert np.max(np.abs(with_docs[:, 5:] - np.asarray(plain(tokens))[:, 5:])) > 1e-3
+
+
+def _np_rmsnorm(v, scale, eps):
+  return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * scale
+
+
+def _np_precondition(v, p, u, eps):
+  """``P v`` with ``P = diag(softplus(p) + eps) + U Uᵀ`` (CEM_MATH.md §3), float64."""
+  return (np.logaddexp(0.0, p) + eps) * v + (v @ u) @ u.T
+
+
+def _np_cem_block(block, cfg, x, steps):
+  """CEM_MATH.md §4 Algorithm 1 in float64 NumPy (rope off, no diagonal, fixed context,
+  Lie–Trotter, pre-norm, gate = the state entering the MLP step), written from the maths.
+  Per-step parameters (η, P) of step t are those of step min(t, T - 1): steps beyond the
+  trained T reuse the LAST trained step's (CEMBlock's docstring)."""
+  f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+  # copy of step t: 0 when shared (one copy), else min(t, T - 1)
+  at = lambda copies, t: copies[min(t, cfg.num_steps - 1) if len(copies) > 1 else 0]  # noqa: E731
+  wq, wk = f64(block.attn.w_q[...]), f64(block.attn.w_k[...])
+  w, g = f64(block.mlp.w[...]), f64(block.mlp.g[...])
+  eta_att = np.logaddexp(0.0, f64(block.attn.eta[...]))  # [copies, H]
+  eta_mlp = np.logaddexp(0.0, f64(block.mlp.eta[...]))  # [copies]
+  s_att, s_mlp = f64(block.norm_att.scale[...]), f64(block.norm_mlp.scale[...])
+  eps, beta = cfg.norm_eps, 1.0 / np.sqrt(wq.shape[-1])
+  pre = {}
+  for name in ("att", "mlp"):
+    pc = getattr(block, f"precond_{name}")
+    pre[name] = None if pc is None else (f64(pc.p[...]), f64(pc.u[...]), pc.eps)
+
+  def apply_p(name, v, t):
+    if pre[name] is None:
+      return v
+    p, u, pc_eps = pre[name]
+    return _np_precondition(v, at(p, t), at(u, t), pc_eps)
+
+  x = f64(x)
+  n = x.shape[1]
+  visible = np.arange(n)[None, :] <= np.arange(n)[:, None]  # [i, j]: j <= i
+  keys = np.einsum("bjd,dhe->bjhe", _np_rmsnorm(x, s_att, eps), wk)
+  y = x.copy()
+  for t in range(steps):
+    q = np.einsum("bid,dhe->bihe", _np_rmsnorm(y, s_att, eps), wq)
+    scores = beta * np.einsum("bihe,bjhe->bhij", q, keys)
+    scores = np.where(visible, scores, -np.inf)
+    a = np.exp(scores - scores.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    heads = np.einsum("bhij,bjhe->bihe", a, keys) * at(eta_att, t)[:, None]
+    y = y + apply_p("att", np.einsum("bihe,dhe->bid", heads, wq), t)
+    gm = _np_rmsnorm(y, s_mlp, eps)
+    pre_act = gm @ w
+    hidden = pre_act / (1.0 + np.exp(-pre_act)) * (gm @ g)
+    y = y + apply_p("mlp", at(eta_mlp, t) * hidden @ w.T, t)
+  return y
+
+
+PER_STEP_CASES = {
+    "eta_per_step": dict(eta_per_step=True),
+    "precond_per_step": dict(precond="both", precond_rank=2, precond_shared=False),
+    "both_per_step": dict(eta_per_step=True, precond="both", precond_rank=2,
+                          precond_shared=False),
+}
+
+
+@pytest.mark.parametrize("steps", [2, 3, 4])
+@pytest.mark.parametrize("case", PER_STEP_CASES.values(), ids=PER_STEP_CASES.keys())
+def test_test_time_steps_beyond_t_reuse_the_last_steps_parameters(case, steps):
+  """T=2 trained, run at T_eval=2..4: steps 3, 4 use step 2's η and P (documented), checked
+  against a float64 NumPy Algorithm 1 with distinct random per-step η, P and norm scales."""
+  cfg = model_cfg(rope=False, num_steps=2, **case)
+  block = CEMBlock(cfg, rngs=nnx.Rngs(0))
+  ks = iter(jax.random.split(jax.random.PRNGKey(11), 12))
+  rand = lambda shape, s: s * jax.random.normal(next(ks), shape)  # noqa: E731
+  block.attn.eta[...] = rand(block.attn.eta.shape, 0.8)
+  block.mlp.eta[...] = rand(block.mlp.eta.shape, 0.8)
+  block.norm_att.scale[...] = 1.0 + rand((D,), 0.2)
+  block.norm_mlp.scale[...] = 1.0 + rand((D,), 0.2)
+  for pc in (block.precond_att, block.precond_mlp):
+    if pc is not None:
+      pc.p[...] = rand(pc.p.shape, 1.0)
+      pc.u[...] = rand(pc.u.shape, 0.3)
+  aux = DecoderLM(cfg, V, rngs=nnx.Rngs(0)).make_aux(None, B, T)
+  x = _x(3)
+  y, _ = block(x, aux, num_steps=steps)
+  np.testing.assert_allclose(np.asarray(y), _np_cem_block(block, cfg, x, steps),
+                             rtol=1e-4, atol=1e-5)
+
+
+def test_per_step_preconditioner_beyond_t_is_the_last_steps():
+  """Preconditioner with one P per step (model.precond_shared=False, T=2): step t applies
+  P_{min(t, T-1)}, checked against the float64 NumPy P v with distinct random P_1, P_2."""
+  cfg = model_cfg(num_steps=2, precond="both", precond_rank=3, precond_shared=False)
+  pc = CEMBlock(cfg, rngs=nnx.Rngs(0)).precond_att
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(12), 3)
+  pc.p[...] = jax.random.normal(k1, pc.p.shape)
+  pc.u[...] = 0.5 * jax.random.normal(k2, pc.u.shape)
+  v = jax.random.normal(k3, (B, T, D))
+  p, u = np.asarray(pc.p[...], np.float64), np.asarray(pc.u[...], np.float64)
+  assert p.shape == (2, D)
+  for step, used in [(0, 0), (1, 1), (2, 1), (3, 1), (4, 1)]:
+    want = _np_precondition(np.asarray(v, np.float64), p[used], u[used], cfg.precond_eps)
+    np.testing.assert_allclose(np.asarray(pc(v, step)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_per_step_attention_eta_beyond_t_is_the_last_steps():
+  """model.eta_per_step=True, T=2: the attention η of step t >= T is softplus(raw[T-1])."""
+  cfg = model_cfg(num_steps=2, eta_per_step=True)
+  attn = CEMBlock(cfg, rngs=nnx.Rngs(0)).attn
+  attn.eta[...] = jax.random.normal(jax.random.PRNGKey(13), attn.eta.shape)
+  raw = np.asarray(attn.eta[...], np.float64)
+  assert raw.shape == (2, H)
+  for step, used in [(0, 0), (1, 1), (2, 1), (3, 1), (5, 1)]:
+    np.testing.assert_allclose(np.asarray(attn.energy_params(step, jnp.float32)["eta"]),
+                               np.logaddexp(0.0, raw[used]), rtol=1e-6)
