@@ -4,7 +4,7 @@ Layout of ``DIR/checkpoints`` (``DIR`` = ``--workdir``)::
 
     <step>/            one Orbax step, two items:
       state/           params and optimizer state (``StandardSave``: OCDBT/zarr arrays)
-      meta/            JSON: step, data position, RNG seed, resolved config
+      meta/            JSON: step, data position, RNG seed, resolved config, data identity
     digests/<step>.json  sha256 and size of every file of step <step> (see below)
     rejected/<step>.<time_ns>/  damaged steps moved aside on resume (kept for inspection)
 
@@ -226,6 +226,11 @@ class Checkpointer:
                                 meta=ocp.args.JsonRestore()),
     )
     return out["state"], out["meta"]
+
+  def read_meta(self, step: int) -> dict:
+    """The JSON metadata of step ``step`` alone (step, seed, resolved config, data identity),
+    without its arrays: what a reader needs to rebuild the model it was saved from."""
+    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def wait(self) -> None:
     """Blocks until pending saves are committed (raising their errors); prunes old digests."""

@@ -23,9 +23,16 @@ from cem_jax import cli
 def load_run(workdir: str):
   """Returns ``(config, data, graphdef, params, step)`` of the newest checkpoint in ``workdir``.
 
+  The model is rebuilt from the config saved *in that checkpoint*, not from
+  ``config.json``, which every start rewrites (also a start that changed an option of a
+  finished run and then trained nothing). Fields missing from an older run's config take
+  today's defaults.
+
   Raises:
     FileNotFoundError: no ``config.json`` or no checkpoint in ``workdir``.
     CheckpointError: checkpoints exist but none is intact.
+    ValueError: the saved config has fields this version of cem_jax does not know, or fails
+      validation.
   """
   from flax import nnx
 
@@ -34,32 +41,41 @@ def load_run(workdir: str):
   from cem_jax import optim
   from cem_jax import steps as steps_lib
   from cem_jax.checkpoint import Checkpointer
+  from cem_jax.workdir import flatten
 
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     raise FileNotFoundError(f"--workdir={workdir}: no config.json (not a cem_jax run)")
-  try:
-    with open(path) as f:
-      saved = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path} is not valid JSON ({e}); it is written once at the start of a "
-                     "run: restore it from the run's command") from None
-  # Start from today's defaults so a run saved before a key existed still loads.
-  config = config_lib.get_default_config()
-  config.update(saved)
   # Read-only: the run may still be training here; its in-flight saves must not be touched.
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
-                      async_save=False, read_only=True)
-  step = ckpt.restorable_step()  # the newest *verified* step
-  if step is None:  # found before the data are built (a tokenizer trained for nothing)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False, read_only=True)
+  try:
+    step = ckpt.restorable_step()  # the newest *verified* step
+    if step is None:  # found before the data are built (a tokenizer trained for nothing)
+      raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
+    saved = ckpt.read_meta(step).get("config")
+    where = f"checkpoint {ckpt.step_dir(step)}"
+    if saved is None:  # saved before checkpoints held their config
+      where = path
+      try:
+        with open(path) as f:
+          saved = json.load(f)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); restore it from the run's "
+                         "command") from None
+    config = config_lib.get_default_config()
+    unknown = sorted(set(flatten(saved)) - set(flatten(json.loads(config.to_json()))))
+    if unknown:
+      raise ValueError(f"{where}: config fields {', '.join(unknown)} are unknown to this "
+                       "version of cem_jax; evaluate it with the version that trained it")
+    config.update(saved)
+    config_lib.validate(config)
+    data = data_lib.build_data(config, workdir)
+    model = steps_lib.build_model(config, data.tokenizer.vocab_size)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx, _ = optim.make_optimizer(config.train)
+    state, _ = ckpt.restore(step, {"params": params, "opt_state": tx.init(params)})
+  finally:
     ckpt.close()
-    raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
-  data = data_lib.build_data(config, workdir)
-  model = steps_lib.build_model(config, data.tokenizer.vocab_size)
-  graphdef, params = nnx.split(model, nnx.Param)
-  tx, _ = optim.make_optimizer(config.train)
-  state, _ = ckpt.restore(step, {"params": params, "opt_state": tx.init(params)})
-  ckpt.close()
   return config, data, graphdef, state["params"], step
 
 

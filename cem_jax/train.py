@@ -96,7 +96,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   (every ``checkpoint.every_steps``, at the end and on SIGTERM; see :mod:`cem_jax.checkpoint`).
 
   A checkpoint holds params, optimizer state and metadata (step, data position, seed, resolved
-  config). The data position *is* the step (batches are a pure function of the step) and the
+  config, the sha256 of the tokenizer and token streams: a resume on other data is refused).
+  The data position *is* the step (batches are a pure function of the step) and the
   seed only matters at initialisation (there is no dropout or other randomness in training),
   so a resumed run continues exactly as an uninterrupted one.
 
@@ -188,6 +189,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
       state, run.meta = ckpt.restore(run.resume, {"params": params, "opt_state": opt_state})
       run.params, run.opt_state = state["params"], state["opt_state"]
       run.start_step = int(run.meta["step"])
+      _check_same_data(run.meta.get("data"), data.identity, ckpt.step_dir(run.resume))
   except BaseException:
     if ckpt is not None:
       ckpt.close()
@@ -195,6 +197,23 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
       shutil.rmtree(workdir, ignore_errors=True)
     raise
   return run
+
+
+def _check_same_data(saved: dict | None, now: dict | None, step_dir: str) -> None:
+  """Refuses to resume a checkpoint on other tokens: new ids under old embeddings train on,
+  silently, as if nothing had changed (e.g. the text was edited, so the BPE was retrained).
+
+  Raises:
+    ValueError: one line naming the checkpoint and what differs (sha256 prefixes).
+  """
+  if saved is None or now is None:  # saved before checkpoints recorded their data
+    return
+  changed = [f"{k} {str(saved.get(k))[:12]} -> {v[:12]}" for k, v in now.items()
+             if saved.get(k) != v]
+  if changed:
+    raise ValueError(f"checkpoint {step_dir} was trained on other data ({', '.join(changed)}): "
+                     "the text or the tokenizer changed since; resume with the data it was "
+                     "trained on, or train in a new --workdir")
 
 
 def _log_resume(run: Run, resolved: dict) -> None:
@@ -367,7 +386,8 @@ class _Loop:
           f"{self.saved_text()}; lower train.learning_rate"
       )
     meta = {"step": done, "data_position": done, "seed": self.run.config.seed,
-            "config": self.resolved, "numerics_version": NUMERICS_VERSION}
+            "config": self.resolved, "numerics_version": NUMERICS_VERSION,
+            "data": self.run.data.identity}
     if self.run.ckpt.save(done, state, meta, force=force):
       self.last_saved = done
 

@@ -226,6 +226,52 @@ def test_bad_data_is_one_line_and_leaves_no_run(name, existed, texts, tmp_path):
   _assert_nothing_left(workdir, existed)
 
 
+def test_resume_on_other_data_is_refused_and_keeps_the_run(shared_data, tmp_path):
+  # Editing the text between runs retrains the BPE: the checkpoint's embeddings would train
+  # on other token ids without a word. The checkpoint records what it was trained on.
+  text = tmp_path / "text.txt"
+  text.write_text((shared_data / "tinyshakespeare.txt").read_text()[:60_000])
+  workdir = tmp_path / "w"
+  cfg = lambda steps: tiny_config("llama", **{  # noqa: E731
+      "data.files": str(text), "data.vocab_size": 400, "train.num_steps": steps,
+      "checkpoint.every_steps": 2, "train.eval_every_steps": 2})
+  train.train_and_evaluate(cfg(2), str(workdir))
+  before = read_metrics(str(workdir))
+  text.write_text(text.read_text().replace("the", "THE"))
+  with pytest.raises(ValueError) as e:
+    train.train_and_evaluate(cfg(4), str(workdir))
+  message = str(e.value)
+  assert "\n" not in message
+  assert message.startswith(f"checkpoint {workdir / 'checkpoints' / '2'} was trained on other "
+                            "data (tokenizer_sha256 ")
+  assert "train_sha256" in message and message.endswith("train in a new --workdir")
+  assert read_metrics(str(workdir)) == before and (workdir / "checkpoints" / "2").is_dir()
+  # The text as it was: the run resumes.
+  text.write_text((shared_data / "tinyshakespeare.txt").read_text()[:60_000])
+  train.train_and_evaluate(cfg(4), str(workdir))
+  assert read_metrics(str(workdir))[-1]["step"] == 4
+
+
+def test_evaluate_rebuilds_the_model_the_checkpoint_was_saved_from(shared_data, tmp_path):
+  # config.json is rewritten by every start: a re-run of a finished run with a changed option
+  # trains nothing but leaves that option in config.json. evaluate must not build it.
+  import json
+
+  from cem_jax import evaluate
+
+  cfg = tiny_config("cem", **{"train.num_steps": 4, "train.eval_every_steps": 4,
+                              "data.files": str(shared_data / "wikitext2_valid.txt")})
+  train.train_and_evaluate(cfg, str(tmp_path))
+  trained = [m for m in read_metrics(str(tmp_path)) if "eval/loss" in m][-1]["eval/loss"]
+  path = tmp_path / "config.json"
+  saved = json.loads(path.read_text())
+  saved["model"]["strict_causal"] = True
+  path.write_text(json.dumps(saved))
+  row = evaluate.test_time_steps(str(tmp_path), [1], max_batches=cfg.eval.max_batches)[0]
+  assert row["step"] == 4
+  np.testing.assert_allclose(row["eval/loss"], trained, rtol=1e-6)
+
+
 def test_cli_empty_corpus(texts, tmp_path):
   (tmp_path / "cfg.py").write_text(CONFIG_FILE)
   workdir = tmp_path / "w"

@@ -13,6 +13,7 @@ at any step therefore needs no iterator state, and every window is seen once per
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import time
@@ -198,6 +199,9 @@ class Data:
     train_bytes, eval_bytes: UTF-8 bytes of the split's text (no separators), counted from
       the text.
     train_windows, eval_windows: number of packed windows (eval: padded tail included).
+    identity: what a checkpoint must have been trained on to be resumed with these data:
+      ``{"tokenizer_sha256", "train_sha256", "validation_sha256"}`` (the token streams by
+      their shards' sha256); None for the in-memory reference.
   """
 
   train: TrainBatches
@@ -210,6 +214,7 @@ class Data:
   eval_tokens: int
   train_bytes: int
   eval_bytes: int
+  identity: dict[str, str] | None = None
 
   @property
   def train_windows(self) -> int:
@@ -274,7 +279,19 @@ def build_data(config, workdir: str | os.PathLike) -> Data:
       eval_tokens=info["validation"]["tokens"],
       train_bytes=info["train"]["bytes"],
       eval_bytes=info["validation"]["bytes"],
+      identity=_identity(ds.manifest),
   )
+
+
+def _identity(manifest: dict) -> dict[str, str]:
+  """``Data.identity`` of a prepared dataset: tokenizer and token streams by sha256 (not by
+  folder or source path, so the same tokens prepared elsewhere are the same data)."""
+  def streams(split: str) -> str:
+    shards = "\n".join(s["sha256"] for s in manifest["splits"][split]["shards"])
+    return hashlib.sha256(shards.encode()).hexdigest()
+
+  return {"tokenizer_sha256": manifest["tokenizer"]["sha256"],
+          "train_sha256": streams("train"), "validation_sha256": streams("validation")}
 
 
 def build_data_in_memory(config) -> Data:
