@@ -44,9 +44,12 @@ def rules_from_config(mesh_config) -> tuple:
   raw = mesh_config.get("rules", None) if hasattr(mesh_config, "get") else None
   if raw is None:
     return DEFAULT_RULES
+  if not isinstance(raw, (tuple, list)):
+    raise ValueError(f"mesh.rules={raw!r}; allowed: a tuple of (logical_axis, mesh_axis or None "
+                     "or a tuple of mesh axes) pairs")
   out = []
   for pair in raw:
-    if isinstance(pair, str) or len(pair) != 2 or not isinstance(pair[0], str):
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not isinstance(pair[0], str):
       raise ValueError(f"mesh.rules entry {pair!r}; allowed: a pair (logical_axis, mesh_axis or "
                        "None or a tuple of mesh axes)")
     logical, target = pair

@@ -259,53 +259,68 @@ def check_range(field: str, value) -> None:
     raise ValueError(f"{field}={value!r}; {allowed}")
 
 
-# Options that build or change nothing in some configurations. (condition on the model group,
-# why, keys that must then keep their default): a non-default value there would be silently
-# ignored, so validation refuses it.
+# Options that build or change nothing in some configurations: (condition on the config,
+# why, dotted keys that must then keep their default). A non-default value there would be
+# silently ignored, so validation refuses it.
 _CEM_ONLY = ("cem_attention", "cem_mlp", "update_mode", "attention_energy", "mlp_energy",
              "learn_beta", "learn_eta", "eta_init", "diagonal", "diagonal_form", "precond",
              "precond_rank", "precond_eps", "precond_shared", "num_steps", "context", "split",
              "eta_per_step", "mlp_condition", "norm_mode", "energy_block_size", "inner_optimizer",
              "momentum_init", "manifold")
+_TFDS_KEYS = ("tfds_data_dir", "tfds_text_key", "tfds_train_split", "tfds_eval_split")
+_model = lambda keys: tuple(f"model.{k}" for k in keys)  # noqa: E731
+_data = lambda keys: tuple(f"data.{k}" for k in keys)  # noqa: E731
 _UNUSED = (
-    (lambda m: m.block == "llama", "with model.block='llama' (it applies to CEM blocks only)",
-     _CEM_ONLY),
-    (lambda m: m.block == "cem" and not m.cem_attention,
+    (lambda c: c.model.block == "llama",
+     "with model.block='llama' (it applies to CEM blocks only)",
+     (*_model(_CEM_ONLY), "eval.num_steps")),
+    (lambda c: c.model.block == "cem" and not c.model.cem_attention,
      "with model.cem_attention=False (the standard attention has no energy)",
-     ("attention_energy", "learn_beta", "diagonal", "context", "energy_block_size")),
-    (lambda m: m.block == "cem" and not m.cem_mlp,
+     _model(("attention_energy", "learn_beta", "diagonal", "context", "energy_block_size"))),
+    (lambda c: c.model.block == "cem" and not c.model.cem_mlp,
      "with model.cem_mlp=False (the standard SwiGLU has no energy)",
-     ("mlp_energy", "mlp_condition")),
-    (lambda m: m.block == "cem" and not (m.cem_attention or m.cem_mlp),
+     _model(("mlp_energy", "mlp_condition"))),
+    (lambda c: c.model.block == "cem" and not (c.model.cem_attention or c.model.cem_mlp),
      "with model.cem_attention=False and model.cem_mlp=False (no energy step)",
-     ("update_mode", "learn_eta", "eta_init")),
-    (lambda m: m.block == "cem" and not m.learn_eta,
-     "with model.learn_eta=False (the step size is then fixed at 1)", ("eta_init",)),
-    (lambda m: m.diagonal == "none", "with model.diagonal='none'", ("diagonal_form",)),
-    (lambda m: m.inner_optimizer == "gd", "with model.inner_optimizer='gd' (no velocity)",
-     ("momentum_init",)),
-    (lambda m: m.precond == "none", "with model.precond='none'",
-     ("precond_eps", "precond_shared")),
+     _model(("update_mode", "learn_eta", "eta_init"))),
+    (lambda c: c.model.block == "cem" and not c.model.learn_eta,
+     "with model.learn_eta=False (the step size is then fixed at 1)", ("model.eta_init",)),
+    (lambda c: c.model.diagonal == "none", "with model.diagonal='none'",
+     ("model.diagonal_form",)),
+    (lambda c: c.model.inner_optimizer == "gd", "with model.inner_optimizer='gd' (no velocity)",
+     ("model.momentum_init",)),
+    (lambda c: c.model.precond == "none", "with model.precond='none'",
+     _model(("precond_eps", "precond_shared"))),
     # T=1 has one step: one set of per-step parameters either way (later test-time steps
     # reuse the last trained step's).
-    (lambda m: m.num_steps == 1, "with model.num_steps=1 (one step: nothing per step)",
-     ("eta_per_step", "precond_shared")),
+    (lambda c: c.model.num_steps == 1, "with model.num_steps=1 (one step: nothing per step)",
+     _model(("eta_per_step", "precond_shared"))),
+    (lambda c: not c.model.rope, "with model.rope=False", ("model.rope_theta",)),
+    (lambda c: bool(c.data.tokenizer),
+     "with data.tokenizer set (the given model is used as it is, not trained)",
+     ("data.tokenizer_model_type",)),
+    (lambda c: bool(c.data.files or c.data.tfds_name),
+     "with data.files or data.tfds_name set (the built-in corpus is not read)",
+     ("data.builtin",)),
+    (lambda c: not c.data.tfds_name, "without data.tfds_name", _data(_TFDS_KEYS)),
+    (lambda c: bool(c.data.tfds_name),
+     "with data.tfds_name (the catalog's own splits are used)", ("data.validation_fraction",)),
 )
 
 
 def _check_unused(config: ml_collections.ConfigDict) -> None:
-  m, default = config.model, get_default_config().model
+  m, defaults = config.model, get_default_config()
   for applies, why, keys in _UNUSED:
-    if not applies(m):
+    if not applies(config):
       continue
     for key in keys:
-      if m[key] == default[key]:
+      value, default = _get(config, key), _get(defaults, key)
+      if value == default:
         continue
-      if m.block == "llama":  # the message users of the llama block have always seen
-        raise ValueError(f"model.{key}={m[key]!r} applies to CEM blocks only; "
-                         f"model.block='llama' needs model.{key}={default[key]!r}")
-      raise ValueError(f"model.{key}={m[key]!r} has no effect {why}; leave it at "
-                       f"{default[key]!r}")
+      if m.block == "llama" and key.startswith("model."):  # the message llama users know
+        raise ValueError(f"{key}={value!r} applies to CEM blocks only; "
+                         f"model.block='llama' needs {key}={default!r}")
+      raise ValueError(f"{key}={value!r} has no effect {why}; leave it at {default!r}")
   targets = {"attention": m.cem_attention, "mlp": m.cem_mlp}
   wanted = ("attention", "mlp") if m.precond == "both" else (m.precond,)
   for target in wanted:

@@ -126,6 +126,9 @@ def main(argv):
       raise ValueError(f"--temperature={fl.temperature}; allowed: 0 (greedy) or > 0")
     if fl.top_k < 0:
       raise ValueError(f"--top_k={fl.top_k}; allowed: 0 (off) or 1..vocab_size")
+    if fl.temperature == 0.0 and (fl.top_k or fl.top_p < 1.0):
+      raise ValueError(f"--top_k={fl.top_k} --top_p={fl.top_p} have no effect with "
+                       "--temperature=0 (greedy); leave them at 0 and 1")
     config, data, graphdef, params, step = load_run(fl.workdir)
     vocab = data.tokenizer.vocab_size
     if fl.top_k > vocab:

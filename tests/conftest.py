@@ -45,6 +45,8 @@ def tiny_config(block: str = "cem", **overrides):
     for p in parents:
       node = node[p]
     node[leaf] = value
+  if (c.data.files or c.data.tfds_name) and "data.builtin" not in overrides:
+    c.data.builtin = get_default_config().data.builtin  # not read: validation refuses it
   return c
 
 

@@ -91,6 +91,21 @@ UNUSED = [
      r"model.eta_init=0.5 has no effect with model.learn_eta=False"),
     ({"model.cem_attention": False, "model.cem_mlp": False, "model.eta_init": 0.5},
      r"model.eta_init=0.5 has no effect with model.cem_attention=False and"),
+    ({"model.block": "llama", "eval.num_steps": 3},
+     r"^eval.num_steps=3 has no effect with model.block='llama' \(it applies to CEM blocks "),
+    ({"model.rope": False, "model.rope_theta": 500.0},
+     r"^model.rope_theta=500.0 has no effect with model.rope=False; leave it at 10000.0$"),
+    ({"data.tokenizer": "/x/spm.model", "data.tokenizer_model_type": "unigram"},
+     r"^data.tokenizer_model_type='unigram' has no effect with data.tokenizer set"),
+    ({"data.files": "a.txt", "data.builtin": "pydoc"},
+     r"^data.builtin='pydoc' has no effect with data.files or data.tfds_name set"),
+    ({"data.tfds_name": "lm1b", "data.builtin": "pydoc"},
+     r"^data.builtin='pydoc' has no effect with data.files or data.tfds_name set"),
+    ({"data.tfds_text_key": "body"},
+     r"^data.tfds_text_key='body' has no effect without data.tfds_name; leave it at 'text'$"),
+    ({"data.tfds_data_dir": "/data/tfds"}, r"^data.tfds_data_dir='/data/tfds' has no effect"),
+    ({"data.tfds_name": "lm1b", "data.validation_fraction": 0.2},
+     r"^data.validation_fraction=0.2 has no effect with data.tfds_name"),
 ]
 
 
@@ -110,6 +125,9 @@ def test_options_that_would_be_ignored_are_refused(overrides, message):
     {"model.split": "joint"},  # joint differs from lie_trotter at T=1 too
     {"model.eta_init": 0.5},  # T=1 too: a smaller first step
     {"model.cem_attention": False, "model.eta_init": 0.25},  # the MLP's step size
+    {"data.tfds_name": "lm1b", "data.tfds_text_key": "body", "data.tfds_data_dir": "/d"},
+    {"model.rope_theta": 500.0},
+    {"model.block": "llama", "eval.max_batches": 3},
 ])
 def test_options_that_do_something_are_accepted(overrides):
   config_lib.validate(tiny_config("cem", **overrides))

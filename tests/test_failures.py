@@ -157,6 +157,9 @@ def test_validation_names_field_value_and_what_is_allowed():
     ("evaluate", ["--max_batches=0"], "error: --max_batches=0; allowed: -1 (all) or an int >= 1"),
     ("sample", ["--temperature=nan"], "error: --temperature=nan; allowed: 0 (greedy) or > 0"),
     ("sample", ["--top_k=-3"], "error: --top_k=-3; allowed: 0 (off) or 1..vocab_size"),
+    ("sample", ["--temperature=0", "--top_k=3"],
+     "error: --top_k=3 --top_p=1.0 have no effect with --temperature=0 (greedy); leave them at "
+     "0 and 1"),
 ])
 def test_tool_flags_are_checked_before_the_run_is_loaded(tmp_path, tool, args, expected):
   # The workdir does not exist: the flag error must come first, alone, on one line.

@@ -143,6 +143,11 @@ def test_bad_rules_are_one_clear_line():
   cfg = tiny_config("cem", **{"mesh.rules": (("hidden", "fsdp"),)})
   with pytest.raises(ValueError, match=r"^mesh\.rules names logical axis 'hidden'; allowed: "):
     config_lib.validate(cfg)
+  # What --config.mesh.rules=5 or =(None,) hands over (no TypeError traceback).
+  with pytest.raises(ValueError, match=r"^mesh\.rules=5; allowed: a tuple of \(logical_axis, "):
+    sharding.rules_from_config({"rules": 5})
+  with pytest.raises(ValueError, match=r"^mesh\.rules entry None; allowed: a pair "):
+    sharding.rules_from_config({"rules": (None,)})
 
 
 # ---------------------------------------------------------------------------------------------
