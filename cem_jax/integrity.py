@@ -126,6 +126,29 @@ def prune_digests(directory: str, steps) -> None:
       os.remove(os.path.join(folder, name))
 
 
+def _digest_damage(files) -> str | None:
+  """What is wrong with a digest's ``files`` (as :func:`write_digest` writes it), or None.
+
+  A hand-edited digest must make its step damaged, not crash the resume: every entry needs a
+  size and a sha256, and a committed step has files, so an empty digest checks nothing.
+  """
+  if not isinstance(files, dict):
+    return f"'files' is {json.dumps(files)[:40]}, not an object of files"
+  if not files:
+    return "'files' lists no file"
+  for rel, want in sorted(files.items()):
+    if os.path.isabs(rel) or ".." in rel.split("/"):
+      return f"{rel!r} is outside the step folder"
+    if not isinstance(want, dict):
+      return f"{rel!r} has {json.dumps(want)[:40]}, not an object"
+    size, sha = want.get("size"), want.get("sha256")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+      return f"{rel!r} has no valid 'size' (an int >= 0)"
+    if not isinstance(sha, str) or len(sha) != 64:
+      return f"{rel!r} has no valid 'sha256' (64 hex digits)"
+  return None
+
+
 def verify(directory: str, step: int) -> list[str]:
   """Checks step ``step`` against its digest; returns its problems (empty list = intact).
 
@@ -148,6 +171,9 @@ def verify(directory: str, step: int) -> list[str]:
     return problems + [f"{path_of_digest}: missing (the save did not finish)"]
   except (OSError, ValueError, KeyError, TypeError) as e:
     return problems + [f"{path_of_digest}: unreadable ({type(e).__name__})"]
+  damage = _digest_damage(files)
+  if damage:
+    return problems + [f"{path_of_digest}: damaged digest ({damage})"]
   for rel, want in sorted(files.items()):
     path = os.path.join(folder, rel)
     if not os.path.isfile(path):

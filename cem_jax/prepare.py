@@ -6,7 +6,8 @@ and a manifest (see :mod:`cem_jax.data.prepared`). The source is the config's:
 ``--config.data.files=GLOB``, ``--config.data.tfds_name=NAME`` or the built-in corpus.
 Encoding runs in worker processes (``--workers``; default 2 for corpora of 8M characters or
 more) with a progress bar when stderr is a terminal. Killed, it leaves no manifest; run again,
-it writes only the missing shards; complete, it is a no-op. Then train with
+it writes only the missing shards; complete, it is a no-op. Failed before its first shard (bad
+input), it removes what it wrote, so the re-run with fixed input starts afresh. Then train with
 ``python -m cem_jax.main --config=CFG --workdir=W --config.data.prepared_dir=DIR``.
 
 Exit status 0 when done, 1 with a one-line ``error: ...`` for bad input.

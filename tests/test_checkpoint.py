@@ -236,7 +236,33 @@ def _no_digest(step_dir: Path) -> str:
   return path.name
 
 
-@pytest.mark.parametrize("damage", [_empty, _truncate, _flip, _no_commit_marker, _no_digest])
+def _edit_digest(step_dir: Path, edit) -> str:
+  path = step_dir.parent / "digests" / f"{step_dir.name}.json"
+  digest = json.loads(path.read_text())
+  edit(digest)
+  path.write_text(json.dumps(digest))
+  return f"{path}: damaged digest"
+
+
+def _digest_files_a_list(step_dir: Path) -> str:
+  return _edit_digest(step_dir, lambda d: d.update(files=[]))
+
+
+def _digest_entry_without_size(step_dir: Path) -> str:
+  return _edit_digest(step_dir, lambda d: next(iter(d["files"].values())).pop("size"))
+
+
+def _digest_size_a_string(step_dir: Path) -> str:
+  return _edit_digest(step_dir, lambda d: next(iter(d["files"].values())).update(size="9"))
+
+
+def _digest_lists_no_file(step_dir: Path) -> str:
+  return _edit_digest(step_dir, lambda d: d.update(files={}))
+
+
+@pytest.mark.parametrize("damage", [_empty, _truncate, _flip, _no_commit_marker, _no_digest,
+                                    _digest_files_a_list, _digest_entry_without_size,
+                                    _digest_size_a_string, _digest_lists_no_file])
 def test_damaged_newest_step_is_reported_and_the_previous_used(damage, tmp_path, caplog):
   _save_steps(tmp_path).close()
   named = damage(tmp_path / "3")
@@ -258,16 +284,18 @@ def test_damaged_newest_step_is_reported_and_the_previous_used(damage, tmp_path,
 
 
 def test_no_intact_step_is_a_clear_error(tmp_path):
-  _save_steps(tmp_path, steps=(1, 2)).close()
+  _save_steps(tmp_path, steps=(1, 2, 3)).close()
   _truncate(tmp_path / "1")
   _flip(tmp_path / "2")
+  digest = _digest_entry_without_size(tmp_path / "3")
   ckpt = Checkpointer(str(tmp_path))
   with pytest.raises(CheckpointError) as e:
     ckpt.restorable_step()
   msg = str(e.value)
   assert "no intact checkpoint" in msg and "step 2:" in msg and "step 1:" in msg
+  assert f"step 3: {digest} (" in msg
   assert "\n" not in msg
-  assert ckpt.all_steps() == [1, 2]  # nothing moved: the user decides
+  assert ckpt.all_steps() == [1, 2, 3]  # nothing moved: the user decides
   ckpt.close()
 
 

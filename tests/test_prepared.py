@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -249,6 +251,148 @@ def test_damaged_shard_is_a_one_line_error_naming_the_file(tmp_path):
   build_data(config, tmp_path / "wd")
 
 
+def _bad_tokenizer(tmp_path: Path) -> dict:
+  (tmp_path / "bad.model").write_bytes(b"not a sentencepiece model")
+  return {"tokenizer": os.fspath(tmp_path / "bad.model")}
+
+
+@pytest.mark.parametrize("bad", [
+    pytest.param(lambda p: p.write_bytes(_text(2000).encode() + b"\xff"), id="not-utf8"),
+    pytest.param(lambda p: p.write_bytes(b""), id="empty"),
+    pytest.param(lambda p: p.write_bytes(b" \n\t\n\n  "), id="whitespace"),
+    pytest.param("tokenizer", id="bad-tokenizer"),
+])
+@pytest.mark.parametrize("folder", ["new", "empty"])
+def test_a_failed_prepare_leaves_nothing_that_blocks_the_rerun(bad, folder, tmp_path):
+  corpus, out = tmp_path / "c.txt", tmp_path / "out"
+  corpus.write_text(_text(2000))
+  if folder == "empty":
+    out.mkdir()
+  extra = {}
+  if bad == "tokenizer":
+    extra = _bad_tokenizer(tmp_path)
+  else:
+    bad(corpus)
+  with pytest.raises(ValueError):
+    prepared.prepare(_config(files=os.fspath(corpus), vocab_size=300, **extra).data, out)
+  # Nothing left: the folder is gone if the prepare made it, else empty again.
+  assert (list(out.iterdir()) == []) if folder == "empty" else not out.exists()
+  corpus.write_text(_text(2000))  # the input fixed
+  prepared.prepare(_config(files=os.fspath(corpus), vocab_size=300).data, out)
+  prepared.PreparedData.open(out)
+
+
+def test_a_prepare_killed_before_its_first_shard_gives_way_to_other_input(tmp_path):
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(2000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  reference = prepared.prepare(config.data, tmp_path / "ref")
+  # What a prepare of other text killed after training its tokenizer leaves: its prepare.json,
+  # its tokenizer (that must not be reused) and the temporary file of its first shard.
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "prepare.json").write_text(json.dumps({"fingerprint": "0123456789abcdef",
+                                                "format_version": 1}))
+  (out / "tokenizer.model").write_bytes(b"the tokenizer of other text")
+  (out / "train-00000.array_record.tmp1234").write_bytes(b"half a shard")
+  prepared.prepare(config.data, out)
+  assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
+  assert _shard_sums(out) == _shard_sums(reference)
+  # With a finished shard, it holds another dataset: refused, as before.
+  other = _config(files=os.fspath(corpus), vocab_size=320)
+  with pytest.raises(ValueError, match=r"^--out=.* holds another dataset"):
+    prepared.prepare(other.data, out)
+
+
+def test_out_that_is_a_file_is_a_one_line_error_naming_the_flag(tmp_path):
+  corpus, afile = tmp_path / "c.txt", tmp_path / "afile"
+  corpus.write_text(_text(200))
+  afile.write_text("x")
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  with pytest.raises(ValueError, match=rf"^--out={afile} is a file; "):
+    prepared.prepare(config.data, afile)
+  with pytest.raises(ValueError, match=rf"^--out={afile / 'sub'}: cannot create the folder"):
+    prepared.prepare(config.data, afile / "sub")
+  assert afile.read_text() == "x"
+
+
+@pytest.fixture(scope="module")
+def prepared_300(tmp_path_factory) -> Path:
+  root = tmp_path_factory.mktemp("prepared_300")
+  (root / "c.txt").write_text(_text(2000))
+  return prepared.prepare(_config(files=os.fspath(root / "c.txt"), vocab_size=300).data,
+                          root / "p", shard_chars=20_000)
+
+
+def _edit_shard(split: str, i: int, tokens: int, records: int = 0):
+  def edit(m):
+    m["splits"][split]["shards"][i]["tokens"] += tokens
+    m["splits"][split]["shards"][i]["records"] += records
+    m["splits"][split]["tokens"] += tokens
+    return m
+  return edit
+
+
+def _set(m, keys, value):
+  *path, last = keys
+  for key in path:
+    m = m[key]
+  if value is None:
+    del m[last]
+  else:
+    m[last] = value
+
+
+@pytest.mark.parametrize("edit,vocab,message", [
+    pytest.param(lambda m: [], 300, r"/manifest\.json: damaged manifest: it is \[\]", id="list"),
+    pytest.param(lambda m: _set(m, ["tokenizer"], None), 300,
+                 r"/manifest\.json: damaged manifest: tokenizer is missing", id="no-tokenizer"),
+    pytest.param(lambda m: _set(m, ["splits", "train", "shards", 0, "size"], "9"), 300,
+                 r"/manifest\.json: damaged manifest: splits\.train\.shards\[0\]\.size is \"9\", "
+                 "not an integer", id="size-a-string"),
+    pytest.param(lambda m: _set(m, ["splits", "validation", "tokens"], 10**6), 300,
+                 r"/manifest\.json: damaged manifest: splits\.validation\.tokens is 1000000, "
+                 r"its shards hold \d+", id="split-tokens"),
+    pytest.param(lambda m: _set(m, ["token_dtype"], "<u4"), 300,
+                 r"/manifest\.json: damaged manifest: token_dtype is '<u4', prepare writes '<u2' "
+                 "for vocab_size 300", id="token-dtype"),
+    pytest.param(lambda m: _set(m, ["tokenizer", "vocab_size"], 301), 301,
+                 r": inconsistent prepared data: tokenizer\.model has vocab_size 300, "
+                 r"manifest\.json says 301", id="vocab-size"),
+    pytest.param(_edit_shard("train", 1, 5), 300,
+                 r": inconsistent prepared data: the last record of train-00001\.array_record "
+                 r"has \d+ bytes, manifest\.json says", id="shard-tokens"),
+    pytest.param(_edit_shard("validation", 0, -3), 300,
+                 r": inconsistent prepared data: the last record of validation-00000\.array_record",
+                 id="validation-shard-tokens"),
+    pytest.param(_edit_shard("train", 0, 1024, 1), 300,
+                 r": inconsistent prepared data: train-00000\.array_record holds \d+ records, "
+                 r"manifest\.json says", id="shard-records"),
+])
+def test_a_hand_edited_manifest_is_a_one_line_error_naming_the_folder(
+    edit, vocab, message, prepared_300, tmp_path):
+  out = tmp_path / "p"
+  shutil.copytree(prepared_300, out)
+  manifest_path = out / "manifest.json"
+  manifest = json.loads(manifest_path.read_text())
+  edited = edit(manifest)  # a new manifest, or None for one edited in place
+  manifest = manifest if edited is None else edited
+  manifest_path.write_text(json.dumps(manifest))
+  config = _config(prepared_dir=os.fspath(out), vocab_size=vocab)
+  with pytest.raises(ValueError) as info:
+    build_data(config, tmp_path / "wd")
+  assert re.match(re.escape(os.fspath(out)) + message, str(info.value)), str(info.value)
+  assert "\n" not in str(info.value)
+  # prepare rebuilds the manifest (the shards are intact: kept).
+  sums = _shard_sums(out)
+  prepared.prepare(_config(files=os.fspath(prepared_300.parent / "c.txt"), vocab_size=300).data,
+                   out, shard_chars=20_000)
+  assert json.loads(manifest_path.read_text()) == json.loads(
+      (prepared_300 / "manifest.json").read_text())
+  assert _shard_sums(out) == sums
+  build_data(_config(prepared_dir=os.fspath(out), vocab_size=300), tmp_path / "wd")
+
+
 def test_prepared_dir_must_fit_the_config(tmp_path):
   corpus = tmp_path / "c.txt"
   corpus.write_text(_text(2000))
@@ -325,6 +469,11 @@ def test_prepare_cli_then_main_from_prepared_dir(tmp_path):
                        capture_output=True, text=True, timeout=300)
   assert bad.returncode == 1
   assert bad.stderr.strip().splitlines()[-1].startswith(f"error: --out={tmp_path} is not empty")
+  afile = subprocess.run(prep[:-1] + [f"--out={corpus}"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+  assert afile.returncode == 1
+  assert afile.stderr.strip().splitlines()[-1] == (
+      f"error: --out={corpus} is a file; choose a new or empty folder")
   run = subprocess.run(
       [sys.executable, "-m", "cem_jax.main", f"--config={tmp_path / 'cfg.py'}",
        f"--workdir={tmp_path / 'w'}", f"--config.data.prepared_dir={tmp_path / 'p'}"],

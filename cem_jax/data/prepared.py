@@ -21,18 +21,23 @@ Shards are defined by the input: the text of a split, cut into pieces of at most
 into shards of about ``shard_chars`` characters. Each shard is encoded and written on its own
 (in ``workers`` processes), to a temporary name then renamed, so a killed prepare leaves only
 whole shards and no manifest; running it again skips every shard whose sidecar matches and
-writes the rest, and with a complete, intact manifest it is a no-op.
+writes the rest, and with a complete, intact manifest it is a no-op. A prepare that fails
+before its first shard (bad input) removes what it wrote, and what a killed one left before its
+first shard gives way to a prepare of other input, so neither blocks the re-run.
 
-``PreparedData`` opens such a folder (checking every shard's size and sha256 against the
-manifest) and serves windows of ``seq_len + 1`` tokens by position: window ``w`` is stream
-tokens ``[w (seq_len + 1), (w + 1) (seq_len + 1))``, read from the one or two records holding
-them by ``ArrayRecordDataSource`` random access; segment ids follow from the EOS positions.
+``PreparedData`` opens such a folder (checking the manifest's structure, every shard's size
+and sha256 against it, and it against the tokenizer's vocabulary and the records ArrayRecord
+counts in each shard) and serves windows of ``seq_len + 1`` tokens by position: window ``w``
+is stream tokens ``[w (seq_len + 1), (w + 1) (seq_len + 1))``, read from the one or two records
+holding them by ``ArrayRecordDataSource`` random access; segment ids follow from the EOS
+positions.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -228,14 +233,77 @@ def _tokenizer(data_config, splits: sources.TextSplits, out_dir: Path
   return tokenizer_lib.Tokenizer(model, path=path), model, trained
 
 
+def _holds_data(out_dir: Path) -> bool:
+  """Whether ``out_dir`` holds what a re-run keeps: a manifest, a finished shard or sidecar."""
+  prefixes = tuple(f"{split}-" for split in SPLITS)
+  return any(p.name == MANIFEST or (p.name.startswith(prefixes)
+                                    and p.suffix in (".array_record", ".json"))
+             for p in out_dir.iterdir())
+
+
+def _remove_leftovers(out_dir: Path, *, progress: bool, tokenizer: bool) -> None:
+  """Removes what a prepare writes before its first shard: temporaries of killed writes and,
+  as asked, ``prepare.json`` and the tokenizer. Other files are not ours: they stay."""
+  for path in out_dir.iterdir():
+    name = path.name
+    if ((name.startswith((f"{PROGRESS}.", f"{TOKENIZER}.")) and name.endswith(".tmp"))
+        or ".array_record.tmp" in name or (progress and name == PROGRESS)
+        or (tokenizer and name == TOKENIZER)):
+      path.unlink(missing_ok=True)
+
+
+def _claim(out_dir: Path, fp: str) -> bool:
+  """Makes ``out_dir`` the folder of fingerprint ``fp``: new, empty, already ``fp``'s, or left by
+  a prepare of other input that failed or was killed before its first shard (nothing in it is
+  worth keeping). Returns whether ``prepare.json`` was written now.
+
+  Raises:
+    ValueError: ``out_dir`` cannot be created, holds another dataset, or is not empty and
+      holds no prepared dataset.
+  """
+  progress = out_dir / PROGRESS
+  if progress.is_file():
+    try:
+      saved = json.loads(progress.read_text())
+    except ValueError:
+      saved = None
+    previous = saved.get("fingerprint") if isinstance(saved, dict) else None
+    if previous == fp:
+      return False
+    if _holds_data(out_dir):
+      raise ValueError(
+          f"--out={os.fspath(out_dir)} holds another dataset (fingerprint {previous}, this "
+          f"config and text: {fp}); choose another folder or delete it")
+    logging.getLogger(__name__).info(
+        "%s holds no shard of the dataset %s: preparing %s there instead", out_dir, previous, fp)
+    # Its tokenizer was trained on other input: it must not be reused.
+    _remove_leftovers(out_dir, progress=True, tokenizer=True)
+  elif out_dir.is_dir() and any(out_dir.iterdir()):
+    raise ValueError(f"--out={os.fspath(out_dir)} is not empty and holds no prepared dataset; "
+                     "choose an empty or new folder")
+  else:
+    try:
+      out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise ValueError(f"--out={os.fspath(out_dir)}: cannot create the folder ({e.strerror}); "
+                       "choose a folder that can be created") from None
+  _write_json(progress, {"fingerprint": fp, "format_version": FORMAT_VERSION})
+  return True
+
+
 def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD_CHARS,
             workers: int | None = None) -> Path:
   """Prepares the data of ``data_config`` in ``out_dir`` (see the module docstring).
 
+  A prepare that fails before its first shard removes what it wrote (so a re-run with fixed
+  input finds no trace of it); a killed one leaves its work to the next run of the same input,
+  and to a run of other input only when it wrote no shard.
+
   Args:
     data_config: the ``data`` group of a resolved config.
     out_dir: the dataset folder; created if missing. A folder holding another dataset
-      (another fingerprint) is refused.
+      (another fingerprint) is refused; what a prepare of other input left before its first
+      shard is replaced.
     shard_chars: characters of text per shard (recorded in the manifest).
     workers: encoding processes; None = ``min(2, cpu count)`` for corpora of at least
       ``POOL_MIN_CHARS`` characters, else this process alone.
@@ -245,39 +313,46 @@ def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD
 
   Raises:
     ValueError: bad config values or input (one line naming the field or file), or
-      ``out_dir`` holds another dataset.
+      ``out_dir`` is a file, cannot be created, holds another dataset, or is not empty and
+      holds no prepared dataset.
     ConnectionError: a TFDS catalog dataset is not prepared and there is no network.
   """
   log = logging.getLogger(__name__)
   out_dir = Path(os.path.expanduser(os.fspath(out_dir)))
+  if out_dir.exists() and not out_dir.is_dir():
+    raise ValueError(f"--out={os.fspath(out_dir)} is a file; choose a new or empty folder")
   identity = sources.source_identity(data_config)
   fp = fingerprint(data_config, identity)
   manifest_path = out_dir / MANIFEST
-  progress = out_dir / PROGRESS
-  if progress.is_file():
-    try:
-      previous = json.loads(progress.read_text()).get("fingerprint")
-    except ValueError:
-      previous = None
-    if previous != fp:
-      raise ValueError(
-          f"--out={os.fspath(out_dir)} holds another dataset (fingerprint {previous}, this "
-          f"config and text: {fp}); choose another folder or delete it")
-  elif out_dir.is_dir() and any(out_dir.iterdir()):
-    raise ValueError(f"--out={os.fspath(out_dir)} is not empty and holds no prepared dataset; "
-                     "choose an empty or new folder")
-  else:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(progress, {"fingerprint": fp, "format_version": FORMAT_VERSION})
+  made_dir = not out_dir.exists()
+  made_progress = _claim(out_dir, fp)
   if manifest_path.is_file():
     try:
-      PreparedData.open_manifest(out_dir, verify=True)
+      PreparedData.open(out_dir)
       log.info("prepared data in %s is complete and intact: nothing to do", out_dir)
       return out_dir
     except ValueError as e:
       log.warning("%s; preparing the damaged part again", e)
       manifest_path.unlink()
+  made_tokenizer = not (out_dir / TOKENIZER).exists()
+  try:
+    return _prepare(data_config, out_dir, identity, fp, shard_chars, workers)
+  except Exception:
+    # Failed (bad input, a full disk) before its first shard: what it wrote would only block
+    # the re-run with fixed input (another fingerprint). Interrupts are not failures: like a
+    # kill they leave the work (a trained tokenizer) to the next run.
+    if not _holds_data(out_dir):
+      _remove_leftovers(out_dir, progress=made_progress, tokenizer=made_tokenizer)
+      if made_dir and not any(out_dir.iterdir()):
+        out_dir.rmdir()
+    raise
 
+
+def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: int,
+             workers: int | None) -> Path:
+  """``prepare``'s work in a claimed folder without a valid manifest."""
+  log = logging.getLogger(__name__)
+  manifest_path = out_dir / MANIFEST
   start = time.perf_counter()
   splits = sources.text_splits(data_config)
   tok, model, trained = _tokenizer(data_config, splits, out_dir)
@@ -355,14 +430,108 @@ def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD
 # ---------------------------------------------------------------------------------------------
 # Reading
 
+# What readers take from a manifest, with its JSON types: ``{key: schema}`` an object,
+# ``[schema]`` a list of them, ``object`` any value.
+_SHARD_SCHEMA = {"file": str, "tokens": int, "records": int, "size": int, "sha256": str}
+_SPLIT_SCHEMA = {"documents": int, "tokens": int, "characters": int, "bytes": int,
+                 "fields": [str], "shards": [_SHARD_SCHEMA]}
+_MANIFEST_SCHEMA = {
+    "fingerprint": str, "source": str, "sources": {"kind": str},
+    "config": dict.fromkeys(SPEC_KEYS, object),
+    "tokenizer": {"file": str, "sha256": str, "vocab_size": int, "eos_id": int, "pad_id": int,
+                  "trained_here": bool},
+    "token_dtype": str, "splits": dict.fromkeys(SPLITS, _SPLIT_SCHEMA),
+}
+_JSON_TYPES = {str: "a string", int: "an integer", bool: "true or false"}
+
+
+def _schema_error(value, schema, where: str) -> str | None:
+  """The first place where ``value`` departs from ``schema``, as one phrase, or None."""
+  if isinstance(schema, dict):
+    if not isinstance(value, dict):
+      return f"{where} is {json.dumps(value)[:40]}, not an object"
+    for key, sub in schema.items():
+      name = f"{where}.{key}" if where else key
+      if key not in value:
+        return f"{name} is missing"
+      if error := _schema_error(value[key], sub, name):
+        return error
+    return None
+  if isinstance(schema, list):
+    if not isinstance(value, list):
+      return f"{where} is {json.dumps(value)[:40]}, not a list"
+    for i, item in enumerate(value):
+      if error := _schema_error(item, schema[0], f"{where}[{i}]"):
+        return error
+    return None
+  # bool is an int to Python, not to JSON.
+  if schema is not object and (not isinstance(value, schema) or (
+      schema is int and isinstance(value, bool))):
+    return f"{where} is {json.dumps(value)[:40]}, not {_JSON_TYPES[schema]}"
+  return None
+
+
+def _manifest_error(manifest: dict) -> str | None:
+  """What makes a manifest (of the current format) unlike any that prepare writes, or None:
+  its structure, file names and token counts, checked without opening a shard."""
+  if error := _schema_error(manifest, _MANIFEST_SCHEMA, ""):
+    return error
+  if manifest["sources"]["kind"] == "files" and (
+      error := _schema_error(manifest["sources"], {"files": [{"path": str}]}, "sources")):
+    return error
+  tok = manifest["tokenizer"]
+  if tok["file"] != TOKENIZER:
+    return f"tokenizer.file is {tok['file']!r}, prepare writes {TOKENIZER!r}"
+  if tok["vocab_size"] < 1:
+    return f"tokenizer.vocab_size is {tok['vocab_size']}, not >= 1"
+  if manifest["token_dtype"] != _token_dtype(tok["vocab_size"]):
+    return (f"token_dtype is {manifest['token_dtype']!r}, prepare writes "
+            f"{_token_dtype(tok['vocab_size'])!r} for vocab_size {tok['vocab_size']}")
+  for split in SPLITS:
+    info, where = manifest["splits"][split], f"splits.{split}"
+    fields = ["tokens", "bytes"] if split == "validation" else ["tokens"]
+    if info["fields"] != fields:
+      return f"{where}.fields is {info['fields']}, prepare writes {fields}"
+    if not info["shards"]:
+      return f"{where}.shards is empty"
+    for i, shard in enumerate(info["shards"]):
+      name, tokens = shard_name(split, i), shard["tokens"]
+      if shard["file"] != name:
+        return f"{where}.shards[{i}].file is {shard['file']!r}, prepare writes {name!r}"
+      # Records of RECORD_TOKENS tokens, the last one partial: the reader relies on it.
+      if tokens < 0 or shard["records"] != -(-tokens // RECORD_TOKENS):
+        return (f"{where}.shards[{i}] ({name}) has {tokens} tokens in {shard['records']} "
+                f"records of {RECORD_TOKENS}")
+    total = sum(shard["tokens"] for shard in info["shards"])
+    if info["tokens"] != total:
+      return f"{where}.tokens is {info['tokens']}, its shards hold {total}"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _WholeFile:
+  """An ``ArrayRecordDataSource`` file instruction: all ``take`` records of ``filename``."""
+  filename: str
+  take: int
+  skip: int = 0
+
+  @property
+  def examples_in_shard(self) -> int:
+    return self.take
+
 
 class TokenStream:
   """One split's token stream (and, for validation, per-token text bytes), read by position.
 
   Args:
     directory: the prepared folder.
-    info: the split's manifest entry.
+    info: the split's manifest entry (as ``PreparedData.open_manifest`` checks it).
     dtype: the manifest's ``token_dtype``.
+
+  Raises:
+    ValueError: a shard's records, as ArrayRecord counts them, or the length of its last
+      record disagree with the manifest (one line naming the folder and the shard).
+    RuntimeError: a shard is not an ArrayRecord file.
   """
 
   def __init__(self, directory: Path, info: dict, dtype: str):
@@ -373,8 +542,30 @@ class TokenStream:
     shards = info["shards"]
     self._tok_off = np.cumsum([0] + [s["tokens"] for s in shards]).tolist()
     self._rec_off = np.cumsum([0] + [s["records"] for s in shards]).tolist()
-    self._source = array_record_data_source.ArrayRecordDataSource(
-        [os.fspath(directory / s["file"]) for s in shards])
+    files = []
+    for s in shards:
+      path = os.fspath(directory / s["file"])
+      reader = array_record_module.ArrayRecordReader(path)
+      records = reader.num_records()
+      reader.close()
+      if records != s["records"]:
+        raise ValueError(f"{directory}: inconsistent prepared data: {s['file']} holds {records} "
+                         f"records, {MANIFEST} says {s['records']}; run prepare again")
+      files.append(_WholeFile(path, records))
+    # Counted here once, so the source need not open every file again to count.
+    self._source = array_record_data_source.ArrayRecordDataSource(files)
+    # The last record of each shard holds the rest of its tokens: its length checks the
+    # manifest's token count and token_dtype against what was written.
+    width = self._dtype.itemsize + (4 if self.has_bytes else 0)
+    last = [(s, self._rec_off[i + 1] - 1) for i, s in enumerate(shards) if s["records"]]
+    for (s, _), data in zip(last, self._source.__getitems__([r for _, r in last]),
+                            strict=True):
+      want = (s["tokens"] - (s["records"] - 1) * RECORD_TOKENS) * width
+      if len(data) != want:
+        raise ValueError(
+            f"{directory}: inconsistent prepared data: the last record of {s['file']} has "
+            f"{len(data)} bytes, {MANIFEST} says {want} ({s['tokens']} tokens of "
+            f"{self._dtype.str}{' and <u4 bytes' if self.has_bytes else ''}); run prepare again")
 
   def _record_of(self, pos: int) -> tuple[int, int, int]:
     """(global record index, offset in it, tokens left in it) of stream position ``pos``."""
@@ -481,9 +672,21 @@ class PreparedData:
   """A prepared folder opened for reading: its manifest, tokenizer and split streams."""
 
   def __init__(self, directory: Path, manifest: dict):
+    """Loads the tokenizer and the streams of a manifest that ``open_manifest`` returned.
+
+    Raises:
+      ValueError: the tokenizer or a shard disagrees with the manifest (one line naming the
+        folder and what disagrees).
+      RuntimeError: the tokenizer or a shard is not a file of its kind.
+    """
     self.directory = directory
     self.manifest = manifest
     self.tokenizer = tokenizer_lib.Tokenizer.from_file(directory / manifest["tokenizer"]["file"])
+    for key in ("vocab_size", "eos_id", "pad_id"):
+      ours, theirs = getattr(self.tokenizer, key), manifest["tokenizer"][key]
+      if ours != theirs:
+        raise ValueError(f"{directory}: inconsistent prepared data: {TOKENIZER} has {key} "
+                         f"{ours}, {MANIFEST} says {theirs}; run prepare again")
     self.streams = {split: TokenStream(directory, manifest["splits"][split],
                                        manifest["token_dtype"]) for split in SPLITS}
 
@@ -493,7 +696,8 @@ class PreparedData:
     size and (``verify``) sha256.
 
     Raises:
-      ValueError: one line naming the folder or the damaged file and what to do.
+      ValueError: one line naming the folder or the damaged file and what to do; a manifest
+        unlike any that prepare writes (its structure, names, token counts) is damaged.
     """
     directory = Path(os.path.expanduser(os.fspath(directory)))
     path = directory / MANIFEST
@@ -505,12 +709,17 @@ class PreparedData:
       manifest = json.loads(path.read_text())
     except ValueError as e:
       raise ValueError(f"{path} is not valid JSON ({e}); run prepare again") from None
+    if not isinstance(manifest, dict):
+      raise ValueError(f"{path}: damaged manifest: it is {json.dumps(manifest)[:40]}, not an "
+                       "object; run prepare again to rebuild it")
     if manifest.get("format_version") != FORMAT_VERSION or manifest.get(
         "record_tokens") != RECORD_TOKENS:
       raise ValueError(
           f"{path}: format {manifest.get('format_version')} with {manifest.get('record_tokens')}"
           f"-token records; this version reads format {FORMAT_VERSION} with {RECORD_TOKENS}; "
           "prepare the data again")
+    if error := _manifest_error(manifest):
+      raise ValueError(f"{path}: damaged manifest: {error}; run prepare again to rebuild it")
     files = [(manifest["tokenizer"]["file"], None, manifest["tokenizer"]["sha256"])]
     for split in SPLITS:
       files += [(s["file"], s["size"], s["sha256"]) for s in manifest["splits"][split]["shards"]]
@@ -534,8 +743,9 @@ class PreparedData:
     """Opens a prepared folder; with ``data_config`` checks that it fits (see ``check_fits``).
 
     Raises:
-      ValueError: no or damaged manifest/shard/tokenizer, or a dataset not made for the
-        config (one line naming the file or field).
+      ValueError: no or damaged manifest/shard/tokenizer, a tokenizer or shard that disagrees
+        with the manifest, or a dataset not made for the config (one line naming the file,
+        folder or field).
     """
     directory = Path(os.path.expanduser(os.fspath(directory)))
     manifest = cls.open_manifest(directory, verify=True)
