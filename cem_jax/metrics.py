@@ -4,6 +4,7 @@ beside it, TensorBoard event files in ``WORKDIR/tensorboard`` with the same scal
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -48,10 +49,16 @@ class MetricsWriter:
     self._file = open(self.path, "a")
 
   def write(self, step: int, metrics: dict) -> None:
-    """Writes ``{"step": step, **metrics}`` as one line and flushes it."""
+    """Writes ``{"step": step, **metrics}`` as one line and flushes it.
+
+    A non-finite float (the loss of a skipped step) is written as ``null``: strict JSON, which
+    every parser reads (Python's ``NaN`` literal is not JSON). TensorBoard gets the value.
+    """
     if self._file is None:
       return
-    self._file.write(json.dumps({"step": int(step), **metrics}) + "\n")
+    line = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in {"step": int(step), **metrics}.items()}
+    self._file.write(json.dumps(line, allow_nan=False) + "\n")
     self._file.flush()
     if self._tb is not None:
       for key, value in metrics.items():

@@ -23,8 +23,9 @@ from cem_jax.metrics import energy_steps, read_metrics  # noqa: E402
 def plot_losses(metrics: list[dict], path: str, title: str = "") -> None:
   """Train/eval loss curves to ``path`` (PNG)."""
   fig, ax = plt.subplots(figsize=(6, 4))
-  train = [(m["step"], m["train/loss"]) for m in metrics if "train/loss" in m]
-  evals = [(m["step"], m["eval/loss"]) for m in metrics if "eval/loss" in m]
+  # None: a non-finite value (metrics.jsonl writes it as null); a gap in the curve.
+  train = [(m["step"], m["train/loss"]) for m in metrics if m.get("train/loss") is not None]
+  evals = [(m["step"], m["eval/loss"]) for m in metrics if m.get("eval/loss") is not None]
   if train:
     ax.plot(*zip(*train, strict=True), label="train", alpha=0.7)
   bpb = [m["eval/bits_per_byte"] for m in metrics if "eval/bits_per_byte" in m]

@@ -433,7 +433,7 @@ def eval_curves(workdir: str, table: str, module, seeds: int,
       path = run_dir(workdir, table, row, seed)
       if os.path.exists(os.path.join(path, "metrics.jsonl")):
         for m in read_metrics(path):
-          if "eval/loss" in m:
+          if m.get("eval/loss") is not None:  # None: non-finite (written as null)
             by_step.setdefault(m["step"], []).append(m["eval/loss"])
     curves[row] = [(s, statistics.fmean(v)) for s, v in sorted(by_step.items())]
   return curves

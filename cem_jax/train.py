@@ -75,7 +75,7 @@ def epochs(config: ml_collections.ConfigDict, train_windows: int) -> float:
 def best_eval(evals: list[dict]) -> dict:
   """``eval/best_loss``, ``eval/best_bits_per_byte`` and ``eval/best_step`` (its step) of the
   eval line with the lowest ``eval/loss``; ``{}`` without eval lines."""
-  evals = [m for m in evals if "eval/loss" in m]
+  evals = [m for m in evals if m.get("eval/loss") is not None]  # None: non-finite
   if not evals:
     return {}
   best = min(evals, key=lambda m: (m["eval/loss"], m["step"]))

@@ -125,3 +125,15 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
   assert events.Scalars("eval/energy/layer0/step1/att_after")[0].value == -3.0
   assert "data/source" not in events.Tags()["scalars"]
   assert read_metrics(str(tmp_path))[1]["step"] == 20
+
+
+def test_non_finite_metrics_are_strict_json_null(tmp_path):
+  from cem_jax.metrics import MetricsWriter
+
+  writer = MetricsWriter(str(tmp_path), tensorboard=False)
+  writer.write(3, {"train/loss": float("nan"), "train/grad_norm": float("inf"), "x": 1.5})
+  writer.close()
+  line = (tmp_path / "metrics.jsonl").read_text()
+  assert json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON {c}")) == {
+      "step": 3, "train/loss": None, "train/grad_norm": None, "x": 1.5}
+  assert read_metrics(str(tmp_path)) == [json.loads(line)]
