@@ -12,6 +12,7 @@ or preconditioners).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -26,7 +27,9 @@ def load_run(workdir: str):
   The model is rebuilt from the config saved *in that checkpoint*, not from
   ``config.json``, which every start rewrites (also a start that changed an option of a
   finished run and then trained nothing). Fields missing from an older run's config take
-  today's defaults.
+  today's defaults. The data are the tokens the checkpoint records it was trained on, read
+  from the run's ``data/`` folder, so the raw text may have moved; a checkpoint without that
+  record (or whose folder is gone) builds its data from the config.
 
   Raises:
     FileNotFoundError: no ``config.json`` or no checkpoint in ``workdir``.
@@ -52,7 +55,8 @@ def load_run(workdir: str):
     step = ckpt.restorable_step()  # the newest *verified* step
     if step is None:  # found before the data are built (a tokenizer trained for nothing)
       raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
-    saved = ckpt.read_meta(step).get("config")
+    meta = ckpt.read_meta(step)
+    saved = meta.get("config")
     where = f"checkpoint {ckpt.step_dir(step)}"
     if saved is None:  # saved before checkpoints held their config
       where = path
@@ -69,6 +73,11 @@ def load_run(workdir: str):
                        "version of cem_jax; evaluate it with the version that trained it")
     config.update(saved)
     config_lib.validate(config)
+    found = _prepared_data_of(workdir, meta.get("data"))
+    if found and not config.data.prepared_dir:
+      # The tokens the checkpoint was trained on, in the run's own data/ folder: the raw
+      # text need not be where it was (or exist at all).
+      config.data.prepared_dir, config.data.files, config.data.tfds_name = found, "", ""
     data = data_lib.build_data(config, workdir)
     model = steps_lib.build_model(config, data.tokenizer.vocab_size)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -77,6 +86,23 @@ def load_run(workdir: str):
   finally:
     ckpt.close()
   return config, data, graphdef, state["params"], step
+
+
+def _prepared_data_of(workdir: str, identity: dict | None) -> str | None:
+  """The folder under ``WORKDIR/data`` whose tokens are ``identity`` (a checkpoint's record of
+  what it was trained on), or None."""
+  from cem_jax.data.pipeline import data_identity
+
+  if not identity:
+    return None
+  for manifest in sorted(glob.glob(os.path.join(workdir, "data", "*", "manifest.json"))):
+    try:
+      with open(manifest) as f:
+        if data_identity(json.load(f)) == identity:
+          return os.path.dirname(manifest)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+      continue  # damaged: not the one (build_data would say why if it were used)
+  return None
 
 
 def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> list[dict]:

@@ -262,16 +262,22 @@ def test_evaluate_rebuilds_the_model_the_checkpoint_was_saved_from(shared_data, 
 
   from cem_jax import evaluate
 
+  text, workdir = tmp_path / "text.txt", tmp_path / "w"
+  text.write_text((shared_data / "wikitext2_valid.txt").read_text())  # a copy to move away
   cfg = tiny_config("cem", **{"train.num_steps": 4, "train.eval_every_steps": 4,
-                              "data.files": str(shared_data / "wikitext2_valid.txt")})
-  train.train_and_evaluate(cfg, str(tmp_path))
-  trained = [m for m in read_metrics(str(tmp_path)) if "eval/loss" in m][-1]["eval/loss"]
-  path = tmp_path / "config.json"
+                              "data.files": str(text)})
+  train.train_and_evaluate(cfg, str(workdir))
+  trained = [m for m in read_metrics(str(workdir)) if "eval/loss" in m][-1]["eval/loss"]
+  path = workdir / "config.json"
   saved = json.loads(path.read_text())
   saved["model"]["strict_causal"] = True
   path.write_text(json.dumps(saved))
-  row = evaluate.test_time_steps(str(tmp_path), [1], max_batches=cfg.eval.max_batches)[0]
+  row = evaluate.test_time_steps(str(workdir), [1], max_batches=cfg.eval.max_batches)[0]
   assert row["step"] == 4
+  np.testing.assert_allclose(row["eval/loss"], trained, rtol=1e-6)
+  # The raw text is gone: the checkpoint's own tokens in WORKDIR/data still serve.
+  text.unlink()
+  row = evaluate.test_time_steps(str(workdir), [1], max_batches=cfg.eval.max_batches)[0]
   np.testing.assert_allclose(row["eval/loss"], trained, rtol=1e-6)
 
 

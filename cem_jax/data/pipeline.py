@@ -279,13 +279,14 @@ def build_data(config, workdir: str | os.PathLike) -> Data:
       eval_tokens=info["validation"]["tokens"],
       train_bytes=info["train"]["bytes"],
       eval_bytes=info["validation"]["bytes"],
-      identity=_identity(ds.manifest),
+      identity=data_identity(ds.manifest),
   )
 
 
-def _identity(manifest: dict) -> dict[str, str]:
-  """``Data.identity`` of a prepared dataset: tokenizer and token streams by sha256 (not by
-  folder or source path, so the same tokens prepared elsewhere are the same data)."""
+def data_identity(manifest: dict) -> dict[str, str]:
+  """``Data.identity`` of a prepared dataset's manifest: tokenizer and token streams by
+  sha256 (not by folder or source path, so the same tokens prepared elsewhere are the same
+  data)."""
   def streams(split: str) -> str:
     shards = "\n".join(s["sha256"] for s in manifest["splits"][split]["shards"])
     return hashlib.sha256(shards.encode()).hexdigest()
