@@ -1,6 +1,6 @@
 """Table "end_to_end": Llama against CEM models, with a parameter-matched Llama.
 
-    python -m cem_jax.tables --table=end_to_end --scale=tiny --seeds=2 --workdir=results/tiny
+    python -m cem_jax.tables --table=end_to_end --scale=tiny --seeds=3 --workdir=results/tiny
 
 Rows:
   llama:         Llama block (4d² + 3df per layer).
@@ -8,13 +8,13 @@ Rows:
   cem_full:      CEM + per-head diagonal + T = 2 (fixed context) + diagonal+rank-8
                  preconditioners.
   llama_matched: Llama with the CEM row's per-layer parameters (narrower SwiGLU).
-Measured at tiny scale (2026-12-01, numerics version 2, 2 seeds, 400 steps on War and Peace,
+Measured at tiny scale (2026-12-01, numerics version 2, 3 seeds, 400 steps on War and Peace,
 2 CPU cores; results/tiny/end_to_end.md, discussion in docs/REPRODUCING.md): eval loss in
 nats/token (mean), then the difference to llama paired by seed (mean ± spread):
-  llama           3.918   0
-  cem             4.224   +0.307 ± 0.106
-  cem_full        4.666   +0.749 ± 0.249
-  llama_matched   4.394   +0.476 ± 0.264
+  llama           3.884   0
+  cem             4.279   +0.394 ± 0.169
+  cem_full        4.664   +0.779 ± 0.184
+  llama_matched   4.256   +0.371 ± 0.261
 """
 
 from cem_jax import scales

@@ -1,19 +1,19 @@
 """Table "mlp": the tied gated CEM MLP against SwiGLU (attention = Llama MHA in all).
 
-    python -m cem_jax.tables --table=mlp --scale=tiny --seeds=2 --workdir=results/tiny
+    python -m cem_jax.tables --table=mlp --scale=tiny --seeds=3 --workdir=results/tiny
 
 Rows:
   swiglu:         SwiGLU, 3·d·f parameters.
   cem_tied:       CEM tied MLP (W_down = W_gateᵀ, separate gate G), 2·d·f.
   swiglu_matched: SwiGLU narrowed to the tied MLP's parameters (f' = 2f/3).
   cem_widened:    CEM MLP widened to SwiGLU's parameters (f' = 3f/2).
-Measured at tiny scale (2026-12-01, numerics version 2, 2 seeds, 400 steps on War and Peace,
+Measured at tiny scale (2026-12-01, numerics version 2, 3 seeds, 400 steps on War and Peace,
 2 CPU cores; results/tiny/mlp.md, discussion in docs/REPRODUCING.md): eval loss in nats/token
 (mean), then the difference to swiglu paired by seed (mean ± spread):
-  swiglu          3.918   0
-  cem_tied        4.390   +0.472 ± 0.402
-  swiglu_matched  4.112   +0.195 ± 0.102
-  cem_widened     4.146   +0.229 ± 0.154
+  swiglu          3.884   0
+  cem_tied        4.415   +0.531 ± 0.302
+  swiglu_matched  4.031   +0.147 ± 0.110
+  cem_widened     4.265   +0.381 ± 0.285
 """
 
 from cem_jax import scales
