@@ -271,6 +271,12 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
   the per-run results, or None when a run was preempted (SIGTERM) before its last step:
   nothing is written for it, and the same command resumes it."""
   check_runs(module, scale, seeds, steps, rows, overrides)
+  more = [row for row in (rows or module.ROWS)
+          if os.path.exists(os.path.join(run_dir(workdir, table, row, seeds), "result.json"))]
+  if more:  # e.g. --seeds=2 over a table made with 3: the table would drop finished seeds
+    logging.warning("table %s: rows %s have a finished seed %d in %s; the table shows seeds "
+                    "0..%d (--seeds=%d): give --seeds=%d or more to include it", table,
+                    ", ".join(more), seeds, workdir, seeds - 1, seeds, seeds + 1)
   runs = [(row, seed) for row in (rows or module.ROWS) for seed in range(seeds)]
   results = []
   for row, seed in tqdm(runs, desc=f"table {table}", unit="run"):

@@ -168,7 +168,8 @@ def _toy_table(tmp_path, shared_data):
   return tables.load_table(str(toy))
 
 
-def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data, monkeypatch):
+def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data, monkeypatch,
+                                                          caplog):
   module = _toy_table(tmp_path, shared_data)
   workdir = str(tmp_path / "out")
   results = tables.run_table(module, "toy", "tiny", 2, workdir)
@@ -195,6 +196,11 @@ def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data,
   monkeypatch.setattr(tables.train, "train_and_evaluate", no_training)
   again = tables.run_table(module, "toy", "tiny", 2, workdir)
   assert again == results
+  # Fewer seeds than were finished: said, since the table would leave seed 1 out.
+  caplog.clear()
+  assert len(tables.run_table(module, "toy", "tiny", 1, workdir)) == 2
+  assert "table toy: rows llama, cem have a finished seed 1 in " in caplog.text
+  assert "give --seeds=2 or more to include it" in caplog.text
   # another table with the same rows reuses the finished runs (same resolved config)
   other = tables.run_table(module, "toy_again", "tiny", 2, workdir)
   assert [{k: v for k, v in r.items() if k != "reused_from"} for r in other] == results
