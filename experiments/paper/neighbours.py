@@ -1,6 +1,6 @@
 """Table "neighbours": CEM against its neighbours (inner optimiser, manifold, shared depth).
 
-    python -m cem_jax.tables --table=neighbours --scale=tiny --seeds=2 --workdir=results/tiny
+    python -m cem_jax.tables --table=neighbours --scale=tiny --seeds=3 --workdir=results/tiny
 
 Rows:
   cem:                CEM tied attention + tied MLP, gradient steps (end_to_end's ``cem``).
