@@ -38,9 +38,9 @@ def test_greedy_cached_equals_uncached(case):
   assert cached.shape == (2, 12)
 
 
-def test_cached_logits_match_the_full_forward():
-  graphdef, params = _model(dict(block="cem", num_steps=2))
-  model = nnx.merge(graphdef, params)
+def _assert_cached_logits_match_the_full_forward(model) -> None:
+  """Prefill 4 tokens, then one token at a time: every position's logits equal the full
+  forward's (1e-5)."""
   tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 10), 0, V)
   full = model(tokens)
   cache = model.init_cache(2, 10)
@@ -49,6 +49,11 @@ def test_cached_logits_match_the_full_forward():
   for i in range(4, 10):
     logits, cache = model(tokens[:, i:i + 1], cache=cache, index=i)
     np.testing.assert_allclose(logits[:, 0], full[:, i], atol=1e-5)
+
+
+def test_cached_logits_match_the_full_forward():
+  graphdef, params = _model(dict(block="cem", num_steps=2))
+  _assert_cached_logits_match_the_full_forward(nnx.merge(graphdef, params))
 
 
 def test_top_k_and_top_p_filters():
@@ -142,14 +147,7 @@ def test_strict_causal_cached_decoding_equals_the_full_forward(case):
   """model.strict_causal=True: the cached path (prefill, then one token at a time) gives the
   full forward's logits at every position, and greedy cached = uncached token for token."""
   model = _strict_model(case)
-  tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 10), 0, V)
-  full = model(tokens)
-  cache = model.init_cache(2, 10)
-  prefill, cache = model(tokens[:, :4], cache=cache, index=0)
-  np.testing.assert_allclose(prefill, full[:, :4], atol=1e-5)
-  for i in range(4, 10):
-    logits, cache = model(tokens[:, i:i + 1], cache=cache, index=i)
-    np.testing.assert_allclose(logits[:, 0], full[:, i], atol=1e-5)
+  _assert_cached_logits_match_the_full_forward(model)
   graphdef, params = nnx.split(model, nnx.Param)
   prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (2, 5), 0, V))
   cached = sample.generate(graphdef, params, prompt, 12, use_cache=True)
