@@ -4,7 +4,7 @@ For each variant × shape it measures compile time, step time (median of the pre
 ``steps`` after its ``warmup`` steps), tokens/s, analytic model FLOPs per token, MFU (when
 the device's peak is known) and peak device memory, prints a table and writes JSON.
 
-    python -m cem_jax.bench --preset=tiny                  # CPU, ~3 min for all 8 variants
+    python -m cem_jax.bench --preset=tiny                  # CPU, ~1 min for all 8 variants
     python -m cem_jax.bench --preset=gpu125m --out=bench.json   # one GPU, ~125M, bf16
     python -m cem_jax.bench --preset=gpu125m --attention_impl=xla  # the XLA attention path
 
