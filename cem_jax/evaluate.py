@@ -28,23 +28,17 @@ def load_run(workdir: str):
   ``config.json``, which every start rewrites (also a start that changed an option of a
   finished run and then trained nothing). Fields missing from an older run's config take
   today's defaults. The data are the tokens the checkpoint records it was trained on, read
-  from the run's ``data/`` folder, so the raw text may have moved; a checkpoint without that
-  record (or whose folder is gone) builds its data from the config.
+  from the run's ``data.prepared_dir`` or its ``data/`` folder, so the raw text (and a given
+  tokenizer file) may have moved; otherwise they are built from the config, and must be the
+  tokens the checkpoint records.
 
   Raises:
     FileNotFoundError: no ``config.json`` or no checkpoint in ``workdir``.
     CheckpointError: checkpoints exist but none is intact.
     ValueError: the saved config has fields this version of cem_jax does not know, or fails
-      validation.
+      validation; the data are not those the checkpoint was trained on.
   """
-  from flax import nnx
-
-  from cem_jax import config as config_lib
-  from cem_jax import data as data_lib
-  from cem_jax import optim
-  from cem_jax import steps as steps_lib
   from cem_jax.checkpoint import Checkpointer
-  from cem_jax.workdir import flatten
 
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
@@ -52,56 +46,83 @@ def load_run(workdir: str):
   # Read-only: the run may still be training here; its in-flight saves must not be touched.
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False, read_only=True)
   try:
-    step = ckpt.restorable_step()  # the newest *verified* step
-    if step is None:  # found before the data are built (a tokenizer trained for nothing)
-      raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
-    meta = ckpt.read_meta(step)
-    saved = meta.get("config")
-    where = f"checkpoint {ckpt.step_dir(step)}"
-    if saved is None:  # saved before checkpoints held their config
-      where = path
+    # A run still training may prune the step chosen while the data and model are built:
+    # then the newest step is chosen again.
+    for attempt in range(3):
+      step = ckpt.restorable_step()  # the newest *verified* step
+      if step is None:  # found before the data are built (a tokenizer trained for nothing)
+        raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
       try:
-        with open(path) as f:
-          saved = json.load(f)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); restore it from the run's "
-                         "command") from None
-    config = config_lib.get_default_config()
-    unknown = sorted(set(flatten(saved)) - set(flatten(json.loads(config.to_json()))))
-    if unknown:
-      raise ValueError(f"{where}: config fields {', '.join(unknown)} are unknown to this "
-                       "version of cem_jax; evaluate it with the version that trained it")
-    config.update(saved)
-    config_lib.validate(config)
-    found = _prepared_data_of(workdir, meta.get("data"))
-    if found and not config.data.prepared_dir:
-      # The tokens the checkpoint was trained on, in the run's own data/ folder: the raw
-      # text need not be where it was (or exist at all).
-      config.data.prepared_dir, config.data.files, config.data.tfds_name = found, "", ""
-    data = data_lib.build_data(config, workdir)
-    model = steps_lib.build_model(config, data.tokenizer.vocab_size)
-    graphdef, params = nnx.split(model, nnx.Param)
-    tx, _ = optim.make_optimizer(config.train)
-    state, _ = ckpt.restore(step, {"params": params, "opt_state": tx.init(params)})
+        config, data, graphdef, params = _build_from(ckpt, step, path, workdir)
+        break
+      except (OSError, ValueError):
+        if attempt == 2 or os.path.isdir(ckpt.step_dir(step)):
+          raise
   finally:
     ckpt.close()
-  return config, data, graphdef, state["params"], step
+  return config, data, graphdef, params, step
 
 
-def _prepared_data_of(workdir: str, identity: dict | None) -> str | None:
-  """The folder under ``WORKDIR/data`` whose tokens are ``identity`` (a checkpoint's record of
-  what it was trained on), or None."""
-  from cem_jax.data.pipeline import data_identity
+def _build_from(ckpt, step: int, config_json: str, workdir: str):
+  """``load_run`` for one step: ``(config, data, graphdef, params)``."""
+  from flax import nnx
+
+  from cem_jax import config as config_lib
+  from cem_jax import data as data_lib
+  from cem_jax import optim
+  from cem_jax import steps as steps_lib
+  from cem_jax.workdir import flatten
+
+  meta = ckpt.read_meta(step)
+  saved = meta.get("config")
+  where = f"checkpoint {ckpt.step_dir(step)}"
+  if saved is None:  # saved before checkpoints held their config
+    where = config_json
+    try:
+      with open(config_json) as f:
+        saved = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{config_json} is not valid JSON ({e}); restore it from the run's "
+                       "command") from None
+  config = config_lib.get_default_config()
+  unknown = sorted(set(flatten(saved)) - set(flatten(json.loads(config.to_json()))))
+  if unknown:
+    raise ValueError(f"{where}: config fields {', '.join(unknown)} are unknown to this "
+                     "version of cem_jax; evaluate it with the version that trained it")
+  config.update(saved)
+  config_lib.validate(config)
+  found = _prepared_data_of(workdir, config.data.prepared_dir, meta.get("data"))
+  if found:
+    # The tokens the checkpoint was trained on: the raw text and a given tokenizer file need
+    # not be where they were (or exist at all).
+    d = config.data
+    d.prepared_dir, d.files, d.tfds_name, d.tokenizer = found, "", "", ""
+  data = data_lib.build_data(config, workdir)
+  data_lib.check_same_data(meta.get("data"), data.identity, ckpt.step_dir(step))
+  model = steps_lib.build_model(config, data.tokenizer.vocab_size)
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx, _ = optim.make_optimizer(config.train)
+  state, _ = ckpt.restore(step, {"params": params, "opt_state": tx.init(params)})
+  return config, data, graphdef, state["params"]
+
+
+def _prepared_data_of(workdir: str, prepared_dir: str, identity: dict | None) -> str | None:
+  """The prepared folder whose tokens are ``identity`` (a checkpoint's record of what it was
+  trained on): the run's ``data.prepared_dir`` or one under ``WORKDIR/data``; None if none."""
+  from cem_jax.data import data_identity
 
   if not identity:
     return None
-  for manifest in sorted(glob.glob(os.path.join(workdir, "data", "*", "manifest.json"))):
+  candidates = sorted(glob.glob(os.path.join(workdir, "data", "*", "manifest.json")))
+  if prepared_dir:
+    candidates.insert(0, os.path.join(os.path.expanduser(prepared_dir), "manifest.json"))
+  for manifest in candidates:
     try:
       with open(manifest) as f:
         if data_identity(json.load(f)) == identity:
           return os.path.dirname(manifest)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-      continue  # damaged: not the one (build_data would say why if it were used)
+      continue  # missing or damaged: not the one (build_data says why if it is used)
   return None
 
 

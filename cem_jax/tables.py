@@ -478,6 +478,8 @@ def main(argv):
       raise ValueError(f"--steps={fl.steps}; allowed: an integer >= 1 (or leave it out)")
     rows = _rows_flag(module, fl.rows)
     overrides = parse_overrides(fl.set)
+    if os.path.exists(fl.workdir) and not os.path.isdir(fl.workdir):
+      raise ValueError(f"--workdir={fl.workdir} is a file; give a folder (created if missing)")
     os.makedirs(fl.workdir, exist_ok=True)
     results = run_table(module, name, fl.scale, fl.seeds, fl.workdir, fl.steps, rows,
                         overrides)

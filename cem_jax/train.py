@@ -28,6 +28,7 @@ import numpy as np
 from absl import logging
 
 from cem_jax import config as config_lib
+from cem_jax import data as data_lib
 from cem_jax import sharding as sharding_lib
 from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
@@ -189,7 +190,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
       state, run.meta = ckpt.restore(run.resume, {"params": params, "opt_state": opt_state})
       run.params, run.opt_state = state["params"], state["opt_state"]
       run.start_step = int(run.meta["step"])
-      _check_same_data(run.meta.get("data"), data.identity, ckpt.step_dir(run.resume))
+      data_lib.check_same_data(run.meta.get("data"), data.identity, ckpt.step_dir(run.resume))
   except BaseException:
     if ckpt is not None:
       ckpt.close()
@@ -197,23 +198,6 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
       shutil.rmtree(workdir, ignore_errors=True)
     raise
   return run
-
-
-def _check_same_data(saved: dict | None, now: dict | None, step_dir: str) -> None:
-  """Refuses to resume a checkpoint on other tokens: new ids under old embeddings train on,
-  silently, as if nothing had changed (e.g. the text was edited, so the BPE was retrained).
-
-  Raises:
-    ValueError: one line naming the checkpoint and what differs (sha256 prefixes).
-  """
-  if saved is None or now is None:  # saved before checkpoints recorded their data
-    return
-  changed = [f"{k} {str(saved.get(k))[:12]} -> {v[:12]}" for k, v in now.items()
-             if saved.get(k) != v]
-  if changed:
-    raise ValueError(f"checkpoint {step_dir} was trained on other data ({', '.join(changed)}): "
-                     "the text or the tokenizer changed since; resume with the data it was "
-                     "trained on, or train in a new --workdir")
 
 
 def _log_resume(run: Run, resolved: dict) -> None:

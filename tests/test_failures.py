@@ -8,6 +8,7 @@ Also here: the non-finite guard, and regression tests reduced from public bug re
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -276,9 +277,16 @@ def test_evaluate_rebuilds_the_model_the_checkpoint_was_saved_from(shared_data, 
   assert row["step"] == 4
   np.testing.assert_allclose(row["eval/loss"], trained, rtol=1e-6)
   # The raw text is gone: the checkpoint's own tokens in WORKDIR/data still serve.
+  original = text.read_text()
   text.unlink()
   row = evaluate.test_time_steps(str(workdir), [1], max_batches=cfg.eval.max_batches)[0]
   np.testing.assert_allclose(row["eval/loss"], trained, rtol=1e-6)
+  # Those tokens deleted and other text under the same name: not the model's data.
+  shutil.rmtree(workdir / "data")
+  text.write_text(original.replace("the", "THE"))
+  with pytest.raises(ValueError, match=r"^checkpoint .*/checkpoints/4 was trained on other "
+                                       r"data \(tokenizer_sha256 "):
+    evaluate.test_time_steps(str(workdir), [1], max_batches=cfg.eval.max_batches)
 
 
 def test_cli_empty_corpus(texts, tmp_path):

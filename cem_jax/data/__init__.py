@@ -9,7 +9,15 @@ position) -> ``TrainBatches`` (pure function of the step) and ``EvalWindows``.
 """
 
 from cem_jax.data.packing import Windows, encode_documents, make_batch, pack
-from cem_jax.data.pipeline import Data, EvalWindows, TrainBatches, build_data, build_data_in_memory
+from cem_jax.data.pipeline import (
+    Data,
+    EvalWindows,
+    TrainBatches,
+    build_data,
+    build_data_in_memory,
+    check_same_data,
+    data_identity,
+)
 from cem_jax.data.prepared import PreparedData, StreamWindows, prepare
 from cem_jax.data.sources import TextSplits, text_splits
 from cem_jax.data.text import normalize_newlines, read_documents, resolve_files, split_documents
@@ -26,6 +34,8 @@ __all__ = [
     "StreamWindows",
     "build_data",
     "build_data_in_memory",
+    "check_same_data",
+    "data_identity",
     "encode_documents",
     "load_tokenizer",
     "make_batch",

@@ -295,6 +295,27 @@ def data_identity(manifest: dict) -> dict[str, str]:
           "train_sha256": streams("train"), "validation_sha256": streams("validation")}
 
 
+def check_same_data(saved: dict | None, now: dict | None, checkpoint: str) -> None:
+  """Refuses a checkpoint on other tokens than it was trained on: new ids under old
+  embeddings would train (or be evaluated) silently, as if nothing had changed, e.g. after
+  the text was edited and the BPE retrained. ``saved``: the checkpoint's record
+  (``meta["data"]``); ``now``: ``Data.identity``; either None skips the check (a checkpoint
+  saved before they recorded their data, or the in-memory reference). The identity is the
+  shards' sha256: the same tokens written by another array_record version would differ.
+
+  Raises:
+    ValueError: one line naming the checkpoint and what differs (sha256 prefixes).
+  """
+  if saved is None or now is None:
+    return
+  changed = [f"{k} {str(saved.get(k))[:12]} -> {v[:12]}" for k, v in now.items()
+             if saved.get(k) != v]
+  if changed:
+    raise ValueError(f"checkpoint {checkpoint} was trained on other data ({', '.join(changed)}):"
+                     " the text or the tokenizer changed since; use the data it was trained "
+                     "on, or train in a new --workdir")
+
+
 def build_data_in_memory(config) -> Data:
   """The reference of ``build_data``: the same splits, tokenizer rule and packing, built in
   memory from the raw text (``data.tokenizer`` or a tokenizer trained on the train split,
