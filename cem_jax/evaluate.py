@@ -109,20 +109,20 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str):
 def _prepared_data_of(workdir: str, prepared_dir: str, identity: dict | None) -> str | None:
   """The prepared folder whose tokens are ``identity`` (a checkpoint's record of what it was
   trained on): the run's ``data.prepared_dir`` or one under ``WORKDIR/data``; None if none."""
-  from cem_jax.data import data_identity
+  from cem_jax.data import PreparedData, data_identity
 
   if not identity:
     return None
-  candidates = sorted(glob.glob(os.path.join(workdir, "data", "*", "manifest.json")))
+  candidates = sorted(glob.glob(os.path.join(workdir, "data", "*")))
   if prepared_dir:
-    candidates.insert(0, os.path.join(os.path.expanduser(prepared_dir), "manifest.json"))
-  for manifest in candidates:
+    candidates.insert(0, os.path.expanduser(prepared_dir))
+  for folder in candidates:
     try:
-      with open(manifest) as f:
-        if data_identity(json.load(f)) == identity:
-          return os.path.dirname(manifest)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-      continue  # missing or damaged: not the one (build_data says why if it is used)
+      # Sizes only: build_data verifies every sha256 of the folder it opens.
+      if data_identity(PreparedData.open_manifest(folder, verify=False)) == identity:
+        return folder
+    except ValueError:
+      continue  # not a (complete, intact) prepared folder: not the one
   return None
 
 
