@@ -2,14 +2,21 @@
 
 The data goes to a temporary file in the same folder (so the rename stays on one filesystem),
 is flushed to disk, and is renamed over ``path`` (``os.replace``, atomic on POSIX and Windows).
-A failed write removes its temporary file and leaves ``path`` as it was.
+A failed write removes its temporary file and leaves ``path`` as it was; a killed one leaves
+it, and :func:`temporary_of` recognises it. :func:`sha256_file` hashes a file of any size.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import json
 import os
+import re
 import uuid
+from collections.abc import Iterator
+from typing import BinaryIO
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -46,3 +53,78 @@ def atomic_write_json(path: str | os.PathLike, obj, *, indent: int = 2,
     OSError: as :func:`atomic_write_bytes`.
   """
   atomic_write_bytes(path, json.dumps(obj, indent=indent, sort_keys=sort_keys).encode())
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+  """Writes ``text`` (UTF-8) to ``path`` atomically; the folder must exist.
+
+  Raises:
+    OSError: as :func:`atomic_write_bytes`.
+  """
+  atomic_write_bytes(path, text.encode())
+
+
+def atomic_save_figure(fig, path: str | os.PathLike, *, dpi: int = 120) -> None:
+  """Saves a matplotlib figure to ``path`` atomically, in the format its extension names
+  (``.png``, ``.pdf``, ``.svg``); the folder must exist.
+
+  Raises:
+    ValueError: matplotlib does not know the extension's format (nothing is written).
+    OSError: as :func:`atomic_write_bytes`.
+  """
+  buf = io.BytesIO()
+  fig.savefig(buf, format=os.path.splitext(os.fspath(path))[1].lstrip(".") or None, dpi=dpi)
+  atomic_write_bytes(path, buf.getvalue())
+
+
+# The name atomic_write_bytes gives its temporary file, ``<path>.<pid>.<12 hex digits>.tmp``;
+# tests/test_files.py checks that this pattern recognises the names it makes.
+_TEMPORARY_NAME = re.compile(r"(.+)\.[0-9]+\.[0-9a-f]{12}\.tmp")
+
+
+def temporary_of(name: str | os.PathLike) -> str | None:
+  """Returns the name of the file that the temporary file ``name`` of an atomic write was to
+  replace (a writer killed before the rename leaves it behind), or None when ``name`` is not
+  such a temporary file. Only the last component counts:
+  ``temporary_of('d/a.json.12.0123456789ab.tmp') == 'a.json'``.
+  """
+  match = _TEMPORARY_NAME.fullmatch(os.path.basename(os.fspath(name)))
+  return match.group(1) if match else None
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
+  """A binary file whose contents replace ``path`` atomically when the ``with`` block ends
+  without an exception, for data too large to hold in memory; the folder must exist. The
+  temporary file is named as :func:`atomic_write_bytes` names it, and removed on an exception.
+
+  Raises:
+    OSError: as :func:`atomic_write_bytes`.
+  """
+  path = os.fspath(path)
+  tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+  try:
+    with open(tmp, "xb") as f:
+      yield f
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    try:
+      os.remove(tmp)
+    except FileNotFoundError:
+      pass
+    raise
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+  """Returns the sha256 of the file at ``path`` as 64 hex digits, reading 1 MiB at a time.
+
+  Raises:
+    OSError: the file cannot be read.
+  """
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    while block := f.read(1 << 20):
+      h.update(block)
+  return h.hexdigest()

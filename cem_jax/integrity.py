@@ -26,7 +26,6 @@ sha256 per core).
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 import time
@@ -34,7 +33,7 @@ import time
 import jax
 from absl import logging
 
-from cem_jax.files import atomic_write_json
+from cem_jax.files import atomic_write_json, sha256_file
 
 DIGEST_DIR = "digests"
 REJECTED_DIR = "rejected"
@@ -44,7 +43,6 @@ REJECTED_DIR = "rejected"
 COMMIT_MARKER = "commit_success.txt"
 _NOT_DIGESTED = ("_CHECKPOINT_METADATA", COMMIT_MARKER)
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
-_HASH_CHUNK = 1 << 20
 
 
 class CheckpointError(ValueError):
@@ -60,14 +58,6 @@ def step_dir(directory: str, step: int) -> str:
 
 def digest_path(directory: str, step: int) -> str:
   return os.path.join(directory, DIGEST_DIR, f"{step}.json")
-
-
-def _file_sha256(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    while chunk := f.read(_HASH_CHUNK):
-      h.update(chunk)
-  return h.hexdigest()
 
 
 def _step_files(folder: str) -> list[str]:
@@ -87,7 +77,7 @@ def compute_digest(folder: str) -> dict[str, dict]:
   out = {}
   for rel in _step_files(folder):
     path = os.path.join(folder, rel)
-    out[rel] = {"size": os.path.getsize(path), "sha256": _file_sha256(path)}
+    out[rel] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
   return out
 
 
@@ -183,7 +173,7 @@ def verify(directory: str, step: int) -> list[str]:
     if size != want["size"]:
       kind = "truncated" if size < want["size"] else "grown"
       problems.append(f"{path}: {size} bytes, digest says {want['size']} ({kind})")
-    elif _file_sha256(path) != want["sha256"]:
+    elif sha256_file(path) != want["sha256"]:
       problems.append(f"{path}: sha256 differs from {path_of_digest} (damaged)")
   return problems
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import json
 import os
 import socket
 import time
@@ -200,6 +201,46 @@ def test_tfds_catalog_reads_a_prepared_dataset_offline(tmp_path, monkeypatch):
     text_splits(_config(tfds_name=name, files="x.txt").data)
 
 
+def test_tfds_catalog_splits_and_formats_are_checked_before_reading(tmp_path, monkeypatch):
+  monkeypatch.setattr(tfds_catalog, "PROBE_ADDRESS", ("127.0.0.1", closed_port()))
+  data_dir = tmp_path / "tfds"
+  name = fake_catalog(data_dir, ["t0", "t1", "t2", "t3"], ["v0"])
+  config = _config(tfds_name=name, tfds_data_dir=os.fspath(data_dir))
+  config.data.tfds_train_split = "train[:50%]+validation"
+  assert list(text_splits(config.data).train) == ["t0", "t1", "v0"]
+  config.data.tfds_train_split = "train"
+  for split, pattern in [
+      ("test", r"data\.tfds_eval_split='test': no such split of '.*'; it has "
+               r"\['train', 'validation'\]"),
+      ("train+tset", r"data\.tfds_eval_split='train\+tset': no such split of '.*'; it has "),
+      # Known names, but a slice TFDS refuses: its syntax, or more examples than there are.
+      ("validation[:5x]", r"data\.tfds_eval_split='validation\[:5x\]' is not a valid split of "
+                          r"'.*': \S"),
+      ("validation[:10]", r"data\.tfds_eval_split='validation\[:10\]' is not a valid split of "
+                          r"'.*': \S"),
+  ]:
+    config.data.tfds_eval_split = split
+    with pytest.raises(ValueError, match=f"^{pattern}") as e:
+      text_splits(config.data)
+    assert "\n" not in str(e.value)
+  config.data.tfds_eval_split = "validation"
+  # Prepared in a format without random access (TFRecord needs TensorFlow to write, so the
+  # dataset's info says it).
+  (info_file,) = data_dir.rglob("dataset_info.json")
+  info = json.loads(info_file.read_text())
+  info_file.write_text(json.dumps({**info, "fileFormat": "tfrecord"}))
+  with pytest.raises(ValueError, match=rf"^data\.tfds_name='{name}' is prepared in .* as "
+                                       r"\['tfrecord'\]; reading it needs array_record"):
+    text_splits(config.data)
+  # Not a catalog dataset, though a folder of that name looks prepared.
+  (data_dir / "no_such_dataset" / "1.0.0").mkdir(parents=True)
+  (data_dir / "no_such_dataset" / "1.0.0" / "dataset_info.json").write_text("{}")
+  config.data.tfds_name = "no_such_dataset"
+  with pytest.raises(ValueError, match=r"^data\.tfds_name='no_such_dataset' is not a TFDS "
+                                       r"catalog dataset known here"):
+    text_splits(config.data)
+
+
 # ---- tokenizer ---------------------------------------------------------------------------------
 
 
@@ -253,6 +294,48 @@ def test_tokenizer_errors(tmp_path):
   missing = tmp_path / "nope.model"
   with pytest.raises(FileNotFoundError, match=r"data\.tokenizer='.*nope\.model': no such file"):
     build_data(_config(tokenizer=os.fspath(missing)), tmp_path / "wd")
+
+
+def test_tokenizer_vocab_too_small_is_found_before_training(monkeypatch):
+  # Tab, NUL, CR/LF at a chunk's end, '<s>' and '<0x41>' (piece names), ' ' and '\u2581' (one
+  # character to SentencePiece), and a chunk with U+2585 (skipped): each is counted as
+  # SentencePiece counts it, so the minimum is exact.
+  docs = ["a\tb\x00c d\u2581e <s> f<0x41>\r\n", "g\u2585h\n", "\n\n"]
+  tok = tokenizer_lib.Tokenizer(tokenizer_lib.train_model(docs, 268))
+  assert tok.vocab_size == 268  # 4 special + 256 bytes + a b c d e f \t \u2581
+
+  def train_not_called(**kwargs):
+    raise AssertionError("SentencePiece was called")
+
+  monkeypatch.setattr(tokenizer_lib.spm.SentencePieceTrainer, "train", train_not_called)
+  with pytest.raises(ValueError, match=r"^data\.vocab_size=267 is too small: the minimum allowed "
+                                       r"is 268 \(4 special"):
+    tokenizer_lib.train_model(docs, 267)
+
+
+def test_tokenizer_errors_do_not_depend_on_sentencepiece_wording(monkeypatch):
+  real_train = tokenizer_lib.spm.SentencePieceTrainer.train
+
+  def reworded(**kwargs):
+    try:
+      return real_train(**kwargs)
+    except RuntimeError:
+      raise RuntimeError("some other wording\nover two lines") from None
+
+  monkeypatch.setattr(tokenizer_lib.spm.SentencePieceTrainer, "train", reworded)
+  docs = ["hello world, a tiny corpus.\nsecond line\n"] * 3
+  with pytest.raises(ValueError, match=r"^data\.vocab_size=5000 is too large for this training "
+                                       r"text \(120 characters, bpe\): the maximum allowed is "
+                                       r"(\d+)$") as e:
+    tokenizer_lib.train_model(docs, 5000)
+  most = int(e.value.args[0].rsplit(" ", 1)[1])
+  assert tokenizer_lib.Tokenizer(tokenizer_lib.train_model(docs, most)).vocab_size == most
+  # A failure that is not about the vocabulary's size: every chunk holds U+2585, so
+  # SentencePiece skips them all. One line, SentencePiece's message as it is.
+  with pytest.raises(ValueError, match=r"^data\.vocab_size=300, data\.tokenizer_model_type="
+                                       r"'unigram': SentencePiece cannot train on this text "
+                                       r"\(9 characters\): some other wording over two lines$"):
+    tokenizer_lib.train_model(["a \u2585 b\n", "\u2585\u2585\n"], 300, "unigram")
 
 
 def test_given_tokenizer_is_used_and_checked(tmp_path):
@@ -438,3 +521,52 @@ def test_build_data_on_pydoc(tmp_path):
   assert int(ev["nbytes"].sum()) == data.eval_bytes
   eval_weight = sum(b["weights"].sum() for b in data.eval_batches(32))
   assert eval_weight == data.eval.total_weight()
+
+
+_BENCHMARK_CHECKS = """
+import os, sys
+from pathlib import Path
+from cem_jax.data import benchmark
+
+shared, folder = Path(sys.argv[1]), Path(sys.argv[2])
+out = folder / "corpus.txt"
+n = benchmark.make_corpus(shared, out, 1)
+assert n >= 10**6 and out.stat().st_size == n, n
+first = out.read_bytes()
+assert os.listdir(folder) == ["corpus.txt"]
+
+def full_disk(fd):
+  raise OSError("disk full")
+
+real_fsync, os.fsync = os.fsync, full_disk
+try:
+  benchmark.make_corpus(shared, out, 1, seed=1)
+  raise AssertionError("the corpus was not flushed to disk before the rename")
+except OSError as e:
+  assert str(e) == "disk full", e
+os.fsync = real_fsync
+assert out.read_bytes() == first and os.listdir(folder) == ["corpus.txt"]
+for run in (benchmark._first_step, benchmark._pipeline):
+  try:
+    run(os.fspath(folder), *([] if run is benchmark._first_step else [2, 8, 1]))
+    raise AssertionError(f"{run.__name__} read a folder without a manifest")
+  except ValueError as e:
+    assert str(e).startswith(f"data.prepared_dir={folder}: no manifest.json"), e
+print("ok")
+"""
+
+
+def test_data_benchmark_writes_its_corpus_atomically_and_reads_manifests_checked(tmp_path):
+  # In a process of its own: the benchmark module defines absl flags when imported.
+  import subprocess
+  import sys
+
+  shared = tmp_path / "shared"
+  shared.mkdir()
+  (shared / "a.txt").write_text("".join(f"line {i} " + "x" * 2000 + "\n" for i in range(5)))
+  (tmp_path / "c").mkdir()
+  repo = Path(__file__).resolve().parents[1]
+  done = subprocess.run([sys.executable, "-c", _BENCHMARK_CHECKS, os.fspath(shared),
+                         os.fspath(tmp_path / "c")], cwd=repo, capture_output=True, text=True,
+                        env={**os.environ, "PYTHONPATH": os.fspath(repo)}, timeout=300)
+  assert done.returncode == 0 and done.stdout == "ok\n", done.stderr[-3000:]

@@ -33,3 +33,66 @@ def test_a_missing_folder_is_an_error_not_created(tmp_path):
   with pytest.raises(FileNotFoundError):
     files.atomic_write_bytes(tmp_path / "no" / "a.bin", b"x")
   assert os.listdir(tmp_path) == []
+
+
+def test_temporary_of_recognises_the_temporaries_of_both_writers(tmp_path, monkeypatch):
+  made = []
+  real_replace = os.replace
+
+  def replace(src, dst):
+    made.append(os.path.basename(src))
+    real_replace(src, dst)
+
+  monkeypatch.setattr(files.os, "replace", replace)
+  files.atomic_write_json(tmp_path / "a.json", {"a": 1})
+  with files.atomic_writer(tmp_path / "b.txt") as f:
+    f.write(b"streamed")
+  assert [files.temporary_of(name) for name in made] == ["a.json", "b.txt"]
+  assert files.temporary_of(tmp_path / made[0]) == "a.json"
+  for name in ["a.json", "a.json.tmp", "a.json.12.0123456789ab.tmp.bak",
+               "a.json.x.0123456789ab.tmp", "a.json.12.0123456789.tmp", ".12.0123456789ab.tmp"]:
+    assert files.temporary_of(name) is None, name
+  assert (tmp_path / "b.txt").read_bytes() == b"streamed"
+
+
+def test_atomic_writer_keeps_the_old_file_on_an_exception(tmp_path):
+  path = tmp_path / "a.bin"
+  path.write_bytes(b"old")
+  with pytest.raises(KeyboardInterrupt):
+    with files.atomic_writer(path) as f:
+      f.write(b"half")
+      raise KeyboardInterrupt
+  assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["a.bin"]
+  with pytest.raises(FileNotFoundError):
+    with files.atomic_writer(tmp_path / "no" / "a.bin"):
+      pass
+
+
+def test_sha256_file_is_the_digest_of_the_whole_file(tmp_path):
+  import hashlib
+
+  data = os.urandom(3 * (1 << 20) + 17)  # more than one block, the last one partial
+  (tmp_path / "f").write_bytes(data)
+  assert files.sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+  (tmp_path / "empty").write_bytes(b"")
+  assert files.sha256_file(os.fspath(tmp_path / "empty")) == hashlib.sha256(b"").hexdigest()
+  with pytest.raises(FileNotFoundError):
+    files.sha256_file(tmp_path / "missing")
+
+
+def test_atomic_save_figure_writes_the_extension_format_or_nothing(tmp_path):
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots()
+  ax.plot([0, 1], [1, 0])
+  files.atomic_save_figure(fig, tmp_path / "a.png")
+  files.atomic_save_figure(fig, tmp_path / "a.svg")
+  assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert b"<svg" in (tmp_path / "a.svg").read_bytes()[:500]
+  with pytest.raises(ValueError):
+    files.atomic_save_figure(fig, tmp_path / "a.nosuchformat")
+  plt.close(fig)
+  assert sorted(os.listdir(tmp_path)) == ["a.png", "a.svg"]

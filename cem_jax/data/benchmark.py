@@ -31,6 +31,8 @@ from pathlib import Path
 
 from absl import app, flags
 
+from cem_jax.files import atomic_writer
+
 _MODE = flags.DEFINE_enum("mode", None, ["corpus", "prepare", "pipeline", "first_step"],
                           "What to measure.")
 _OUT = flags.DEFINE_string("out", None, "corpus: the text file to write; prepare: the folder.")
@@ -49,6 +51,7 @@ def make_corpus(shared: Path, out: Path, megabytes: int, seed: int = 0) -> int:
 
   Raises:
     ValueError: no ``*.txt`` in ``shared`` (naming the folder).
+    OSError: ``out`` cannot be written (it is then unchanged, and no temporary file is left).
   """
   import numpy as np
 
@@ -60,7 +63,8 @@ def make_corpus(shared: Path, out: Path, megabytes: int, seed: int = 0) -> int:
   target = megabytes * 10**6
   out.parent.mkdir(parents=True, exist_ok=True)
   written, rep = 0, 0
-  with tempfile.NamedTemporaryFile("wb", dir=out.parent, delete=False) as f:
+  # Streamed: a corpus of a gigabyte need not fit in memory.
+  with atomic_writer(out) as f:
     while written < target:
       for i in np.random.default_rng([seed, rep]).permutation(len(lines)):
         f.write(lines[i])
@@ -68,19 +72,18 @@ def make_corpus(shared: Path, out: Path, megabytes: int, seed: int = 0) -> int:
         if written >= target:
           break
       rep += 1
-  os.chmod(f.name, 0o644)
-  os.replace(f.name, out)
   return written
 
 
 def _pipeline(prepared_dir: str, batch: int, seq_len: int, steps: int) -> None:
   from cem_jax.config import get_default_config
   from cem_jax.data import build_data
+  from cem_jax.data.prepared import PreparedData
 
   config = get_default_config()
   config.data.prepared_dir = prepared_dir
   config.data.seq_len, config.train.batch_size = seq_len, batch
-  manifest = __import__("json").loads((Path(prepared_dir) / "manifest.json").read_text())
+  manifest = PreparedData.open_manifest(prepared_dir, verify=False)
   config.data.vocab_size = manifest["tokenizer"]["vocab_size"]
   for key in ("validation_fraction", "tokenizer_model_type"):
     config.data[key] = manifest["config"][key]
@@ -98,7 +101,10 @@ def _pipeline(prepared_dir: str, batch: int, seq_len: int, steps: int) -> None:
 
 
 def _first_step(prepared_dir: str) -> None:
-  manifest = __import__("json").loads((Path(prepared_dir) / "manifest.json").read_text())
+  from cem_jax.data.prepared import PreparedData
+
+  # The run itself verifies every file; this only needs the manifest's settings.
+  manifest = PreparedData.open_manifest(prepared_dir, verify=False)
   workdir = tempfile.mkdtemp()
   cmd = [sys.executable, "-m", "cem_jax.main", "--config=experiments/tiny.py",
          f"--workdir={workdir}", f"--config.data.prepared_dir={prepared_dir}",

@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 from cem_jax.data import packing, sources
 from cem_jax.data import tokenizer as tokenizer_lib
-from cem_jax.files import atomic_write_bytes
+from cem_jax.files import atomic_write_bytes, atomic_write_json, sha256_file, temporary_of
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "validation")
@@ -79,17 +79,10 @@ def _sha256_bytes(data: bytes) -> str:
   return hashlib.sha256(data).hexdigest()
 
 
-def _sha256_file(path: Path) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    while block := f.read(1 << 20):
-      h.update(block)
-  return h.hexdigest()
-
-
 def _write_json(path: Path, obj) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
-  atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+  # indent=1, sorted keys, no final newline: byte for byte the manifests written so far.
+  atomic_write_json(path, obj, indent=1, sort_keys=True)
 
 
 def fingerprint(data_config, identity: dict) -> str:
@@ -98,7 +91,7 @@ def fingerprint(data_config, identity: dict) -> str:
   spec = {k: data_config[k] for k in SPEC_KEYS}
   if data_config.tokenizer:
     path = Path(os.path.expanduser(data_config.tokenizer))
-    spec["tokenizer"] = _sha256_file(path) if path.is_file() else os.fspath(path)
+    spec["tokenizer"] = sha256_file(path) if path.is_file() else os.fspath(path)
   # How a tokenizer is trained and the text cut for encoding also decide the tokens.
   how = [tokenizer_lib.TRAINER_SETTINGS, tokenizer_lib.TRAIN_CHUNK_CHARS,
          tokenizer_lib.MAX_TRAIN_CHARS, packing.ENCODE_PIECE_CHARS]
@@ -186,7 +179,7 @@ def _encode_and_write(job: tuple[dict, str, str, str]) -> dict:
     writer.close()
     with open(tmp, "rb") as f:
       os.fsync(f.fileno())
-    digest = _sha256_file(tmp)
+    digest = sha256_file(tmp)
     os.replace(tmp, path)
   except BaseException:
     tmp.unlink(missing_ok=True)
@@ -208,7 +201,7 @@ def _done(out_dir: Path, task: dict, tok_sha: str) -> dict | None:
     meta = json.loads(side.read_text())
     path = out_dir / meta["file"]
     ok = (meta["text_sha256"] == _task_hash(task) and meta["tokenizer_sha256"] == tok_sha
-          and path.stat().st_size == meta["size"] and _sha256_file(path) == meta["sha256"])
+          and path.stat().st_size == meta["size"] and sha256_file(path) == meta["sha256"])
   except (OSError, ValueError, KeyError):
     return None
   return meta if ok else None
@@ -246,7 +239,7 @@ def _remove_leftovers(out_dir: Path, *, progress: bool, tokenizer: bool) -> None
   as asked, ``prepare.json`` and the tokenizer. Other files are not ours: they stay."""
   for path in out_dir.iterdir():
     name = path.name
-    if ((name.startswith((f"{PROGRESS}.", f"{TOKENIZER}.")) and name.endswith(".tmp"))
+    if (temporary_of(name) in (PROGRESS, TOKENIZER)
         or ".array_record.tmp" in name or (progress and name == PROGRESS)
         or (tokenizer and name == TOKENIZER)):
       path.unlink(missing_ok=True)
@@ -733,7 +726,7 @@ class PreparedData:
       if size is not None and actual != size:
         raise ValueError(f"{f}: damaged prepared data: {actual} bytes, the manifest says "
                          f"{size}; run prepare again to rebuild it")
-      if verify and _sha256_file(f) != sha:
+      if verify and sha256_file(f) != sha:
         raise ValueError(f"{f}: damaged prepared data: sha256 differs from the manifest's; "
                          "run prepare again to rebuild it")
     return manifest
@@ -778,7 +771,7 @@ def check_fits(manifest: dict, data_config, directory: Path) -> None:
     raise mismatch("vocab_size", d.vocab_size, manifest["tokenizer"]["vocab_size"])
   if d.tokenizer:
     path = Path(os.path.expanduser(d.tokenizer))
-    sha = _sha256_file(path) if path.is_file() else "missing"
+    sha = sha256_file(path) if path.is_file() else "missing"
     if sha != manifest["tokenizer"]["sha256"]:
       raise mismatch("tokenizer", d.tokenizer, saved["tokenizer"] or "a trained tokenizer")
   elif manifest["tokenizer"]["trained_here"] and (

@@ -11,13 +11,13 @@ are all training text). Catalog splits are read lazily, one example at a time.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import sys
 from collections.abc import Iterable
 
 from cem_jax.data import builtin, tfds_catalog
 from cem_jax.data import text as text_lib
+from cem_jax.files import sha256_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +39,6 @@ class TextSplits:
   identity: dict
 
 
-def _sha256_file(path) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    while block := f.read(1 << 20):
-      h.update(block)
-  return h.hexdigest()
-
-
 def source_identity(data_config) -> dict:
   """Returns what identifies the text the ``data`` config selects, without reading it whole:
   ``{'kind': 'files', 'files': [{'path', 'size', 'sha256'}], 'validation_fraction'}``,
@@ -64,7 +56,7 @@ def source_identity(data_config) -> dict:
     paths = text_lib.resolve_files(d.files)
     return {"kind": "files", "validation_fraction": float(d.validation_fraction),
             "files": [{"path": os.fspath(p), "size": os.path.getsize(p),
-                       "sha256": _sha256_file(p)} for p in paths]}
+                       "sha256": sha256_file(p)} for p in paths]}
   if d.tfds_name:
     return {"kind": "tfds", "name": d.tfds_name, "data_dir": d.tfds_data_dir,
             "text_key": d.tfds_text_key, "train_split": d.tfds_train_split,

@@ -1,4 +1,5 @@
-"""Text from a TFDS catalog dataset (``data.tfds_name``), read with ``tfds.data_source``.
+"""Text from a TFDS catalog dataset (``data.tfds_name``), read by random access
+(``DatasetBuilder.as_data_source``, which needs the array_record or parquet format).
 
 A dataset already prepared (in array_record format) in the data dir is read without any
 network access. Otherwise TFDS would have to download it, and without a network
@@ -107,25 +108,50 @@ class CatalogTexts:
       yield text_lib.normalize_newlines(value)
 
 
+def _one_line(error: Exception) -> str:
+  return " ".join(str(error).split()) or type(error).__name__
+
+
+def _split_names(split: str) -> list[str]:
+  """The split names of a TFDS split spec: names joined by '+', each maybe sliced, e.g.
+  ``'train[:80%]+validation'``."""
+  return [part.split("[", 1)[0].strip() for part in split.split("+")]
+
+
 def _read_texts(name: str, split: str, data_dir: Path, text_key: str, download: bool,
                 field: str) -> CatalogTexts:
   try:
-    source = tfds.data_source(
-        name, split=split, data_dir=os.fspath(data_dir), download=download,
-        download_and_prepare_kwargs={"file_format": "array_record"} if download else None,
-    )
-  except tfds.core.registered.DatasetNotFoundError:
+    builder = tfds.builder(name, data_dir=os.fspath(data_dir))
+  except tfds.core.DatasetNotFoundError:
     raise ValueError(
         f"data.tfds_name={name!r} is not a TFDS catalog dataset known here (or its builder "
         "needs TensorFlow/Beam): prepare it elsewhere in array_record format"
     ) from None
+  try:
+    if download and not builder.is_prepared():
+      builder.download_and_prepare(file_format=tfds.core.FileFormat.ARRAY_RECORD)
   except ValueError as e:
-    first = (str(e).splitlines() or [repr(e)])[0]
-    if "split" in first.lower():
-      raise ValueError(f"{field}={split!r}: no such split of {name!r}: {first}") from None
-    hint = (" (tfds.data_source needs it prepared with file_format='array_record')"
-            if "format" in first.lower() else "")
-    raise ValueError(f"data.tfds_name={name!r} in {data_dir}: {first}{hint}") from None
+    raise ValueError(f"data.tfds_name={name!r} in {data_dir}: {_one_line(e)}") from None
+  if not builder.is_prepared():
+    raise ValueError(f"data.tfds_name={name!r}: version {builder.version} is not prepared in "
+                     f"{data_dir}; prepare it (file_format='array_record') or set "
+                     "data.tfds_data_dir")
+  formats = builder.info.available_file_formats()
+  if not formats & tfds.core.FileFormat.with_random_access():
+    held = sorted(f.value for f in formats) or "no file format"
+    raise ValueError(
+        f"data.tfds_name={name!r} is prepared in {builder.data_dir} as {held}; reading it "
+        "needs array_record: prepare it again with file_format='array_record' in another "
+        "data.tfds_data_dir")
+  known = sorted(builder.info.splits)
+  unknown = [s for s in _split_names(split) if s not in known and s != tfds.Split.ALL]
+  if unknown:
+    raise ValueError(f"{field}={split!r}: no such split of {name!r}; it has {known}")
+  try:
+    source = builder.as_data_source(split=split)
+  except ValueError as e:  # the slice: its syntax, or more examples than the split holds
+    raise ValueError(f"{field}={split!r} is not a valid split of {name!r}: "
+                     f"{_one_line(e)}") from None
   if len(source) == 0:
     raise ValueError(f"{field}={split!r}: split of {name!r} is empty")
   example = source[0]
@@ -149,7 +175,8 @@ def load_catalog(name: str, data_dir: str, text_key: str, train_split: str,
   Raises:
     ConnectionError: not prepared and no network (one line, within ~4 s; an OSError, so the
       programs report it as bad input).
-    ValueError: unknown dataset, split or text key (the message names the config field).
+    ValueError: unknown dataset, split or text key, a split spec TFDS refuses, or a dataset
+      prepared in a format without random access (one line naming the config field).
   """
   root = Path(os.path.expanduser(data_dir)) if data_dir else default_data_dir()
   found = prepared_dir(name, root)
