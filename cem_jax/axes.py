@@ -33,6 +33,16 @@ def head_dim_of(model_config) -> int:
   return m.head_dim if m.head_dim > 0 else m.d_model // m.num_heads
 
 
+def augmented_head_dim(model_config) -> int | None:
+  """Width of the CEM per-head diagonal's augmented head, ``q̃ = [q, d⊙y(, -½)]``: ``head_dim
+  + d_model``, ``+ 1`` in the distance form (``energies/interaction.py``); None when the model
+  has no such head (Llama, ``model.cem_attention=False`` or ``model.diagonal='none'``)."""
+  m = model_config
+  if m.block != "cem" or not m.cem_attention or m.diagonal == "none":
+    return None
+  return head_dim_of(m) + m.d_model + (m.diagonal_form == "distance")
+
+
 def rules_from_config(mesh_config) -> tuple:
   """``mesh.rules`` as a tuple of ``(logical, None | mesh_axis | tuple of mesh_axes)``.
 

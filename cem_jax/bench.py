@@ -13,9 +13,11 @@ multiply-add as 2 FLOPs, L layers, width d, MLP width f, sequence length n, voca
 heads H of width d_h:
 
     Llama:  L·(8d² + 6df + 4nd) + 2dV
-    CEM:    L·(2d² + T·(4d² + 6df + 4n·H·d̃)) + 2dV     d̃ = d_h (+ d + 1 with a diagonal)
+    CEM:    L·(2d² + T·(4d² + 6df + 4n·H·d̃)) + 2dV
+            d̃ = d_h, or with a diagonal d_h + d (+ 1 in the distance form)
             (fixed context: W_K c once; each step W_Q y, W_Qᵀ o and the MLP's W y, G x, Wᵀ h;
-             a co-evolving context adds 2d² per extra step)
+             a co-evolving context adds 2d² per extra step; with model.cem_attention=False
+             each step's attention is Llama's, 8d² + 4nd, and there is no key term)
 
 The attention term counts the full n×n score and value products (as XLA computes them),
 not the causal half. ``autodiff`` updates do the same model FLOPs as ``fused`` ones; their
@@ -36,7 +38,9 @@ from flax import nnx
 
 from cem_jax import cli, optim
 from cem_jax import steps as steps_lib
+from cem_jax.axes import augmented_head_dim
 from cem_jax.config import get_default_config
+from cem_jax.files import atomic_write_json
 from cem_jax.layers import head_dim_of
 from cem_jax.model import DecoderLM, count_params
 
@@ -101,10 +105,12 @@ def flops_per_token(model_cfg, vocab_size: int, seq_len: int) -> float:
   if model_cfg.block == "llama":
     return L * (2 * d * h * dh * 4 + 6 * d * f + 4 * n * h * dh) + head
   t = model_cfg.num_steps
-  dt = dh + (d + 1 if model_cfg.diagonal != "none" else 0)
-  keys = 2 * d * h * dh * (t if model_cfg.context == "coevolve" else 1)
-  per_step = 4 * d * h * dh + 6 * d * f + 4 * n * h * dt
-  return L * (keys + t * per_step) + head
+  if model_cfg.cem_attention:
+    keys = 2 * d * h * dh * (t if model_cfg.context == "coevolve" else 1)
+    attention_step = 4 * d * h * dh + 4 * n * h * (augmented_head_dim(model_cfg) or dh)
+  else:  # the standard attention sub-layer (its own Q, K, V, O) at every step
+    keys, attention_step = 0, 8 * d * h * dh + 4 * n * h * dh
+  return L * (keys + t * (attention_step + 6 * d * f)) + head
 
 
 def _model_config(preset: dict, variant: dict, seq_len: int, width: int,
@@ -215,9 +221,8 @@ def run(preset: str, variants: list[str], out: str | None = None,
       print(json.dumps(row), flush=True)
   print(format_table(rows))
   if out:
-    with open(out, "w") as f:
-      json.dump({"device": device.device_kind, "platform": device.platform,
-                 "jax": jax.__version__, "preset": preset, "rows": rows}, f, indent=2)
+    atomic_write_json(out, {"device": device.device_kind, "platform": device.platform,
+                            "jax": jax.__version__, "preset": preset, "rows": rows})
   return rows
 
 

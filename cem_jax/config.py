@@ -10,6 +10,8 @@ The maths behind the ``model`` options is in ``CEM_MATH.md`` (section numbers gi
 
 from __future__ import annotations
 
+import json
+
 import ml_collections
 
 from cem_jax import axes
@@ -189,6 +191,8 @@ _CHOICES = {
 
 # field -> (minimum allowed, inclusive)
 _MINIMUMS = {
+    "seed": 0,  # numpy's generators (data order) take no negative seed
+    "data.shuffle_seed": 0,
     "model.d_model": 1,
     "model.num_heads": 1,
     "model.mlp_dim": 1,
@@ -329,6 +333,28 @@ def _check_unused(config: ml_collections.ConfigDict) -> None:
                        f"model.cem_{target}=False replaces; choose another model.precond")
 
 
+def flat(config: ml_collections.ConfigDict | dict) -> dict:
+  """A config (a ``ConfigDict``, or the nested dict ``config.json`` or a checkpoint holds) as
+  one dict with dotted keys (``{"model": {"d_model": 64}}`` -> ``{"model.d_model": 64}``).
+
+  Values are as JSON stores them (tuples such as ``mesh.rules`` become lists), so that a
+  config read back from disk compares equal to the live one it was written from.
+  """
+  tree = json.loads(config.to_json() if isinstance(config, ml_collections.ConfigDict)
+                    else json.dumps(config))
+  out = {}
+
+  def walk(node: dict, prefix: str) -> None:
+    for k, v in node.items():
+      if isinstance(v, dict):
+        walk(v, f"{prefix}{k}.")
+      else:
+        out[f"{prefix}{k}"] = v
+
+  walk(tree, "")
+  return out
+
+
 def _get(config, dotted: str):
   node = config
   for part in dotted.split("."):
@@ -337,7 +363,10 @@ def _get(config, dotted: str):
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Checks a resolved config before anything is built or compiled.
+  """Checks a resolved config's own rules (choices, ranges, combinations), without jax.
+
+  Programs call :func:`cem_jax.preflight.check`, which runs this and then the checks that need
+  the model code (the attention kernel, the energies).
 
   Raises:
     ValueError: one line naming the field, its value and what is allowed.
@@ -360,6 +389,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"model.param_dtype={m.param_dtype!r}: the optimizer would update bfloat16 weights "
         "directly (no float32 master copy), so small updates round away; allowed: 'float32' "
         "(set model.dtype='bfloat16' for bfloat16 compute)")
+  if isinstance(m.head_dim, bool) or not isinstance(m.head_dim, int) or not (
+      m.head_dim == -1 or m.head_dim >= 1):
+    raise ValueError(f"model.head_dim={m.head_dim!r}; allowed: -1 (= model.d_model // "
+                     "model.num_heads) or an int >= 1")
   head_dim = axes.head_dim_of(m)
   if m.head_dim <= 0 and m.d_model % m.num_heads:
     raise ValueError(
@@ -391,16 +424,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"model.num_unique_blocks={g} does not divide model.num_layers="
                      f"{m.num_layers}; each block is reused num_layers / G times")
   _check_unused(config)
-  if m.block == "cem" and m.cem_attention and m.diagonal != "none":
-    augmented = head_dim + m.d_model + (m.diagonal_form == "distance")
-  else:
-    augmented = None
-  # Imported here (it imports jax); platform=None: what the machine decides is checked when
-  # the model is built.
-  from cem_jax import attention
-
-  attention.resolve(m.attention_impl, platform=None, dtype=m.dtype, head_dim=head_dim,
-                    augmented_head_dim=augmented, seq_len=config.data.seq_len)
   axes.check_mesh_sizes(config.mesh)
   axes.rules_from_config(config.mesh)
   mb = config.eval.max_batches
@@ -412,9 +435,3 @@ def validate(config: ml_collections.ConfigDict) -> None:
   vf = config.data.validation_fraction
   if not 0.0 < vf <= 0.5:
     raise ValueError(f"data.validation_fraction={vf}; allowed: 0 < fraction <= 0.5")
-  if m.block == "cem":
-    # Imported here: the energy checks need jax, which this module must not import at import
-    # time (start-up errors in the config come before jax loads).
-    from cem_jax.energies import checks
-
-    checks.validate_energies(config)

@@ -39,7 +39,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from cem_jax import distributed, train  # after flag parsing: a bad flag fails before jax loads
+  # After flag parsing: a bad flag fails before jax loads.
+  from cem_jax import distributed, energies, train
 
   logging.set_verbosity(logging.INFO)
   cli.quiet_libraries()
@@ -47,7 +48,10 @@ def main(argv):
     # Before anything touches a device: the runtime must know all processes first.
     distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
                            _PROCESS_ID.value)
-    train.train_and_evaluate(cli.load_config(), _WORKDIR.value)
+    config = cli.load_config()
+    for field in ("attention_energy", "mlp_energy"):  # saved absolute: reloadable from anywhere
+      config.model[field] = energies.absolute_name(config.model[field])
+    train.train_and_evaluate(config, _WORKDIR.value)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from absl import logging
 from flax import nnx
 
 from cem_jax import attention
-from cem_jax.axes import DEFAULT_RULES
+from cem_jax.axes import DEFAULT_RULES, augmented_head_dim
 from cem_jax.energies import EnergyAux, make_mask
 from cem_jax.layers import DTYPES, CEMBlock, LlamaBlock, RMSNorm
 from cem_jax.layers.common import head_dim_of, param
@@ -54,11 +54,8 @@ def resolve_attention(cfg, blocks, platform: str | None = None) -> tuple[str, st
             "model.energy_block_size)")
       return "xla", ("no attention kernel: the CEM update is jax.grad of the energy "
                      f"(model.energy_block_size={cfg.energy_block_size})")
-  augmented = None
-  if isinstance(block, CEMBlock) and block.att_spec is not None and cfg.diagonal != "none":
-    augmented = head_dim_of(cfg) + cfg.d_model + (cfg.diagonal_form == "distance")
   return attention.resolve(requested, platform=platform, dtype=cfg.dtype,
-                           head_dim=head_dim_of(cfg), augmented_head_dim=augmented)
+                           head_dim=head_dim_of(cfg), augmented_head_dim=augmented_head_dim(cfg))
 
 
 class DecoderLM(nnx.Module):

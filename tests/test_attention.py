@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cem_jax import attention, config, updates
+from cem_jax import attention, preflight, updates
 from cem_jax.energies import (
   EnergyAux,
   blockwise_logsumexp,
@@ -276,7 +276,7 @@ def test_the_model_picks_splash_on_tpu_and_lays_it_out_by_the_mesh_rules():
 ])
 def test_impossible_explicit_choices_fail_config_validation_in_one_line(overrides, match):
   with pytest.raises(ValueError, match=match) as e:
-    config.validate(tiny_config("cem", **overrides))
+    preflight.check(tiny_config("cem", **overrides))
   assert "\n" not in str(e.value) and str(e.value).startswith("model.")
 
 
@@ -288,7 +288,7 @@ def test_impossible_explicit_choices_fail_config_validation_in_one_line(override
 ])
 def test_impossible_explicit_choices_fail_when_the_model_is_built(overrides, match):
   cfg = tiny_config("cem", **overrides)
-  config.validate(cfg)  # machine-independent checks pass: the machine decides
+  preflight.check(cfg)  # machine-independent checks pass: the machine decides
   with pytest.raises(ValueError, match=match) as e:
     DecoderLM(cfg.model, 64, rngs=nnx.Rngs(0))
   assert "\n" not in str(e.value) and "model.attention_impl=" in str(e.value)

@@ -24,6 +24,50 @@ def test_analytic_flops_match_xla_cost_analysis(variant):
   assert abs(analytic / xla_per_token - 1.0) <= 0.10, (analytic, xla_per_token)
 
 
+# Block options outside bench.VARIANTS that change the FLOPs (the tables train them): a narrow
+# MLP so that the attention term weighs enough for a wrong count to leave the 10% band.
+@pytest.mark.parametrize("overrides", [
+    dict(block="cem", cem_attention=False),
+    dict(block="cem", cem_attention=False, num_steps=2),
+    dict(block="cem", cem_mlp=False, num_steps=2, context="coevolve"),
+    dict(block="cem", diagonal="per_head", diagonal_form="distance"),
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items() if k != "block"))
+def test_analytic_flops_match_xla_for_the_tables_block_options(overrides):
+  preset = dict(bench.PRESETS["tiny"], d_model=256, num_heads=4, mlp_dim=64)
+  n, vocab = 128, 64
+  cfg = bench._model_config(preset, overrides, n, 256)
+  model = DecoderLM(cfg.model, vocab, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+  cost = forward.lower(params, jnp.zeros((2, n), jnp.int32)).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  analytic = bench.flops_per_token(cfg.model, vocab, n)
+  assert abs(analytic / (cost["flops"] / (2 * n)) - 1.0) <= 0.10, (analytic, cost["flops"])
+
+
+@pytest.mark.parametrize("form", ["bilinear", "distance"])
+def test_augmented_head_dim_is_the_width_of_the_augmented_head(form):
+  """axes.augmented_head_dim (the config checks, the kernel choice and the FLOP count use it)
+  against the width of the q̃ the energy actually builds."""
+  import numpy as np
+
+  from cem_jax.axes import augmented_head_dim
+  from cem_jax.config import get_default_config
+  from cem_jax.energies import interaction
+
+  m = get_default_config().model
+  m.d_model, m.num_heads, m.diagonal, m.diagonal_form = 24, 3, "per_head", form
+  b, t, h, dh = 1, 5, 3, 8
+  rng = np.random.default_rng(0)
+  y, c = (jnp.asarray(rng.normal(size=(b, t, 24)), jnp.float32) for _ in range(2))
+  q, k = (jnp.asarray(rng.normal(size=(b, t, h, dh)), jnp.float32) for _ in range(2))
+  diag = jnp.asarray(rng.normal(size=(h, 24)), jnp.float32)
+  q_aug, k_aug, _ = interaction._augmented_head(y, c, q, k, diag, form)
+  assert augmented_head_dim(m) == q_aug.shape[-1] == k_aug.shape[-1]
+  m.cem_attention = False
+  assert augmented_head_dim(m) is None
+
+
 def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys):
   tiny = dict(bench.PRESETS["tiny"], seq_lens=[32], widths=[32], d_model=32, num_layers=1,
               mlp_dim=64, tokens_per_batch=64, steps=2, warmup=1)

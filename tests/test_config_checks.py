@@ -131,3 +131,35 @@ def test_options_that_would_be_ignored_are_refused(overrides, message):
 ])
 def test_options_that_do_something_are_accepted(overrides):
   config_lib.validate(tiny_config("cem", **overrides))
+
+
+def test_flat_config_equals_the_json_it_is_saved_as():
+  """A config read back from config.json or a checkpoint (tuples as lists) flattens to the same
+  dotted keys and values as the live ConfigDict: resume's diff and evaluate's unknown-field
+  check rely on it."""
+  import json
+
+  c = config_lib.get_default_config()
+  c.model.d_model = 48
+  live = config_lib.flat(c)
+  assert live["model.d_model"] == 48 and isinstance(live["mesh.rules"], list)
+  assert config_lib.flat(json.loads(c.to_json())) == live
+  assert not any(isinstance(v, dict) for v in live.values())
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("model.head_dim", 0, r"^model.head_dim=0; allowed: -1 "),
+    ("model.head_dim", -7, r"^model.head_dim=-7; allowed: -1 "),
+    ("seed", -1, r"^seed=-1 must be >= 0$"),
+    ("data.shuffle_seed", -3, r"^data.shuffle_seed=-3 must be >= 0$"),
+])
+def test_values_that_were_silently_defaulted_or_failed_late_are_refused(field, value, message):
+  """head_dim 0 or -7 used to mean "the default" (only -1 is documented); a negative seed
+  passed validation and failed inside numpy after the data was built."""
+  with pytest.raises(ValueError, match=message) as e:
+    config_lib.validate(tiny_config("cem", **{field: value}))
+  assert "\n" not in str(e.value)
+
+
+def test_an_explicit_head_dim_is_accepted():
+  config_lib.validate(tiny_config("cem", **{"model.head_dim": 8}))

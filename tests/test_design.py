@@ -1,5 +1,6 @@
 """The CEM design space: descent, recursion, user energies, traces, validation, test-time steps."""
 
+import json
 import math
 import os
 import re
@@ -13,8 +14,7 @@ import pytest
 from conftest import tiny_config
 from flax import nnx
 
-from cem_jax import config as config_lib
-from cem_jax import energies, train, updates
+from cem_jax import energies, preflight, train, updates
 from cem_jax.layers import CEMBlock
 from cem_jax.layers.common import softplus_inverse
 from cem_jax.metrics import energy_trace, read_metrics
@@ -162,6 +162,10 @@ def test_readme_swap_an_energy_example_runs_as_written(shared_data, tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   losses = [m["eval/loss"] for m in read_metrics(str(tmp_path / "w")) if "eval/loss" in m]
   assert losses[-1] < losses[0] - 0.2
+  # Saved absolute: evaluate/sample started from another folder reload the same file.
+  with open(tmp_path / "w" / "config.json") as f:
+    saved = json.load(f)["model"]
+  assert f"{tmp_path}/my_energy.py:energy" in (saved["attention_energy"], saved["mlp_energy"])
 
 
 def test_eval_logs_energy_traces_and_test_time_steps(shared_data, tmp_path):
@@ -189,7 +193,7 @@ INVALID = [
     ({"model.num_steps": 0}, r"model.num_steps=0 must be >= 1"),
     ({"model.num_steps": 1.5}, r"model.num_steps=1.5 must be an int"),
     ({"model.attention_energy": "hopfield"}, r"model.attention_energy='hopfield' is not a "),
-    ({"model.mlp_energy": "softmax"}, r"model.mlp_energy='softmax' is a attention energy"),
+    ({"model.mlp_energy": "softmax"}, r"model.mlp_energy='softmax' is an attention energy"),
     ({"model.learn_beta": True}, r"model.learn_beta=True and model.learn_eta=True"),
     ({"model.block": "llama", "model.num_steps": 2}, r"model.num_steps=2 applies to CEM"),
     ({"model.diagonal": "full"}, r"model.diagonal='full'; allowed: none, per_head, shared"),
@@ -206,7 +210,7 @@ def test_invalid_configs_fail_at_start_up(overrides, message):
       group, leaf = key.split(".")
       cfg[group].__dict__["_fields"][leaf] = value  # bypass ConfigDict's type check
   with pytest.raises(ValueError, match=message):
-    config_lib.validate(cfg)
+    preflight.check(cfg)
 
 
 USER_ENERGIES = '''
@@ -230,14 +234,14 @@ def test_bad_user_energies_fail_before_compilation(tmp_path, name, message):
   path.write_text(USER_ENERGIES)
   cfg = tiny_config("cem", **{"model.attention_energy": f"{path}:{name}"})
   with pytest.raises(ValueError, match=message):
-    config_lib.validate(cfg)
+    preflight.check(cfg)
 
 
 def test_fused_requested_for_an_energy_without_closed_form(tmp_path):
   path = os.path.join(REPO, "experiments", "sigmoid_energy.py") + ":energy"
   cfg = tiny_config("cem", **{"model.attention_energy": path, "model.update_mode": "fused"})
   with pytest.raises(ValueError, match="has no closed-form update; use 'autodiff' or 'auto'"):
-    config_lib.validate(cfg)
+    preflight.check(cfg)
 
 
 @pytest.mark.parametrize("per_step", [False, True])

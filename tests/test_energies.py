@@ -1,15 +1,23 @@
 """Energies and their updates: closed forms equal jax.grad, Φ is exact, masking is safe."""
 
+import os
+import re
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import quadrature_phi_silu
+from conftest import quadrature_phi_silu, tiny_config
 
-from cem_jax import energies, updates
-from cem_jax.energies import EnergyAux, interaction_energy, interaction_fused_update, make_mask
+from cem_jax import energies, preflight, updates
+from cem_jax.energies import (
+    EnergyAux,
+    apply_rope,
+    interaction_energy,
+    interaction_fused_update,
+    make_mask,
+)
 
 B, T, D, H, DH, F = 2, 9, 16, 2, 8, 24
 
@@ -165,8 +173,10 @@ def test_registry_lookup_and_errors():
   assert set(energies.names("mlp")) >= {"silu", "gelu", "relu", "relu2"}
   with pytest.raises(ValueError, match="model.mlp_energy='nope' is not a registered mlp"):
     energies.get("nope", "mlp", "model.mlp_energy")
-  with pytest.raises(ValueError, match="is a attention energy, not a mlp energy"):
+  with pytest.raises(ValueError, match="'softmax' is an attention energy, not an mlp energy$"):
     energies.get("softmax", "mlp")
+  with pytest.raises(ValueError, match="'silu' is an mlp energy, not an attention energy$"):
+    energies.get("silu", "attention")
   with pytest.raises(ValueError, match="cannot import module"):
     energies.get("no_such_module_xyz:energy", "attention")
   with pytest.raises(ValueError, match="has no closed-form update"):
@@ -185,3 +195,203 @@ def test_preconditioner_is_positive_definite():
     np.testing.assert_allclose(updates.precondition(v, p, u, 1e-3), matrix @ v, rtol=1e-5,
                                atol=1e-5)
 
+
+
+# User energies with closed forms (``<function>_fused_update``), written by hand.
+USER_FUSED = '''
+import jax.numpy as jnp
+from cem_jax.energies import apply_rope
+
+
+def _scores(y, context, params, aux):
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  if aux.rope_theta is not None:
+    q = apply_rope(q, aux.positions, aux.rope_theta)
+    k = apply_rope(k, aux.context_positions, aux.rope_theta)
+  s = jnp.einsum("bthk,bshk->bhts", q, k) * params["beta"][:, None, None]
+  return jnp.where(aux.mask[:, None], s, 0.0), k
+
+
+def quad(y, context, params, aux):  # the README's quadratic energy, with RoPE
+  s, _ = _scores(y, context, params, aux)
+  n = jnp.maximum(aux.mask.sum(-1), 1)[:, None, :]
+  return -0.5 * jnp.sum(params["eta"][:, None] * jnp.sum(s**2, -1) / n)
+
+
+def _quad_update(y, context, params, aux, n, eta):
+  # -dE/dq_th = eta_h beta_h / n_t sum_s s_hts k_sh; y enters q through W_Q and R_t
+  s, k = _scores(y, context, params, aux)
+  coef = (eta * params["beta"])[None, :, None, None] / n[:, None, :, None]
+  dq = jnp.einsum("bhts,bshk->bthk", s * coef, k)
+  if aux.rope_theta is not None:
+    dq = apply_rope(dq, aux.positions, aux.rope_theta, inverse=True)
+  return jnp.einsum("bthk,dhk->btd", dq, params["w_q"])
+
+
+def quad_fused_update(y, context, params, aux):
+  n = jnp.maximum(aux.mask.sum(-1), 1)
+  return _quad_update(y, context, params, aux, n, params["eta"])
+
+
+zero, noeta, causal_n = quad, quad, quad
+
+
+def zero_fused_update(y, context, params, aux):
+  return jnp.zeros_like(y)
+
+
+def noeta_fused_update(y, context, params, aux):  # forgets that the energy carries eta
+  n = jnp.maximum(aux.mask.sum(-1), 1)
+  return _quad_update(y, context, params, aux, n, 1.0)
+
+
+def causal_n_fused_update(y, context, params, aux):  # counts keys as if context were y
+  n = jnp.broadcast_to(jnp.arange(1, y.shape[1] + 1), y.shape[:2])
+  return _quad_update(y, context, params, aux, n, params["eta"])
+
+
+def gate_quad(y, context, params, aux):  # E = -eta/2 sum (G x) (W y)^2
+  pre = jnp.einsum("btd,df->btf", y, params["w"])
+  gate = jnp.einsum("btd,df->btf", context, params["g"])
+  return -0.5 * params["eta"] * jnp.sum(gate * pre**2)
+
+
+def gate_quad_fused_update(y, context, params, aux):  # eta W (G x * W y)
+  pre = jnp.einsum("btd,df->btf", y, params["w"])
+  gate = jnp.einsum("btd,df->btf", context, params["g"])
+  return params["eta"] * jnp.einsum("btf,df->btd", gate * pre, params["w"])
+
+
+def tril(y, context, params, aux):  # builds its own mask of y's length
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  s = jnp.einsum("bthk,bshk->bhts", q, k)
+  t = y.shape[1]
+  return -0.5 * jnp.sum(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, 0.0) ** 2)
+'''
+
+
+def _user_config(tmp_path, **fields):
+  path = tmp_path / "user_fused.py"
+  path.write_text(USER_FUSED)
+  return tiny_config("cem", **{f"model.{k}": (f"{path}:{v}" if k.endswith("_energy") else v)
+                               for k, v in fields.items()})
+
+
+def _refusal(cfg) -> str:
+  with pytest.raises(ValueError) as err:
+    preflight.check(cfg)
+  assert "\n" not in str(err.value)
+  return str(err.value)
+
+
+def test_builtin_energies_are_flagged_and_user_ones_are_not(tmp_path):
+  assert energies.get("softmax", "attention").builtin
+  assert all(energies.get(n, "mlp").builtin for n in energies.POTENTIALS)
+  cfg = _user_config(tmp_path, attention_energy="quad")
+  spec = energies.get(cfg.model.attention_energy, "attention")
+  assert spec.fused_update is not None and not spec.builtin
+  name = "test_user_registered_energy"
+  try:
+    assert not energies.register(name, "mlp", lambda *a: 0.0).builtin
+  finally:
+    energies.registry._REGISTRY.pop(name, None)
+
+
+@pytest.mark.parametrize("fields", [
+    {"attention_energy": "quad"},
+    {"attention_energy": "quad", "rope": False, "document_mask": False, "update_mode": "fused"},
+    {"mlp_energy": "gate_quad"},
+], ids=["attention", "attention_plain", "mlp"])
+def test_correct_user_fused_update_passes_start_up(tmp_path, fields):
+  """A closed form computed by hand equals -jax.grad(energy): accepted (and used)."""
+  preflight.check(_user_config(tmp_path, **fields))
+
+
+@pytest.mark.parametrize("name", ["zero", "noeta"])
+def test_wrong_user_fused_update_is_refused_at_start_up(tmp_path, name):
+  """A closed form that is not -∇_y energy used to train silently (zeros: a model without
+  attention); now config.validate refuses it with the error it measured."""
+  cfg = _user_config(tmp_path, attention_energy=name)
+  message = _refusal(cfg)
+  assert message.startswith(
+      f"model.attention_energy='{tmp_path}/user_fused.py:{name}': its fused update "
+      f"{name}_fused_update is not -jax.grad(energy) w.r.t. y: max relative error ")
+  error = re.search(r"max relative error (\S+) > 0.001 on \[batch, seq_len, d_model\] random "
+                    r"float32 inputs", message)
+  assert float(error.group(1)) == (1.0 if name == "zero" else pytest.approx(0.3, abs=0.25))
+  assert "model.update_mode='autodiff'" in message
+  with cfg.unlocked():
+    cfg.model.update_mode = "autodiff"  # the closed form is then never called
+  preflight.check(cfg)
+
+
+def test_user_fused_update_wrong_only_in_cached_decoding_is_refused(tmp_path):
+  """Right for a plain causal window, wrong when y is the new tokens against a longer cache."""
+  message = _refusal(_user_config(tmp_path, attention_energy="causal_n", document_mask=False))
+  assert "causal_n_fused_update is not -jax.grad(energy)" in message
+  assert "as in cached decoding (python -m cem_jax.sample)" in message
+
+
+def test_wrong_fused_update_registered_from_python_is_refused():
+  energy, fused = energies.make_gated_energy("relu")
+  name = "test_half_relu"
+  try:
+    energies.register(name, "mlp", energy, lambda *a: 0.5 * fused(*a))
+    message = _refusal(tiny_config("cem", **{"model.mlp_energy": name}))
+  finally:
+    energies.registry._REGISTRY.pop(name, None)
+  assert message.startswith(f"model.mlp_energy='{name}': its fused update <lambda> is not")
+  assert "max relative error 0.5 >" in message
+
+
+def test_energy_with_its_own_causal_mask_is_refused_at_start_up(tmp_path):
+  """jnp.tril of y's length passed start-up (y and context of equal length) and crashed
+  `sample` (y = new tokens, context = the whole cache) with a message not naming the energy."""
+  message = _refusal(_user_config(tmp_path, attention_energy="tril"))
+  assert message.startswith(
+      f"model.attention_energy='{tmp_path}/user_fused.py:tril' failed on inputs with context "
+      "longer than y, as in cached decoding (python -m cem_jax.sample) (y [1, 2, 64], "
+      "context [1, 8, 64], aux.mask [1, 2, 8]): ValueError: Incompatible shapes")
+  assert "build masks from aux.mask" in message
+
+
+@pytest.mark.parametrize("energy", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("mode", ["auto", "autodiff"])
+def test_builtin_and_example_energies_pass_start_up(energy, mode):
+  if energy == "sigmoid":
+    energy = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "experiments", "sigmoid_energy.py") + ":energy"
+  for potential in energies.POTENTIALS:
+    preflight.check(tiny_config("cem", **{
+        "model.attention_energy": energy, "model.mlp_energy": potential,
+        "model.update_mode": mode, "model.strict_causal": potential == "relu"}))
+
+
+def test_rope_keeps_float64_inputs_in_float64():
+  """A float64 reference through apply_rope must not be rounded to float32 (it was: 1e-8
+  errors that capped float64 checks of user energies at float32 accuracy)."""
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(1, 5, 2, 8))
+  pos = np.array([[0, 1, 7, 100, 3000]])
+  half = 4
+  angle = pos[:, :, None, None] * 10_000.0 ** (-np.arange(half) * 2.0 / 8)
+  x1, x2 = x[..., :half], x[..., half:]
+  want = np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle),
+                         x2 * np.cos(angle) + x1 * np.sin(angle)], axis=-1)
+  with jax.enable_x64(True):
+    got = apply_rope(jnp.asarray(x), jnp.asarray(pos), 10_000.0)
+    back = apply_rope(got, jnp.asarray(pos), 10_000.0, inverse=True)
+    assert got.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(back), x, rtol=0, atol=1e-12)
+  assert apply_rope(jnp.asarray(x, jnp.bfloat16), jnp.asarray(pos), 10_000.0).dtype == (
+      jnp.bfloat16)
+
+
+def test_absolute_name_makes_only_relative_file_paths_absolute(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert energies.absolute_name("my/e.py:energy") == f"{tmp_path}/my/e.py:energy"
+  for unchanged in ("/abs/e.py:energy", "softmax", "silu", "pkg.module:energy"):
+    assert energies.absolute_name(unchanged) == unchanged

@@ -14,8 +14,7 @@ import pytest
 from conftest import tiny_config
 from flax import nnx
 
-from cem_jax import config as config_lib
-from cem_jax import inner, steps, summary, train
+from cem_jax import inner, preflight, steps, summary, train
 from cem_jax.config import get_default_config
 from cem_jax.layers.common import softplus_inverse
 from cem_jax.metrics import energy_trace, read_metrics
@@ -297,7 +296,7 @@ def test_invalid_neighbour_options_fail_at_start_up(overrides, message):
       group, leaf = key.split(".")
       cfg[group].__dict__["_fields"][leaf] = value  # bypass ConfigDict's type check
   with pytest.raises(ValueError, match=message):
-    config_lib.validate(cfg)
+    preflight.check(cfg)
 
 
 # ---- the example configs and the table -------------------------------------------------------
@@ -335,6 +334,6 @@ def test_example_config_names_its_allowed_args():
   spec.loader.exec_module(module)
   c = module.get_config("hyperset")
   assert (c.model.manifold, c.model.num_unique_blocks) == ("sphere", 1)
-  config_lib.validate(c)
+  preflight.check(c)
   with pytest.raises(ValueError, match=r"experiments/neighbours.py:nope; allowed: .*yuriiformer"):
     module.get_config("nope")

@@ -10,13 +10,14 @@ from cem_jax.energies.base import EnergyAux, blockwise_logsumexp, make_mask, mas
 from cem_jax.energies.elementwise import POTENTIALS, make_gated_energy, phi_silu
 from cem_jax.energies.interaction import fused_update as interaction_fused_update
 from cem_jax.energies.interaction import interaction_energy
-from cem_jax.energies.registry import EnergySpec, get, names, register
+from cem_jax.energies.registry import EnergySpec, absolute_name, get, names, register
 from cem_jax.energies.rope import apply_rope
 
 __all__ = [
     "EnergyAux",
     "EnergySpec",
     "POTENTIALS",
+    "absolute_name",
     "apply_rope",
     "blockwise_logsumexp",
     "get",

@@ -1,70 +1,257 @@
-"""Start-up checks of the configured energies: they exist, return a float scalar and have the
-requested update mode — found by abstract evaluation (``jax.eval_shape``), before anything is
-compiled. Called by :func:`cem_jax.config.validate` for CEM blocks.
+"""Start-up checks of the configured energies, run by :func:`cem_jax.config.validate` for CEM
+blocks before anything is compiled for training:
+
+- each energy, and the fused update when it is the one used, is evaluated abstractly
+  (``jax.eval_shape``) on both layouts the model calls it with: training (``y`` and
+  ``context`` of equal length) and cached decoding (``y`` the new tokens, ``context`` and
+  ``aux.mask``'s key axis the whole cache), and must return a float scalar (the update: an
+  array shaped like ``y``);
+- a fused update not built into cem_jax (``<function>_fused_update`` next to a
+  ``'file.py:function'`` energy, or one given to :func:`cem_jax.energies.register`) is
+  evaluated on small random inputs and compared with ``-jax.grad(energy)`` w.r.t. ``y``: a
+  wrong closed form would otherwise train without an error. Built-ins
+  (``EnergySpec.builtin``) are skipped: tests/test_energies.py verifies them.
 """
 
 from __future__ import annotations
 
+import math
+import types
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from cem_jax import axes, energies, updates
 
+# The abstract training layout; an energy's wrong-shape error quotes it (e.g. "(1, 4)").
+_ABSTRACT_BATCH, _ABSTRACT_SEQ = 1, 4
+# The numerical check: tiny, so its cost is compiling the two functions (about a second on a
+# shared 2-core CPU); two rows so that, with model.document_mask, one holds two documents and
+# the other padding (masked keys and empty rows are exercised).
+_NUMERIC_BATCH, _NUMERIC_SEQ = 2, 6
+# Cached decoding: the prompt's prefill writes several new tokens into a longer cache, so
+# y has 2 rows against 8 keys (one new token would hide a mask of y's length: [1, 1]
+# broadcasts against any key axis).
+_DECODE_NEW, _DECODE_INDEX, _DECODE_CACHE = 2, 3, 8
+# A correct float32 closed form agrees with jax.grad to ~1e-6; a missing term or factor
+# (η, a head, RoPE) is off by O(1).
+FUSED_RTOL = 1e-3
+_DECODING = "as in cached decoding (python -m cem_jax.sample)"
+_MASK_HINT = ("build masks from aux.mask (not jnp.tril of y's length) and RoPE angles from "
+              "aux.positions (y) and aux.context_positions (context)")
+
 
 def validate_energies(config) -> None:
-  """Looks up both energies and checks, by abstract evaluation (no compilation), that each
-  returns a scalar float and that the chosen update mode exists for it.
+  """Looks up both energies and checks them (module docstring): abstract evaluation in the
+  training and cached-decoding layouts; a numerical comparison of a user's fused update with
+  ``-jax.grad(energy)``.
 
   Raises:
-    ValueError: unknown energy, no closed form for ``update_mode='fused'``, or an energy that
-      returns a non-scalar or non-float value.
+    ValueError: one line naming the config field: unknown energy; no closed form for
+      ``update_mode='fused'``; ``energy_block_size`` with a fused update; an energy or fused
+      update that fails, or returns the wrong shape or dtype, in either layout; a user's fused
+      update whose maximum relative error against ``-jax.grad(energy)`` exceeds
+      :data:`FUSED_RTOL` (or whose reference gradient is not finite).
   """
   m = config.model
-  d, h = m.d_model, m.num_heads
-  dh = axes.head_dim_of(m)
-  b, t = 1, 4
-  y = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
-  aux = energies.EnergyAux(
-      mask=jnp.tril(jnp.ones((b, t, t), bool)),
-      positions=jnp.zeros((b, t), jnp.int32),
-      rope_theta=m.rope_theta if m.rope else None,
-      diagonal_form=m.diagonal_form,
-  )
-  att_params = {
-      "w_q": jax.ShapeDtypeStruct((d, h, dh), jnp.float32),
-      "w_k": jax.ShapeDtypeStruct((d, h, dh), jnp.float32),
-      "eta": jax.ShapeDtypeStruct((h,), jnp.float32),
-      "beta": jax.ShapeDtypeStruct((h,), jnp.float32),
-  }
-  if m.diagonal != "none":
-    att_params["diag"] = jax.ShapeDtypeStruct((h, d), jnp.float32)
-  mlp_params = {
-      "w": jax.ShapeDtypeStruct((d, m.mlp_dim), jnp.float32),
-      "g": jax.ShapeDtypeStruct((d, m.mlp_dim), jnp.float32),
-      "eta": jax.ShapeDtypeStruct((), jnp.float32),
-  }
   slots = []
   if m.cem_attention:
-    slots.append(("model.attention_energy", "attention", att_params))
+    slots.append(("model.attention_energy", "attention"))
   if m.cem_mlp:
-    slots.append(("model.mlp_energy", "mlp", mlp_params))
-  for field, kind, params in slots:
+    slots.append(("model.mlp_energy", "mlp"))
+  for field, kind in slots:
     spec = energies.get(m[field.split(".")[1]], kind, field)
     update = updates.resolve_update(spec, m.update_mode)
-    if kind == "attention" and m.energy_block_size > 0 and update is spec.fused_update:
+    fused = update is spec.fused_update
+    if kind == "attention" and m.energy_block_size > 0 and fused:
       raise ValueError(
           f"model.energy_block_size={m.energy_block_size} has no effect on the fused update "
           f"of {spec.name!r} (it changes how jax.grad of the energy is computed); set "
           "model.update_mode='autodiff' or model.energy_block_size=0")
-    try:
-      out = jax.eval_shape(lambda y_, p_, s=spec: s.energy(y_, y_, p_, aux), y, params)
-    except Exception as e:  # the user's function failed on valid shapes: say whose it is
-      raise ValueError(f"{field}={spec.name!r} failed on [batch, seq_len, d_model] inputs: "
-                       f"{type(e).__name__}: {e}") from e
-    if not hasattr(out, "shape") or out.shape != ():
-      shape = getattr(out, "shape", type(out).__name__)
-      raise ValueError(f"{field}={spec.name!r} returns shape {shape}; an energy must return "
-                       "a scalar (sum over batch and positions)")
-    if not jnp.issubdtype(out.dtype, jnp.floating):
-      raise ValueError(f"{field}={spec.name!r} returns dtype {out.dtype}; an energy must "
-                       "return a float scalar")
+    shapes = _param_shapes(kind, m)
+    for decoding in (False, True):
+      seq = _DECODE_NEW if decoding else _ABSTRACT_SEQ
+      aux = _aux(m, _ABSTRACT_BATCH, seq, decoding)
+      y, context = _abstract_inputs(kind, m, _ABSTRACT_BATCH, seq, aux)
+      _check_energy_shape(field, spec, y, context, shapes, aux, decoding)
+      if fused:
+        _check_update_shape(field, spec, y, context, shapes, aux, decoding)
+    if fused and not spec.builtin:
+      _check_fused_values(field, spec, kind, m, shapes)
+
+
+def _one_line(e: Exception) -> str:
+  """``Type: first line of the message``: JAX errors run over many lines."""
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def _fn_name(fn) -> str:
+  return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _param_shapes(kind: str, m) -> dict:
+  """The ``params`` dict the slot's layer hands its energy (``cem_jax.layers.cem``), float32."""
+  d, h = m.d_model, m.num_heads
+  dh = axes.head_dim_of(m)
+  f32 = jnp.float32
+  if kind == "mlp":
+    return {"w": jax.ShapeDtypeStruct((d, m.mlp_dim), f32),
+            "g": jax.ShapeDtypeStruct((d, m.mlp_dim), f32),
+            "eta": jax.ShapeDtypeStruct((), f32)}
+  shapes = {"w_q": jax.ShapeDtypeStruct((d, h, dh), f32),
+            "w_k": jax.ShapeDtypeStruct((d, h, dh), f32),
+            "eta": jax.ShapeDtypeStruct((h,), f32),
+            "beta": jax.ShapeDtypeStruct((h,), f32)}
+  if m.diagonal != "none":
+    shapes["diag"] = jax.ShapeDtypeStruct((h, d), f32)  # 'shared' is broadcast to per head
+  return shapes
+
+
+def _segment_ids(batch: int, seq: int) -> np.ndarray:
+  """Two documents in row 0; one document then two padding tokens in the other rows."""
+  half = seq // 2
+  rows = [[1] * half + [2] * (seq - half)] + [[1] * (seq - 2) + [0] * 2] * (batch - 1)
+  return np.asarray(rows, np.int32)
+
+
+def _aux(m, batch: int, seq: int, decoding: bool) -> energies.EnergyAux:
+  """The aux the model builds (``DecoderLM.make_aux`` with documents and padding when
+  ``model.document_mask``, as in training; ``make_decode_aux``), called on a stand-in so the
+  check cannot drift from them, on the 'xla' kernel: the checks run before the devices are
+  known."""
+  from cem_jax.model import DecoderLM  # here: the model imports the energies package
+
+  model = types.SimpleNamespace(cfg=m, attention_impl="xla", attention_partition=None)
+  if decoding:
+    return DecoderLM.make_decode_aux(model, batch, seq, _DECODE_CACHE, _DECODE_INDEX)
+  if not m.document_mask:
+    return DecoderLM.make_aux(model, None, batch, seq)
+  segment_ids = jnp.asarray(_segment_ids(batch, seq))
+  return DecoderLM.make_aux(model, segment_ids, batch, seq).replace(real=segment_ids > 0)
+
+
+def _context_len(kind: str, aux) -> int:
+  """The attention context is every key (the whole cache when decoding); the MLP's gate input
+  is the state of the same tokens as ``y``."""
+  return aux.mask.shape[-1] if kind == "attention" else aux.mask.shape[1]
+
+
+def _abstract_inputs(kind, m, batch, seq, aux):
+  y = jax.ShapeDtypeStruct((batch, seq, m.d_model), jnp.float32)
+  context = jax.ShapeDtypeStruct((batch, _context_len(kind, aux), m.d_model), jnp.float32)
+  return y, context
+
+
+def _where(y, context, aux, decoding: bool, inputs: str = "inputs") -> str:
+  """How the inputs looked, for an error message (shapes only in the decoding layout, the one
+  users do not expect)."""
+  if not decoding:
+    return f"[batch, seq_len, d_model] {inputs}"
+  shapes = f"y {list(y.shape)}, context {list(context.shape)}, aux.mask {list(aux.mask.shape)}"
+  longer = "context longer than y" if context.shape[1] > y.shape[1] else "aux.mask wider than y"
+  return f"{inputs} with {longer}, {_DECODING} ({shapes})"
+
+
+def _evaluate_shape(field, spec, fn, what, y, context, shapes, aux, decoding):
+  try:
+    return jax.eval_shape(lambda y_, c_, p_: fn(y_, c_, p_, aux), y, context, shapes)
+  except Exception as e:  # the user's function failed on valid shapes: say whose it is
+    hint = f"; {_MASK_HINT}" if decoding else ""
+    raise ValueError(f"{field}={spec.name!r}{what} failed on {_where(y, context, aux, decoding)}"
+                     f": {_one_line(e)}{hint}") from e
+
+
+def _check_energy_shape(field, spec, y, context, shapes, aux, decoding):
+  out = _evaluate_shape(field, spec, spec.energy, "", y, context, shapes, aux, decoding)
+  where = f" on {_where(y, context, aux, decoding)}" if decoding else ""
+  if not hasattr(out, "shape") or out.shape != ():
+    shape = getattr(out, "shape", type(out).__name__)
+    raise ValueError(f"{field}={spec.name!r} returns shape {shape}{where}; an energy must "
+                     "return a scalar (sum over batch and positions)")
+  if not jnp.issubdtype(out.dtype, jnp.floating):
+    raise ValueError(f"{field}={spec.name!r} returns dtype {out.dtype}{where}; an energy must "
+                     "return a float scalar")
+
+
+def _check_update_shape(field, spec, y, context, shapes, aux, decoding):
+  what = f": its fused update {_fn_name(spec.fused_update)}"
+  out = _evaluate_shape(field, spec, spec.fused_update, what, y, context, shapes, aux,
+                        decoding)
+  shape = getattr(out, "shape", type(out).__name__)
+  if shape != y.shape or not jnp.issubdtype(out.dtype, jnp.floating):
+    raise ValueError(f"{field}={spec.name!r}{what} returns shape {shape}, dtype "
+                     f"{getattr(out, 'dtype', None)} on {_where(y, context, aux, decoding)}; it "
+                     "must return -∇_y energy: a float array shaped like y")
+
+
+def _random_params(shapes: dict, rng: np.random.Generator) -> dict:
+  """Random, non-initial parameters at the scale training sees: weights ~ N(0, 1/d_model)
+  (scores of order 1 for unit-RMS inputs), η and β spread per head (an update that drops or
+  mixes up a head's η or β is caught), a diagonal of either sign. NumPy draws them: each
+  shape would cost jax.random a compilation."""
+  out = {}
+  for name, s in sorted(shapes.items()):
+    if name in ("eta", "beta"):
+      v = rng.uniform(0.5, 1.5, s.shape)
+      if name == "beta":  # around the default 1/sqrt(head_dim)
+        v = v / math.sqrt(shapes["w_q"].shape[-1])
+    elif name == "diag":
+      v = 0.3 * rng.standard_normal(s.shape) / math.sqrt(s.shape[-1])
+    else:  # w_q, w_k, w, g: [d_model, ...]
+      v = rng.standard_normal(s.shape) / math.sqrt(s.shape[0])
+    out[name] = jnp.asarray(v, s.dtype)
+  return out
+
+
+def _cpu_device():
+  """CPU when present: the same float32 arithmetic on every machine (no TF32 or bf16 passes
+  of accelerator matmuls), and no accelerator memory taken before the model is placed."""
+  try:
+    return jax.local_devices(backend="cpu")[0]
+  except RuntimeError:
+    return None
+
+
+def _check_fused_values(field, spec, kind, m, shapes):
+  """Compares ``spec.fused_update`` with ``-jax.grad(spec.energy)`` w.r.t. ``y``, in float32, on
+  random unit-RMS inputs, in the training and the cached-decoding layout."""
+  name = _fn_name(spec.fused_update)
+  reference = updates.autodiff_update(spec.energy)
+
+  # One compilation per layout for both: compiling dominates the cost at these sizes.
+  @jax.jit
+  def both(y, context, params, aux):
+    return spec.fused_update(y, context, params, aux), reference(y, context, params, aux)
+
+  with jax.default_device(_cpu_device()), jax.default_matmul_precision("highest"):
+    rng = np.random.default_rng(0)
+    params = _random_params(shapes, rng)
+    for decoding in (False, True):
+      seq = _DECODE_NEW if decoding else _NUMERIC_SEQ
+      aux = _aux(m, _NUMERIC_BATCH, seq, decoding)
+      y = jnp.asarray(rng.standard_normal((_NUMERIC_BATCH, seq, m.d_model)), jnp.float32)
+      context = jnp.asarray(
+          rng.standard_normal((_NUMERIC_BATCH, _context_len(kind, aux), m.d_model)), jnp.float32)
+      where = _where(y, context, aux, decoding, "random float32 inputs")
+      try:
+        got, want = (np.asarray(a, np.float64) for a in both(y, context, params, aux))
+      except Exception as e:  # the shape checks ran both functions' code already: rare
+        raise ValueError(f"{field}={spec.name!r}: its fused update {name} or jax.grad of the "
+                         f"energy failed on {where}: {_one_line(e)}") from e
+      if not np.all(np.isfinite(want)):
+        raise ValueError(
+            f"{field}={spec.name!r}: -jax.grad(energy) w.r.t. y is not finite on {where}, so "
+            f"its fused update {name} cannot be checked against it; make the energy's gradient "
+            "finite (e.g. with jax.custom_jvp) or set model.update_mode='autodiff'")
+      scale = np.max(np.abs(want))
+      err = np.max(np.abs(got - want))
+      rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+      if not rel <= FUSED_RTOL:  # also NaN
+        raise ValueError(
+            f"{field}={spec.name!r}: its fused update {name} is not -jax.grad(energy) w.r.t. "
+            f"y: max relative error {rel:.3g} > {FUSED_RTOL:g} on {where}; it must return "
+            "exactly -∇_y energy (η included: the energy carries the step size, the layer "
+            "adds only the preconditioner); fix it, remove it, or set "
+            "model.update_mode='autodiff'")

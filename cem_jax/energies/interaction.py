@@ -133,8 +133,9 @@ def fused_update(y: jax.Array, context: jax.Array, params: dict, aux: EnergyAux)
   impl = aux.attention_impl
   if diag is not None:
     if impl != "xla":
+      width = head_dim + y.shape[-1] + (aux.diagonal_form == "distance")
       raise ValueError(f"attention_impl={impl!r} cannot take the CEM per-head diagonal's "
-                       f"augmented head (width {head_dim + y.shape[-1] + 1}); use 'xla'")
+                       f"augmented head (width {width}); use 'xla'")
     q, k, _ = _augmented_head(y, context, q, k, diag, aux.diagonal_form)
     # The -½ Σ d y² row constant leaves the softmax unchanged.
   beta = params["beta"].astype(q.dtype)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from cem_jax.energies import elementwise, interaction
 
 KINDS = ("attention", "mlp")
+# Errors name a kind with its article; both are read with a vowel sound ("an em-el-pee").
+_A = {"attention": "an attention", "mlp": "an mlp"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,12 +28,16 @@ class EnergySpec:
     energy: ``energy(y, context, params, aux) -> []`` (see ``cem_jax.energies.base``).
     fused_update: closed-form ``-∇_y energy`` with the same arguments, or None (then the
       update is derived by ``jax.grad``).
+    builtin: True for the energies cem_jax registers itself, whose closed forms
+      tests/test_energies.py verifies; every other closed form is compared with ``jax.grad``
+      of its energy at start-up (:func:`cem_jax.energies.checks.validate_energies`).
   """
 
   name: str
   kind: str
   energy: Callable
   fused_update: Callable | None = None
+  builtin: bool = False
 
 
 _REGISTRY: dict[str, EnergySpec] = {}
@@ -40,14 +46,24 @@ _REGISTRY: dict[str, EnergySpec] = {}
 def register(name: str, kind: str, energy: Callable, fused_update: Callable | None = None):
   """Registers ``energy`` under ``name`` for slot ``kind``; returns its :class:`EnergySpec`.
 
+  The name lives in this process only: training can use it when the config file (``--config``)
+  or a script registers it first, but ``evaluate``, ``sample`` and ``tables`` reload the run
+  in a fresh process, where the name is unknown. Name the energy by a ``'file.py:function'``
+  path to reload the run. A ``fused_update`` must equal ``-jax.grad(energy)`` w.r.t. ``y``;
+  start-up checks it numerically (:mod:`cem_jax.energies.checks`).
+
   Raises:
     ValueError: ``kind`` not in ``KINDS`` or ``name`` already taken.
   """
+  return _register(name, kind, energy, fused_update, builtin=False)
+
+
+def _register(name, kind, energy, fused_update, *, builtin: bool) -> EnergySpec:
   if kind not in KINDS:
     raise ValueError(f"energy kind={kind!r}; allowed: {', '.join(KINDS)}")
   if name in _REGISTRY:
     raise ValueError(f"energy name {name!r} is already registered")
-  spec = EnergySpec(name, kind, energy, fused_update)
+  spec = EnergySpec(name, kind, energy, fused_update, builtin)
   _REGISTRY[name] = spec
   return spec
 
@@ -76,6 +92,19 @@ def _import(module_name: str, where: str):
     raise ValueError(f"{where}: cannot import module {module_name!r} ({e})") from e
 
 
+def absolute_name(name: str) -> str:
+  """``name`` with a relative ``'path/to/file.py:function'`` path made absolute; registry names
+  and ``'package.module:function'`` are returned unchanged.
+
+  A run's saved config then names the same file from any working directory (``evaluate``,
+  ``sample`` and ``tables`` reload the energy from it).
+  """
+  module_name, sep, fn_name = name.rpartition(":")
+  if sep and module_name.endswith(".py") and not os.path.isabs(module_name):
+    return f"{os.path.abspath(module_name)}:{fn_name}"
+  return name
+
+
 def names(kind: str | None = None) -> list[str]:
   """Registered names (of one ``kind`` if given), sorted."""
   return sorted(n for n, s in _REGISTRY.items() if kind is None or s.kind == kind)
@@ -87,7 +116,9 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
   ``name`` is a registry name, ``'package.module:function'`` or ``'path/to/file.py:function'``
   (relative to the working directory). A path names a plain function
   ``energy(y, context, params, aux) -> scalar``; if the module also defines
-  ``<function>_fused_update``, that is used as the closed form.
+  ``<function>_fused_update(y, context, params, aux)``, that is the closed form: it must
+  return ``-jax.grad(energy)`` w.r.t. ``y`` (``η`` included, since the energy carries it), and
+  :func:`cem_jax.energies.checks.validate_energies` refuses one that does not.
 
   Args:
     name: what the config says.
@@ -111,10 +142,11 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
         f"{', '.join(names(kind))} or a 'module:function' path"
     )
   if spec.kind != kind:
-    raise ValueError(f"{field}={name!r} is a {spec.kind} energy, not a {kind} energy")
+    raise ValueError(f"{field}={name!r} is {_A[spec.kind]} energy, not {_A[kind]} energy")
   return spec
 
 
-register("softmax", "attention", interaction.interaction_energy, interaction.fused_update)
+_register("softmax", "attention", interaction.interaction_energy, interaction.fused_update,
+          builtin=True)
 for _potential in elementwise.POTENTIALS:
-  register(_potential, "mlp", *elementwise.make_gated_energy(_potential))
+  _register(_potential, "mlp", *elementwise.make_gated_energy(_potential), builtin=True)

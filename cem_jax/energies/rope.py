@@ -19,7 +19,7 @@ def apply_rope(
       is ``x``; the CEM attention update un-rotates its aggregate this way (CEM_MATH.md
       section 1, "RoPE").
   Returns:
-    An array like ``x`` (same dtype; the angles are computed in float32).
+    An array like ``x`` (same dtype; computed in float32, or float64 for float64 ``x``).
   Raises:
     ValueError: if ``head_dim`` is odd.
   """
@@ -27,11 +27,14 @@ def apply_rope(
   if head_dim % 2:
     raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
   half = head_dim // 2
-  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / head_dim)
-  angle = positions.astype(jnp.float32)[:, :, None, None] * freq  # [b, t, 1, half]
+  # float32 at least (bfloat16 angles of positions in the thousands are off by whole radians);
+  # float64 inputs stay float64, so float64 references are not limited to float32 rounding.
+  compute = jnp.promote_types(x.dtype, jnp.float32)
+  freq = theta ** (-jnp.arange(half, dtype=compute) * 2.0 / head_dim)
+  angle = positions.astype(compute)[:, :, None, None] * freq  # [b, t, 1, half]
   sin, cos = jnp.sin(angle), jnp.cos(angle)
   if inverse:
     sin = -sin
-  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  x1, x2 = x[..., :half].astype(compute), x[..., half:].astype(compute)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
