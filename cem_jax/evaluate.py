@@ -2,12 +2,12 @@
 
     python -m cem_jax.evaluate --workdir=DIR --num_steps=1,2,3,4
 
-Loads ``DIR/config.json``, the run's prepared data and tokenizer and the newest checkpoint, then
-evaluates the validation split with every CEM layer running ``T_eval`` steps. Writes
-``DIR/test_time_steps.{md,json,png}``: perplexity, bits per byte and the final energy (the
-sum over layers of the attention + MLP energy after the last step, mean per token) per
-``T_eval``. Steps beyond the trained T reuse the last step's parameters (per-step step sizes
-or preconditioners).
+Loads the newest checkpoint with the config saved in it (the trained T included), the run's
+prepared data and tokenizer, then evaluates the validation split with every CEM layer running
+``T_eval`` steps. Writes ``DIR/test_time_steps.{md,json,png}``: perplexity, bits per byte and
+the final energy (the sum over layers of the attention + MLP energy after the last step, mean
+per token) per ``T_eval``. Steps beyond the trained T reuse the last step's parameters
+(per-step step sizes or preconditioners).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 from absl import app, flags, logging
 
 from cem_jax import cli
+from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text
 
 
 def load_run(workdir: str):
@@ -69,9 +70,8 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str):
 
   from cem_jax import config as config_lib
   from cem_jax import data as data_lib
-  from cem_jax import optim
+  from cem_jax import optim, preflight
   from cem_jax import steps as steps_lib
-  from cem_jax.workdir import flatten
 
   meta = ckpt.read_meta(step)
   saved = meta.get("config")
@@ -85,12 +85,12 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str):
       raise ValueError(f"{config_json} is not valid JSON ({e}); restore it from the run's "
                        "command") from None
   config = config_lib.get_default_config()
-  unknown = sorted(set(flatten(saved)) - set(flatten(json.loads(config.to_json()))))
+  unknown = sorted(set(config_lib.flat(saved)) - set(config_lib.flat(config)))
   if unknown:
     raise ValueError(f"{where}: config fields {', '.join(unknown)} are unknown to this "
                      "version of cem_jax; evaluate it with the version that trained it")
   config.update(saved)
-  config_lib.validate(config)
+  preflight.check(config)
   found = _prepared_data_of(workdir, config.data.prepared_dir, meta.get("data"))
   if found:
     # The tokens the checkpoint was trained on: the raw text and a given tokenizer file need
@@ -130,7 +130,8 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> li
   """Evaluates ``workdir``'s model for each ``T_eval`` in ``steps``; returns one row each.
 
   Row keys: ``T_eval``, ``eval/loss``, ``eval/perplexity``, ``eval/bits_per_byte``,
-  ``final_energy`` and ``step`` (the checkpoint's training step).
+  ``final_energy``, ``step`` (the checkpoint's training step) and ``T_trained`` (the
+  ``model.num_steps`` the checkpoint was trained with, from the config saved in it).
 
   Raises:
     ValueError: the run is not a CEM model, or a ``T_eval`` < 1.
@@ -150,7 +151,8 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> li
     metrics = steps_lib.eval_loop(eval_step, params, data, config)
     trace = energy_trace(metrics)
     final = sum(parts["att"][-1] + parts["mlp"][-1] for parts in trace.values())
-    rows.append({"T_eval": t_eval, "step": step, "final_energy": final,
+    rows.append({"T_eval": t_eval, "step": step, "T_trained": config.model.num_steps,
+                 "final_energy": final,
                  **{k: metrics[k] for k in ("eval/loss", "eval/perplexity",
                                             "eval/bits_per_byte")}})
   return rows
@@ -164,8 +166,7 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
   import matplotlib.pyplot as plt
 
   base = os.path.join(workdir, "test_time_steps")
-  with open(base + ".json", "w") as f:
-    json.dump(rows, f, indent=2)
+  atomic_write_json(base + ".json", rows)
   lines = [
       f"Test-time steps for a model trained with T = {trained_steps} "
       f"(checkpoint step {rows[0]['step']}).",
@@ -176,8 +177,7 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
   for r in rows:
     lines.append(f"| {r['T_eval']} | {r['eval/loss']:.4f} | {r['eval/perplexity']:.2f} | "
                  f"{r['eval/bits_per_byte']:.4f} | {r['final_energy']:.4f} |")
-  with open(base + ".md", "w") as f:
-    f.write("\n".join(lines) + "\n")
+  atomic_write_text(base + ".md", "\n".join(lines) + "\n")
   fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
   ts = [r["T_eval"] for r in rows]
   a1.plot(ts, [r["eval/perplexity"] for r in rows], "o-")
@@ -192,7 +192,7 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
     ax.set_xticks(ts)
     ax.grid(alpha=0.3)
   fig.tight_layout()
-  fig.savefig(base + ".png", dpi=120)
+  atomic_save_figure(fig, base + ".png")
   plt.close(fig)
   return [base + ext for ext in (".md", ".json", ".png")]
 
@@ -215,9 +215,9 @@ def main(argv):
     if fl.max_batches < 1 and fl.max_batches != -1:
       raise ValueError(f"--max_batches={fl.max_batches}; allowed: -1 (all) or an int >= 1")
     rows = test_time_steps(fl.workdir, steps, fl.max_batches)
-    with open(os.path.join(fl.workdir, "config.json")) as f:
-      trained = json.load(f)["model"]["num_steps"]
-    paths = write_report(fl.workdir, rows, trained)
+    # From the checkpoint's own config: config.json is rewritten by every start, also one that
+    # changed model.num_steps and then trained nothing.
+    paths = write_report(fl.workdir, rows, rows[0]["T_trained"])
   print(open(paths[0]).read())
   print("\n".join(paths))
 

@@ -8,6 +8,8 @@ import math
 import os
 import re
 
+from absl import logging
+
 from cem_jax.files import atomic_write_bytes
 
 
@@ -21,6 +23,10 @@ class MetricsWriter:
       after its last checkpoint) are dropped so the file never shows a step twice; TensorBoard
       is told to purge its events after that step too.
     tensorboard: also write the numeric values as TensorBoard scalars.
+
+  Raises:
+    ValueError: with ``truncate_after_step``, a damaged line before the last one, as
+      :func:`read_metrics` (a cut-short last line is dropped with a warning).
   """
 
   def __init__(self, workdir: str, enabled: bool = True, truncate_after_step: int | None = None,
@@ -37,15 +43,14 @@ class MetricsWriter:
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
                                purge_step=truncate_after_step or None)
     if truncate_after_step is not None and os.path.exists(self.path):
-      kept = []
-      with open(self.path) as f:
-        for line in f:
-          try:
-            if json.loads(line)["step"] <= truncate_after_step:
-              kept.append(line if line.endswith("\n") else line + "\n")
-          except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a line cut short by a kill
-      atomic_write_bytes(self.path, "".join(kept).encode())
+      # Read by read_metrics' own parser: a file it would refuse is refused here too, instead
+      # of losing its damaged lines without a word.
+      lines, torn = _parse_metrics(self.path)
+      if torn is not None:
+        logging.warning("%s: dropped its cut-short last line (a kill mid-write): %.80r",
+                        self.path, torn)
+      kept = "".join(text + "\n" for text, m in lines if m["step"] <= truncate_after_step)
+      atomic_write_bytes(self.path, kept.encode())
     self._file = open(self.path, "a")
 
   def write(self, step: int, metrics: dict) -> None:
@@ -78,25 +83,48 @@ class MetricsWriter:
 def read_metrics(workdir: str) -> list[dict]:
   """All lines of ``WORKDIR/metrics.jsonl`` as dicts.
 
-  A last line without its newline (a run still writing, or killed mid-write) is skipped.
+  A last line without its newline that is not JSON (a run still writing, or killed mid-write)
+  is skipped.
 
   Raises:
-    ValueError: an earlier line is not JSON (names the file and line).
+    ValueError: an earlier line is not a JSON object with an integer ``step`` (one line naming
+      the file, the line number and its text).
   """
-  path = os.path.join(workdir, "metrics.jsonl")
+  lines, _ = _parse_metrics(os.path.join(workdir, "metrics.jsonl"))
+  return [m for _, m in lines]
+
+
+def _parse_metrics(path: str) -> tuple[list[tuple[str, dict]], str | None]:
+  """The one parser of ``metrics.jsonl``, for readers and the resuming writer alike.
+
+  Returns ``([(text, line), ...], torn)``: each line's text (without its newline) and its dict,
+  blank lines skipped, and ``torn`` the cut-short last line (no newline and not JSON) that was
+  left out, or None. Only the last line can be torn: the writer writes a whole line with its
+  newline at once, so anything earlier that does not parse is damage, not a kill.
+
+  Raises:
+    ValueError: as :func:`read_metrics`.
+  """
   with open(path) as f:
-    lines = f.read().split("\n")
+    texts = f.read().split("\n")
   out = []
-  for i, line in enumerate(lines):
-    if not line.strip():
+  for i, text in enumerate(texts):
+    if not text.strip():
       continue
     try:
-      out.append(json.loads(line))
+      line = json.loads(text)
     except json.JSONDecodeError as e:
-      if i == len(lines) - 1:
-        break  # cut short: no newline after it
-      raise ValueError(f"{path}:{i + 1} is not valid JSON ({e})") from None
-  return out
+      if i == len(texts) - 1:  # no newline after it
+        return out, text
+      raise ValueError(f"{path}:{i + 1} is not valid JSON ({e}): {text[:80]!r}; every line "
+                       "but a cut-short last one must be a JSON object with a \"step\"; "
+                       "repair or delete that line") from None
+    step = line.get("step") if isinstance(line, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+      raise ValueError(f"{path}:{i + 1} is not a JSON object with an integer \"step\": "
+                       f"{text[:80]!r}; repair or delete that line")
+    out.append((text, line))
+  return out, None
 
 
 _ENERGY_KEY = re.compile(r"eval/energy/layer(\d+)/step(\d+)/(att|mlp)_(before|after)")

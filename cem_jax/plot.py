@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from cem_jax import cli  # noqa: E402
+from cem_jax.files import atomic_save_figure  # noqa: E402
 from cem_jax.metrics import energy_steps, read_metrics  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def plot_losses(metrics: list[dict], path: str, title: str = "") -> None:
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  atomic_save_figure(fig, path)
   plt.close(fig)
 
 
@@ -69,7 +70,7 @@ def plot_energy(steps: dict[int, dict[str, list[tuple[float, float]]]], path: st
     ax.legend(fontsize=8)
   fig.suptitle(title)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  atomic_save_figure(fig, path)
   plt.close(fig)
 
 

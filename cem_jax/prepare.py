@@ -10,7 +10,9 @@ it writes only the missing shards; complete, it is a no-op. Failed before its fi
 input), it removes what it wrote, so the re-run with fixed input starts afresh. Then train with
 ``python -m cem_jax.main --config=CFG --workdir=W --config.data.prepared_dir=DIR``.
 
-Exit status 0 when done, 1 with a one-line ``error: ...`` for bad input.
+The config is validated first, as ``cem_jax.main`` does (``cem_jax.config.validate``): a
+config that main would reject prepares nothing. Exit status 0 when done, 1 with a one-line
+``error: ...`` for bad input (an invalid config field, a flag, a source file).
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ flags.mark_flags_as_required(["config", "out"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  from cem_jax import preflight
   from cem_jax.data import prepared
 
   logging.set_verbosity(logging.INFO)
   cli.quiet_libraries()
   with cli.user_errors():
     config = cli.load_config()
+    # The checks main runs before training: data prepared from a config main rejects (or
+    # from an option it would silently ignore) is a wasted, misleading preparation.
+    preflight.check(config)
     if config.data.prepared_dir:
       raise ValueError(f"data.prepared_dir={config.data.prepared_dir!r}: prepare writes to "
                        "--out; leave data.prepared_dir unset here")

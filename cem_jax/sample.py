@@ -1,7 +1,8 @@
 """Generate text from a trained run: ``python -m cem_jax.sample --workdir=DIR --prompt="..."``.
 
 Loads the run's config, tokenizer and newest checkpoint, then samples with a decoding cache
-(Llama: rotated keys and values; CEM: the layer context, whose keys double as values) —
+(Llama: rotated keys and values; CEM: the layer context, whose keys double as values, or
+each recursive step's keys and values with ``model.cem_attention=False``) —
 greedy (``--temperature=0``), or temperature with optional top-k / top-p (nucleus) filtering.
 ``--no_cache`` recomputes the whole prefix at every token (the reference the cache is tested
 against: greedy tokens are identical).

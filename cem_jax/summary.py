@@ -15,8 +15,7 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from cem_jax import bench, cli, sharding
-from cem_jax import config as config_lib
+from cem_jax import bench, cli, preflight, sharding
 from cem_jax.model import DecoderLM
 
 
@@ -30,7 +29,7 @@ def summary(config, vocab_size: int | None = None, devices=None) -> dict:
   Raises:
     ValueError: an invalid config or a mesh that does not fit the devices.
   """
-  config_lib.validate(config)
+  preflight.check(config)
   vocab = config.data.vocab_size if vocab_size is None else vocab_size
   if vocab < 1:
     raise ValueError(f"--vocab_size={vocab}; allowed: an int >= 1")

@@ -25,6 +25,7 @@ import difflib
 import glob
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -37,10 +38,10 @@ from absl import app, flags, logging
 from flax import nnx
 from tqdm import tqdm
 
-from cem_jax import bench, cli, train
-from cem_jax import workdir as workdir_lib
+from cem_jax import bench, cli, preflight, train
+from cem_jax import config as config_lib
 from cem_jax.config import get_default_config
-from cem_jax.files import atomic_write_json
+from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text
 from cem_jax.metrics import read_metrics
 from cem_jax.model import DecoderLM
 from cem_jax.version import NUMERICS_VERSION
@@ -83,7 +84,7 @@ def parse_overrides(pairs: list[str]) -> dict:
     ValueError: one line naming the ``--set`` value: no ``=``, an unknown key (with the
       closest keys), or a value that does not parse as the key's type.
   """
-  default = workdir_lib.flatten(json.loads(get_default_config().to_json()))
+  default = config_lib.flat(get_default_config())
   out = {}
   for pair in pairs:
     key, sep, text = pair.partition("=")
@@ -173,15 +174,14 @@ def _same_config(run: str, config) -> bool:
   if not os.path.exists(path):
     return False
   def flat(d: dict) -> dict:
-    out = workdir_lib.flatten(d)
+    out = config_lib.flat(d)
     if out.get("data.files"):  # by name: the same corpus seen from another checkout/machine
       out["data.files"] = ",".join(os.path.basename(p) for p in out["data.files"].split(","))
     return out
 
   with open(path) as f:
     saved = flat(json.load(f))
-  now = flat(json.loads(config.to_json()))
-  default = flat(json.loads(get_default_config().to_json()))
+  now, default = flat(config), flat(get_default_config())
   return set(saved) <= set(now) and all(
       saved[k] == v if k in saved else default.get(k) == v for k, v in now.items())
 
@@ -233,10 +233,6 @@ def _trained_to_the_end(out: str, num_steps: int) -> bool:
   return any(m.get("step") == num_steps and "eval/loss" in m for m in read_metrics(out))
 
 
-def _flat(config) -> dict:
-  return workdir_lib.flatten(json.loads(config.to_json()))
-
-
 def check_runs(module, scale: str, seeds: int, steps: int | None = None,
                rows: list[str] | None = None, overrides: dict | None = None) -> None:
   """Validates every run's config before any trains, so that a bad ``--set`` or row fails
@@ -247,9 +243,7 @@ def check_runs(module, scale: str, seeds: int, steps: int | None = None,
       in which the rows differ (``--set=train.learning_rate`` would turn ``t2_lr_half`` into
       ``t2_fixed``), naming the override and a row.
   """
-  from cem_jax import config as config_lib
-
-  own = {row: _flat(row_config(module, row, scale, 0, steps)) for row in module.ROWS}
+  own = {row: config_lib.flat(row_config(module, row, scale, 0, steps)) for row in module.ROWS}
   for key in sorted(overrides or {}):
     values = {row: json.dumps(flat.get(key)) for row, flat in own.items()}
     if len(set(values.values())) > 1:  # the rows differ in this key: it is what they compare
@@ -259,7 +253,7 @@ def check_runs(module, scale: str, seeds: int, steps: int | None = None,
   for row in rows or module.ROWS:
     for seed in range(seeds):
       try:
-        config_lib.validate(row_config(module, row, scale, seed, steps, overrides))
+        preflight.check(row_config(module, row, scale, seed, steps, overrides))
       except ValueError as e:
         raise ValueError(f"row {row!r}: {e}") from None
 
@@ -391,10 +385,11 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
   import matplotlib.pyplot as plt
 
   base = os.path.join(workdir, table)
-  with open(base + ".csv", "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=COLUMNS)
-    writer.writeheader()
-    writer.writerows(rows)
+  csv_text = io.StringIO(newline="")
+  writer = csv.DictWriter(csv_text, fieldnames=COLUMNS)
+  writer.writeheader()
+  writer.writerows(rows)
+  atomic_write_text(base + ".csv", csv_text.getvalue())
   lines = [header, "",
            "| row | params | non-emb. | attention | MLP | GFLOP/token | eval loss | "
            f"Δ loss vs {rows[0]['row'] if rows else '-'} (paired) | perplexity | bits/byte | "
@@ -413,8 +408,7 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
         f"{r['perplexity']:.2f} | "
         f"{spread(r['bits_per_byte_mean'], r['bits_per_byte_std'], r['seeds'], '.4f')} | "
         f"{r['tokens_per_sec']:.0f} |")
-  with open(base + ".md", "w") as f:
-    f.write("\n".join(lines) + "\n")
+  atomic_write_text(base + ".md", "\n".join(lines) + "\n")
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for row, points in curves.items():
     ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=row, ms=3)
@@ -424,7 +418,7 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  fig.savefig(base + ".png", dpi=120)
+  atomic_save_figure(fig, base + ".png")
   plt.close(fig)
   return [base + ext for ext in (".md", ".csv", ".png")]
 

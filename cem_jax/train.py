@@ -16,7 +16,6 @@ everything (a :class:`Run`), :class:`_Loop` holds the state that changes step by
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -29,6 +28,7 @@ from absl import logging
 
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
+from cem_jax import preflight
 from cem_jax import sharding as sharding_lib
 from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
@@ -73,10 +73,18 @@ def epochs(config: ml_collections.ConfigDict, train_windows: int) -> float:
   return config.train.num_steps * config.train.batch_size / max(train_windows, 1)
 
 
+def _finite(value) -> bool:
+  return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def best_eval(evals: list[dict]) -> dict:
   """``eval/best_loss``, ``eval/best_bits_per_byte`` and ``eval/best_step`` (its step) of the
-  eval line with the lowest ``eval/loss``; ``{}`` without eval lines."""
-  evals = [m for m in evals if m.get("eval/loss") is not None]  # None: non-finite
+  eval line with the lowest finite ``eval/loss``; ``{}`` without such a line.
+
+  Non-finite values (a live ``nan``, or the ``null`` that ``metrics.jsonl`` stores for one) are
+  never the best: ``x < nan`` is always false, so a NaN once best would stay best, and
+  ``best_eval.json`` would hold a ``NaN`` that is not JSON."""
+  evals = [m for m in evals if _finite(m.get("eval/loss")) and _finite(m.get("eval/bits_per_byte"))]
   if not evals:
     return {}
   best = min(evals, key=lambda m: (m["eval/loss"], m["step"]))
@@ -88,8 +96,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains ``config`` in ``workdir``, resuming from its newest intact checkpoint.
 
   Start-up checks everything (config, devices, workdir, data, checkpoint) before it writes
-  ``workdir/config.json`` or ``metrics.jsonl``; if it fails and ``workdir`` did not exist
-  before, ``workdir`` is removed again, so no failed start looks like a run.
+  ``workdir/config.json`` or ``metrics.jsonl``; if it (or opening those) fails, the checkpoints
+  are closed and, if ``workdir`` did not exist before, it is removed again, so no failed start
+  looks like a run.
 
   Writes ``workdir/config.json`` (resolved config), ``workdir/metrics.jsonl`` (train lines every
   ``train.log_every_steps``, eval lines every ``train.eval_every_steps`` and at the end; on
@@ -115,12 +124,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   Raises:
     ValueError: invalid config, data, devices, workdir or checkpoint (one line naming the
       field/file, the value and the fix; :class:`cem_jax.checkpoint.CheckpointError` for
-      checkpoints that are all damaged or do not fit the model).
+      checkpoints that are all damaged or do not fit the model); ``metrics.jsonl`` damaged
+      before its last line (see :func:`cem_jax.metrics.read_metrics`).
     FloatingPointError: ``train.max_consecutive_nonfinite`` consecutive non-finite steps (or
       non-finite parameters at a save); nothing from those steps is saved.
   """
   run = _start_up(config, workdir)
-  loop = _Loop(run)
+  try:
+    loop = _Loop(run)
+  except BaseException:
+    _undo_start(run.ckpt, workdir, run.created)
+    raise
   try:
     with workdir_lib.Preemption() as preemption:
       for step in range(run.start_step, loop.num_steps):
@@ -139,7 +153,8 @@ class Run:
 
   ``params`` and ``opt_state`` are the restored ones on resume (else freshly initialised);
   ``resume`` is the restored checkpoint's step (None for a fresh start) and ``meta`` its
-  metadata; ``start_step`` the first step to run (0 or ``resume``).
+  metadata; ``start_step`` the first step to run (0 or ``resume``); ``created`` whether this
+  start created ``workdir`` (removed again if the start fails).
   """
 
   config: ml_collections.ConfigDict
@@ -156,6 +171,7 @@ class Run:
   start_step: int = 0
   resume: int | None = None
   meta: dict | None = None
+  created: bool = False
 
 
 def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
@@ -168,7 +184,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   Raises:
     ValueError: as :func:`train_and_evaluate`.
   """
-  config_lib.validate(config)
+  preflight.check(config)
   data_parallel_devices(config)
   created = workdir_lib.prepare_workdir(workdir)
   ckpt = None
@@ -182,31 +198,39 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
                         async_save=config.checkpoint.async_save)
     run = Run(config=config, workdir=workdir, data=data, tx=tx, schedule=schedule,
               graphdef=graphdef, params=params, opt_state=opt_state, shardings=shardings,
-              model=model, ckpt=ckpt)
+              model=model, ckpt=ckpt, created=created)
     run.resume = ckpt.restorable_step()
     if run.resume is not None:
+      # Checked before the arrays are read: a model's worth of restore for nothing otherwise.
+      data_lib.check_same_data(ckpt.read_meta(run.resume).get("data"), data.identity,
+                               ckpt.step_dir(run.resume))
       # The target is the freshly initialised state on the current devices: the restore takes
       # its structure (optax's state types) and shardings, whatever the saving run used.
       state, run.meta = ckpt.restore(run.resume, {"params": params, "opt_state": opt_state})
       run.params, run.opt_state = state["params"], state["opt_state"]
       run.start_step = int(run.meta["step"])
-      data_lib.check_same_data(run.meta.get("data"), data.identity, ckpt.step_dir(run.resume))
   except BaseException:
-    if ckpt is not None:
-      ckpt.close()
-    if created:
-      shutil.rmtree(workdir, ignore_errors=True)
+    _undo_start(ckpt, workdir, created)
     raise
   return run
+
+
+def _undo_start(ckpt: Checkpointer | None, workdir: str, created: bool) -> None:
+  """After a failed start: closes ``ckpt`` and removes ``workdir`` if this start created it, so
+  no failed start looks like a run. The caller re-raises the error that caused it."""
+  try:
+    if ckpt is not None:
+      ckpt.close()
+  finally:  # a close that fails too must not leave the new workdir behind
+    if created:
+      shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _log_resume(run: Run, resolved: dict) -> None:
   """Logs the step resumed from and every config field that differs from the checkpoint's."""
   if run.resume is None:
     return
-  # Through JSON, as the checkpoint stored it: tuples (mesh.rules) come back as lists.
-  saved = workdir_lib.flatten(run.meta.get("config", {}))
-  now = workdir_lib.flatten(json.loads(json.dumps(resolved)))
+  saved, now = config_lib.flat(run.meta.get("config", {})), config_lib.flat(resolved)
   changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
   logging.info("resumed from %s at step %d", run.ckpt.step_dir(run.resume), run.start_step)
   if run.start_step >= run.config.train.num_steps:
@@ -217,38 +241,50 @@ def _log_resume(run: Run, resolved: dict) -> None:
                     ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed))
 
 
-def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWriter, dict]:
+def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWriter, dict, dict]:
   """Writes ``config.json`` and opens ``metrics.jsonl`` (the step-0 line on a fresh start);
-  logs the epochs. Returns ``(writer, best)``, ``best`` the best eval kept on resume."""
-  config, workdir, data = run.config, run.workdir, run.data
+  logs the epochs. Returns ``(writer, best, last_eval)``: the best eval kept on resume, and the
+  last one if the run is already finished (else ``{}``); the writer is closed if this fails.
+
+  Raises:
+    ValueError: ``metrics.jsonl`` is damaged before its last line (see :class:`MetricsWriter`).
+  """
   if is_main:
-    atomic_write_json(os.path.join(workdir, "config.json"), resolved, sort_keys=True)
+    atomic_write_json(os.path.join(run.workdir, "config.json"), resolved, sort_keys=True)
   # A run killed before its first checkpoint starts over: drop its step-0 line too.
-  writer = MetricsWriter(workdir, enabled=is_main,
+  writer = MetricsWriter(run.workdir, enabled=is_main,
                          truncate_after_step=run.start_step if run.start_step > 0 else -1)
-  passes = epochs(config, data.stats()["train_windows"])
-  if run.start_step == 0:
-    stats = {f"data/{k}": v for k, v in data.stats().items()}
-    writer.write(0, {"params/total": count_params(run.model), **stats, "data/epochs": passes,
-                     "numerics_version": NUMERICS_VERSION})
-  logging.info("the schedule passes over the training tokens %.2f times (epochs)", passes)
-  if passes >= EPOCHS_WARNING and is_main:
-    logging.warning(
-        "train.num_steps=%d x train.batch_size=%d passes over the %d training windows %.1f "
-        "times: held-out loss may rise after the first epochs (eval/best_* keeps the best "
-        "eval); use more data or fewer steps", config.train.num_steps,
-        config.train.batch_size, data.stats()["train_windows"], passes)
-  t = config.train
-  if t.warmup_steps > t.num_steps and is_main:
-    logging.warning(
-        "train.warmup_steps=%d > train.num_steps=%d: the learning rate never reaches "
-        "train.learning_rate=%g (at most %g); lower train.warmup_steps for a short run",
-        t.warmup_steps, t.num_steps, t.learning_rate,
-        t.learning_rate * t.num_steps / max(t.warmup_steps, 1))
-  # On resume: the eval lines kept (those up to the restored step) hold the best so far.
-  resumed_metrics = is_main and run.start_step > 0 and os.path.exists(writer.path)
-  best = best_eval(read_metrics(workdir)) if resumed_metrics else {}
-  return writer, best
+  try:
+    config, workdir, data = run.config, run.workdir, run.data
+    passes = epochs(config, data.stats()["train_windows"])
+    if run.start_step == 0:
+      stats = {f"data/{k}": v for k, v in data.stats().items()}
+      writer.write(0, {"params/total": count_params(run.model), **stats, "data/epochs": passes,
+                       "numerics_version": NUMERICS_VERSION})
+    logging.info("the schedule passes over the training tokens %.2f times (epochs)", passes)
+    if passes >= EPOCHS_WARNING and is_main:
+      logging.warning(
+          "train.num_steps=%d x train.batch_size=%d passes over the %d training windows %.1f "
+          "times: held-out loss may rise after the first epochs (eval/best_* keeps the best "
+          "eval); use more data or fewer steps", config.train.num_steps,
+          config.train.batch_size, data.stats()["train_windows"], passes)
+    t = config.train
+    if t.warmup_steps > t.num_steps and is_main:
+      logging.warning(
+          "train.warmup_steps=%d > train.num_steps=%d: the learning rate never reaches "
+          "train.learning_rate=%g (at most %g); lower train.warmup_steps for a short run",
+          t.warmup_steps, t.num_steps, t.learning_rate,
+          t.learning_rate * t.num_steps / max(t.warmup_steps, 1))
+    # On resume: the eval lines kept (those up to the restored step) hold the best so far.
+    resumed_metrics = is_main and run.start_step > 0 and os.path.exists(writer.path)
+    best = best_eval(read_metrics(workdir)) if resumed_metrics else {}
+    # Read after the writer dropped the lines past the restored step: those never happened.
+    done_before = run.start_step >= config.train.num_steps
+    last_eval = workdir_lib.last_eval_in(workdir) if done_before else {}
+  except BaseException:
+    writer.close()
+    raise
+  return writer, best, last_eval
 
 
 class _Loop:
@@ -261,8 +297,6 @@ class _Loop:
     self.params, self.opt_state = run.params, run.opt_state
     self.is_main = jax.process_index() == 0
     self.resolved = config.to_dict()
-    _log_resume(run, self.resolved)
-    self.writer, self.best = _open_metrics(run, self.resolved, self.is_main)
 
     cfg_t = config.train
     self.max_bad = cfg_t.max_consecutive_nonfinite
@@ -283,8 +317,9 @@ class _Loop:
     self.guard = jax.make_array_from_process_local_data(run.shardings.replicated,
                                                         np.zeros((), np.int32))
     self.last_saved = run.resume
-    done_before = run.start_step >= self.num_steps
-    self.last_eval = workdir_lib.last_eval_in(run.workdir) if done_before else {}
+    _log_resume(run, self.resolved)
+    # Last: the writer is the only thing here to close, and nothing after it can fail.
+    self.writer, self.best, self.last_eval = _open_metrics(run, self.resolved, self.is_main)
     self.t_start = self.t_log = time.perf_counter()
     self.step_at_log = run.start_step
 
@@ -350,8 +385,9 @@ class _Loop:
     run = self.run
     last_eval = steps_lib.eval_loop(self.eval_step, self.params, run.data, run.config,
                                     run.shardings)
-    if not self.best or last_eval["eval/loss"] < self.best["eval/best_loss"]:
-      self.best = best_eval([{**last_eval, "step": done}])
+    new = best_eval([{**last_eval, "step": done}])  # {}: a non-finite eval is never best
+    if new and (not self.best or new["eval/best_loss"] < self.best["eval/best_loss"]):
+      self.best = new
     self.last_eval = {**last_eval, **self.best}
     self.writer.write(done, self.last_eval)
     if self.is_main:

@@ -1,6 +1,6 @@
 """What the loop needs around it: a writable workdir, the data built once across processes,
-the last eval read back from ``metrics.jsonl``, SIGTERM as a flag, and the config flattened to
-dotted keys (for comparing configs). Nothing here builds a model or runs a step.
+the last eval read back from ``metrics.jsonl``, and SIGTERM as a flag. Nothing here builds a
+model or runs a step.
 """
 
 from __future__ import annotations
@@ -65,17 +65,6 @@ def prepare_workdir(workdir: str) -> bool:
         f"{e.filename or workdir}); choose another --workdir or fix its permissions"
     ) from None
   return created
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-  """Nested dicts → one dict with dotted keys (``{"a": {"b": 1}}`` → ``{"a.b": 1}``)."""
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(flatten(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
 
 
 class Preemption:

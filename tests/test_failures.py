@@ -7,6 +7,7 @@ line; the rest call ``train_and_evaluate`` directly (the same code, without a ne
 Also here: the non-finite guard, and regression tests reduced from public bug reports.
 """
 
+import errno
 import os
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ from conftest import quadrature_phi_silu, tiny_config
 from flax import nnx
 from ml_collections import config_flags
 
-from cem_jax import cli, energies, optim, steps, train
+from cem_jax import cli, energies, optim, preflight, steps, train
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax.checkpoint import Checkpointer
@@ -136,19 +137,19 @@ def test_validation_names_field_value_and_what_is_allowed():
   cfg.mesh.data = 0
   with pytest.raises(ValueError, match=r"^mesh\.data=0; allowed: -1 \(the devices left over\) "
                                        r"or an int >= 1$"):
-    config_lib.validate(cfg)
+    preflight.check(cfg)
   cfg = tiny_config("cem", **{"checkpoint.keep": 0})
   with pytest.raises(ValueError, match=r"^checkpoint\.keep=0 must be >= 1$"):
-    config_lib.validate(cfg)
+    preflight.check(cfg)
   cfg = tiny_config("cem", **{"eval.max_batches": 0})
   with pytest.raises(ValueError, match=r"^eval\.max_batches=0; allowed: -1 \(the whole split\) "
                                        r"or an int >= 1$"):
-    config_lib.validate(cfg)
+    preflight.check(cfg)
   cfg = tiny_config("cem", **{"mesh.fsdp": -1})  # mesh.data is -1 by default
   with pytest.raises(ValueError, match=r"^mesh\.data=-1 and mesh\.fsdp=-1: at most one mesh "
                                        r"size may be -1"):
-    config_lib.validate(cfg)
-  config_lib.validate(tiny_config("cem", **{"mesh.fsdp": -1, "mesh.data": 1}))
+    preflight.check(cfg)
+  preflight.check(tiny_config("cem", **{"mesh.fsdp": -1, "mesh.data": 1}))
 
 
 @pytest.mark.parametrize("tool, args, expected", [
@@ -228,6 +229,27 @@ def test_bad_data_is_one_line_and_leaves_no_run(name, existed, texts, tmp_path):
     train.train_and_evaluate(tiny_config("llama", **overrides), str(workdir))
   assert "\n" not in str(e.value)
   _assert_nothing_left(workdir, existed)
+
+
+@pytest.mark.parametrize("existed", [False, True], ids=["new workdir", "existing workdir"])
+def test_a_start_failing_after_start_up_closes_the_checkpoints_and_leaves_no_run(
+    existed, tmp_path, monkeypatch):
+  # Opening metrics.jsonl comes after _start_up: a full disk there must undo the start too.
+  closed = []
+  close = Checkpointer.close
+  monkeypatch.setattr(Checkpointer, "close", lambda self: (closed.append(self), close(self))[1])
+
+  def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(train, "MetricsWriter", full_disk)
+  workdir = tmp_path / "w"
+  if existed:
+    workdir.mkdir()
+  with pytest.raises(OSError, match="No space left on device"):
+    train.train_and_evaluate(tiny_config("llama", **{"train.num_steps": 2}), str(workdir))
+  assert len(closed) == 1
+  assert workdir.is_dir() == existed
 
 
 def test_resume_on_other_data_is_refused_and_keeps_the_run(shared_data, tmp_path):

@@ -2,11 +2,12 @@
 
 import json
 import logging
+import math
 
 import pytest
 from conftest import tiny_config
 
-from cem_jax import train
+from cem_jax import steps, train
 from cem_jax.metrics import read_metrics
 
 
@@ -48,3 +49,39 @@ def test_no_warning_below_two_epochs():
   assert train.best_eval([{"step": 5, "eval/loss": 2.0, "eval/bits_per_byte": 1.0},
                           {"step": 9, "eval/loss": 2.5, "eval/bits_per_byte": 1.2}]) == {
       "eval/best_loss": 2.0, "eval/best_bits_per_byte": 1.0, "eval/best_step": 5}
+
+
+def test_a_non_finite_eval_is_never_the_best():
+  nan, inf = float("nan"), float("inf")
+  line = lambda step, loss: {"step": step, "eval/loss": loss, "eval/bits_per_byte": loss}  # noqa: E731
+  # A live NaN (the running loop) and a null (read back from metrics.jsonl) alike.
+  assert train.best_eval([line(5, nan), line(9, 3.0), line(12, None), line(15, -inf)]) == {
+      "eval/best_loss": 3.0, "eval/best_bits_per_byte": 3.0, "eval/best_step": 9}
+  assert train.best_eval([line(5, nan)]) == {}
+
+
+def test_a_nan_first_eval_neither_sticks_as_best_nor_reaches_best_eval_json(
+    tmp_path, monkeypatch):
+  real_eval_loop, calls = steps.eval_loop, []
+
+  def nan_first(*args, **kwargs):  # the first eval diverges, the later ones do not
+    out = real_eval_loop(*args, **kwargs)
+    calls.append(out)
+    if len(calls) == 1:
+      out = {**out, "eval/loss": math.nan, "eval/perplexity": math.nan,
+             "eval/bits_per_byte": math.nan}
+    return out
+
+  monkeypatch.setattr(steps, "eval_loop", nan_first)
+  cfg = tiny_config("llama", **{"train.num_steps": 4, "train.eval_every_steps": 2,
+                                "train.log_every_steps": 2, "eval.max_batches": 1})
+  workdir = tmp_path / "run"
+  final = train.train_and_evaluate(cfg, str(workdir))
+  assert len(calls) == 2
+  expected = {"eval/best_loss": final["eval/loss"],
+              "eval/best_bits_per_byte": final["eval/bits_per_byte"], "eval/best_step": 4}
+  assert math.isfinite(final["eval/loss"]) and {k: final[k] for k in expected} == expected
+  text = (workdir / "best_eval.json").read_text()
+  assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON {c}")) == expected
+  first = [m for m in read_metrics(str(workdir)) if "eval/loss" in m][0]
+  assert first["eval/loss"] is None and "eval/best_loss" not in first

@@ -16,6 +16,7 @@ import pytest
 import sentencepiece as spm
 from conftest import closed_port, fake_catalog
 
+from cem_jax import files
 from cem_jax.config import get_default_config
 from cem_jax.data import build_data, build_data_in_memory, prepared, read_documents
 from cem_jax.data import text as text_lib
@@ -83,6 +84,10 @@ def test_prepared_from_a_multi_shard_stream_equals_in_memory(tmp_path):
   config = _config(files=",".join(os.fspath(p) for p in paths), vocab_size=300)
   out = prepared.prepare(config.data, tmp_path / "prep", shard_chars=20_000)
   manifest = json.loads((out / "manifest.json").read_text())
+  # The bytes of every manifest and sidecar written so far: indent 1, sorted keys, no newline.
+  for name in ["manifest.json", "prepare.json", "train-00000.json"]:
+    text = (out / name).read_text()
+    assert text == json.dumps(json.loads(text), indent=1, sort_keys=True), name
   assert len(manifest["splits"]["train"]["shards"]) >= 5
   assert len(manifest["splits"]["validation"]["shards"]) >= 1
   config.data.prepared_dir = os.fspath(out)
@@ -172,7 +177,7 @@ def test_bits_per_byte_denominator_counts_the_text_with_an_unk_tokenizer(tmp_pat
 
 
 def _shard_sums(out: Path) -> dict[str, str]:
-  return {p.name: prepared._sha256_file(p) for p in sorted(out.glob("*.array_record"))}
+  return {p.name: files.sha256_file(p) for p in sorted(out.glob("*.array_record"))}
 
 
 _KILLED_AFTER_FIRST_SHARD = """
@@ -295,8 +300,14 @@ def test_a_prepare_killed_before_its_first_shard_gives_way_to_other_input(tmp_pa
                                                 "format_version": 1}))
   (out / "tokenizer.model").write_bytes(b"the tokenizer of other text")
   (out / "train-00000.array_record.tmp1234").write_bytes(b"half a shard")
+  # And the temporary files of its atomic writes killed before the rename; a file that only
+  # looks like one is not ours: it stays.
+  (out / "prepare.json.4321.0123456789ab.tmp").write_text("{")
+  (out / "tokenizer.model.4321.abcdef012345.tmp").write_bytes(b"half a tokenizer")
+  (out / "tokenizer.model.backup.tmp").write_bytes(b"someone's copy")
   prepared.prepare(config.data, out)
-  assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
+  assert sorted(p.name for p in out.iterdir()) == sorted(
+      [p.name for p in reference.iterdir()] + ["tokenizer.model.backup.tmp"])
   assert _shard_sums(out) == _shard_sums(reference)
   # With a finished shard, it holds another dataset: refused, as before.
   other = _config(files=os.fspath(corpus), vocab_size=320)
@@ -460,7 +471,8 @@ def test_prepare_cli_then_main_from_prepared_dir(tmp_path):
       "  return c\n")
   env = {**os.environ, "PYTHONPATH": os.fspath(REPO)}
   prep = [sys.executable, "-m", "cem_jax.prepare", f"--config={tmp_path / 'cfg.py'}",
-          f"--config.data.files={corpus}", f"--out={tmp_path / 'p'}"]
+          f"--config.data.files={corpus}", "--config.data.builtin=pydoc+docstrings",
+          f"--out={tmp_path / 'p'}"]
   done = subprocess.run(prep, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
   assert f"prepared {tmp_path / 'p'}; train with --config.data.prepared_dir=" in done.stdout
@@ -482,3 +494,43 @@ def test_prepare_cli_then_main_from_prepared_dir(tmp_path):
   assert not (tmp_path / "w" / "data").exists()
   first = json.loads((tmp_path / "w" / "metrics.jsonl").read_text().splitlines()[0])
   assert first["data/source"].endswith(f"via {tmp_path / 'p'}")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.data.validation_fraction=0.7",
+     "error: data.validation_fraction=0.7; allowed: 0 < fraction <= 0.5"),
+    ("--config.data.vocab_size=4", "error: data.vocab_size=4 must be >= 8"),
+    ("--config.data.tokenizer_model_type=unigram",  # with data.tokenizer set: ignored
+     "error: data.tokenizer_model_type='unigram' has no effect with data.tokenizer set (the "
+     "given model is used as it is, not trained); leave it at 'bpe'"),
+    ("--config.data.tfds_text_key=body",  # without data.tfds_name: ignored
+     "error: data.tfds_text_key='body' has no effect without data.tfds_name; leave it at "
+     "'text'"),
+    ("--config.model.d_model=66",  # a model main cannot build: its data would go unused
+     "error: model.d_model=66 is not divisible by model.num_heads=4; change one or set "
+     "model.head_dim"),
+], ids=["validation-fraction", "vocab-size", "ignored-model-type", "ignored-tfds-key",
+        "model"])
+def test_prepare_cli_validates_the_config_first_and_writes_nothing(override, message, tmp_path):
+  # prepare checks the config as main does: data prepared from a config main rejects, or with
+  # an option it silently ignores, would be a wasted and misleading preparation.
+  corpus, out = tmp_path / "c.txt", tmp_path / "p"
+  corpus.write_text(_text(2000))
+  spm.SentencePieceTrainer.train(
+      input=os.fspath(corpus), model_prefix=os.fspath(tmp_path / "tok"), vocab_size=300,
+      model_type="bpe", minloglevel=2, num_threads=1)
+  (tmp_path / "cfg.py").write_text(
+      "from tests.conftest import tiny_config\n"
+      "def get_config():\n"
+      "  return tiny_config('llama', **{'data.vocab_size': 300, 'data.seq_len': 32,\n"
+      f"                                 'data.files': {os.fspath(corpus)!r}}})\n")
+  given = [f"--config.data.tokenizer={tmp_path / 'tok.model'}"] if "model_type" in override else []
+  before = sorted(p.name for p in tmp_path.iterdir())
+  proc = subprocess.run(
+      [sys.executable, "-m", "cem_jax.prepare", f"--config={tmp_path / 'cfg.py'}", *given,
+       override, f"--out={out}"], cwd=REPO,
+      env={**os.environ, "PYTHONPATH": os.fspath(REPO)}, capture_output=True, text=True,
+      timeout=300)
+  assert (proc.returncode, proc.stderr.strip().splitlines()[-1:]) == (1, [message]), (
+      proc.stderr[-2000:])
+  assert sorted(p.name for p in tmp_path.iterdir()) == before  # no --out folder, nothing else

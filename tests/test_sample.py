@@ -7,7 +7,7 @@ import pytest
 from conftest import tiny_config
 from flax import nnx
 
-from cem_jax import sample
+from cem_jax import preflight, sample
 from cem_jax.model import DecoderLM
 
 V = 97
@@ -153,3 +153,28 @@ def test_strict_causal_cached_decoding_equals_the_full_forward(case):
   cached = sample.generate(graphdef, params, prompt, 12, use_cache=True)
   uncached = sample.generate(graphdef, params, prompt, 12, use_cache=False)
   np.testing.assert_array_equal(cached, uncached)
+
+
+# model.cem_attention=False (the mlp table's cem_tied / cem_widened controls): the standard
+# attention inside a CEM block caches each recursive step's keys and values.
+STANDARD_ATTENTION_CASES = [
+    dict(block="cem", cem_attention=False, num_steps=2),
+    dict(block="cem", cem_attention=False, num_steps=3, strict_causal=True, precond="mlp",
+         precond_rank=2),
+    dict(block="cem", cem_attention=False, num_steps=2, inner_optimizer="nesterov",
+         manifold="sphere"),
+]
+
+
+@pytest.mark.parametrize("case", STANDARD_ATTENTION_CASES,
+                         ids=lambda c: "-".join(map(str, c.values())))
+def test_cem_block_with_the_standard_attention_decodes_with_the_cache(case):
+
+  preflight.check(tiny_config(**{f"model.{k}": v for k, v in case.items()}))  # trainable
+  graphdef, params = _model(case)
+  _assert_cached_logits_match_the_full_forward(nnx.merge(graphdef, params))
+  prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (2, 5), 0, V))
+  for steps in (None, 4):  # 4: test-time steps beyond the trained T
+    cached = sample.generate(graphdef, params, prompt, 8, num_steps=steps)
+    uncached = sample.generate(graphdef, params, prompt, 8, num_steps=steps, use_cache=False)
+    np.testing.assert_array_equal(cached, uncached)

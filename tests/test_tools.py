@@ -9,7 +9,7 @@ from conftest import tiny_config
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from cem_jax import sharding
+from cem_jax import preflight, sharding
 from cem_jax import summary as summary_lib
 from cem_jax.model import DecoderLM, count_params
 
@@ -74,13 +74,12 @@ def test_mesh_shape_resolution_and_errors():
 
 def test_one_head_dim_rule_for_validation_mesh_checks_and_parameters():
   from cem_jax import axes
-  from cem_jax import config as config_lib
 
   # d_model 64, 4 heads: -1 means 64 // 4 = 16; an explicit head_dim wins.
   assert axes.head_dim_of(tiny_config().model) == 16
   assert axes.head_dim_of(tiny_config(**{"model.head_dim": 6}).model) == 6
   with pytest.raises(ValueError, match=r"^model\.head_dim=5 must be even with model\.rope"):
-    config_lib.validate(tiny_config(**{"model.head_dim": 5}))
+    preflight.check(tiny_config(**{"model.head_dim": 5}))
   rules = (*axes.DEFAULT_RULES[:3], ("head_dim", "tensor"), *axes.DEFAULT_RULES[4:])
   cfg = tiny_config(**{"model.head_dim": 6, "mesh.tensor": 4, "mesh.rules": rules})
   with pytest.raises(ValueError, match=r"^model\.head_dim=6 is not divisible by mesh\.tensor=4"):
@@ -123,3 +122,27 @@ def test_recursion_report_never_replaces_eta_values_it_cannot_read(tmp_path):
   text = fresh.read_text()
   assert "| t1 | n/a | n/a |" in text and "## Eval loss (nats/token), paired by seed" in text
   assert not list((root / "results/tiny/design").glob("*/seed*/data"))  # nothing prepared
+
+
+def test_evaluate_reports_the_trained_steps_of_the_checkpoint_not_config_json(tmp_path):
+  # Every start rewrites config.json, also one that changed model.num_steps and trained
+  # nothing: the report's trained T must be the one the checkpoint was trained with.
+  import json
+
+  from cem_jax import train
+
+  workdir = tmp_path / "w"
+  cfg = tiny_config("cem", **{"model.num_steps": 2, "train.num_steps": 2,
+                              "train.eval_every_steps": 2, "eval.max_batches": 1})
+  train.train_and_evaluate(cfg, str(workdir))
+  saved = json.loads((workdir / "config.json").read_text())
+  saved["model"]["num_steps"] = 5
+  (workdir / "config.json").write_text(json.dumps(saved))
+  proc = subprocess.run([sys.executable, "-m", "cem_jax.evaluate", f"--workdir={workdir}",
+                         "--num_steps=1", "--max_batches=1"], capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  report = (workdir / "test_time_steps.md").read_text()
+  assert report.startswith("Test-time steps for a model trained with T = 2 "), report
+  rows = json.loads((workdir / "test_time_steps.json").read_text())
+  assert [r["T_trained"] for r in rows] == [2]

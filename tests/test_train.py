@@ -137,3 +137,43 @@ def test_non_finite_metrics_are_strict_json_null(tmp_path):
   assert json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON {c}")) == {
       "step": 3, "train/loss": None, "train/grad_norm": None, "x": 1.5}
   assert read_metrics(str(tmp_path)) == [json.loads(line)]
+
+
+def _metrics_file(tmp_path, text: str):
+  (tmp_path / "metrics.jsonl").write_text(text)
+  return tmp_path / "metrics.jsonl"
+
+
+def test_resume_drops_a_cut_short_last_line_with_a_warning(tmp_path, caplog):
+  import logging
+
+  from cem_jax.metrics import MetricsWriter
+
+  good = '{"step": 1, "train/loss": 2.5}\n{"step": 2, "train/loss": 2.0}\n'
+  path = _metrics_file(tmp_path, good + '{"step": 3, "train/lo')  # killed mid-write
+  with caplog.at_level(logging.WARNING):
+    writer = MetricsWriter(str(tmp_path), truncate_after_step=2, tensorboard=False)
+  assert path.read_text() == good
+  assert any("cut-short last line" in r.getMessage() and "step" in r.getMessage()
+             for r in caplog.records), [r.getMessage() for r in caplog.records]
+  writer.write(3, {"train/loss": 1.5})
+  writer.close()
+  assert [m["step"] for m in read_metrics(str(tmp_path))] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("damage, error", [
+    ('{"step": 2, "tr\n', r"metrics\.jsonl:2 is not valid JSON \(.*\): '\{\"step\": 2, \"tr'; "),
+    ('{"train/loss": 2.0}\n', r"metrics\.jsonl:2 is not a JSON object with an integer \"step\": "),
+], ids=["not JSON", "no step"])
+def test_resume_refuses_a_damaged_line_before_the_last_as_read_metrics_does(
+    tmp_path, damage, error):
+  from cem_jax.metrics import MetricsWriter
+
+  text = '{"step": 1, "train/loss": 2.5}\n' + damage + '{"step": 3, "train/loss": 1.5}\n'
+  path = _metrics_file(tmp_path, text)
+  for read in (lambda: read_metrics(str(tmp_path)),
+               lambda: MetricsWriter(str(tmp_path), truncate_after_step=3, tensorboard=False)):
+    with pytest.raises(ValueError, match=error) as e:
+      read()
+    assert "\n" not in str(e.value)
+  assert path.read_text() == text  # the evidence is left as it was

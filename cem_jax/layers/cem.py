@@ -158,8 +158,9 @@ class CEMBlock(nnx.Module):
   divide by their number for a per-token mean); otherwise it is empty.
 
   Decoding: with ``cache`` (:meth:`init_cache`) ``x`` holds new tokens at positions
-  ``index, index+1, ...``; their context is written into the cache and the call returns
-  ``(y, energy_trace, cache)``.
+  ``index, index+1, ...``; their context (with ``model.cem_attention=False``: each step's
+  keys and values) is written into the cache and the call returns ``(y, energy_trace,
+  cache)``.
 
   Momentum (``model.inner_optimizer`` heavy_ball or nesterov): ``velocity`` (like ``x``; None
   = zeros, the first layer) enters, and the velocity after the last sub-step is appended to
@@ -217,12 +218,14 @@ class CEMBlock(nnx.Module):
       view, context = jnp.where(real, view, 0), jnp.where(real, context, 0)
     return spec.energy(view, context, params, aux)
 
-  def _att_delta(self, y, context, aux, t, rec, key, at=None):
+  def _att_delta(self, y, context, aux, t, rec, key, at=None, kv=None):
     """The attention sub-step's residual update at ``at`` (default ``y``; Nesterov: the
-    look-ahead point); records E_att at ``y`` when ``rec``."""
+    look-ahead point); records E_att at ``y`` when ``rec``. ``kv`` (decoding with the
+    standard attention): ``{"cache", "index"}``, whose cache is replaced by the updated one."""
     at = y if at is None else at
     if self.att_spec is None:
-      return self.attn(self._view(self.norm_att, at), aux)
+      view = self._view(self.norm_att, at)
+      return self.attn(view, aux) if kv is None else self._cached_attention(view, aux, kv, t)
     params = self.attn.energy_params(t, self.dtype)
     if rec is not None:
       rec[f"att_{key}"] = self._energy(self.att_spec, self.norm_att, y, context, params, aux)
@@ -254,16 +257,35 @@ class CEMBlock(nnx.Module):
                                        new.astype(cache["context"].dtype), (0, index, 0))
     return buf.astype(self.dtype), {"context": cache["context"].at[slot].set(buf)}
 
-  def init_cache(self, batch: int, max_len: int, num_steps: int | None = None) -> dict:
-    """Empty decoding cache: the attention context ``c_j`` of every position.
+  def _cached_attention(self, view, aux, kv, t):
+    """The standard attention of the new positions at step ``t`` against cache slot ``t``."""
+    cache, index = kv["cache"], kv["index"]
+    _, b, n, width = cache["k"].shape
+    heads = (b, n, self.attn.w_k.shape[1], self.attn.head_dim)
+    slot = {name: cache[name][t].reshape(heads) for name in ("k", "v")}
+    out, slot = self.attn(view, aux, slot, index)
+    kv["cache"] = {name: cache[name].at[t].set(slot[name].reshape(b, n, width))
+                   for name in ("k", "v")}
+    return out
 
-    ``context``: ``[copies, batch, max_len, d_model]``, one copy with a fixed context (keys =
-    values follow from it: the energy reads them off ``c_j``) and one per recursive step with
-    a co-evolving context. Any energy, user-defined ones included, decodes from it.
+  def init_cache(self, batch: int, max_len: int, num_steps: int | None = None) -> dict:
+    """Empty decoding cache for up to ``max_len`` positions.
+
+    CEM attention: ``context`` ``[copies, batch, max_len, d_model]``, the attention context
+    ``c_j`` of every position, one copy with a fixed context (keys = values follow from it:
+    the energy reads them off ``c_j``) and one per recursive step with a co-evolving context.
+    Any energy, user-defined ones included, decodes from it.
+
+    ``model.cem_attention=False`` (the standard attention): rotated keys ``k`` and values
+    ``v``, each ``[steps, batch, max_len, num_heads * head_dim]``, one copy per recursive step
+    (``num_steps``, default ``model.num_steps``) since each step attends from a new ``y``.
     """
-    if not self.cfg.cem_attention:
-      raise NotImplementedError("cached decoding of a CEM block with model.cem_attention=False")
     steps = self.cfg.num_steps if num_steps is None else num_steps
+    if self.att_spec is None:
+      # Heads flattened into one axis: every CEM cache leaf is [copies, batch, max_len, width],
+      # the layout DecoderLM reads max_len from.
+      shape = (steps, batch, max_len, self.attn.w_k.shape[1] * self.attn.head_dim)
+      return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype)}
     copies = steps if self.cfg.context == "coevolve" else 1
     return {"context": jnp.zeros((copies, batch, max_len, self.cfg.d_model), self.dtype)}
 
@@ -284,22 +306,25 @@ class CEMBlock(nnx.Module):
       v = jnp.zeros_like(x) if velocity is None else velocity.astype(self.dtype)
     y = x
     att_context = self._view(self.norm_att, x)
-    if cache is not None:  # decoding: x holds the new tokens, the cache every earlier one
+    kv = None
+    if cache is not None and self.att_spec is None:  # the standard attention: keys and values
+      kv = {"cache": cache, "index": index}
+    elif cache is not None:  # decoding: x holds the new tokens, the cache every earlier one
       att_context, cache = self._cached_context(att_context, cache, 0, index)
     layer_gate = self._view(self.norm_mlp, x)
     records = []
     for t in range(steps):
       if cfg.context == "coevolve" and t > 0:
         att_context = self._view(self.norm_att, y)
-        if cache is not None:
+        if cache is not None and kv is None:
           att_context, cache = self._cached_context(att_context, cache, t, index)
       rec = {} if trace else None
       if plain and cfg.split == "joint":
         gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y)
-        delta = self._att_delta(y, att_context, aux, t, rec, "before")
+        delta = self._att_delta(y, att_context, aux, t, rec, "before", kv=kv)
         y = y + delta + self._mlp_delta(y, gate, aux, t, rec, "before")
       elif plain:
-        y = y + self._att_delta(y, att_context, aux, t, rec, "before")
+        y = y + self._att_delta(y, att_context, aux, t, rec, "before", kv=kv)
         if trace:
           self._energy_after(y, att_context, None, aux, t, rec)
         gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y)
@@ -307,12 +332,12 @@ class CEMBlock(nnx.Module):
       elif cfg.split == "joint":  # one inner step on E_att + E_mlp, both at the same point
         z = inner.lookahead(y, v, mu, opt, manifold)
         gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, z)
-        delta = self._att_delta(y, att_context, aux, t, rec, "before", at=z)
+        delta = self._att_delta(y, att_context, aux, t, rec, "before", at=z, kv=kv)
         delta = (delta, self._mlp_delta(y, gate, aux, t, rec, "before", at=z))
         y, v = inner.apply(y, v, delta, mu, opt, manifold)
       else:  # Lie–Trotter: each sub-step is one inner step, sharing the velocity
         z = inner.lookahead(y, v, mu, opt, manifold)
-        delta = self._att_delta(y, att_context, aux, t, rec, "before", at=z)
+        delta = self._att_delta(y, att_context, aux, t, rec, "before", at=z, kv=kv)
         y, v = inner.apply(y, v, delta, mu, opt, manifold)
         if trace:
           self._energy_after(y, att_context, None, aux, t, rec)
@@ -323,5 +348,7 @@ class CEMBlock(nnx.Module):
       if trace:
         self._energy_after(y, att_context, gate, aux, t, rec)
         records.append(rec)
+    if kv is not None:
+      cache = kv["cache"]
     out = (y, records) if cache is None else (y, records, cache)
     return out + (v,) if v is not None else out
