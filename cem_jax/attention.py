@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from cem_jax.axes import DEFAULT_RULES, mesh_axes_of
+from cem_jax.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
 SPLASH_BLOCK = 128  # splash tiles the sequence in blocks of (a multiple of) 128
 
 
@@ -78,6 +78,7 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
   Raises:
     ValueError: one line naming ``model.attention_impl``, the value and why it cannot run.
   """
+  # Public and reached without config.validate (tests, tools), so it checks its own input.
   if requested not in IMPLEMENTATIONS:
     raise ValueError(f"model.attention_impl={requested!r}; allowed: "
                      f"{', '.join(IMPLEMENTATIONS)}")

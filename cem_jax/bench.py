@@ -8,20 +8,7 @@ the device's peak is known) and peak device memory, prints a table and writes JS
     python -m cem_jax.bench --preset=gpu125m --out=bench.json   # one GPU, ~125M, bf16
     python -m cem_jax.bench --preset=gpu125m --attention_impl=xla  # the XLA attention path
 
-FLOPs per token (forward; a training step is 3× forward: the backward costs 2×), counting a
-multiply-add as 2 FLOPs, L layers, width d, MLP width f, sequence length n, vocabulary V,
-heads H of width d_h:
-
-    Llama:  L·(8d² + 6df + 4nd) + 2dV
-    CEM:    L·(2d² + T·(4d² + 6df + 4n·H·d̃)) + 2dV
-            d̃ = d_h, or with a diagonal d_h + d (+ 1 in the distance form)
-            (fixed context: W_K c once; each step W_Q y, W_Qᵀ o and the MLP's W y, G x, Wᵀ h;
-             a co-evolving context adds 2d² per extra step; with model.cem_attention=False
-             each step's attention is Llama's, 8d² + 4nd, and there is no key term)
-
-The attention term counts the full n×n score and value products (as XLA computes them),
-not the causal half. ``autodiff`` updates do the same model FLOPs as ``fused`` ones; their
-extra work shows up as lower MFU.
+Analytic FLOPs per token: :func:`cem_jax.model_stats.flops_per_token` (formula there).
 """
 
 from __future__ import annotations
@@ -38,11 +25,10 @@ from flax import nnx
 
 from cem_jax import cli, optim
 from cem_jax import steps as steps_lib
-from cem_jax.axes import augmented_head_dim
 from cem_jax.config import get_default_config
 from cem_jax.files import atomic_write_json
-from cem_jax.layers import head_dim_of
-from cem_jax.model import DecoderLM, count_params
+from cem_jax.model import DecoderLM
+from cem_jax.model_stats import count_params, flops_per_token  # noqa: F401  (bench API)
 
 # Dense bf16 peak FLOP/s by device kind (vendor data sheets); MFU is left empty elsewhere.
 PEAK_FLOPS = {
@@ -95,22 +81,6 @@ PRESETS = {
                         document_mask=False),
 }
 DOCUMENTS_PER_WINDOW = 4  # the benchmark batch's packed documents (equal lengths)
-
-
-def flops_per_token(model_cfg, vocab_size: int, seq_len: int) -> float:
-  """Analytic forward FLOPs per token of ``DecoderLM`` (formula in the module docstring)."""
-  d, f, n, L = model_cfg.d_model, model_cfg.mlp_dim, seq_len, model_cfg.num_layers
-  h, dh = model_cfg.num_heads, head_dim_of(model_cfg)
-  head = 2 * d * vocab_size
-  if model_cfg.block == "llama":
-    return L * (2 * d * h * dh * 4 + 6 * d * f + 4 * n * h * dh) + head
-  t = model_cfg.num_steps
-  if model_cfg.cem_attention:
-    keys = 2 * d * h * dh * (t if model_cfg.context == "coevolve" else 1)
-    attention_step = 4 * d * h * dh + 4 * n * h * (augmented_head_dim(model_cfg) or dh)
-  else:  # the standard attention sub-layer (its own Q, K, V, O) at every step
-    keys, attention_step = 0, 8 * d * h * dh + 4 * n * h * dh
-  return L * (keys + t * (attention_step + 6 * d * f)) + head
 
 
 def _model_config(preset: dict, variant: dict, seq_len: int, width: int,

@@ -10,16 +10,24 @@ from flax import nnx
 
 from cem_jax import attention
 from cem_jax.axes import DEFAULT_RULES, augmented_head_dim
+from cem_jax.config import BLOCKS, REMAT_POLICIES
 from cem_jax.energies import EnergyAux, make_mask
 from cem_jax.layers import DTYPES, CEMBlock, LlamaBlock, RMSNorm
 from cem_jax.layers.common import head_dim_of, param
+from cem_jax.model_stats import count_params  # noqa: F401  (re-exported: train, tests)
 
 BLOCK_TYPES = {"cem": CEMBlock, "llama": LlamaBlock}
-# model.remat -> jax.checkpoint policy: 'full' saves nothing, 'dots' keeps matmul outputs.
-REMAT_POLICIES = {
+# model.remat -> jax.checkpoint policy: 'full' saves nothing, 'dots' keeps matmul outputs
+# ('none' skips remat altogether).
+CHECKPOINT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+# The names are config's (validated there); a choice added there without a class or policy
+# here would otherwise pass validation and fail only at model build.
+if set(BLOCK_TYPES) != set(BLOCKS) or set(CHECKPOINT_POLICIES) | {"none"} != set(REMAT_POLICIES):
+  raise ImportError("cem_jax.model: BLOCK_TYPES/CHECKPOINT_POLICIES out of step with "
+                    "cem_jax.config.BLOCKS/REMAT_POLICIES")
 _LOGGED: set[str] = set()  # one log line per distinct attention choice, not per model copy
 
 
@@ -88,8 +96,10 @@ class DecoderLM(nnx.Module):
   def __init__(self, cfg: ml_collections.ConfigDict, vocab_size: int, *, rngs: nnx.Rngs,
                rules=DEFAULT_RULES):
     cfg = ml_collections.FrozenConfigDict(cfg)
-    if cfg.block not in BLOCK_TYPES:
-      raise ValueError(f"model.block={cfg.block!r}; allowed: {', '.join(BLOCK_TYPES)}")
+    # Public and built directly (tests, tools) without config.validate: check the one choice
+    # that would otherwise surface as a bare KeyError.
+    if cfg.block not in BLOCKS:
+      raise ValueError(f"model.block={cfg.block!r}; allowed: {', '.join(BLOCKS)}")
     self.cfg = cfg
     self.dtype = DTYPES[cfg.dtype]
     pdt = DTYPES[cfg.param_dtype]
@@ -214,7 +224,7 @@ class DecoderLM(nnx.Module):
                    **kw)
 
     if self.cfg.remat != "none":  # recompute activations in the backward pass, per block
-      run_block = nnx.remat(run_block, policy=REMAT_POLICIES[self.cfg.remat])
+      run_block = nnx.remat(run_block, policy=CHECKPOINT_POLICIES[self.cfg.remat])
     traces, new_cache = [], []
     velocity = jnp.zeros_like(x) if momentum else None
     for i, block in enumerate(self.layer_blocks()):
@@ -236,6 +246,3 @@ class DecoderLM(nnx.Module):
     return (logits, traces) if trace else logits
 
 
-def count_params(module: nnx.Module) -> int:
-  """Number of scalar parameters (``nnx.Param``) in ``module``."""
-  return sum(x.size for x in jax.tree.leaves(nnx.state(module, nnx.Param)))

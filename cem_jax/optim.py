@@ -12,19 +12,13 @@ import ml_collections
 import optax
 
 from cem_jax.layers import DECAYED_PARAM_NAMES
-
-
-def _param_name(path) -> str:
-  """The variable's own name: the last dict/attribute key of its path (not ``value``)."""
-  names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
-  names = [n for n in names if n and n != "value"]
-  return names[-1] if names else ""
+from cem_jax.model_stats import param_name
 
 
 def decay_mask(params):
   """True for parameters weight decay applies to: chosen by *name*, never by rank."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: _param_name(path) in DECAYED_PARAM_NAMES, params
+      lambda path, _: param_name(path) in DECAYED_PARAM_NAMES, params
   )
 
 

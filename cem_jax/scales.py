@@ -11,7 +11,7 @@ Scales:
          (131,072 tokens a step), 768 steps = 100.7M tokens a row, bf16, 1 seed: 19.7M
          parameters in a CEM row (15.5M non-embedding), 29.5M in Llama (25.3M). Sized for
          one table in one H200 run with the fast attention path: at 30% MFU of 989 TFLOP/s
-         (training = 3x bench.flops_per_token) a T = 1 CEM row trains in ~64 s, T = 2 in
+         (training = 3x model_stats.flops_per_token) a T = 1 CEM row trains in ~64 s, T = 2 in
          ~118 s; design's five headline rows ~430 s, end_to_end's four ~435 s (cem_full's
          diagonal attention, on XLA, ~250 s of it), plus compilation and evaluation: about
          8-9 minutes a table. An estimate: not measured yet. Needs a corpus of >= 100M

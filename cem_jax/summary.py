@@ -15,7 +15,7 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from cem_jax import bench, cli, preflight, sharding
+from cem_jax import cli, model_stats, preflight, sharding
 from cem_jax.model import DecoderLM
 
 
@@ -42,20 +42,17 @@ def summary(config, vocab_size: int | None = None, devices=None) -> dict:
   is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
   spec_by_path = {jax.tree_util.keystr(p): s
                   for p, s in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec)}
-  rows, totals = [], {"params": 0, "non_embedding": 0, "attention": 0, "mlp": 0}
+  rows = []
   for path, var in jax.tree_util.tree_leaves_with_path(
       state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
     key = jax.tree_util.keystr(path)
-    count = int(var.size)
-    rows.append({"path": key, "shape": tuple(var.shape), "count": count,
+    rows.append({"path": key, "shape": tuple(var.shape), "count": int(var.size),
                  "logical_axes": var.get_metadata().get("logical_axes"),
                  "spec": str(spec_by_path.get(key, ""))})
-    totals["params"] += count
-    if "'embedding'" not in key and "'lm_head'" not in key:
-      totals["non_embedding"] += count
-    totals["attention"] += count if "'attn'" in key else 0
-    totals["mlp"] += count if "'mlp'" in key else 0
-  forward = bench.flops_per_token(config.model, vocab, config.data.seq_len)
+  counts = model_stats.parameter_counts(model)
+  totals = {"params": counts["params"], "non_embedding": counts["non_embedding_params"],
+            "attention": counts["attention_params"], "mlp": counts["mlp_params"]}
+  forward = model_stats.flops_per_token(config.model, vocab, config.data.seq_len)
   return {"rows": rows, "totals": totals, "mesh": dict(mesh.shape),
           "num_layers": config.model.num_layers, "unique_blocks": len(model.blocks),
           "flops_per_token": {"forward": forward, "train": 3 * forward}}

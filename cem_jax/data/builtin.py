@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 from pydoc_data import topics
 
-BUILTINS = ("pydoc", "pydoc+docstrings")
+from cem_jax.config import BUILTINS
 
 # Packages of tests, demos and GUI tools: docstrings that are mostly code or boilerplate.
 _SKIP_PACKAGES = frozenset(

@@ -60,7 +60,14 @@ class Windows:
     return int(self.tokens.shape[1]) - 1
 
 
-def _pieces(doc: str) -> list[str]:
+def encode_pieces(doc: str) -> list[str]:
+  """Splits ``doc`` into the pieces it is encoded in: at most ``ENCODE_PIECE_CHARS``
+  characters each, cut after the last blank line (else newline) before the limit when there
+  is one. Joined, they give ``doc`` back; ``[]`` for an empty document.
+
+  The in-memory and prepared paths both encode these pieces, so they tokenize a document the
+  same way.
+  """
   out = []
   start = 0
   while start < len(doc):
@@ -85,7 +92,7 @@ def encode_documents(tok: Tokenizer, docs: Sequence[str], desc: str = "encode"
   """
   pieces, owner = [], []
   for i, doc in enumerate(docs):
-    for piece in _pieces(doc):
+    for piece in encode_pieces(doc):
       pieces.append(piece)
       owner.append(i)
   per_doc: list[list[np.ndarray]] = [[] for _ in docs]
@@ -98,6 +105,30 @@ def encode_documents(tok: Tokenizer, docs: Sequence[str], desc: str = "encode"
         per_doc[i].append(np.asarray(ids, np.int32))
       bar.update(sum(map(len, group)))
   return [np.concatenate(p) if p else np.zeros(0, np.int32) for p in per_doc]
+
+
+def count_windows(num_tokens: int, seq_len: int, *, keep_tail: bool, split: str) -> int:
+  """Number of windows of ``seq_len + 1`` tokens a split of ``num_tokens`` tokens (EOS
+  included) packs into: full windows only (``keep_tail=False``, train), or with the padded
+  tail (``keep_tail=True``, validation).
+
+  Raises:
+    ValueError: ``seq_len`` < 1, or the split yields no window with a weighted target (one
+      line naming ``data.seq_len``, its value, ``split`` and the tokens available).
+  """
+  if seq_len < 1:
+    raise ValueError(f"data.seq_len={seq_len} must be >= 1")
+  width = seq_len + 1
+  num = num_tokens // width if not keep_tail else -(-num_tokens // width)
+  # A padded tail needs two real tokens to hold one weighted target.
+  if num == 0 or (keep_tail and num_tokens < 2):
+    what = ("one full train window needs seq_len + 1 tokens" if not keep_tail
+            else "it needs at least 2 tokens")
+    raise ValueError(
+        f"data.seq_len={seq_len} is too long for the {split} split: it has {num_tokens} tokens "
+        f"(EOS included) and {what}; lower data.seq_len or use more text"
+    )
+  return num
 
 
 def pack(doc_ids: Sequence[np.ndarray], seq_len: int, eos_id: int, pad_id: int, *,
@@ -122,10 +153,9 @@ def pack(doc_ids: Sequence[np.ndarray], seq_len: int, eos_id: int, pad_id: int, 
     ValueError: ``seq_len`` < 1, or the split yields no window with a weighted target (one
       line naming ``data.seq_len``, its value and the tokens available).
   """
-  if seq_len < 1:
-    raise ValueError(f"data.seq_len={seq_len} must be >= 1")
-  width = seq_len + 1
   lengths = np.array([len(d) + 1 for d in doc_ids], np.int64)
+  num = count_windows(int(lengths.sum()), seq_len, keep_tail=keep_tail, split=split)
+  width = seq_len + 1
   flat = np.full(int(lengths.sum()), eos_id, np.int32)
   ends = np.cumsum(lengths)
   flat_bytes = np.zeros(len(flat), np.int32)
@@ -134,15 +164,6 @@ def pack(doc_ids: Sequence[np.ndarray], seq_len: int, eos_id: int, pad_id: int, 
   for nb, end, n in zip(doc_bytes or (), ends, lengths, strict=False):
     flat_bytes[end - n : end - 1] = nb
   doc_index = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-  num = len(flat) // width if not keep_tail else -(-len(flat) // width)
-  # A padded tail needs two real tokens to hold one weighted target.
-  if num == 0 or (keep_tail and len(flat) < 2):
-    what = ("one full train window needs seq_len + 1 tokens" if not keep_tail
-            else "it needs at least 2 tokens")
-    raise ValueError(
-        f"data.seq_len={seq_len} is too long for the {split} split: it has {len(flat)} tokens "
-        f"(EOS included) and {what}; lower data.seq_len or use more text"
-    )
   total = num * width
   tokens = np.full(total, pad_id, np.int32)
   segments = np.zeros(total, np.int64)

@@ -333,7 +333,7 @@ def build_data_in_memory(config) -> Data:
   train_ids = packing.encode_documents(tok, train_docs, "encode train")
   eval_enc = []
   for doc in eval_docs:  # in the pieces the prepared path encodes
-    parts = [tok.encode_with_bytes(piece) for piece in packing._pieces(doc)]
+    parts = [tok.encode_with_bytes(piece) for piece in packing.encode_pieces(doc)]
     eval_enc.append((np.concatenate([p[0] for p in parts] or [np.zeros(0, np.int32)]),
                      np.concatenate([p[1] for p in parts] or [np.zeros(0, np.int32)])))
   train_windows = packing.pack(train_ids, d.seq_len, tok.eos_id, tok.pad_id, keep_tail=False,

@@ -104,10 +104,10 @@ def fingerprint(data_config, identity: dict) -> str:
 
 
 def _shard_tasks(docs: Iterable[str], split: str, shard_chars: int) -> Iterator[dict]:
-  """Groups the split's encode pieces (``packing._pieces`` of each document) into shards."""
+  """Groups the split's encode pieces (``packing.encode_pieces`` of each document) into shards."""
   pieces, ends, size, index = [], [], 0, 0
   for doc in docs:
-    doc_pieces = packing._pieces(doc) or [""]
+    doc_pieces = packing.encode_pieces(doc) or [""]
     for j, piece in enumerate(doc_pieces):
       pieces.append(piece)
       ends.append(j == len(doc_pieces) - 1)
@@ -628,18 +628,10 @@ class StreamWindows:
 
   def __init__(self, stream: TokenStream, seq_len: int, eos_id: int, pad_id: int, *,
                keep_tail: bool, split: str):
-    if seq_len < 1:
-      raise ValueError(f"data.seq_len={seq_len} must be >= 1")
+    self.num_windows = packing.count_windows(stream.num_tokens, seq_len, keep_tail=keep_tail,
+                                             split=split)
     self.stream, self.eos_id, self.pad_id = stream, int(eos_id), int(pad_id)
     self.width = seq_len + 1
-    n = stream.num_tokens
-    self.num_windows = n // self.width if not keep_tail else -(-n // self.width)
-    if self.num_windows == 0 or (keep_tail and n < 2):
-      what = ("one full train window needs seq_len + 1 tokens" if not keep_tail
-              else "it needs at least 2 tokens")
-      raise ValueError(
-          f"data.seq_len={seq_len} is too long for the {split} split: it has {n} tokens "
-          f"(EOS included) and {what}; lower data.seq_len or use more text")
 
   @property
   def seq_len(self) -> int:

@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Iterable
 
+from cem_jax.config import BUILTINS
 from cem_jax.data import builtin, tfds_catalog
 from cem_jax.data import text as text_lib
 from cem_jax.files import sha256_file
@@ -61,8 +62,10 @@ def source_identity(data_config) -> dict:
     return {"kind": "tfds", "name": d.tfds_name, "data_dir": d.tfds_data_dir,
             "text_key": d.tfds_text_key, "train_split": d.tfds_train_split,
             "eval_split": d.tfds_eval_split}
-  if d.builtin not in builtin.BUILTINS:
-    raise ValueError(f"data.builtin={d.builtin!r} is not one of {builtin.BUILTINS}")
+  # The identity is taken without reading the text, so an unknown name (a config that skipped
+  # config.validate) would otherwise give an identity of nothing.
+  if d.builtin not in BUILTINS:
+    raise ValueError(f"data.builtin={d.builtin!r} is not one of {BUILTINS}")
   # The builtin text depends only on the installed Python (see builtin.py).
   return {"kind": "builtin", "name": d.builtin, "python": sys.version,
           "validation_fraction": float(d.validation_fraction)}

@@ -8,9 +8,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cem_jax import config
 from cem_jax.axes import head_dim_of  # noqa: F401  (re-exported: the one head_dim rule)
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# config.DTYPES is the one list of names (config must stay jax-free); this maps them to jnp.
+DTYPES = {name: getattr(jnp, name) for name in config.DTYPES}
 
 # Parameters whose name is in this set are weight-decayed; everything else (norm scales, step
 # sizes, temperatures, diagonals, preconditioners) never is. Decay goes by name, not by rank,
