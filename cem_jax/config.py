@@ -28,6 +28,10 @@ PRECOND_TARGETS = ("none", "attention", "mlp", "both")
 DTYPES = ("float32", "bfloat16")
 INNER_OPTIMIZERS = ("gd", "heavy_ball", "nesterov")  # cem_jax/inner.py
 MANIFOLDS = ("euclidean", "sphere")
+REMAT_POLICIES = ("none", "full", "dots")  # cem_jax/model.py
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")  # cem_jax/attention.py
+BUILTINS = ("pydoc", "pydoc+docstrings")  # cem_jax/data/builtin.py
+TOKENIZER_MODEL_TYPES = ("bpe", "unigram")  # cem_jax/data/tokenizer.py
 # mesh.rules default (logical axis -> mesh axes): see axes.py.
 DEFAULT_MESH_RULES = axes.DEFAULT_RULES
 
@@ -183,10 +187,10 @@ _CHOICES = {
     "model.manifold": MANIFOLDS,
     "model.dtype": DTYPES,
     "model.param_dtype": DTYPES,
-    "model.remat": ("none", "full", "dots"),
-    "model.attention_impl": ("auto", "xla", "cudnn", "splash"),
-    "data.builtin": ("pydoc", "pydoc+docstrings"),
-    "data.tokenizer_model_type": ("bpe", "unigram"),
+    "model.remat": REMAT_POLICIES,
+    "model.attention_impl": ATTENTION_IMPLEMENTATIONS,
+    "data.builtin": BUILTINS,
+    "data.tokenizer_model_type": TOKENIZER_MODEL_TYPES,
 }
 
 # field -> (minimum allowed, inclusive)
@@ -381,6 +385,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"{field}={value!r} must be an int (a static Python int)")
     if value < minimum:
       raise ValueError(f"{field}={value} must be >= {minimum}")
+  for field in ("seed", "data.shuffle_seed"):  # jax keys take a signed 64-bit seed
+    if _get(config, field) >= 2**63:
+      raise ValueError(f"{field}={_get(config, field)} must be < 2**63")
   for field in _RANGES:
     check_range(field, _get(config, field))
   m = config.model

@@ -49,8 +49,7 @@ def main(argv):
     distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
                            _PROCESS_ID.value)
     config = cli.load_config()
-    for field in ("attention_energy", "mlp_energy"):  # saved absolute: reloadable from anywhere
-      config.model[field] = energies.absolute_name(config.model[field])
+    energies.absolute_paths(config.model)
     train.train_and_evaluate(config, _WORKDIR.value)
 
 

@@ -37,19 +37,22 @@ class MetricsWriter:
     self._tb = None
     if not enabled:
       return
-    if tensorboard:
-      from tensorboardX import SummaryWriter  # imported here: only process 0 writes events
-
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
-                               purge_step=truncate_after_step or None)
+    kept = None
     if truncate_after_step is not None and os.path.exists(self.path):
-      # Read by read_metrics' own parser: a file it would refuse is refused here too, instead
-      # of losing its damaged lines without a word.
+      # Read by read_metrics' own parser, before anything is written: a file it would refuse
+      # is refused here too (instead of losing its damaged lines without a word), and a
+      # refused resume leaves the run as it was.
       lines, torn = _parse_metrics(self.path)
       if torn is not None:
         logging.warning("%s: dropped its cut-short last line (a kill mid-write): %.80r",
                         self.path, torn)
       kept = "".join(text + "\n" for text, m in lines if m["step"] <= truncate_after_step)
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # imported here: only process 0 writes events
+
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                               purge_step=truncate_after_step or None)
+    if kept is not None:
       atomic_write_bytes(self.path, kept.encode())
     self._file = open(self.path, "a")
 
@@ -105,16 +108,24 @@ def _parse_metrics(path: str) -> tuple[list[tuple[str, dict]], str | None]:
   Raises:
     ValueError: as :func:`read_metrics`.
   """
-  with open(path) as f:
-    texts = f.read().split("\n")
+  with open(path, "rb") as f:
+    raw = f.read().split(b"\n")
   out = []
-  for i, text in enumerate(texts):
+  for i, data in enumerate(raw):
+    last = i == len(raw) - 1  # no newline after it
+    try:
+      text = data.decode("utf-8")
+    except UnicodeDecodeError as e:  # a kill inside a multi-byte character, or damage
+      if last:
+        return out, data.decode("utf-8", "replace")
+      raise ValueError(f"{path}:{i + 1} is not UTF-8 ({e.reason} at byte {e.start}): "
+                       f"{data[:80]!r}; repair or delete that line") from None
     if not text.strip():
       continue
     try:
       line = json.loads(text)
     except json.JSONDecodeError as e:
-      if i == len(texts) - 1:  # no newline after it
+      if last:
         return out, text
       raise ValueError(f"{path}:{i + 1} is not valid JSON ({e}): {text[:80]!r}; every line "
                        "but a cut-short last one must be a JSON object with a \"step\"; "

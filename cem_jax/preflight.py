@@ -19,7 +19,7 @@ from cem_jax.energies import checks as energy_checks
 def check(config: ml_collections.ConfigDict) -> None:
   """Checks a resolved config before anything is built: :func:`cem_jax.config.validate`, the
   attention kernel, and for CEM blocks the energies (a user's closed-form update is evaluated
-  numerically against ``jax.grad``: about a second of compiling).
+  numerically against ``jax.grad``: 1-2 s, more at large ``d_model``).
 
   Raises:
     ValueError: one line naming the field, its value and what is allowed.

@@ -38,7 +38,7 @@ from absl import app, flags, logging
 from flax import nnx
 from tqdm import tqdm
 
-from cem_jax import bench, cli, preflight, train
+from cem_jax import cli, energies, model_stats, preflight, train
 from cem_jax import config as config_lib
 from cem_jax.config import get_default_config
 from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text
@@ -121,6 +121,7 @@ def row_config(module, row: str, scale: str, seed: int, steps: int | None = None
   for key, value in (overrides or {}).items():
     group, _, name = key.rpartition(".")
     (c[group] if group else c)[name] = value
+  energies.absolute_paths(c.model)  # a --set energy file is reloaded by evaluate/sample
   c.seed = seed
   c.data.shuffle_seed = seed
   if steps is not None:
@@ -135,17 +136,7 @@ def parameter_counts(config) -> dict:
   """Total, non-embedding, attention and MLP parameters of ``config``'s model (no allocation)."""
   model = nnx.eval_shape(lambda: DecoderLM(config.model, config.data.vocab_size,
                                            rngs=nnx.Rngs(0)))
-  counts = {"params": 0, "non_embedding_params": 0, "attention_params": 0, "mlp_params": 0}
-  for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-    keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
-    counts["params"] += leaf.size
-    if "embedding" not in keys and "lm_head" not in keys:
-      counts["non_embedding_params"] += leaf.size
-    if "attn" in keys:
-      counts["attention_params"] += leaf.size
-    if "mlp" in keys:
-      counts["mlp_params"] += leaf.size
-  return counts
+  return model_stats.parameter_counts(model)
 
 
 def run_dir(workdir: str, table: str, row: str, seed: int) -> str:
@@ -362,8 +353,8 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
     rows.append({
         "row": row,
         **parameter_counts(cfg),
-        "flops_per_token": bench.flops_per_token(cfg.model, cfg.data.vocab_size,
-                                                 cfg.data.seq_len),
+        "flops_per_token": model_stats.flops_per_token(cfg.model, cfg.data.vocab_size,
+                                                       cfg.data.seq_len),
         "eval_loss_mean": mean_loss,
         "eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
         "delta_loss_mean": statistics.fmean(deltas) if deltas else math.nan,

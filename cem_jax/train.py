@@ -249,12 +249,13 @@ def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWrite
   Raises:
     ValueError: ``metrics.jsonl`` is damaged before its last line (see :class:`MetricsWriter`).
   """
-  if is_main:
-    atomic_write_json(os.path.join(run.workdir, "config.json"), resolved, sort_keys=True)
-  # A run killed before its first checkpoint starts over: drop its step-0 line too.
+  # A run killed before its first checkpoint starts over: drop its step-0 line too. First, so
+  # that a damaged metrics.jsonl is refused before config.json is rewritten.
   writer = MetricsWriter(run.workdir, enabled=is_main,
                          truncate_after_step=run.start_step if run.start_step > 0 else -1)
   try:
+    if is_main:
+      atomic_write_json(os.path.join(run.workdir, "config.json"), resolved, sort_keys=True)
     config, workdir, data = run.config, run.workdir, run.data
     passes = epochs(config, data.stats()["train_windows"])
     if run.start_step == 0:

@@ -15,9 +15,10 @@ its energy trace) and prints markdown:
    "after": the MLP step moves the attention energy, the next attention step the MLP energy,
    and with a co-evolving context the recomputed keys too; with the Lie–Trotter split each
    sub-step descends its own energy, not the sum).
-3. The learned step sizes η = softplus(raw) at the end of training (mean over layers and
-   heads), per step where the row has one per step; read from the run's newest checkpoint
-   (git-ignored, so only where the runs were trained; "n/a" elsewhere).
+3. The learned step sizes η = softplus(raw) at the end of training (mean over layers, heads
+   and seeds), per step where the row has one per step; read from the runs' newest
+   checkpoints (git-ignored, so only where the runs were trained: the table names the seeds
+   it read, and says "n/a" where none is at hand).
 
 Without ``--out`` the report goes to stdout. ``--out=FILE`` writes it atomically and refuses
 to replace an existing FILE with one whose η rows are "n/a": on a fresh clone the checkpoints
@@ -120,34 +121,41 @@ def energy_table(workdir: str) -> list[str]:
 
 
 def eta_table(workdir: str) -> list[str]:
+  """The learned η per row, mean over layers, heads and the seeds whose checkpoints are here
+  (named in the last column; "n/a" when none is)."""
   import jax
   import numpy as np
 
   from cem_jax.evaluate import load_run
 
-  lines = ["| row | attention η (step 1, step 2) | MLP η (step 1, step 2) |", "|---|---|---|"]
+  lines = ["| row | attention η (step 1, step 2) | MLP η (step 1, step 2) | seeds |",
+           "|---|---|---|---|"]
   for row in ROWS:
     runs = _seeds(workdir, row)
     if not runs:
       continue
     per_part: dict = {"attn": [], "mlp": []}
-    try:
-      for run in runs:
+    read = []
+    for run in runs:
+      try:
         _, _, _, params, _ = load_run(run)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-          keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-          if "eta" in keys:
-            part = "attn" if "attn" in keys else "mlp"
-            eta = np.asarray(jax.nn.softplus(leaf))  # [copies, heads] or [copies]
-            per_part[part].append(eta.reshape(eta.shape[0], -1).mean(axis=1))
-    except (FileNotFoundError, ValueError):
-      lines.append(f"| {row} | n/a | n/a |")
+      except (FileNotFoundError, ValueError):  # no checkpoint here (git keeps none)
+        continue
+      read.append(os.path.basename(run))
+      for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if "eta" in keys:
+          part = "attn" if "attn" in keys else "mlp"
+          eta = np.asarray(jax.nn.softplus(leaf))  # [copies, heads] or [copies]
+          per_part[part].append(eta.reshape(eta.shape[0], -1).mean(axis=1))
+    if not read:
+      lines.append(f"| {row} | n/a | n/a | – |")
       continue
     cells = []
     for part in ("attn", "mlp"):
       stacked = np.stack(per_part[part])  # [layers × seeds, copies]
       cells.append(", ".join(f"{v:.3f}" for v in stacked.mean(axis=0)))
-    lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    lines.append(f"| {row} | " + " | ".join(cells) + f" | {', '.join(read)} |")
   return lines
 
 
@@ -163,8 +171,8 @@ def report(workdir: str) -> tuple[str, list[str]]:
       "\n## Energy descent at the last eval (change of each sub-step's own energy, per "
       "token, mean over layers and seeds)\n",
       *energy_table(workdir),
-      "\n## Learned step sizes at the end of training (mean over layers, heads and seeds; "
-      "one value where η is shared across steps)\n",
+      "\n## Learned step sizes at the end of training (mean over layers, heads and the seeds "
+      "whose checkpoints were at hand; one value where η is shared across steps)\n",
       *etas]) + "\n"
   return text, missing
 

@@ -152,6 +152,7 @@ def test_flat_config_equals_the_json_it_is_saved_as():
     ("model.head_dim", -7, r"^model.head_dim=-7; allowed: -1 "),
     ("seed", -1, r"^seed=-1 must be >= 0$"),
     ("data.shuffle_seed", -3, r"^data.shuffle_seed=-3 must be >= 0$"),
+    ("seed", 2**63, r"^seed=9223372036854775808 must be < 2\*\*63$"),
 ])
 def test_values_that_were_silently_defaulted_or_failed_late_are_refused(field, value, message):
   """head_dim 0 or -7 used to mean "the default" (only -1 is documented); a negative seed

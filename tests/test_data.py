@@ -218,6 +218,10 @@ def test_tfds_catalog_splits_and_formats_are_checked_before_reading(tmp_path, mo
                           r"'.*': \S"),
       ("validation[:10]", r"data\.tfds_eval_split='validation\[:10\]' is not a valid split of "
                           r"'.*': \S"),
+      # Found only when the source is sized, or refused by TFDS as not implemented.
+      ("validation[5:2]", r"data\.tfds_eval_split='validation\[5:2\]' is not a valid split of "
+                          r"'.*': \S"),
+      ("all[:50%]", r"data\.tfds_eval_split='all\[:50%\]' is not a valid split of '.*': \S"),
   ]:
     config.data.tfds_eval_split = split
     with pytest.raises(ValueError, match=f"^{pattern}") as e:
@@ -330,11 +334,19 @@ def test_tokenizer_errors_do_not_depend_on_sentencepiece_wording(monkeypatch):
     tokenizer_lib.train_model(docs, 5000)
   most = int(e.value.args[0].rsplit(" ", 1)[1])
   assert tokenizer_lib.Tokenizer(tokenizer_lib.train_model(docs, most)).vocab_size == most
-  # A failure that is not about the vocabulary's size: every chunk holds U+2585, so
-  # SentencePiece skips them all. One line, SentencePiece's message as it is.
+  # A failure that is not about the vocabulary's size (the trainer fails whatever the limit):
+  # one line, SentencePiece's message as it is.
+  def failing(**kwargs):
+    raise RuntimeError("some other wording\nover two lines")
+
+  monkeypatch.setattr(tokenizer_lib.spm.SentencePieceTrainer, "train", failing)
   with pytest.raises(ValueError, match=r"^data\.vocab_size=300, data\.tokenizer_model_type="
                                        r"'unigram': SentencePiece cannot train on this text "
-                                       r"\(9 characters\): some other wording over two lines$"):
+                                       r"\(120 characters\): some other wording over two lines$"):
+    tokenizer_lib.train_model(docs, 300, "unigram")
+  # Every chunk holds U+2585, which SentencePiece skips: said before it is called.
+  with pytest.raises(ValueError, match=r"^every tokenizer training chunk of the text holds "
+                                       r"U\+2585"):
     tokenizer_lib.train_model(["a \u2585 b\n", "\u2585\u2585\n"], 300, "unigram")
 
 

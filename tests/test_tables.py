@@ -351,3 +351,14 @@ def test_a_preempted_run_writes_no_result_and_stops_the_table(tmp_path, shared_d
   assert tables.run_table(module, "toy", "tiny", 1, str(workdir)) is None
   assert len(trained) == 1  # the table stopped at the preempted run
   assert not (workdir / "toy" / "llama" / "seed0" / "result.json").exists()
+
+
+def test_row_config_saves_a_set_energy_file_absolute(tmp_path, monkeypatch):
+  """`--set=model.mlp_energy=my.py:fn` from some folder: the run's config (which evaluate and
+  sample reload, from anywhere) must name the file absolutely, as main does."""
+  monkeypatch.chdir(tmp_path)
+  module = tables.load_table("mlp")
+  cfg = tables.row_config(module, "cem_tied", "tiny", 0,
+                          overrides={"model.mlp_energy": "my.py:gate"})
+  assert cfg.model.mlp_energy == f"{tmp_path}/my.py:gate"
+  assert cfg.model.attention_energy == "softmax"

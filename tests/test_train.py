@@ -177,3 +177,23 @@ def test_resume_refuses_a_damaged_line_before_the_last_as_read_metrics_does(
       read()
     assert "\n" not in str(e.value)
   assert path.read_text() == text  # the evidence is left as it was
+
+
+def test_metrics_bytes_that_are_not_utf8_are_damage_inside_and_a_cut_at_the_end(tmp_path):
+  """A kill can cut the last line inside a multi-byte character (dropped, as a torn line);
+  undecodable bytes before it are damage: one line naming the file and line, and a refused
+  resume writes nothing (no TensorBoard folder either)."""
+  from cem_jax.metrics import MetricsWriter
+
+  path = tmp_path / "metrics.jsonl"
+  good = '{"step": 1, "note": "caf\u00e9"}\n'.encode()
+  path.write_bytes(good + '{"step": 2, "note": "caf\u00e9'.encode()[:-1])
+  assert read_metrics(str(tmp_path)) == [{"step": 1, "note": "caf\u00e9"}]
+  bad = good + b'{"step": 2, "x": "\xff\xfe"}\n' + b'{"step": 3}\n'
+  path.write_bytes(bad)
+  for read in (lambda: read_metrics(str(tmp_path)),
+               lambda: MetricsWriter(str(tmp_path), truncate_after_step=3)):
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2 is not UTF-8 \(") as e:
+      read()
+    assert "\n" not in str(e.value)
+  assert path.read_bytes() == bad and sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]

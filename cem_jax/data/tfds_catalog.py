@@ -149,10 +149,12 @@ def _read_texts(name: str, split: str, data_dir: Path, text_key: str, download: 
     raise ValueError(f"{field}={split!r}: no such split of {name!r}; it has {known}")
   try:
     source = builder.as_data_source(split=split)
-  except ValueError as e:  # the slice: its syntax, or more examples than the split holds
+    size = len(source)  # a reversed slice ("train[5:2]") fails only here
+  except (ValueError, NotImplementedError) as e:  # the slice: its syntax, its bounds, or
+    # a slice TFDS does not take ("all[:50%]")
     raise ValueError(f"{field}={split!r} is not a valid split of {name!r}: "
                      f"{_one_line(e)}") from None
-  if len(source) == 0:
+  if size == 0:
     raise ValueError(f"{field}={split!r}: split of {name!r} is empty")
   example = source[0]
   if text_key not in example:

@@ -30,7 +30,8 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
-MODEL_TYPES = ("bpe", "unigram")
+from cem_jax.config import TOKENIZER_MODEL_TYPES as MODEL_TYPES
+
 TRAIN_CHUNK_CHARS = 2000
 # Training text beyond this many characters is subsampled (every k-th chunk): a larger sample
 # barely changes a vocabulary of a few thousand pieces and keeps training to seconds.
@@ -236,6 +237,16 @@ def train_model(docs: Iterable[str], vocab_size: int, model_type: str = "bpe") -
     raise ValueError(f"data.tokenizer_model_type={model_type!r} is not one of {MODEL_TYPES}")
   chunks = _training_chunks(docs)
   characters = sum(map(len, chunks))
+  marked = sum(_UNK_MARK in c for c in chunks)
+  if marked and marked == len(chunks):
+    raise ValueError(
+        f"every tokenizer training chunk of the text holds U+2585 ('{_UNK_MARK}'), and "
+        "SentencePiece skips such chunks, so nothing is left to train on; replace that "
+        "character in the text or give a trained data.tokenizer")
+  if marked:
+    logging.getLogger(__name__).warning(
+        "%d of %d tokenizer training chunks hold U+2585 ('%s') and are skipped by "
+        "SentencePiece; their characters may become byte pieces", marked, len(chunks), _UNK_MARK)
   minimum = _required_pieces(chunks)
   if vocab_size < minimum:
     raise ValueError(

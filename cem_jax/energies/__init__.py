@@ -10,7 +10,14 @@ from cem_jax.energies.base import EnergyAux, blockwise_logsumexp, make_mask, mas
 from cem_jax.energies.elementwise import POTENTIALS, make_gated_energy, phi_silu
 from cem_jax.energies.interaction import fused_update as interaction_fused_update
 from cem_jax.energies.interaction import interaction_energy
-from cem_jax.energies.registry import EnergySpec, absolute_name, get, names, register
+from cem_jax.energies.registry import (
+    EnergySpec,
+    absolute_name,
+    absolute_paths,
+    get,
+    names,
+    register,
+)
 from cem_jax.energies.rope import apply_rope
 
 __all__ = [
@@ -18,6 +25,7 @@ __all__ = [
     "EnergySpec",
     "POTENTIALS",
     "absolute_name",
+    "absolute_paths",
     "apply_rope",
     "blockwise_logsumexp",
     "get",

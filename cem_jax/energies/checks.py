@@ -26,9 +26,10 @@ from cem_jax import axes, energies, updates
 
 # The abstract training layout; an energy's wrong-shape error quotes it (e.g. "(1, 4)").
 _ABSTRACT_BATCH, _ABSTRACT_SEQ = 1, 4
-# The numerical check: tiny, so its cost is compiling the two functions (about a second on a
-# shared 2-core CPU); two rows so that, with model.document_mask, one holds two documents and
-# the other padding (masked keys and empty rows are exercised).
+# The numerical check: few tokens, so its cost is compiling the two functions (1-2 s on a
+# shared 2-core CPU; the weights are full size: ~4-11 s at d_model 4096); two rows so that,
+# with model.document_mask, one holds two documents and the other padding (masked keys and
+# empty rows are exercised).
 _NUMERIC_BATCH, _NUMERIC_SEQ = 2, 6
 # Cached decoding: the prompt's prefill writes several new tokens into a longer cache, so
 # y has 2 rows against 8 keys (one new token would hide a mask of y's length: [1, 1]
@@ -72,7 +73,8 @@ def validate_energies(config) -> None:
     shapes = _param_shapes(kind, m)
     for decoding in (False, True):
       seq = _DECODE_NEW if decoding else _ABSTRACT_SEQ
-      aux = _aux(m, _ABSTRACT_BATCH, seq, decoding)
+      with jax.default_device(_cpu_device()):  # the aux's masks are small eager arrays
+        aux = _aux(m, _ABSTRACT_BATCH, seq, decoding)
       y, context = _abstract_inputs(kind, m, _ABSTRACT_BATCH, seq, aux)
       _check_energy_shape(field, spec, y, context, shapes, aux, decoding)
       if fused:
@@ -198,9 +200,9 @@ def _random_params(shapes: dict, rng: np.random.Generator) -> dict:
       if name == "beta":  # around the default 1/sqrt(head_dim)
         v = v / math.sqrt(shapes["w_q"].shape[-1])
     elif name == "diag":
-      v = 0.3 * rng.standard_normal(s.shape) / math.sqrt(s.shape[-1])
-    else:  # w_q, w_k, w, g: [d_model, ...]
-      v = rng.standard_normal(s.shape) / math.sqrt(s.shape[0])
+      v = 0.3 * rng.standard_normal(s.shape, np.float32) / math.sqrt(s.shape[-1])
+    else:  # w_q, w_k, w, g: [d_model, ...]; float32 draws: full-size weights at large d_model
+      v = rng.standard_normal(s.shape, np.float32) / math.sqrt(s.shape[0])
     out[name] = jnp.asarray(v, s.dtype)
   return out
 

@@ -105,6 +105,14 @@ def absolute_name(name: str) -> str:
   return name
 
 
+def absolute_paths(model_config) -> None:
+  """Rewrites ``model.attention_energy`` and ``model.mlp_energy`` with :func:`absolute_name`
+  (in place), before a run saves its config: every program that reloads the run then finds
+  the same files."""
+  for field in ("attention_energy", "mlp_energy"):
+    model_config[field] = absolute_name(model_config[field])
+
+
 def names(kind: str | None = None) -> list[str]:
   """Registered names (of one ``kind`` if given), sorted."""
   return sorted(n for n, s in _REGISTRY.items() if kind is None or s.kind == kind)
