@@ -1,6 +1,6 @@
 """Table "design": the full CEM block (tied attention + tied MLP) across the design space.
 
-    python -m cem_jax.tables --table=design --scale=tiny --seeds=2 --workdir=results/tiny
+    python -m cem_jax.tables --table=design --scale=tiny --seeds=3 --workdir=results/tiny
 
 Rows:
   t1:              one step (the tied block).
@@ -22,24 +22,25 @@ Diagnostics of recursion (issue 17: why is T = 2 worse than T = 1 at tiny scale?
   t1_joint_eta_half: t1_eta_half with a joint step (the control for t2_joint_eta_half).
 Every row logs the energy trace at each eval (eval.energy_trace): the energies before and after
 each sub-step of each layer, so one can see whether each inner step lowers its energy.
-Measured at tiny scale (2026-12-01, numerics version 2, 2 seeds, 400 steps on War and Peace,
+Measured at tiny scale (2026-12-01, numerics version 2, 3 seeds, 400 steps on War and Peace,
 2 CPU cores; results/tiny/design.md and design_recursion.md, discussion in
-docs/REPRODUCING.md): eval loss in nats/token (mean), then the difference to t1 paired by seed
-(mean ± spread):
-  t1               4.224   0
-  t2_fixed         4.391   +0.167 ± 0.163
-  t2_coevolve      4.516   +0.292 ± 0.014
-  t1_precond_diag  4.016   -0.209 ± 0.135
-  t1_precond_dlr   4.245   +0.021 ± 0.200
-  t2_eta_half      3.990   -0.234 ± 0.129
-  t2_eta_per_step  4.636   +0.412 ± 0.469
-  t2_lr_half       4.251   +0.026 ± 0.146
-  t1_lr_half       4.173   -0.051 ± 0.061
-  t1_eta_half      3.952   -0.273 ± 0.116
-  t2_joint_eta_half  3.900   -0.324 ± 0.137
-  t1_joint_eta_half  3.847   -0.377 ± 0.089
-(η = 1 is too large a starting step for both T; the joint split helps both T by ~0.1; at
-equal η and split T = 2 trails T = 1 by 0.04-0.05.)
+docs/REPRODUCING.md; the third seed's 12 runs took 1 h 53 min on cores shared with other
+jobs): eval loss in nats/token (mean), then the difference to t1 paired by seed (mean ± std):
+  t1                 4.279   0
+  t2_fixed           4.505   +0.226 ± 0.154
+  t2_coevolve        4.599   +0.321 ± 0.051
+  t1_precond_diag    4.170   -0.109 ± 0.197
+  t1_precond_dlr     4.379   +0.100 ± 0.197
+  t2_eta_half        4.014   -0.265 ± 0.105
+  t2_eta_per_step    4.588   +0.309 ± 0.376
+  t2_lr_half         4.266   -0.013 ± 0.124
+  t1_lr_half         4.164   -0.115 ± 0.119
+  t1_eta_half        3.958   -0.320 ± 0.117
+  t2_joint_eta_half  3.911   -0.368 ± 0.123
+  t1_joint_eta_half  3.851   -0.428 ± 0.108
+(T = 2 trails T = 1 in every seed; η = 1 is too large a starting step for both T; the joint
+split helps both T by ~0.1; at equal η and split T = 2 still trails T = 1 by +0.06 in every
+seed. With two seeds the diagonal preconditioner looked helpful: seed 2 made it undecided.)
 """
 
 from cem_jax import scales
