@@ -25,22 +25,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
   Raises:
     OSError: the folder is missing or not writable (``path`` is then unchanged).
   """
-  path = os.fspath(path)
-  # A unique name (not tempfile.mkstemp): concurrent writers never share a temporary file, and
-  # the file gets the usual permissions (umask), not mkstemp's owner-only 0600.
-  tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
-  try:
-    with open(tmp, "xb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    try:
-      os.remove(tmp)
-    except FileNotFoundError:
-      pass
-    raise
+  with atomic_writer(path) as f:
+    f.write(data)
 
 
 def atomic_write_json(path: str | os.PathLike, obj, *, indent: int = 2,
@@ -77,7 +63,7 @@ def atomic_save_figure(fig, path: str | os.PathLike, *, dpi: int = 120) -> None:
   atomic_write_bytes(path, buf.getvalue())
 
 
-# The name atomic_write_bytes gives its temporary file, ``<path>.<pid>.<12 hex digits>.tmp``;
+# The name atomic_writer gives its temporary file, ``<path>.<pid>.<12 hex digits>.tmp``;
 # tests/test_files.py checks that this pattern recognises the names it makes.
 _TEMPORARY_NAME = re.compile(r"(.+)\.[0-9]+\.[0-9a-f]{12}\.tmp")
 
@@ -95,13 +81,15 @@ def temporary_of(name: str | os.PathLike) -> str | None:
 @contextlib.contextmanager
 def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
   """A binary file whose contents replace ``path`` atomically when the ``with`` block ends
-  without an exception, for data too large to hold in memory; the folder must exist. The
-  temporary file is named as :func:`atomic_write_bytes` names it, and removed on an exception.
+  without an exception (also for data too large to hold in memory); the folder must exist.
+  The temporary file is removed on an exception, and ``path`` is then unchanged.
 
   Raises:
     OSError: as :func:`atomic_write_bytes`.
   """
   path = os.fspath(path)
+  # A unique name (not tempfile.mkstemp): concurrent writers never share a temporary file, and
+  # the file gets the usual permissions (umask), not mkstemp's owner-only 0600.
   tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
   try:
     with open(tmp, "xb") as f:
