@@ -38,16 +38,16 @@ def test_greedy_cached_equals_uncached(case):
   assert cached.shape == (2, 12)
 
 
-def _assert_cached_logits_match_the_full_forward(model) -> None:
+def _assert_cached_logits_match_the_full_forward(model, num_steps: int | None = None) -> None:
   """Prefill 4 tokens, then one token at a time: every position's logits equal the full
-  forward's (1e-5)."""
+  forward's (1e-5), at ``num_steps`` recursive steps (default: the trained T)."""
   tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 10), 0, V)
-  full = model(tokens)
-  cache = model.init_cache(2, 10)
-  prefill, cache = model(tokens[:, :4], cache=cache, index=0)
+  full = model(tokens, num_steps=num_steps)
+  cache = model.init_cache(2, 10, num_steps)
+  prefill, cache = model(tokens[:, :4], cache=cache, index=0, num_steps=num_steps)
   np.testing.assert_allclose(prefill, full[:, :4], atol=1e-5)
   for i in range(4, 10):
-    logits, cache = model(tokens[:, i:i + 1], cache=cache, index=i)
+    logits, cache = model(tokens[:, i:i + 1], cache=cache, index=i, num_steps=num_steps)
     np.testing.assert_allclose(logits[:, 0], full[:, i], atol=1e-5)
 
 
@@ -173,8 +173,15 @@ def test_cem_block_with_the_standard_attention_decodes_with_the_cache(case):
   preflight.check(tiny_config(**{f"model.{k}": v for k, v in case.items()}))  # trainable
   graphdef, params = _model(case)
   _assert_cached_logits_match_the_full_forward(nnx.merge(graphdef, params))
+  if case is not STANDARD_ATTENTION_CASES[0]:
+    return  # the logits check is the specification; the rest once (its compiles cost)
+  # Test-time steps beyond the trained T: the cache holds one key/value copy per step run.
+  model = nnx.merge(graphdef, params)
+  _assert_cached_logits_match_the_full_forward(model, num_steps=4)
+  # sample.generate with the cache is greedy under the full forward (teacher-forced on its
+  # own output: uncached generation would compile once per length).
   prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (2, 5), 0, V))
-  for steps in (None, 4):  # 4: test-time steps beyond the trained T
-    cached = sample.generate(graphdef, params, prompt, 8, num_steps=steps)
-    uncached = sample.generate(graphdef, params, prompt, 8, num_steps=steps, use_cache=False)
-    np.testing.assert_array_equal(cached, uncached)
+  out = np.asarray(sample.generate(graphdef, params, prompt, 8, num_steps=4))
+  seq = np.concatenate([prompt, out], axis=1)  # [2, 13]
+  full = np.asarray(model(jnp.asarray(seq[:, :-1]), num_steps=4))
+  np.testing.assert_array_equal(full[:, 4:].argmax(-1), seq[:, 5:])
