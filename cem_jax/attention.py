@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec
 
 from cem_jax.axes import DEFAULT_RULES, mesh_axes_of
 from cem_jax.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
+from cem_jax.masks import make_mask, visible_rows
 
 SPLASH_BLOCK = 128  # splash tiles the sequence in blocks of (a multiple of) 128
 
@@ -132,23 +133,6 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
   return "xla", f"auto: platform {platform} has no flash kernel here, XLA attention"
 
 
-def visible_rows(mask: jax.Array | None, *, is_causal: bool, strict: bool,
-                 segment_ids: jax.Array | None, shape: tuple[int, int]) -> jax.Array | None:
-  """``[batch, t]`` bool: queries with at least one visible key (None: every one)."""
-  if mask is not None:
-    return jnp.any(mask, axis=-1)
-  b, t = shape
-  rows = jnp.ones((b, t), bool)
-  if strict:
-    rows = rows & (jnp.arange(t) > 0)[None]
-  if segment_ids is not None:
-    rows = rows & (segment_ids > 0)
-    if strict:  # a document's first token sees nothing before it
-      prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)))
-      rows = rows & (prev == segment_ids)
-  return None if (is_causal and not strict and segment_ids is None) else rows
-
-
 def dot_product_attention(
     q: jax.Array,
     k: jax.Array,
@@ -203,7 +187,7 @@ def dot_product_attention(
                                          implementation=impl)
     else:
       if mask is None:
-        mask = _structured_mask(b, t, strict_causal, segment_ids)
+        mask = make_mask(segment_ids, t, b, strict=strict_causal)
       out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
                                          implementation=impl)
   elif implementation == "splash":
@@ -226,16 +210,6 @@ def dot_product_attention(
     # where, not a product: a kernel may leave an empty row non-finite.
     out = jnp.where(rows[:, :, None, None], out, jnp.zeros((), out.dtype))
   return out.astype(q.dtype)
-
-
-def _structured_mask(b: int, t: int, strict: bool, segment_ids) -> jax.Array:
-  i = jnp.arange(t)[:, None]
-  j = jnp.arange(t)[None, :]
-  mask = jnp.broadcast_to((j < i) if strict else (j <= i), (b, t, t))
-  if segment_ids is not None:
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    mask = mask & same & (segment_ids[:, :, None] > 0)
-  return mask
 
 
 @functools.lru_cache(maxsize=32)

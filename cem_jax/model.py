@@ -10,7 +10,7 @@ from flax import nnx
 
 from cem_jax import attention
 from cem_jax.axes import DEFAULT_RULES, augmented_head_dim
-from cem_jax.config import BLOCKS, REMAT_POLICIES
+from cem_jax.config import BLOCKS
 from cem_jax.energies import EnergyAux, make_mask
 from cem_jax.layers import DTYPES, CEMBlock, LlamaBlock, RMSNorm
 from cem_jax.layers.common import head_dim_of, param
@@ -23,11 +23,7 @@ CHECKPOINT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-# The names are config's (validated there); a choice added there without a class or policy
-# here would otherwise pass validation and fail only at model build.
-if set(BLOCK_TYPES) != set(BLOCKS) or set(CHECKPOINT_POLICIES) | {"none"} != set(REMAT_POLICIES):
-  raise ImportError("cem_jax.model: BLOCK_TYPES/CHECKPOINT_POLICIES out of step with "
-                    "cem_jax.config.BLOCKS/REMAT_POLICIES")
+# The names are config's (validated there); tests/test_config_checks.py keeps the two in step.
 _LOGGED: set[str] = set()  # one log line per distinct attention choice, not per model copy
 
 
@@ -64,6 +60,72 @@ def resolve_attention(cfg, blocks, platform: str | None = None) -> tuple[str, st
                      f"(model.energy_block_size={cfg.energy_block_size})")
   return attention.resolve(requested, platform=platform, dtype=cfg.dtype,
                            head_dim=head_dim_of(cfg), augmented_head_dim=augmented_head_dim(cfg))
+
+
+def training_aux(
+    cfg: ml_collections.ConfigDict,
+    segment_ids: jax.Array | None,
+    batch: int,
+    seq_len: int,
+    attention_impl: str = "xla",
+    attention_partition: tuple | None = None,
+) -> EnergyAux:
+  """The aux of a ``[batch, seq_len]`` training or eval input: causal mask (documents and
+  padding from ``segment_ids``, ``[batch, seq_len]`` int, 0 = padding), positions ``0..``,
+  the model's static options and the attention kernel (``attention_impl``, resolved).
+
+  Raises:
+    ValueError: an explicit ``model.attention_impl='splash'`` at a ``seq_len`` that is not a
+      multiple of 128 (under 'auto' the kernel becomes 'xla', logged once).
+  """
+  positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+  impl = attention_impl
+  if impl == "splash" and seq_len % attention.SPLASH_BLOCK:
+    if cfg.attention_impl != "auto":
+      raise ValueError(f"model.attention_impl='splash' cannot run: seq_len={seq_len} must "
+                       f"be a multiple of {attention.SPLASH_BLOCK}")
+    impl = "xla"
+    _log_once(f"attention: xla at seq_len={seq_len} (auto: splash needs a multiple of "
+              f"{attention.SPLASH_BLOCK})")
+  return EnergyAux(
+      mask=make_mask(segment_ids, seq_len, batch, strict=cfg.strict_causal),
+      positions=positions,
+      rope_theta=cfg.rope_theta if cfg.rope else None,
+      diagonal_form=cfg.diagonal_form,
+      is_plain_causal=segment_ids is None and not cfg.strict_causal,
+      segment_ids=segment_ids,
+      is_causal=True,
+      strict_causal=cfg.strict_causal,
+      attention_impl=impl,
+      attention_partition=attention_partition,
+      energy_block_size=cfg.energy_block_size,
+  )
+
+
+def decoding_aux(cfg: ml_collections.ConfigDict, batch: int, num_new: int, max_len: int,
+                 index) -> EnergyAux:
+  """The aux of ``num_new`` new tokens at positions ``index..`` (int or traced int32 scalar)
+  against a ``max_len`` cache: mask ``[batch, num_new, max_len]``, key positions ``0..``.
+
+  Decoding attends through the same entry point with a dense mask, always on 'xla' (said in
+  the model's log line): the offset ``index`` is traced, splash masks are static and
+  block-aligned, and cuDNN would take the mask as a dense bias on a memory-bound step with no
+  measured gain.
+  """
+  query = index + jnp.arange(num_new, dtype=jnp.int32)
+  keys = jnp.arange(max_len, dtype=jnp.int32)
+  visible = keys[None, :] < query[:, None] if cfg.strict_causal else (
+      keys[None, :] <= query[:, None])
+  return EnergyAux(
+      mask=jnp.broadcast_to(visible, (batch, num_new, max_len)),
+      positions=jnp.broadcast_to(query, (batch, num_new)),
+      key_positions=jnp.broadcast_to(keys, (batch, max_len)),
+      rope_theta=cfg.rope_theta if cfg.rope else None,
+      diagonal_form=cfg.diagonal_form,
+      strict_causal=cfg.strict_causal,
+      attention_impl="xla",
+      energy_block_size=cfg.energy_block_size,
+  )
 
 
 class DecoderLM(nnx.Module):
@@ -118,54 +180,13 @@ class DecoderLM(nnx.Module):
                            ("embed", "vocab"), pdt)
 
   def make_aux(self, segment_ids: jax.Array | None, batch: int, seq_len: int) -> EnergyAux:
-    """Mask and positions for a ``[batch, seq_len]`` input (segment 0 = padding)."""
-    cfg = self.cfg
-    positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
-    impl = self.attention_impl
-    if impl == "splash" and seq_len % attention.SPLASH_BLOCK:
-      if cfg.attention_impl != "auto":
-        raise ValueError(f"model.attention_impl='splash' cannot run: seq_len={seq_len} must "
-                         f"be a multiple of {attention.SPLASH_BLOCK}")
-      impl = "xla"
-      _log_once(f"attention: xla at seq_len={seq_len} (auto: splash needs a multiple of "
-                f"{attention.SPLASH_BLOCK})")
-    return EnergyAux(
-        mask=make_mask(segment_ids, seq_len, batch, strict=cfg.strict_causal),
-        positions=positions,
-        rope_theta=cfg.rope_theta if cfg.rope else None,
-        diagonal_form=cfg.diagonal_form,
-        is_plain_causal=segment_ids is None and not cfg.strict_causal,
-        segment_ids=segment_ids,
-        is_causal=True,
-        strict_causal=cfg.strict_causal,
-        attention_impl=impl,
-        attention_partition=self.attention_partition,
-        energy_block_size=cfg.energy_block_size,
-    )
+    """:func:`training_aux` with this model's kernel and partition."""
+    return training_aux(self.cfg, segment_ids, batch, seq_len, self.attention_impl,
+                        self.attention_partition)
 
   def make_decode_aux(self, batch: int, num_new: int, max_len: int, index) -> EnergyAux:
-    """Aux for ``num_new`` new tokens at positions ``index..`` against a ``max_len`` cache.
-
-    Decoding attends through the same entry point with a dense ``[batch, num_new, max_len]``
-    mask, always on 'xla' (said in the model's log line): the offset ``index`` is traced,
-    splash masks are static and block-aligned, and cuDNN would take the mask as a dense bias
-    on a memory-bound step with no measured gain.
-    """
-    cfg = self.cfg
-    query = index + jnp.arange(num_new, dtype=jnp.int32)
-    keys = jnp.arange(max_len, dtype=jnp.int32)
-    visible = keys[None, :] < query[:, None] if cfg.strict_causal else (
-        keys[None, :] <= query[:, None])
-    return EnergyAux(
-        mask=jnp.broadcast_to(visible, (batch, num_new, max_len)),
-        positions=jnp.broadcast_to(query, (batch, num_new)),
-        key_positions=jnp.broadcast_to(keys, (batch, max_len)),
-        rope_theta=cfg.rope_theta if cfg.rope else None,
-        diagonal_form=cfg.diagonal_form,
-        strict_causal=cfg.strict_causal,
-        attention_impl="xla",
-        energy_block_size=cfg.energy_block_size,
-    )
+    """:func:`decoding_aux` for this model's config."""
+    return decoding_aux(self.cfg, batch, num_new, max_len, index)
 
   def layer_blocks(self) -> list:
     """The block each of the ``model.num_layers`` layers runs: ``blocks[l % G]``."""

@@ -4,16 +4,15 @@
 that need the model code live here, so that the config module never imports it (data flows
 config -> model, never back): the attention kernel the config asks for
 (:func:`cem_jax.attention.resolve` with ``platform=None``; what the machine decides is checked
-when the model is built) and the configured energies (:mod:`cem_jax.energies.checks`).
+when the model is built) and the configured energies (:mod:`cem_jax.energy_checks`).
 """
 
 from __future__ import annotations
 
 import ml_collections
 
-from cem_jax import attention, axes
+from cem_jax import attention, axes, energy_checks
 from cem_jax import config as config_lib
-from cem_jax.energies import checks as energy_checks
 
 
 def check(config: ml_collections.ConfigDict) -> None:

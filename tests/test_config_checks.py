@@ -164,3 +164,12 @@ def test_values_that_were_silently_defaulted_or_failed_late_are_refused(field, v
 
 def test_an_explicit_head_dim_is_accepted():
   config_lib.validate(tiny_config("cem", **{"model.head_dim": 8}))
+
+
+def test_model_tables_match_the_config_choices():
+  # A block or remat choice added to config without a class or policy in the model would pass
+  # validation and fail only when the model is built.
+  from cem_jax import model
+
+  assert set(model.BLOCK_TYPES) == set(config_lib.BLOCKS)
+  assert set(model.CHECKPOINT_POLICIES) | {"none"} == set(config_lib.REMAT_POLICIES)

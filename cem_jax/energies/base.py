@@ -25,6 +25,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from cem_jax.masks import make_mask  # noqa: F401  (re-exported: energies build masks too)
+
 
 @flax.struct.dataclass
 class EnergyAux:
@@ -77,30 +79,6 @@ class EnergyAux:
   def context_positions(self) -> jax.Array:
     """Positions of the context tokens (``key_positions``, else ``positions``)."""
     return self.positions if self.key_positions is None else self.key_positions
-
-
-def make_mask(
-    segment_ids: jax.Array | None,
-    seq_len: int,
-    batch: int,
-    *,
-    strict: bool = False,
-) -> jax.Array:
-  """Builds the causal visibility mask ``[batch, seq_len, seq_len]`` (bool).
-
-  ``j <= i`` (``j < i`` if ``strict``), restricted to ``segment_ids[i] == segment_ids[j]``
-  and ``segment_ids > 0`` (0 marks padding) when ``segment_ids`` (``[batch, seq_len]`` int)
-  is given. Source: CEM_MATH.md sections 1 and 7.
-  """
-  i = jnp.arange(seq_len)[:, None]
-  j = jnp.arange(seq_len)[None, :]
-  causal = (j < i) if strict else (j <= i)
-  mask = jnp.broadcast_to(causal, (batch, seq_len, seq_len))
-  if segment_ids is not None:
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    real = (segment_ids[:, :, None] > 0) & (segment_ids[:, None, :] > 0)
-    mask = mask & same & real
-  return mask
 
 
 def masked_logsumexp(scores: jax.Array, mask: jax.Array) -> jax.Array:

@@ -30,7 +30,7 @@ class EnergySpec:
       update is derived by ``jax.grad``).
     builtin: True for the energies cem_jax registers itself, whose closed forms
       tests/test_energies.py verifies; every other closed form is compared with ``jax.grad``
-      of its energy at start-up (:func:`cem_jax.energies.checks.validate_energies`).
+      of its energy at start-up (:func:`cem_jax.energy_checks.validate_energies`).
   """
 
   name: str
@@ -50,7 +50,7 @@ def register(name: str, kind: str, energy: Callable, fused_update: Callable | No
   or a script registers it first, but ``evaluate``, ``sample`` and ``tables`` reload the run
   in a fresh process, where the name is unknown. Name the energy by a ``'file.py:function'``
   path to reload the run. A ``fused_update`` must equal ``-jax.grad(energy)`` w.r.t. ``y``;
-  start-up checks it numerically (:mod:`cem_jax.energies.checks`).
+  start-up checks it numerically (:mod:`cem_jax.energy_checks`).
 
   Raises:
     ValueError: ``kind`` not in ``KINDS`` or ``name`` already taken.
@@ -126,7 +126,7 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
   ``energy(y, context, params, aux) -> scalar``; if the module also defines
   ``<function>_fused_update(y, context, params, aux)``, that is the closed form: it must
   return ``-jax.grad(energy)`` w.r.t. ``y`` (``η`` included, since the energy carries it), and
-  :func:`cem_jax.energies.checks.validate_energies` refuses one that does not.
+  :func:`cem_jax.energy_checks.validate_energies` refuses one that does not.
 
   Args:
     name: what the config says.

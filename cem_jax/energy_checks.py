@@ -1,4 +1,4 @@
-"""Start-up checks of the configured energies, run by :func:`cem_jax.config.validate` for CEM
+"""Start-up checks of the configured energies, run by :func:`cem_jax.preflight.check` for CEM
 blocks before anything is compiled for training:
 
 - each energy, and the fused update when it is the one used, is evaluated abstractly
@@ -16,13 +16,13 @@ blocks before anything is compiled for training:
 from __future__ import annotations
 
 import math
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from cem_jax import axes, energies, updates
+from cem_jax.model import decoding_aux, training_aux
 
 # The abstract training layout; an energy's wrong-shape error quotes it (e.g. "(1, 4)").
 _ABSTRACT_BATCH, _ABSTRACT_SEQ = 1, 4
@@ -119,19 +119,15 @@ def _segment_ids(batch: int, seq: int) -> np.ndarray:
 
 
 def _aux(m, batch: int, seq: int, decoding: bool) -> energies.EnergyAux:
-  """The aux the model builds (``DecoderLM.make_aux`` with documents and padding when
-  ``model.document_mask``, as in training; ``make_decode_aux``), called on a stand-in so the
-  check cannot drift from them, on the 'xla' kernel: the checks run before the devices are
-  known."""
-  from cem_jax.model import DecoderLM  # here: the model imports the energies package
-
-  model = types.SimpleNamespace(cfg=m, attention_impl="xla", attention_partition=None)
+  """The aux the model builds (:func:`cem_jax.model.training_aux` with documents and padding
+  when ``model.document_mask``, as in training; :func:`cem_jax.model.decoding_aux`), on the
+  'xla' kernel: the checks run before the devices are known."""
   if decoding:
-    return DecoderLM.make_decode_aux(model, batch, seq, _DECODE_CACHE, _DECODE_INDEX)
+    return decoding_aux(m, batch, seq, _DECODE_CACHE, _DECODE_INDEX)
   if not m.document_mask:
-    return DecoderLM.make_aux(model, None, batch, seq)
+    return training_aux(m, None, batch, seq)
   segment_ids = jnp.asarray(_segment_ids(batch, seq))
-  return DecoderLM.make_aux(model, segment_ids, batch, seq).replace(real=segment_ids > 0)
+  return training_aux(m, segment_ids, batch, seq).replace(real=segment_ids > 0)
 
 
 def _context_len(kind: str, aux) -> int:

@@ -1,0 +1,56 @@
+"""The causal visibility structure, in one place for the energies and the attention kernels.
+
+A query ``i`` sees key ``j`` when ``j <= i`` (``j < i`` with ``strict``), both lie in the same
+document and neither is padding (segment id 0). Source: CEM_MATH.md sections 1 and 7.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def make_mask(
+    segment_ids: jax.Array | None,
+    seq_len: int,
+    batch: int,
+    *,
+    strict: bool = False,
+) -> jax.Array:
+  """Builds the causal visibility mask ``[batch, seq_len, seq_len]`` (bool).
+
+  ``j <= i`` (``j < i`` if ``strict``), restricted to ``segment_ids[i] == segment_ids[j]``
+  and ``segment_ids > 0`` (0 marks padding) when ``segment_ids`` (``[batch, seq_len]`` int)
+  is given. Source: CEM_MATH.md sections 1 and 7.
+  """
+  i = jnp.arange(seq_len)[:, None]
+  j = jnp.arange(seq_len)[None, :]
+  causal = (j < i) if strict else (j <= i)
+  mask = jnp.broadcast_to(causal, (batch, seq_len, seq_len))
+  if segment_ids is not None:
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    real = (segment_ids[:, :, None] > 0) & (segment_ids[:, None, :] > 0)
+    mask = mask & same & real
+  return mask
+
+
+def visible_rows(mask: jax.Array | None, *, is_causal: bool, strict: bool,
+                 segment_ids: jax.Array | None, shape: tuple[int, int]) -> jax.Array | None:
+  """``[batch, t]`` bool: queries with at least one visible key (None: every one).
+
+  From ``mask`` (``[batch, t, context_len]`` bool) when given, else from the structure
+  (``is_causal``, ``strict``, ``segment_ids`` ``[batch, t]`` int) without building the
+  ``t x t`` mask. ``shape`` is ``(batch, t)``.
+  """
+  if mask is not None:
+    return jnp.any(mask, axis=-1)
+  b, t = shape
+  rows = jnp.ones((b, t), bool)
+  if strict:
+    rows = rows & (jnp.arange(t) > 0)[None]
+  if segment_ids is not None:
+    rows = rows & (segment_ids > 0)
+    if strict:  # a document's first token sees nothing before it
+      prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)))
+      rows = rows & (prev == segment_ids)
+  return None if (is_causal and not strict and segment_ids is None) else rows
