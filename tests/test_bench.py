@@ -90,3 +90,45 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
 
   saved = json.load(open(out))
   assert saved["preset"] == "tiny" and len(saved["rows"]) == 3
+
+
+def _the_run_to_do() -> list[tuple[str, list[str]]]:
+  """(preset, variants) of each bench command in docs/PERFORMANCE.md's "The run to do"."""
+  import pathlib
+  import re
+
+  doc = (pathlib.Path(__file__).parents[1] / "docs" / "PERFORMANCE.md").read_text()
+  section = doc[doc.index("### The run to do"):]
+  section = section[:section.index("Commit both JSON files")].replace("\\\n", " ")
+  return [(m.group(1), m.group(2).split(",")) for m in re.finditer(
+      r"cem_jax\.bench --preset=(\S+)\s+--variants=(\S+)", section)]
+
+
+def test_the_documented_gpu_run_resolves_its_kernels_and_sizes():
+  # Issue 12's one H200 call must not be spent on a config error: every row of the documented
+  # commands passes the start-up checks, and on a GPU 'auto' picks cuDNN for every row but the
+  # diagonal's (its augmented head is beyond flash head sizes); Llama has ~110M parameters (the
+  # tied CEM layers fewer).
+  from cem_jax import model as model_lib
+  from cem_jax import preflight
+  from cem_jax.model_stats import count_params
+
+  runs = _the_run_to_do()
+  assert [preset for preset, _ in runs] == ["gpu125m", "gpu125m_64k"]
+  for preset, variants in runs:
+    p = bench.PRESETS[preset]
+    assert p["dtype"] == "bfloat16" and p["seq_lens"] == [1024, 4096]
+    for name in variants:
+      for n in p["seq_lens"]:
+        cfg = bench._model_config(p, bench.VARIANTS[name], n, p["d_model"])
+        assert cfg.train.batch_size * n == p["tokens_per_batch"], (preset, name, n)
+        preflight.check(cfg)
+        model = nnx.eval_shape(lambda c=cfg, v=p["vocab_size"]: DecoderLM(
+            c.model, v, rngs=nnx.Rngs(0)))
+        impl, reason = model_lib.resolve_attention(cfg.model, model.blocks, platform="gpu")
+        if name == "cem_fused_diag":
+          assert impl == "xla" and "augmented head" in reason, (name, reason)
+        else:
+          assert impl == "cudnn", (preset, name, n, reason)
+        if name.startswith("llama"):
+          assert 100e6 < count_params(model) < 130e6, (name, count_params(model))
