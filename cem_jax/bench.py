@@ -169,6 +169,10 @@ def run(preset: str, variants: list[str], out: str | None = None,
   ``document_mask`` overrides the preset's ``model.document_mask`` (variants that set it
   keep theirs); ``attention_impl`` sets ``model.attention_impl`` of every variant (default:
   the config's 'auto'). Each row records the kernel the model actually used.
+
+  ``out`` (JSON: ``device``, ``platform``, ``jax``, ``preset``, ``rows``, ``complete``) is
+  rewritten atomically after every row, ``complete`` false until the last: a sweep stopped
+  by a time limit (a lent GPU's) keeps the rows it measured.
   """
   p = dict(PRESETS[preset])
   if document_mask is not None:
@@ -181,18 +185,19 @@ def run(preset: str, variants: list[str], out: str | None = None,
         f"preset {preset}, {p['tokens_per_batch']} tokens per batch, {p['dtype']}, "
         f"document_mask={p['document_mask']}, attention_impl={attention_impl or 'auto'}",
         flush=True)
-  for n, width in shapes:
-    for name in variants:
-      cfg = _model_config(p, VARIANTS[name], n, width, attention_impl)
-      row = {"variant": name, "seq_len": n, "d_model": width,
-             "document_mask": cfg.model.document_mask,
-             **bench_one(cfg, p["vocab_size"], p["steps"], p["warmup"])}
-      rows.append(row)
-      print(json.dumps(row), flush=True)
+  todo = [(n, width, name) for n, width in shapes for name in variants]
+  for i, (n, width, name) in enumerate(todo):
+    cfg = _model_config(p, VARIANTS[name], n, width, attention_impl)
+    row = {"variant": name, "seq_len": n, "d_model": width,
+           "document_mask": cfg.model.document_mask,
+           **bench_one(cfg, p["vocab_size"], p["steps"], p["warmup"])}
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    if out:
+      atomic_write_json(out, {"device": device.device_kind, "platform": device.platform,
+                              "jax": jax.__version__, "preset": preset, "rows": rows,
+                              "complete": i == len(todo) - 1})
   print(format_table(rows))
-  if out:
-    atomic_write_json(out, {"device": device.device_kind, "platform": device.platform,
-                            "jax": jax.__version__, "preset": preset, "rows": rows})
   return rows
 
 

@@ -89,7 +89,29 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
   import json
 
   saved = json.load(open(out))
-  assert saved["preset"] == "tiny" and len(saved["rows"]) == 3
+  assert saved["preset"] == "tiny" and len(saved["rows"]) == 3 and saved["complete"] is True
+
+
+def test_a_sweep_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch, capsys):
+  # A lent GPU's time limit kills the sweep: what it measured must already be in --out.
+  calls = []
+
+  def fake_bench_one(config, vocab_size, steps, warmup):
+    calls.append(config.model.block)
+    if len(calls) == 3:
+      raise KeyboardInterrupt  # stands in for the kill
+    return {"attention": "xla", "step_ms": float(len(calls))}
+
+  monkeypatch.setattr(bench, "bench_one", fake_bench_one)
+  out = tmp_path / "bench.json"
+  with pytest.raises(KeyboardInterrupt):
+    bench.run("tiny", ["llama", "cem_fused"], str(out))
+  import json
+
+  saved = json.load(open(out))
+  assert saved["complete"] is False
+  assert [(r["variant"], r["seq_len"], r["step_ms"]) for r in saved["rows"]] == [
+      ("llama", 64, 1.0), ("cem_fused", 64, 2.0)]
 
 
 def _the_run_to_do() -> list[tuple[str, list[str]]]:
