@@ -2,7 +2,8 @@
 
 Trains (or loads, with ``--config.data.tokenizer``) the tokenizer on the training split and
 writes each split's token stream as sharded ArrayRecord files in ``DIR``, with the tokenizer
-and a manifest (see :mod:`cem_jax.data.prepared`). The source is the config's:
+and a manifest (:mod:`cem_jax.data.shard_writer`; the format: :mod:`cem_jax.data.prepared`).
+The source is the config's:
 ``--config.data.files=GLOB``, ``--config.data.tfds_name=NAME`` or the built-in corpus.
 Encoding runs in worker processes (``--workers``; default 2 for corpora of 8M characters or
 more) with a progress bar when stderr is a terminal. Killed, it leaves no manifest; run again,
@@ -34,7 +35,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   from cem_jax import preflight
-  from cem_jax.data import prepared
+  from cem_jax.data import prepared, shard_writer
 
   logging.set_verbosity(logging.INFO)
   cli.quiet_libraries()
@@ -48,7 +49,7 @@ def main(argv):
                        "--out; leave data.prepared_dir unset here")
     if _WORKERS.value is not None and _WORKERS.value < 1:
       raise ValueError(f"--workers={_WORKERS.value}; allowed: an int >= 1")
-    out = prepared.prepare(config.data, _OUT.value, workers=_WORKERS.value)
+    out = shard_writer.prepare(config.data, _OUT.value, workers=_WORKERS.value)
     manifest = prepared.PreparedData.open_manifest(out, verify=False)
     for split, info in manifest["splits"].items():
       print(f"{split}: {info['documents']} documents, {info['bytes']} bytes of text, "

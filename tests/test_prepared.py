@@ -18,7 +18,7 @@ from conftest import closed_port, fake_catalog
 
 from cem_jax import files
 from cem_jax.config import get_default_config
-from cem_jax.data import build_data, build_data_in_memory, prepared, read_documents
+from cem_jax.data import build_data, build_data_in_memory, prepared, read_documents, shard_writer
 from cem_jax.data import text as text_lib
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -82,7 +82,7 @@ def test_prepared_from_a_multi_shard_stream_equals_in_memory(tmp_path):
     paths.append(tmp_path / f"{i}.txt")
     paths[-1].write_text(doc)
   config = _config(files=",".join(os.fspath(p) for p in paths), vocab_size=300)
-  out = prepared.prepare(config.data, tmp_path / "prep", shard_chars=20_000)
+  out = shard_writer.prepare(config.data, tmp_path / "prep", shard_chars=20_000)
   manifest = json.loads((out / "manifest.json").read_text())
   # The bytes of every manifest and sidecar written so far: indent 1, sorted keys, no newline.
   for name in ["manifest.json", "prepare.json", "train-00000.json"]:
@@ -183,15 +183,15 @@ def _shard_sums(out: Path) -> dict[str, str]:
 _KILLED_AFTER_FIRST_SHARD = """
 import os, signal, sys
 sys.path.insert(0, "tests")
-from cem_jax.data import prepared
+from cem_jax.data import shard_writer
 from test_prepared import _config
-original = prepared._encode_and_write
+original = shard_writer._encode_and_write
 def write_then_die(job):
   meta = original(job)
   os.kill(os.getpid(), signal.SIGKILL)
-prepared._encode_and_write = write_then_die
-prepared.prepare(_config(files=sys.argv[1], vocab_size=300).data, sys.argv[2],
-                 shard_chars=20_000, workers=1)
+shard_writer._encode_and_write = write_then_die
+shard_writer.prepare(_config(files=sys.argv[1], vocab_size=300).data, sys.argv[2],
+                     shard_chars=20_000, workers=1)
 """
 
 
@@ -211,8 +211,8 @@ def test_killed_prepare_then_rerun_equals_an_uninterrupted_one(tmp_path):
   kept = {p: p.stat().st_mtime_ns for p in (tmp_path / "a").glob("train-00000.*")}
   with pytest.raises(ValueError, match=r"no manifest\.json.*prepare did not finish"):
     prepared.PreparedData.open(tmp_path / "a")
-  prepared.prepare(config.data, tmp_path / "a", shard_chars=20_000)
-  prepared.prepare(config.data, tmp_path / "b", shard_chars=20_000)
+  shard_writer.prepare(config.data, tmp_path / "a", shard_chars=20_000)
+  shard_writer.prepare(config.data, tmp_path / "b", shard_chars=20_000)
   sums = _shard_sums(tmp_path / "a")
   assert len(sums) >= 3 and sums == _shard_sums(tmp_path / "b")
   assert {k: sums[k] for k in first} == first
@@ -221,18 +221,18 @@ def test_killed_prepare_then_rerun_equals_an_uninterrupted_one(tmp_path):
   assert manifest_a == json.loads((tmp_path / "b" / "manifest.json").read_text())
   # Complete: running again is a no-op.
   mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "a").iterdir()}
-  prepared.prepare(config.data, tmp_path / "a", shard_chars=20_000)
+  shard_writer.prepare(config.data, tmp_path / "a", shard_chars=20_000)
   assert {p: p.stat().st_mtime_ns for p in (tmp_path / "a").iterdir()} == mtimes
   # Another config into the same folder is refused.
   with pytest.raises(ValueError, match=r"--out=.* holds another dataset"):
-    prepared.prepare(_config(files=os.fspath(corpus), vocab_size=320).data, tmp_path / "a")
+    shard_writer.prepare(_config(files=os.fspath(corpus), vocab_size=320).data, tmp_path / "a")
 
 
 def test_damaged_shard_is_a_one_line_error_naming_the_file(tmp_path):
   corpus = tmp_path / "c.txt"
   corpus.write_text(_text(2000))
   config = _config(files=os.fspath(corpus), vocab_size=300)
-  out = prepared.prepare(config.data, tmp_path / "p", shard_chars=20_000)
+  out = shard_writer.prepare(config.data, tmp_path / "p", shard_chars=20_000)
   config.data.prepared_dir = os.fspath(out)
   build_data(config, tmp_path / "wd")
   shard = sorted(out.glob("train-*.array_record"))[1]
@@ -251,7 +251,7 @@ def test_damaged_shard_is_a_one_line_error_naming_the_file(tmp_path):
     build_data(config, tmp_path / "wd")
   # prepare rebuilds exactly the damaged shard.
   config.data.prepared_dir = ""
-  prepared.prepare(config.data, out, shard_chars=20_000)
+  shard_writer.prepare(config.data, out, shard_chars=20_000)
   config.data.prepared_dir = os.fspath(out)
   build_data(config, tmp_path / "wd")
 
@@ -279,11 +279,11 @@ def test_a_failed_prepare_leaves_nothing_that_blocks_the_rerun(bad, folder, tmp_
   else:
     bad(corpus)
   with pytest.raises(ValueError):
-    prepared.prepare(_config(files=os.fspath(corpus), vocab_size=300, **extra).data, out)
+    shard_writer.prepare(_config(files=os.fspath(corpus), vocab_size=300, **extra).data, out)
   # Nothing left: the folder is gone if the prepare made it, else empty again.
   assert (list(out.iterdir()) == []) if folder == "empty" else not out.exists()
   corpus.write_text(_text(2000))  # the input fixed
-  prepared.prepare(_config(files=os.fspath(corpus), vocab_size=300).data, out)
+  shard_writer.prepare(_config(files=os.fspath(corpus), vocab_size=300).data, out)
   prepared.PreparedData.open(out)
 
 
@@ -291,7 +291,7 @@ def test_a_prepare_killed_before_its_first_shard_gives_way_to_other_input(tmp_pa
   corpus = tmp_path / "c.txt"
   corpus.write_text(_text(2000))
   config = _config(files=os.fspath(corpus), vocab_size=300)
-  reference = prepared.prepare(config.data, tmp_path / "ref")
+  reference = shard_writer.prepare(config.data, tmp_path / "ref")
   # What a prepare of other text killed after training its tokenizer leaves: its prepare.json,
   # its tokenizer (that must not be reused) and the temporary file of its first shard.
   out = tmp_path / "out"
@@ -305,14 +305,14 @@ def test_a_prepare_killed_before_its_first_shard_gives_way_to_other_input(tmp_pa
   (out / "prepare.json.4321.0123456789ab.tmp").write_text("{")
   (out / "tokenizer.model.4321.abcdef012345.tmp").write_bytes(b"half a tokenizer")
   (out / "tokenizer.model.backup.tmp").write_bytes(b"someone's copy")
-  prepared.prepare(config.data, out)
+  shard_writer.prepare(config.data, out)
   assert sorted(p.name for p in out.iterdir()) == sorted(
       [p.name for p in reference.iterdir()] + ["tokenizer.model.backup.tmp"])
   assert _shard_sums(out) == _shard_sums(reference)
   # With a finished shard, it holds another dataset: refused, as before.
   other = _config(files=os.fspath(corpus), vocab_size=320)
   with pytest.raises(ValueError, match=r"^--out=.* holds another dataset"):
-    prepared.prepare(other.data, out)
+    shard_writer.prepare(other.data, out)
 
 
 def test_out_that_is_a_file_is_a_one_line_error_naming_the_flag(tmp_path):
@@ -321,9 +321,9 @@ def test_out_that_is_a_file_is_a_one_line_error_naming_the_flag(tmp_path):
   afile.write_text("x")
   config = _config(files=os.fspath(corpus), vocab_size=300)
   with pytest.raises(ValueError, match=rf"^--out={afile} is a file; "):
-    prepared.prepare(config.data, afile)
+    shard_writer.prepare(config.data, afile)
   with pytest.raises(ValueError, match=rf"^--out={afile / 'sub'}: cannot create the folder"):
-    prepared.prepare(config.data, afile / "sub")
+    shard_writer.prepare(config.data, afile / "sub")
   assert afile.read_text() == "x"
 
 
@@ -331,7 +331,7 @@ def test_out_that_is_a_file_is_a_one_line_error_naming_the_flag(tmp_path):
 def prepared_300(tmp_path_factory) -> Path:
   root = tmp_path_factory.mktemp("prepared_300")
   (root / "c.txt").write_text(_text(2000))
-  return prepared.prepare(_config(files=os.fspath(root / "c.txt"), vocab_size=300).data,
+  return shard_writer.prepare(_config(files=os.fspath(root / "c.txt"), vocab_size=300).data,
                           root / "p", shard_chars=20_000)
 
 
@@ -396,7 +396,7 @@ def test_a_hand_edited_manifest_is_a_one_line_error_naming_the_folder(
   assert "\n" not in str(info.value)
   # prepare rebuilds the manifest (the shards are intact: kept).
   sums = _shard_sums(out)
-  prepared.prepare(_config(files=os.fspath(prepared_300.parent / "c.txt"), vocab_size=300).data,
+  shard_writer.prepare(_config(files=os.fspath(prepared_300.parent / "c.txt"), vocab_size=300).data,
                    out, shard_chars=20_000)
   assert json.loads(manifest_path.read_text()) == json.loads(
       (prepared_300 / "manifest.json").read_text())
@@ -409,7 +409,7 @@ def test_prepared_dir_must_fit_the_config(tmp_path):
   corpus.write_text(_text(2000))
   other = tmp_path / "d.txt"
   other.write_text(_text(2000, "x"))
-  out = prepared.prepare(_config(files=os.fspath(corpus), vocab_size=300).data, tmp_path / "p")
+  out = shard_writer.prepare(_config(files=os.fspath(corpus), vocab_size=300).data, tmp_path / "p")
   base = {"prepared_dir": os.fspath(out), "vocab_size": 300}
   data = build_data(_config(**base, seq_len=16), tmp_path / "wd")  # source from the folder
   assert data.train.seq_len == 16 and "c.txt" in data.source

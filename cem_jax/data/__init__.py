@@ -2,7 +2,7 @@
 
 Entry point: ``build_data(config, workdir) -> Data``. Flow: ``sources.text_splits`` (builtin
 corpus, local files, or a TFDS catalog dataset) -> tokenizer (trained on the train split) ->
-``prepared.prepare`` (each split's token stream in ArrayRecord shards, once) ->
+``shard_writer.prepare`` (each split's token stream in ArrayRecord shards, once) ->
 ``prepared.StreamWindows`` (EOS-separated documents in windows with segment ids, read by
 position) -> ``TrainBatches`` (pure function of the step) and ``EvalWindows``.
 ``build_data_in_memory`` and ``packing.pack`` are the in-memory reference of the same result.
@@ -18,7 +18,8 @@ from cem_jax.data.pipeline import (
     check_same_data,
     data_identity,
 )
-from cem_jax.data.prepared import PreparedData, StreamWindows, prepare
+from cem_jax.data.prepared import PreparedData, StreamWindows
+from cem_jax.data.shard_writer import prepare
 from cem_jax.data.sources import TextSplits, text_splits
 from cem_jax.data.text import normalize_newlines, read_documents, resolve_files, split_documents
 from cem_jax.data.tokenizer import Tokenizer, load_tokenizer, train_model

@@ -140,14 +140,14 @@ def main(argv):
     print(f"corpus: wrote {n / 1e6:.1f} MB to {_OUT.value} in {time.perf_counter() - start:.1f} s")
   elif _MODE.value == "prepare":
     from cem_jax.config import get_default_config
-    from cem_jax.data import prepared
+    from cem_jax.data import prepared, shard_writer
 
     if not (_FILES.value and _OUT.value):
       raise app.UsageError("--mode=prepare needs --files and --out")
     config = get_default_config()
     config.data.files = _FILES.value
     start = time.perf_counter()
-    out = prepared.prepare(config.data, _OUT.value)
+    out = shard_writer.prepare(config.data, _OUT.value)
     seconds = time.perf_counter() - start
     manifest = prepared.PreparedData.open_manifest(out, verify=False)
     mb = sum(s["bytes"] for s in manifest["splits"].values()) / 1e6

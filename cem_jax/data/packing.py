@@ -83,7 +83,7 @@ def encode_pieces(doc: str) -> list[str]:
 
 def encode_documents(tok: Tokenizer, docs: Sequence[str], desc: str = "encode"
                      ) -> list[np.ndarray]:
-  # The in-memory reference of the prepared path (``prepared.py`` encodes the same pieces).
+  # The in-memory reference of the prepared path (``shard_writer.py`` encodes the same pieces).
   """Returns each document's ids (int32 ``[n_i]``, no EOS), encoded in parallel.
 
   A long document is encoded in paragraph-aligned pieces; decoding the result still gives the

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from cem_jax.data import packing, sources
+from cem_jax.data import packing, shard_writer, sources
 from cem_jax.data import prepared as prepared_lib
 from cem_jax.data import tokenizer as tokenizer_lib
 
@@ -247,7 +247,7 @@ def build_data(config, workdir: str | os.PathLike) -> Data:
   Reads ``config.data`` (source, split, tokenizer, ``seq_len``, ``shuffle_seed``,
   ``prepared_dir``) and ``config.train.batch_size``. Trains from the prepared dataset in
   ``data.prepared_dir``, or, when that is '', from ``WORKDIR/data/<fingerprint>``, prepared
-  there first (``prepared.prepare``) unless it already is. No raw text is read when the
+  there first (``shard_writer.prepare``) unless it already is. No raw text is read when the
   prepared data is there.
 
   Raises:
@@ -258,7 +258,7 @@ def build_data(config, workdir: str | os.PathLike) -> Data:
   """
   d = config.data
   start = time.perf_counter()
-  directory = prepared_lib.prepared_for(d, workdir)
+  directory = shard_writer.prepared_for(d, workdir)
   ds = prepared_lib.PreparedData.open(directory, d if d.prepared_dir else None)
   tok, info = ds.tokenizer, ds.manifest["splits"]
   logging.getLogger(__name__).info(

@@ -1,0 +1,405 @@
+"""Writing a prepared dataset: ``prepare(data_config, out_dir)`` and ``prepared_for``.
+
+``prepare`` trains (or loads) the tokenizer and writes, in ``out_dir``, the files
+:mod:`cem_jax.data.prepared` describes and reads (the format lives there).
+
+Shards are defined by the input: the text of a split, cut into pieces of at most
+``packing.ENCODE_PIECE_CHARS`` characters exactly as the in-memory path encodes it, is grouped
+into shards of about ``shard_chars`` characters. Each shard is encoded and written on its own
+(in ``workers`` processes), to a temporary name then renamed, so a killed prepare leaves only
+whole shards and no manifest; running it again skips every shard whose sidecar matches and
+writes the rest, and with a complete, intact manifest it is a no-op. A prepare that fails
+before its first shard (bad input) removes what it wrote, and what a killed one left before its
+first shard gives way to a prepare of other input, so neither blocks the re-run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+from array_record.python import array_record_module
+from tqdm import tqdm
+
+from cem_jax.data import packing, sources
+from cem_jax.data import tokenizer as tokenizer_lib
+from cem_jax.data.prepared import (
+    FORMAT_VERSION,
+    MANIFEST,
+    RECORD_TOKENS,
+    SPEC_KEYS,
+    SPLITS,
+    TOKENIZER,
+    PreparedData,
+    shard_name,
+    token_dtype,
+)
+from cem_jax.files import atomic_write_bytes, atomic_write_json, sha256_file, temporary_of
+
+# About 16 MB of text per shard: a few seconds of encoding, so a killed prepare loses little
+# and the shards of a large corpus keep both workers busy.
+SHARD_CHARS = 1 << 24
+# Below this many characters the text is encoded in this process: starting workers would
+# take longer than the encoding (the tiny default corpus is ~1.8M characters).
+POOL_MIN_CHARS = 1 << 23
+# group_size:1 makes every record directly addressable (random access reads one record).
+WRITER_OPTIONS = "group_size:1"
+PROGRESS = "prepare.json"
+
+
+def _sha256_bytes(data: bytes) -> str:
+  return hashlib.sha256(data).hexdigest()
+
+
+def _write_json(path: Path, obj) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  # indent=1, sorted keys, no final newline: byte for byte the manifests written so far.
+  atomic_write_json(path, obj, indent=1, sort_keys=True)
+
+
+def fingerprint(data_config, identity: dict) -> str:
+  """Returns a 16-hex-digit hash of the source identity, the defining ``data`` keys (the given
+  tokenizer by content) and the format: equal fingerprints mean the same prepared data."""
+  spec = {k: data_config[k] for k in SPEC_KEYS}
+  if data_config.tokenizer:
+    path = Path(os.path.expanduser(data_config.tokenizer))
+    spec["tokenizer"] = sha256_file(path) if path.is_file() else os.fspath(path)
+  # How a tokenizer is trained and the text cut for encoding also decide the tokens.
+  how = [tokenizer_lib.TRAINER_SETTINGS, tokenizer_lib.TRAIN_CHUNK_CHARS,
+         tokenizer_lib.MAX_TRAIN_CHARS, packing.ENCODE_PIECE_CHARS]
+  blob = json.dumps([FORMAT_VERSION, RECORD_TOKENS, spec, identity, how], sort_keys=True)
+  return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _shard_tasks(docs: Iterable[str], split: str, shard_chars: int) -> Iterator[dict]:
+  """Groups the split's encode pieces (``packing.encode_pieces`` of each document) into shards."""
+  pieces, ends, size, index = [], [], 0, 0
+  for doc in docs:
+    doc_pieces = packing.encode_pieces(doc) or [""]
+    for j, piece in enumerate(doc_pieces):
+      pieces.append(piece)
+      ends.append(j == len(doc_pieces) - 1)
+      size += len(piece)
+      if size >= shard_chars:
+        yield {"split": split, "index": index, "pieces": pieces, "ends": ends}
+        pieces, ends, size, index = [], [], 0, index + 1
+  if pieces:
+    yield {"split": split, "index": index, "pieces": pieces, "ends": ends}
+
+
+def _task_hash(task: dict) -> str:
+  h = hashlib.sha256()
+  for piece, end in zip(task["pieces"], task["ends"], strict=True):
+    data = piece.encode("utf-8")
+    h.update(len(data).to_bytes(8, "little") + bytes([end]))
+    h.update(data)
+  return h.hexdigest()
+
+
+def _sidecar(out_dir: Path, split: str, index: int) -> Path:
+  return out_dir / f"{split}-{index:05d}.json"
+
+
+_worker_tokenizer: tokenizer_lib.Tokenizer | None = None
+
+
+def _init_worker(model: bytes) -> None:
+  global _worker_tokenizer
+  _worker_tokenizer = tokenizer_lib.Tokenizer(model)
+
+
+def _encode_and_write(job: tuple[dict, str, str, str]) -> dict:
+  """Encodes one shard task and writes it atomically with its sidecar; returns the sidecar."""
+  task, out_dir, dtype, tok_sha = job
+  tok = _worker_tokenizer
+  out_dir = Path(out_dir)
+  with_bytes = task["split"] == "validation"
+  ids_parts, byte_parts, text_bytes = [], [], 0
+  eos = np.array([tok.eos_id], np.int32)
+  for piece, end in zip(task["pieces"], task["ends"], strict=True):
+    if with_bytes:
+      ids, nbytes = tok.encode_with_bytes(piece)
+      byte_parts += [nbytes] + ([np.zeros(1, np.int32)] if end else [])
+    else:
+      ids = np.asarray(tok.encode(piece), np.int32)
+    text_bytes += len(piece.encode("utf-8"))
+    ids_parts += [ids] + ([eos] if end else [])
+  ids = np.concatenate(ids_parts).astype(dtype)
+  nbytes = np.concatenate(byte_parts).astype("<u4") if with_bytes else None
+  name = shard_name(task["split"], task["index"])
+  path = out_dir / name
+  tmp = out_dir / f"{name}.tmp{os.getpid()}"
+  writer = array_record_module.ArrayRecordWriter(os.fspath(tmp), WRITER_OPTIONS)
+  try:
+    for start in range(0, len(ids), RECORD_TOKENS):
+      record = ids[start:start + RECORD_TOKENS].tobytes()
+      if nbytes is not None:
+        record += nbytes[start:start + RECORD_TOKENS].tobytes()
+      writer.write(record)
+    writer.close()
+    with open(tmp, "rb") as f:
+      os.fsync(f.fileno())
+    digest = sha256_file(tmp)
+    os.replace(tmp, path)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+  meta = {
+      "file": name, "tokens": int(len(ids)), "records": -(-len(ids) // RECORD_TOKENS),
+      "size": path.stat().st_size, "sha256": digest, "text_sha256": _task_hash(task),
+      "tokenizer_sha256": tok_sha, "documents": int(sum(task["ends"])),
+      "characters": int(sum(map(len, task["pieces"]))), "bytes": int(text_bytes),
+  }
+  _write_json(_sidecar(out_dir, task["split"], task["index"]), meta)
+  return meta
+
+
+def _done(out_dir: Path, task: dict, tok_sha: str) -> dict | None:
+  """The sidecar of an intact, already written shard of ``task``, or None."""
+  side = _sidecar(out_dir, task["split"], task["index"])
+  try:
+    meta = json.loads(side.read_text())
+    path = out_dir / meta["file"]
+    ok = (meta["text_sha256"] == _task_hash(task) and meta["tokenizer_sha256"] == tok_sha
+          and path.stat().st_size == meta["size"] and sha256_file(path) == meta["sha256"])
+  except (OSError, ValueError, KeyError):
+    return None
+  return meta if ok else None
+
+
+def _tokenizer(data_config, splits: sources.TextSplits, out_dir: Path
+               ) -> tuple[tokenizer_lib.Tokenizer, bytes, bool]:
+  path = out_dir / TOKENIZER
+  if data_config.tokenizer:
+    given = tokenizer_lib.load_tokenizer(data_config.tokenizer, data_config.vocab_size)
+    model = given.path.read_bytes()
+    trained = False
+  elif path.is_file():  # an interrupted prepare of the same fingerprint trained it already
+    model, trained = path.read_bytes(), True
+  else:
+    model = tokenizer_lib.train_model(splits.train, data_config.vocab_size,
+                                      data_config.tokenizer_model_type)
+    trained = True
+  if not path.is_file() or path.read_bytes() != model:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, model)
+  return tokenizer_lib.Tokenizer(model, path=path), model, trained
+
+
+def _holds_data(out_dir: Path) -> bool:
+  """Whether ``out_dir`` holds what a re-run keeps: a manifest, a finished shard or sidecar."""
+  prefixes = tuple(f"{split}-" for split in SPLITS)
+  return any(p.name == MANIFEST or (p.name.startswith(prefixes)
+                                    and p.suffix in (".array_record", ".json"))
+             for p in out_dir.iterdir())
+
+
+def _remove_leftovers(out_dir: Path, *, progress: bool, tokenizer: bool) -> None:
+  """Removes what a prepare writes before its first shard: temporaries of killed writes and,
+  as asked, ``prepare.json`` and the tokenizer. Other files are not ours: they stay."""
+  for path in out_dir.iterdir():
+    name = path.name
+    if (temporary_of(name) in (PROGRESS, TOKENIZER)
+        or ".array_record.tmp" in name or (progress and name == PROGRESS)
+        or (tokenizer and name == TOKENIZER)):
+      path.unlink(missing_ok=True)
+
+
+def _claim(out_dir: Path, fp: str) -> bool:
+  """Makes ``out_dir`` the folder of fingerprint ``fp``: new, empty, already ``fp``'s, or left by
+  a prepare of other input that failed or was killed before its first shard (nothing in it is
+  worth keeping). Returns whether ``prepare.json`` was written now.
+
+  Raises:
+    ValueError: ``out_dir`` cannot be created, holds another dataset, or is not empty and
+      holds no prepared dataset.
+  """
+  progress = out_dir / PROGRESS
+  if progress.is_file():
+    try:
+      saved = json.loads(progress.read_text())
+    except ValueError:
+      saved = None
+    previous = saved.get("fingerprint") if isinstance(saved, dict) else None
+    if previous == fp:
+      return False
+    if _holds_data(out_dir):
+      raise ValueError(
+          f"--out={os.fspath(out_dir)} holds another dataset (fingerprint {previous}, this "
+          f"config and text: {fp}); choose another folder or delete it")
+    logging.getLogger(__name__).info(
+        "%s holds no shard of the dataset %s: preparing %s there instead", out_dir, previous, fp)
+    # Its tokenizer was trained on other input: it must not be reused.
+    _remove_leftovers(out_dir, progress=True, tokenizer=True)
+  elif out_dir.is_dir() and any(out_dir.iterdir()):
+    raise ValueError(f"--out={os.fspath(out_dir)} is not empty and holds no prepared dataset; "
+                     "choose an empty or new folder")
+  else:
+    try:
+      out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise ValueError(f"--out={os.fspath(out_dir)}: cannot create the folder ({e.strerror}); "
+                       "choose a folder that can be created") from None
+  _write_json(progress, {"fingerprint": fp, "format_version": FORMAT_VERSION})
+  return True
+
+
+def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD_CHARS,
+            workers: int | None = None) -> Path:
+  """Prepares the data of ``data_config`` in ``out_dir`` (see the module docstring).
+
+  A prepare that fails before its first shard removes what it wrote (so a re-run with fixed
+  input finds no trace of it); a killed one leaves its work to the next run of the same input,
+  and to a run of other input only when it wrote no shard.
+
+  Args:
+    data_config: the ``data`` group of a resolved config.
+    out_dir: the dataset folder; created if missing. A folder holding another dataset
+      (another fingerprint) is refused; what a prepare of other input left before its first
+      shard is replaced.
+    shard_chars: characters of text per shard (recorded in the manifest).
+    workers: encoding processes; None = ``min(2, cpu count)`` for corpora of at least
+      ``POOL_MIN_CHARS`` characters, else this process alone.
+
+  Returns:
+    ``out_dir`` as a Path.
+
+  Raises:
+    ValueError: bad config values or input (one line naming the field or file), or
+      ``out_dir`` is a file, cannot be created, holds another dataset, or is not empty and
+      holds no prepared dataset.
+    ConnectionError: a TFDS catalog dataset is not prepared and there is no network.
+  """
+  log = logging.getLogger(__name__)
+  out_dir = Path(os.path.expanduser(os.fspath(out_dir)))
+  if out_dir.exists() and not out_dir.is_dir():
+    raise ValueError(f"--out={os.fspath(out_dir)} is a file; choose a new or empty folder")
+  identity = sources.source_identity(data_config)
+  fp = fingerprint(data_config, identity)
+  manifest_path = out_dir / MANIFEST
+  made_dir = not out_dir.exists()
+  made_progress = _claim(out_dir, fp)
+  if manifest_path.is_file():
+    try:
+      PreparedData.open(out_dir)
+      log.info("prepared data in %s is complete and intact: nothing to do", out_dir)
+      return out_dir
+    except ValueError as e:
+      log.warning("%s; preparing the damaged part again", e)
+      manifest_path.unlink()
+  made_tokenizer = not (out_dir / TOKENIZER).exists()
+  try:
+    return _prepare(data_config, out_dir, identity, fp, shard_chars, workers)
+  except Exception:
+    # Failed (bad input, a full disk) before its first shard: what it wrote would only block
+    # the re-run with fixed input (another fingerprint). Interrupts are not failures: like a
+    # kill they leave the work (a trained tokenizer) to the next run.
+    if not _holds_data(out_dir):
+      _remove_leftovers(out_dir, progress=made_progress, tokenizer=made_tokenizer)
+      if made_dir and not any(out_dir.iterdir()):
+        out_dir.rmdir()
+    raise
+
+
+def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: int,
+             workers: int | None) -> Path:
+  """``prepare``'s work in a claimed folder without a valid manifest."""
+  log = logging.getLogger(__name__)
+  manifest_path = out_dir / MANIFEST
+  start = time.perf_counter()
+  splits = sources.text_splits(data_config)
+  tok, model, trained = _tokenizer(data_config, splits, out_dir)
+  tok_sha = _sha256_bytes(model)
+  dtype = token_dtype(tok.vocab_size)
+  docs = {"train": splits.train, "validation": splits.validation}
+  total = (sum(len(d) for split in SPLITS for d in docs[split])
+           if identity["kind"] != "tfds" else None)
+  if workers is None:
+    workers = min(2, os.cpu_count() or 1) if total is None or total >= POOL_MIN_CHARS else 1
+  results: dict[str, list[dict]] = {s: [] for s in SPLITS}
+
+  def jobs() -> Iterator[tuple[dict, str, str, str]]:
+    for split in SPLITS:
+      for task in _shard_tasks(docs[split], split, shard_chars):
+        meta = _done(out_dir, task, tok_sha)
+        if meta is not None:
+          results[split].append(meta)
+          bar.update(meta["characters"])
+          continue
+        yield task, os.fspath(out_dir), dtype, tok_sha
+
+  with tqdm(total=total, desc="prepare: encode", unit="char", unit_scale=True,
+            disable=None, leave=False) as bar, contextlib.ExitStack() as stack:
+    if workers > 1:
+      # spawn, not fork: the caller may already run JAX's threads.
+      pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(
+          workers, initializer=_init_worker, initargs=(model,)))
+      done = pool.imap(_encode_and_write, jobs())
+    else:
+      _init_worker(model)
+      done = map(_encode_and_write, jobs())
+    for meta in done:
+      split = meta["file"].split("-")[0]
+      results[split].append(meta)
+      bar.update(meta["characters"])
+  seconds = time.perf_counter() - start
+
+  split_info = {}
+  for split in SPLITS:
+    shards = sorted(results[split], key=lambda m: m["file"])
+    if not shards or not sum(m["tokens"] for m in shards):
+      raise ValueError(f"the {split} split of {splits.source} is empty; use more text")
+    split_info[split] = {
+        "documents": sum(m["documents"] for m in shards),
+        "tokens": sum(m["tokens"] for m in shards),
+        "characters": sum(m["characters"] for m in shards),
+        "bytes": sum(m["bytes"] for m in shards),
+        "fields": ["tokens", "bytes"] if split == "validation" else ["tokens"],
+        "shards": [{k: m[k] for k in ("file", "tokens", "records", "size", "sha256")}
+                   for m in shards],
+    }
+  manifest = {
+      "format_version": FORMAT_VERSION,
+      "fingerprint": fp,
+      "source": splits.source,
+      "sources": identity,
+      "config": {k: data_config[k] for k in SPEC_KEYS},
+      "tokenizer": {"file": TOKENIZER, "sha256": tok_sha, "vocab_size": tok.vocab_size,
+                    "eos_id": tok.eos_id, "pad_id": tok.pad_id, "trained_here": trained},
+      "token_dtype": dtype,
+      "record_tokens": RECORD_TOKENS,
+      "shard_chars": shard_chars,
+      "splits": split_info,
+  }
+  _write_json(manifest_path, manifest)
+  text_mb = sum(i["bytes"] for i in split_info.values()) / 1e6
+  log.info("prepared %s in %s: %.1f MB of text, %d train / %d validation tokens in %.1f s "
+           "(%.1f MB/s, %d workers)", splits.source, out_dir, text_mb,
+           split_info["train"]["tokens"], split_info["validation"]["tokens"], seconds,
+           text_mb / max(seconds, 1e-9), workers)
+  return out_dir
+
+
+def prepared_for(data_config, workdir: str | os.PathLike) -> Path:
+  """Returns the folder of the config's prepared data: ``data.prepared_dir`` when set, else
+  ``WORKDIR/data/<fingerprint>``, prepared there first unless complete (an edited file or
+  another tokenizer setting gets a new fingerprint, so it is prepared again).
+
+  Raises:
+    As ``prepare``.
+  """
+  if data_config.prepared_dir:
+    return Path(os.path.expanduser(data_config.prepared_dir))
+  identity = sources.source_identity(data_config)
+  out = Path(workdir) / "data" / fingerprint(data_config, identity)
+  if not (out / MANIFEST).is_file():
+    prepare(data_config, out)
+  return out
