@@ -171,7 +171,7 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
       f"Test-time steps for a model trained with T = {trained_steps} "
       f"(checkpoint step {rows[0]['step']}).",
       "",
-      "| T_eval | eval loss (nats) | perplexity | bits/byte | final energy |",
+      "| T_eval | eval loss (nats) | perplexity | bits/byte | final energy (Σ layers, per token) |",
       "|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
@@ -187,7 +187,7 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
   a1.legend()
   a2.plot(ts, [r["final_energy"] for r in rows], "o-", c="C1")
   a2.set_xlabel("T_eval")
-  a2.set_ylabel("final energy (sum over layers)")
+  a2.set_ylabel("final energy (sum over layers, per token)")
   for ax in (a1, a2):
     ax.set_xticks(ts)
     ax.grid(alpha=0.3)

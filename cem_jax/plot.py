@@ -65,7 +65,7 @@ def plot_energy(steps: dict[int, dict[str, list[tuple[float, float]]]], path: st
           ax.plot([2 * t + 1, 2 * t + 2], [after, pairs[t + 1][0]], ":", color=color)
     ticks = [f"t={t} {w}" for t in range(1, count + 1) for w in ("before", "after")]
     ax.set_xticks(range(len(ticks)), ticks, fontsize=8)
-    ax.set_ylabel(f"{name} (mean per token)")
+    ax.set_ylabel(f"{name} (one layer, mean per token)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
   fig.suptitle(title)

@@ -262,7 +262,8 @@ def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWrite
       stats = {f"data/{k}": v for k, v in data.stats().items()}
       writer.write(0, {"params/total": count_params(run.model), **stats, "data/epochs": passes,
                        "numerics_version": NUMERICS_VERSION})
-    logging.info("the schedule passes over the training tokens %.2f times (epochs)", passes)
+    logging.info("the schedule passes over the %d training windows %.2f times (epochs)",
+                 data.stats()["train_windows"], passes)
     if passes >= EPOCHS_WARNING and is_main:
       logging.warning(
           "train.num_steps=%d x train.batch_size=%d passes over the %d training windows %.1f "
