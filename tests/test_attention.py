@@ -115,8 +115,14 @@ def _qkv(seed):
 
 
 def _structure(kind):
-  """(kwargs for dot_product_attention, dense mask) of one mask structure."""
+  """(kwargs for dot_product_attention, dense mask) of one mask structure; ``<kind>/alone``:
+  the structure without the dense mask (the kernel works out the visible rows itself)."""
+  if kind.endswith("/alone"):
+    kwargs, mask = _structure(kind.removesuffix("/alone"))
+    return {k: v for k, v in kwargs.items() if k != "mask"}, mask
   seg = jnp.asarray(SEGMENTS)
+  if kind == "strict":
+    return dict(is_causal=True, strict_causal=True), np.asarray(make_mask(None, T, B, strict=True))
   if kind == "causal":
     return dict(is_causal=True), np.asarray(make_mask(None, T, B))
   if kind == "documents":
@@ -135,6 +141,10 @@ def _structure(kind):
 CASES = [("xla", "causal"), ("xla", "documents"), ("xla", "strict_documents"),
          ("xla", "decode"), ("splash", "causal"), ("splash", "documents"),
          ("splash", "strict_documents")]
+# The structure alone (no dense mask): the kernel builds the mask or takes segment ids, and
+# the entry point works out which rows see no key (masks.visible_rows without a mask).
+CASES += [(impl, kind + "/alone") for impl in ("xla", "splash")
+          for kind in ("strict", "documents", "strict_documents")]
 
 
 @pytest.mark.parametrize("impl,kind", CASES)
