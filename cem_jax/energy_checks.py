@@ -9,8 +9,13 @@ blocks before anything is compiled for training:
 - a fused update not built into cem_jax (``<function>_fused_update`` next to a
   ``'file.py:function'`` energy, or one given to :func:`cem_jax.energies.register`) is
   evaluated on small random inputs and compared with ``-jax.grad(energy)`` w.r.t. ``y``: a
-  wrong closed form would otherwise train without an error. Built-ins
-  (``EnergySpec.builtin``) are skipped: tests/test_energies.py verifies them.
+  wrong closed form would otherwise train without an error;
+- an energy not built into cem_jax is evaluated numerically in both layouts: the update
+  the model uses (closed form or ``jax.grad``) for new tokens against a longer cache must equal
+  the training-layout update of the same tokens, which an energy that builds its own mask or
+  RoPE positions (or ignores ``aux.mask``: a non-causal energy) fails.
+Built-ins (``EnergySpec.builtin``) skip the numerical checks: tests/test_energies.py verifies
+them.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ _DECODE_NEW, _DECODE_INDEX, _DECODE_CACHE = 2, 3, 8
 # (η, a head, RoPE) is off by O(1).
 FUSED_RTOL = 1e-3
 _DECODING = "as in cached decoding (python -m cem_jax.sample)"
+_PER_TOKEN_HINT = ("an MLP energy must be a sum of per-token terms (token i's gate input is "
+                   "context[:, i], its own state)")
 _MASK_HINT = ("build masks from aux.mask (not jnp.tril of y's length) and RoPE angles from "
               "aux.positions (y) and aux.context_positions (context)")
 
@@ -53,7 +60,8 @@ def validate_energies(config) -> None:
       ``update_mode='fused'``; ``energy_block_size`` with a fused update; an energy or fused
       update that fails, or returns the wrong shape or dtype, in either layout; a user's fused
       update whose maximum relative error against ``-jax.grad(energy)`` exceeds
-      :data:`FUSED_RTOL` (or whose reference gradient is not finite).
+      :data:`FUSED_RTOL` (or whose reference gradient is not finite); a user's energy whose
+      update in the cached-decoding layout departs from the training layout's by more.
   """
   m = config.model
   slots = []
@@ -81,6 +89,8 @@ def validate_energies(config) -> None:
         _check_update_shape(field, spec, y, context, shapes, aux, decoding)
     if fused and not spec.builtin:
       _check_fused_values(field, spec, kind, m, shapes)
+    if not spec.builtin:
+      _check_decoding_agrees(field, spec, kind, m, shapes, update)
 
 
 def _one_line(e: Exception) -> str:
@@ -253,3 +263,46 @@ def _check_fused_values(field, spec, kind, m, shapes):
             "exactly -∇_y energy (η included: the energy carries the step size, the layer "
             "adds only the preconditioner); fix it, remove it, or set "
             "model.update_mode='autodiff'")
+
+
+def _check_decoding_agrees(field, spec, kind, m, shapes, update):
+  """The update the model uses, in the cached-decoding layout (the new tokens against a cache
+  whose slots past them hold other values), equals the rows of the training-layout update for
+  the same tokens: an energy whose mask or RoPE positions ignore ``aux`` but has the right
+  shapes would otherwise sample wrongly without an error."""
+  new, index, cache = _DECODE_NEW, _DECODE_INDEX, _DECODE_CACHE
+  seq = index + new  # training layout: the tokens up to the last new one, one document
+
+  @jax.jit
+  def train_rows(y, context, params):
+    return update(y, context, params, training_aux(m, None, _NUMERIC_BATCH, seq))[:, index:]
+
+  @jax.jit
+  def decode(y, context, params):
+    return update(y, context, params, decoding_aux(m, _NUMERIC_BATCH, new, cache, index))
+
+  with jax.default_device(_cpu_device()), jax.default_matmul_precision("highest"):
+    rng = np.random.default_rng(1)
+    params = _random_params(shapes, rng)
+    normal = lambda n: jnp.asarray(  # noqa: E731
+        rng.standard_normal((_NUMERIC_BATCH, n, m.d_model)), jnp.float32)
+    y, context, later = normal(seq), normal(seq), normal(cache - seq)
+    # Attention reads the whole cache (slots past the new tokens hold other tokens' values);
+    # the MLP's gate input is the state of the new tokens themselves.
+    dec_context = (jnp.concatenate([context, later], axis=1) if kind == "attention"
+                   else context[:, index:])
+    try:
+      want = np.asarray(train_rows(y, context, params), np.float64)
+      got = np.asarray(decode(y[:, index:], dec_context, params), np.float64)
+    except Exception as e:  # the shape checks ran this code already: rare
+      raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs: "
+                       f"{_one_line(e)}") from e
+  scale = np.max(np.abs(want))
+  err = np.max(np.abs(got - want))
+  rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+  if not rel <= FUSED_RTOL:  # also NaN
+    raise ValueError(
+        f"{field}={spec.name!r}: its update of {new} new tokens at positions {index}.. against "
+        f"a {cache}-slot cache, {_DECODING}, differs from the training-layout update of the "
+        f"same tokens: max relative error {rel:.3g} > {FUSED_RTOL:g}; "
+        f"{_MASK_HINT if kind == 'attention' else _PER_TOKEN_HINT}")

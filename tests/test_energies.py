@@ -263,6 +263,35 @@ def gate_quad_fused_update(y, context, params, aux):  # eta W (G x * W y)
   return params["eta"] * jnp.einsum("btf,df->btd", gate * pre, params["w"])
 
 
+def tril_of_context(y, context, params, aux):  # right shapes, wrong rows when decoding
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  s = jnp.einsum("bthk,bshk->bhts", q, k)
+  n = context.shape[1]
+  mask = jnp.tril(jnp.ones((n, n), bool))[:y.shape[1]]
+  return -0.5 * jnp.einsum("h,bhts->", params["eta"], jnp.where(mask, s, 0.0) ** 2)
+
+
+def rope_from_arange(y, context, params, aux):  # positions 0.. whatever the tokens' are
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  q = apply_rope(q, jnp.broadcast_to(jnp.arange(y.shape[1]), y.shape[:2]), 10_000.0)
+  k = apply_rope(k, jnp.broadcast_to(jnp.arange(context.shape[1]), context.shape[:2]), 10_000.0)
+  s = jnp.where(aux.mask[:, None], jnp.einsum("bthk,bshk->bhts", q, k), 0.0)
+  return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2)
+
+
+def no_mask(y, context, params, aux):  # sees every key: the future too, in training
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  return -0.5 * jnp.einsum("h,bhts->", params["eta"], jnp.einsum("bthk,bshk->bhts", q, k) ** 2)
+
+
+def gate_cumsum(y, context, params, aux):  # an MLP energy mixing tokens
+  gate = jnp.cumsum(jnp.einsum("btd,df->btf", context, params["g"]), axis=1)
+  return -params["eta"] * jnp.sum(gate * jnp.tanh(jnp.einsum("btd,df->btf", y, params["w"])))
+
+
 def tril(y, context, params, aux):  # builds its own mask of y's length
   q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
   k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
@@ -355,6 +384,22 @@ def test_energy_with_its_own_causal_mask_is_refused_at_start_up(tmp_path):
       "longer than y, as in cached decoding (python -m cem_jax.sample) (y [1, 2, 64], "
       "context [1, 8, 64], aux.mask [1, 2, 8]): ValueError: Incompatible shapes")
   assert "build masks from aux.mask" in message
+
+
+@pytest.mark.parametrize("slot,name,extra", [
+    ("attention", "tril_of_context", {}), ("attention", "tril_of_context", {"strict_causal": True}),
+    ("attention", "rope_from_arange", {"rope": False}), ("attention", "no_mask", {}),
+    ("mlp", "gate_cumsum", {})])
+def test_energy_that_decodes_differently_from_training_is_refused(tmp_path, slot, name, extra):
+  """Right shapes, so the abstract checks passed, but the update of the new tokens against a
+  cache differs from training's for the same tokens: sampling was silently wrong (a non-causal
+  energy also trained on the future)."""
+  message = _refusal(_user_config(tmp_path, **{f"{slot}_energy": name}, **extra))
+  assert message.startswith(
+      f"model.{slot}_energy='{tmp_path}/user_fused.py:{name}': its update of 2 new tokens at "
+      "positions 3.. against a 8-slot cache, as in cached decoding (python -m cem_jax.sample), "
+      "differs from the training-layout update of the same tokens: max relative error ")
+  assert ("build masks from aux.mask" if slot == "attention" else "per-token terms") in message
 
 
 @pytest.mark.parametrize("energy", ["softmax", "sigmoid"])
