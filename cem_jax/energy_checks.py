@@ -90,7 +90,7 @@ def validate_energies(config) -> None:
     if fused and not spec.builtin:
       _check_fused_values(field, spec, kind, m, shapes)
     if not spec.builtin:
-      _check_decoding_agrees(field, spec, kind, m, shapes, update)
+      _causal_values(field, spec, kind, m, shapes, update)
 
 
 def _one_line(e: Exception) -> str:
@@ -265,44 +265,77 @@ def _check_fused_values(field, spec, kind, m, shapes):
             "model.update_mode='autodiff'")
 
 
-def _check_decoding_agrees(field, spec, kind, m, shapes, update):
-  """The update the model uses, in the cached-decoding layout (the new tokens against a cache
-  whose slots past them hold other values), equals the rows of the training-layout update for
-  the same tokens: an energy whose mask or RoPE positions ignore ``aux`` but has the right
-  shapes would otherwise sample wrongly without an error."""
+def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
+  scale = np.max(np.abs(want))
+  err = np.max(np.abs(got - want))
+  return err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+
+
+def _causal_values(field, spec, kind, m, shapes, update):
+  """Runs the update the model uses on random float32 inputs in three ways that a causal,
+  per-document energy cannot tell apart, and refuses the energy where they differ:
+
+  - cached decoding: the new tokens against a cache whose slots past them hold other values
+    than training's later tokens, against the rows of those tokens in a training layout that
+    runs past them (a mask or RoPE positions not taken from ``aux``, a non-causal energy, an
+    update looking ahead);
+  - with ``model.document_mask``: training layouts whose rows hold different documents and
+    padding, before and after the tokens of all but each row's last document change: that
+    document's update must not (an energy crossing documents or mixing batch rows).
+  """
   new, index, cache = _DECODE_NEW, _DECODE_INDEX, _DECODE_CACHE
-  seq = index + new  # training layout: the tokens up to the last new one, one document
+  batch, hint = _NUMERIC_BATCH, _MASK_HINT if kind == "attention" else _PER_TOKEN_HINT
+  # Training runs past the new tokens but is shorter than the cache: an energy reading the
+  # context's length (not aux.mask) sees another number in each layout.
+  seq = cache - 1
+  segment_ids = np.asarray([[1, 1, 1, 2, 2, 2, 2], [1, 1, 1, 1, 2, 2, 0]], np.int32)
 
   @jax.jit
-  def train_rows(y, context, params):
-    return update(y, context, params, training_aux(m, None, _NUMERIC_BATCH, seq))[:, index:]
+  def train(y, context, params, segment_ids):
+    return update(y, context, params, training_aux(m, segment_ids, batch, seq))
 
   @jax.jit
   def decode(y, context, params):
-    return update(y, context, params, decoding_aux(m, _NUMERIC_BATCH, new, cache, index))
+    return update(y, context, params, decoding_aux(m, batch, new, cache, index))
+
+  def refuse(what: str, rel: float) -> ValueError:
+    return ValueError(f"{field}={spec.name!r}: its update {what}: max relative error "
+                      f"{rel:.3g} > {FUSED_RTOL:g}; {hint}")
 
   with jax.default_device(_cpu_device()), jax.default_matmul_precision("highest"):
     rng = np.random.default_rng(1)
     params = _random_params(shapes, rng)
     normal = lambda n: jnp.asarray(  # noqa: E731
-        rng.standard_normal((_NUMERIC_BATCH, n, m.d_model)), jnp.float32)
-    y, context, later = normal(seq), normal(seq), normal(cache - seq)
-    # Attention reads the whole cache (slots past the new tokens hold other tokens' values);
+        rng.standard_normal((batch, n, m.d_model)), jnp.float32)
+    y, context, other = normal(seq), normal(seq), normal(cache)
+    rows = slice(index, index + new)
+    # The cache holds the training context up to the new tokens, other values after them;
     # the MLP's gate input is the state of the new tokens themselves.
-    dec_context = (jnp.concatenate([context, later], axis=1) if kind == "attention"
-                   else context[:, index:])
+    cached = jnp.concatenate([context[:, :index + new], other[:, index + new:]], axis=1)
     try:
-      want = np.asarray(train_rows(y, context, params), np.float64)
-      got = np.asarray(decode(y[:, index:], dec_context, params), np.float64)
+      # One document, as decoding sees it (segment ids when training has them: one compile).
+      one = jnp.ones((batch, seq), jnp.int32) if m.document_mask else None
+      want = np.asarray(train(y, context, params, one), np.float64)[:, rows]
+      got = np.asarray(decode(y[:, rows], cached if kind == "attention" else context[:, rows],
+                              params), np.float64)
+      if m.document_mask:
+        last = segment_ids == segment_ids.max(axis=1, keepdims=True)
+        change = jnp.asarray(~last[:, :, None])
+        seg = jnp.asarray(segment_ids)
+        before = np.asarray(train(y, context, params, seg), np.float64)
+        after = np.asarray(train(jnp.where(change, other[:, :seq], y),
+                                 jnp.where(change, -other[:, :seq], context), params, seg),
+                           np.float64)
     except Exception as e:  # the shape checks ran this code already: rare
       raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs: "
                        f"{_one_line(e)}") from e
-  scale = np.max(np.abs(want))
-  err = np.max(np.abs(got - want))
-  rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+  rel = _relative_error(got, want)
   if not rel <= FUSED_RTOL:  # also NaN
-    raise ValueError(
-        f"{field}={spec.name!r}: its update of {new} new tokens at positions {index}.. against "
-        f"a {cache}-slot cache, {_DECODING}, differs from the training-layout update of the "
-        f"same tokens: max relative error {rel:.3g} > {FUSED_RTOL:g}; "
-        f"{_MASK_HINT if kind == 'attention' else _PER_TOKEN_HINT}")
+    raise refuse(f"of {new} new tokens at positions {index}.. against a {cache}-slot cache, "
+                 f"{_DECODING}, differs from the training-layout update of the same tokens",
+                 rel)
+  if m.document_mask:
+    rel = _relative_error(after[last], before[last])
+    if not rel <= FUSED_RTOL:
+      raise refuse("of a row's last document changes when the tokens of the documents (or "
+                   "padding) before it change, as in training with model.document_mask", rel)

@@ -199,6 +199,7 @@ def test_preconditioner_is_positive_definite():
 
 # User energies with closed forms (``<function>_fused_update``), written by hand.
 USER_FUSED = '''
+import jax
 import jax.numpy as jnp
 from cem_jax.energies import apply_rope
 
@@ -285,6 +286,26 @@ def no_mask(y, context, params, aux):  # sees every key: the future too, in trai
   q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
   k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
   return -0.5 * jnp.einsum("h,bhts->", params["eta"], jnp.einsum("bthk,bshk->bhts", q, k) ** 2)
+
+
+def lookahead(y, context, params, aux):  # query i reads y_(i+1): the future, in training
+  ahead = jnp.concatenate([y[:, 1:], jnp.zeros_like(y[:, :1])], axis=1)
+  s, _ = _scores(y + jax.lax.stop_gradient(ahead), context, params, aux)
+  return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2)
+
+
+def across_documents(y, context, params, aux):  # causal by position, blind to documents
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  causal = aux.context_positions[:, None, :] <= aux.positions[:, :, None]
+  s = jnp.where(causal[:, None], jnp.einsum("bthk,bshk->bhts", q, k), 0.0)
+  return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2)
+
+
+def gate_ahead(y, context, params, aux):  # token i's gate reads c_i + c_(i+1)
+  ahead = jnp.concatenate([context[:, 1:], jnp.zeros_like(context[:, :1])], axis=1)
+  gate = jnp.einsum("btd,df->btf", context + ahead, params["g"])
+  return -params["eta"] * jnp.sum(gate * jnp.tanh(jnp.einsum("btd,df->btf", y, params["w"])))
 
 
 def gate_cumsum(y, context, params, aux):  # an MLP energy mixing tokens
@@ -389,7 +410,7 @@ def test_energy_with_its_own_causal_mask_is_refused_at_start_up(tmp_path):
 @pytest.mark.parametrize("slot,name,extra", [
     ("attention", "tril_of_context", {}), ("attention", "tril_of_context", {"strict_causal": True}),
     ("attention", "rope_from_arange", {"rope": False}), ("attention", "no_mask", {}),
-    ("mlp", "gate_cumsum", {})])
+    ("attention", "lookahead", {}), ("mlp", "gate_cumsum", {}), ("mlp", "gate_ahead", {})])
 def test_energy_that_decodes_differently_from_training_is_refused(tmp_path, slot, name, extra):
   """Right shapes, so the abstract checks passed, but the update of the new tokens against a
   cache differs from training's for the same tokens: sampling was silently wrong (a non-causal
@@ -400,6 +421,18 @@ def test_energy_that_decodes_differently_from_training_is_refused(tmp_path, slot
       "positions 3.. against a 8-slot cache, as in cached decoding (python -m cem_jax.sample), "
       "differs from the training-layout update of the same tokens: max relative error ")
   assert ("build masks from aux.mask" if slot == "attention" else "per-token terms") in message
+
+
+def test_energy_that_crosses_documents_is_refused(tmp_path):
+  """Causal by position but blind to documents: in training with packed documents it attends
+  across them, and nothing else differs."""
+  message = _refusal(_user_config(tmp_path, attention_energy="across_documents"))
+  assert message.startswith(
+      f"model.attention_energy='{tmp_path}/user_fused.py:across_documents': its update of a "
+      "row's last document changes when the tokens of the documents (or padding) before it "
+      "change, as in training with model.document_mask: max relative error ")
+  preflight.check(_user_config(tmp_path, attention_energy="across_documents",
+                               document_mask=False))  # right without documents
 
 
 @pytest.mark.parametrize("energy", ["softmax", "sigmoid"])
