@@ -10,10 +10,12 @@ blocks before anything is compiled for training:
   ``'file.py:function'`` energy, or one given to :func:`cem_jax.energies.register`) is
   evaluated on small random inputs and compared with ``-jax.grad(energy)`` w.r.t. ``y``: a
   wrong closed form would otherwise train without an error;
-- an energy not built into cem_jax is evaluated numerically in both layouts: the update
-  the model uses (closed form or ``jax.grad``) for new tokens against a longer cache must equal
-  the training-layout update of the same tokens, which an energy that builds its own mask or
-  RoPE positions (or ignores ``aux.mask``: a non-causal energy) fails.
+- an energy not built into cem_jax is evaluated numerically (:func:`_causal_values`): the
+  update the model uses (closed form or ``jax.grad``) for new tokens against a longer cache
+  must equal the training-layout update of the same tokens, and with ``model.document_mask`` a
+  row's last document's update must not change with the documents before it; an energy that
+  builds its own mask or RoPE positions, ignores ``aux.mask``, looks ahead or crosses
+  documents fails.
 Built-ins (``EnergySpec.builtin``) skip the numerical checks: tests/test_energies.py verifies
 them.
 """
