@@ -255,9 +255,7 @@ def _check_fused_values(field, spec, kind, m, shapes):
             f"{field}={spec.name!r}: -jax.grad(energy) w.r.t. y is not finite on {where}, so "
             f"its fused update {name} cannot be checked against it; make the energy's gradient "
             "finite (e.g. with jax.custom_jvp) or set model.update_mode='autodiff'")
-      scale = np.max(np.abs(want))
-      err = np.max(np.abs(got - want))
-      rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+      rel = _relative_error(got, want)
       if not rel <= FUSED_RTOL:  # also NaN
         raise ValueError(
             f"{field}={spec.name!r}: its fused update {name} is not -jax.grad(energy) w.r.t. "
@@ -268,13 +266,14 @@ def _check_fused_values(field, spec, kind, m, shapes):
 
 
 def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
+  """``max |got - want| / max |want|``; with ``want`` all zeros: 0 if ``got`` is too, else inf."""
   scale = np.max(np.abs(want))
   err = np.max(np.abs(got - want))
   return err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
 
 
 def _causal_values(field, spec, kind, m, shapes, update):
-  """Runs the update the model uses on random float32 inputs in three ways that a causal,
+  """Runs the update the model uses on random float32 inputs in layouts that a causal,
   per-document energy cannot tell apart, and refuses the energy where they differ:
 
   - cached decoding: the new tokens against a cache whose slots past them hold other values
