@@ -280,9 +280,10 @@ def _causal_values(field, spec, kind, m, shapes, update):
     than training's later tokens, against the rows of those tokens in a training layout that
     runs past them (a mask or RoPE positions not taken from ``aux``, a non-causal energy, an
     update looking ahead);
-  - with ``model.document_mask``: training layouts whose rows hold different documents and
-    padding, before and after the tokens of all but each row's last document change: that
-    document's update must not (an energy crossing documents or mixing batch rows).
+  - training layouts before and after the tokens of all but each row's last document change
+    (with ``model.document_mask``: rows of different documents and padding), or without
+    documents all of row 1: that document's, or row 0's, update must not (an energy crossing
+    documents or mixing batch rows).
   """
   new, index, cache = _DECODE_NEW, _DECODE_INDEX, _DECODE_CACHE
   batch, hint = _NUMERIC_BATCH, _MASK_HINT if kind == "attention" else _PER_TOKEN_HINT
@@ -319,14 +320,17 @@ def _causal_values(field, spec, kind, m, shapes, update):
       want = np.asarray(train(y, context, params, one), np.float64)[:, rows]
       got = np.asarray(decode(y[:, rows], cached if kind == "attention" else context[:, rows],
                               params), np.float64)
+      # What must not move when the rest changes: each row's last document, or without
+      # documents, row 0 when row 1 changes (rows are independent examples).
       if m.document_mask:
-        last = segment_ids == segment_ids.max(axis=1, keepdims=True)
-        change = jnp.asarray(~last[:, :, None])
-        seg = jnp.asarray(segment_ids)
-        before = np.asarray(train(y, context, params, seg), np.float64)
-        after = np.asarray(train(jnp.where(change, other[:, :seq], y),
-                                 jnp.where(change, -other[:, :seq], context), params, seg),
-                           np.float64)
+        keep, seg = segment_ids == segment_ids.max(axis=1, keepdims=True), segment_ids
+      else:
+        keep, seg = np.arange(batch)[:, None] == np.zeros((1, seq), int), None
+      change = jnp.asarray(~keep[:, :, None])
+      before = np.asarray(train(y, context, params, seg), np.float64)
+      after = np.asarray(train(jnp.where(change, other[:, :seq], y),
+                               jnp.where(change, -other[:, :seq], context), params, seg),
+                         np.float64)
     except Exception as e:  # the shape checks ran this code already: rare
       raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs: "
                        f"{_one_line(e)}") from e
@@ -335,8 +339,9 @@ def _causal_values(field, spec, kind, m, shapes, update):
     raise refuse(f"of {new} new tokens at positions {index}.. against a {cache}-slot cache, "
                  f"{_DECODING}, differs from the training-layout update of the same tokens",
                  rel)
-  if m.document_mask:
-    rel = _relative_error(after[last], before[last])
-    if not rel <= FUSED_RTOL:
-      raise refuse("of a row's last document changes when the tokens of the documents (or "
-                   "padding) before it change, as in training with model.document_mask", rel)
+  rel = _relative_error(after[keep], before[keep])
+  if not rel <= FUSED_RTOL:
+    raise refuse("of a row's last document changes when the tokens of the documents (or "
+                 "padding) before it change, as in training with model.document_mask"
+                 if m.document_mask else "of one batch row changes when another row's tokens "
+                 "change (rows are independent examples)", rel)

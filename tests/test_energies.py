@@ -308,6 +308,11 @@ def gate_ahead(y, context, params, aux):  # token i's gate reads c_i + c_(i+1)
   return -params["eta"] * jnp.sum(gate * jnp.tanh(jnp.einsum("btd,df->btf", y, params["w"])))
 
 
+def gate_batch_mean(y, context, params, aux):  # an MLP energy mixing batch rows
+  gate = jnp.einsum("btd,df->btf", context - jnp.mean(context, axis=0), params["g"])
+  return -params["eta"] * jnp.sum(gate * jnp.tanh(jnp.einsum("btd,df->btf", y, params["w"])))
+
+
 def gate_cumsum(y, context, params, aux):  # an MLP energy mixing tokens
   gate = jnp.cumsum(jnp.einsum("btd,df->btf", context, params["g"]), axis=1)
   return -params["eta"] * jnp.sum(gate * jnp.tanh(jnp.einsum("btd,df->btf", y, params["w"])))
@@ -433,6 +438,14 @@ def test_energy_that_crosses_documents_is_refused(tmp_path):
       "change, as in training with model.document_mask: max relative error ")
   preflight.check(_user_config(tmp_path, attention_energy="across_documents",
                                document_mask=False))  # right without documents
+
+
+def test_energy_that_mixes_batch_rows_is_refused(tmp_path):
+  message = _refusal(_user_config(tmp_path, mlp_energy="gate_batch_mean", document_mask=False))
+  assert message.startswith(
+      f"model.mlp_energy='{tmp_path}/user_fused.py:gate_batch_mean': its update of one batch "
+      "row changes when another row's tokens change (rows are independent examples): max "
+      "relative error ")
 
 
 @pytest.mark.parametrize("energy", ["softmax", "sigmoid"])
