@@ -129,12 +129,15 @@ def _prepared_data_of(workdir: str, prepared_dir: str, identity: dict | None) ->
 def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> list[dict]:
   """Evaluates ``workdir``'s model for each ``T_eval`` in ``steps``; returns one row each.
 
-  Row keys: ``T_eval``, ``eval/loss``, ``eval/perplexity``, ``eval/bits_per_byte``,
-  ``final_energy``, ``step`` (the checkpoint's training step) and ``T_trained`` (the
-  ``model.num_steps`` the checkpoint was trained with, from the config saved in it).
+  Row keys: ``T_eval``, ``eval/loss`` (nats/token), ``eval/perplexity``,
+  ``eval/bits_per_byte``, ``final_energy`` (after the last step, summed over layers and over
+  the CEM sub-layers the model has, mean per token; None when it has none), ``step`` (the
+  checkpoint's training step) and ``T_trained`` (the ``model.num_steps`` the checkpoint was
+  trained with, from the config saved in it).
 
   Raises:
     ValueError: the run is not a CEM model, or a ``T_eval`` < 1.
+    FileNotFoundError, CheckpointError, ValueError: as :func:`load_run`.
   """
   from cem_jax import steps as steps_lib
   from cem_jax.metrics import energy_trace
@@ -150,7 +153,9 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> li
     eval_step = steps_lib.make_eval_step(graphdef, t_eval, True)
     metrics = steps_lib.eval_loop(eval_step, params, data, config)
     trace = energy_trace(metrics)
-    final = sum(parts["att"][-1] + parts["mlp"][-1] for parts in trace.values())
+    # Only the CEM sub-layers have an energy (model.cem_attention / cem_mlp may turn one off).
+    final = (sum(chain[-1] for parts in trace.values() for chain in parts.values())
+             if trace else None)
     rows.append({"T_eval": t_eval, "step": step, "T_trained": config.model.num_steps,
                  "final_energy": final,
                  **{k: metrics[k] for k in ("eval/loss", "eval/perplexity",
@@ -176,7 +181,8 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
   ]
   for r in rows:
     lines.append(f"| {r['T_eval']} | {r['eval/loss']:.4f} | {r['eval/perplexity']:.2f} | "
-                 f"{r['eval/bits_per_byte']:.4f} | {r['final_energy']:.4f} |")
+                 f"{r['eval/bits_per_byte']:.4f} | " +
+                 ("n/a" if r["final_energy"] is None else f"{r['final_energy']:.4f}") + " |")
   atomic_write_text(base + ".md", "\n".join(lines) + "\n")
   fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
   ts = [r["T_eval"] for r in rows]
@@ -185,7 +191,8 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
   a1.set_ylabel("eval perplexity")
   a1.axvline(trained_steps, ls="--", c="gray", label="trained T")
   a1.legend()
-  a2.plot(ts, [r["final_energy"] for r in rows], "o-", c="C1")
+  a2.plot(ts, [float("nan") if r["final_energy"] is None else r["final_energy"] for r in rows],
+          "o-", c="C1")
   a2.set_xlabel("T_eval")
   a2.set_ylabel("final energy (sum over layers, per token)")
   for ax in (a1, a2):

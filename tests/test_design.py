@@ -188,6 +188,27 @@ def test_eval_logs_energy_traces_and_test_time_steps(shared_data, tmp_path):
   assert all(os.path.getsize(p) > 0 for p in written)
 
 
+@pytest.mark.parametrize("cem_attention,cem_mlp", [(False, True), (False, False)])
+def test_test_time_steps_of_a_block_with_standard_sublayers(tmp_path, cem_attention, cem_mlp):
+  """Controls with the standard attention (or MLP) have no energy there: the final energy is
+  the CEM sub-layers' (None without any), not a KeyError."""
+  from cem_jax import evaluate
+
+  cfg = tiny_config("cem", **{"model.cem_attention": cem_attention, "model.cem_mlp": cem_mlp,
+                              "model.num_layers": 1, "train.num_steps": 2,
+                              "train.eval_every_steps": 2, "eval.max_batches": 1})
+  train.train_and_evaluate(cfg, str(tmp_path))
+  rows = evaluate.test_time_steps(str(tmp_path), [1, 2], max_batches=1)
+  last = [m for m in read_metrics(str(tmp_path)) if "eval/loss" in m][-1]
+  if cem_mlp:
+    assert sorted(energy_trace(last)[0]) == ["mlp"]
+    assert all(np.isfinite(r["final_energy"]) for r in rows)
+  else:
+    assert energy_trace(last) == {} and [r["final_energy"] for r in rows] == [None, None]
+  md = evaluate.write_report(str(tmp_path), rows, trained_steps=1)[0]
+  assert ("| n/a |" in open(md).read()) is not cem_mlp
+
+
 INVALID = [
     ({"model.precond": "both", "model.precond_rank": 65}, r"model.precond_rank=65 exceeds"),
     ({"model.num_steps": 0}, r"model.num_steps=0 must be >= 1"),
