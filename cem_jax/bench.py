@@ -120,7 +120,15 @@ def peak_memory_bytes(compiled) -> int | None:
 
 
 def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
-  """Compiles and times one training step of ``config``; returns the figures as a dict."""
+  """Compiles and times one training step of ``config``; returns the figures as a dict.
+
+  Keys: ``attention`` and ``attention_reason`` (the kernel the model used), ``params``,
+  ``compile_s`` (seconds), ``step_ms`` (median milliseconds over ``steps`` after ``warmup``),
+  ``tokens_per_s``, ``flops_per_token`` (analytic forward FLOPs), ``tflops_per_s`` (3× forward
+  per token, in 10¹² FLOP/s), ``mfu`` (a fraction of the device's :data:`PEAK_FLOPS`; None
+  when unknown), ``peak_memory_mb`` (MiB, 2²⁰ bytes, of XLA's memory analysis; None when not
+  reported) and ``loss`` (nats/token of the last step).
+  """
   model = DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
   tx, _ = optim.make_optimizer(config.train)

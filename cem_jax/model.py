@@ -40,6 +40,8 @@ def resolve_attention(cfg, blocks, platform: str | None = None) -> tuple[str, st
     cfg: the ``model`` config group.
     blocks: the model's blocks (they know whether the CEM update is fused).
     platform: ``jax.default_backend()`` if None.
+  Returns:
+    ``(implementation, reason)``: ``'xla'``, ``'cudnn'`` or ``'splash'``, and one line why.
   Raises:
     ValueError: an explicit ``model.attention_impl`` that cannot run here, or that no layer
       would use (an autodiff CEM update calls no attention kernel).
@@ -221,8 +223,14 @@ class DecoderLM(nnx.Module):
       index: where the new tokens go in the cache (int or int32 scalar).
     Returns:
       ``logits`` ``[batch, seq_len, vocab_size]`` float32; with ``trace`` a tuple
-      ``(logits, traces)``; with ``cache`` a tuple ``(logits, cache)``.
+      ``(logits, traces)``; with ``cache`` a tuple ``(logits, cache)`` (decoding is one
+      document: ``segment_ids`` is not read).
+    Raises:
+      ValueError: ``trace`` with ``cache`` (cached decoding keeps no energy trace).
     """
+    if trace and cache is not None:
+      raise ValueError("DecoderLM: trace=True with a decoding cache; cached decoding keeps no "
+                       "energy trace (evaluate the full sequence with trace=True instead)")
     b, t = tokens.shape
     if cache is None:
       aux = self.make_aux(segment_ids if self.cfg.document_mask else None, b, t)

@@ -6,14 +6,14 @@ a built (or ``nnx.eval_shape``-built) module, FLOPs take the ``model`` config gr
 
 FLOPs per token (forward; a training step is 3× forward: the backward costs 2×), counting a
 multiply-add as 2 FLOPs, L layers, width d, MLP width f, sequence length n, vocabulary V,
-heads H of width d_h:
+heads H of width d_h (d² below stands for d·H·d_h, equal when H·d_h = d):
 
-    Llama:  L·(8d² + 6df + 4nd) + 2dV
+    Llama:  L·(8d² + 6df + 4n·H·d_h) + 2dV
     CEM:    L·(2d² + T·(4d² + 6df + 4n·H·d̃)) + 2dV
             d̃ = d_h, or with a diagonal d_h + d (+ 1 in the distance form)
             (fixed context: W_K c once; each step W_Q y, W_Qᵀ o and the MLP's W y, G x, Wᵀ h;
              a co-evolving context adds 2d² per extra step; with model.cem_attention=False
-             each step's attention is Llama's, 8d² + 4nd, and there is no key term)
+             each step's attention is Llama's, 8d² + 4n·H·d_h, and there is no key term)
 
 The attention term counts the full n×n score and value products (as XLA computes them),
 not the causal half. ``autodiff`` updates do the same model FLOPs as ``fused`` ones; their

@@ -44,7 +44,12 @@ def make_schedule(cfg: ml_collections.ConfigDict):
 
 def applied_updates(opt_state) -> jax.Array:
   """Updates applied so far (int32 ``[]``): the count of the learning-rate schedule's state,
-  which a skipped non-finite update (``optax.apply_if_finite``) does not advance."""
+  which a skipped non-finite update (``optax.apply_if_finite``) does not advance.
+
+  Raises:
+    ValueError: ``opt_state`` holds no schedule state, or more than one (not built by
+      :func:`make_optimizer`).
+  """
   is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
   states = [x for x in jax.tree.leaves(opt_state, is_leaf=is_sched) if is_sched(x)]
   if len(states) != 1:
@@ -56,8 +61,11 @@ def applied_updates(opt_state) -> jax.Array:
 def make_optimizer(cfg: ml_collections.ConfigDict):
   """AdamW with global-norm clipping; updates with a non-finite gradient are skipped.
 
-  Returns ``(tx, schedule)``. ``optax.apply_if_finite`` keeps the parameters unchanged on a
-  NaN/Inf gradient and counts it; the loop stops after ``train.max_consecutive_nonfinite``.
+  ``optax.clip_by_global_norm`` then ``optax.adamw`` (Loshchilov & Hutter 2019, decoupled
+  weight decay, masked by :func:`decay_mask`) inside ``optax.apply_if_finite``; ``cfg`` is the
+  ``train`` config group. Returns ``(tx, schedule)``. ``optax.apply_if_finite`` keeps the
+  parameters unchanged on a NaN/Inf gradient and counts it; the loop stops after
+  ``train.max_consecutive_nonfinite``.
   """
   schedule = make_schedule(cfg)
   inner = optax.chain(

@@ -23,7 +23,8 @@ from cem_jax import cli
 
 
 def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
-  """Scaled and filtered logits ``[batch, vocab]`` float (removed entries are -inf).
+  """Scaled and filtered logits ``[batch, vocab]`` float (removed entries are -inf): top-k
+  (Fan et al. 2018) and nucleus top-p (Holtzman et al. 2020, arXiv:1904.09751) sampling.
 
   ``top_k`` keeps exactly ``k`` tokens and ``top_p`` exactly the smallest prefix of the tokens
   sorted by logit whose probability mass reaches ``top_p``. Equal logits are ordered by token
@@ -66,7 +67,7 @@ def generate(graphdef, params, prompt: np.ndarray, max_new_tokens: int, *, rng=N
   ``num_steps`` overrides a CEM model's recursive steps.
 
   Raises:
-    ValueError: empty prompt or ``max_new_tokens`` < 1.
+    ValueError: ``prompt`` not ``[batch, prompt_len >= 1]``, or ``max_new_tokens`` < 1.
   """
   prompt = np.asarray(prompt, np.int32)
   if prompt.ndim != 2 or prompt.shape[1] < 1:

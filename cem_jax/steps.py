@@ -129,7 +129,9 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   runs under ``jax.set_mesh(shardings.mesh)``; without, for the inputs' own placement (one
   device).
 
-  ``metrics``: ``loss`` (nats/token), ``grad_norm``, ``nonfinite_total`` (skipped updates so
+  ``batch``: ``inputs``, ``targets``, ``segment_ids`` (int32) and ``weights`` (float32), each
+  ``[batch, seq_len]`` (``cem_jax.data.packing.make_batch``). ``metrics`` (float32 or int32
+  ``[]``): ``loss`` (nats/token), ``grad_norm``, ``nonfinite_total`` (skipped updates so
   far, optax's count), ``nonfinite_consecutive``, ``nonfinite_guard`` and, with ``schedule``
   (:func:`cem_jax.optim.make_optimizer`'s), ``learning_rate``: the rate of this update,
   ``schedule`` at the updates applied before it (a skipped update does not count, so after
@@ -262,6 +264,10 @@ def eval_loop(eval_step, params, data, cfg, shardings: StateShardings | None = N
   With ``shardings`` (and an ``eval_step`` made with them) each process reads only its rows of
   every global eval batch; ``eval_step`` sums over all of them on the devices, so every
   process gets the same totals, equal to one process's up to float summation order.
+
+  Reads the first ``eval.max_batches`` batches (-1: the whole split). ``eval/perplexity`` is
+  ``exp(min(loss, 80))`` (finite for an untrained or diverged model); ``eval/tokens`` is the
+  number of predicted tokens evaluated.
   """
   bs = cfg.eval.batch_size
   index, count = (0, 1) if shardings is None else shardings.process_slice(bs)

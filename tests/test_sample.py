@@ -185,3 +185,11 @@ def test_cem_block_with_the_standard_attention_decodes_with_the_cache(case):
   seq = np.concatenate([prompt, out], axis=1)  # [2, 13]
   full = np.asarray(model(jnp.asarray(seq[:, :-1]), num_steps=4))
   np.testing.assert_array_equal(full[:, 4:].argmax(-1), seq[:, 5:])
+
+
+def test_an_energy_trace_with_a_decoding_cache_is_refused():
+  # Cached decoding keeps no trace: asking for one was silently ignored.
+  graphdef, params = _model(dict(block="cem"))
+  model = nnx.merge(graphdef, params)
+  with pytest.raises(ValueError, match=r"^DecoderLM: trace=True with a decoding cache"):
+    model(jnp.zeros((1, 3), jnp.int32), trace=True, cache=model.init_cache(1, 8))

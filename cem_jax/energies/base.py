@@ -5,8 +5,9 @@ The signature of an energy (built-in or user-defined) is::
     energy(y, context, params, aux) -> scalar
 
 - ``y``: ``[batch, seq_len, d_model]`` float, the update variable (CEM_MATH.md "Notation").
-- ``context``: ``[batch, seq_len, d_model]`` float, held fixed: the update differentiates
-  ``y`` only.
+- ``context``: ``[batch, context_len, d_model]`` float, held fixed: the update differentiates
+  ``y`` only. ``context_len = seq_len`` in training; in cached decoding ``y`` holds the new
+  tokens and the attention slot's context the whole cache (``aux.mask``'s last axis).
 - ``params``: a dict of arrays supplied by the layer that owns the energy (see
   ``cem_jax.layers``): the attention slot gets ``w_q``, ``w_k`` (``[d_model, num_heads,
   head_dim]``), ``eta``, ``beta`` (``[num_heads]``, positive) and, with a diagonal,

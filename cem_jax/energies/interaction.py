@@ -51,13 +51,17 @@ def interaction_energy(y: jax.Array, context: jax.Array, params: dict, aux: Ener
 
   Args:
     y: ``[batch, seq_len, d_model]`` update variable (queries).
-    context: ``[batch, seq_len, d_model]`` fixed context (keys).
+    context: ``[batch, context_len, d_model]`` fixed context (keys; ``context_len =
+      seq_len`` in training, the cache length when decoding).
     params: ``w_q``, ``w_k``: ``[d_model, num_heads, head_dim]``; ``eta``, ``beta``:
       ``[num_heads]``; optional ``diag``: ``[num_heads, d_model]``.
     aux: mask, positions, RoPE, diagonal form and ``energy_block_size``
       (:class:`EnergyAux`).
   Returns:
     ``[]`` float32: ``Σ_{b,i,k} -(η_k/β_k) lse_k(b, i)``; rows with no visible key give 0.
+    CEM_MATH.md section 1, each head weighted by its step size η_k (its "Step size" note).
+  Raises:
+    ValueError: ``aux.diagonal_form`` not 'bilinear' or 'distance' (with a diagonal).
   """
   if aux.energy_block_size > 0:
     return _blockwise_energy(y, context, params, aux)
@@ -125,7 +129,9 @@ def fused_update(y: jax.Array, context: jax.Array, params: dict, aux: EnergyAux)
   (tested to 1e-5 relative in float32).
 
   Raises:
-    ValueError: a diagonal with ``aux.attention_impl`` other than ``'xla'``.
+    ValueError: a diagonal with ``aux.attention_impl`` other than ``'xla'``, or an unknown
+      ``aux.diagonal_form``; and as :func:`cem_jax.attention.dot_product_attention` (e.g.
+      'splash' at a length that is not a multiple of 128).
   """
   q, k = _project(y, context, params, aux)
   head_dim = q.shape[3]

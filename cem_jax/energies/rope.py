@@ -11,6 +11,8 @@ def apply_rope(
 ) -> jax.Array:
   """Rotates pairs ``(x[..., m], x[..., m + head_dim/2])`` by ``positions · theta^(-2m/head_dim)``.
 
+  RoFormer (Su et al. 2021, arXiv:2104.09864) in the rotate-half layout of GPT-NeoX and Llama.
+
   Args:
     x: ``[batch, seq_len, num_heads, head_dim]``; ``head_dim`` must be even.
     positions: ``[batch, seq_len]`` int.

@@ -71,7 +71,11 @@ class CEMAttention(nnx.Module):
       self.diag = const_param(jnp.zeros((d,)), ("embed",), pdt)
 
   def energy_params(self, step: int, dtype) -> dict:
-    """The ``params`` dict of the attention energy at recursive step ``step`` (0-based)."""
+    """The ``params`` dict of the attention energy at recursive step ``step`` (0-based):
+    ``w_q``, ``w_k`` ``[d_model, num_heads, head_dim]`` in ``dtype``; ``eta``, ``beta``
+    ``[num_heads]`` float32, positive (softplus of the raw parameters; ones and
+    ``1/sqrt(head_dim)`` when not learned); with a diagonal ``diag`` ``[num_heads, d_model]``
+    in ``dtype`` ('shared' broadcast to every head)."""
     h = self.num_heads
     if self.learn_eta:
       raw = self.eta[...]
@@ -111,7 +115,9 @@ class CEMMLP(nnx.Module):
       self.eta = const_param(jnp.full((copies,), softplus_inverse(cfg.eta_init)), (None,))
 
   def energy_params(self, step: int, dtype) -> dict:
-    """The ``params`` dict of the MLP energy at recursive step ``step`` (0-based)."""
+    """The ``params`` dict of the MLP energy at recursive step ``step`` (0-based): ``w``,
+    ``g`` ``[d_model, mlp_dim]`` in ``dtype``; ``eta`` ``[]`` float32, positive (softplus of
+    the raw parameter; 1 when not learned)."""
     if self.learn_eta:
       raw = self.eta[...]
       eta = jax.nn.softplus(raw[min(step, raw.shape[0] - 1)])

@@ -29,6 +29,7 @@ def param(rngs: nnx.Rngs, shape, std: float, logical_axes, dtype=jnp.float32) ->
 
 
 def const_param(value, logical_axes, dtype=jnp.float32) -> nnx.Param:
+  """An ``nnx.Param`` holding ``value`` (array-like) in ``dtype``, with its logical axes."""
   return nnx.Param(jnp.asarray(value, dtype), logical_axes=tuple(logical_axes))
 
 
@@ -40,7 +41,8 @@ def softplus_inverse(x: float) -> float:
 
 
 class RMSNorm(nnx.Module):
-  """RMSNorm ``x / rms(x) · scale`` over the last axis, computed in float32.
+  """RMSNorm ``x / sqrt(mean(x²) + eps) · scale`` over the last axis, computed in float32
+  (Zhang & Sennrich 2019, arXiv:1910.07467).
 
   Input ``[..., d_model]`` in any float dtype; output in the same dtype. ``scale`` starts at 1.
   """

@@ -62,12 +62,14 @@ class LlamaAttention(nnx.Module):
     return out if cache is None else (out, cache)
 
   def init_cache(self, batch: int, max_len: int, dtype) -> dict:
+    """``{'k', 'v'}``: zeros ``[batch, max_len, num_heads, head_dim]`` in ``dtype``."""
     shape = (batch, max_len, self.w_k.shape[1], self.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
 class SwiGLU(nnx.Module):
-  """``W_down (silu(W_gate x) ⊙ W_up x)``, 3·d_model·mlp_dim parameters.
+  """``W_down (silu(W_gate x) ⊙ W_up x)``, 3·d_model·mlp_dim parameters (Shazeer 2020,
+  arXiv:2002.05202).
 
   ``w_gate``, ``w_up``: ``[d_model, mlp_dim]``; ``w_down``: ``[mlp_dim, d_model]``.
   """
@@ -114,6 +116,7 @@ class LlamaBlock(nnx.Module):
     return h + self.mlp(self.norm_mlp(h)), [], cache
 
   def init_cache(self, batch: int, max_len: int, num_steps: int | None = None) -> dict:
-    """Empty key/value cache for decoding up to ``max_len`` tokens."""
+    """Empty key/value cache for decoding up to ``max_len`` tokens: ``{'k', 'v'}``, zeros
+    ``[batch, max_len, num_heads, head_dim]`` in ``model.dtype``."""
     del num_steps
     return self.attn.init_cache(batch, max_len, self.dtype)
