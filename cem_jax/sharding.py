@@ -31,8 +31,13 @@ from cem_jax.axes import (  # noqa: F401
 def make_mesh(mesh_config, devices=None) -> Mesh:
   """A ``Mesh`` with axes ``('data', 'fsdp', 'tensor')`` over ``devices`` (default: all).
 
-  Built with ``jax.make_mesh``-style device ordering and *Auto* axis types (DESIGN.md: the
-  Explicit default breaks sharded matmuls of ordinary code).
+  Built with *Auto* axis types (DESIGN.md: the Explicit default breaks sharded matmuls of
+  ordinary code). Over every device ``jax.make_mesh`` chooses their order (topology-aware, so
+  the order of ``devices`` is not kept); a subset is laid out in the order given.
+
+  Raises:
+    ValueError: as :func:`cem_jax.axes.mesh_shape` (the mesh sizes do not multiply to the
+      number of devices, naming the ``mesh`` fields).
   """
   devices = jax.devices() if devices is None else devices
   shape = mesh_shape(mesh_config, len(devices))

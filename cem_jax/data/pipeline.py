@@ -75,7 +75,12 @@ class TrainBatches:
   def window_indices(self, step: int, process_index: int = 0, process_count: int = 1
                      ) -> np.ndarray:
     """Returns the window indices (int64 ``[batch_size // process_count]``) of this process's
-    rows of step ``step``'s global batch. Raises ValueError as ``batch``."""
+    rows of step ``step``'s global batch.
+
+    Raises:
+      ValueError: ``step`` < 0, ``process_index`` not in ``[0, process_count)``, or
+        ``batch_size`` not divisible by ``process_count``.
+    """
     if step < 0:
       raise ValueError(f"step={step} must be >= 0")
     if process_count < 1 or not 0 <= process_index < process_count:

@@ -277,6 +277,7 @@ def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD
       ``out_dir`` is a file, cannot be created, holds another dataset, or is not empty and
       holds no prepared dataset.
     ConnectionError: a TFDS catalog dataset is not prepared and there is no network.
+    FileNotFoundError: ``data.tokenizer`` names no file.
   """
   log = logging.getLogger(__name__)
   out_dir = Path(os.path.expanduser(os.fspath(out_dir)))
