@@ -93,9 +93,11 @@ class Checkpointer:
   # -- paths ------------------------------------------------------------------------------------
 
   def step_dir(self, step: int) -> str:
+    """The folder of checkpoint ``step`` (:func:`cem_jax.integrity.step_dir`)."""
     return integrity.step_dir(self.directory, step)
 
   def digest_path(self, step: int) -> str:
+    """The digest file of checkpoint ``step`` (:func:`cem_jax.integrity.digest_path`)."""
     return integrity.digest_path(self.directory, step)
 
   # -- saving -----------------------------------------------------------------------------------
@@ -239,5 +241,6 @@ class Checkpointer:
     integrity.prune_digests(self.directory, self.manager.all_steps())
 
   def close(self) -> None:
+    """Waits for a pending asynchronous save, then closes the Orbax manager."""
     self.wait()
     self.manager.close()

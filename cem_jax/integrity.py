@@ -53,10 +53,12 @@ class CheckpointError(ValueError):
 
 
 def step_dir(directory: str, step: int) -> str:
+  """Orbax's folder of checkpoint ``step`` in ``directory``."""
   return os.path.join(directory, str(step))
 
 
 def digest_path(directory: str, step: int) -> str:
+  """The sha256 digest file of checkpoint ``step`` (written after the step commits)."""
   return os.path.join(directory, DIGEST_DIR, f"{step}.json")
 
 

@@ -90,5 +90,6 @@ def base_config(scale: str):
 
 
 def matched_llama_mlp_dim(d_model: int, target_params_per_layer: int) -> int:
-  """SwiGLU width f' such that a Llama layer has ``target`` params: 4d² + 3d·f' = target."""
+  """SwiGLU width f' such that a Llama layer has ``target`` params: 4d² + 3d·f' = target
+  (the parameter-matched baseline of CEM_MATH.md §6)."""
   return max(1, round((target_params_per_layer - 4 * d_model * d_model) / (3 * d_model)))

@@ -105,6 +105,7 @@ def named_shardings(specs, mesh: Mesh):
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+  """A full copy on every device of ``mesh`` (``PartitionSpec()``)."""
   return NamedSharding(mesh, PartitionSpec())
 
 

@@ -22,6 +22,8 @@ from cem_jax.model import DecoderLM
 def summary(config, vocab_size: int | None = None, devices=None) -> dict:
   """Returns ``{'rows': [...], 'totals': {...}, 'flops_per_token': {...}, 'mesh': shape,
   'num_layers': L, 'unique_blocks': G}`` (G < L: shared depth, layer l runs block l % G).
+  ``flops_per_token``: ``forward`` (analytic, :mod:`cem_jax.model_stats`) and ``train``
+  (3× forward) FLOPs per token.
 
   Each row: ``path``, ``shape``, ``count``, ``logical_axes``, ``spec`` (the PartitionSpec on
   the configured mesh, as a string).
@@ -59,6 +61,7 @@ def summary(config, vocab_size: int | None = None, devices=None) -> dict:
 
 
 def format_summary(s: dict) -> str:
+  """The text table ``python -m cem_jax.inspect`` prints for a :func:`summary`."""
   width = max(len(r["path"]) for r in s["rows"])
   lines = [f"{'parameter':<{width}}  {'shape':<18} {'count':>10}  logical axes -> sharding"]
   for r in s["rows"]:

@@ -140,6 +140,7 @@ def parameter_counts(config) -> dict:
 
 
 def run_dir(workdir: str, table: str, row: str, seed: int) -> str:
+  """The workdir of one run: ``WORKDIR/TABLE/ROW/seed{seed}``."""
   return os.path.join(workdir, table, row, f"seed{seed}")
 
 
@@ -337,6 +338,10 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
   ``delta_loss_*``: eval loss minus the first row's, paired by seed (same initialisation seed
   and data order), mean and std over the seeds both rows have. Seeds move all rows together
   (a lucky data order helps every model), so the paired difference is the fair comparison.
+  Losses are nats/token; ``perplexity`` is ``exp`` of the mean loss over seeds;
+  ``tokens_per_sec`` the mean over seeds of each run's median logged rate (the first log,
+  which holds the compilation, left out); ``flops_per_token``
+  analytic forward FLOPs (:func:`cem_jax.model_stats.flops_per_token`).
   """
   names = [r for r in (rows or module.ROWS) if any(x["row"] == r for x in results)]
   rows = []

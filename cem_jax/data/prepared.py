@@ -207,7 +207,8 @@ class TokenStream:
 
   def read(self, starts: np.ndarray, length: int, fill: int
            ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """Returns ``(tokens, nbytes, valid)`` of rows ``stream[start : start + length]``.
+    """Returns ``(tokens, nbytes, valid)`` of rows ``stream[start : start + length]`` for each
+    of ``starts`` (int ``[rows]``, token offsets into the split's stream).
 
     ``tokens``: int32 ``[rows, length]``, ``fill`` past the end of the stream; ``nbytes``:
     int32 likewise (0 past the end), None for a split without bytes; ``valid``: int64

@@ -39,7 +39,8 @@ _SMALL = 2.0
 
 @jax.custom_jvp
 def phi_silu(z: jax.Array) -> jax.Array:
-  """The SiLU potential ``Φ(z) = ∫_0^z silu``, element-wise, float32 or float64.
+  """The SiLU potential ``Φ(z) = ∫_0^z silu``, element-wise: same shape and dtype as ``z``
+  (bf16/f16 are computed in float32; float64 stays float64).
 
   ``Φ(z) = z·softplus(z) + Li₂(-e^z) + π²/12`` (CEM_MATH.md §2), evaluated stably: for
   ``|z| > 2`` only ``Li₂(-e^{-|z|})`` is used (via ``Φ(z) + Φ(-z) = z²/2``); for
@@ -66,19 +67,22 @@ def _phi_silu_jvp(primals, tangents):
 
 
 def phi_gelu(z: jax.Array) -> jax.Array:
-  """The (exact, erf) GELU potential ``Φ(z) = ½(z²-1)·N(z) + ½ z φ(z) + ¼``; ``Φ' = gelu``."""
+  """The (exact, erf) GELU potential ``Φ(z) = ½(z²-1)·N(z) + ½ z φ(z) + ¼``; ``Φ' = gelu``.
+
+  Element-wise, same shape and dtype as ``z`` (CEM_MATH.md §2)."""
   cdf = jax.scipy.stats.norm.cdf(z)
   pdf = jax.scipy.stats.norm.pdf(z)
   return 0.5 * (z * z - 1.0) * cdf + 0.5 * z * pdf + 0.25
 
 
 def phi_relu(z: jax.Array) -> jax.Array:
-  """``Φ(z) = ½ relu(z)²``; ``Φ' = relu``."""
+  """``Φ(z) = ½ relu(z)²``; ``Φ' = relu``. Element-wise, same shape and dtype as ``z``."""
   return 0.5 * jnp.square(jax.nn.relu(z))
 
 
 def phi_relu2(z: jax.Array) -> jax.Array:
-  """``Φ(z) = relu(z)³ / 3``; ``Φ' = relu(z)²`` (squared ReLU)."""
+  """``Φ(z) = relu(z)³ / 3``; ``Φ' = relu(z)²`` (squared ReLU). Element-wise, same shape and
+  dtype as ``z``."""
   return jax.nn.relu(z) ** 3 / 3.0
 
 
