@@ -124,9 +124,11 @@ def _param_shapes(kind: str, m) -> dict:
 
 
 def _segment_ids(batch: int, seq: int) -> np.ndarray:
-  """Two documents in row 0; one document then two padding tokens in the other rows."""
+  """``[batch, seq]`` int32 (``seq >= 4``): two documents split in the middle in row 0; in the
+  other rows two documents split elsewhere, then one padding token (rows with different masks,
+  documents, padding; with ``strict_causal``, rows that see nothing)."""
   half = seq // 2
-  rows = [[1] * half + [2] * (seq - half)] + [[1] * (seq - 2) + [0] * 2] * (batch - 1)
+  rows = [[1] * half + [2] * (seq - half)] + [[1] * (seq - 3) + [2] * 2 + [0]] * (batch - 1)
   return np.asarray(rows, np.int32)
 
 
@@ -290,7 +292,7 @@ def _causal_values(field, spec, kind, m, shapes, update):
   # Training runs past the new tokens but is shorter than the cache: an energy reading the
   # context's length (not aux.mask) sees another number in each layout.
   seq = cache - 1
-  segment_ids = np.asarray([[1, 1, 1, 2, 2, 2, 2], [1, 1, 1, 1, 2, 2, 0]], np.int32)
+  segment_ids = _segment_ids(batch, seq)
 
   @jax.jit
   def train(y, context, params, segment_ids):
