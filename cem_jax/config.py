@@ -359,6 +359,29 @@ def flat(config: ml_collections.ConfigDict | dict) -> dict:
   return out
 
 
+# How the model is computed, not which function it is: a run may resume with another value
+# (another machine's kernel, precision or memory policy; the fused and autodiff updates and
+# the blockwise log-sum-exp are tested equal). Every other model.* key defines the model.
+EXECUTION_ONLY = ("model.attention_impl", "model.dtype", "model.remat", "model.update_mode",
+                  "model.energy_block_size")
+
+
+def model_changes(saved: ml_collections.ConfigDict | dict,
+                  now: ml_collections.ConfigDict | dict) -> list[str]:
+  """The ``model.*`` keys that define the model and differ between two configs, as
+  ``"key: old -> new"`` strings, sorted; keys in :data:`EXECUTION_ONLY` are left out.
+
+  ``saved`` is a checkpoint's resolved config (``meta["config"]``), ``now`` the config of the
+  run resuming from it (a ``ConfigDict`` or the nested dict ``config.json`` holds). A key the
+  checkpoint predates is compared at its default: a new key's default keeps the old model.
+  """
+  old, new = flat(saved), flat(now)
+  keys = {k for k in set(old) | set(new) if k.startswith("model.") and k not in EXECUTION_ONLY}
+  defaults = flat(get_default_config())
+  old = {k: old.get(k, defaults.get(k)) for k in keys}
+  return [f"{k}: {old[k]!r} -> {new.get(k)!r}" for k in sorted(keys) if old[k] != new.get(k)]
+
+
 def _get(config, dotted: str):
   node = config
   for part in dotted.split("."):

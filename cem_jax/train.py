@@ -124,7 +124,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   Raises:
     ValueError: invalid config, data, devices, workdir or checkpoint (one line naming the
       field/file, the value and the fix; :class:`cem_jax.checkpoint.CheckpointError` for
-      checkpoints that are all damaged or do not fit the model); ``metrics.jsonl`` damaged
+      checkpoints that are all damaged or do not fit the model); a checkpoint trained on other
+      data or as another model (a ``model.*`` key changed, other than
+      :data:`cem_jax.config.EXECUTION_ONLY`); ``metrics.jsonl`` damaged
       before its last line (see :func:`cem_jax.metrics.read_metrics`).
     FloatingPointError: ``train.max_consecutive_nonfinite`` consecutive non-finite steps (or
       non-finite parameters at a save); nothing from those steps is saved.
@@ -202,8 +204,9 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
     run.resume = ckpt.restorable_step()
     if run.resume is not None:
       # Checked before the arrays are read: a model's worth of restore for nothing otherwise.
-      data_lib.check_same_data(ckpt.read_meta(run.resume).get("data"), data.identity,
-                               ckpt.step_dir(run.resume))
+      saved = ckpt.read_meta(run.resume)
+      data_lib.check_same_data(saved.get("data"), data.identity, ckpt.step_dir(run.resume))
+      _check_same_model(saved.get("config"), config, ckpt.step_dir(run.resume))
       # The target is the freshly initialised state on the current devices: the restore takes
       # its structure (optax's state types) and shardings, whatever the saving run used.
       state, run.meta = ckpt.restore(run.resume, {"params": params, "opt_state": opt_state})
@@ -213,6 +216,22 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
     _undo_start(ckpt, workdir, created)
     raise
   return run
+
+
+def _check_same_model(saved: dict | None, config: ml_collections.ConfigDict,
+                      checkpoint: str) -> None:
+  """Refuses to resume a checkpoint as another model: parameters of the same shapes would
+  train on under another energy, mask or step rule without an error, and the run's metrics
+  would mix two models. ``saved``: the checkpoint's config (None: saved before checkpoints
+  held one, not checked). What may change is :data:`cem_jax.config.EXECUTION_ONLY`.
+
+  Raises:
+    ValueError: one line naming the checkpoint and every changed ``model.*`` key.
+  """
+  changes = [] if saved is None else config_lib.model_changes(saved, config)
+  if changes:
+    raise ValueError(f"checkpoint {checkpoint} is another model ({', '.join(changes)}): "
+                     "resume with the model it was trained as, or train in a new --workdir")
 
 
 def _undo_start(ckpt: Checkpointer | None, workdir: str, created: bool) -> None:

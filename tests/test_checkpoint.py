@@ -392,8 +392,11 @@ def test_resume_with_a_changed_model_fails_and_keeps_the_run(run_setup, tmp_path
                          env=env, capture_output=True, text=True, timeout=300)
   assert wider.returncode == 1
   error = wider.stderr.strip().splitlines()[-1]
-  assert error.startswith("error: checkpoint step 40 in ") and "does not fit" in error
-  assert "params/blocks/0/attn/w_k/value saved (64, 2, 32) float32 vs now (96, 2, 48)" in error
+  # Refused from the saved config, before any array is read (a restore that does not fit
+  # names the arrays: the test above).
+  assert error == (f"error: checkpoint {tmp_path / 'checkpoints' / '40'} is another model "
+                   "(model.d_model: 64 -> 96): resume with the model it was trained as, or "
+                   "train in a new --workdir")
   assert {p: p.read_bytes() for p in before} == before  # the run is left as it was
   assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [30, 35, 40]
 

@@ -278,6 +278,43 @@ def test_resume_on_other_data_is_refused_and_keeps_the_run(shared_data, tmp_path
   assert read_metrics(str(workdir))[-1]["step"] == 4
 
 
+def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path):
+  # Parameters of the same shapes restore into another model without an error: a changed
+  # mask or energy would train on as if nothing had changed, its metrics mixed with the old.
+  workdir = tmp_path / "w"
+  cfg = lambda steps, **more: tiny_config("cem", **{  # noqa: E731
+      "model.num_layers": 1, "train.num_steps": steps, "checkpoint.every_steps": 2,
+      "train.eval_every_steps": 2, **more})
+  train.train_and_evaluate(cfg(2), str(workdir))
+  before = read_metrics(str(workdir))
+  with pytest.raises(ValueError) as e:
+    train.train_and_evaluate(cfg(4, **{"model.strict_causal": True,
+                                       "model.mlp_energy": "relu2"}), str(workdir))
+  message = str(e.value)
+  assert "\n" not in message
+  assert message == (f"checkpoint {workdir / 'checkpoints' / '2'} is another model "
+                     "(model.mlp_energy: 'silu' -> 'relu2', model.strict_causal: False -> "
+                     "True): resume with the model it was trained as, or train in a new "
+                     "--workdir")
+  assert read_metrics(str(workdir)) == before and (workdir / "checkpoints" / "2").is_dir()
+  # How the same model is computed may change: the kernel, the update rule, the precision.
+  train.train_and_evaluate(cfg(4, **{"model.attention_impl": "xla",
+                                     "model.update_mode": "autodiff",
+                                     "model.energy_block_size": 16}), str(workdir))
+  assert read_metrics(str(workdir))[-1]["step"] == 4
+
+
+def test_model_changes_compares_a_key_the_checkpoint_predates_at_its_default():
+  now = tiny_config("cem")
+  saved = now.to_dict()
+  del saved["model"]["manifold"]  # a checkpoint saved before the key existed
+  assert config_lib.model_changes(saved, now) == []
+  now.model.manifold = "sphere"
+  assert config_lib.model_changes(saved, now) == ["model.manifold: 'euclidean' -> 'sphere'"]
+  now.model.manifold, now.model.dtype, now.train.learning_rate = "euclidean", "bfloat16", 1.0
+  assert config_lib.model_changes(saved, now) == []  # precision and training are no model key
+
+
 def test_evaluate_rebuilds_the_model_the_checkpoint_was_saved_from(shared_data, tmp_path):
   # config.json is rewritten by every start: a re-run of a finished run with a changed option
   # trains nothing but leaves that option in config.json. evaluate must not build it.
