@@ -23,7 +23,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from cem_jax import cli, optim
+from cem_jax import cli, memory, optim
 from cem_jax import steps as steps_lib
 from cem_jax.config import get_default_config
 from cem_jax.files import atomic_write_json
@@ -102,23 +102,6 @@ def _model_config(preset: dict, variant: dict, seq_len: int, width: int,
   return c
 
 
-def peak_memory_bytes(compiled) -> int | None:
-  """The compiled step's device memory: arguments + outputs + XLA temporaries, in bytes.
-
-  Read from XLA's memory analysis rather than the allocator's ``peak_bytes_in_use``, which is
-  a process-wide high-water mark: in a one-run sweep it would carry the largest earlier
-  variant into every later row. None where the backend does not report it.
-  """
-  try:
-    mem = compiled.memory_analysis()
-  except Exception:  # not every backend implements it
-    return None
-  if mem is None:
-    return None
-  return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
-             - mem.alias_size_in_bytes)
-
-
 def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
   """Compiles and times one training step of ``config``; returns the figures as a dict.
 
@@ -165,7 +148,7 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
       "flops_per_token": fpt,
       "tflops_per_s": achieved / 1e12,
       "mfu": achieved / peak if peak else None,
-      "peak_memory_mb": (lambda m: m / 2**20 if m else None)(peak_memory_bytes(compiled)),
+      "peak_memory_mb": (lambda m: m / 2**20 if m else None)(memory.footprint_bytes(compiled)),
       "loss": float(metrics["loss"]),
   }
 

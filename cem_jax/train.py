@@ -28,7 +28,7 @@ from absl import logging
 
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
-from cem_jax import preflight
+from cem_jax import memory, preflight
 from cem_jax import sharding as sharding_lib
 from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
@@ -218,6 +218,15 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   return run
 
 
+def _batch_spec(config: ml_collections.ConfigDict, sharding) -> dict:
+  """The global training batch as ``jax.ShapeDtypeStruct`` s (``TrainBatches.batch``'s keys and
+  dtypes, ``[train.batch_size, data.seq_len]``, on ``sharding``)."""
+  shape = (config.train.batch_size, config.data.seq_len)
+  spec = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+  return {"inputs": spec(np.int32), "targets": spec(np.int32),
+          "segment_ids": spec(np.int32), "weights": spec(np.float32)}
+
+
 def _check_same_model(saved: dict | None, config: ml_collections.ConfigDict,
                       checkpoint: str) -> None:
   """Refuses to resume a checkpoint as another model: parameters of the same shapes would
@@ -337,6 +346,11 @@ class _Loop:
                  self.blocks)
     self.guard = jax.make_array_from_process_local_data(run.shardings.replicated,
                                                         np.zeros((), np.int32))
+    # Compiled now, for the shapes and shardings of the calls to come (they reuse it): a step
+    # too large for the device is a one-line error before any step runs.
+    memory.compile_within_memory(self.train_step, (self.params, self.opt_state,
+                                                   _batch_spec(config, run.shardings.batch),
+                                                   self.guard, np.int32(0)), config)
     self.last_saved = run.resume
     _log_resume(run, self.resolved)
     # Last: the writer is the only thing here to close, and nothing after it can fail.

@@ -496,3 +496,74 @@ def test_custom_jvp_potential_has_the_plain_hessian():
         2 * eps)
     # The energy itself runs in float32 (by design), so agreement is to float32 precision.
     np.testing.assert_allclose(np.asarray(hvp), np.asarray(fd), rtol=2e-4, atol=2e-5)
+
+
+# ---- the training step too large for the device ------------------------------------------
+
+def test_footprint_counts_arguments_outputs_and_temporaries_once_with_donation():
+  from cem_jax import memory
+
+  mib, x = 2**20, jax.ShapeDtypeStruct((1024, 1024), jnp.float32)  # 4 MiB each
+  f = lambda a, b: (a * 2, b.sum())  # noqa: E731
+  plain = memory.footprint_bytes(jax.jit(f).lower(x, x).compile())
+  donated = memory.footprint_bytes(jax.jit(f, donate_argnums=0).lower(x, x).compile())
+  assert 12 * mib <= plain < 12 * mib + 1024  # two 4 MiB arguments, one 4 MiB output
+  assert 8 * mib <= donated < 8 * mib + 1024  # the output reuses the donated argument
+
+
+def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, monkeypatch):
+  from cem_jax import memory
+
+  cfg = tiny_config("cem", **{"model.num_layers": 1, "train.num_steps": 2})
+  need = {}
+  real = memory.compile_within_memory
+
+  def measured(jitted, args, config, **kw):
+    compiled = real(jitted, args, config, **kw)
+    need["bytes"] = memory.footprint_bytes(compiled)
+    return compiled
+
+  monkeypatch.setattr(memory, "compile_within_memory", measured)
+  train.train_and_evaluate(cfg, str(tmp_path / "fits"))  # CPU reports no limit: logged only
+  # The same step against a device one byte too small, and one exactly large enough.
+  monkeypatch.setattr(memory, "compile_within_memory", real)
+  monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: need["bytes"] - 1)
+  workdir = tmp_path / "w"
+  with pytest.raises(ValueError) as e:
+    train.train_and_evaluate(cfg, str(workdir))
+  gib = need["bytes"] / 2**30
+  assert str(e.value) == (
+      f"the training step needs {gib:.2f} GiB per device (XLA memory analysis), the device "
+      f"allows {(need['bytes'] - 1) / 2**30:.2f} GiB: lower train.batch_size=8 or "
+      "data.seq_len=64, set model.remat='full' (now 'none'), or shard over more devices "
+      "(mesh.fsdp=1)")
+  assert not workdir.exists()
+  monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: need["bytes"])
+  train.train_and_evaluate(cfg, str(workdir))
+  assert read_metrics(str(workdir))[-1]["step"] == 2
+
+
+def test_xla_out_of_memory_at_compile_time_is_one_line_and_other_errors_pass():
+  # TPU runs out of memory while compiling: XLA's status code, not its wording, is matched.
+  from cem_jax import memory
+
+  class Failing:
+    def __init__(self, message):
+      self.message = message
+
+    def lower(self, *args):
+      return self
+
+    def compile(self):
+      raise jax.errors.JaxRuntimeError(self.message)
+
+  cfg = tiny_config("llama")
+  with pytest.raises(ValueError) as e:
+    memory.compile_within_memory(
+        Failing("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.\nmore"), (), cfg)
+  assert str(e.value) == (
+      "the training step does not fit in device memory (XLA: RESOURCE_EXHAUSTED: Ran out of "
+      "memory in memory space hbm.): lower train.batch_size=8 or data.seq_len=64, set "
+      "model.remat='full' (now 'none'), or shard over more devices (mesh.fsdp=1)")
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: other"):
+    memory.compile_within_memory(Failing("INTERNAL: other"), (), cfg)
