@@ -129,7 +129,8 @@ def check_config(config, num_devices: int) -> dict[str, int]:
   Raises:
     ValueError: one line naming the field, its value and what is allowed, for: mesh sizes that
       do not multiply to ``num_devices``; ``train.batch_size`` or ``eval.batch_size`` not
-      divisible by the data-parallel size (the mesh axes of ``batch``, data × fsdp by default);
+      divisible by the data-parallel size (the mesh axes of ``batch``, data × fsdp by default),
+      or ``train.batch_size`` by that size × ``train.gradient_accumulation_steps``;
       ``model.num_heads``, ``model.mlp_dim``, ``model.d_model`` or the head dimension not
       divisible by the mesh axes ``mesh.rules`` shards them over (tensor; fsdp for d_model).
   """
@@ -157,4 +158,12 @@ def check_config(config, num_devices: int) -> dict[str, int]:
       raise ValueError(f"{field}={bs} is not divisible by the {dp} data-parallel devices "
                        f"({num_devices} devices, {names} = {values}); use a multiple of {dp}, "
                        f"e.g. {-(-bs // dp) * dp}")
+  k = config.train.gradient_accumulation_steps
+  if k > 1 and config.train.batch_size % (k * dp):
+    # Every device splits its own rows into the k microbatches: no rows move between devices.
+    bs = config.train.batch_size
+    raise ValueError(f"train.batch_size={bs} is not divisible by "
+                     f"train.gradient_accumulation_steps={k} x the {dp} data-parallel devices "
+                     f"({names} = {values}); use a multiple of {k * dp}, e.g. "
+                     f"{-(-bs // (k * dp)) * k * dp}")
   return sizes

@@ -138,6 +138,10 @@ def get_default_config() -> ml_collections.ConfigDict:
   t = c.train = ml_collections.ConfigDict()
   t.num_steps = 1000
   t.batch_size = 16  # global batch, sequences
+  # The global batch runs as this many microbatches of batch_size / k rows, one after another
+  # inside the step, their gradients summed: one update of the same batch and loss (the
+  # token-weighted mean over the whole batch) in 1/k of the activation memory.
+  t.gradient_accumulation_steps = 1
   t.learning_rate = 3e-3
   t.min_learning_rate_ratio = 0.1  # cosine decays to this fraction of the peak
   t.warmup_steps = 50
@@ -208,6 +212,7 @@ _MINIMUMS = {
     "data.vocab_size": 8,
     "train.num_steps": 1,
     "train.batch_size": 1,
+    "train.gradient_accumulation_steps": 1,
     "train.warmup_steps": 0,
     "train.eval_every_steps": 1,
     "train.log_every_steps": 1,
@@ -462,6 +467,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   ev = config.eval.num_steps
   if isinstance(ev, bool) or not isinstance(ev, int) or (ev < 1 and ev != -1):
     raise ValueError(f"eval.num_steps={ev!r}; allowed: -1 (= model.num_steps) or an int >= 1")
+  t = config.train
+  if t.batch_size % t.gradient_accumulation_steps:
+    raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
+                     f"train.gradient_accumulation_steps={t.gradient_accumulation_steps}; "
+                     "each microbatch has batch_size / gradient_accumulation_steps rows")
   vf = config.data.validation_fraction
   if not 0.0 < vf <= 0.5:
     raise ValueError(f"data.validation_fraction={vf}; allowed: 0 < fraction <= 0.5")

@@ -55,9 +55,10 @@ def device_limit_bytes(device: jax.Device | None = None) -> int | None:
 
 def _what_to_change(config: ml_collections.ConfigDict) -> str:
   t, d, m = config.train, config.data, config.model
-  return (f"lower train.batch_size={t.batch_size} or data.seq_len={d.seq_len}, "
-          f"set model.remat='full' (now {m.remat!r}), or shard over more devices "
-          f"(mesh.fsdp={config.mesh.fsdp})")
+  return (f"raise train.gradient_accumulation_steps={t.gradient_accumulation_steps} (the same "
+          f"batch in smaller pieces), set model.remat='full' (now {m.remat!r}), shard over "
+          f"more devices (mesh.fsdp={config.mesh.fsdp}), or lower data.seq_len={d.seq_len} "
+          f"or train.batch_size={t.batch_size}")
 
 
 def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict, *,

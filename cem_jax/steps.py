@@ -17,6 +17,7 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from cem_jax import sharding as sharding_lib
 from cem_jax.model import DecoderLM
@@ -120,9 +121,18 @@ def init_state(config: ml_collections.ConfigDict, vocab_size: int, tx, mesh=None
 
 
 def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
-                    shardings: StateShardings | None = None, schedule=None):
+                    shardings: StateShardings | None = None, schedule=None,
+                    gradient_accumulation_steps: int = 1):
   """Returns the jitted ``step(params, opt_state, batch, guard=0, done=0) -> (params, opt_state,
   metrics)``; ``params`` and ``opt_state`` are donated.
+
+  The loss is the token-weighted mean of ``-log p(target)`` over the whole batch (nats). With
+  ``gradient_accumulation_steps`` k > 1 the batch runs as k microbatches of ``batch / k``
+  rows (microbatch i: rows i, i + k, i + 2k, ..., so each device splits its own rows) in a
+  ``lax.scan``; each contributes its loss sum over the whole batch's weight, so the summed
+  gradient is the one-pass gradient, whatever the padding of each microbatch. (Not
+  ``optax.MultiSteps``: it averages per-call mean losses, unequal when the microbatches hold
+  different numbers of weighted tokens, and spreads one update over k calls of the loop.)
 
   With ``shardings`` the step is compiled for them (params and optimizer state stay sharded
   as given, the batch is split over its data-parallel axes, the metrics are replicated) and
@@ -146,11 +156,39 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   stall asynchronous dispatch) yet cannot miss a run of failures that ended between checks.
   """
 
-  def loss_fn(params, batch):
+  k = gradient_accumulation_steps
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    raise ValueError(f"train.gradient_accumulation_steps={k!r}; allowed: an int >= 1")
+
+  def loss_fn(params, batch, total_weight):
     model = nnx.merge(graphdef, params)
     logits = model(batch["inputs"], batch["segment_ids"])
-    loss_sum, weight_sum = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
-    return loss_sum / jnp.maximum(weight_sum, 1.0)
+    loss_sum, _ = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+    return loss_sum / total_weight
+
+  def microbatches(batch):
+    """``[rows, ...]`` -> ``[k, rows / k, ...]``, microbatch i = rows i, i + k, ..."""
+    def split(x):
+      x = jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+      if shardings is None:
+        return x
+      spec = PartitionSpec(None, *shardings.batch.spec)
+      return jax.lax.with_sharding_constraint(x, NamedSharding(shardings.mesh, spec))
+    return jax.tree.map(split, batch)
+
+  def value_and_grad(params, batch):
+    total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+    if k == 1:
+      return jax.value_and_grad(loss_fn)(params, batch, total_weight)
+
+    def accumulate(carry, micro):
+      loss, grads = jax.value_and_grad(loss_fn)(params, micro, total_weight)
+      return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    if shardings is not None:  # the summed gradient lives where its parameter does
+      zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], shardings.params))
+    return jax.lax.scan(accumulate, zeros, microbatches(batch))[0]
 
   jit_kwargs = {}
   if shardings is not None:
@@ -160,7 +198,7 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
 
   @functools.partial(jax.jit, donate_argnums=(0, 1), **jit_kwargs)
   def step(params, opt_state, batch, guard=0, done=0):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    loss, grads = value_and_grad(params, batch)
     lr = None if schedule is None else schedule(applied_updates(opt_state))
     # A NaN/Inf loss or gradient: apply_if_finite (make_optimizer) leaves params and moments
     # unchanged and counts it.

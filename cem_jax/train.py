@@ -331,7 +331,8 @@ class _Loop:
     cfg_t = config.train
     self.max_bad = cfg_t.max_consecutive_nonfinite
     self.train_step = steps_lib.make_train_step(run.graphdef, run.tx, self.max_bad,
-                                                run.shardings, run.schedule)
+                                                run.shardings, run.schedule,
+                                                cfg_t.gradient_accumulation_steps)
     eval_num_steps = None if config.eval.num_steps < 0 else config.eval.num_steps
     trace = config.eval.energy_trace and config.model.block == "cem"
     self.eval_step = steps_lib.make_eval_step(run.graphdef, eval_num_steps, trace,

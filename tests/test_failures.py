@@ -534,9 +534,10 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
   gib = need["bytes"] / 2**30
   assert str(e.value) == (
       f"the training step needs {gib:.2f} GiB per device (XLA memory analysis), the device "
-      f"allows {(need['bytes'] - 1) / 2**30:.2f} GiB: lower train.batch_size=8 or "
-      "data.seq_len=64, set model.remat='full' (now 'none'), or shard over more devices "
-      "(mesh.fsdp=1)")
+      f"allows {(need['bytes'] - 1) / 2**30:.2f} GiB: raise "
+      "train.gradient_accumulation_steps=1 (the same batch in smaller pieces), set "
+      "model.remat='full' (now 'none'), shard over more devices (mesh.fsdp=1), or lower "
+      "data.seq_len=64 or train.batch_size=8")
   assert not workdir.exists()
   monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: need["bytes"])
   train.train_and_evaluate(cfg, str(workdir))
@@ -563,7 +564,8 @@ def test_xla_out_of_memory_at_compile_time_is_one_line_and_other_errors_pass():
         Failing("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.\nmore"), (), cfg)
   assert str(e.value) == (
       "the training step does not fit in device memory (XLA: RESOURCE_EXHAUSTED: Ran out of "
-      "memory in memory space hbm.): lower train.batch_size=8 or data.seq_len=64, set "
-      "model.remat='full' (now 'none'), or shard over more devices (mesh.fsdp=1)")
+      "memory in memory space hbm.): raise train.gradient_accumulation_steps=1 (the same "
+      "batch in smaller pieces), set model.remat='full' (now 'none'), shard over more devices "
+      "(mesh.fsdp=1), or lower data.seq_len=64 or train.batch_size=8")
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: other"):
     memory.compile_within_memory(Failing("INTERNAL: other"), (), cfg)

@@ -235,6 +235,14 @@ for shape in [(1, 1, 1)] + {meshes!r}:
     losses.append(float(m["loss"]))
   rec["losses"] = losses
   rec["batch_spec"] = str(tuple(batch["inputs"].sharding.spec))
+  if shape == (2, 2, 2):  # gradient accumulation: each device splits its own rows in two
+    graphdef, p2, o2, sh, _ = steps.init_state(cfg, vocab, tx, mesh)
+    step2 = steps.make_train_step(graphdef, tx, 5, sh, gradient_accumulation_steps=2)
+    rec["losses_accumulated"] = []
+    for s in range(5):
+      batch = sh.global_batch(data.train.batch(s), cfg.train.batch_size)
+      p2, o2, m = step2(p2, o2, batch, guard, np.int32(s + 1))
+      rec["losses_accumulated"].append(float(m["loss"]))
   eval_step = steps.make_eval_step(graphdef, None, False, sh)
   rec["eval"] = steps.eval_loop(eval_step, params, data, cfg, sh)
   out["x".join(map(str, shape))] = rec
@@ -254,9 +262,12 @@ def test_every_mesh_gives_the_one_device_losses(block, shared_data, tmp_path):
   runs = json.loads(line[len("RESULT "):])
   ref = runs.pop("1x1x1")
   assert len(ref["losses"]) == 5 and ref["losses"][-1] < ref["losses"][0]
+  assert len(runs["2x2x2"]["losses_accumulated"]) == 5
   for name, rec in runs.items():
-    diff = max(abs(a - b) for a, b in zip(rec["losses"], ref["losses"], strict=True))
-    assert diff <= 1e-5, (name, rec["losses"], ref["losses"])
+    for key in ("losses", "losses_accumulated"):
+      if key in rec:
+        diff = max(abs(a - b) for a, b in zip(rec[key], ref["losses"], strict=True))
+        assert diff <= 1e-5, (name, key, rec[key], ref["losses"])
     for key in ("eval/loss", "eval/bits_per_byte"):
       assert abs(rec["eval"][key] - ref["eval"][key]) <= 1e-5, (name, key)
     assert rec["eval"]["eval/tokens"] == ref["eval"]["eval/tokens"]

@@ -1,0 +1,130 @@
+"""Gradient accumulation (``train.gradient_accumulation_steps``): the same update of the same
+batch in smaller pieces, in less memory.
+
+The reference is the loss written out here from its definition (the token-weighted mean of
+``-log p(target)`` over the whole batch) and its ``jax.grad``; the step's update with plain SGD
+(learning rate 1) is minus that gradient. Multi-device meshes are in ``test_sharding.py``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import tiny_config
+from flax import nnx
+
+from cem_jax import config as config_lib
+from cem_jax import memory, sharding, steps, train
+from cem_jax.metrics import read_metrics
+
+V, N, B = 97, 16, 8
+
+
+def _batch():
+  rng = np.random.default_rng(7)
+  tokens = rng.integers(0, V, (B, N + 1)).astype(np.int32)
+  segments = np.ones((B, N), np.int32)
+  segments[2, N // 2:] = 2
+  weights = np.ones((B, N), np.float32)
+  # Odd rows nearly all padding: with k = 2, microbatch 1 (rows 1, 3, 5, 7) holds 8 weighted
+  # tokens and microbatch 0 holds 64, so a mean of per-microbatch means is not the batch mean.
+  weights[1::2, 2:] = 0.0
+  segments[1::2, 3:] = 0
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments,
+          "weights": weights}
+
+
+def _reference_loss(graphdef, params, batch):
+  logits = nnx.merge(graphdef, params)(batch["inputs"], batch["segment_ids"])
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+  return jnp.sum(nll * batch["weights"]) / jnp.sum(batch["weights"])
+
+
+@pytest.mark.parametrize("block,k", [("cem", 2), ("cem", 4), ("llama", 2)])
+def test_the_accumulated_update_is_minus_the_gradient_of_the_whole_batch_mean(block, k):
+  cfg = tiny_config(block, **{"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64,
+                              "model.num_layers": 2, "data.seq_len": N})
+  if block == "cem":
+    cfg.model.num_steps, cfg.model.diagonal, cfg.model.precond = 2, "per_head", "both"
+    cfg.model.precond_rank = 2
+  graphdef, params = nnx.split(steps.build_model(cfg, V), nnx.Param)
+  # Away from the initial values (learned step sizes, norms and preconditioners not at 1).
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(3), len(leaves))
+  params = jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(r, x.shape, x.dtype)
+                                        for x, r in zip(leaves, keys, strict=True)])
+  batch = _batch()
+  loss, grads = jax.value_and_grad(_reference_loss, argnums=1)(graphdef, params, batch)
+  w = batch["weights"]
+  means = [np.sum(w[i::k]) for i in range(k)]
+  assert max(means) > 4 * min(means)  # the microbatches hold very different token counts
+
+  tx = optax.apply_if_finite(optax.sgd(1.0), 10)
+  step = steps.make_train_step(graphdef, tx, gradient_accumulation_steps=k)
+  kept = jax.tree.map(jnp.copy, params)
+  new, _, metrics = step(params, tx.init(kept), batch)
+  np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=2e-6)
+  np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grads)),
+                             rtol=2e-5)
+  for got, before, g in zip(jax.tree.leaves(new), jax.tree.leaves(kept), jax.tree.leaves(grads),
+                            strict=True):
+    scale = float(jnp.max(jnp.abs(g))) + 1e-12
+    np.testing.assert_allclose(np.asarray(before - got) / scale, np.asarray(g) / scale,
+                               atol=2e-5)
+
+
+def test_each_microbatch_holds_a_kth_of_the_activations():
+  cfg = tiny_config("cem", **{"model.num_layers": 2, "data.seq_len": 256,
+                              "train.batch_size": 16})
+  graphdef, params = nnx.split(steps.build_model(cfg, 512), nnx.Param)
+  tx = optax.apply_if_finite(optax.adamw(1e-3), 10)
+  spec = lambda dtype: jax.ShapeDtypeStruct((16, 256), dtype)  # noqa: E731
+  batch = {"inputs": spec(np.int32), "targets": spec(np.int32), "segment_ids": spec(np.int32),
+           "weights": spec(np.float32)}
+  need = {k: memory.footprint_bytes(steps.make_train_step(
+      graphdef, tx, gradient_accumulation_steps=k).lower(params, tx.init(params), batch)
+      .compile()) for k in (1, 4)}
+  assert need[4] < 0.35 * need[1], need  # measured: 48 MiB vs 172 MiB
+
+
+def test_a_batch_the_microbatches_do_not_divide_is_one_line():
+  cfg = tiny_config("cem", **{"train.batch_size": 6, "train.gradient_accumulation_steps": 4})
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(cfg)
+  assert str(e.value) == ("train.batch_size=6 is not divisible by "
+                          "train.gradient_accumulation_steps=4; each microbatch has "
+                          "batch_size / gradient_accumulation_steps rows")
+  # Each device splits its own rows: 8 rows over 4 data-parallel devices cannot make 4 pieces.
+  cfg = tiny_config("cem", **{"train.batch_size": 8, "train.gradient_accumulation_steps": 4,
+                              "eval.batch_size": 8})
+  with pytest.raises(ValueError) as e:
+    sharding.check_config(cfg, 4)
+  assert str(e.value) == ("train.batch_size=8 is not divisible by "
+                          "train.gradient_accumulation_steps=4 x the 4 data-parallel devices "
+                          "(mesh.data x mesh.fsdp = 4 x 1); use a multiple of 16, e.g. 16")
+  sharding.check_config(cfg, 2)
+  with pytest.raises(ValueError, match=r"^train\.gradient_accumulation_steps=0 must be >= 1$"):
+    config_lib.validate(tiny_config("cem", **{"train.gradient_accumulation_steps": 0}))
+
+
+def test_the_loop_trains_with_the_configured_accumulation(tmp_path, monkeypatch):
+  # The same run in 1 and 4 pieces, on the loop's mesh (the sharded step): the same losses.
+  built, real = [], steps.make_train_step
+
+  def spy(*args, **kwargs):
+    built.append(args[5] if len(args) > 5 else kwargs.get("gradient_accumulation_steps", 1))
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(steps, "make_train_step", spy)
+  losses = {}
+  for k in (1, 4):
+    cfg = tiny_config("llama", **{"model.num_layers": 1, "train.num_steps": 3,
+                                  "train.log_every_steps": 1, "train.eval_every_steps": 3,
+                                  "train.gradient_accumulation_steps": k})
+    train.train_and_evaluate(cfg, str(tmp_path / f"k{k}"))
+    losses[k] = [m["train/loss"] for m in read_metrics(str(tmp_path / f"k{k}"))
+                 if "train/loss" in m]
+  assert built == [1, 4] and len(losses[1]) == 3
+  np.testing.assert_allclose(losses[4], losses[1], rtol=1e-5)
