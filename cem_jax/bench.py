@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 
 import jax
@@ -23,7 +24,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from cem_jax import cli, memory, optim
+from cem_jax import cli, memory, optim, preflight
 from cem_jax import steps as steps_lib
 from cem_jax.config import get_default_config
 from cem_jax.files import atomic_write_json
@@ -102,6 +103,10 @@ def _model_config(preset: dict, variant: dict, seq_len: int, width: int,
   return c
 
 
+class RowsFailed(RuntimeError):
+  """Rows of a :func:`run` sweep failed; the others were measured (and written)."""
+
+
 def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
   """Compiles and times one training step of ``config``; returns the figures as a dict.
 
@@ -161,9 +166,19 @@ def run(preset: str, variants: list[str], out: str | None = None,
   keep theirs); ``attention_impl`` sets ``model.attention_impl`` of every variant (default:
   the config's 'auto'). Each row records the kernel the model actually used.
 
-  ``out`` (JSON: ``device``, ``platform``, ``jax``, ``preset``, ``rows``, ``complete``) is
-  rewritten atomically after every row, ``complete`` false until the last: a sweep stopped
-  by a time limit (a lent GPU's) keeps the rows it measured.
+  ``out`` (JSON: ``device``, ``platform``, ``jax``, ``preset``, ``rows``, ``complete``,
+  ``failed``) is rewritten atomically after every row, ``complete`` false until the last: a
+  sweep stopped by a time limit (a lent GPU's) keeps the rows it measured. A row whose
+  config or kernel fails (an ``Exception``: out of memory, a kernel that refuses the shape)
+  is recorded with its ``error`` (type and first line) instead of figures, printed, and the
+  sweep goes on to the next row; ``failed`` counts them.
+
+  Raises:
+    KeyError: an unknown ``preset`` or variant name (``main`` checks them first).
+    ValueError: a row's config or kernel that cannot run here (``preflight.check``, the
+      model's kernel choice), before any row is measured.
+    RowsFailed: after the whole sweep, when a row failed (one line naming the rows; the
+      figures of the others are in ``out`` and printed).
   """
   p = dict(PRESETS[preset])
   if document_mask is not None:
@@ -177,28 +192,44 @@ def run(preset: str, variants: list[str], out: str | None = None,
         f"document_mask={p['document_mask']}, attention_impl={attention_impl or 'auto'}",
         flush=True)
   todo = [(n, width, name) for n, width in shapes for name in variants]
-  for i, (n, width, name) in enumerate(todo):
-    cfg = _model_config(p, VARIANTS[name], n, width, attention_impl)
+  configs = [_model_config(p, VARIANTS[name], n, width, attention_impl)
+             for n, width, name in todo]
+  for cfg in configs:  # what no row could run fails now, in one line, before any is measured
+    preflight.check(cfg)
+    nnx.eval_shape(lambda cfg=cfg: DecoderLM(cfg.model, p["vocab_size"], rngs=nnx.Rngs(0)))
+  for i, ((n, width, name), cfg) in enumerate(zip(todo, configs, strict=True)):
     row = {"variant": name, "seq_len": n, "d_model": width,
-           "document_mask": cfg.model.document_mask,
-           **bench_one(cfg, p["vocab_size"], p["steps"], p["warmup"])}
+           "document_mask": cfg.model.document_mask}
+    try:
+      row.update(bench_one(cfg, p["vocab_size"], p["steps"], p["warmup"]))
+    except Exception as e:  # noqa: BLE001 - recorded in the row; the sweep measures the rest
+      row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
     rows.append(row)
     print(json.dumps(row), flush=True)
+    failed = [r for r in rows if "error" in r]
     if out:
       atomic_write_json(out, {"device": device.device_kind, "platform": device.platform,
                               "jax": jax.__version__, "preset": preset, "rows": rows,
-                              "complete": i == len(todo) - 1})
+                              "complete": i == len(todo) - 1, "failed": len(failed)})
   print(format_table(rows))
+  if failed:
+    raise RowsFailed(f"{len(failed)} of {len(rows)} rows failed: " + "; ".join(
+        f"{r['variant']} at seq_len {r['seq_len']}: {r['error']}" for r in failed))
   return rows
 
 
 def format_table(rows: list[dict]) -> str:
   """A markdown table of the rows, with step-time ratios against Llama and fused CEM."""
-  base = {(r["seq_len"], r["d_model"], r["variant"]): r["step_ms"] for r in rows}
+  base = {(r["seq_len"], r["d_model"], r["variant"]): r["step_ms"] for r in rows
+          if "error" not in r}
   lines = ["| variant | attention | seq_len | d_model | params | compile s | step ms | "
            "tokens/s | GFLOP/token | MFU | peak MB | × llama | × cem_fused |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
+    if "error" in r:
+      lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | {r['seq_len']} | "
+                   f"{r['d_model']} |" + " |" * 9)
+      continue
     key = (r["seq_len"], r["d_model"])
     ratio = lambda other, r=r, key=key: (f"{r['step_ms'] / base[(*key, other)]:.2f}"
                                          if (*key, other) in base else "")
@@ -225,7 +256,11 @@ def main(argv):
     if out_dir and not os.path.isdir(out_dir):  # found out now, not after the whole sweep
       raise ValueError(f"--out={fl.out}: folder {out_dir} does not exist")
     document_mask = None if fl.document_mask is None else fl.document_mask.lower() == "true"
-    run(fl.preset, fl.variants, fl.out, document_mask, fl.attention_impl)
+    try:
+      run(fl.preset, fl.variants, fl.out, document_mask, fl.attention_impl)
+    except RowsFailed as e:  # said in one line, after the other rows' figures
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(1)
 
 
 if __name__ == "__main__":

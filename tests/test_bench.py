@@ -162,3 +162,30 @@ def test_the_documented_gpu_run_resolves_its_kernels_and_sizes():
           assert impl == "cudnn", (preset, name, n, reason)
         if name.startswith("llama"):
           assert 100e6 < count_params(model) < 130e6, (name, count_params(model))
+
+
+def test_a_row_that_fails_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+  # On the one GPU call, a kernel that refuses one shape must not cost the other rows.
+  calls = []
+
+  def fake_bench_one(config, vocab_size, steps, warmup):
+    calls.append(config.model.block)
+    if len(calls) == 2:
+      raise ValueError("cuDNN refused this shape\nsecond line")
+    return {"attention": "xla", "step_ms": float(len(calls)), "params": 1, "compile_s": 1.0,
+            "tokens_per_s": 1.0, "flops_per_token": 1.0, "mfu": None, "peak_memory_mb": None}
+
+  monkeypatch.setattr(bench, "bench_one", fake_bench_one)
+  out = tmp_path / "bench.json"
+  with pytest.raises(bench.RowsFailed) as e:
+    bench.run("tiny", ["llama", "cem_fused"], str(out))
+  assert str(e.value) == ("1 of 6 rows failed: cem_fused at seq_len 64: ValueError: cuDNN "
+                          "refused this shape")
+  import json
+
+  saved = json.load(open(out))
+  assert saved["complete"] is True and saved["failed"] == 1 and len(calls) == 6
+  assert [r.get("step_ms") for r in saved["rows"]] == [1.0, None, 3.0, 4.0, 5.0, 6.0]
+  assert saved["rows"][1]["error"] == "ValueError: cuDNN refused this shape"
+  assert "| cem_fused | failed: ValueError: cuDNN refused this shape | 64 |" in (
+      capsys.readouterr().out)
