@@ -364,27 +364,48 @@ def flat(config: ml_collections.ConfigDict | dict) -> dict:
   return out
 
 
-# How the model is computed, not which function it is: a run may resume with another value
-# (another machine's kernel, precision or memory policy; the fused and autodiff updates and
-# the blockwise log-sum-exp are tested equal). Every other model.* key defines the model.
-EXECUTION_ONLY = ("model.attention_impl", "model.dtype", "model.remat", "model.update_mode",
-                  "model.energy_block_size")
+# Keys a resumed run may change: how the model is computed (another machine's kernel,
+# precision or memory policy; the blockwise log-sum-exp is tested equal to the dense one) and
+# values read only when parameters are initialised (the restore replaces what they made).
+# Every other model.* key defines the model. Not update_mode: a user's closed form is checked
+# at start-up by its values only, so fused and autodiff may train differently.
+RESUME_MAY_CHANGE = ("model.attention_impl", "model.dtype", "model.remat",
+                     "model.energy_block_size", "model.init_std", "model.eta_init",
+                     "model.momentum_init")
+
+
+def _model_identity(values: dict) -> dict:
+  """A flat config's ``model.*`` values as the model they make: ``-1`` sizes resolved, and an
+  energy file named by its file name (the same file from another checkout is the same energy;
+  its content is compared from the checkpoint's digests, ``energies.source_digest``)."""
+  out = {k: v for k, v in values.items() if k.startswith("model.")}
+  if out.get("model.head_dim") == -1 and out.get("model.num_heads"):
+    out["model.head_dim"] = out["model.d_model"] // out["model.num_heads"]
+  if out.get("model.num_unique_blocks") == -1:
+    out["model.num_unique_blocks"] = out.get("model.num_layers")
+  for key in ("model.attention_energy", "model.mlp_energy"):
+    module, sep, function = str(out.get(key, "")).rpartition(":")
+    if sep and module.endswith(".py"):
+      out[key] = f"{module.replace(chr(92), '/').rsplit('/', 1)[-1]}:{function}"
+  return out
 
 
 def model_changes(saved: ml_collections.ConfigDict | dict,
                   now: ml_collections.ConfigDict | dict) -> list[str]:
   """The ``model.*`` keys that define the model and differ between two configs, as
-  ``"key: old -> new"`` strings, sorted; keys in :data:`EXECUTION_ONLY` are left out.
+  ``"key: old -> new"`` strings, sorted; keys in :data:`RESUME_MAY_CHANGE` are left out, and
+  values are compared as the model they make (:func:`_model_identity`).
 
   ``saved`` is a checkpoint's resolved config (``meta["config"]``), ``now`` the config of the
   run resuming from it (a ``ConfigDict`` or the nested dict ``config.json`` holds). A key the
-  checkpoint predates is compared at its default: a new key's default keeps the old model.
+  checkpoint predates is compared at its default (a new key's default keeps the old model); a
+  key only the checkpoint has (removed since) is not compared.
   """
-  old, new = flat(saved), flat(now)
-  keys = {k for k in set(old) | set(new) if k.startswith("model.") and k not in EXECUTION_ONLY}
   defaults = flat(get_default_config())
-  old = {k: old.get(k, defaults.get(k)) for k in keys}
-  return [f"{k}: {old[k]!r} -> {new.get(k)!r}" for k in sorted(keys) if old[k] != new.get(k)]
+  old = _model_identity({**defaults, **flat(saved)})
+  new = _model_identity(flat(now))
+  keys = sorted(k for k in new if k not in RESUME_MAY_CHANGE)
+  return [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in keys if old.get(k) != new[k]]
 
 
 def _get(config, dotted: str):

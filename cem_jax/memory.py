@@ -53,12 +53,17 @@ def device_limit_bytes(device: jax.Device | None = None) -> int | None:
   return int(limit) if limit else None
 
 
+def _size(nbytes: int) -> str:
+  return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
 def _what_to_change(config: ml_collections.ConfigDict) -> str:
   t, d, m = config.train, config.data, config.model
+  remat = "" if m.remat == "full" else f"set model.remat='full' (now {m.remat!r}), "
   return (f"raise train.gradient_accumulation_steps={t.gradient_accumulation_steps} (the same "
-          f"batch in smaller pieces), set model.remat='full' (now {m.remat!r}), shard over "
-          f"more devices (mesh.fsdp={config.mesh.fsdp}), or lower data.seq_len={d.seq_len} "
-          f"or train.batch_size={t.batch_size}")
+          f"batch in smaller pieces), {remat}shard over more devices "
+          f"(mesh.fsdp={config.mesh.fsdp}), or lower data.seq_len={d.seq_len} or "
+          f"train.batch_size={t.batch_size}")
 
 
 def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict, *,
@@ -91,10 +96,10 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
                      f"{_what_to_change(config)}") from e
   need = footprint_bytes(compiled)
   if need is not None:
-    of = f" of {limit / GIB:.2f} GiB" if limit else ""
-    logging.info("%s: %.2f GiB per device%s (XLA memory analysis: arguments, outputs and "
-                 "temporaries)", what, need / GIB, of)
+    of = f" of {_size(limit)}" if limit else ""
+    logging.info("%s: %s per device%s (XLA memory analysis: arguments, outputs and "
+                 "temporaries)", what, _size(need), of)
   if need is not None and limit and need > limit:
-    raise ValueError(f"{what} needs {need / GIB:.2f} GiB per device (XLA memory analysis), "
-                     f"the device allows {limit / GIB:.2f} GiB: {_what_to_change(config)}")
+    raise ValueError(f"{what} needs {_size(need)} per device (XLA memory analysis), the "
+                     f"device allows {_size(limit)}: {_what_to_change(config)}")
   return compiled

@@ -28,7 +28,7 @@ from absl import logging
 
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
-from cem_jax import memory, preflight
+from cem_jax import energies, memory, preflight
 from cem_jax import sharding as sharding_lib
 from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
@@ -126,8 +126,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       field/file, the value and the fix; :class:`cem_jax.checkpoint.CheckpointError` for
       checkpoints that are all damaged or do not fit the model); a checkpoint trained on other
       data or as another model (a ``model.*`` key changed, other than
-      :data:`cem_jax.config.EXECUTION_ONLY`); ``metrics.jsonl`` damaged
-      before its last line (see :func:`cem_jax.metrics.read_metrics`).
+      :data:`cem_jax.config.RESUME_MAY_CHANGE`, or a user energy's file edited);
+      ``metrics.jsonl`` damaged before its last line (see :func:`cem_jax.metrics.read_metrics`).
     FloatingPointError: ``train.max_consecutive_nonfinite`` consecutive non-finite steps (or
       non-finite parameters at a save); nothing from those steps is saved.
   """
@@ -206,7 +206,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
       # Checked before the arrays are read: a model's worth of restore for nothing otherwise.
       saved = ckpt.read_meta(run.resume)
       data_lib.check_same_data(saved.get("data"), data.identity, ckpt.step_dir(run.resume))
-      _check_same_model(saved.get("config"), config, ckpt.step_dir(run.resume))
+      _check_same_model(saved, config, ckpt.step_dir(run.resume))
       # The target is the freshly initialised state on the current devices: the restore takes
       # its structure (optax's state types) and shardings, whatever the saving run used.
       state, run.meta = ckpt.restore(run.resume, {"params": params, "opt_state": opt_state})
@@ -227,17 +227,36 @@ def _batch_spec(config: ml_collections.ConfigDict, sharding) -> dict:
           "segment_ids": spec(np.int32), "weights": spec(np.float32)}
 
 
-def _check_same_model(saved: dict | None, config: ml_collections.ConfigDict,
-                      checkpoint: str) -> None:
+def energy_digests(config: ml_collections.ConfigDict) -> dict[str, str]:
+  """``{config field: source sha256}`` of the user energies a CEM model uses
+  (:func:`cem_jax.energies.source_digest`; built-ins have none), as checkpoints record them."""
+  m = config.model
+  if m.block != "cem":
+    return {}
+  slots = [("attention", m.cem_attention), ("mlp", m.cem_mlp)]
+  found = {f"model.{kind}_energy": energies.source_digest(m[f"{kind}_energy"], kind,
+                                                           f"model.{kind}_energy")
+           for kind, used in slots if used}
+  return {k: v for k, v in found.items() if v is not None}
+
+
+def _check_same_model(saved: dict, config: ml_collections.ConfigDict, checkpoint: str) -> None:
   """Refuses to resume a checkpoint as another model: parameters of the same shapes would
   train on under another energy, mask or step rule without an error, and the run's metrics
-  would mix two models. ``saved``: the checkpoint's config (None: saved before checkpoints
-  held one, not checked). What may change is :data:`cem_jax.config.EXECUTION_ONLY`.
+  would mix two models. ``saved``: the checkpoint's metadata; its ``config`` (absent: saved
+  before checkpoints held one, not checked) is compared by
+  :func:`cem_jax.config.model_changes` (what may change: ``config.RESUME_MAY_CHANGE``), its
+  ``energies`` with :func:`energy_digests` (a user energy's file edited since).
 
   Raises:
-    ValueError: one line naming the checkpoint and every changed ``model.*`` key.
+    ValueError: one line naming the checkpoint and every changed ``model.*`` key or file.
   """
-  changes = [] if saved is None else config_lib.model_changes(saved, config)
+  changes = [] if saved.get("config") is None else config_lib.model_changes(saved["config"],
+                                                                             config)
+  now = energy_digests(config)
+  changes += [f"{k}: its source changed (sha256 {v[:12]} -> {now[k][:12]})"
+              for k, v in sorted(saved.get("energies", {}).items())
+              if k in now and now[k] != v]
   if changes:
     raise ValueError(f"checkpoint {checkpoint} is another model ({', '.join(changes)}): "
                      "resume with the model it was trained as, or train in a new --workdir")
@@ -348,11 +367,14 @@ class _Loop:
     self.guard = jax.make_array_from_process_local_data(run.shardings.replicated,
                                                         np.zeros((), np.int32))
     # Compiled now, for the shapes and shardings of the calls to come (they reuse it): a step
-    # too large for the device is a one-line error before any step runs.
-    memory.compile_within_memory(self.train_step, (self.params, self.opt_state,
-                                                   _batch_spec(config, run.shardings.batch),
-                                                   self.guard, np.int32(0)), config)
+    # too large for the device is a one-line error before any step runs. A finished run
+    # (re-run to find its last checkpoint) runs no step: nothing to compile.
+    if run.start_step < cfg_t.num_steps:
+      memory.compile_within_memory(self.train_step, (self.params, self.opt_state,
+                                                     _batch_spec(config, run.shardings.batch),
+                                                     self.guard, np.int32(0)), config)
     self.last_saved = run.resume
+    self.energies = energy_digests(config)
     _log_resume(run, self.resolved)
     # Last: the writer is the only thing here to close, and nothing after it can fail.
     self.writer, self.best, self.last_eval = _open_metrics(run, self.resolved, self.is_main)
@@ -443,7 +465,7 @@ class _Loop:
       )
     meta = {"step": done, "data_position": done, "seed": self.run.config.seed,
             "config": self.resolved, "numerics_version": NUMERICS_VERSION,
-            "data": self.run.data.identity}
+            "data": self.run.data.identity, "energies": self.energies}
     if self.run.ckpt.save(done, state, meta, force=force):
       self.last_saved = done
 

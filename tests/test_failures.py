@@ -297,22 +297,69 @@ def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path):
                      "True): resume with the model it was trained as, or train in a new "
                      "--workdir")
   assert read_metrics(str(workdir)) == before and (workdir / "checkpoints" / "2").is_dir()
-  # How the same model is computed may change: the kernel, the update rule, the precision.
-  train.train_and_evaluate(cfg(4, **{"model.attention_impl": "xla",
-                                     "model.update_mode": "autodiff",
-                                     "model.energy_block_size": 16}), str(workdir))
+  # How the same model is computed may change (the kernel, the memory policy), and what only
+  # initialisation reads (the restore replaces it).
+  train.train_and_evaluate(cfg(4, **{"model.attention_impl": "xla", "model.remat": "full",
+                                     "model.init_std": 0.01, "model.eta_init": 0.5}),
+                           str(workdir))
   assert read_metrics(str(workdir))[-1]["step"] == 4
 
 
-def test_model_changes_compares_a_key_the_checkpoint_predates_at_its_default():
+def test_model_changes_compares_the_model_a_config_makes():
   now = tiny_config("cem")
   saved = now.to_dict()
   del saved["model"]["manifold"]  # a checkpoint saved before the key existed
+  saved["model"]["removed_since"] = 3  # a key this version no longer has
   assert config_lib.model_changes(saved, now) == []
   now.model.manifold = "sphere"
   assert config_lib.model_changes(saved, now) == ["model.manifold: 'euclidean' -> 'sphere'"]
   now.model.manifold, now.model.dtype, now.train.learning_rate = "euclidean", "bfloat16", 1.0
   assert config_lib.model_changes(saved, now) == []  # precision and training are no model key
+  # Two spellings of one model: -1 sizes, the same energy file from another checkout.
+  saved["model"].update(head_dim=-1, num_unique_blocks=-1,
+                        mlp_energy="/old/checkout/experiments/e.py:energy")
+  now.model.head_dim, now.model.num_unique_blocks = 16, 2
+  now.model.mlp_energy = "/new/place/experiments/e.py:energy"
+  assert config_lib.model_changes(saved, now) == []
+  now.model.head_dim, now.model.mlp_energy = 8, "/new/place/experiments/e.py:other"
+  assert config_lib.model_changes(saved, now) == [
+      "model.head_dim: 16 -> 8", "model.mlp_energy: 'e.py:energy' -> 'e.py:other'"]
+  now.model.head_dim, now.model.mlp_energy = 16, "e.py:energy"
+  now.model.update_mode = "autodiff"  # a user's closed form is checked by its values only
+  assert config_lib.model_changes(saved, now) == ["model.update_mode: 'auto' -> 'autodiff'"]
+
+
+USER_ENERGY = """
+from cem_jax.energies import interaction_energy
+
+
+def energy(y, context, params, aux):
+  return {scale} * interaction_energy(y, context, params, aux)
+"""
+
+
+def test_resume_after_a_user_energy_file_was_edited_is_refused(tmp_path):
+  # The same path, another function: the name alone cannot tell. The same file elsewhere can
+  # (another checkout, another machine).
+  first, moved = tmp_path / "a" / "e.py", tmp_path / "b" / "e.py"
+  for path in (first, moved):
+    path.parent.mkdir()
+    path.write_text(USER_ENERGY.format(scale="1.0"))
+  workdir = tmp_path / "w"
+  cfg = lambda steps, path: tiny_config("cem", **{  # noqa: E731
+      "model.num_layers": 1, "model.attention_energy": f"{path}:energy",
+      "train.num_steps": steps, "checkpoint.every_steps": 2, "train.eval_every_steps": 2})
+  train.train_and_evaluate(cfg(2, first), str(workdir))
+  first.write_text(USER_ENERGY.format(scale="2.0"))
+  before = read_metrics(str(workdir))
+  with pytest.raises(ValueError) as e:
+    train.train_and_evaluate(cfg(4, first), str(workdir))
+  message = str(e.value)
+  assert message.startswith(f"checkpoint {workdir / 'checkpoints' / '2'} is another model "
+                            "(model.attention_energy: its source changed (sha256 ")
+  assert "\n" not in message and read_metrics(str(workdir)) == before
+  train.train_and_evaluate(cfg(4, moved), str(workdir))  # the file as it was, moved
+  assert read_metrics(str(workdir))[-1]["step"] == 4
 
 
 def test_evaluate_rebuilds_the_model_the_checkpoint_was_saved_from(shared_data, tmp_path):
@@ -531,10 +578,10 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
   workdir = tmp_path / "w"
   with pytest.raises(ValueError) as e:
     train.train_and_evaluate(cfg, str(workdir))
-  gib = need["bytes"] / 2**30
+  mib = need["bytes"] / 2**20
   assert str(e.value) == (
-      f"the training step needs {gib:.2f} GiB per device (XLA memory analysis), the device "
-      f"allows {(need['bytes'] - 1) / 2**30:.2f} GiB: raise "
+      f"the training step needs {mib:.1f} MiB per device (XLA memory analysis), the device "
+      f"allows {(need['bytes'] - 1) / 2**20:.1f} MiB: raise "
       "train.gradient_accumulation_steps=1 (the same batch in smaller pieces), set "
       "model.remat='full' (now 'none'), shard over more devices (mesh.fsdp=1), or lower "
       "data.seq_len=64 or train.batch_size=8")
@@ -569,3 +616,26 @@ def test_xla_out_of_memory_at_compile_time_is_one_line_and_other_errors_pass():
       "(mesh.fsdp=1), or lower data.seq_len=64 or train.batch_size=8")
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: other"):
     memory.compile_within_memory(Failing("INTERNAL: other"), (), cfg)
+
+
+def test_the_training_step_compiles_once_and_a_finished_run_compiles_none(tmp_path, caplog):
+  # The start-up memory check compiles the step for the loop's own arguments; a second compile
+  # (an argument spec off by a dtype or a sharding) would double start-up at 125M on a GPU.
+  # (Counted from jax's compile log, whose wording a jax upgrade may change: then fix here.)
+  import logging
+
+  def compiles():
+    return sum("Finished XLA compilation of jit(step)" in r.getMessage() for r in caplog.records)
+
+  cfg = tiny_config("cem", **{"model.num_layers": 1, "train.num_steps": 3,
+                              "train.eval_every_steps": 3})
+  jax.config.update("jax_log_compiles", True)
+  try:
+    with caplog.at_level(logging.WARNING):
+      train.train_and_evaluate(cfg, str(tmp_path / "w"))
+      assert compiles() == 1
+      caplog.clear()
+      train.train_and_evaluate(cfg, str(tmp_path / "w"))  # finished: nothing to train
+      assert compiles() == 0
+  finally:
+    jax.config.update("jax_log_compiles", False)

@@ -17,6 +17,7 @@ from cem_jax.energies.registry import (
     get,
     names,
     register,
+    source_digest,
 )
 from cem_jax.energies.rope import apply_rope
 
@@ -37,4 +38,5 @@ __all__ = [
     "names",
     "phi_silu",
     "register",
+    "source_digest",
 ]

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from cem_jax import attention
 from cem_jax.energies.base import EnergyAux, blockwise_logsumexp, masked_logsumexp
 from cem_jax.energies.rope import apply_rope
+from cem_jax.masks import visible_rows
 
 
 def _project(y, context, params, aux):
@@ -163,10 +164,12 @@ def fused_update(y: jax.Array, context: jax.Array, params: dict, aux: EnergyAux)
                       params["w_q"].astype(dt))
   if diag is not None:
     agg = out[..., head_dim : head_dim + y.shape[-1]]  # Σ_j a_ij c_j   [b, t, h, d] (f32)
-    if aux.diagonal_form == "distance":
-      agg = agg - y.astype(jnp.float32)[:, :, None, :]
+    if aux.diagonal_form == "distance":  # -y_i, on the rows that see a key (the others: 0)
+      rows = visible_rows(aux.mask, is_causal=aux.is_causal, strict=aux.strict_causal,
+                          segment_ids=aux.segment_ids, shape=y.shape[:2])
+      y32 = y.astype(jnp.float32)
+      agg = agg - (y32 if rows is None else y32 * rows[..., None])[:, :, None, :]
     update = update + jnp.einsum("bthd,hd->btd", agg * eta[None, None, :, None],
                                  diag.astype(jnp.float32))
-  if not aux.is_plain_causal:
-    update = update * jnp.any(aux.mask, axis=-1)[..., None].astype(update.dtype)
+  # The kernel's output is exactly 0 on a row with no visible key, so is the update there.
   return update.astype(y.dtype)

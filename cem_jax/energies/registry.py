@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -152,6 +153,31 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
   if spec.kind != kind:
     raise ValueError(f"{field}={name!r} is {_A[spec.kind]} energy, not {_A[kind]} energy")
   return spec
+
+
+def source_digest(name: str, kind: str, field: str = "energy") -> str | None:
+  """sha256 of the source files that define energy ``name`` (its energy function and closed
+  form, in that order), or None for a built-in energy (cem_jax's own code, pinned by its tests
+  and ``NUMERICS_VERSION``) or a function whose file cannot be found.
+
+  A run records it in every checkpoint, so that resuming after the file was edited (another
+  energy under the same name) is refused.
+
+  Raises:
+    ValueError: as :func:`get`.
+  """
+  spec = get(name, kind, field)
+  if spec.builtin:
+    return None
+  digest = hashlib.sha256()
+  for fn in (spec.energy, spec.fused_update):
+    path = inspect.getsourcefile(fn) if fn is not None else None
+    if fn is not None and not (path and os.path.isfile(path)):
+      return None
+    if path:
+      with open(path, "rb") as f:
+        digest.update(hashlib.sha256(f.read()).digest())
+  return digest.hexdigest()
 
 
 _register("softmax", "attention", interaction.interaction_energy, interaction.fused_update,
