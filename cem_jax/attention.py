@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from cem_jax.axes import DEFAULT_RULES, mesh_axes_of
+from cem_jax.axes import DEFAULT_RULES, dividing_axes, mesh_axes_of
 from cem_jax.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 from cem_jax.masks import make_mask, visible_rows
 
@@ -251,14 +251,10 @@ def _splash_partitioned(q, k, v, strict: bool, segment_ids, interpret: bool, par
   if mesh.empty or mesh.size == 1:
     return _splash(q, k, v, strict, segment_ids, interpret)
   b, _, h, _ = q.shape
-
-  def fit(axes, size):
-    axes = tuple(a for a in axes if a in mesh.axis_names)
-    return axes if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else None
-
-  rows = fit(partition[0], b)
+  shape = dict(mesh.shape)
+  rows = dividing_axes(partition[0], b, shape)
   # A mesh axis splits at most one dimension (as sharding.logical_to_spec): rows win.
-  heads = fit(tuple(a for a in partition[1] if a not in (rows or ())), h)
+  heads = dividing_axes(tuple(a for a in partition[1] if a not in (rows or ())), h, shape)
   spec = PartitionSpec(rows, None, heads, None)
   # The kernel (cached) is built here, outside shard_map: inside, its mask tables would belong
   # to that shard_map's trace and manual mesh, and a later trace (eager, another mesh) fails.

@@ -80,6 +80,14 @@ def mesh_axes_of(target) -> tuple[str, ...]:
   return (target,) if isinstance(target, str) else tuple(target or ())
 
 
+def dividing_axes(axes: tuple[str, ...], size: int, mesh_shape: dict) -> tuple[str, ...] | None:
+  """The mesh axes of ``axes`` that the mesh has (``mesh_shape``: ``{axis: devices}``), if
+  their product divides ``size`` (a dimension's length): where to split that dimension; None
+  when none fit (the dimension stays whole)."""
+  axes = tuple(a for a in axes if a in mesh_shape)
+  return axes if axes and size % math.prod(mesh_shape[a] for a in axes) == 0 else None
+
+
 def check_mesh_sizes(mesh_config) -> None:
   """Checks ``mesh.data``, ``mesh.fsdp``, ``mesh.tensor`` without the devices: each an int
   >= 1 or -1 (the devices left over), at most one -1.

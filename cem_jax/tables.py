@@ -255,7 +255,14 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
               overrides: dict | None = None) -> list[dict] | None:
   """Trains every (row, seed) not finished yet (``rows``: only those, default all); returns
   the per-run results, or None when a run was preempted (SIGTERM) before its last step:
-  nothing is written for it, and the same command resumes it."""
+  nothing is written for it, and the same command resumes it.
+
+  Raises:
+    ValueError: as :func:`check_runs`, before any run trains; a finished run's
+      ``result.json`` damaged or trained with another config (one line naming the file and
+      the fix); and as :func:`cem_jax.train.train_and_evaluate` for a run that trains.
+    FloatingPointError: as :func:`cem_jax.train.train_and_evaluate`.
+  """
   check_runs(module, scale, seeds, steps, rows, overrides)
   more = [row for row in (rows or module.ROWS)
           if os.path.exists(os.path.join(run_dir(workdir, table, row, seeds), "result.json"))]

@@ -347,6 +347,46 @@ def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path):
   assert read_metrics(str(workdir))[-1]["step"] == 4
 
 
+def _scaled_energy(y, context, params, aux, scale=1.0):
+  return scale * energies.interaction_energy(y, context, params, aux)
+
+
+class _CallableEnergy:
+  def __call__(self, y, context, params, aux):
+    return energies.interaction_energy(y, context, params, aux)
+
+
+def test_source_digest_pins_wrapped_energies_and_says_when_it_cannot(caplog):
+  import functools
+  import logging
+
+  namespace = {}
+  exec("def no_file(y, context, params, aux):\n  return 0.0 * y.sum()", namespace)  # noqa: S102
+  wrapped = {
+      "partial": functools.partial(_scaled_energy, scale=2.0),
+      "custom_jvp": jax.custom_jvp(_scaled_energy),
+      "jit": jax.jit(_scaled_energy),
+      "object": _CallableEnergy(),
+      "lambda": lambda y, context, params, aux: _scaled_energy(y, context, params, aux),
+      "exec": namespace["no_file"],
+  }
+  digests = {}
+  try:
+    for kind, fn in wrapped.items():
+      energies.register(f"digest_{kind}", "attention", fn)
+      with caplog.at_level(logging.WARNING):
+        digests[kind] = energies.source_digest(f"digest_{kind}", "attention")
+  finally:
+    for kind in wrapped:
+      energies.registry._REGISTRY.pop(f"digest_{kind}", None)
+  assert digests["exec"] is None and "keeps no source" in caplog.text
+  pinned = {k: v for k, v in digests.items() if k != "exec"}
+  assert all(pinned.values())
+  # The wrapped function's own source: the same for the three wrappers of _scaled_energy.
+  assert pinned["partial"] == pinned["custom_jvp"] == pinned["jit"] != pinned["object"]
+  assert energies.source_digest("softmax", "attention") is None  # built-in: pinned by tests
+
+
 def test_evaluate_rebuilds_the_model_the_checkpoint_was_saved_from(shared_data, tmp_path):
   # config.json is rewritten by every start: a re-run of a finished run with a changed option
   # trains nothing but leaves that option in config.json. evaluate must not build it.

@@ -183,7 +183,7 @@ import jax, numpy as np
 from flax import nnx
 sys.path.insert(0, {tests!r})
 from conftest import tiny_config
-from cem_jax import data as data_lib, optim, sharding, steps
+from cem_jax import data as data_lib, memory, optim, sharding, steps
 
 assert jax.device_count() == 8, jax.devices()
 block = {block!r}
@@ -235,6 +235,9 @@ for shape in [(1, 1, 1)] + {meshes!r}:
     losses.append(float(m["loss"]))
   rec["losses"] = losses
   rec["batch_spec"] = str(tuple(batch["inputs"].sharding.spec))
+  # The compiled step's memory per device (the calls' own compilation: no second compile).
+  rec["footprint"] = memory.footprint_bytes(
+      step.lower(params, opt_state, batch, guard, np.int32(1)).compile())
   if shape == (2, 2, 2):  # gradient accumulation: each device splits its own rows in two
     graphdef, p2, o2, sh, _ = steps.init_state(cfg, vocab, tx, mesh)
     step2 = steps.make_train_step(graphdef, tx, 5, sh, gradient_accumulation_steps=2)
@@ -263,6 +266,12 @@ def test_every_mesh_gives_the_one_device_losses(block, shared_data, tmp_path):
   ref = runs.pop("1x1x1")
   assert len(ref["losses"]) == 5 and ref["losses"][-1] < ref["losses"][0]
   assert len(runs["2x2x2"]["losses_accumulated"]) == 5
+  # fsdp splits the rows as data does (the model pins its activations to the batch axes), and
+  # its sharded parameters and moments make the step smaller than data parallelism's. It used
+  # to follow the parameters' sharding into the activations, every device running every token
+  # (here 1.05x data parallelism's memory; 2.2x with d_model 128, batch 32 x 128).
+  assert runs["2x4x1"]["footprint"] <= 0.95 * runs["8x1x1"]["footprint"], (
+      runs["2x4x1"]["footprint"], runs["8x1x1"]["footprint"])
   for name, rec in runs.items():
     for key in ("losses", "losses_accumulated"):
       if key in rec:

@@ -11,6 +11,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from absl import logging
+
 from cem_jax.energies import elementwise, interaction
 
 KINDS = ("attention", "mlp")
@@ -155,13 +157,33 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
   return spec
 
 
-def source_digest(name: str, kind: str, field: str = "energy") -> str | None:
-  """sha256 of the source files that define energy ``name`` (its energy function and closed
-  form, in that order), or None for a built-in energy (cem_jax's own code, pinned by its tests
-  and ``NUMERICS_VERSION``) or a function whose file cannot be found.
+def _source_of(fn) -> str | None:
+  """The source text of a function, through ``functools.partial``, decorators that keep
+  ``__wrapped__``, ``jax.custom_jvp``/``custom_vjp`` and ``jax.jit`` wrappers and callable
+  objects (their class); None where Python keeps none (``exec``, a notebook cell, C code)."""
+  for _ in range(16):  # wrappers of wrappers, but never an endless chain
+    inner = getattr(fn, "func", None) or getattr(fn, "fun", None)  # partial, custom_jvp
+    inner = inner or getattr(fn, "__wrapped__", None)  # functools.wraps, jax.jit
+    if inner is None or inner is fn:
+      break
+    fn = inner
+  if not (inspect.isfunction(fn) or inspect.ismethod(fn)) and callable(fn):
+    fn = type(fn)
+  try:
+    return inspect.getsource(fn)
+  except (OSError, TypeError):
+    return None
 
-  A run records it in every checkpoint, so that resuming after the file was edited (another
-  energy under the same name) is refused.
+
+def source_digest(name: str, kind: str, field: str = "energy") -> str | None:
+  """sha256 of the source text of energy ``name``'s function and its closed form (not of the
+  whole file: a config file that registers an energy may change its other settings), or None
+  for a built-in energy (cem_jax's own code, pinned by its tests and ``NUMERICS_VERSION``) and
+  for a function whose source Python does not keep (``exec``, a notebook cell; logged).
+
+  A run records it in every checkpoint, so that resuming after the function was edited
+  (another energy under the same name) is refused. Helpers the function calls are not
+  included.
 
   Raises:
     ValueError: as :func:`get`.
@@ -171,12 +193,14 @@ def source_digest(name: str, kind: str, field: str = "energy") -> str | None:
     return None
   digest = hashlib.sha256()
   for fn in (spec.energy, spec.fused_update):
-    path = inspect.getsourcefile(fn) if fn is not None else None
-    if fn is not None and not (path and os.path.isfile(path)):
+    if fn is None:
+      continue
+    source = _source_of(fn)
+    if source is None:
+      logging.warning("%s=%r: Python keeps no source of %r; a resumed run cannot check that "
+                      "it is the function the checkpoint was trained with", field, name, fn)
       return None
-    if path:
-      with open(path, "rb") as f:
-        digest.update(hashlib.sha256(f.read()).digest())
+    digest.update(hashlib.sha256(source.encode()).digest())
   return digest.hexdigest()
 
 
