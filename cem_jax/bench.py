@@ -115,7 +115,8 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
   ``tokens_per_s``, ``flops_per_token`` (analytic forward FLOPs), ``tflops_per_s`` (3× forward
   per token, in 10¹² FLOP/s), ``mfu`` (a fraction of the device's :data:`PEAK_FLOPS`; None
   when unknown), ``peak_memory_mb`` (MiB, 2²⁰ bytes, of XLA's memory analysis; None when not
-  reported) and ``loss`` (nats/token of the last step).
+  reported) and ``loss`` (nats/token of the last step; None if not finite: strict JSON has
+  no NaN).
   """
   model = DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
@@ -154,7 +155,7 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
       "tflops_per_s": achieved / 1e12,
       "mfu": achieved / peak if peak else None,
       "peak_memory_mb": (lambda m: m / 2**20 if m else None)(memory.footprint_bytes(compiled)),
-      "loss": float(metrics["loss"]),
+      "loss": (lambda x: x if np.isfinite(x) else None)(float(metrics["loss"])),  # JSON
   }
 
 
@@ -175,11 +176,13 @@ def run(preset: str, variants: list[str], out: str | None = None,
 
   Raises:
     KeyError: an unknown ``preset`` or variant name (``main`` checks them first).
-    ValueError: a row's config or kernel that cannot run here (``preflight.check``, the
-      model's kernel choice), before any row is measured.
+    ValueError: no variants; a row's config or kernel that cannot run here
+      (``preflight.check``, the model's kernel choice), before any row is measured.
     RowsFailed: after the whole sweep, when a row failed (one line naming the rows; the
       figures of the others are in ``out`` and printed).
   """
+  if not variants:
+    raise ValueError(f"no variants to run; allowed: one or more of {', '.join(VARIANTS)}")
   p = dict(PRESETS[preset])
   if document_mask is not None:
     p["document_mask"] = document_mask
@@ -214,7 +217,8 @@ def run(preset: str, variants: list[str], out: str | None = None,
   print(format_table(rows))
   if failed:
     raise RowsFailed(f"{len(failed)} of {len(rows)} rows failed: " + "; ".join(
-        f"{r['variant']} at seq_len {r['seq_len']}: {r['error']}" for r in failed))
+        f"{r['variant']} at seq_len {r['seq_len']}, d_model {r['d_model']}: {r['error']}"
+        for r in failed))
   return rows
 
 
@@ -227,7 +231,8 @@ def format_table(rows: list[dict]) -> str:
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['variant']} | failed: {r['error'][:80]} | {r['seq_len']} | "
+      error = r["error"][:80].replace("|", "/")  # a | would end the table cell
+      lines.append(f"| {r['variant']} | failed: {error} | {r['seq_len']} | "
                    f"{r['d_model']} |" + " |" * 9)
       continue
     key = (r["seq_len"], r["d_model"])

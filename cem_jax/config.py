@@ -372,6 +372,11 @@ def flat(config: ml_collections.ConfigDict | dict) -> dict:
 RESUME_MAY_CHANGE = ("model.attention_impl", "model.dtype", "model.remat",
                      "model.energy_block_size", "model.init_std", "model.eta_init",
                      "model.momentum_init")
+# Keys that change how a run is computed, not its numbers (equal up to float rounding:
+# tests/test_attention.py, test_accumulation.py): a table reuses a finished run whatever they
+# are, e.g. one trained without gradient accumulation for a row run with it.
+COMPUTE_ONLY = ("model.attention_impl", "model.remat", "model.energy_block_size",
+                "train.gradient_accumulation_steps")
 
 
 def _model_identity(values: dict) -> dict:

@@ -53,21 +53,30 @@ def device_limit_bytes(device: jax.Device | None = None) -> int | None:
   return int(limit) if limit else None
 
 
-def _size(nbytes: int) -> str:
-  return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+def _sizes(*nbytes: int) -> list[str]:
+  """Byte counts in one unit (GiB from 1 GiB on, else MiB), exact where they would read
+  alike."""
+  gib = max(nbytes) >= GIB
+  out = [f"{n / GIB:.2f} GiB" if gib else f"{n / 2**20:.1f} MiB" for n in nbytes]
+  return out if len(set(out)) == len(out) else [f"{n} bytes" for n in nbytes]
 
 
-def _what_to_change(config: ml_collections.ConfigDict) -> str:
+def _what_to_change(config: ml_collections.ConfigDict, data_parallel: int) -> str:
   t, d, m = config.train, config.data, config.model
+  k = t.gradient_accumulation_steps
+  # The next k that still gives every data-parallel device whole microbatches.
+  more = next((j for j in range(k + 1, t.batch_size + 1)
+               if t.batch_size % (j * data_parallel) == 0), None)
+  accumulate = (f"raise train.gradient_accumulation_steps={k} to {more} (the same batch in "
+                "smaller pieces), " if more else "")
   remat = "" if m.remat == "full" else f"set model.remat='full' (now {m.remat!r}), "
-  return (f"raise train.gradient_accumulation_steps={t.gradient_accumulation_steps} (the same "
-          f"batch in smaller pieces), {remat}shard over more devices "
-          f"(mesh.fsdp={config.mesh.fsdp}), or lower data.seq_len={d.seq_len} or "
-          f"train.batch_size={t.batch_size}")
+  return (f"{accumulate}{remat}shard over more devices (mesh.fsdp={config.mesh.fsdp}), or "
+          f"lower data.seq_len={d.seq_len} or train.batch_size={t.batch_size}")
 
 
 def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict, *,
-                          what: str = "the training step", limit_bytes: int | None = None):
+                          what: str = "the training step", limit_bytes: int | None = None,
+                          data_parallel: int = 1):
   """Compiles ``jitted(*args)`` ahead of time and checks that it fits one device.
 
   Args:
@@ -78,6 +87,8 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
     what: the program's name in the log line and the error.
     limit_bytes: the device's limit in bytes; None (default) reads :func:`device_limit_bytes`
       (none on CPU: nothing is checked, the footprint is only logged).
+    data_parallel: the devices the batch is split over (which gradient accumulation steps
+      the error may suggest: each device's rows must split into whole microbatches).
   Returns:
     The compiled program (``jax.stages.Compiled``).
   Raises:
@@ -93,13 +104,14 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
       raise
     first = str(e).splitlines()[0][:200]
     raise ValueError(f"{what} does not fit in device memory (XLA: {first}): "
-                     f"{_what_to_change(config)}") from e
+                     f"{_what_to_change(config, data_parallel)}") from e
   need = footprint_bytes(compiled)
   if need is not None:
-    of = f" of {_size(limit)}" if limit else ""
+    of = f" of {_sizes(need, limit)[1]}" if limit else ""
     logging.info("%s: %s per device%s (XLA memory analysis: arguments, outputs and "
-                 "temporaries)", what, _size(need), of)
+                 "temporaries)", what, _sizes(need)[0], of)
   if need is not None and limit and need > limit:
-    raise ValueError(f"{what} needs {_size(need)} per device (XLA memory analysis), the "
-                     f"device allows {_size(limit)}: {_what_to_change(config)}")
+    needs, allows = _sizes(need, limit)
+    raise ValueError(f"{what} needs {needs} per device (XLA memory analysis), the device "
+                     f"allows {allows}: {_what_to_change(config, data_parallel)}")
   return compiled

@@ -159,14 +159,15 @@ RESULT_KEYS = ("row", "seed", "eval/loss", "eval/bits_per_byte", "tokens_per_sec
 
 def _same_config(run: str, config) -> bool:
   """True when ``run/config.json`` is ``config`` up to keys added to the defaults since that
-  run (which must hold their default values: new options default to the old behaviour) and
-  to the folder of ``data.files`` (compared by file name, so that runs trained in another
-  checkout, e.g. the committed ``results/tiny``, count)."""
+  run (which must hold their default values: new options default to the old behaviour), to
+  the folder of ``data.files`` (compared by file name, so that runs trained in another
+  checkout, e.g. the committed ``results/tiny``, count) and to
+  :data:`cem_jax.config.COMPUTE_ONLY` (the kernel, remat, gradient accumulation)."""
   path = os.path.join(run, "config.json")
   if not os.path.exists(path):
     return False
   def flat(d: dict) -> dict:
-    out = config_lib.flat(d)
+    out = {k: v for k, v in config_lib.flat(d).items() if k not in config_lib.COMPUTE_ONLY}
     if out.get("data.files"):  # by name: the same corpus seen from another checkout/machine
       out["data.files"] = ",".join(os.path.basename(p) for p in out["data.files"].split(","))
     return out

@@ -372,7 +372,8 @@ class _Loop:
     if run.start_step < cfg_t.num_steps:
       memory.compile_within_memory(self.train_step, (self.params, self.opt_state,
                                                      _batch_spec(config, run.shardings.batch),
-                                                     self.guard, np.int32(0)), config)
+                                                     self.guard, np.int32(0)), config,
+                                   data_parallel=data_parallel_devices(config))
     self.last_saved = run.resume
     self.energies = energy_digests(config)
     _log_resume(run, self.resolved)

@@ -179,8 +179,8 @@ def test_a_row_that_fails_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatc
   out = tmp_path / "bench.json"
   with pytest.raises(bench.RowsFailed) as e:
     bench.run("tiny", ["llama", "cem_fused"], str(out))
-  assert str(e.value) == ("1 of 6 rows failed: cem_fused at seq_len 64: ValueError: cuDNN "
-                          "refused this shape")
+  assert str(e.value) == ("1 of 6 rows failed: cem_fused at seq_len 64, d_model 64: "
+                          "ValueError: cuDNN refused this shape")
   import json
 
   saved = json.load(open(out))

@@ -617,11 +617,10 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
   monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: need["bytes"] - 1)
   with pytest.raises(ValueError) as e:
     train.train_and_evaluate(cfg, str(workdir))
-  mib = need["bytes"] / 2**20
-  assert str(e.value) == (
-      f"the training step needs {mib:.1f} MiB per device (XLA memory analysis), the device "
-      f"allows {(need['bytes'] - 1) / 2**20:.1f} MiB: raise "
-      "train.gradient_accumulation_steps=1 (the same batch in smaller pieces), set "
+  assert str(e.value) == (  # sizes that would read alike in MiB, in bytes
+      f"the training step needs {need['bytes']} bytes per device (XLA memory analysis), the "
+      f"device allows {need['bytes'] - 1} bytes: raise "
+      "train.gradient_accumulation_steps=1 to 2 (the same batch in smaller pieces), set "
       "model.remat='full' (now 'none'), shard over more devices (mesh.fsdp=1), or lower "
       "data.seq_len=64 or train.batch_size=8")
   assert not workdir.exists()
@@ -658,8 +657,16 @@ def test_xla_out_of_memory_at_compile_time_is_one_line_and_other_errors_pass():
         Failing("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.\nmore"), (), cfg)
   assert str(e.value) == (
       "the training step does not fit in device memory (XLA: RESOURCE_EXHAUSTED: Ran out of "
-      "memory in memory space hbm.): raise train.gradient_accumulation_steps=1 (the same "
+      "memory in memory space hbm.): raise train.gradient_accumulation_steps=1 to 2 (the same "
       "batch in smaller pieces), set model.remat='full' (now 'none'), shard over more devices "
       "(mesh.fsdp=1), or lower data.seq_len=64 or train.batch_size=8")
+  # Nothing to suggest that cannot run: 8 rows over 8 devices leave no room for microbatches.
+  cfg.model.remat = "full"
+  with pytest.raises(ValueError) as e:
+    memory.compile_within_memory(Failing("RESOURCE_EXHAUSTED: out of memory"), (), cfg,
+                                 data_parallel=8)
+  assert str(e.value).endswith("(XLA: RESOURCE_EXHAUSTED: out of memory): shard over more "
+                               "devices (mesh.fsdp=1), or lower data.seq_len=64 or "
+                               "train.batch_size=8")
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: other"):
     memory.compile_within_memory(Failing("INTERNAL: other"), (), cfg)

@@ -362,3 +362,16 @@ def test_row_config_saves_a_set_energy_file_absolute(tmp_path, monkeypatch):
                           overrides={"model.mlp_energy": "my.py:gate"})
   assert cfg.model.mlp_energy == f"{tmp_path}/my.py:gate"
   assert cfg.model.attention_energy == "softmax"
+
+
+def test_a_finished_run_counts_for_a_row_that_only_computes_it_differently(tmp_path):
+  # E.g. --set=train.gradient_accumulation_steps=4 for a scale that does not fit one device.
+  from cem_jax.config import get_default_config
+
+  (tmp_path / "config.json").write_text(get_default_config().to_json())
+  now = get_default_config()
+  now.train.gradient_accumulation_steps, now.model.remat = 4, "full"
+  now.model.attention_impl, now.model.energy_block_size = "xla", 64
+  assert tables._same_config(str(tmp_path), now)
+  now.train.learning_rate = 1e-3
+  assert not tables._same_config(str(tmp_path), now)
