@@ -327,18 +327,16 @@ def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path):
   train.train_and_evaluate(cfg(2, first), str(workdir))
   before = read_metrics(str(workdir))
   checkpoint = workdir / "checkpoints" / "2"
+  first.write_text(USER_ENERGY.format(scale="2.0"))  # the same path, another function
   with pytest.raises(ValueError) as e:
     train.train_and_evaluate(cfg(4, first, **{"model.strict_causal": True,
                                               "model.mlp_energy": "relu2"}), str(workdir))
-  assert str(e.value) == (f"checkpoint {checkpoint} is another model (model.mlp_energy: "
-                          "'silu' -> 'relu2', model.strict_causal: False -> True): resume with "
-                          "the model it was trained as, or train in a new --workdir")
-  first.write_text(USER_ENERGY.format(scale="2.0"))  # the same path, another function
-  with pytest.raises(ValueError) as e:
-    train.train_and_evaluate(cfg(4, first), str(workdir))
-  assert str(e.value).startswith(f"checkpoint {checkpoint} is another model "
-                                 "(model.attention_energy: its source changed (sha256 ")
-  assert "\n" not in str(e.value)
+  message = str(e.value)
+  assert message.startswith(f"checkpoint {checkpoint} is another model (model.mlp_energy: "
+                            "'silu' -> 'relu2', model.strict_causal: False -> True, "
+                            "model.attention_energy: its source changed (sha256 ")
+  assert message.endswith("): resume with the model it was trained as, or train in a new "
+                          "--workdir") and "\n" not in message
   assert read_metrics(str(workdir)) == before and checkpoint.is_dir()
   # The file as it was, moved; how the same model is computed (the kernel, the memory
   # policy) and what only initialisation reads (the restore replaces it) may change.
@@ -599,32 +597,16 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
   cfg = tiny_config("cem", **{"model.num_layers": 1, "train.num_steps": 2})
   need, real = {}, memory.compile_within_memory
 
-  def measured(jitted, args, config, **kw):
-    try:
-      compiled = real(jitted, args, config, **kw)
-    except ValueError:
+  def against(offset):  # a device limit of the step's own footprint + offset bytes
+    def check(jitted, args, config, **kw):
+      # Compiled here first; the check's own compile is then the same (cached) program.
       need["bytes"] = memory.footprint_bytes(jitted.lower(*args).compile())
-      raise
-    return compiled
+      need["call"] = (jitted, args, config)
+      return real(jitted, args, config, **{**kw, "limit_bytes": need["bytes"] + offset})
+    return check
 
-  monkeypatch.setattr(memory, "compile_within_memory", measured)
-  monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: 1)
   workdir = tmp_path / "w"
-  with pytest.raises(ValueError, match=r"^the training step needs .* the device allows 0\.0 MiB"):
-    train.train_and_evaluate(cfg, str(workdir))
-  assert not workdir.exists()
-  # One byte too small, then exactly large enough.
-  monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: need["bytes"] - 1)
-  with pytest.raises(ValueError) as e:
-    train.train_and_evaluate(cfg, str(workdir))
-  assert str(e.value) == (  # sizes that would read alike in MiB, in bytes
-      f"the training step needs {need['bytes']} bytes per device (XLA memory analysis), the "
-      f"device allows {need['bytes'] - 1} bytes: raise "
-      "train.gradient_accumulation_steps=1 to 2 (the same batch in smaller pieces), set "
-      "model.remat='full' (now 'none'), shard over more devices (mesh.fsdp=1), or lower "
-      "data.seq_len=64 or train.batch_size=8")
-  assert not workdir.exists()
-  monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: need["bytes"])
+  monkeypatch.setattr(memory, "compile_within_memory", against(0))  # exactly large enough
   jax.config.update("jax_log_compiles", True)
   try:
     with caplog.at_level(logging.WARNING):
@@ -635,6 +617,21 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
       assert compiles() == 0
   finally:
     jax.config.update("jax_log_compiles", False)
+  monkeypatch.setattr(memory, "compile_within_memory", against(-1))  # one byte too small
+  fresh = tmp_path / "fresh"
+  with pytest.raises(ValueError) as e:
+    train.train_and_evaluate(cfg, str(fresh))
+  assert str(e.value) == (  # sizes that would read alike in MiB, in bytes
+      f"the training step needs {need['bytes']} bytes per device (XLA memory analysis), the "
+      f"device allows {need['bytes'] - 1} bytes: raise "
+      "train.gradient_accumulation_steps=1 to 2 (the same batch in smaller pieces), set "
+      "model.remat='full' (now 'none'), shard over more devices (mesh.fsdp=1), or lower "
+      "data.seq_len=64 or train.batch_size=8")
+  assert not fresh.exists()
+  # Without a limit given, the device's own is read (none on CPU: nothing refused).
+  monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: 1)
+  with pytest.raises(ValueError, match=r"^the training step needs .* allows 0\.0 MiB: "):
+    real(*need["call"])
 
 
 def test_xla_out_of_memory_at_compile_time_is_one_line_and_other_errors_pass():

@@ -238,7 +238,7 @@ for shape in [(1, 1, 1)] + {meshes!r}:
   # The compiled step's memory per device (the calls' own compilation: no second compile).
   rec["footprint"] = memory.footprint_bytes(
       step.lower(params, opt_state, batch, guard, np.int32(1)).compile())
-  if shape == (2, 2, 2):  # gradient accumulation: each device splits its own rows in two
+  if shape == (2, 2, 2) and block == "cem":  # gradient accumulation: each device's rows in two
     graphdef, p2, o2, sh, _ = steps.init_state(cfg, vocab, tx, mesh)
     step2 = steps.make_train_step(graphdef, tx, 5, sh, gradient_accumulation_steps=2)
     rec["losses_accumulated"] = []
@@ -265,7 +265,7 @@ def test_every_mesh_gives_the_one_device_losses(block, shared_data, tmp_path):
   runs = json.loads(line[len("RESULT "):])
   ref = runs.pop("1x1x1")
   assert len(ref["losses"]) == 5 and ref["losses"][-1] < ref["losses"][0]
-  assert len(runs["2x2x2"]["losses_accumulated"]) == 5
+  assert len(runs["2x2x2"].get("losses_accumulated", [])) == (5 if block == "cem" else 0)
   # fsdp splits the rows as data does (the model pins its activations to the batch axes), and
   # its sharded parameters and moments make the step smaller than data parallelism's. It used
   # to follow the parameters' sharding into the activations, every device running every token
