@@ -1,13 +1,33 @@
 """Shared fixtures: where the shared corpora live and a tiny training config."""
 
 import os
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def pytest_configure(config):
+  """One persistent jax compilation cache for the whole session: its workers (pytest-xdist)
+  and the programs tests start inherit it. Many tests compile the same tiny programs; a cached
+  executable is the same program, so no number changes. Removed at the end of the session."""
+  if "PYTEST_XDIST_WORKER" in os.environ or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    return
+  config._cem_jax_cache = tempfile.mkdtemp(prefix="cem_jax_jit_cache_")
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=config._cem_jax_cache,
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def pytest_unconfigure(config):
+  cache = getattr(config, "_cem_jax_cache", None)
+  if cache:
+    shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture

@@ -608,6 +608,8 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
   workdir = tmp_path / "w"
   monkeypatch.setattr(memory, "compile_within_memory", against(0))  # exactly large enough
   jax.config.update("jax_log_compiles", True)
+  cached = jax.config.jax_enable_compilation_cache  # a cache hit would log no compile
+  jax.config.update("jax_enable_compilation_cache", False)
   try:
     with caplog.at_level(logging.WARNING):
       train.train_and_evaluate(cfg, str(workdir))
@@ -617,6 +619,7 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
       assert compiles() == 0
   finally:
     jax.config.update("jax_log_compiles", False)
+    jax.config.update("jax_enable_compilation_cache", cached)
   monkeypatch.setattr(memory, "compile_within_memory", against(-1))  # one byte too small
   fresh = tmp_path / "fresh"
   with pytest.raises(ValueError) as e:
