@@ -198,8 +198,9 @@ def run(preset: str, variants: list[str], out: str | None = None,
   configs = [_model_config(p, VARIANTS[name], n, width, attention_impl)
              for n, width, name in todo]
   for cfg in configs:  # what no row could run fails now, in one line, before any is measured
-    preflight.check(cfg)
+    # The model first: its kernel choice knows this machine (cuDNN on a CPU: "needs a GPU").
     nnx.eval_shape(lambda cfg=cfg: DecoderLM(cfg.model, p["vocab_size"], rngs=nnx.Rngs(0)))
+    preflight.check(cfg)
   for i, ((n, width, name), cfg) in enumerate(zip(todo, configs, strict=True)):
     row = {"variant": name, "seq_len": n, "d_model": width,
            "document_mask": cfg.model.document_mask}

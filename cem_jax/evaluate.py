@@ -26,8 +26,8 @@ def load_run(workdir: str):
   """Returns ``(config, data, graphdef, params, step)`` of the newest checkpoint in ``workdir``.
 
   The model is rebuilt from the config saved *in that checkpoint*, not from
-  ``config.json``, which every start rewrites (also a start that changed an option of a
-  finished run and then trained nothing). Fields missing from an older run's config take
+  ``config.json``, which every start that trains rewrites (a run still training may be past
+  that checkpoint, or the file edited by hand). Fields missing from an older run's config take
   today's defaults. The data are the tokens the checkpoint records it was trained on, read
   from the run's ``data.prepared_dir`` or its ``data/`` folder, so the raw text (and a given
   tokenizer file) may have moved; otherwise they are built from the config, and must be the

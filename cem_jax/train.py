@@ -301,7 +301,8 @@ def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWrite
   writer = MetricsWriter(run.workdir, enabled=is_main,
                          truncate_after_step=run.start_step if run.start_step > 0 else -1)
   try:
-    if is_main:
+    # A finished run re-run trains nothing: its config.json stays the one it trained with.
+    if is_main and run.start_step < run.config.train.num_steps:
       atomic_write_json(os.path.join(run.workdir, "config.json"), resolved, sort_keys=True)
     config, workdir, data = run.config, run.workdir, run.data
     passes = epochs(config, data.stats()["train_windows"])

@@ -343,6 +343,11 @@ def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path):
   train.train_and_evaluate(cfg(4, moved, **{"model.remat": "full", "model.init_std": 0.01,
                                             "model.eta_init": 0.5}), str(workdir))
   assert read_metrics(str(workdir))[-1]["step"] == 4
+  # Re-run when finished, computing it otherwise: nothing trains, config.json stays the one
+  # the run trained with.
+  trained_with = (workdir / "config.json").read_bytes()
+  train.train_and_evaluate(cfg(4, moved, **{"model.remat": "dots"}), str(workdir))
+  assert (workdir / "config.json").read_bytes() == trained_with
 
 
 def _scaled_energy(y, context, params, aux, scale=1.0):
@@ -386,8 +391,8 @@ def test_source_digest_pins_wrapped_energies_and_says_when_it_cannot(caplog):
 
 
 def test_evaluate_rebuilds_the_model_the_checkpoint_was_saved_from(shared_data, tmp_path):
-  # config.json is rewritten by every start: a re-run of a finished run with a changed option
-  # trains nothing but leaves that option in config.json. evaluate must not build it.
+  # config.json is rewritten by every start that trains, and can be edited by hand: evaluate
+  # must build the model the checkpoint holds, not the one config.json describes.
   import json
 
   from cem_jax import evaluate
