@@ -222,8 +222,7 @@ def main(argv):
     if fl.max_batches < 1 and fl.max_batches != -1:
       raise ValueError(f"--max_batches={fl.max_batches}; allowed: -1 (all) or an int >= 1")
     rows = test_time_steps(fl.workdir, steps, fl.max_batches)
-    # From the checkpoint's own config: config.json is rewritten by every start, also one that
-    # changed model.num_steps and then trained nothing.
+    # From the checkpoint's own config: config.json may be edited, or newer than the step.
     paths = write_report(fl.workdir, rows, rows[0]["T_trained"])
   print(open(paths[0]).read())
   print("\n".join(paths))
