@@ -11,6 +11,8 @@ The maths behind the ``model`` options is in ``CEM_MATH.md`` (section numbers gi
 from __future__ import annotations
 
 import json
+import os
+import types
 
 import ml_collections
 
@@ -384,14 +386,14 @@ def _model_identity(values: dict) -> dict:
   energy file named by its file name (the same file from another checkout is the same energy;
   its content is compared from the checkpoint's digests, ``energies.source_digest``)."""
   out = {k: v for k, v in values.items() if k.startswith("model.")}
-  if out.get("model.head_dim") == -1 and out.get("model.num_heads"):
-    out["model.head_dim"] = out["model.d_model"] // out["model.num_heads"]
-  if out.get("model.num_unique_blocks") == -1:
-    out["model.num_unique_blocks"] = out.get("model.num_layers")
+  model = types.SimpleNamespace(**{k[len("model."):]: v for k, v in out.items()})
+  out["model.head_dim"] = axes.head_dim_of(model)
+  if out["model.num_unique_blocks"] == -1:
+    out["model.num_unique_blocks"] = out["model.num_layers"]
   for key in ("model.attention_energy", "model.mlp_energy"):
-    module, sep, function = str(out.get(key, "")).rpartition(":")
+    module, sep, function = str(out[key]).rpartition(":")
     if sep and module.endswith(".py"):
-      out[key] = f"{module.replace(chr(92), '/').rsplit('/', 1)[-1]}:{function}"
+      out[key] = f"{os.path.basename(module)}:{function}"
   return out
 
 

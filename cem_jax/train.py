@@ -156,7 +156,8 @@ class Run:
   ``params`` and ``opt_state`` are the restored ones on resume (else freshly initialised);
   ``resume`` is the restored checkpoint's step (None for a fresh start) and ``meta`` its
   metadata; ``start_step`` the first step to run (0 or ``resume``); ``created`` whether this
-  start created ``workdir`` (removed again if the start fails).
+  start created ``workdir`` (removed again if the start fails); ``energies`` the user
+  energies' source digests (:func:`energy_digests`), saved with every checkpoint.
   """
 
   config: ml_collections.ConfigDict
@@ -174,6 +175,7 @@ class Run:
   resume: int | None = None
   meta: dict | None = None
   created: bool = False
+  energies: dict = dataclasses.field(default_factory=dict)
 
 
 def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
@@ -200,13 +202,13 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
                         async_save=config.checkpoint.async_save)
     run = Run(config=config, workdir=workdir, data=data, tx=tx, schedule=schedule,
               graphdef=graphdef, params=params, opt_state=opt_state, shardings=shardings,
-              model=model, ckpt=ckpt, created=created)
+              model=model, ckpt=ckpt, created=created, energies=energy_digests(config))
     run.resume = ckpt.restorable_step()
     if run.resume is not None:
       # Checked before the arrays are read: a model's worth of restore for nothing otherwise.
       saved = ckpt.read_meta(run.resume)
       data_lib.check_same_data(saved.get("data"), data.identity, ckpt.step_dir(run.resume))
-      _check_same_model(saved, config, ckpt.step_dir(run.resume))
+      _check_same_model(saved, config, run.energies, ckpt.step_dir(run.resume))
       # The target is the freshly initialised state on the current devices: the restore takes
       # its structure (optax's state types) and shardings, whatever the saving run used.
       state, run.meta = ckpt.restore(run.resume, {"params": params, "opt_state": opt_state})
@@ -240,20 +242,22 @@ def energy_digests(config: ml_collections.ConfigDict) -> dict[str, str]:
   return {k: v for k, v in found.items() if v is not None}
 
 
-def _check_same_model(saved: dict, config: ml_collections.ConfigDict, checkpoint: str) -> None:
+def _check_same_model(saved: dict, config: ml_collections.ConfigDict, energies_now: dict,
+                      checkpoint: str) -> None:
   """Refuses to resume a checkpoint as another model: parameters of the same shapes would
   train on under another energy, mask or step rule without an error, and the run's metrics
   would mix two models. ``saved``: the checkpoint's metadata; its ``config`` (absent: saved
   before checkpoints held one, not checked) is compared by
   :func:`cem_jax.config.model_changes` (what may change: ``config.RESUME_MAY_CHANGE``), its
-  ``energies`` with :func:`energy_digests` (a user energy's file edited since).
+  ``energies`` with ``energies_now`` (:func:`energy_digests` of ``config``: a user energy's
+  function edited since).
 
   Raises:
     ValueError: one line naming the checkpoint and every changed ``model.*`` key or file.
   """
   changes = [] if saved.get("config") is None else config_lib.model_changes(saved["config"],
                                                                              config)
-  now = energy_digests(config)
+  now = energies_now
   changes += [f"{k}: its source changed (sha256 {v[:12]} -> {now[k][:12]})"
               for k, v in sorted(saved.get("energies", {}).items())
               if k in now and now[k] != v]
@@ -376,7 +380,6 @@ class _Loop:
                                                      self.guard, np.int32(0)), config,
                                    data_parallel=data_parallel_devices(config))
     self.last_saved = run.resume
-    self.energies = energy_digests(config)
     _log_resume(run, self.resolved)
     # Last: the writer is the only thing here to close, and nothing after it can fail.
     self.writer, self.best, self.last_eval = _open_metrics(run, self.resolved, self.is_main)
@@ -467,7 +470,7 @@ class _Loop:
       )
     meta = {"step": done, "data_position": done, "seed": self.run.config.seed,
             "config": self.resolved, "numerics_version": NUMERICS_VERSION,
-            "data": self.run.data.identity, "energies": self.energies}
+            "data": self.run.data.identity, "energies": self.run.energies}
     if self.run.ckpt.save(done, state, meta, force=force):
       self.last_saved = done
 
