@@ -27,6 +27,7 @@ from flax import nnx
 from cem_jax import cli, memory, optim, preflight
 from cem_jax import steps as steps_lib
 from cem_jax.config import get_default_config
+from cem_jax.data import make_batch
 from cem_jax.files import atomic_write_json
 from cem_jax.model import DecoderLM
 from cem_jax.model_stats import count_params, flops_per_token  # noqa: F401  (bench API)
@@ -126,10 +127,8 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
   b, n = config.train.batch_size, config.data.seq_len
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, vocab_size, (b, n + 1), dtype=np.int32)
-  segment_ids = 1 + np.arange(n, dtype=np.int32) * DOCUMENTS_PER_WINDOW // n
-  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-           "segment_ids": np.broadcast_to(segment_ids, (b, n)).copy(),
-           "weights": np.ones((b, n), np.float32)}
+  segment_ids = 1 + np.arange(n + 1, dtype=np.int32) * DOCUMENTS_PER_WINDOW // (n + 1)
+  batch = make_batch(tokens, np.broadcast_to(segment_ids, (b, n + 1)))
   t0 = time.perf_counter()
   compiled = step.lower(params, opt_state, batch).compile()
   compile_s = time.perf_counter() - t0

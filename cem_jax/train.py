@@ -221,12 +221,13 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
 
 
 def _batch_spec(config: ml_collections.ConfigDict, sharding) -> dict:
-  """The global training batch as ``jax.ShapeDtypeStruct`` s (``TrainBatches.batch``'s keys and
-  dtypes, ``[train.batch_size, data.seq_len]``, on ``sharding``)."""
+  """The global training batch as ``jax.ShapeDtypeStruct`` s: ``[train.batch_size,
+  data.seq_len]`` on ``sharding``, with the keys and dtypes of ``data.make_batch`` (read from
+  it, so the ahead-of-time compile cannot drift from the batches the loop feeds)."""
   shape = (config.train.batch_size, config.data.seq_len)
-  spec = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
-  return {"inputs": spec(np.int32), "targets": spec(np.int32),
-          "segment_ids": spec(np.int32), "weights": spec(np.float32)}
+  probe = data_lib.make_batch(np.zeros((1, 2), np.int32), np.ones((1, 2), np.int32))
+  return {key: jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding)
+          for key, value in probe.items()}
 
 
 def energy_digests(config: ml_collections.ConfigDict) -> dict[str, str]:
