@@ -144,6 +144,11 @@ def get_default_config() -> ml_collections.ConfigDict:
   # inside the step, their gradients summed: one update of the same batch and loss (the
   # token-weighted mean over the whole batch) in 1/k of the activation memory.
   t.gradient_accumulation_steps = 1
+  # The output layer and cross-entropy run over blocks of this many positions (training and
+  # evaluation), each block's logits made again in the backward pass: [batch, block,
+  # vocab_size] logits live at once, not [batch, seq_len, vocab_size]. 0 = all at once.
+  # Must divide data.seq_len.
+  t.loss_block_size = 0
   t.learning_rate = 3e-3
   t.min_learning_rate_ratio = 0.1  # cosine decays to this fraction of the peak
   t.warmup_steps = 50
@@ -215,6 +220,7 @@ _MINIMUMS = {
     "train.num_steps": 1,
     "train.batch_size": 1,
     "train.gradient_accumulation_steps": 1,
+    "train.loss_block_size": 0,
     "train.warmup_steps": 0,
     "train.eval_every_steps": 1,
     "train.log_every_steps": 1,
@@ -375,10 +381,10 @@ RESUME_MAY_CHANGE = ("model.attention_impl", "model.dtype", "model.remat",
                      "model.energy_block_size", "model.init_std", "model.eta_init",
                      "model.momentum_init")
 # Keys that change how a run is computed, not its numbers (equal up to float rounding:
-# tests/test_attention.py, test_accumulation.py): a table reuses a finished run whatever they
-# are, e.g. one trained without gradient accumulation for a row run with it.
+# tests/test_attention.py, test_accumulation.py, test_loss.py): a table reuses a finished run
+# whatever they are, e.g. one trained without gradient accumulation for a row run with it.
 COMPUTE_ONLY = ("model.attention_impl", "model.remat", "model.energy_block_size",
-                "train.gradient_accumulation_steps")
+                "train.gradient_accumulation_steps", "train.loss_block_size")
 
 
 def _model_identity(values: dict) -> dict:
@@ -500,6 +506,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
                      f"train.gradient_accumulation_steps={t.gradient_accumulation_steps}; "
                      "each microbatch has batch_size / gradient_accumulation_steps rows")
+  if t.loss_block_size and config.data.seq_len % t.loss_block_size:
+    raise ValueError(f"train.loss_block_size={t.loss_block_size} does not divide "
+                     f"data.seq_len={config.data.seq_len}; allowed: 0 (all positions at once) "
+                     "or a divisor of data.seq_len")
   vf = config.data.validation_fraction
   if not 0.0 < vf <= 0.5:
     raise ValueError(f"data.validation_fraction={vf}; allowed: 0 < fraction <= 0.5")

@@ -150,7 +150,8 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> li
   for t_eval in steps:
     if t_eval < 1:
       raise ValueError(f"--num_steps={t_eval}; allowed: integers >= 1")
-    eval_step = steps_lib.make_eval_step(graphdef, t_eval, True)
+    eval_step = steps_lib.make_eval_step(graphdef, t_eval, True,
+                                         loss_block_size=config.train.loss_block_size)
     metrics = steps_lib.eval_loop(eval_step, params, data, config)
     trace = energy_trace(metrics)
     # Only the CEM sub-layers have an energy (model.cem_attention / cem_mlp may turn one off).

@@ -15,6 +15,7 @@ from cem_jax.config import BLOCKS
 from cem_jax.energies import EnergyAux, make_mask
 from cem_jax.layers import DTYPES, CEMBlock, LlamaBlock, RMSNorm
 from cem_jax.layers.common import head_dim_of, param
+from cem_jax.loss import output_logits
 from cem_jax.model_stats import count_params  # noqa: F401  (re-exported: train, tests)
 
 BLOCK_TYPES = {"cem": CEMBlock, "llama": LlamaBlock}
@@ -225,6 +226,7 @@ class DecoderLM(nnx.Module):
       trace: bool = False,
       cache: list | None = None,
       index: jax.Array | int = 0,
+      hidden: bool = False,
   ):
     """Next-token logits.
 
@@ -239,6 +241,9 @@ class DecoderLM(nnx.Module):
       cache: a decoding cache from :meth:`init_cache`: ``tokens`` are then the new tokens at
         positions ``index, index+1, ...`` (prefill: the prompt at 0; then one at a time).
       index: where the new tokens go in the cache (int or int32 scalar).
+      hidden: return the final normalised hidden state ``[batch, seq_len, d_model]`` (compute
+        dtype) in place of the logits, for a loss that makes the logits itself
+        (``cem_jax.loss.blockwise_cross_entropy`` with :meth:`output_head`).
     Returns:
       ``logits`` ``[batch, seq_len, vocab_size]`` float32; with ``trace`` a tuple
       ``(logits, traces)``; with ``cache`` a tuple ``(logits, cache)`` (decoding is one
@@ -283,13 +288,17 @@ class DecoderLM(nnx.Module):
       if momentum:
         velocity = out[-1]
     x = self.final_norm(x)
-    if self.cfg.tie_embeddings:
-      head = self.embedding[...].astype(self.dtype).T
-    else:
-      head = self.lm_head[...].astype(self.dtype)
-    logits = (x @ head).astype(jnp.float32)
+    out = x if hidden else output_logits(x, self.output_head())
     if cache is not None:
-      return logits, new_cache
-    return (logits, traces) if trace else logits
+      return out, new_cache
+    return (out, traces) if trace else out
+
+  def output_head(self) -> jax.Array:
+    """The output layer's matrix ``[d_model, vocab_size]`` in the compute dtype: the embedding
+    transposed (``model.tie_embeddings``) or ``lm_head``. Logits are
+    ``cem_jax.loss.output_logits(hidden, output_head())``."""
+    if self.cfg.tie_embeddings:
+      return self.embedding[...].astype(self.dtype).T
+    return self.lm_head[...].astype(self.dtype)
 
 

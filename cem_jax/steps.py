@@ -1,5 +1,5 @@
-"""The pieces the loop runs: the loss, the model factory, the sharded state, the jitted train and
-eval steps, and the eval loop over the validation split.
+"""The pieces the loop runs: the model factory, the sharded state, the jitted train and eval
+steps (their loss: :mod:`cem_jax.loss`), and the eval loop over the validation split.
 
 Data flows config → data → model → optim → steps → train (the loop) → tools: nothing here
 reads a workdir, writes metrics or saves checkpoints.
@@ -20,28 +20,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cem_jax import sharding as sharding_lib
+from cem_jax.loss import blockwise_cross_entropy
 from cem_jax.model import DecoderLM
 from cem_jax.optim import applied_updates
-
-# ---------------------------------------------------------------------------------------------
-# Loss
-
-
-def weighted_cross_entropy(logits, targets, weights):
-  """Sum of ``-log p(target)`` over weighted positions, and the sum of weights.
-
-  Args:
-    logits: ``[batch, seq_len, vocab_size]`` float32.
-    targets: ``[batch, seq_len]`` int.
-    weights: ``[batch, seq_len]`` float32 (0 for targets across a document boundary or padding).
-  Returns:
-    ``(loss_sum, weight_sum)``, float32 scalars, loss in nats.
-  """
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-  return jnp.sum(nll * weights), jnp.sum(weights)
-
-
 
 # ---------------------------------------------------------------------------------------------
 # Model and sharded state
@@ -122,7 +103,7 @@ def init_state(config: ml_collections.ConfigDict, vocab_size: int, tx, mesh=None
 
 def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
                     shardings: StateShardings | None = None, schedule=None,
-                    gradient_accumulation_steps: int = 1):
+                    gradient_accumulation_steps: int = 1, loss_block_size: int = 0):
   """Returns the jitted ``step(params, opt_state, batch, guard=0, done=0) -> (params, opt_state,
   metrics)``; ``params`` and ``opt_state`` are donated.
 
@@ -133,6 +114,8 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   gradient is the one-pass gradient, whatever the padding of each microbatch. (Not
   ``optax.MultiSteps``: it averages per-call mean losses, unequal when the microbatches hold
   different numbers of weighted tokens, and spreads one update over k calls of the loop.)
+  With ``loss_block_size`` b > 0 the logits are made b positions at a time
+  (:func:`cem_jax.loss.blockwise_cross_entropy`; ``train.loss_block_size``).
 
   With ``shardings`` the step is compiled for them (params and optimizer state stay sharded
   as given, the batch is split over its data-parallel axes, the metrics are replicated) and
@@ -162,8 +145,9 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
 
   def loss_fn(params, batch, total_weight):
     model = nnx.merge(graphdef, params)
-    logits = model(batch["inputs"], batch["segment_ids"])
-    loss_sum, _ = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+    hidden = model(batch["inputs"], batch["segment_ids"], hidden=True)
+    loss_sum, _ = blockwise_cross_entropy(hidden, model.output_head(), batch["targets"],
+                                          batch["weights"], loss_block_size)
     return loss_sum / total_weight
 
   def microbatches(batch):
@@ -223,7 +207,7 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
 
 
 def make_eval_step(graphdef, num_steps: int | None, energy_trace: bool = False,
-                   shardings: StateShardings | None = None):
+                   shardings: StateShardings | None = None, loss_block_size: int = 0):
   """Returns the jitted ``eval_step(params, batch) -> dict`` of sums over the batch.
 
   With ``shardings`` the batch is split over the data-parallel axes and the sums (reduced over
@@ -235,7 +219,8 @@ def make_eval_step(graphdef, num_steps: int | None, energy_trace: bool = False,
   ``energy_trace``, ``energy`` (per layer, per step: the energies before/after each sub-step
   summed over the real input tokens, see :class:`cem_jax.layers.CEMBlock`) and ``token_sum``
   (the number of those tokens, ``segment_ids > 0``).
-  ``num_steps`` overrides the recursive steps T of every CEM layer (test-time steps).
+  ``num_steps`` overrides the recursive steps T of every CEM layer (test-time steps);
+  ``loss_block_size`` as in :func:`make_train_step`.
   """
   jit_kwargs = {}
   if shardings is not None:
@@ -246,9 +231,10 @@ def make_eval_step(graphdef, num_steps: int | None, energy_trace: bool = False,
   def eval_step(params, batch):
     model = nnx.merge(graphdef, params)
     outputs = model(batch["inputs"], batch["segment_ids"], num_steps=num_steps,
-                    trace=energy_trace)
-    logits, traces = outputs if energy_trace else (outputs, None)
-    loss_sum, weight_sum = weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+                    trace=energy_trace, hidden=True)
+    hidden, traces = outputs if energy_trace else (outputs, None)
+    loss_sum, weight_sum = blockwise_cross_entropy(hidden, model.output_head(), batch["targets"],
+                                                   batch["weights"], loss_block_size)
     byte_sum = jnp.sum(batch["target_bytes"] * batch["weights"])
     out = {"loss_sum": loss_sum, "weight_sum": weight_sum, "byte_sum": byte_sum}
     if energy_trace:

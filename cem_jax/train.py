@@ -357,11 +357,12 @@ class _Loop:
     self.max_bad = cfg_t.max_consecutive_nonfinite
     self.train_step = steps_lib.make_train_step(run.graphdef, run.tx, self.max_bad,
                                                 run.shardings, run.schedule,
-                                                cfg_t.gradient_accumulation_steps)
+                                                cfg_t.gradient_accumulation_steps,
+                                                cfg_t.loss_block_size)
     eval_num_steps = None if config.eval.num_steps < 0 else config.eval.num_steps
     trace = config.eval.energy_trace and config.model.block == "cem"
     self.eval_step = steps_lib.make_eval_step(run.graphdef, eval_num_steps, trace,
-                                              run.shardings)
+                                              run.shardings, cfg_t.loss_block_size)
     self.num_steps = cfg_t.num_steps
     self.global_rows = cfg_t.batch_size
     self.tokens_per_step = self.global_rows * config.data.seq_len

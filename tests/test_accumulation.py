@@ -43,8 +43,11 @@ def _reference_loss(graphdef, params, batch):
   return jnp.sum(nll * batch["weights"]) / jnp.sum(batch["weights"])
 
 
-@pytest.mark.parametrize("block,k", [("cem", 4), ("llama", 2)])
-def test_the_accumulated_update_is_minus_the_gradient_of_the_whole_batch_mean(block, k):
+# Llama also makes its logits in blocks of 4 positions (train.loss_block_size; the loss alone
+# against float64 NumPy in test_loss.py).
+@pytest.mark.parametrize("block,k,loss_block", [("cem", 4, 0), ("llama", 2, 4)])
+def test_the_accumulated_update_is_minus_the_gradient_of_the_whole_batch_mean(block, k,
+                                                                             loss_block):
   cfg = tiny_config(block, **{"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64,
                               "model.num_layers": 1, "data.seq_len": N})
   graphdef, params = nnx.split(steps.build_model(cfg, V), nnx.Param)
@@ -60,7 +63,8 @@ def test_the_accumulated_update_is_minus_the_gradient_of_the_whole_batch_mean(bl
   assert max(means) > 4 * min(means)  # the microbatches hold very different token counts
 
   tx = optax.apply_if_finite(optax.sgd(1.0), 10)
-  step = steps.make_train_step(graphdef, tx, gradient_accumulation_steps=k)
+  step = steps.make_train_step(graphdef, tx, gradient_accumulation_steps=k,
+                               loss_block_size=loss_block)
   kept = jax.tree.map(jnp.copy, params)
   new, _, metrics = step(params, tx.init(kept), batch)
   np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=2e-6)
@@ -107,19 +111,29 @@ def test_a_batch_the_microbatches_do_not_divide_is_one_line():
     config_lib.validate(tiny_config("cem", **{"train.gradient_accumulation_steps": 0}))
 
 
-def test_the_loop_trains_with_the_configured_accumulation(tmp_path, monkeypatch):
-  # The loop passes the key to its (sharded) step; the sharded step's losses equal one pass
+def test_the_loop_trains_with_the_configured_accumulation_and_loss_blocks(tmp_path,
+                                                                         monkeypatch):
+  # The loop passes the keys to its (sharded) steps; the sharded step's losses equal one pass
   # on 8 devices in test_sharding.py.
-  built, real = [], steps.make_train_step
+  import inspect
 
-  def spy(*args, **kwargs):
-    built.append(args[5] if len(args) > 5 else kwargs.get("gradient_accumulation_steps", 1))
-    return real(*args, **kwargs)
+  built = []
 
-  monkeypatch.setattr(steps, "make_train_step", spy)
+  def spy(real, *keys):
+    def make(*args, **kwargs):
+      bound = inspect.signature(real).bind(*args, **kwargs)
+      bound.apply_defaults()
+      built.append(tuple(bound.arguments[k] for k in keys))
+      return real(*args, **kwargs)
+    return make
+
+  monkeypatch.setattr(steps, "make_train_step", spy(
+      steps.make_train_step, "gradient_accumulation_steps", "loss_block_size"))
+  monkeypatch.setattr(steps, "make_eval_step", spy(steps.make_eval_step, "loss_block_size"))
   cfg = tiny_config("llama", **{"model.num_layers": 1, "train.num_steps": 2,
                                 "train.log_every_steps": 1, "train.eval_every_steps": 2,
-                                "train.gradient_accumulation_steps": 4})
+                                "train.gradient_accumulation_steps": 4,
+                                "train.loss_block_size": 8})
   train.train_and_evaluate(cfg, str(tmp_path / "w"))
   losses = [m["train/loss"] for m in read_metrics(str(tmp_path / "w")) if "train/loss" in m]
-  assert built == [4] and len(losses) == 2 and all(np.isfinite(losses))
+  assert built == [(4, 8), (8,)] and len(losses) == 2 and all(np.isfinite(losses))

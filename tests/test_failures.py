@@ -633,7 +633,8 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
       f"the training step needs {need['bytes']} bytes per device (XLA memory analysis), the "
       f"device allows {need['bytes'] - 1} bytes: raise "
       "train.gradient_accumulation_steps=1 to 2 (the same batch in smaller pieces), set "
-      "model.remat='full' (now 'none'), shard over more devices (mesh.fsdp=1), or lower "
+      "model.remat='full' (now 'none'), set train.loss_block_size=32 (the logits of 32 "
+      "positions at a time), shard over more devices (mesh.fsdp=1), or lower "
       "data.seq_len=64 or train.batch_size=8")
   assert not fresh.exists()
   # Without a limit given, the device's own is read (none on CPU: nothing refused).
@@ -663,10 +664,12 @@ def test_xla_out_of_memory_at_compile_time_is_one_line_and_other_errors_pass():
   assert str(e.value) == (
       "the training step does not fit in device memory (XLA: RESOURCE_EXHAUSTED: Ran out of "
       "memory in memory space hbm.): raise train.gradient_accumulation_steps=1 to 2 (the same "
-      "batch in smaller pieces), set model.remat='full' (now 'none'), shard over more devices "
-      "(mesh.fsdp=1), or lower data.seq_len=64 or train.batch_size=8")
-  # Nothing to suggest that cannot run: 8 rows over 8 devices leave no room for microbatches.
-  cfg.model.remat = "full"
+      "batch in smaller pieces), set model.remat='full' (now 'none'), set "
+      "train.loss_block_size=32 (the logits of 32 positions at a time), shard over more "
+      "devices (mesh.fsdp=1), or lower data.seq_len=64 or train.batch_size=8")
+  # Nothing to suggest that cannot run (8 rows over 8 devices leave no room for
+  # microbatches) or is already set.
+  cfg.model.remat, cfg.train.loss_block_size = "full", 16
   with pytest.raises(ValueError) as e:
     memory.compile_within_memory(Failing("RESOURCE_EXHAUSTED: out of memory"), (), cfg,
                                  data_parallel=8)
