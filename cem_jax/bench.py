@@ -30,20 +30,12 @@ from cem_jax.config import get_default_config
 from cem_jax.data import make_batch
 from cem_jax.files import atomic_write_json
 from cem_jax.model import DecoderLM
-from cem_jax.model_stats import count_params, flops_per_token  # noqa: F401  (bench API)
-
-# Dense bf16 peak FLOP/s by device kind (vendor data sheets); MFU is left empty elsewhere.
-PEAK_FLOPS = {
-    "NVIDIA H200": 989e12,
-    "NVIDIA H100 80GB HBM3": 989e12,
-    "NVIDIA H100": 989e12,
-    "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA A100-SXM4-40GB": 312e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-}
+from cem_jax.model_stats import (  # noqa: F401  (bench API)
+    PEAK_FLOPS,
+    count_params,
+    flops_per_token,
+    peak_flops,
+)
 
 VARIANTS = {
     "llama": dict(block="llama"),
@@ -142,7 +134,7 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
   step_s = statistics.median(times)
   fpt = flops_per_token(config.model, vocab_size, n)
   achieved = 3 * fpt * b * n / step_s
-  peak = PEAK_FLOPS.get(jax.local_devices()[0].device_kind)
+  peak = peak_flops()
   return {
       "attention": model.attention_impl,
       "attention_reason": model.attention_reason,

@@ -72,6 +72,27 @@ def parameter_counts(module: nnx.Module) -> dict[str, int]:
   return counts
 
 
+# Dense bf16 peak FLOP/s by device kind (vendor data sheets); MFU is left empty elsewhere.
+PEAK_FLOPS = {
+    "NVIDIA H200": 989e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+}
+
+
+def peak_flops(device=None) -> float | None:
+  """Dense bf16 peak FLOP/s of one ``device`` (default: this process's first), from
+  :data:`PEAK_FLOPS`; None for a kind not listed (CPUs), so that no MFU is made up."""
+  device = jax.local_devices()[0] if device is None else device
+  return PEAK_FLOPS.get(device.device_kind)
+
+
 def flops_per_token(model_cfg, vocab_size: int, seq_len: int) -> float:
   """Analytic forward FLOPs per token of ``DecoderLM`` (formula in the module docstring).
 

@@ -36,6 +36,7 @@ from cem_jax.checkpoint import Checkpointer
 from cem_jax.files import atomic_write_json
 from cem_jax.metrics import MetricsWriter, read_metrics
 from cem_jax.model import count_params
+from cem_jax.model_stats import flops_per_token, peak_flops
 from cem_jax.optim import make_optimizer
 from cem_jax.version import NUMERICS_VERSION
 
@@ -66,6 +67,8 @@ def data_parallel_devices(config: ml_collections.ConfigDict) -> int:
 # The schedule passing over the training tokens this many times or more gets a warning: from the
 # second pass on the model can fit the training text itself, and held-out loss may rise.
 EPOCHS_WARNING = 2.0
+
+_clock = time.perf_counter  # seconds, for train/tokens_per_sec and the ETA (a test replaces it)
 
 
 def epochs(config: ml_collections.ConfigDict, train_windows: int) -> float:
@@ -366,6 +369,12 @@ class _Loop:
     self.num_steps = cfg_t.num_steps
     self.global_rows = cfg_t.batch_size
     self.tokens_per_step = self.global_rows * config.data.seq_len
+    # Model FLOPs of one training step (3x forward) over the devices' peak: train/mfu, where
+    # the device's peak is known (model_stats.PEAK_FLOPS; never on a CPU).
+    peak = peak_flops()
+    self.flops_per_step = 3 * self.tokens_per_step * flops_per_token(
+        config.model, run.data.tokenizer.vocab_size, config.data.seq_len)
+    self.peak_flops = None if peak is None else peak * jax.device_count()
     self.block, self.blocks = run.shardings.process_slice(self.global_rows)
     logging.info("mesh %s over %d devices of %d processes; process %d reads rows block %d of "
                  "%d of every global batch", dict(run.shardings.mesh.shape),
@@ -385,8 +394,9 @@ class _Loop:
     _log_resume(run, self.resolved)
     # Last: the writer is the only thing here to close, and nothing after it can fail.
     self.writer, self.best, self.last_eval = _open_metrics(run, self.resolved, self.is_main)
-    self.t_start = self.t_log = time.perf_counter()
+    self.t_start = self.t_log = _clock()
     self.step_at_log = run.start_step
+    self.paused = 0.0  # seconds of evals and saves since the last log: not training time
 
   def step(self, step: int, preemption: workdir_lib.Preemption) -> bool:
     """Runs step ``step`` (0-based) with its log, eval and save; True if preempted (saved)."""
@@ -399,12 +409,14 @@ class _Loop:
     self.guard = m["nonfinite_guard"]
     if done % cfg_t.log_every_steps == 0 or done == self.num_steps:
       self.log(done, m)
+    t0 = _clock()
     if done % cfg_t.eval_every_steps == 0 or done == self.num_steps:
       self.eval(done)
     preempted = preemption.requested or (
         jax.process_count() > 1 and run.ckpt.manager.reached_preemption(done))
     if preempted or done == self.num_steps or run.ckpt.should_save(done):
       self.save(done, force=preempted or done == self.num_steps)
+    self.paused += _clock() - t0
     if preempted:
       run.ckpt.wait()
       logging.warning("preempted (SIGTERM): saved step %d in %s; rerun the same command to "
@@ -429,21 +441,27 @@ class _Loop:
   def log(self, done: int, m: dict) -> None:
     """Writes the train metrics line of step ``done`` and logs progress."""
     self.check_guard()
-    m = jax.device_get(m)
-    now = time.perf_counter()
-    rate = (done - self.step_at_log) * self.tokens_per_step / max(now - self.t_log, 1e-9)
-    self.writer.write(done, {
+    m = jax.device_get(m)  # waits for the step: the interval ends when its work does
+    now = _clock()
+    seconds = max(now - self.t_log - self.paused, 1e-9)
+    steps_per_s = (done - self.step_at_log) / seconds
+    line = {
         "train/loss": float(m["loss"]),
         "train/grad_norm": float(m["grad_norm"]),
         "train/learning_rate": float(m["learning_rate"]),
-        "train/tokens_per_sec": rate,
+        "train/tokens_per_sec": steps_per_s * self.tokens_per_step,
         "train/nonfinite_steps": int(m["nonfinite_total"]),
-    })
+    }
+    mfu = ""
+    if self.peak_flops:
+      line["train/mfu"] = steps_per_s * self.flops_per_step / self.peak_flops
+      mfu = f"  MFU {100 * line['train/mfu']:.1f}%"
+    self.writer.write(done, line)
     eta = ((now - self.t_start) / max(done - self.run.start_step, 1)
            * (self.num_steps - done))
-    logging.info("step %d/%d  loss %.4f  %.0f tok/s  ETA %s", done, self.num_steps,
-                 float(m["loss"]), rate, _format_eta(eta))
-    self.t_log, self.step_at_log = now, done
+    logging.info("step %d/%d  loss %.4f  %.0f tok/s%s  ETA %s", done, self.num_steps,
+                 float(m["loss"]), line["train/tokens_per_sec"], mfu, _format_eta(eta))
+    self.t_log, self.step_at_log, self.paused = now, done, 0.0
 
   def eval(self, done: int) -> None:
     """Evaluates at step ``done``; updates the best eval and writes both."""

@@ -4,6 +4,7 @@ import json
 import logging
 import math
 
+import jax
 import pytest
 from conftest import tiny_config
 
@@ -85,3 +86,45 @@ def test_a_nan_first_eval_neither_sticks_as_best_nor_reaches_best_eval_json(
   assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON {c}")) == expected
   first = [m for m in read_metrics(str(workdir)) if "eval/loss" in m][0]
   assert first["eval/loss"] is None and "eval/best_loss" not in first
+
+
+def test_the_rate_leaves_out_evals_and_saves_and_mfu_is_the_model_flops_over_the_peak(
+    tmp_path, monkeypatch):
+  # A fake clock: every reading is one second later, and an eval takes 1000 s more. Counted in,
+  # the evals would put each interval over 1000 s.
+  from cem_jax import model_stats
+
+  now = [0.0]
+
+  def clock():
+    now[0] += 1.0
+    return now[0]
+
+  real_eval = steps.eval_loop
+
+  def slow_eval(*args, **kwargs):
+    now[0] += 1000.0
+    return real_eval(*args, **kwargs)
+
+  monkeypatch.setattr(train, "_clock", clock)
+  monkeypatch.setattr(steps, "eval_loop", slow_eval)
+  monkeypatch.setattr(train, "peak_flops", lambda: 1e9)  # a CPU has none: no train/mfu
+  cfg = tiny_config("cem", **{"model.num_layers": 1, "train.num_steps": 6,
+                              "train.log_every_steps": 2, "train.eval_every_steps": 2,
+                              "checkpoint.every_steps": 2})
+  train.train_and_evaluate(cfg, str(tmp_path / "w"))
+  lines = [m for m in read_metrics(str(tmp_path / "w")) if "train/loss" in m]
+  tokens_per_step = 8 * 64
+  flops = 3 * tokens_per_step * model_stats.flops_per_token(cfg.model, 512, 64)
+  assert [m["step"] for m in lines] == [2, 4, 6]
+  for m in lines:
+    # 2 steps over a few fake seconds (the clock's own readings), never over 1000.
+    assert 2 * tokens_per_step / 10 < m["train/tokens_per_sec"] <= 2 * tokens_per_step, m
+    steps_per_s = m["train/tokens_per_sec"] / tokens_per_step
+    assert m["train/mfu"] == pytest.approx(steps_per_s * flops / (1e9 * jax.device_count()),
+                                           rel=1e-12)
+  monkeypatch.setattr(train, "peak_flops", lambda: None)
+  train.train_and_evaluate(tiny_config("llama", **{"model.num_layers": 1, "train.num_steps": 2,
+                                                    "train.log_every_steps": 1}),
+                           str(tmp_path / "cpu"))
+  assert not any("train/mfu" in m for m in read_metrics(str(tmp_path / "cpu")))

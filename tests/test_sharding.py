@@ -238,9 +238,11 @@ for shape in [(1, 1, 1)] + {meshes!r}:
   # The compiled step's memory per device (the calls' own compilation: no second compile).
   rec["footprint"] = memory.footprint_bytes(
       step.lower(params, opt_state, batch, guard, np.int32(1)).compile())
-  if shape == (2, 2, 2) and block == "cem":  # gradient accumulation: each device's rows in two
+  if shape == (2, 2, 2) and block == "cem":  # gradient accumulation: each device's rows in two,
+    # and the logits made 8 positions at a time (train.loss_block_size)
     graphdef, p2, o2, sh, _ = steps.init_state(cfg, vocab, tx, mesh)
-    step2 = steps.make_train_step(graphdef, tx, 5, sh, gradient_accumulation_steps=2)
+    step2 = steps.make_train_step(graphdef, tx, 5, sh, gradient_accumulation_steps=2,
+                                  loss_block_size=8)
     rec["losses_accumulated"] = []
     for s in range(5):
       batch = sh.global_batch(data.train.batch(s), cfg.train.batch_size)
