@@ -7,6 +7,7 @@ the device's peak is known) and peak device memory, prints a table and writes JS
     python -m cem_jax.bench --preset=tiny                  # CPU, ~1 min for all 8 variants
     python -m cem_jax.bench --preset=gpu125m --out=bench.json   # one GPU, ~125M, bf16
     python -m cem_jax.bench --preset=gpu125m --attention_impl=xla  # the XLA attention path
+    python -m cem_jax.bench --preset=gpu125m --loss_block_size=256  # logits 256 positions at once
 
 Analytic FLOPs per token: :func:`cem_jax.model_stats.flops_per_token` (formula there).
 """
@@ -78,7 +79,7 @@ DOCUMENTS_PER_WINDOW = 4  # the benchmark batch's packed documents (equal length
 
 
 def _model_config(preset: dict, variant: dict, seq_len: int, width: int,
-                  attention_impl: str | None = None):
+                  attention_impl: str | None = None, loss_block_size: int = 0):
   c = get_default_config()
   m = c.model
   m.d_model = width
@@ -93,6 +94,7 @@ def _model_config(preset: dict, variant: dict, seq_len: int, width: int,
     m.attention_impl = attention_impl
   c.data.seq_len = seq_len
   c.train.batch_size = max(1, preset["tokens_per_batch"] // seq_len)
+  c.train.loss_block_size = loss_block_size
   return c
 
 
@@ -115,7 +117,8 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
   graphdef, params = nnx.split(model, nnx.Param)
   tx, _ = optim.make_optimizer(config.train)
   opt_state = tx.init(params)
-  step = steps_lib.make_train_step(graphdef, tx)
+  step = steps_lib.make_train_step(graphdef, tx,
+                                   loss_block_size=config.train.loss_block_size)
   b, n = config.train.batch_size, config.data.seq_len
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, vocab_size, (b, n + 1), dtype=np.int32)
@@ -151,12 +154,15 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
 
 
 def run(preset: str, variants: list[str], out: str | None = None,
-        document_mask: bool | None = None, attention_impl: str | None = None) -> list[dict]:
+        document_mask: bool | None = None, attention_impl: str | None = None,
+        loss_block_size: int = 0) -> list[dict]:
   """Benchmarks ``variants`` over the preset's seq_len and width sweeps; prints and returns rows.
 
   ``document_mask`` overrides the preset's ``model.document_mask`` (variants that set it
   keep theirs); ``attention_impl`` sets ``model.attention_impl`` of every variant (default:
-  the config's 'auto'). Each row records the kernel the model actually used.
+  the config's 'auto'). ``loss_block_size`` sets ``train.loss_block_size`` (the logits
+  made that many positions at a time; 0: all at once). Each row records the kernel the model
+  actually used.
 
   ``out`` (JSON: ``device``, ``platform``, ``jax``, ``preset``, ``rows``, ``complete``,
   ``failed``) is rewritten atomically after every row, ``complete`` false until the last: a
@@ -183,10 +189,11 @@ def run(preset: str, variants: list[str], out: str | None = None,
   device = jax.local_devices()[0]
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
         f"preset {preset}, {p['tokens_per_batch']} tokens per batch, {p['dtype']}, "
-        f"document_mask={p['document_mask']}, attention_impl={attention_impl or 'auto'}",
+        f"document_mask={p['document_mask']}, attention_impl={attention_impl or 'auto'}, "
+        f"loss_block_size={loss_block_size}",
         flush=True)
   todo = [(n, width, name) for n, width in shapes for name in variants]
-  configs = [_model_config(p, VARIANTS[name], n, width, attention_impl)
+  configs = [_model_config(p, VARIANTS[name], n, width, attention_impl, loss_block_size)
              for n, width, name in todo]
   for cfg in configs:  # what no row could run fails now, in one line, before any is measured
     # The model first: its kernel choice knows this machine (cuDNN on a CPU: "needs a GPU").
@@ -194,7 +201,7 @@ def run(preset: str, variants: list[str], out: str | None = None,
     preflight.check(cfg)
   for i, ((n, width, name), cfg) in enumerate(zip(todo, configs, strict=True)):
     row = {"variant": name, "seq_len": n, "d_model": width,
-           "document_mask": cfg.model.document_mask}
+           "document_mask": cfg.model.document_mask, "loss_block_size": loss_block_size}
     try:
       row.update(bench_one(cfg, p["vocab_size"], p["steps"], p["warmup"]))
     except Exception as e:  # noqa: BLE001 - recorded in the row; the sweep measures the rest
@@ -254,7 +261,8 @@ def main(argv):
       raise ValueError(f"--out={fl.out}: folder {out_dir} does not exist")
     document_mask = None if fl.document_mask is None else fl.document_mask.lower() == "true"
     try:
-      run(fl.preset, fl.variants, fl.out, document_mask, fl.attention_impl)
+      run(fl.preset, fl.variants, fl.out, document_mask, fl.attention_impl,
+          fl.loss_block_size)
     except RowsFailed as e:  # said in one line, after the other rows' figures
       print(f"error: {e}", file=sys.stderr)
       sys.exit(1)
@@ -268,4 +276,6 @@ if __name__ == "__main__":
                     "Override the preset's model.document_mask (see PRESETS).")
   flags.DEFINE_enum("attention_impl", None, ["auto", "xla", "cudnn", "splash"],
                     "model.attention_impl of every variant (default: the config's 'auto').")
+  flags.DEFINE_integer("loss_block_size", 0, "train.loss_block_size of every row: the logits "
+                       "made this many positions at a time (0: all at once).")
   app.run(main, flags_parser=cli.parse_flags)

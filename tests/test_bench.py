@@ -73,14 +73,26 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
               mlp_dim=64, tokens_per_batch=64, steps=2, warmup=1)
   monkeypatch.setitem(bench.PRESETS, "tiny", tiny)
   out = tmp_path / "bench.json"
+  with pytest.raises(ValueError, match=r"^train\.loss_block_size=5 does not divide "
+                     r"data\.seq_len=32"):  # before any row is measured
+    bench.run("tiny", ["llama"], str(out), loss_block_size=5)
+  assert not out.exists()
+  built, real = [], bench.steps_lib.make_train_step
+
+  def spy(*args, **kwargs):
+    built.append(kwargs.get("loss_block_size"))
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(bench.steps_lib, "make_train_step", spy)
   rows = bench.run("tiny", ["llama", "cem_fused", "cem_autodiff"], str(out),
-                   document_mask=False)
+                   document_mask=False, loss_block_size=8)
+  assert built == [8, 8, 8]  # the rows measure the step they say they do
   printed = capsys.readouterr().out
   assert "| variant | attention | seq_len |" in printed
   assert "| cem_autodiff | xla | 32 | 32 |" in printed
   assert [r["variant"] for r in rows] == ["llama", "cem_fused", "cem_autodiff"]
   for r in rows:
-    assert r["document_mask"] is False and r["peak_memory_mb"] > 0
+    assert r["document_mask"] is False and r["peak_memory_mb"] > 0 and r["loss_block_size"] == 8
     assert r["attention"] == "xla"
     assert ("jax.grad" if r["variant"] == "cem_autodiff" else "cpu") in r["attention_reason"]
     assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["compile_s"] > 0
