@@ -79,9 +79,13 @@ def blockwise_cross_entropy(hidden, head, targets, weights, block_size: int = 0)
   def blocks(x):  # [b, n, ...] -> [n / block, b, block, ...]
     return jnp.moveaxis(x.reshape(b, n // block_size, block_size, *x.shape[2:]), 1, 0)
 
+  # The scan sums the head's gradient over the blocks in the dtype it closes over: float32,
+  # cast to the compute dtype inside, so that bf16 does not round every partial sum.
+  head32 = head.astype(jnp.float32)
+
   @jax.checkpoint
   def one_block(h, t, w):
-    return weighted_cross_entropy(output_logits(h, head), t, w)[0]
+    return weighted_cross_entropy(output_logits(h, head32.astype(head.dtype)), t, w)[0]
 
   def add(total, xs):
     return total + one_block(*xs), None

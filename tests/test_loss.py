@@ -104,3 +104,32 @@ def test_blocks_keep_one_blocks_logits_in_memory():
                                     .lower(params, tx.init(params), batch).compile())
           for b in (0, 32)}
   assert need[32] < 0.4 * need[0], need  # measured: 59 MiB vs 200 MiB
+
+
+def test_in_bfloat16_the_heads_gradient_is_summed_over_blocks_in_float32():
+  # Summed in bf16, each of the 64 blocks' partial sums is rounded: 0.95% off the float64 maths
+  # at blocks of 4 (1.3% at 2) where the whole sequence at once is 0.21% off. Summed in
+  # float32: 0.26%.
+  b, n, d, v = 2, 256, 32, 128
+  rng = np.random.default_rng(0)
+  hidden = jnp.asarray(rng.normal(size=(b, n, d)), jnp.bfloat16)
+  head = jnp.asarray(0.2 * rng.normal(size=(d, v)), jnp.bfloat16)
+  targets = rng.integers(0, v, (b, n)).astype(np.int32)
+  weights = np.ones((b, n), np.float32)
+  h, w = np.asarray(hidden, np.float64), np.asarray(head, np.float64)
+  logits = h @ w
+  delta = np.exp(logits - logits.max(-1, keepdims=True))
+  delta /= delta.sum(-1, keepdims=True)
+  delta[np.arange(b)[:, None], np.arange(n)[None, :], targets] -= 1.0
+  want = np.einsum("bnd,bnv->dv", h, delta)
+
+  def error(block_size):
+    grad = jax.grad(lambda w: loss.blockwise_cross_entropy(hidden, w, targets, weights,
+                                                           block_size)[0])(head)
+    assert grad.dtype == jnp.bfloat16
+    return np.linalg.norm(np.asarray(grad, np.float64) - want) / np.linalg.norm(want)
+
+  whole = error(0)
+  assert whole < 0.005
+  for block_size in (4, 2):
+    assert error(block_size) < 1.5 * whole, (block_size, error(block_size), whole)
