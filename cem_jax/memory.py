@@ -70,9 +70,12 @@ def _what_to_change(config: ml_collections.ConfigDict, data_parallel: int) -> st
   accumulate = (f"raise train.gradient_accumulation_steps={k} to {more} (the same batch in "
                 "smaller pieces), " if more else "")
   remat = "" if m.remat == "full" else f"set model.remat='full' (now {m.remat!r}), "
-  block = next((b for b in (256, 128, 64, 32) if b < d.seq_len and d.seq_len % b == 0), None)
-  logits = (f"set train.loss_block_size={block} (the logits of {block} positions at a time), "
-            if block and not t.loss_block_size else "")
+  # The largest divisor of seq_len up to 256 below the block in use (0: the whole sequence);
+  # not under 8 positions, where the scan's steps would cost more than the logits save.
+  below = min(t.loss_block_size or d.seq_len, 257)
+  block = next((b for b in range(below - 1, 7, -1) if d.seq_len % b == 0), None)
+  logits = (f"set train.loss_block_size={block} (now {t.loss_block_size}; the logits of "
+            f"{block} positions at a time), " if block else "")
   return (f"{accumulate}{remat}{logits}shard over more devices (mesh.fsdp={config.mesh.fsdp}), or "
           f"lower data.seq_len={d.seq_len} or train.batch_size={t.batch_size}")
 

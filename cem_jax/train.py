@@ -286,14 +286,22 @@ def _log_resume(run: Run, resolved: dict) -> None:
   if run.resume is None:
     return
   saved, now = config_lib.flat(run.meta.get("config", {})), config_lib.flat(resolved)
+  # A key the checkpoint predates held its default then.
+  defaults = config_lib.flat(config_lib.get_default_config())
+  saved = {**{k: defaults[k] for k in now if k not in saved and k in defaults}, **saved}
   changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
   logging.info("resumed from %s at step %d", run.ckpt.step_dir(run.resume), run.start_step)
   if run.start_step >= run.config.train.num_steps:
     logging.info("the run is already finished (train.num_steps=%d): nothing to train; raise "
                  "train.num_steps to train on", run.config.train.num_steps)
-  if changed:
-    logging.warning("config differs from the checkpoint's: %s",
-                    ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed))
+  text = lambda keys: ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys)  # noqa: E731
+  compute = [k for k in changed if k in config_lib.COMPUTE_ONLY]
+  if compute:  # how the step is computed, not its numbers
+    logging.info("computed differently from the checkpoint's run (the same numbers up to "
+                 "float rounding): %s", text(compute))
+  other = [k for k in changed if k not in config_lib.COMPUTE_ONLY]
+  if other:
+    logging.warning("config differs from the checkpoint's: %s", text(other))
 
 
 def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWriter, dict, dict]:

@@ -311,7 +311,7 @@ def energy(y, context, params, aux):
 """
 
 
-def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path):
+def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path, caplog):
   # Parameters of the same shapes restore into another model without an error: a changed
   # mask, energy or energy file would train on as if nothing had changed, its metrics mixed
   # with the old. The same file elsewhere (another checkout, another machine) is the same.
@@ -340,9 +340,22 @@ def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path):
   assert read_metrics(str(workdir)) == before and checkpoint.is_dir()
   # The file as it was, moved; how the same model is computed (the kernel, the memory
   # policy) and what only initialisation reads (the restore replaces it) may change.
-  train.train_and_evaluate(cfg(4, moved, **{"model.remat": "full", "model.init_std": 0.01,
-                                            "model.eta_init": 0.5}), str(workdir))
+  import logging
+
+  with caplog.at_level(logging.INFO):
+    train.train_and_evaluate(cfg(4, moved, **{"model.remat": "full", "model.init_std": 0.01,
+                                              "model.eta_init": 0.5,
+                                              "train.loss_block_size": 16}), str(workdir))
   assert read_metrics(str(workdir))[-1]["step"] == 4
+  # Said as what it is: a compute-only change in an info line, the others in a warning.
+  said = {r.levelname: r.getMessage() for r in caplog.records
+          if "from the checkpoint's" in r.getMessage()}
+  assert said["INFO"] == ("computed differently from the checkpoint's run (the same numbers "
+                          "up to float rounding): model.remat: 'none' -> 'full', "
+                          "train.loss_block_size: 0 -> 16")
+  assert said["WARNING"].startswith("config differs from the checkpoint's: "
+                                    "model.attention_energy: ")
+  assert "model.init_std: 0.02 -> 0.01" in said["WARNING"] and "remat" not in said["WARNING"]
   # Re-run when finished, computing it otherwise: nothing trains, config.json stays the one
   # the run trained with.
   trained_with = (workdir / "config.json").read_bytes()
@@ -633,8 +646,8 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
       f"the training step needs {need['bytes']} bytes per device (XLA memory analysis), the "
       f"device allows {need['bytes'] - 1} bytes: raise "
       "train.gradient_accumulation_steps=1 to 2 (the same batch in smaller pieces), set "
-      "model.remat='full' (now 'none'), set train.loss_block_size=32 (the logits of 32 "
-      "positions at a time), shard over more devices (mesh.fsdp=1), or lower "
+      "model.remat='full' (now 'none'), set train.loss_block_size=32 (now 0; the logits of "
+      "32 positions at a time), shard over more devices (mesh.fsdp=1), or lower "
       "data.seq_len=64 or train.batch_size=8")
   assert not fresh.exists()
   # Without a limit given, the device's own is read (none on CPU: nothing refused).
@@ -665,16 +678,41 @@ def test_xla_out_of_memory_at_compile_time_is_one_line_and_other_errors_pass():
       "the training step does not fit in device memory (XLA: RESOURCE_EXHAUSTED: Ran out of "
       "memory in memory space hbm.): raise train.gradient_accumulation_steps=1 to 2 (the same "
       "batch in smaller pieces), set model.remat='full' (now 'none'), set "
-      "train.loss_block_size=32 (the logits of 32 positions at a time), shard over more "
+      "train.loss_block_size=32 (now 0; the logits of 32 positions at a time), shard over more "
       "devices (mesh.fsdp=1), or lower data.seq_len=64 or train.batch_size=8")
   # Nothing to suggest that cannot run (8 rows over 8 devices leave no room for
   # microbatches) or is already set.
-  cfg.model.remat, cfg.train.loss_block_size = "full", 16
+  cfg.model.remat, cfg.train.loss_block_size = "full", 8
   with pytest.raises(ValueError) as e:
     memory.compile_within_memory(Failing("RESOURCE_EXHAUSTED: out of memory"), (), cfg,
                                  data_parallel=8)
   assert str(e.value).endswith("(XLA: RESOURCE_EXHAUSTED: out of memory): shard over more "
                                "devices (mesh.fsdp=1), or lower data.seq_len=64 or "
                                "train.batch_size=8")
+  # Smaller blocks than the ones in use; any divisor of seq_len (from 8 positions on).
+  cfg.train.loss_block_size = 32
+  assert "set train.loss_block_size=16 (now 32; " in memory._what_to_change(cfg, 8)
+  cfg.train.loss_block_size, cfg.data.seq_len = 0, 48
+  assert "set train.loss_block_size=24 (now 0; " in memory._what_to_change(cfg, 8)
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: other"):
     memory.compile_within_memory(Failing("INTERNAL: other"), (), cfg)
+
+
+def test_a_key_the_checkpoint_predates_is_compared_at_its_default(caplog):
+  import logging
+  import types
+
+  now = tiny_config("cem")
+  old = now.to_dict()
+  del old["train"]["loss_block_size"]  # a checkpoint saved before the key existed
+  run = types.SimpleNamespace(resume=2, start_step=2, meta={"config": old}, config=now,
+                              ckpt=types.SimpleNamespace(step_dir=lambda step: f"ckpt/{step}"))
+  with caplog.at_level(logging.INFO):
+    train._log_resume(run, now.to_dict())
+  assert not [r for r in caplog.records if "from the checkpoint's" in r.getMessage()]
+  now.train.loss_block_size = 16
+  with caplog.at_level(logging.INFO):
+    train._log_resume(run, now.to_dict())
+  assert [r.getMessage() for r in caplog.records if "from the checkpoint's" in r.getMessage()
+          ] == ["computed differently from the checkpoint's run (the same numbers up to float "
+                "rounding): train.loss_block_size: 0 -> 16"]

@@ -45,7 +45,7 @@ def _reference(hidden, head, targets, weights):
   return loss_sum, delta @ w_out.T, np.einsum("bnd,bnv->dv", h, delta)
 
 
-@pytest.mark.parametrize("block_size", [0, 2, 8, 16])
+@pytest.mark.parametrize("block_size", [0, 1, 2, 8])  # 0: the whole sequence at once
 def test_blockwise_loss_and_gradients_equal_the_float64_maths(block_size):
   hidden, head, targets, weights = _inputs()
   want, want_dh, want_dw = _reference(hidden, head, targets, weights)
