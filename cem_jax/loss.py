@@ -13,6 +13,8 @@ NumPy).
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -67,9 +69,11 @@ def blockwise_cross_entropy(hidden, head, targets, weights, block_size: int = 0)
     ValueError: ``block_size`` negative, or not dividing ``seq_len``.
   """
   b, n = targets.shape
-  if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
+  if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or (
+      block_size < 0):
     raise ValueError(f"train.loss_block_size={block_size!r}; allowed: an int >= 0 "
                      "(0 = the whole sequence at once)")
+  block_size = int(block_size)
   if block_size == 0 or block_size >= n:
     return weighted_cross_entropy(output_logits(hidden, head), targets, weights)
   if n % block_size:

@@ -15,6 +15,7 @@ everything (a :class:`Run`), :class:`_Loop` holds the state that changes step by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -417,19 +418,31 @@ class _Loop:
     self.guard = m["nonfinite_guard"]
     if done % cfg_t.log_every_steps == 0 or done == self.num_steps:
       self.log(done, m)
-    t0 = _clock()
     if done % cfg_t.eval_every_steps == 0 or done == self.num_steps:
-      self.eval(done)
+      with self.off_the_clock():
+        self.eval(done)
     preempted = preemption.requested or (
         jax.process_count() > 1 and run.ckpt.manager.reached_preemption(done))
     if preempted or done == self.num_steps or run.ckpt.should_save(done):
-      self.save(done, force=preempted or done == self.num_steps)
-    self.paused += _clock() - t0
+      with self.off_the_clock():
+        self.save(done, force=preempted or done == self.num_steps)
     if preempted:
       run.ckpt.wait()
       logging.warning("preempted (SIGTERM): saved step %d in %s; rerun the same command to "
                       "resume", done, run.ckpt.directory)
     return preempted
+
+  @contextlib.contextmanager
+  def off_the_clock(self):
+    """Leaves the time of the block (an eval, a save) out of ``train/tokens_per_sec``. The
+    steps queued before it (jax dispatches them asynchronously) finish first, on the clock:
+    they are training time, which the block would otherwise wait for on its own clock."""
+    jax.block_until_ready(self.params)
+    t0 = _clock()
+    try:
+      yield
+    finally:
+      self.paused += _clock() - t0
 
   def saved_text(self) -> str:
     if self.last_saved is None:
