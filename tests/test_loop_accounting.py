@@ -123,11 +123,7 @@ def test_the_rate_leaves_out_evals_and_saves_and_mfu_is_the_model_flops_over_the
     steps_per_s = m["train/tokens_per_sec"] / tokens_per_step
     assert m["train/mfu"] == pytest.approx(steps_per_s * flops / (1e9 * jax.device_count()),
                                            rel=1e-12)
-  monkeypatch.setattr(train, "peak_flops", lambda: None)
-  train.train_and_evaluate(tiny_config("llama", **{"model.num_layers": 1, "train.num_steps": 2,
-                                                    "train.log_every_steps": 1}),
-                           str(tmp_path / "cpu"))
-  assert not any("train/mfu" in m for m in read_metrics(str(tmp_path / "cpu")))
+  # Without a known peak (a CPU) there is no train/mfu: test_train.py's command-line run.
 
 
 def test_an_eval_or_save_between_logs_waits_for_the_queued_steps_before_its_clock_starts(
