@@ -1,4 +1,5 @@
-"""Device memory of a compiled step, and the start-up check that the training step fits.
+"""Device memory of a compiled step, and the start-up check that the training and eval steps
+fit.
 
 A training config too large for the accelerator (``data.seq_len``, ``train.batch_size``,
 ``model.d_model``...) used to end in XLA's out-of-memory traceback at the first step, or at
@@ -61,6 +62,25 @@ def _sizes(*nbytes: int) -> list[str]:
   return out if len(set(out)) == len(out) else [f"{n} bytes" for n in nbytes]
 
 
+def _smaller_loss_blocks(config: ml_collections.ConfigDict) -> str:
+  """The advice to make the logits in (smaller) blocks, or '' when no block size would do."""
+  t, d = config.train, config.data
+  # The largest divisor of seq_len up to 256 below the block in use (0: the whole sequence);
+  # not under 8 positions, where the scan's steps would cost more than the logits save.
+  below = min(t.loss_block_size or d.seq_len, 257)
+  block = next((b for b in range(below - 1, 7, -1) if d.seq_len % b == 0), None)
+  return (f"set train.loss_block_size={block} (now {t.loss_block_size}; the logits of "
+          f"{block} positions at a time), " if block else "")
+
+
+def eval_advice(config: ml_collections.ConfigDict) -> str:
+  """What to change when the eval step does not fit (:func:`compile_within_memory`'s
+  ``advice``)."""
+  return (f"{_smaller_loss_blocks(config)}lower eval.batch_size={config.eval.batch_size} "
+          f"(a multiple of the data-parallel devices), or shard over more devices "
+          f"(mesh.fsdp={config.mesh.fsdp})")
+
+
 def _what_to_change(config: ml_collections.ConfigDict, data_parallel: int) -> str:
   t, d, m = config.train, config.data, config.model
   k = t.gradient_accumulation_steps
@@ -70,19 +90,14 @@ def _what_to_change(config: ml_collections.ConfigDict, data_parallel: int) -> st
   accumulate = (f"raise train.gradient_accumulation_steps={k} to {more} (the same batch in "
                 "smaller pieces), " if more else "")
   remat = "" if m.remat == "full" else f"set model.remat='full' (now {m.remat!r}), "
-  # The largest divisor of seq_len up to 256 below the block in use (0: the whole sequence);
-  # not under 8 positions, where the scan's steps would cost more than the logits save.
-  below = min(t.loss_block_size or d.seq_len, 257)
-  block = next((b for b in range(below - 1, 7, -1) if d.seq_len % b == 0), None)
-  logits = (f"set train.loss_block_size={block} (now {t.loss_block_size}; the logits of "
-            f"{block} positions at a time), " if block else "")
-  return (f"{accumulate}{remat}{logits}shard over more devices (mesh.fsdp={config.mesh.fsdp}), or "
-          f"lower data.seq_len={d.seq_len} or train.batch_size={t.batch_size}")
+  return (f"{accumulate}{remat}{_smaller_loss_blocks(config)}shard over more devices "
+          f"(mesh.fsdp={config.mesh.fsdp}), or lower data.seq_len={d.seq_len} or "
+          f"train.batch_size={t.batch_size}")
 
 
 def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict, *,
                           what: str = "the training step", limit_bytes: int | None = None,
-                          data_parallel: int = 1):
+                          data_parallel: int = 1, advice: str | None = None):
   """Compiles ``jitted(*args)`` ahead of time and checks that it fits one device.
 
   Args:
@@ -95,6 +110,9 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
       (none on CPU: nothing is checked, the footprint is only logged).
     data_parallel: the devices the batch is split over (which gradient accumulation steps
       the error may suggest: each device's rows must split into whole microbatches).
+    advice: what the error says to change; None (default): the training step's (gradient
+      accumulation, remat, loss blocks, fsdp, seq_len, batch size); :func:`eval_advice` for
+      the eval step.
   Returns:
     The compiled program (``jax.stages.Compiled``).
   Raises:
@@ -103,14 +121,15 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
       config values to change.
   """
   limit = device_limit_bytes() if limit_bytes is None else limit_bytes
+  if advice is None:
+    advice = _what_to_change(config, data_parallel)
   try:
     compiled = jitted.lower(*args).compile()
   except jax.errors.JaxRuntimeError as e:
     if not str(e).startswith(_OUT_OF_MEMORY):
       raise
     first = str(e).splitlines()[0][:200]
-    raise ValueError(f"{what} does not fit in device memory (XLA: {first}): "
-                     f"{_what_to_change(config, data_parallel)}") from e
+    raise ValueError(f"{what} does not fit in device memory (XLA: {first}): {advice}") from e
   need = footprint_bytes(compiled)
   if need is not None:
     of = f" of {_sizes(need, limit)[1]}" if limit else ""
@@ -119,5 +138,5 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
   if need is not None and limit and need > limit:
     needs, allows = _sizes(need, limit)
     raise ValueError(f"{what} needs {needs} per device (XLA memory analysis), the device "
-                     f"allows {allows}: {_what_to_change(config, data_parallel)}")
+                     f"allows {allows}: {advice}")
   return compiled

@@ -224,13 +224,13 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   return run
 
 
-def _batch_spec(config: ml_collections.ConfigDict, sharding) -> dict:
-  """The global training batch as ``jax.ShapeDtypeStruct`` s: ``[train.batch_size,
-  data.seq_len]`` on ``sharding``, with the keys and dtypes of ``data.make_batch`` (read from
-  it, so the ahead-of-time compile cannot drift from the batches the loop feeds)."""
-  shape = (config.train.batch_size, config.data.seq_len)
-  probe = data_lib.make_batch(np.zeros((1, 2), np.int32), np.ones((1, 2), np.int32))
-  return {key: jax.ShapeDtypeStruct(shape, value.dtype, sharding=sharding)
+def _batch_spec(rows: int, seq_len: int, sharding, *, target_bytes: bool = False) -> dict:
+  """A global batch of ``[rows, seq_len]`` as ``jax.ShapeDtypeStruct`` s on ``sharding``, with
+  the keys and dtypes of ``data.make_batch`` (read from it, so the ahead-of-time compiles
+  cannot drift from the batches the loop feeds); ``target_bytes`` as eval batches have it."""
+  probe = data_lib.make_batch(np.zeros((1, 2), np.int32), np.ones((1, 2), np.int32),
+                              np.ones((1, 2), np.int32) if target_bytes else None)
+  return {key: jax.ShapeDtypeStruct((rows, seq_len), value.dtype, sharding=sharding)
           for key, value in probe.items()}
 
 
@@ -391,14 +391,21 @@ class _Loop:
                  self.blocks)
     self.guard = jax.make_array_from_process_local_data(run.shardings.replicated,
                                                         np.zeros((), np.int32))
-    # Compiled now, for the shapes and shardings of the calls to come (they reuse it): a step
-    # too large for the device is a one-line error before any step runs. A finished run
-    # (re-run to find its last checkpoint) runs no step: nothing to compile.
+    # Compiled now, for the shapes and shardings of the calls to come (they reuse them): a step
+    # too large for the device is a one-line error before any step runs, and an eval step
+    # too large is one before hours of training end at the first eval. A finished run
+    # (re-run to find its last checkpoint) runs neither: nothing to compile.
     if run.start_step < cfg_t.num_steps:
-      memory.compile_within_memory(self.train_step, (self.params, self.opt_state,
-                                                     _batch_spec(config, run.shardings.batch),
-                                                     self.guard, np.int32(0)), config,
-                                   data_parallel=data_parallel_devices(config))
+      seq_len, batch_sharding = config.data.seq_len, run.shardings.batch
+      memory.compile_within_memory(
+          self.train_step, (self.params, self.opt_state,
+                            _batch_spec(cfg_t.batch_size, seq_len, batch_sharding),
+                            self.guard, np.int32(0)),
+          config, data_parallel=data_parallel_devices(config))
+      memory.compile_within_memory(
+          self.eval_step, (self.params, _batch_spec(config.eval.batch_size, seq_len,
+                                                    batch_sharding, target_bytes=True)),
+          config, what="the eval step", advice=memory.eval_advice(config))
     self.last_saved = run.resume
     _log_resume(run, self.resolved)
     # Last: the writer is the only thing here to close, and nothing after it can fail.

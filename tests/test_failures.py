@@ -609,18 +609,21 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
 
   from cem_jax import memory
 
-  def compiles():
-    return sum("Finished XLA compilation of jit(step)" in r.getMessage() for r in caplog.records)
+  def compiles(name):
+    return sum(f"Finished XLA compilation of jit({name})" in r.getMessage()
+               for r in caplog.records)
 
   cfg = tiny_config("cem", **{"model.num_layers": 1, "train.num_steps": 2})
   need, real = {}, memory.compile_within_memory
 
-  def against(offset):  # a device limit of the step's own footprint + offset bytes
+  def against(train_offset, eval_offset=0):  # device limits of each step's footprint + offset
     def check(jitted, args, config, **kw):
+      what = kw.get("what", "the training step")
       # Compiled here first; the check's own compile is then the same (cached) program.
-      need["bytes"] = memory.footprint_bytes(jitted.lower(*args).compile())
-      need["call"] = (jitted, args, config)
-      return real(jitted, args, config, **{**kw, "limit_bytes": need["bytes"] + offset})
+      need[what] = memory.footprint_bytes(jitted.lower(*args).compile())
+      need[what, "call"] = (jitted, args, config)
+      offset = train_offset if what == "the training step" else eval_offset
+      return real(jitted, args, config, **{**kw, "limit_bytes": need[what] + offset})
     return check
 
   workdir = tmp_path / "w"
@@ -631,10 +634,11 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
   try:
     with caplog.at_level(logging.WARNING):
       train.train_and_evaluate(cfg, str(workdir))
-      assert compiles() == 1 and read_metrics(str(workdir))[-1]["step"] == 2
+      assert read_metrics(str(workdir))[-1]["step"] == 2
+      assert (compiles("step"), compiles("eval_step")) == (1, 1)  # the eval at step 2 too
       caplog.clear()
       train.train_and_evaluate(cfg, str(workdir))  # finished: nothing to train or compile
-      assert compiles() == 0
+      assert (compiles("step"), compiles("eval_step")) == (0, 0)
   finally:
     jax.config.update("jax_log_compiles", False)
     jax.config.update("jax_enable_compilation_cache", cached)
@@ -642,18 +646,30 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
   fresh = tmp_path / "fresh"
   with pytest.raises(ValueError) as e:
     train.train_and_evaluate(cfg, str(fresh))
+  step = need["the training step"]
   assert str(e.value) == (  # sizes that would read alike in MiB, in bytes
-      f"the training step needs {need['bytes']} bytes per device (XLA memory analysis), the "
-      f"device allows {need['bytes'] - 1} bytes: raise "
+      f"the training step needs {step} bytes per device (XLA memory analysis), the "
+      f"device allows {step - 1} bytes: raise "
       "train.gradient_accumulation_steps=1 to 2 (the same batch in smaller pieces), set "
       "model.remat='full' (now 'none'), set train.loss_block_size=32 (now 0; the logits of "
       "32 positions at a time), shard over more devices (mesh.fsdp=1), or lower "
       "data.seq_len=64 or train.batch_size=8")
   assert not fresh.exists()
+  # The eval step too, at start-up, not at the first eval after hours of training.
+  monkeypatch.setattr(memory, "compile_within_memory", against(0, -1))
+  with pytest.raises(ValueError) as e:
+    train.train_and_evaluate(cfg, str(fresh))
+  step = need["the eval step"]
+  assert str(e.value) == (
+      f"the eval step needs {step} bytes per device (XLA memory analysis), the device allows "
+      f"{step - 1} bytes: set train.loss_block_size=32 (now 0; the logits of 32 positions at "
+      "a time), lower eval.batch_size=16 (a multiple of the data-parallel devices), or shard "
+      "over more devices (mesh.fsdp=1)")
+  assert not fresh.exists()
   # Without a limit given, the device's own is read (none on CPU: nothing refused).
   monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: 1)
   with pytest.raises(ValueError, match=r"^the training step needs .* allows 0\.0 MiB: "):
-    real(*need["call"])
+    real(*need["the training step", "call"])
 
 
 def test_xla_out_of_memory_at_compile_time_is_one_line_and_other_errors_pass():
