@@ -86,11 +86,14 @@ PEAK_FLOPS = {
 }
 
 
-def peak_flops(device=None) -> float | None:
-  """Dense bf16 peak FLOP/s of one ``device`` (default: this process's first), from
-  :data:`PEAK_FLOPS`; None for a kind not listed (CPUs), so that no MFU is made up."""
-  device = jax.local_devices()[0] if device is None else device
-  return PEAK_FLOPS.get(device.device_kind)
+def peak_flops(devices=None) -> float | None:
+  """Dense bf16 peak FLOP/s of ``devices`` together (a device or a list; default: this
+  process's first device), from :data:`PEAK_FLOPS`; None when any kind is not listed (CPUs),
+  so that no MFU is made up."""
+  devices = [jax.local_devices()[0]] if devices is None else devices
+  devices = devices if isinstance(devices, (list, tuple)) else [devices]
+  peaks = [PEAK_FLOPS.get(d.device_kind) for d in devices]
+  return None if not peaks or None in peaks else float(sum(peaks))
 
 
 def flops_per_token(model_cfg, vocab_size: int, seq_len: int) -> float:

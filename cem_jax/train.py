@@ -380,10 +380,9 @@ class _Loop:
     self.tokens_per_step = self.global_rows * config.data.seq_len
     # Model FLOPs of one training step (3x forward) over the devices' peak: train/mfu, where
     # the device's peak is known (model_stats.PEAK_FLOPS; never on a CPU).
-    peak = peak_flops()
     self.flops_per_step = 3 * self.tokens_per_step * flops_per_token(
         config.model, run.data.tokenizer.vocab_size, config.data.seq_len)
-    self.peak_flops = None if peak is None else peak * jax.device_count()
+    self.peak_flops = peak_flops(jax.devices())  # every process's devices: the global batch
     self.block, self.blocks = run.shardings.process_slice(self.global_rows)
     logging.info("mesh %s over %d devices of %d processes; process %d reads rows block %d of "
                  "%d of every global batch", dict(run.shardings.mesh.shape),

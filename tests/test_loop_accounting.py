@@ -108,7 +108,7 @@ def test_the_rate_leaves_out_evals_and_saves_and_mfu_is_the_model_flops_over_the
 
   monkeypatch.setattr(train, "_clock", clock)
   monkeypatch.setattr(steps, "eval_loop", slow_eval)
-  monkeypatch.setattr(train, "peak_flops", lambda: 1e9)  # a CPU has none: no train/mfu
+  monkeypatch.setattr(train, "peak_flops", lambda devices: 1e9 * len(devices))  # CPU: none
   cfg = tiny_config("cem", **{"model.num_layers": 1, "train.num_steps": 6,
                               "train.log_every_steps": 2, "train.eval_every_steps": 2,
                               "checkpoint.every_steps": 2})
@@ -160,3 +160,14 @@ def test_an_eval_or_save_between_logs_waits_for_the_queued_steps_before_its_cloc
   # The saves (steps 5 and 6) too: every clock start outside a log follows a wait.
   starts = [i for i, e in enumerate(events) if e == "clock"]
   assert sum(events[i - 1] == "wait" for i in starts) == 4, events  # 2 evals, 2 saves
+
+
+def test_the_peak_is_that_of_every_device_and_unknown_if_any_is_unknown():
+  import types
+
+  from cem_jax import model_stats
+
+  h200, cpu = (types.SimpleNamespace(device_kind=k) for k in ("NVIDIA H200", "cpu"))
+  assert model_stats.peak_flops([h200] * 8) == 8 * 989e12
+  assert model_stats.peak_flops(h200) == 989e12
+  assert model_stats.peak_flops([h200, cpu]) is None and model_stats.peak_flops([cpu]) is None
