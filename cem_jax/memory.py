@@ -12,6 +12,8 @@ compiled program is the one the first call uses (jax shares the compilation betw
 
 from __future__ import annotations
 
+import math
+
 import jax
 import ml_collections
 from absl import logging
@@ -40,6 +42,17 @@ def footprint_bytes(compiled) -> int | None:
     return None
   return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
              - mem.alias_size_in_bytes)
+
+
+def resident_bytes(tree) -> int:
+  """Bytes per device of the arrays in ``tree`` (one shard each; an array's shards are
+  equal): what stays on the device beside a program that does not take it, e.g. the optimizer
+  state during an eval."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if hasattr(x, "sharding") else x.shape
+    total += math.prod(shape) * x.dtype.itemsize
+  return total
 
 
 def device_limit_bytes(device: jax.Device | None = None) -> int | None:
@@ -73,11 +86,14 @@ def _smaller_loss_blocks(config: ml_collections.ConfigDict) -> str:
           f"{block} positions at a time), " if block else "")
 
 
-def eval_advice(config: ml_collections.ConfigDict) -> str:
+def eval_advice(config: ml_collections.ConfigDict, data_parallel: int = 1) -> str:
   """What to change when the eval step does not fit (:func:`compile_within_memory`'s
-  ``advice``)."""
-  return (f"{_smaller_loss_blocks(config)}lower eval.batch_size={config.eval.batch_size} "
-          f"(a multiple of the data-parallel devices), or shard over more devices "
+  ``advice``): a smaller ``eval.batch_size`` (about half, still a multiple of the
+  ``data_parallel`` devices; left out at the smallest), the logits in blocks, fsdp."""
+  bs = config.eval.batch_size
+  half = (bs // 2) // data_parallel * data_parallel
+  smaller = f"lower eval.batch_size={bs} to {half}, " if half >= data_parallel else ""
+  return (f"{smaller}{_smaller_loss_blocks(config)}or shard over more devices "
           f"(mesh.fsdp={config.mesh.fsdp})")
 
 
@@ -97,7 +113,8 @@ def _what_to_change(config: ml_collections.ConfigDict, data_parallel: int) -> st
 
 def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict, *,
                           what: str = "the training step", limit_bytes: int | None = None,
-                          data_parallel: int = 1, advice: str | None = None):
+                          data_parallel: int = 1, advice: str | None = None,
+                          resident: int = 0, resident_what: str = ""):
   """Compiles ``jitted(*args)`` ahead of time and checks that it fits one device.
 
   Args:
@@ -113,6 +130,9 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
     advice: what the error says to change; None (default): the training step's (gradient
       accumulation, remat, loss blocks, fsdp, seq_len, batch size); :func:`eval_advice` for
       the eval step.
+    resident: bytes per device that stay on the device while the program runs without
+      being its arguments (:func:`resident_bytes` of the optimizer state, for the eval
+      step), added to its footprint; ``resident_what`` names them in the log and the error.
   Returns:
     The compiled program (``jax.stages.Compiled``).
   Raises:
@@ -131,12 +151,15 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
     first = str(e).splitlines()[0][:200]
     raise ValueError(f"{what} does not fit in device memory (XLA: {first}): {advice}") from e
   need = footprint_bytes(compiled)
-  if need is not None:
-    of = f" of {_sizes(need, limit)[1]}" if limit else ""
-    logging.info("%s: %s per device%s (XLA memory analysis: arguments, outputs and "
-                 "temporaries)", what, _sizes(need)[0], of)
-  if need is not None and limit and need > limit:
+  if need is None:
+    return compiled
+  need += resident
+  held = f", with {_sizes(resident)[0]} of {resident_what} held beside it" if resident else ""
+  of = f" of {_sizes(need, limit)[1]}" if limit else ""
+  logging.info("%s: %s per device%s (XLA memory analysis: arguments, outputs and "
+               "temporaries%s)", what, _sizes(need)[0], of, held)
+  if limit and need > limit:
     needs, allows = _sizes(need, limit)
-    raise ValueError(f"{what} needs {needs} per device (XLA memory analysis), the device "
-                     f"allows {allows}: {advice}")
+    raise ValueError(f"{what} needs {needs} per device (XLA memory analysis{held}), the "
+                     f"device allows {allows}: {advice}")
   return compiled

@@ -396,15 +396,18 @@ class _Loop:
     # (re-run to find its last checkpoint) runs neither: nothing to compile.
     if run.start_step < cfg_t.num_steps:
       seq_len, batch_sharding = config.data.seq_len, run.shardings.batch
+      data_parallel = data_parallel_devices(config)
       memory.compile_within_memory(
           self.train_step, (self.params, self.opt_state,
                             _batch_spec(cfg_t.batch_size, seq_len, batch_sharding),
                             self.guard, np.int32(0)),
-          config, data_parallel=data_parallel_devices(config))
+          config, data_parallel=data_parallel)
+      # The optimizer state stays on the device through an eval: counted beside the step.
       memory.compile_within_memory(
           self.eval_step, (self.params, _batch_spec(config.eval.batch_size, seq_len,
                                                     batch_sharding, target_bytes=True)),
-          config, what="the eval step", advice=memory.eval_advice(config))
+          config, what="the eval step", advice=memory.eval_advice(config, data_parallel),
+          resident=memory.resident_bytes(self.opt_state), resident_what="optimizer state")
     self.last_saved = run.resume
     _log_resume(run, self.resolved)
     # Last: the writer is the only thing here to close, and nothing after it can fail.

@@ -619,8 +619,15 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
   def against(train_offset, eval_offset=0):  # device limits of each step's footprint + offset
     def check(jitted, args, config, **kw):
       what = kw.get("what", "the training step")
-      # Compiled here first; the check's own compile is then the same (cached) program.
-      need[what] = memory.footprint_bytes(jitted.lower(*args).compile())
+      # Compiled here first; the check's own compile is then the same (cached) program. The
+      # eval step counts the optimizer state held beside it: AdamW's two moments of every
+      # parameter (and its counters).
+      param_bytes = sum(x.nbytes for x in jax.tree.leaves(args[0]))
+      resident = kw.get("resident", 0)
+      assert (what == "the training step") == (resident == 0)
+      assert resident == 0 or 2 * param_bytes <= resident < 2 * param_bytes + 256, resident
+      need[what] = memory.footprint_bytes(jitted.lower(*args).compile()) + resident
+      need[what, "resident"] = resident
       need[what, "call"] = (jitted, args, config)
       offset = train_offset if what == "the training step" else eval_offset
       return real(jitted, args, config, **{**kw, "limit_bytes": need[what] + offset})
@@ -659,12 +666,12 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
   monkeypatch.setattr(memory, "compile_within_memory", against(0, -1))
   with pytest.raises(ValueError) as e:
     train.train_and_evaluate(cfg, str(fresh))
-  step = need["the eval step"]
+  step, held = need["the eval step"], memory._sizes(need["the eval step", "resident"])[0]
   assert str(e.value) == (
-      f"the eval step needs {step} bytes per device (XLA memory analysis), the device allows "
-      f"{step - 1} bytes: set train.loss_block_size=32 (now 0; the logits of 32 positions at "
-      "a time), lower eval.batch_size=16 (a multiple of the data-parallel devices), or shard "
-      "over more devices (mesh.fsdp=1)")
+      f"the eval step needs {step} bytes per device (XLA memory analysis, with {held} of "
+      f"optimizer state held beside it), the device allows {step - 1} bytes: lower "
+      "eval.batch_size=16 to 8, set train.loss_block_size=32 (now 0; the logits of 32 "
+      "positions at a time), or shard over more devices (mesh.fsdp=1)")
   assert not fresh.exists()
   # Without a limit given, the device's own is read (none on CPU: nothing refused).
   monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: 1)
@@ -710,6 +717,11 @@ def test_xla_out_of_memory_at_compile_time_is_one_line_and_other_errors_pass():
   assert "set train.loss_block_size=16 (now 32; " in memory._what_to_change(cfg, 8)
   cfg.train.loss_block_size, cfg.data.seq_len = 0, 48
   assert "set train.loss_block_size=24 (now 0; " in memory._what_to_change(cfg, 8)
+  # The eval step's: half the eval batch on whole devices, none below one row per device.
+  cfg.eval.batch_size = 32
+  assert memory.eval_advice(cfg, 8).startswith("lower eval.batch_size=32 to 16, ")
+  cfg.eval.batch_size = 8
+  assert memory.eval_advice(cfg, 8).startswith("set train.loss_block_size=")
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: other"):
     memory.compile_within_memory(Failing("INTERNAL: other"), (), cfg)
 
