@@ -31,12 +31,7 @@ from cem_jax.config import get_default_config
 from cem_jax.data import make_batch
 from cem_jax.files import atomic_write_json
 from cem_jax.model import DecoderLM
-from cem_jax.model_stats import (  # noqa: F401  (bench API)
-    PEAK_FLOPS,
-    count_params,
-    flops_per_token,
-    peak_flops,
-)
+from cem_jax.model_stats import count_params, flops_per_token, peak_flops
 
 VARIANTS = {
     "llama": dict(block="llama"),
@@ -108,7 +103,7 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
   Keys: ``attention`` and ``attention_reason`` (the kernel the model used), ``params``,
   ``compile_s`` (seconds), ``step_ms`` (median milliseconds over ``steps`` after ``warmup``),
   ``tokens_per_s``, ``flops_per_token`` (analytic forward FLOPs), ``tflops_per_s`` (3× forward
-  per token, in 10¹² FLOP/s), ``mfu`` (a fraction of the device's :data:`PEAK_FLOPS`; None
+  per token, in 10¹² FLOP/s), ``mfu`` (a fraction of the device's ``model_stats.PEAK_FLOPS``; None
   when unknown), ``peak_memory_mb`` (MiB, 2²⁰ bytes, of XLA's memory analysis; None when not
   reported) and ``loss`` (nats/token of the last step; None if not finite: strict JSON has
   no NaN).

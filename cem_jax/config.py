@@ -403,6 +403,12 @@ def _model_identity(values: dict) -> dict:
   return out
 
 
+def with_defaults(saved: ml_collections.ConfigDict | dict) -> dict:
+  """A saved config (a checkpoint's or ``config.json``'s) as a flat dict (:func:`flat`), the
+  keys it predates at their defaults: a new key's default keeps the old behaviour."""
+  return {**flat(get_default_config()), **flat(saved)}
+
+
 def model_changes(saved: ml_collections.ConfigDict | dict,
                   now: ml_collections.ConfigDict | dict) -> list[str]:
   """The ``model.*`` keys that define the model and differ between two configs, as
@@ -414,8 +420,7 @@ def model_changes(saved: ml_collections.ConfigDict | dict,
   checkpoint predates is compared at its default (a new key's default keeps the old model); a
   key only the checkpoint has (removed since) is not compared.
   """
-  defaults = flat(get_default_config())
-  old = _model_identity({**defaults, **flat(saved)})
+  old = _model_identity(with_defaults(saved))
   new = _model_identity(flat(now))
   keys = sorted(k for k in new if k not in RESUME_MAY_CHANGE)
   return [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in keys if old.get(k) != new[k]]

@@ -286,16 +286,17 @@ def _log_resume(run: Run, resolved: dict) -> None:
   """Logs the step resumed from and every config field that differs from the checkpoint's."""
   if run.resume is None:
     return
-  saved, now = config_lib.flat(run.meta.get("config", {})), config_lib.flat(resolved)
-  # A key the checkpoint predates held its default then.
-  defaults = config_lib.flat(config_lib.get_default_config())
-  saved = {**{k: defaults[k] for k in now if k not in saved and k in defaults}, **saved}
+  saved = config_lib.with_defaults(run.meta.get("config", {}))
+  now = config_lib.flat(resolved)
   changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
   logging.info("resumed from %s at step %d", run.ckpt.step_dir(run.resume), run.start_step)
   if run.start_step >= run.config.train.num_steps:
     logging.info("the run is already finished (train.num_steps=%d): nothing to train; raise "
                  "train.num_steps to train on", run.config.train.num_steps)
-  text = lambda keys: ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys)  # noqa: E731
+
+  def text(keys):
+    return ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys)
+
   compute = [k for k in changed if k in config_lib.COMPUTE_ONLY]
   if compute:  # how the step is computed, not its numbers
     logging.info("computed differently from the checkpoint's run (the same numbers up to "
