@@ -11,6 +11,7 @@ The maths behind the ``model`` options is in ``CEM_MATH.md`` (section numbers gi
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import types
 
@@ -433,6 +434,24 @@ def _get(config, dotted: str):
   return node
 
 
+
+def check_loss_block_size(block_size, seq_len: int) -> None:
+  """The rule of ``train.loss_block_size`` (:func:`cem_jax.loss.blockwise_cross_entropy`): an
+  int >= 0 that, unless 0, divides ``seq_len`` (``data.seq_len``, or the length of the array
+  a direct caller passes).
+
+  Raises:
+    ValueError: one line naming the value and what is allowed.
+  """
+  if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or (
+      block_size < 0):
+    raise ValueError(f"train.loss_block_size={block_size!r}; allowed: an int >= 0 "
+                     "(0 = all positions at once)")
+  if block_size and seq_len % block_size:
+    raise ValueError(f"train.loss_block_size={block_size} does not divide "
+                     f"data.seq_len={seq_len}; allowed: 0 (all positions at once) or a "
+                     "divisor of data.seq_len")
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Checks a resolved config's own rules (choices, ranges, combinations), without jax.
 
@@ -511,10 +530,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
                      f"train.gradient_accumulation_steps={t.gradient_accumulation_steps}; "
                      "each microbatch has batch_size / gradient_accumulation_steps rows")
-  if t.loss_block_size and config.data.seq_len % t.loss_block_size:
-    raise ValueError(f"train.loss_block_size={t.loss_block_size} does not divide "
-                     f"data.seq_len={config.data.seq_len}; allowed: 0 (all positions at once) "
-                     "or a divisor of data.seq_len")
+  check_loss_block_size(t.loss_block_size, config.data.seq_len)
   vf = config.data.validation_fraction
   if not 0.0 < vf <= 0.5:
     raise ValueError(f"data.validation_fraction={vf}; allowed: 0 < fraction <= 0.5")

@@ -13,10 +13,10 @@ NumPy).
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
+
+from cem_jax.config import check_loss_block_size
 
 
 def output_logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
@@ -65,23 +65,18 @@ def blockwise_cross_entropy(hidden, head, targets, weights, block_size: int = 0)
     head: ``[d_model, vocab_size]`` (compute dtype).
     targets: ``[batch, seq_len]`` int.
     weights: ``[batch, seq_len]`` float32.
-    block_size: positions per block; 0 (or ``>= seq_len``) = the whole sequence at once.
+    block_size: positions per block; 0 (or ``seq_len``) = the whole sequence at once.
   Returns:
     ``(loss_sum, weight_sum)``, float32 scalars, loss in nats.
   Raises:
-    ValueError: ``block_size`` negative, or not dividing ``seq_len``.
+    ValueError: ``block_size`` negative, or not dividing ``seq_len``
+      (:func:`cem_jax.config.check_loss_block_size`).
   """
   b, n = targets.shape
-  if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or (
-      block_size < 0):
-    raise ValueError(f"train.loss_block_size={block_size!r}; allowed: an int >= 0 "
-                     "(0 = the whole sequence at once)")
+  check_loss_block_size(block_size, n)
   block_size = int(block_size)
-  if block_size == 0 or block_size >= n:
+  if block_size == 0 or block_size == n:
     return weighted_cross_entropy(output_logits(hidden, head), targets, weights)
-  if n % block_size:
-    raise ValueError(f"train.loss_block_size={block_size} does not divide the sequence "
-                     f"length {n}; allowed: 0 or a divisor of it")
 
   def blocks(x):  # [b, n, ...] -> [n / block, b, block, ...]
     return jnp.moveaxis(x.reshape(b, n // block_size, block_size, *x.shape[2:]), 1, 0)

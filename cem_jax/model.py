@@ -204,7 +204,8 @@ class DecoderLM(nnx.Module):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
       return x
-    rows = dividing_axes(self.attention_partition[0], x.shape[0], dict(mesh.shape))
+    batch_axes = self.attention_partition[0]  # the mesh axes of the rules' `batch` axis
+    rows = dividing_axes(batch_axes, x.shape[0], dict(mesh.shape))
     if rows is None:
       return x
     return jax.lax.with_sharding_constraint(x, PartitionSpec(rows, *([None] * (x.ndim - 1))))

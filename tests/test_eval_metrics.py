@@ -39,12 +39,13 @@ def _setup():
 def _reference(graphdef, params, windows):
   """Per window, the model on its real prefix alone (no padding anywhere), energies and
   losses summed in float64 over all windows and divided by the token counts."""
-  model = nnx.merge(graphdef, params)
+  # jitted: two distinct prefix lengths compile twice, where eager runs op by op per length
+  forward = jax.jit(lambda p, x, s: nnx.merge(graphdef, p)(x, s, trace=True))
   energy, tokens, loss, targets = {}, 0, 0.0, 0.0
   for tok, seg in zip(windows.tokens, windows.segment_ids, strict=True):
     batch = packing.make_batch(tok[None], seg[None])
     n = int((batch["segment_ids"][0] > 0).sum())  # padding is only at the tail
-    logits, traces = model(batch["inputs"][:, :n], batch["segment_ids"][:, :n], trace=True)
+    logits, traces = forward(params, batch["inputs"][:, :n], batch["segment_ids"][:, :n])
     for layer, steps in enumerate(traces):
       for t, rec in enumerate(steps):
         for key, value in rec.items():

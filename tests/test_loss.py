@@ -63,8 +63,8 @@ def test_blockwise_loss_and_gradients_equal_the_float64_maths(block_size):
 
 def test_a_block_size_that_does_not_divide_is_one_line():
   hidden, head, targets, weights = _inputs()
-  with pytest.raises(ValueError, match=r"^train\.loss_block_size=5 does not divide the "
-                     r"sequence length 16; allowed: 0 or a divisor of it$"):
+  with pytest.raises(ValueError, match=r"^train\.loss_block_size=5 does not divide "
+                     r"data\.seq_len=16; allowed: 0 \(all positions at once\) or a divisor"):
     loss.blockwise_cross_entropy(hidden, head, targets, weights, 5)
   with pytest.raises(ValueError, match=r"^train\.loss_block_size=-1; allowed: an int >= 0"):
     loss.blockwise_cross_entropy(hidden, head, targets, weights, -1)
