@@ -160,6 +160,11 @@ def get_default_config() -> ml_collections.ConfigDict:
   t.eval_every_steps = 100
   t.log_every_steps = 10
   t.max_consecutive_nonfinite = 10
+  # A jax profiler trace of this many training steps (process 0) into WORKDIR/tensorboard, from
+  # step profile_first_step on (1-based; past the first steps' one-time costs). 0 = none.
+  # Changes nothing computed: tables and resumes ignore both (OBSERVE_ONLY).
+  t.profile_steps = 0
+  t.profile_first_step = 5
 
   # ---- eval --------------------------------------------------------------------------------
   e = c.eval = ml_collections.ConfigDict()
@@ -226,6 +231,8 @@ _MINIMUMS = {
     "train.eval_every_steps": 1,
     "train.log_every_steps": 1,
     "train.max_consecutive_nonfinite": 1,
+    "train.profile_steps": 0,
+    "train.profile_first_step": 1,
     "eval.batch_size": 1,
     "checkpoint.every_steps": 1,
     "checkpoint.keep": 1,
@@ -386,6 +393,9 @@ RESUME_MAY_CHANGE = ("model.attention_impl", "model.dtype", "model.remat",
 # whatever they are, e.g. one trained without gradient accumulation for a row run with it.
 COMPUTE_ONLY = ("model.attention_impl", "model.remat", "model.energy_block_size",
                 "train.gradient_accumulation_steps", "train.loss_block_size")
+# Keys that change what is recorded about a run, nothing it computes: a table reuses a finished
+# run whatever they are, and a resume does not mention them.
+OBSERVE_ONLY = ("train.profile_steps", "train.profile_first_step")
 
 
 def _model_identity(values: dict) -> dict:
@@ -531,6 +541,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      f"train.gradient_accumulation_steps={t.gradient_accumulation_steps}; "
                      "each microbatch has batch_size / gradient_accumulation_steps rows")
   check_loss_block_size(t.loss_block_size, config.data.seq_len)
+  if t.profile_steps and t.profile_first_step + t.profile_steps - 1 > t.num_steps:
+    raise ValueError(f"train.profile_first_step={t.profile_first_step} with "
+                     f"train.profile_steps={t.profile_steps} traces past "
+                     f"train.num_steps={t.num_steps}; allowed: a window of steps inside "
+                     f"1..{t.num_steps}")
   vf = config.data.validation_fraction
   if not 0.0 < vf <= 0.5:
     raise ValueError(f"data.validation_fraction={vf}; allowed: 0 < fraction <= 0.5")

@@ -13,6 +13,12 @@ from absl import logging
 from cem_jax.files import atomic_write_bytes
 
 
+def tensorboard_dir(workdir: str) -> str:
+  """``WORKDIR/tensorboard``: the scalars' event files and the profiler's traces
+  (:mod:`cem_jax.profiling`), so one ``tensorboard --logdir`` shows both."""
+  return os.path.join(workdir, "tensorboard")
+
+
 class MetricsWriter:
   """Appends metric lines to ``WORKDIR/metrics.jsonl`` (only where ``enabled``: process 0).
 
@@ -50,7 +56,7 @@ class MetricsWriter:
     if tensorboard:
       from tensorboardX import SummaryWriter  # imported here: only process 0 writes events
 
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+      self._tb = SummaryWriter(tensorboard_dir(workdir),
                                purge_step=truncate_after_step or None)
     if kept is not None:
       atomic_write_bytes(self.path, kept.encode())

@@ -162,12 +162,14 @@ def _same_config(run: str, config) -> bool:
   run (which must hold their default values: new options default to the old behaviour), to
   the folder of ``data.files`` (compared by file name, so that runs trained in another
   checkout, e.g. the committed ``results/tiny``, count) and to
-  :data:`cem_jax.config.COMPUTE_ONLY` (the kernel, remat, gradient accumulation)."""
+  :data:`cem_jax.config.COMPUTE_ONLY` (the kernel, remat, gradient accumulation) and
+  :data:`cem_jax.config.OBSERVE_ONLY` (profiling)."""
   path = os.path.join(run, "config.json")
   if not os.path.exists(path):
     return False
   def flat(d: dict) -> dict:
-    out = {k: v for k, v in config_lib.flat(d).items() if k not in config_lib.COMPUTE_ONLY}
+    ignored = config_lib.COMPUTE_ONLY + config_lib.OBSERVE_ONLY
+    out = {k: v for k, v in config_lib.flat(d).items() if k not in ignored}
     if out.get("data.files"):  # by name: the same corpus seen from another checkout/machine
       out["data.files"] = ",".join(os.path.basename(p) for p in out["data.files"].split(","))
     return out

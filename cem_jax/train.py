@@ -35,10 +35,11 @@ from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
 from cem_jax.checkpoint import Checkpointer
 from cem_jax.files import atomic_write_json
-from cem_jax.metrics import MetricsWriter, read_metrics
+from cem_jax.metrics import MetricsWriter, read_metrics, tensorboard_dir
 from cem_jax.model import count_params
 from cem_jax.model_stats import flops_per_token, peak_flops
 from cem_jax.optim import make_optimizer
+from cem_jax.profiling import StepProfiler
 from cem_jax.version import NUMERICS_VERSION
 
 
@@ -288,7 +289,8 @@ def _log_resume(run: Run, resolved: dict) -> None:
     return
   saved = config_lib.with_defaults(run.meta.get("config", {}))
   now = config_lib.flat(resolved)
-  changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+  changed = sorted(k for k in set(saved) | set(now)
+                   if saved.get(k) != now.get(k) and k not in config_lib.OBSERVE_ONLY)
   logging.info("resumed from %s at step %d", run.ckpt.step_dir(run.resume), run.start_step)
   if run.start_step >= run.config.train.num_steps:
     logging.info("the run is already finished (train.num_steps=%d): nothing to train; raise "
@@ -411,6 +413,9 @@ class _Loop:
           resident=memory.resident_bytes(self.opt_state), resident_what="optimizer state")
     self.last_saved = run.resume
     _log_resume(run, self.resolved)
+    self.profiler = StepProfiler(tensorboard_dir(run.workdir), cfg_t.profile_first_step,
+                                 cfg_t.profile_steps, run.start_step, enabled=self.is_main)
+    self.done = run.start_step  # the last step run
     # Last: the writer is the only thing here to close, and nothing after it can fail.
     self.writer, self.best, self.last_eval = _open_metrics(run, self.resolved, self.is_main)
     self.t_start = self.t_log = _clock()
@@ -423,9 +428,17 @@ class _Loop:
     batch = run.shardings.global_batch(run.data.train.batch(step, self.block, self.blocks),
                                        self.global_rows)
     done = step + 1
-    self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, batch,
-                                                     self.guard, np.int32(done))
+    if self.profiler.starts_at(done):
+      with self.off_the_clock():  # the steps before it finish first: they stay out of it
+        self.profiler.start()
+    with jax.profiler.StepTraceAnnotation("train", step_num=done):
+      self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, batch,
+                                                       self.guard, np.int32(done))
     self.guard = m["nonfinite_guard"]
+    self.done = done
+    if self.profiler.stops_at(done):
+      with self.off_the_clock():  # waits for the traced steps: their device work is in it
+        self.profiler.stop(done)
     if done % cfg_t.log_every_steps == 0 or done == self.num_steps:
       self.log(done, m)
     if done % cfg_t.eval_every_steps == 0 or done == self.num_steps:
@@ -526,7 +539,12 @@ class _Loop:
       self.last_saved = done
 
   def abort(self) -> None:
-    """On an error: saves already started passed the checks, so let them commit first."""
+    """On an error: saves already started passed the checks, so let them commit first; a
+    trace in progress is written (it may show why)."""
+    try:
+      self.profiler.stop(self.done)
+    except Exception:  # noqa: BLE001 - the original error matters more
+      logging.exception("could not write the profiler trace")
     try:
       self.run.ckpt.close()
     except Exception:  # noqa: BLE001 - the original error matters more
@@ -534,5 +552,6 @@ class _Loop:
     self.writer.close()
 
   def close(self) -> None:
+    self.profiler.stop(self.done)  # a run preempted inside the window
     self.run.ckpt.close()
     self.writer.close()

@@ -162,6 +162,23 @@ def test_values_that_were_silently_defaulted_or_failed_late_are_refused(field, v
   assert "\n" not in str(e.value)
 
 
+def test_a_profile_window_must_lie_inside_the_run():
+  cfg = tiny_config("cem", **{"train.num_steps": 30, "train.profile_steps": 3,
+                              "train.profile_first_step": 29})
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(cfg)
+  assert str(e.value) == ("train.profile_first_step=29 with train.profile_steps=3 traces past "
+                          "train.num_steps=30; allowed: a window of steps inside 1..30")
+  cfg.train.profile_first_step = 28  # steps 28..30: the last three
+  config_lib.validate(cfg)
+  for field, value in (("train.profile_steps", -1), ("train.profile_first_step", 0)):
+    with pytest.raises(ValueError, match=rf"^{field}={value} must be >= "):
+      config_lib.validate(tiny_config("cem", **{field: value}))
+  cfg.train.profile_steps = 0  # no trace: the first step is not read
+  cfg.train.profile_first_step = 1000
+  config_lib.validate(cfg)
+
+
 def test_an_explicit_head_dim_is_accepted():
   config_lib.validate(tiny_config("cem", **{"model.head_dim": 8}))
 

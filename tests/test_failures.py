@@ -345,7 +345,9 @@ def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path, caplog):
   with caplog.at_level(logging.INFO):
     train.train_and_evaluate(cfg(4, moved, **{"model.remat": "full", "model.init_std": 0.01,
                                               "model.eta_init": 0.5,
-                                              "train.loss_block_size": 16}), str(workdir))
+                                              "train.loss_block_size": 16,
+                                              "train.profile_steps": 2,
+                                              "train.profile_first_step": 2}), str(workdir))
   assert read_metrics(str(workdir))[-1]["step"] == 4
   # Said as what it is: a compute-only change in an info line, the others in a warning.
   said = {r.levelname: r.getMessage() for r in caplog.records
@@ -356,6 +358,10 @@ def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path, caplog):
   assert said["WARNING"].startswith("config differs from the checkpoint's: "
                                     "model.attention_energy: ")
   assert "model.init_std: 0.02 -> 0.01" in said["WARNING"] and "remat" not in said["WARNING"]
+  # A trace changes nothing computed; its window 2..3 is traced from the resumed step 2 on.
+  assert "profile" not in said["WARNING"]
+  assert any(r.getMessage().startswith("profile: trace of steps 3..3 written under ")
+             for r in caplog.records)
   # Re-run when finished, computing it otherwise: nothing trains, config.json stays the one
   # the run trained with.
   trained_with = (workdir / "config.json").read_bytes()

@@ -106,12 +106,18 @@ def test_the_rate_leaves_out_evals_and_saves_and_mfu_is_the_model_flops_over_the
     now[0] += 1000.0
     return real_eval(*args, **kwargs)
 
+  def slow_trace(*args, **kwargs):  # the profiler's start and its writing: 1000 s each
+    now[0] += 1000.0
+
   monkeypatch.setattr(train, "_clock", clock)
   monkeypatch.setattr(steps, "eval_loop", slow_eval)
+  monkeypatch.setattr(jax.profiler, "start_trace", slow_trace)
+  monkeypatch.setattr(jax.profiler, "stop_trace", slow_trace)
   monkeypatch.setattr(train, "peak_flops", lambda devices: 1e9 * len(devices))  # CPU: none
   cfg = tiny_config("cem", **{"model.num_layers": 1, "train.num_steps": 6,
                               "train.log_every_steps": 2, "train.eval_every_steps": 2,
-                              "checkpoint.every_steps": 2})
+                              "checkpoint.every_steps": 2, "train.profile_steps": 2,
+                              "train.profile_first_step": 3})
   train.train_and_evaluate(cfg, str(tmp_path / "w"))
   lines = [m for m in read_metrics(str(tmp_path / "w")) if "train/loss" in m]
   tokens_per_step = 8 * 64
@@ -146,20 +152,44 @@ def test_an_eval_or_save_between_logs_waits_for_the_queued_steps_before_its_cloc
     events.append("eval")
     return real_eval(*args, **kwargs)
 
+  real_step = steps.make_train_step
+
+  def make_train_step(*args, **kwargs):
+    step = real_step(*args, **kwargs)
+
+    def counted(*a):
+      events.append("step")
+      return step(*a)
+    counted.lower = step.lower  # the start-up compile
+    return counted
+
+  def tracer(name):
+    return lambda *args, **kwargs: events.append(name)
+
   monkeypatch.setattr(train, "_clock", clock)
   monkeypatch.setattr(jax, "block_until_ready", wait)
   monkeypatch.setattr(steps, "eval_loop", evaluate)
+  monkeypatch.setattr(steps, "make_train_step", make_train_step)
+  monkeypatch.setattr(jax.profiler, "start_trace", tracer("trace"))
+  monkeypatch.setattr(jax.profiler, "stop_trace", tracer("written"))
   cfg = tiny_config("llama", **{"model.num_layers": 1, "train.num_steps": 6,
                                 "train.log_every_steps": 4, "train.eval_every_steps": 3,
-                                "checkpoint.every_steps": 5, "eval.max_batches": 1})
+                                "checkpoint.every_steps": 5, "eval.max_batches": 1,
+                                "train.profile_steps": 2, "train.profile_first_step": 2})
   train.train_and_evaluate(cfg, str(tmp_path / "w"))
   evals = [i for i, e in enumerate(events) if e == "eval"]
   assert len(evals) == 2  # steps 3 and 6
   for i in evals:
     assert events[i - 2:i] == ["wait", "clock"], events
-  # The saves (steps 5 and 6) too: every clock start outside a log follows a wait.
+  # The saves (steps 5 and 6) and the trace's start and writing too: every clock start outside
+  # a log follows a wait.
   starts = [i for i, e in enumerate(events) if e == "clock"]
-  assert sum(events[i - 1] == "wait" for i in starts) == 4, events  # 2 evals, 2 saves
+  assert sum(events[i - 1] == "wait" for i in starts) == 6, events  # 2 evals, 2 saves, trace
+  # The trace holds steps 2 and 3, and their device work: it is written after a wait.
+  trace = [e for e in events if e in ("step", "trace", "written", "wait")]
+  first, last = trace.index("trace"), trace.index("written")
+  assert trace[:first].count("step") == 1 and trace[first:last].count("step") == 2, trace
+  assert trace[last - 1] == "wait", trace
 
 
 def test_the_peak_is_that_of_every_device_and_unknown_if_any_is_unknown():

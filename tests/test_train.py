@@ -1,5 +1,6 @@
 """Training: real short runs lower eval loss, decay goes by name, the CLI works end to end."""
 
+import gzip
 import json
 import math
 import os
@@ -75,10 +76,18 @@ def test_cli_trains_and_writes_the_contract_files(tmp_path, shared_data):
       "--config.data.seq_len=32", "--config.data.vocab_size=512", "--config.train.num_steps=6",
       "--config.train.batch_size=4", "--config.train.eval_every_steps=3",
       "--config.eval.max_batches=2", f"--config.data.files={shared_data / 'wikitext2_valid.txt'}",
+      "--config.train.profile_steps=2", "--config.train.profile_first_step=4",
   ]
   proc = _run_cli([f"--config={REPO}/experiments/tiny.py", f"--workdir={workdir}", *overrides],
                   cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  # The profiler's trace of steps 4 and 5, beside the TensorBoard scalars: each step marked.
+  traces = list((workdir / "tensorboard" / "plugins" / "profile").glob("*/perfetto_trace.json.gz"))
+  assert len(traces) == 1, proc.stderr[-3000:]
+  with gzip.open(traces[0]) as f:
+    events = json.load(f)["traceEvents"]
+  assert sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train") == [4, 5]
+  assert f"profile: trace of steps 4..5 written under {workdir / 'tensorboard'}" in proc.stderr
   metrics = read_metrics(str(workdir))
   assert metrics[-1]["step"] == 6 and "eval/bits_per_byte" in metrics[-1]
   # A CPU has no known peak: a rate, no MFU (made up otherwise).
@@ -95,6 +104,9 @@ def test_cli_trains_and_writes_the_contract_files(tmp_path, shared_data):
   assert again.returncode == 0, again.stderr[-3000:]
   assert "the run is already finished (train.num_steps=6): nothing to train" in again.stderr
   assert read_metrics(str(workdir)) == metrics
+  assert ("profile: steps 4..5 (train.profile_first_step, train.profile_steps) ran before this "
+          "start at step 6: no trace") in again.stderr
+  assert len(list((workdir / "tensorboard" / "plugins" / "profile").iterdir())) == 1
 
 
 def test_cli_config_typo_fails_before_training(tmp_path):
