@@ -8,6 +8,7 @@ the device's peak is known) and peak device memory, prints a table and writes JS
     python -m cem_jax.bench --preset=gpu125m --out=bench.json   # one GPU, ~125M, bf16
     python -m cem_jax.bench --preset=gpu125m --attention_impl=xla  # the XLA attention path
     python -m cem_jax.bench --preset=gpu125m --loss_block_size=256  # logits 256 positions at once
+    python -m cem_jax.bench --preset=tiny --profile_dir=/tmp/prof  # + a trace of each row
 
 Analytic FLOPs per token: :func:`cem_jax.model_stats.flops_per_token` (formula there).
 """
@@ -97,8 +98,16 @@ class RowsFailed(RuntimeError):
   """Rows of a :func:`run` sweep failed; the others were measured (and written)."""
 
 
-def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
+PROFILE_STEPS = 2  # steps traced after the timed ones (--profile_dir)
+
+
+def bench_one(config, vocab_size: int, steps: int, warmup: int,
+              profile_dir: str | None = None) -> dict:
   """Compiles and times one training step of ``config``; returns the figures as a dict.
+
+  With ``profile_dir``, :data:`PROFILE_STEPS` more steps run after the timed ones under the
+  jax profiler (``jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)``; each
+  step marked ``train``): the timing never includes tracing. Key ``profile``: that folder.
 
   Keys: ``attention`` and ``attention_reason`` (the kernel the model used), ``params``,
   ``compile_s`` (seconds), ``step_ms`` (median milliseconds over ``steps`` after ``warmup``),
@@ -130,6 +139,15 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
     if i >= warmup:
       times.append(time.perf_counter() - t0)
   step_s = statistics.median(times)
+  if profile_dir:
+    jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
+    try:
+      for i in range(PROFILE_STEPS):
+        with jax.profiler.StepTraceAnnotation("train", step_num=i + 1):
+          params, opt_state, metrics = compiled(params, opt_state, batch)
+      jax.block_until_ready(metrics["loss"])  # the traced steps' device work is in the trace
+    finally:
+      jax.profiler.stop_trace()
   fpt = flops_per_token(config.model, vocab_size, n)
   achieved = 3 * fpt * b * n / step_s
   peak = peak_flops()
@@ -145,19 +163,21 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int) -> dict:
       "mfu": achieved / peak if peak else None,
       "peak_memory_mb": (lambda m: m / 2**20 if m else None)(memory.footprint_bytes(compiled)),
       "loss": (lambda x: x if np.isfinite(x) else None)(float(metrics["loss"])),  # JSON
+      **({"profile": profile_dir} if profile_dir else {}),
   }
 
 
 def run(preset: str, variants: list[str], out: str | None = None,
         document_mask: bool | None = None, attention_impl: str | None = None,
-        loss_block_size: int = 0) -> list[dict]:
+        loss_block_size: int = 0, profile_dir: str | None = None) -> list[dict]:
   """Benchmarks ``variants`` over the preset's seq_len and width sweeps; prints and returns rows.
 
   ``document_mask`` overrides the preset's ``model.document_mask`` (variants that set it
   keep theirs); ``attention_impl`` sets ``model.attention_impl`` of every variant (default:
   the config's 'auto'). ``loss_block_size`` sets ``train.loss_block_size`` (the logits
   made that many positions at a time; 0: all at once). Each row records the kernel the model
-  actually used.
+  actually used. ``profile_dir``: each row also traces :data:`PROFILE_STEPS` steps after its
+  timed ones into ``profile_dir/<variant>_<seq_len>_<d_model>`` (:func:`bench_one`).
 
   ``out`` (JSON: ``device``, ``platform``, ``jax``, ``preset``, ``rows``, ``complete``,
   ``failed``) is rewritten atomically after every row, ``complete`` false until the last: a
@@ -198,7 +218,9 @@ def run(preset: str, variants: list[str], out: str | None = None,
     row = {"variant": name, "seq_len": n, "d_model": width,
            "document_mask": cfg.model.document_mask, "loss_block_size": loss_block_size}
     try:
-      row.update(bench_one(cfg, p["vocab_size"], p["steps"], p["warmup"]))
+      trace_dir = (os.path.join(profile_dir, f"{name}_{n}_{width}") if profile_dir
+                   else None)
+      row.update(bench_one(cfg, p["vocab_size"], p["steps"], p["warmup"], trace_dir))
     except Exception as e:  # noqa: BLE001 - recorded in the row; the sweep measures the rest
       row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
     rows.append(row)
@@ -257,7 +279,7 @@ def main(argv):
     document_mask = None if fl.document_mask is None else fl.document_mask.lower() == "true"
     try:
       run(fl.preset, fl.variants, fl.out, document_mask, fl.attention_impl,
-          fl.loss_block_size)
+          fl.loss_block_size, fl.profile_dir)
     except RowsFailed as e:  # said in one line, after the other rows' figures
       print(f"error: {e}", file=sys.stderr)
       sys.exit(1)
@@ -273,4 +295,6 @@ if __name__ == "__main__":
                     "model.attention_impl of every variant (default: the config's 'auto').")
   flags.DEFINE_integer("loss_block_size", 0, "train.loss_block_size of every row: the logits "
                        "made this many positions at a time (0: all at once).")
+  flags.DEFINE_string("profile_dir", None, "Also trace 2 steps of every row, after its timed "
+                      "ones, into DIR/<variant>_<seq_len>_<d_model> (jax profiler; Perfetto).")
   app.run(main, flags_parser=cli.parse_flags)

@@ -1,5 +1,8 @@
 """Benchmark: the analytic FLOP formula agrees with XLA; the benchmark runs end to end."""
 
+import gzip
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -84,9 +87,39 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
     return real(*args, **kwargs)
 
   monkeypatch.setattr(bench.steps_lib, "make_train_step", spy)
+  # --profile_dir: traced steps come after the timed ones (no clock reading inside a trace)
+  events, real_clock = [], bench.time.perf_counter
+  real_start, real_stop = bench.jax.profiler.start_trace, bench.jax.profiler.stop_trace
+
+  def clock():
+    events.append("clock")
+    return real_clock()
+
+  def start(*args, **kwargs):
+    events.append("trace")
+    return real_start(*args, **kwargs)
+
+  def stop():
+    events.append("written")
+    return real_stop()
+
+  monkeypatch.setattr(bench.time, "perf_counter", clock)
+  monkeypatch.setattr(bench.jax.profiler, "start_trace", start)
+  monkeypatch.setattr(bench.jax.profiler, "stop_trace", stop)
   rows = bench.run("tiny", ["llama", "cem_fused", "cem_autodiff"], str(out),
-                   document_mask=False, loss_block_size=8)
+                   document_mask=False, loss_block_size=8, profile_dir=str(tmp_path / "prof"))
+  monkeypatch.setattr(bench.time, "perf_counter", real_clock)
   assert built == [8, 8, 8]  # the rows measure the step they say they do
+  traced = "".join("t" if e == "trace" else "w" if e == "written" else "c" for e in events)
+  assert traced.count("t") == 3 and all("c" not in part.split("w")[0]
+                                        for part in traced.split("t")[1:]), traced
+  for r in rows:
+    assert r["profile"] == str(tmp_path / "prof" / f"{r['variant']}_32_32")
+    found = list((tmp_path / "prof" / f"{r['variant']}_32_32").rglob("perfetto_trace.json.gz"))
+    assert len(found) == 1, r
+    with gzip.open(found[0]) as f:
+      marks = [e for e in json.load(f)["traceEvents"] if e.get("name") == "train"]
+    assert sorted(int(e["args"]["step_num"]) for e in marks) == [1, 2]
   printed = capsys.readouterr().out
   assert "| variant | attention | seq_len |" in printed
   assert "| cem_autodiff | xla | 32 | 32 |" in printed
@@ -98,8 +131,6 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
     assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["compile_s"] > 0
     assert r["flops_per_token"] == bench.flops_per_token(
         bench._model_config(tiny, bench.VARIANTS[r["variant"]], 32, 32).model, 512, 32)
-  import json
-
   saved = json.load(open(out))
   assert saved["preset"] == "tiny" and len(saved["rows"]) == 3 and saved["complete"] is True
 
@@ -108,7 +139,7 @@ def test_a_sweep_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch
   # A lent GPU's time limit kills the sweep: what it measured must already be in --out.
   calls = []
 
-  def fake_bench_one(config, vocab_size, steps, warmup):
+  def fake_bench_one(config, vocab_size, steps, warmup, profile_dir=None):
     calls.append(config.model.block)
     if len(calls) == 3:
       raise KeyboardInterrupt  # stands in for the kill
@@ -118,7 +149,6 @@ def test_a_sweep_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch
   out = tmp_path / "bench.json"
   with pytest.raises(KeyboardInterrupt):
     bench.run("tiny", ["llama", "cem_fused"], str(out))
-  import json
 
   saved = json.load(open(out))
   assert saved["complete"] is False
@@ -180,7 +210,7 @@ def test_a_row_that_fails_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatc
   # On the one GPU call, a kernel that refuses one shape must not cost the other rows.
   calls = []
 
-  def fake_bench_one(config, vocab_size, steps, warmup):
+  def fake_bench_one(config, vocab_size, steps, warmup, profile_dir=None):
     calls.append(config.model.block)
     if len(calls) == 2:
       raise ValueError("cuDNN refused this shape\nsecond line")
@@ -193,7 +223,6 @@ def test_a_row_that_fails_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatc
     bench.run("tiny", ["llama", "cem_fused"], str(out))
   assert str(e.value) == ("1 of 6 rows failed: cem_fused at seq_len 64, d_model 64: "
                           "ValueError: cuDNN refused this shape")
-  import json
 
   saved = json.load(open(out))
   assert saved["complete"] is True and saved["failed"] == 1 and len(calls) == 6
