@@ -179,9 +179,12 @@ def run(preset: str, variants: list[str], out: str | None = None,
   actually used. ``profile_dir``: each row also traces :data:`PROFILE_STEPS` steps after its
   timed ones into ``profile_dir/<variant>_<seq_len>_<d_model>`` (:func:`bench_one`).
 
-  ``out`` (JSON: ``device``, ``platform``, ``jax``, ``preset``, ``rows``, ``complete``,
-  ``failed``) is rewritten atomically after every row, ``complete`` false until the last: a
-  sweep stopped by a time limit (a lent GPU's) keeps the rows it measured. A row whose
+  Rows run variant by variant in the order of ``variants``, each over every shape; each row
+  records ``wall_s``, its whole cost in seconds (compile, steps, trace). The printed table is
+  ordered by shape. ``out`` (JSON: ``device``, ``platform``, ``jax``, ``preset``, ``rows`` in
+  the order they ran, ``complete``, ``failed``) is rewritten atomically after every row,
+  ``complete`` false until the last: a sweep stopped by a time limit (a lent GPU's) keeps the
+  rows it measured, every shape of the variants it reached. A row whose
   config or kernel fails (an ``Exception``: out of memory, a kernel that refuses the shape)
   is recorded with its ``error`` (type and first line) instead of figures, printed, and the
   sweep goes on to the next row; ``failed`` counts them.
@@ -207,7 +210,9 @@ def run(preset: str, variants: list[str], out: str | None = None,
         f"document_mask={p['document_mask']}, attention_impl={attention_impl or 'auto'}, "
         f"loss_block_size={loss_block_size}",
         flush=True)
-  todo = [(n, width, name) for n, width in shapes for name in variants]
+  # Variant by variant, in the order given: a sweep cut off by a time limit has every shape
+  # of the variants it reached (the comparisons across seq_len need them), not a seq_len of all.
+  todo = [(n, width, name) for name in variants for n, width in shapes]
   configs = [_model_config(p, VARIANTS[name], n, width, attention_impl, loss_block_size)
              for n, width, name in todo]
   for cfg in configs:  # what no row could run fails now, in one line, before any is measured
@@ -217,12 +222,14 @@ def run(preset: str, variants: list[str], out: str | None = None,
   for i, ((n, width, name), cfg) in enumerate(zip(todo, configs, strict=True)):
     row = {"variant": name, "seq_len": n, "d_model": width,
            "document_mask": cfg.model.document_mask, "loss_block_size": loss_block_size}
+    t0 = time.perf_counter()
     try:
       trace_dir = (os.path.join(profile_dir, f"{name}_{n}_{width}") if profile_dir
                    else None)
       row.update(bench_one(cfg, p["vocab_size"], p["steps"], p["warmup"], trace_dir))
     except Exception as e:  # noqa: BLE001 - recorded in the row; the sweep measures the rest
       row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+    row["wall_s"] = time.perf_counter() - t0  # the row's whole cost: plan a time-limited call
     rows.append(row)
     print(json.dumps(row), flush=True)
     failed = [r for r in rows if "error" in r]
@@ -230,7 +237,8 @@ def run(preset: str, variants: list[str], out: str | None = None,
       atomic_write_json(out, {"device": device.device_kind, "platform": device.platform,
                               "jax": jax.__version__, "preset": preset, "rows": rows,
                               "complete": i == len(todo) - 1, "failed": len(failed)})
-  print(format_table(rows))
+  order = {shape: i for i, shape in enumerate(shapes)}  # read by shape: the ratios' columns
+  print(format_table(sorted(rows, key=lambda r: order[(r["seq_len"], r["d_model"])])))
   if failed:
     raise RowsFailed(f"{len(failed)} of {len(rows)} rows failed: " + "; ".join(
         f"{r['variant']} at seq_len {r['seq_len']}, d_model {r['d_model']}: {r['error']}"

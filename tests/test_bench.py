@@ -152,8 +152,10 @@ def test_a_sweep_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch
 
   saved = json.load(open(out))
   assert saved["complete"] is False
+  # Variant by variant: the cut sweep has both seq_lens of llama, not one of each variant.
   assert [(r["variant"], r["seq_len"], r["step_ms"]) for r in saved["rows"]] == [
-      ("llama", 64, 1.0), ("cem_fused", 64, 2.0)]
+      ("llama", 64, 1.0), ("llama", 128, 2.0)]
+  assert all(r["wall_s"] >= 0 for r in saved["rows"])
 
 
 def _the_run_to_do() -> list[dict[str, str]]:
@@ -221,12 +223,18 @@ def test_a_row_that_fails_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatc
   out = tmp_path / "bench.json"
   with pytest.raises(bench.RowsFailed) as e:
     bench.run("tiny", ["llama", "cem_fused"], str(out))
-  assert str(e.value) == ("1 of 6 rows failed: cem_fused at seq_len 64, d_model 64: "
+  assert str(e.value) == ("1 of 6 rows failed: llama at seq_len 128, d_model 64: "
                           "ValueError: cuDNN refused this shape")
 
   saved = json.load(open(out))
   assert saved["complete"] is True and saved["failed"] == 1 and len(calls) == 6
   assert [r.get("step_ms") for r in saved["rows"]] == [1.0, None, 3.0, 4.0, 5.0, 6.0]
   assert saved["rows"][1]["error"] == "ValueError: cuDNN refused this shape"
-  assert "| cem_fused | failed: ValueError: cuDNN refused this shape | 64 |" in (
-      capsys.readouterr().out)
+  printed = capsys.readouterr().out
+  assert "| llama | failed: ValueError: cuDNN refused this shape | 128 |" in printed
+  # The table reads by shape (the JSON keeps the order the rows ran in).
+  table = [line.split(" | ")[:3] for line in printed.splitlines()
+           if line.startswith(("| llama |", "| cem_fused |"))]
+  assert [(v[2:], n) for v, _, n in table] == [
+      ("llama", "64"), ("cem_fused", "64"), ("llama", "128"), ("cem_fused", "128"),
+      ("llama", "64"), ("cem_fused", "64")]
