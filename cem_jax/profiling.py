@@ -3,11 +3,14 @@
 Where the step time goes (kernels, collectives, host gaps, the input pipeline) is read off a
 trace, not off ``train/tokens_per_sec``. Process 0 traces ``train.profile_steps`` steps from
 ``train.profile_first_step`` on with :func:`jax.profiler.start_trace` into
-``WORKDIR/tensorboard`` (TensorBoard's profile-plugin layout: ``plugins/profile/<time>/``
-holds ``<host>.xplane.pb`` and ``perfetto_trace.json.gz``, which https://ui.perfetto.dev
-opens without TensorBoard). The loop marks every step with
-``jax.profiler.StepTraceAnnotation("train", step_num=step)``, so the viewers show step
-boundaries; the trace's start and its writing are left out of ``train/tokens_per_sec``.
+``WORKDIR/tensorboard`` (TensorBoard's profile-plugin layout: a folder
+``plugins/profile/<time the trace was written>/`` with ``<host>.xplane.pb`` for the plugin and
+``perfetto_trace.json.gz`` for https://ui.perfetto.dev). The loop marks each step's dispatch on
+the host with ``jax.profiler.StepTraceAnnotation("train", step_num=step)``; the device work
+of a step follows its mark asynchronously. The window holds everything its steps do: an eval
+or a checkpoint save due at one of them is in the trace. The trace's start (after the steps
+and checkpoint writes before it have finished) and its writing are left out of
+``train/tokens_per_sec``.
 """
 
 from __future__ import annotations
@@ -17,27 +20,29 @@ from absl import logging
 
 
 class StepProfiler:
-  """Starts and stops one trace around training steps ``first .. first + num_steps - 1``
-  (1-based, as the log counts them), or does nothing.
+  """Where the window of steps ``first .. first + num_steps - 1`` (1-based, as the log counts
+  them) starts and stops, on every process; the trace itself on process 0.
 
   Args:
     log_dir: where :func:`jax.profiler.start_trace` writes (``metrics.tensorboard_dir``).
     first: ``train.profile_first_step``.
-    num_steps: ``train.profile_steps``; 0 = no trace.
+    num_steps: ``train.profile_steps``; 0 = no window.
     start_step: the steps already done (a resumed run traces the rest of its window, or
       nothing if the window ran before the resume; logged).
-    enabled: False on processes other than 0, which then trace nothing.
+    trace: whether this process writes the trace (process 0). Every process keeps the
+      window, so that all of them pause their clocks while process 0 writes.
   """
 
   def __init__(self, log_dir: str, first: int, num_steps: int, start_step: int,
-               enabled: bool = True):
+               trace: bool = True):
     self.log_dir = log_dir
     self.last = first + num_steps - 1
     self.first = max(first, start_step + 1)
-    self.active = False
-    self.enabled = enabled and num_steps > 0 and self.first <= self.last
-    if enabled and num_steps > 0:
-      if self.enabled:
+    self.window = num_steps > 0 and self.first <= self.last
+    self.trace = trace
+    self.open = False
+    if trace and num_steps > 0:
+      if self.window:
         logging.info("profile: steps %d..%d will be traced into %s", self.first, self.last,
                      log_dir)
       else:
@@ -46,33 +51,46 @@ class StepProfiler:
                      start_step)
 
   def starts_at(self, step: int) -> bool:
-    """Whether the trace starts before step ``step`` (1-based) runs."""
-    return self.enabled and not self.active and step == self.first
+    """Whether the window opens before step ``step`` (1-based) runs."""
+    return self.window and not self.open and step == self.first
 
   def stops_at(self, step: int) -> bool:
-    """Whether the trace stops after step ``step`` (1-based) has run."""
-    return self.active and step == self.last
+    """Whether the window closes after step ``step`` (1-based) has run."""
+    return self.open and step == self.last
 
   def start(self) -> None:
-    """Starts the trace. Another trace already running in this process (one a user started
-    around the training) is logged as an error and training goes on without ours."""
+    """Opens the window; on process 0 starts the trace. A trace that cannot start (another
+    one already running in this process, e.g. a user's around the training) is logged as an
+    error and training goes on without it."""
+    self.open = True
+    if not self.trace:
+      return
     try:
       jax.profiler.start_trace(self.log_dir, create_perfetto_trace=True)
     except RuntimeError as e:
-      self.enabled = False
+      self.trace = False
       logging.error("profile: could not start the trace of steps %d..%d (%s); training goes "
                     "on without it", self.first, self.last, e)
-      return
-    self.active = True
 
   def stop(self, through: int) -> None:
-    """Writes the trace, if one is running, of the steps up to ``through`` (the last step run:
-    ``last``, or less when the run stops inside the window). The caller waits for the traced
-    steps first, so that their device work is in it."""
-    if not self.active:
+    """Closes the window, if open; on process 0 writes the trace of the steps up to
+    ``through`` (the last step run: ``last``, or less when the run stops inside the window).
+    The loop waits for the traced steps first when the window closes as planned; on an error
+    it writes what the profiler has. A trace that cannot be written (a full disk) is logged
+    as an error: the training goes on, and this process's profiler may stay unusable (jax
+    does not reset it)."""
+    if not self.open:
       return
-    self.active = False
-    jax.profiler.stop_trace()
+    self.open = False
+    if not self.trace:
+      return
+    try:
+      jax.profiler.stop_trace()
+    except Exception as e:  # noqa: BLE001 - a lost trace must not cost the run
+      logging.error("profile: could not write the trace of steps %d..%d into %s (%s: %s); "
+                    "training goes on", self.first, through, self.log_dir, type(e).__name__,
+                    str(e).splitlines()[0] if str(e) else "")
+      return
     logging.info("profile: trace of steps %d..%d written under %s (TensorBoard's profile "
                  "plugin, or perfetto_trace.json.gz at https://ui.perfetto.dev)", self.first,
                  through, self.log_dir)

@@ -357,6 +357,14 @@ def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWrite
   return writer, best, last_eval
 
 
+def _sync_processes(name: str) -> None:
+  """A barrier of all processes (none with one process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
 class _Loop:
   """The state that changes from step to step (params, optimizer state, the non-finite guard,
   the last checkpoint saved, the best eval, the log timer) and what the loop does with it."""
@@ -414,7 +422,7 @@ class _Loop:
     self.last_saved = run.resume
     _log_resume(run, self.resolved)
     self.profiler = StepProfiler(tensorboard_dir(run.workdir), cfg_t.profile_first_step,
-                                 cfg_t.profile_steps, run.start_step, enabled=self.is_main)
+                                 cfg_t.profile_steps, run.start_step, trace=self.is_main)
     self.done = run.start_step  # the last step run
     # Last: the writer is the only thing here to close, and nothing after it can fail.
     self.writer, self.best, self.last_eval = _open_metrics(run, self.resolved, self.is_main)
@@ -429,7 +437,8 @@ class _Loop:
                                        self.global_rows)
     done = step + 1
     if self.profiler.starts_at(done):
-      with self.off_the_clock():  # the steps before it finish first: they stay out of it
+      with self.off_the_clock():  # the steps and checkpoint writes before it stay out of it
+        self.run.ckpt.wait()
         self.profiler.start()
     with jax.profiler.StepTraceAnnotation("train", step_num=done):
       self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, batch,
@@ -439,6 +448,7 @@ class _Loop:
     if self.profiler.stops_at(done):
       with self.off_the_clock():  # waits for the traced steps: their device work is in it
         self.profiler.stop(done)
+        _sync_processes("cem_jax.profile")  # the others wait for process 0's writing here
     if done % cfg_t.log_every_steps == 0 or done == self.num_steps:
       self.log(done, m)
     if done % cfg_t.eval_every_steps == 0 or done == self.num_steps:

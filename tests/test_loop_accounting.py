@@ -172,6 +172,13 @@ def test_an_eval_or_save_between_logs_waits_for_the_queued_steps_before_its_cloc
   monkeypatch.setattr(steps, "make_train_step", make_train_step)
   monkeypatch.setattr(jax.profiler, "start_trace", tracer("trace"))
   monkeypatch.setattr(jax.profiler, "stop_trace", tracer("written"))
+  real_ckpt_wait = train.Checkpointer.wait
+
+  def ckpt_wait(self):
+    events.append("saves written")
+    return real_ckpt_wait(self)
+
+  monkeypatch.setattr(train.Checkpointer, "wait", ckpt_wait)
   cfg = tiny_config("llama", **{"model.num_layers": 1, "train.num_steps": 6,
                                 "train.log_every_steps": 4, "train.eval_every_steps": 3,
                                 "checkpoint.every_steps": 5, "eval.max_batches": 1,
@@ -185,11 +192,45 @@ def test_an_eval_or_save_between_logs_waits_for_the_queued_steps_before_its_cloc
   # a log follows a wait.
   starts = [i for i, e in enumerate(events) if e == "clock"]
   assert sum(events[i - 1] == "wait" for i in starts) == 6, events  # 2 evals, 2 saves, trace
-  # The trace holds steps 2 and 3, and their device work: it is written after a wait.
-  trace = [e for e in events if e in ("step", "trace", "written", "wait")]
+  # The trace holds steps 2 and 3, and their device work: it is written after a wait. It
+  # starts after the steps and checkpoint writes before it.
+  trace = [e for e in events if e in ("step", "trace", "written", "wait", "saves written")]
   first, last = trace.index("trace"), trace.index("written")
   assert trace[:first].count("step") == 1 and trace[first:last].count("step") == 2, trace
+  assert trace[first - 2:first] == ["wait", "saves written"], trace
   assert trace[last - 1] == "wait", trace
+
+
+def test_a_trace_that_cannot_start_or_be_written_costs_the_run_nothing(monkeypatch, caplog):
+  from cem_jax.profiling import StepProfiler
+
+  def fail(*args, **kwargs):
+    raise RuntimeError("Profile has already been started.")
+
+  def full_disk():
+    raise OSError("No space left on device")
+
+  monkeypatch.setattr(jax.profiler, "start_trace", fail)
+  profiler = StepProfiler("/tmp/unused", first=2, num_steps=2, start_step=0)
+  assert not profiler.starts_at(1) and profiler.starts_at(2)
+  profiler.start()  # logged; the window still opens and closes, with no trace
+  assert "could not start the trace of steps 2..3" in caplog.text and profiler.stops_at(3)
+  profiler.stop(3)
+  monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: None)
+  monkeypatch.setattr(jax.profiler, "stop_trace", full_disk)
+  profiler = StepProfiler("/tmp/unused", first=2, num_steps=2, start_step=0)
+  profiler.start()
+  profiler.stop(3)
+  assert ("could not write the trace of steps 2..3 into /tmp/unused (OSError: No space left "
+          "on device); training goes on") in caplog.text
+  # Another process keeps the window (its clock pauses with process 0's) and traces nothing.
+  monkeypatch.setattr(jax.profiler, "start_trace", fail)
+  other = StepProfiler("/tmp/unused", first=2, num_steps=2, start_step=1, trace=False)
+  assert other.starts_at(2)
+  other.start()
+  assert other.stops_at(3)
+  other.stop(3)
+  assert caplog.text.count("could not start the trace") == 1  # the other never tried
 
 
 def test_the_peak_is_that_of_every_device_and_unknown_if_any_is_unknown():

@@ -328,6 +328,7 @@ def get_config():
   c.eval.batch_size, c.eval.max_batches = 8, 3
   c.checkpoint.every_steps = 3
   c.mesh.fsdp, c.mesh.tensor = 2, 2
+  c.train.profile_steps, c.train.profile_first_step = 2, 2  # process 0 traces; all wait for it
   return c
 """
 
@@ -354,6 +355,8 @@ def test_two_processes_match_one_process(shared_data, tmp_path):
                f"of 2 processes; process {i} reads rows block {i} of 2" in line
                for line in multi.stdout.splitlines()), multi.stdout[-3000:]
   assert "of 1 processes; process 0 reads rows block 0 of 1" in single.stderr
+  written = [line for line in multi.stdout.splitlines() if "profile: trace of steps 2..3" in line]
+  assert len(written) == 1 and written[0].startswith("[0] "), multi.stdout[-3000:]
   mp, sp = _metrics(tmp_path / "mp"), _metrics(tmp_path / "sp")
   assert [m["step"] for m in mp] == [m["step"] for m in sp]
   for a, b in zip(mp, sp, strict=True):
