@@ -444,7 +444,6 @@ def _get(config, dotted: str):
   return node
 
 
-
 def check_loss_block_size(block_size, seq_len: int) -> None:
   """The rule of ``train.loss_block_size`` (:func:`cem_jax.loss.blockwise_cross_entropy`): an
   int >= 0 that, unless 0, divides ``seq_len`` (``data.seq_len``, or the length of the array
@@ -461,6 +460,7 @@ def check_loss_block_size(block_size, seq_len: int) -> None:
     raise ValueError(f"train.loss_block_size={block_size} does not divide "
                      f"data.seq_len={seq_len}; allowed: 0 (all positions at once) or a "
                      "divisor of data.seq_len")
+
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Checks a resolved config's own rules (choices, ranges, combinations), without jax.

@@ -433,13 +433,13 @@ class _Loop:
   def step(self, step: int, preemption: workdir_lib.Preemption) -> bool:
     """Runs step ``step`` (0-based) with its log, eval and save; True if preempted (saved)."""
     run, cfg_t = self.run, self.run.config.train
-    batch = run.shardings.global_batch(run.data.train.batch(step, self.block, self.blocks),
-                                       self.global_rows)
     done = step + 1
     if self.profiler.starts_at(done):
       with self.off_the_clock():  # the steps and checkpoint writes before it stay out of it
         self.run.ckpt.wait()
         self.profiler.start()
+    batch = run.shardings.global_batch(run.data.train.batch(step, self.block, self.blocks),
+                                       self.global_rows)
     with jax.profiler.StepTraceAnnotation("train", step_num=done):
       self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, batch,
                                                        self.guard, np.int32(done))
