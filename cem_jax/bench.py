@@ -26,7 +26,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from cem_jax import cli, memory, optim, preflight
+from cem_jax import cli, memory, optim, preflight, profiling
 from cem_jax import steps as steps_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import make_batch
@@ -106,8 +106,10 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
   """Compiles and times one training step of ``config``; returns the figures as a dict.
 
   With ``profile_dir``, :data:`PROFILE_STEPS` more steps run after the timed ones under the
-  jax profiler (``jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)``; each
-  step marked ``train``): the timing never includes tracing. Key ``profile``: that folder.
+  jax profiler (:func:`cem_jax.profiling.start_trace`; each step marked ``train``): the timing
+  never includes tracing. Key ``profile``: that folder (the files are in its
+  ``plugins/profile/<time>/``); ``profile_error``: why there is no trace, if there is none
+  (the figures are kept).
 
   Keys: ``attention`` and ``attention_reason`` (the kernel the model used), ``params``,
   ``compile_s`` (seconds), ``step_ms`` (median milliseconds over ``steps`` after ``warmup``),
@@ -139,15 +141,15 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
     if i >= warmup:
       times.append(time.perf_counter() - t0)
   step_s = statistics.median(times)
-  if profile_dir:
-    jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
+  profile_error = profiling.start_trace(profile_dir) if profile_dir else None
+  if profile_dir and not profile_error:
     try:
       for i in range(PROFILE_STEPS):
         with jax.profiler.StepTraceAnnotation("train", step_num=i + 1):
           params, opt_state, metrics = compiled(params, opt_state, batch)
       jax.block_until_ready(metrics["loss"])  # the traced steps' device work is in the trace
     finally:
-      jax.profiler.stop_trace()
+      profile_error = profiling.stop_trace()
   fpt = flops_per_token(config.model, vocab_size, n)
   achieved = 3 * fpt * b * n / step_s
   peak = peak_flops()
@@ -164,6 +166,7 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
       "peak_memory_mb": (lambda m: m / 2**20 if m else None)(memory.footprint_bytes(compiled)),
       "loss": (lambda x: x if np.isfinite(x) else None)(float(metrics["loss"])),  # JSON
       **({"profile": profile_dir} if profile_dir else {}),
+      **({"profile_error": profile_error} if profile_error else {}),
   }
 
 

@@ -7,9 +7,10 @@ trace, not off ``train/tokens_per_sec``. Process 0 traces ``train.profile_steps`
 ``plugins/profile/<time the trace was written>/`` with ``<host>.xplane.pb`` for the plugin and
 ``perfetto_trace.json.gz`` for https://ui.perfetto.dev). The loop marks each step's dispatch on
 the host with ``jax.profiler.StepTraceAnnotation("train", step_num=step)``; the device work
-of a step follows its mark asynchronously. The window holds everything its steps do: an eval
-or a checkpoint save due at one of them is in the trace. The trace's start (after the steps
-and checkpoint writes before it have finished) and its writing are left out of
+of a step follows its mark asynchronously. The window holds everything its steps do: reading
+their batches, and an eval or a checkpoint save due at one of them. The trace's start (after
+the steps and checkpoint writes before it have finished) and its writing (after the last
+step's save, so that a preemption's save is committed first) are left out of
 ``train/tokens_per_sec``.
 """
 
@@ -17,6 +18,33 @@ from __future__ import annotations
 
 import jax
 from absl import logging
+
+
+def start_trace(log_dir: str) -> str | None:
+  """Starts a jax profiler trace into ``log_dir`` (with ``perfetto_trace.json.gz``). Returns
+  None, or one line saying why it could not start (another trace is running in this
+  process): a trace is an aid, never a reason to stop the work it watches."""
+  try:
+    jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
+  except Exception as e:  # noqa: BLE001 - reported to the caller as one line
+    return _one_line(e)
+  return None
+
+
+def stop_trace() -> str | None:
+  """Stops the running trace and writes it. Returns None, or one line saying why it could
+  not be written (a full disk, a path that is a file); jax may then keep this process's
+  profiler busy, so that later traces cannot start (each says so)."""
+  try:
+    jax.profiler.stop_trace()
+  except Exception as e:  # noqa: BLE001 - reported to the caller as one line
+    return _one_line(e)
+  return None
+
+
+def _one_line(e: Exception) -> str:
+  text = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 class StepProfiler:
@@ -65,12 +93,11 @@ class StepProfiler:
     self.open = True
     if not self.trace:
       return
-    try:
-      jax.profiler.start_trace(self.log_dir, create_perfetto_trace=True)
-    except RuntimeError as e:
+    error = start_trace(self.log_dir)
+    if error:
       self.trace = False
       logging.error("profile: could not start the trace of steps %d..%d (%s); training goes "
-                    "on without it", self.first, self.last, e)
+                    "on without it", self.first, self.last, error)
 
   def stop(self, through: int) -> None:
     """Closes the window, if open; on process 0 writes the trace of the steps up to
@@ -84,12 +111,10 @@ class StepProfiler:
     self.open = False
     if not self.trace:
       return
-    try:
-      jax.profiler.stop_trace()
-    except Exception as e:  # noqa: BLE001 - a lost trace must not cost the run
-      logging.error("profile: could not write the trace of steps %d..%d into %s (%s: %s); "
-                    "training goes on", self.first, through, self.log_dir, type(e).__name__,
-                    str(e).splitlines()[0] if str(e) else "")
+    error = stop_trace()
+    if error:
+      logging.error("profile: could not write the trace of steps %d..%d into %s (%s); "
+                    "training goes on", self.first, through, self.log_dir, error)
       return
     logging.info("profile: trace of steps %d..%d written under %s (TensorBoard's profile "
                  "plugin, or perfetto_trace.json.gz at https://ui.perfetto.dev)", self.first,

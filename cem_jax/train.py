@@ -445,10 +445,6 @@ class _Loop:
                                                        self.guard, np.int32(done))
     self.guard = m["nonfinite_guard"]
     self.done = done
-    if self.profiler.stops_at(done):
-      with self.off_the_clock():  # waits for the traced steps: their device work is in it
-        self.profiler.stop(done)
-        _sync_processes("cem_jax.profile")  # the others wait for process 0's writing here
     if done % cfg_t.log_every_steps == 0 or done == self.num_steps:
       self.log(done, m)
     if done % cfg_t.eval_every_steps == 0 or done == self.num_steps:
@@ -463,6 +459,12 @@ class _Loop:
       run.ckpt.wait()
       logging.warning("preempted (SIGTERM): saved step %d in %s; rerun the same command to "
                       "resume", done, run.ckpt.directory)
+    # Last, after the step's eval and save (in the trace; a preemption's save is committed
+    # before the seconds of writing a trace).
+    if self.profiler.stops_at(done):
+      with self.off_the_clock():  # waits for the traced steps: their device work is in it
+        self.profiler.stop(done)
+        _sync_processes("cem_jax.profile")  # the others wait for process 0's writing here
     return preempted
 
   @contextlib.contextmanager

@@ -135,6 +135,31 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
   assert saved["preset"] == "tiny" and len(saved["rows"]) == 3 and saved["complete"] is True
 
 
+def test_a_trace_that_fails_costs_no_row_its_figures(tmp_path, monkeypatch):
+  # A full disk while writing one row's trace, then a profiler jax leaves busy: every row
+  # keeps its figures and says why it has no trace.
+  tiny = dict(bench.PRESETS["tiny"], seq_lens=[32], widths=[32], d_model=32, num_layers=1,
+              mlp_dim=64, tokens_per_batch=64, steps=2, warmup=1)
+  monkeypatch.setitem(bench.PRESETS, "tiny", tiny)
+  calls = []
+
+  def start(*args, **kwargs):
+    calls.append("start")
+    if len(calls) > 1:
+      raise RuntimeError("Profile has already been started.")
+
+  def stop():
+    raise OSError("No space left on device")
+
+  monkeypatch.setattr(bench.jax.profiler, "start_trace", start)
+  monkeypatch.setattr(bench.jax.profiler, "stop_trace", stop)
+  rows = bench.run("tiny", ["llama", "cem_fused"], str(tmp_path / "b.json"),
+                   profile_dir=str(tmp_path / "prof"))
+  assert [r["profile_error"] for r in rows] == [
+      "OSError: No space left on device", "RuntimeError: Profile has already been started."]
+  assert all("error" not in r and r["step_ms"] > 0 for r in rows)
+
+
 def test_a_sweep_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch, capsys):
   # A lent GPU's time limit kills the sweep: what it measured must already be in --out.
   calls = []

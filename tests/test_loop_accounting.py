@@ -179,10 +179,17 @@ def test_an_eval_or_save_between_logs_waits_for_the_queued_steps_before_its_cloc
     return real_ckpt_wait(self)
 
   monkeypatch.setattr(train.Checkpointer, "wait", ckpt_wait)
+  real_save = train.Checkpointer.save
+
+  def save(self, *args, **kwargs):
+    events.append("save")
+    return real_save(self, *args, **kwargs)
+
+  monkeypatch.setattr(train.Checkpointer, "save", save)
   cfg = tiny_config("llama", **{"model.num_layers": 1, "train.num_steps": 6,
                                 "train.log_every_steps": 4, "train.eval_every_steps": 3,
                                 "checkpoint.every_steps": 5, "eval.max_batches": 1,
-                                "train.profile_steps": 2, "train.profile_first_step": 2})
+                                "train.profile_steps": 4, "train.profile_first_step": 2})
   train.train_and_evaluate(cfg, str(tmp_path / "w"))
   evals = [i for i, e in enumerate(events) if e == "eval"]
   assert len(evals) == 2  # steps 3 and 6
@@ -192,13 +199,16 @@ def test_an_eval_or_save_between_logs_waits_for_the_queued_steps_before_its_cloc
   # a log follows a wait.
   starts = [i for i, e in enumerate(events) if e == "clock"]
   assert sum(events[i - 1] == "wait" for i in starts) == 6, events  # 2 evals, 2 saves, trace
-  # The trace holds steps 2 and 3, and their device work: it is written after a wait. It
-  # starts after the steps and checkpoint writes before it.
-  trace = [e for e in events if e in ("step", "trace", "written", "wait", "saves written")]
+  # The trace holds steps 2..5, and their device work: it is written after a wait. It starts
+  # after the steps and checkpoint writes before it, and holds the eval of step 3 and the
+  # save of its last step 5, which starts before the writing (a preemption's save would too).
+  trace = [e for e in events
+           if e in ("step", "trace", "written", "wait", "saves written", "eval", "save")]
   first, last = trace.index("trace"), trace.index("written")
-  assert trace[:first].count("step") == 1 and trace[first:last].count("step") == 2, trace
+  assert trace[:first].count("step") == 1 and trace[first:last].count("step") == 4, trace
   assert trace[first - 2:first] == ["wait", "saves written"], trace
   assert trace[last - 1] == "wait", trace
+  assert trace[first:last].count("eval") == 1 and trace[first:last].count("save") == 1, trace
 
 
 def test_a_trace_that_cannot_start_or_be_written_costs_the_run_nothing(monkeypatch, caplog):
