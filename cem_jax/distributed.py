@@ -12,6 +12,7 @@ call it and with which values, so that one command works everywhere:
   worker list from the TPU VM metadata.
 
 It must run before anything touches a JAX device (``jax.devices()``, the first array).
+:func:`sync_processes` is the one barrier of the processes once they run.
 """
 
 from __future__ import annotations
@@ -105,3 +106,14 @@ def initialize(mode: str = "auto", coordinator_address: str | None = None,
 
   jax.distributed.initialize(**kwargs)
   return True
+
+
+def sync_processes(name: str) -> None:
+  """Waits until every process has reached the barrier ``name`` (nothing with one process).
+  Every process must call it, with the same name, at the same point."""
+  import jax  # here, as in initialize: deciding how to start needs no jax
+
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)

@@ -33,6 +33,7 @@ import time
 import jax
 from absl import logging
 
+from cem_jax.distributed import sync_processes
 from cem_jax.files import atomic_write_json, sha256_file
 
 DIGEST_DIR = "digests"
@@ -225,7 +226,4 @@ def move_aside(directory: str, steps: list[int]) -> None:
       if os.path.exists(digest_path(directory, step)):
         os.replace(digest_path(directory, step), dest + ".digest.json")
       logging.warning("moved damaged checkpoint step %d to %s", step, dest)
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices("cem_jax.checkpoint.move_aside")
+  sync_processes("cem_jax.checkpoint.move_aside")

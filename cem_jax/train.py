@@ -34,6 +34,7 @@ from cem_jax import sharding as sharding_lib
 from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
 from cem_jax.checkpoint import Checkpointer
+from cem_jax.distributed import sync_processes
 from cem_jax.files import atomic_write_json
 from cem_jax.metrics import MetricsWriter, read_metrics, tensorboard_dir
 from cem_jax.model import count_params
@@ -357,14 +358,6 @@ def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWrite
   return writer, best, last_eval
 
 
-def _sync_processes(name: str) -> None:
-  """A barrier of all processes (none with one process)."""
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices(name)
-
-
 class _Loop:
   """The state that changes from step to step (params, optimizer state, the non-finite guard,
   the last checkpoint saved, the best eval, the log timer) and what the loop does with it."""
@@ -464,7 +457,7 @@ class _Loop:
     if self.profiler.stops_at(done):
       with self.off_the_clock():  # waits for the traced steps: their device work is in it
         self.profiler.stop(done)
-        _sync_processes("cem_jax.profile")  # the others wait for process 0's writing here
+        sync_processes("cem_jax.profile")  # the others wait for process 0's writing here
     return preempted
 
   @contextlib.contextmanager
