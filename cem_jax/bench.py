@@ -145,7 +145,7 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
   if profile_dir and not profile_error:
     try:
       for i in range(PROFILE_STEPS):
-        with jax.profiler.StepTraceAnnotation("train", step_num=i + 1):
+        with profiling.step_marker(i + 1):
           params, opt_state, metrics = compiled(params, opt_state, batch)
       jax.block_until_ready(metrics["loss"])  # the traced steps' device work is in the trace
     finally:

@@ -6,7 +6,7 @@ trace, not off ``train/tokens_per_sec``. Process 0 traces ``train.profile_steps`
 ``WORKDIR/tensorboard`` (TensorBoard's profile-plugin layout: a folder
 ``plugins/profile/<time the trace was written>/`` with ``<host>.xplane.pb`` for the plugin and
 ``perfetto_trace.json.gz`` for https://ui.perfetto.dev). The loop marks each step's dispatch on
-the host with ``jax.profiler.StepTraceAnnotation("train", step_num=step)``; the device work
+the host (:func:`step_marker`: ``StepTraceAnnotation("train", step_num=step)``); the device work
 of a step follows its mark asynchronously. The window holds everything its steps do: reading
 their batches, and an eval or a checkpoint save due at one of them. The trace's start (after
 the steps and checkpoint writes before it have finished) and its writing (after the last
@@ -18,6 +18,15 @@ from __future__ import annotations
 
 import jax
 from absl import logging
+
+STEP_NAME = "train"  # the name of every step's mark in a trace (Perfetto, TensorBoard)
+
+
+def step_marker(step: int) -> jax.profiler.StepTraceAnnotation:
+  """The host-side mark of training step ``step`` (1-based) in a trace: a context manager
+  around the step's dispatch, named :data:`STEP_NAME` with ``step_num=step``. Costs nothing
+  when no trace is running."""
+  return jax.profiler.StepTraceAnnotation(STEP_NAME, step_num=step)
 
 
 def start_trace(log_dir: str) -> str | None:

@@ -40,7 +40,7 @@ from cem_jax.metrics import MetricsWriter, read_metrics, tensorboard_dir
 from cem_jax.model import count_params
 from cem_jax.model_stats import flops_per_token, peak_flops
 from cem_jax.optim import make_optimizer
-from cem_jax.profiling import StepProfiler
+from cem_jax.profiling import StepProfiler, step_marker
 from cem_jax.version import NUMERICS_VERSION
 
 
@@ -433,7 +433,7 @@ class _Loop:
         self.profiler.start()
     batch = run.shardings.global_batch(run.data.train.batch(step, self.block, self.blocks),
                                        self.global_rows)
-    with jax.profiler.StepTraceAnnotation("train", step_num=done):
+    with step_marker(done):
       self.params, self.opt_state, m = self.train_step(self.params, self.opt_state, batch,
                                                        self.guard, np.int32(done))
     self.guard = m["nonfinite_guard"]
