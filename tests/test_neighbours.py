@@ -23,15 +23,20 @@ from cem_jax.model import DecoderLM, count_params
 D, H, F, B, N, V = 16, 2, 24, 2, 6, 40
 
 # Quadratic energies through the public 'module:function' path (norm_mode='none' makes the
-# update exactly -∇_y E = -A y): attention A = 0.1 I + W Wᵀ with W = w_q as [d, h·dh];
-# MLP A = 0.1 I + ½ w wᵀ.
+# update exactly -∇_y E = -A y - 0.1 c S, c the context held fixed): attention A = 0.1 I + W Wᵀ
+# with W = w_q as [d, h·dh], S = W Wᵀ; MLP A = 0.1 I + ½ w wᵀ, S = w wᵀ. The context term makes
+# the update depend on where the context comes from (the layer's input for attention, the
+# gate, i.e. the point the MLP update is evaluated at, for the MLP).
 QUADRATIC = '''
 import jax.numpy as jnp
 def att(y, context, params, aux):
   w = params["w_q"].reshape(y.shape[-1], -1)
-  return 0.5 * jnp.sum(jnp.square(y @ w)) + 0.05 * jnp.sum(jnp.square(y))
+  return (0.5 * jnp.sum(jnp.square(y @ w)) + 0.05 * jnp.sum(jnp.square(y))
+          + 0.1 * jnp.sum(y * (context @ w @ w.T)))
 def mlp(y, context, params, aux):
-  return 0.25 * jnp.sum(jnp.square(y @ params["w"])) + 0.05 * jnp.sum(jnp.square(y))
+  w = params["w"]
+  return (0.25 * jnp.sum(jnp.square(y @ w)) + 0.05 * jnp.sum(jnp.square(y))
+          + 0.1 * jnp.sum(y * (context @ w @ w.T)))
 '''
 
 
@@ -85,8 +90,9 @@ def _np_tangent(y, u):
   return u - np.sum(y * u, -1, keepdims=True) / np.sum(y * y, -1, keepdims=True) * y
 
 
-def _reference_logits(model, tokens, opt, manifold, steps, mus):
-  """The rules of cem_jax/inner.py in float64 NumPy, layer by layer, sub-step by sub-step."""
+def _reference_logits(model, tokens, opt, manifold, steps, mus, split="lie_trotter"):
+  """The rules of cem_jax/inner.py in float64 NumPy, layer by layer, sub-step by sub-step
+  (the joint split: one inner step with the sum of both updates at one point)."""
   f64 = lambda a: np.asarray(a, np.float64)
   emb = f64(model.embedding[...])
   y = emb[np.asarray(tokens)]
@@ -102,12 +108,18 @@ def _reference_logits(model, tokens, opt, manifold, steps, mus):
     mu = mus[layer % len(mus)]
     if sphere:
       y = _np_retract(y)
+    layer_input = y  # the attention's fixed context
+    att, mlp = (a_att, w @ w.T, "att"), (a_mlp, wm @ wm.T, "mlp")
+    groups = [(att, mlp)] if split == "joint" else [(att,), (mlp,)]
     for _ in range(steps):
-      for a in (a_att, a_mlp):
+      for group in groups:
         z = y + mu * v if opt == "nesterov" else y
         if sphere and opt == "nesterov":
           z = _np_retract(z)
-        u = -z @ a  # A symmetric
+        u = 0.0
+        for a, s, sub in group:
+          context = layer_input if sub == "att" else z  # the MLP's gate: where u is evaluated
+          u = u - z @ a - 0.1 * context @ s  # A, S symmetric
         if sphere:
           u = _np_tangent(y, u)
         if opt == "gd":
@@ -124,27 +136,30 @@ def _reference_logits(model, tokens, opt, manifold, steps, mus):
   return g @ emb.T
 
 
-RULES = [("gd", "sphere", 3), ("heavy_ball", "euclidean", 3), ("nesterov", "euclidean", 3),
-         ("nesterov", "euclidean", 1), ("heavy_ball", "sphere", 3), ("nesterov", "sphere", 3)]
+RULES = [("gd", "sphere", 3, "lie_trotter"), ("heavy_ball", "euclidean", 3, "lie_trotter"),
+         ("nesterov", "euclidean", 3, "lie_trotter"), ("nesterov", "euclidean", 1, "joint"),
+         ("heavy_ball", "sphere", 3, "lie_trotter"), ("nesterov", "sphere", 3, "joint")]
 
 
-@pytest.mark.parametrize("opt,manifold,unique", RULES, ids=lambda v: str(v))
-def test_inner_rules_match_a_float64_numpy_iteration(tmp_path, opt, manifold, unique):
-  """Quadratic energies, 3 layers × T = 2 × 2 sub-steps; per-layer momenta 0.3/0.6/0.8 (one
-  shared momentum with G = 1): the velocity crosses steps, sub-steps and layers."""
+@pytest.mark.parametrize("opt,manifold,unique,split", RULES, ids=lambda v: str(v))
+def test_inner_rules_match_a_float64_numpy_iteration(tmp_path, opt, manifold, unique, split):
+  """Quadratic energies with a context term, 3 layers × T = 2 × 2 sub-steps (one joint step
+  with split='joint'); per-layer momenta 0.3/0.6/0.8 set by hand (one shared momentum with
+  G = 1: 0.3 from model.momentum_init): the velocity crosses steps, sub-steps and layers."""
   (tmp_path / "quad.py").write_text(QUADRATIC)
+  mus = [0.3, 0.6, 0.8][:unique]
+  momentum_init = {"momentum_init": mus[0]} if opt != "gd" and unique == 1 else {}
   cfg = model_cfg(attention_energy=f"{tmp_path}/quad.py:att",
                   mlp_energy=f"{tmp_path}/quad.py:mlp", norm_mode="none", learn_eta=False,
                   num_steps=2, inner_optimizer=opt, manifold=manifold, rope=False,
-                  num_unique_blocks=unique, init_std=0.12)
+                  num_unique_blocks=unique, init_std=0.12, split=split, **momentum_init)
   model = DecoderLM(cfg, V, rngs=nnx.Rngs(3))
   model.embedding[...] = 2.0 * model.embedding[...] + 0.05  # not on the sphere to begin with
-  mus = [0.3, 0.6, 0.8][:unique]
-  if opt != "gd":
+  if opt != "gd" and unique > 1:
     _set_momenta(model, mus)
   tokens = _tokens(2)
   got = np.asarray(model(tokens))
-  want = _reference_logits(model, tokens, opt, manifold, 2, mus)
+  want = _reference_logits(model, tokens, opt, manifold, 2, mus, split)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
