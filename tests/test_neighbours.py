@@ -22,21 +22,22 @@ from cem_jax.model import DecoderLM, count_params
 
 D, H, F, B, N, V = 16, 2, 24, 2, 6, 40
 
-# Quadratic energies through the public 'module:function' path (norm_mode='none' makes the
-# update exactly -∇_y E = -A y - 0.1 c S, c the context held fixed): attention A = 0.1 I + W Wᵀ
-# with W = w_q as [d, h·dh], S = W Wᵀ; MLP A = 0.1 I + ½ w wᵀ, S = w wᵀ. The context term makes
-# the update depend on where the context comes from (the layer's input for attention, the
-# gate, i.e. the point the MLP update is evaluated at, for the MLP).
+# Quadratic energies through the public 'module:function' path. norm_mode='none' makes the
+# update exactly -∇_y E = -A y - 0.1 c S, with c the context held fixed: attention
+# A = 0.1 I + W Wᵀ, S = W Wᵀ, W = w_q as [d, h·dh]; MLP A = 0.1 I + ½ w wᵀ, S = w wᵀ. The
+# c-term makes the update depend on where the context comes from (attention: the layer's
+# input; MLP: the gate, the point its update is evaluated at); the term in c alone moves only
+# the energy's value (the energy trace).
 QUADRATIC = '''
 import jax.numpy as jnp
 def att(y, context, params, aux):
   w = params["w_q"].reshape(y.shape[-1], -1)
   return (0.5 * jnp.sum(jnp.square(y @ w)) + 0.05 * jnp.sum(jnp.square(y))
-          + 0.1 * jnp.sum(y * (context @ w @ w.T)))
+          + 0.1 * jnp.sum(y * (context @ w @ w.T)) + 0.01 * jnp.sum(jnp.square(context)))
 def mlp(y, context, params, aux):
   w = params["w"]
   return (0.25 * jnp.sum(jnp.square(y @ w)) + 0.05 * jnp.sum(jnp.square(y))
-          + 0.1 * jnp.sum(y * (context @ w @ w.T)))
+          + 0.1 * jnp.sum(y * (context @ w @ w.T)) + 0.01 * jnp.sum(jnp.square(context)))
 '''
 
 
@@ -161,6 +162,24 @@ def test_inner_rules_match_a_float64_numpy_iteration(tmp_path, opt, manifold, un
   got = np.asarray(model(tokens))
   want = _reference_logits(model, tokens, opt, manifold, 2, mus, split)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_padding_enters_no_energy_of_the_trace_user_energies_included(tmp_path):
+  """The energy trace sums over the real tokens: windows padded at their tail give the trace
+  of their real prefix alone. The quadratic user energies are not 0 at a padding token's
+  state, so this holds only because padding is evaluated at y = context = 0."""
+  (tmp_path / "quad.py").write_text(QUADRATIC)
+  cfg = model_cfg(attention_energy=f"{tmp_path}/quad.py:att",
+                  mlp_energy=f"{tmp_path}/quad.py:mlp", num_steps=2, rope=False)
+  model = DecoderLM(cfg, V, rngs=nnx.Rngs(5))
+  nnx.update(model, jax.tree.map(lambda p: p * 1.3 + 0.01, nnx.state(model, nnx.Param)))
+  tokens, real = _tokens(3), 4
+  segment_ids = jnp.broadcast_to(jnp.arange(N) < real, (B, N)).astype(jnp.int32)
+  _, padded = model(tokens, segment_ids, trace=True)
+  _, prefix = model(tokens[:, :real], segment_ids[:, :real], trace=True)
+  got, want = jax.tree.leaves(padded), jax.tree.leaves(prefix)
+  assert len(got) == len(want) == 3 * 2 * 4  # layers x steps x (att, mlp) x (before, after)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 # ---- the sphere ------------------------------------------------------------------------------
