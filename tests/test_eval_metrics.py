@@ -1,4 +1,5 @@
-"""Eval metrics are totals over real tokens: the same for any eval.batch_size."""
+"""Eval metrics (loss, bits per byte, perplexity, energy trace) are totals over real tokens,
+equal to a float64 reference and the same for any eval.batch_size."""
 
 import types
 
@@ -29,20 +30,24 @@ def _setup():
                                      for x, k in zip(leaves, keys, strict=True)])
   rng = np.random.default_rng(3)
   docs = [rng.integers(2, V, size=n).astype(np.int32) for n in (23, 9, 40, 5, 17)]
-  # One byte per token (EvalWindows needs per-token bytes for bits per byte).
+  # 1 to 4 UTF-8 bytes per token (EvalWindows needs per-token bytes for bits per byte).
+  doc_bytes = [rng.integers(1, 5, size=len(d)).astype(np.int32) for d in docs]
   windows = packing.pack(docs, N, eos_id=1, pad_id=0, keep_tail=True, split="validation",
-                         doc_bytes=[np.ones(len(d), np.int32) for d in docs])
+                         doc_bytes=doc_bytes)
   data = types.SimpleNamespace(eval_batches=EvalWindows(windows, 0).batches)
   return cfg, graphdef, params, data, windows
 
 
 def _reference(graphdef, params, windows):
   """Per window, the model on its real prefix alone (no padding anywhere), energies and
-  losses summed in float64 over all windows and divided by the token counts."""
+  losses summed in float64 over all windows and divided by the token counts. A target is
+  token i + 1 of a window, predicted from token i of the same document; bits per byte are
+  its nats / ln 2 over its UTF-8 bytes (``windows.nbytes``), perplexity e^(mean nats).
+  Returns ``(energies, eval/loss, eval/bits_per_byte, eval/perplexity)``."""
   # jitted: two distinct prefix lengths compile twice, where eager runs op by op per length
   forward = jax.jit(lambda p, x, s: nnx.merge(graphdef, p)(x, s, trace=True))
-  energy, tokens, loss, targets = {}, 0, 0.0, 0.0
-  for tok, seg in zip(windows.tokens, windows.segment_ids, strict=True):
+  energy, tokens, loss, targets, nbytes = {}, 0, 0.0, 0.0, 0.0
+  for tok, seg, byt in zip(windows.tokens, windows.segment_ids, windows.nbytes, strict=True):
     batch = packing.make_batch(tok[None], seg[None])
     n = int((batch["segment_ids"][0] > 0).sum())  # padding is only at the tail
     logits, traces = forward(params, batch["inputs"][:, :n], batch["segment_ids"][:, :n])
@@ -52,18 +57,22 @@ def _reference(graphdef, params, windows):
           name = f"eval/energy/layer{layer}/step{t + 1}/{key}"
           energy[name] = energy.get(name, 0.0) + float(value)
     tokens += n
-    logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
-    w = batch["weights"][0, :n]
-    nll = -np.take_along_axis(np.asarray(logp[0]), batch["targets"][0, :n, None], -1)[:, 0]
+    logits = np.asarray(logits[0], np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    w = ((seg[1:n + 1] == seg[:n]) & (seg[1:n + 1] > 0)).astype(np.float64)
+    nll = -logp[np.arange(n), tok[1:n + 1]]
     loss += float((nll * w).sum())
     targets += float(w.sum())
-  return {k: v / tokens for k, v in energy.items()}, loss / targets
+    nbytes += float((byt[1:n + 1] * w).sum())
+  return ({k: v / tokens for k, v in energy.items()}, loss / targets,
+          loss / np.log(2.0) / nbytes, np.exp(loss / targets))
 
 
 def test_energy_trace_and_loss_do_not_depend_on_the_eval_batch_size():
   cfg, graphdef, params, data, windows = _setup()
   step = steps_lib.make_eval_step(graphdef, None, energy_trace=True)
-  energy_ref, loss_ref = _reference(graphdef, params, windows)
+  energy_ref, loss_ref, bpb_ref, perplexity_ref = _reference(graphdef, params, windows)
   results = {}
   for bs in (1, 4, 8):  # 8 > the number of windows: one batch, mostly padding rows
     cfg.eval.batch_size = bs
@@ -75,6 +84,8 @@ def test_energy_trace_and_loss_do_not_depend_on_the_eval_batch_size():
     for key, want in energy_ref.items():
       assert got[key] == pytest.approx(want, rel=1e-4, abs=1e-5), (bs, key)
     assert metrics["eval/loss"] == pytest.approx(loss_ref, rel=1e-5), bs
+    assert metrics["eval/bits_per_byte"] == pytest.approx(bpb_ref, rel=1e-5), bs
+    assert metrics["eval/perplexity"] == pytest.approx(perplexity_ref, rel=1e-5), bs
   assert len(energy_trace(results[1])) == 2
 
 
