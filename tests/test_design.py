@@ -180,10 +180,16 @@ def test_eval_logs_energy_traces_and_test_time_steps(shared_data, tmp_path):
   assert "eval/energy/layer1/step2/mlp_after" in last
   paths = plot.plot_run(str(tmp_path))
   assert [os.path.basename(p) for p in paths] == ["loss.png", "energy.png"]
-  rows = evaluate.test_time_steps(str(tmp_path), [1, 2, 3], max_batches=2)
+  rows = evaluate.test_time_steps(str(tmp_path), [1, 2, 3], max_batches=4)  # as eval at step 10
   assert [r["T_eval"] for r in rows] == [1, 2, 3]
   assert all(np.isfinite(r["eval/perplexity"]) for r in rows)
   assert rows[0]["eval/loss"] != rows[2]["eval/loss"]
+  # At the trained T the report's row is the last eval of training: the final energy is the
+  # energy after the last step, summed over the layers and sub-layers.
+  assert rows[1]["eval/loss"] == pytest.approx(last["eval/loss"], rel=1e-6)
+  want = sum(last[f"eval/energy/layer{layer}/step2/{part}_after"] for layer in (0, 1)
+             for part in ("att", "mlp"))
+  assert rows[1]["final_energy"] == pytest.approx(want, rel=1e-5)
   written = evaluate.write_report(str(tmp_path), rows, trained_steps=2)
   assert all(os.path.getsize(p) > 0 for p in written)
 
