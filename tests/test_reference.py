@@ -441,6 +441,8 @@ BLOCK_CASES = {
         segments=True, mlp_energy="relu2"),
     "T2-fixed-none-norm-no_rope": dict(num_steps=2, norm_mode="none", rope=False,
                                        diagonal="per_head", precond="both", precond_rank=1),
+    # strict causality without documents (its own kernel structure); an epsilon that counts
+    "T1-strict-norm_eps": dict(strict_causal=True, norm_eps=0.5),
 }
 
 
