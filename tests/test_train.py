@@ -13,7 +13,7 @@ import pytest
 from conftest import tiny_config
 from flax import nnx
 
-from cem_jax import optim, steps, train
+from cem_jax import model_stats, optim, steps, train
 from cem_jax.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +52,15 @@ def test_weight_decay_goes_by_name_not_rank():
   decayed = sorted(k for k, v in flat.items() if v)
   kept = sorted(k for k, v in flat.items() if not v)
   assert all(any(f"['{n}']" in k for n in ("w_q", "w_k", "w", "g", "embedding")) for k in decayed)
+  # Every weight matrix of the CEM layers decays: the tied attention's two, the MLP's two.
+  names = {model_stats.param_name(p) for p, v in jax.tree_util.tree_leaves_with_path(mask) if v}
+  assert names == {"w_q", "w_k", "w", "g", "embedding"}
+  llama = nnx.split(steps.build_model(tiny_config("llama", **{"model.tie_embeddings": False}),
+                                      64), nnx.Param)[1]
+  llama_mask = jax.tree_util.tree_leaves_with_path(optim.decay_mask(llama))
+  assert {model_stats.param_name(p) for p, v in llama_mask if v} == {
+      "w_q", "w_k", "w_v", "w_o", "w_gate", "w_up", "w_down", "embedding", "lm_head"}
+  assert {model_stats.param_name(p) for p, v in llama_mask if not v} == {"scale"}
   for name in ("scale", "eta", "diag", "'p'", "'u'"):
     assert any(name in k for k in kept), name
     assert not any(name in k for k in decayed), name
