@@ -61,6 +61,23 @@ def test_preconditioned_small_step_decreases_each_energy(seed):
     assert after < before
 
 
+@pytest.mark.parametrize("precond_eps", [1e-3, 0.2])
+def test_preconditioner_starts_at_the_identity(precond_eps):
+  """P = diag(softplus(p) + ε) + U Uᵀ starts at I + U Uᵀ (U ~ normal(0, 1e-3)): a model with
+  model.precond starts where the model without it does (CEM_MATH.md §3)."""
+  from cem_jax.layers.cem import Preconditioner
+
+  cfg = model_cfg(precond="both", precond_rank=2, precond_eps=precond_eps, num_steps=2,
+                  precond_shared=False)
+  pre = Preconditioner(cfg, rngs=nnx.Rngs(0))
+  v = np.random.default_rng(0).standard_normal((B, T, D))
+  for step in range(2):
+    u = np.asarray(pre.u[...][step], np.float64)
+    want = v + v @ u @ u.T  # diag(1) + U Uᵀ
+    np.testing.assert_allclose(np.asarray(pre(jnp.asarray(v, jnp.float32), step)), want,
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("precond", ["none", "both"])
 def test_prenorm_energy_is_monotone_over_four_steps(precond):
   """Joint step on E_att + E_mlp, small η: the total energy falls at every one of 4 steps."""
