@@ -1,4 +1,5 @@
-"""The learning-rate schedule and the rate the loop logs, against the formula."""
+"""The optimizer against the formulas: the learning-rate schedule, the rate the loop logs, and
+AdamW with clipping and masked weight decay."""
 
 import math
 
@@ -81,3 +82,36 @@ def test_after_a_skipped_update_the_logged_rate_is_the_applied_one():
               _expected_lr(4), _expected_lr(5)]
   np.testing.assert_allclose(logged, expected, rtol=1e-6)
   assert int(optim.applied_updates(opt_state)) == 5
+
+
+def test_three_updates_equal_adamw_with_clipping_in_float64():
+  """make_optimizer against AdamW written out (Loshchilov & Hutter 2019; optax's eps = 1e-8
+  outside the root): the global norm clipped to train.grad_clip, Adam's bias-corrected
+  moments, decoupled weight decay on the decayed names only (w_q yes, a norm scale no), each
+  scaled by the rate of its update."""
+  cfg = _cfg(weight_decay=0.3, b1=0.8, b2=0.95, grad_clip=1.0).train
+  tx, _ = optim.make_optimizer(cfg)
+  rng = np.random.default_rng(0)
+  params = {"w_q": rng.standard_normal((3, 4)), "scale": rng.standard_normal(4)}
+  grads = [{k: s * rng.standard_normal(v.shape) for k, v in params.items()}
+           for s in (0.05, 3.0, 0.2)]  # the second is clipped, the others are not
+  got = jax.tree.map(lambda x: jax.numpy.asarray(x, jax.numpy.float32), params)
+  state = tx.init(got)
+  want = {k: v.copy() for k, v in params.items()}
+  m = {k: np.zeros_like(v) for k, v in params.items()}
+  v2 = {k: np.zeros_like(v) for k, v in params.items()}
+  for k, g in enumerate(grads, start=1):
+    updates, state = tx.update(jax.tree.map(jax.numpy.asarray, g), state, got)
+    got = jax.tree.map(lambda p, u: p + u, got, updates)
+    norm = math.sqrt(sum(float(np.sum(x * x)) for x in g.values()))
+    clip = min(1.0, cfg.grad_clip / norm)
+    for name in want:
+      gi = g[name] * clip
+      m[name] = cfg.b1 * m[name] + (1 - cfg.b1) * gi
+      v2[name] = cfg.b2 * v2[name] + (1 - cfg.b2) * gi * gi
+      adam = (m[name] / (1 - cfg.b1**k)) / (np.sqrt(v2[name] / (1 - cfg.b2**k)) + 1e-8)
+      decay = cfg.weight_decay * want[name] if name == "w_q" else 0.0
+      want[name] = want[name] - _expected_lr(k) * (adam + decay)
+  for name in want:
+    np.testing.assert_allclose(np.asarray(got[name], np.float64), want[name], rtol=1e-5,
+                               atol=1e-6)
