@@ -69,7 +69,7 @@ def _reference(graphdef, params, windows):
           loss / np.log(2.0) / nbytes, np.exp(loss / targets))
 
 
-def test_energy_trace_and_loss_do_not_depend_on_the_eval_batch_size():
+def test_eval_metrics_equal_the_float64_reference_for_any_eval_batch_size():
   cfg, graphdef, params, data, windows = _setup()
   step = steps_lib.make_eval_step(graphdef, None, energy_trace=True)
   energy_ref, loss_ref, bpb_ref, perplexity_ref = _reference(graphdef, params, windows)
