@@ -546,10 +546,7 @@ class _Loop:
   def abort(self) -> None:
     """On an error: saves already started passed the checks, so let them commit first; a
     trace in progress is written (it may show why)."""
-    try:
-      self.profiler.stop(self.done)
-    except Exception:  # noqa: BLE001 - the original error matters more
-      logging.exception("could not write the profiler trace")
+    self.profiler.stop(self.done)  # never raises: a trace it cannot write is logged
     try:
       self.run.ckpt.close()
     except Exception:  # noqa: BLE001 - the original error matters more
