@@ -584,3 +584,26 @@ def test_data_benchmark_writes_its_corpus_atomically_and_reads_manifests_checked
                          os.fspath(tmp_path / "c")], cwd=repo, capture_output=True, text=True,
                         env={**os.environ, "PYTHONPATH": os.fspath(repo)}, timeout=300)
   assert done.returncode == 0 and done.stdout == "ok\n", done.stderr[-3000:]
+
+
+def test_data_identity_changes_with_each_split_and_the_tokenizer():
+  # A checkpoint is refused on other tokens: the identity must follow every part of the data,
+  # the validation stream included (an eval on other validation tokens is another result).
+  from cem_jax.data import check_same_data, data_identity
+
+  def manifest(tok, train, validation):
+    return {"tokenizer": {"sha256": tok},
+            "splits": {"train": {"shards": [{"sha256": s} for s in train]},
+                       "validation": {"shards": [{"sha256": s} for s in validation]}}}
+
+  base = data_identity(manifest("t" * 64, ["a" * 64, "b" * 64], ["v" * 64]))
+  assert set(base) == {"tokenizer_sha256", "train_sha256", "validation_sha256"}
+  edits = {"tokenizer_sha256": manifest("u" * 64, ["a" * 64, "b" * 64], ["v" * 64]),
+           "train_sha256": manifest("t" * 64, ["a" * 64, "c" * 64], ["v" * 64]),
+           "validation_sha256": manifest("t" * 64, ["a" * 64, "b" * 64], ["w" * 64])}
+  for key, edited in edits.items():
+    now = data_identity(edited)
+    assert {k for k in base if base[k] != now[k]} == {key}, key
+    with pytest.raises(ValueError, match=rf"trained on other data \({key} "):
+      check_same_data(base, now, "ckpt/7")
+  check_same_data(base, dict(base), "ckpt/7")  # the same data: accepted

@@ -364,6 +364,10 @@ def _set(m, keys, value):
     pytest.param(lambda m: _set(m, ["splits", "validation", "tokens"], 10**6), 300,
                  r"/manifest\.json: damaged manifest: splits\.validation\.tokens is 1000000, "
                  r"its shards hold \d+", id="split-tokens"),
+    pytest.param(lambda m: _set(m, ["splits", "train", "tokens"],
+                                m["splits"]["train"]["tokens"] - 1), 300,
+                 r"/manifest\.json: damaged manifest: splits\.train\.tokens is \d+, "
+                 r"its shards hold \d+", id="split-tokens-fewer"),
     pytest.param(lambda m: _set(m, ["token_dtype"], "<u4"), 300,
                  r"/manifest\.json: damaged manifest: token_dtype is '<u4', prepare writes '<u2' "
                  "for vocab_size 300", id="token-dtype"),
@@ -534,3 +538,66 @@ def test_prepare_cli_validates_the_config_first_and_writes_nothing(override, mes
   assert (proc.returncode, proc.stderr.strip().splitlines()[-1:]) == (1, [message]), (
       proc.stderr[-2000:])
   assert sorted(p.name for p in tmp_path.iterdir()) == before  # no --out folder, nothing else
+
+
+def test_prepare_rebuilds_a_shard_damaged_in_place(tmp_path):
+  # A bit flip keeps the shard's size: only its sha256 tells a re-run to write it again.
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(2000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  out = shard_writer.prepare(config.data, tmp_path / "p", shard_chars=20_000)
+  shard = sorted(out.glob("train-*.array_record"))[1]
+  good = shard.read_bytes()
+  data = bytearray(good)
+  data[len(data) // 2] ^= 0xFF
+  shard.write_bytes(bytes(data))
+  shard_writer.prepare(config.data, out, shard_chars=20_000)
+  assert shard.read_bytes() == good
+  config.data.prepared_dir = os.fspath(out)
+  build_data(config, tmp_path / "wd")
+
+
+def test_a_shard_of_whole_records_counts_them_as_arrayrecord_does(prepared_300, tmp_path):
+  # 1024 empty documents: 1024 EOS, exactly one full record (and 1025: two records).
+  from array_record.python import array_record_module
+
+  shard_writer._init_worker((prepared_300 / "tokenizer.model").read_bytes())
+  for docs, records in ((prepared.RECORD_TOKENS, 1), (prepared.RECORD_TOKENS + 1, 2)):
+    out = tmp_path / str(docs)
+    out.mkdir()
+    task = {"split": "train", "index": 0, "pieces": [""] * docs, "ends": [True] * docs}
+    meta = shard_writer._encode_and_write((task, os.fspath(out), "<u2", "0" * 64))
+    reader = array_record_module.ArrayRecordReader(os.fspath(out / meta["file"]))
+    assert (meta["tokens"], meta["records"], reader.num_records()) == (docs, records, records)
+    reader.close()
+
+
+def test_builtin_prepared_dir_must_have_the_same_validation_fraction(prepared_300):
+  # check_fits on a builtin source (no data.files, no catalog): the held-out fraction decides
+  # the split, so another one is other data.
+  manifest = json.loads((prepared_300 / "manifest.json").read_text())
+  manifest["sources"] = {"kind": "builtin", "name": "pydoc"}
+  manifest["config"].update(files="", builtin="pydoc", validation_fraction=0.1)
+  prepared.check_fits(manifest, _config(vocab_size=300, validation_fraction=0.1).data,
+                      prepared_300)
+  with pytest.raises(ValueError, match=r"data\.validation_fraction=0\.2 does not fit"):
+    prepared.check_fits(manifest, _config(vocab_size=300, validation_fraction=0.2).data,
+                        prepared_300)
+
+
+def test_workdir_preparation_follows_an_edited_tokenizer_file(tmp_path):
+  # data.tokenizer names a file: WORKDIR/data/<fingerprint> must follow its content, not its
+  # path, or tokens of the old model would be trained under the new one's ids.
+  from cem_jax.data import tokenizer as tokenizer_lib
+
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(2000))
+  model = tmp_path / "tok.model"
+  model.write_bytes(tokenizer_lib.train_model([_text(2000)], 300))
+  config = _config(files=os.fspath(corpus), vocab_size=300, tokenizer=os.fspath(model))
+  first = build_data(config, tmp_path / "wd")
+  model.write_bytes(tokenizer_lib.train_model([_text(2000, "x")], 300))
+  second = build_data(config, tmp_path / "wd")
+  assert len(list((tmp_path / "wd" / "data").iterdir())) == 2
+  assert second.identity["tokenizer_sha256"] == files.sha256_file(model)
+  assert second.identity["tokenizer_sha256"] != first.identity["tokenizer_sha256"]
