@@ -3,6 +3,7 @@
 import json
 import logging
 import math
+import types
 
 import jax
 import pytest
@@ -244,11 +245,57 @@ def test_a_trace_that_cannot_start_or_be_written_costs_the_run_nothing(monkeypat
 
 
 def test_the_peak_is_that_of_every_device_and_unknown_if_any_is_unknown():
-  import types
-
   from cem_jax import model_stats
 
   h200, cpu = (types.SimpleNamespace(device_kind=k) for k in ("NVIDIA H200", "cpu"))
   assert model_stats.peak_flops([h200] * 8) == 8 * 989e12
   assert model_stats.peak_flops(h200) == 989e12
   assert model_stats.peak_flops([h200, cpu]) is None and model_stats.peak_flops([cpu]) is None
+
+
+def test_the_final_step_is_logged_evaluated_and_saved_off_the_intervals(shared_data, tmp_path):
+  # train.num_steps=3 is no multiple of the intervals (2): step 3 still gets its train line, its
+  # eval (what the run returns and tables read as the result) and its checkpoint.
+  (tmp_path / "small.txt").write_text((shared_data / "tinyshakespeare.txt").read_text()[:6_000])
+  cfg = tiny_config("llama", **{
+      "model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64, "model.num_layers": 1,
+      "data.files": str(tmp_path / "small.txt"), "data.seq_len": 32, "data.vocab_size": 384,
+      "train.num_steps": 3, "train.warmup_steps": 1, "train.eval_every_steps": 2,
+      "train.log_every_steps": 2, "checkpoint.every_steps": 2, "eval.max_batches": 1})
+  workdir = tmp_path / "run"
+  final = train.train_and_evaluate(cfg, str(workdir))
+  lines = read_metrics(str(workdir))
+  assert [m["step"] for m in lines if "train/loss" in m] == [2, 3]
+  evals = [m for m in lines if "eval/loss" in m]
+  assert [m["step"] for m in evals] == [2, 3]
+  assert final["eval/loss"] == evals[-1]["eval/loss"]
+  saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert saved == [2, 3]
+
+
+def test_metrics_jsonl_on_a_fresh_start_and_on_resume(tmp_path, monkeypatch):
+  # What _open_metrics keeps of an earlier run's metrics.jsonl: on resume at step s its lines up
+  # to s and the best eval among them; on a fresh start (killed before its first checkpoint)
+  # none of them, so no step appears twice.
+  monkeypatch.setattr(train, "count_params", lambda model: 7)
+  old = [{"step": 0, "params/total": 7},
+         {"step": 10, "eval/loss": 2.0, "eval/bits_per_byte": 1.0},
+         {"step": 20, "eval/loss": 2.5, "eval/bits_per_byte": 1.2},
+         {"step": 30, "eval/loss": 1.0, "eval/bits_per_byte": 0.5}]
+
+  def open_at(start: int, workdir):
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in old))
+    cfg = tiny_config("llama", **{"train.num_steps": 40})
+    run = types.SimpleNamespace(workdir=str(workdir), start_step=start, config=cfg, model=None,
+                                data=types.SimpleNamespace(stats=lambda: {"train_windows": 999}))
+    writer, best, _ = train._open_metrics(run, cfg.to_dict(), True)
+    writer.close()
+    return read_metrics(str(workdir)), best
+
+  kept, best = open_at(20, tmp_path / "resumed")
+  assert [m["step"] for m in kept] == [0, 10, 20]
+  assert best == {"eval/best_loss": 2.0, "eval/best_bits_per_byte": 1.0, "eval/best_step": 10}
+  kept, best = open_at(0, tmp_path / "fresh")
+  assert [m["step"] for m in kept] == [0] and "data/epochs" in kept[0]
+  assert best == {}

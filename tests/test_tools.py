@@ -1,5 +1,6 @@
 """Inspection and sharding rules: counts equal the built model; specs follow the rules."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from cem_jax import preflight, sharding
 from cem_jax import summary as summary_lib
 from cem_jax.model import DecoderLM, count_params
+from cem_jax.workdir import last_eval_in
 
 
 @pytest.mark.parametrize("overrides", [
@@ -127,8 +129,6 @@ def test_recursion_report_never_replaces_eta_values_it_cannot_read(tmp_path):
 def test_evaluate_reports_the_trained_steps_of_the_checkpoint_not_config_json(tmp_path):
   # Every start rewrites config.json, also one that changed model.num_steps and trained
   # nothing: the report's trained T must be the one the checkpoint was trained with.
-  import json
-
   from cem_jax import train
 
   workdir = tmp_path / "w"
@@ -146,3 +146,28 @@ def test_evaluate_reports_the_trained_steps_of_the_checkpoint_not_config_json(tm
   assert report.startswith("Test-time steps for a model trained with T = 2 "), report
   rows = json.loads((workdir / "test_time_steps.json").read_text())
   assert [r["T_trained"] for r in rows] == [2]
+
+
+def test_last_eval_in_is_the_final_eval_line(tmp_path):
+  # What a re-run of a finished run returns: its last eval, not its first.
+  assert last_eval_in(str(tmp_path)) == {}
+  lines = [{"step": 0, "params/total": 10},
+           {"step": 10, "eval/loss": 3.0, "eval/bits_per_byte": 2.0},
+           {"step": 20, "train/loss": 2.5},
+           {"step": 20, "eval/loss": 2.0, "eval/bits_per_byte": 1.5}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+  assert last_eval_in(str(tmp_path)) == {"eval/loss": 2.0, "eval/bits_per_byte": 1.5}
+
+
+def test_process_slice_is_the_block_of_rows_this_process_holds():
+  class Rows:  # a sharding's view of which rows this process's devices hold
+    def __init__(self, *slices):
+      self.slices = slices
+
+    def addressable_devices_indices_map(self, shape):
+      return {device: (s,) for device, s in enumerate(self.slices)}
+
+  assert sharding.process_slice(Rows(slice(0, 8)), 8) == (0, 1)
+  assert sharding.process_slice(Rows(slice(4, 6), slice(6, 8)), 8) == (1, 2)
+  assert sharding.process_slice(Rows(slice(6, 8)), 8) == (3, 4)
+  assert sharding.process_slice(Rows(slice(0, 2), slice(4, 6)), 8) == (0, 1)  # not one block
