@@ -378,6 +378,12 @@ def test_mismatch_names_the_keys(tmp_path):
   msg = str(e.value)
   assert "not in checkpoint: opt_state/0/count" in msg
   assert "only in checkpoint: opt_state/inner_state/" in msg
+
+  # The same shapes in another dtype: not the saved arrays either.
+  half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state["params"])
+  with pytest.raises(CheckpointError, match=r"shape/dtype differ: params/\S+ saved \([\d, ]+\) "
+                                            r"float32 vs now \([\d, ]+\) bfloat16"):
+    ckpt.restore(1, {"params": half, "opt_state": state["opt_state"]})
   ckpt.close()
 
 

@@ -10,7 +10,8 @@ from cem_jax import config as config_lib
 OUT_OF_RANGE = [
     ("train.grad_clip", 0.0), ("train.grad_clip", -1.0), ("train.grad_clip", math.nan),
     ("train.grad_clip", math.inf), ("train.learning_rate", -1e-3), ("train.learning_rate", 0.0),
-    ("train.b1", 1.5), ("train.b1", 1.0), ("train.b2", -0.1), ("train.weight_decay", -0.1),
+    ("train.b1", 1.5), ("train.b1", 1.0), ("train.b2", -0.1), ("train.b2", 1.0),
+    ("train.weight_decay", -0.1),
     ("train.min_learning_rate_ratio", 1.5), ("train.min_learning_rate_ratio", -0.1),
     ("model.norm_eps", 0.0), ("model.norm_eps", -1e-6), ("model.rope_theta", 0.0),
     ("model.init_std", 0.0), ("model.precond_eps", 0.0), ("model.precond_eps", -1e-3),
@@ -153,6 +154,9 @@ def test_flat_config_equals_the_json_it_is_saved_as():
     ("seed", -1, r"^seed=-1 must be >= 0$"),
     ("data.shuffle_seed", -3, r"^data.shuffle_seed=-3 must be >= 0$"),
     ("seed", 2**63, r"^seed=9223372036854775808 must be < 2\*\*63$"),
+    ("data.validation_fraction", 0.0,
+     r"^data.validation_fraction=0.0; allowed: 0 < fraction <= 0.5$"),
+    ("data.seq_len", 1, r"^data.seq_len=1 must be >= 2$"),
 ])
 def test_values_that_were_silently_defaulted_or_failed_late_are_refused(field, value, message):
   """head_dim 0 or -7 used to mean "the default" (only -1 is documented); a negative seed

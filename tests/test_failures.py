@@ -300,6 +300,10 @@ def test_model_changes_compares_the_model_a_config_makes():
   now.model.head_dim, now.model.mlp_energy = 16, "e.py:energy"
   now.model.update_mode = "autodiff"  # a user's closed form is checked by its values only
   assert config_lib.model_changes(saved, now) == ["model.update_mode: 'auto' -> 'autodiff'"]
+  # Values every forward pass reads define the model (only init-time values may change).
+  now.model.update_mode, now.model.rope_theta, now.model.norm_eps = "auto", 500.0, 1e-3
+  assert [c.split(":")[0] for c in config_lib.model_changes(saved, now)] == [
+      "model.norm_eps", "model.rope_theta"]
 
 
 USER_ENERGY = """

@@ -4,7 +4,9 @@ AdamW with clipping and masked weight decay."""
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import tiny_config
 from flax import nnx
@@ -115,3 +117,16 @@ def test_three_updates_equal_adamw_with_clipping_in_float64():
   for name in want:
     np.testing.assert_allclose(np.asarray(got[name], np.float64), want[name], rtol=1e-5,
                                atol=1e-6)
+
+
+def test_k_consecutive_nonfinite_updates_and_one_more_leave_the_parameters_unchanged():
+  # The loop stops after train.max_consecutive_nonfinite non-finite steps in a row, at its next
+  # log or save: apply_if_finite must still be skipping them until then (one more at least).
+  tx, _ = optim.make_optimizer(tiny_config("llama", **{"train.max_consecutive_nonfinite": 2}).train)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  for _ in range(3):
+    updates, state = tx.update({"w": jnp.full(3, jnp.nan)}, state, params)
+    params = optax.apply_updates(params, updates)
+  assert np.array_equal(np.asarray(params["w"]), np.ones(3))
+  assert int(state.notfinite_count) == 3

@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+from conftest import tiny_config
 
 from cem_jax import tables
 from cem_jax.version import NUMERICS_VERSION
@@ -376,3 +377,14 @@ def test_a_finished_run_counts_for_a_row_that_only_computes_it_differently(tmp_p
   assert tables._same_config(str(tmp_path), now)
   now.train.learning_rate = 1e-3
   assert not tables._same_config(str(tmp_path), now)
+
+
+def test_a_run_predating_a_key_counts_only_with_that_key_at_its_default(tmp_path):
+  # A key added since the run was trained: the run stands for the new config only where the key
+  # keeps its default (the old behaviour), never for a row that sets it.
+  saved = tiny_config("llama").to_dict()
+  del saved["train"]["min_learning_rate_ratio"]  # the run predates the key
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  assert tables._same_config(str(tmp_path), tiny_config("llama"))
+  assert not tables._same_config(
+      str(tmp_path), tiny_config("llama", **{"train.min_learning_rate_ratio": 0.5}))
