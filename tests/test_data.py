@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import io
 import json
 import os
 import socket
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 from conftest import closed_port, fake_catalog
 
 from cem_jax.config import get_default_config
@@ -120,6 +122,13 @@ def test_docstrings_source_is_deterministic():
     builtin.builtin_documents("nope")
 
 
+def test_docstrings_leave_out_test_demo_and_gui_packages():
+  names = [name for name, _ in builtin._module_files()]
+  assert "json" in names and "json.decoder" in names and "email.mime.text" in names
+  skipped = {"test", "tests", "idlelib", "idle_test", "turtledemo", "lib2to3", "ensurepip", "this"}
+  assert not [n for n in names if skipped & set(n.split("."))]
+
+
 def test_file_decoding_normalises_bom_and_line_ends(tmp_path):
   path = tmp_path / "a.txt"
   path.write_bytes(codecs.BOM_UTF8 + "caf\u00e9\r\nline two\rthree\n".encode())
@@ -201,6 +210,20 @@ def test_tfds_catalog_reads_a_prepared_dataset_offline(tmp_path, monkeypatch):
     text_splits(config.data)
   with pytest.raises(ValueError, match="set only one"):
     text_splits(_config(tfds_name=name, files="x.txt").data)
+
+
+def test_catalog_texts_read_the_configured_feature():
+  source = [{"text": "not this", "body": b"first\r\nline\n"}, {"text": "nor this", "body": "x"}]
+  assert list(tfds_catalog.CatalogTexts(source, "body")) == ["first\nline\n", "x"]
+
+
+def test_prepared_dir_is_the_newest_prepared_version(tmp_path):
+  for version in ("1.0.0", "1.10.0", "1.2.0", "2.0.0"):
+    (tmp_path / "ds" / version).mkdir(parents=True)
+    if version != "2.0.0":  # not prepared: no dataset_info.json
+      (tmp_path / "ds" / version / "dataset_info.json").write_text("{}")
+  assert tfds_catalog.prepared_dir("ds", tmp_path) == tmp_path / "ds" / "1.10.0"
+  assert tfds_catalog.prepared_dir("ds:1.0.0", tmp_path) == tmp_path / "ds" / "1.0.0"
 
 
 def test_tfds_catalog_splits_and_formats_are_checked_before_reading(tmp_path, monkeypatch):
@@ -361,6 +384,19 @@ def test_given_tokenizer_is_used_and_checked(tmp_path):
   assert again.tokenizer.path.read_bytes() == data.tokenizer.path.read_bytes()
   with pytest.raises(ValueError, match=r"has 512 pieces but data\.vocab_size=1024"):
     build_data(_config(tokenizer=path, vocab_size=1024), tmp_path / "other")
+
+
+def test_a_given_tokenizer_without_eos_is_refused(tmp_path):
+  # Documents are separated by EOS: a model without one (eos_id -1) would write id -1.
+  writer = io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(["hello world\n"] * 3), model_writer=writer, vocab_size=268,
+      hard_vocab_limit=False, minloglevel=2, **{**tokenizer_lib.TRAINER_SETTINGS, "eos_id": -1})
+  path = tmp_path / "no_eos.model"
+  path.write_bytes(writer.getvalue())
+  size = spm.SentencePieceProcessor(model_file=os.fspath(path)).get_piece_size()
+  with pytest.raises(ValueError, match=r"no_eos\.model' has no EOS piece \(eos_id=-1\)$"):
+    tokenizer_lib.load_tokenizer(path, size)
 
 
 # ---- packing -------------------------------------------------------------------------------

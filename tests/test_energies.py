@@ -318,6 +318,15 @@ def gate_cumsum(y, context, params, aux):  # an MLP energy mixing tokens
   return -params["eta"] * jnp.sum(gate * jnp.tanh(jnp.einsum("btd,df->btf", y, params["w"])))
 
 
+# An exact closed form (jax.grad itself) of an energy that mixes tokens: the fused check passes,
+# the causal one must still refuse it.
+cumsum_exact = gate_cumsum
+
+
+def cumsum_exact_fused_update(y, context, params, aux):
+  return -jax.grad(gate_cumsum)(y, context, params, aux)
+
+
 def tril(y, context, params, aux):  # builds its own mask of y's length
   q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
   k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
@@ -426,6 +435,13 @@ def test_energy_that_decodes_differently_from_training_is_refused(tmp_path, slot
       "positions 3.. against a 8-slot cache, as in cached decoding (python -m cem_jax.sample), "
       "differs from the training-layout update of the same tokens: max relative error ")
   assert ("build masks from aux.mask" if slot == "attention" else "per-token terms") in message
+
+
+def test_an_energy_with_an_exact_closed_form_is_checked_for_causality_too(tmp_path):
+  message = _refusal(_user_config(tmp_path, mlp_energy="cumsum_exact"))
+  assert message.startswith(
+      f"model.mlp_energy='{tmp_path}/user_fused.py:cumsum_exact': its update of 2 new tokens at "
+      "positions 3.. against a 8-slot cache")
 
 
 def test_energy_that_crosses_documents_is_refused(tmp_path):
