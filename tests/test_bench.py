@@ -1,6 +1,7 @@
 """Benchmark: the analytic FLOP formula agrees with XLA; the benchmark runs end to end."""
 
 import gzip
+import itertools
 import json
 
 import jax
@@ -291,3 +292,61 @@ def test_a_row_that_fails_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatc
   assert [(v[2:], n) for v, _, n in table] == [
       ("llama", "64"), ("cem_fused", "64"), ("llama", "128"), ("cem_fused", "128"),
       ("llama", "64"), ("cem_fused", "64")]
+
+
+# ---- the figures of a row and the table's ratios ---------------------------------------------
+
+
+@pytest.mark.parametrize("preset", sorted(bench.PRESETS))
+def test_every_row_of_a_preset_holds_its_tokens_per_batch(preset):
+  p = bench.PRESETS[preset]
+  for n in p["seq_lens"]:
+    config = bench._model_config(p, bench.VARIANTS["llama"], n, p["d_model"])
+    assert config.train.batch_size * config.data.seq_len == p["tokens_per_batch"], (preset, n)
+
+
+class _StandInModel(nnx.Module):
+  """What bench_one reads off a model: its parameters and the kernel it chose."""
+
+  def __init__(self, model_cfg, vocab_size, rngs):
+    del model_cfg, vocab_size, rngs
+    self.w = nnx.Param(jnp.zeros((3,)))
+    self.attention_impl, self.attention_reason = "xla", "stand-in"
+
+
+def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(monkeypatch):
+  # The figures' arithmetic, on a stand-in model and step (nothing real to build or compile)
+  # and a clock that advances 0.5 s a reading: every step takes 0.5 s.
+  tiny = dict(bench.PRESETS["tiny"], d_model=32, num_layers=1, mlp_dim=64, tokens_per_batch=64)
+  config = bench._model_config(tiny, bench.VARIANTS["llama"], 32, 32)  # 2 rows of 32 tokens
+  fake = jax.jit(lambda p, o, b: (p, o, {"loss": jnp.float32(1.0)}))
+  monkeypatch.setattr(bench.steps_lib, "make_train_step", lambda *a, **k: fake)
+  monkeypatch.setattr(bench, "DecoderLM", _StandInModel)
+  clock = itertools.count(0.0, 0.5)
+  monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+  monkeypatch.setattr(bench, "peak_flops", lambda: 1e9)
+  r = bench.bench_one(config, 512, steps=3, warmup=1)
+  # Llama, L=1, d=32, f=64, n=32, V=512: L(8d² + 6df + 4nd) + 2dV
+  assert r["flops_per_token"] == 8 * 32**2 + 6 * 32 * 64 + 4 * 32 * 32 + 2 * 32 * 512
+  assert r["step_ms"] == 500.0 and r["tokens_per_s"] == 64 / 0.5
+  # A training step is forward + backward: 3x the forward FLOPs of each of the 64 tokens.
+  assert r["tflops_per_s"] == pytest.approx(3 * 57344 * 64 / 0.5 / 1e12)
+  assert r["mfu"] == pytest.approx(3 * 57344 * 64 / 0.5 / 1e9)
+
+
+def _row(variant: str, seq_len: int, step_ms: float) -> dict:
+  return {"variant": variant, "attention": "xla", "seq_len": seq_len, "d_model": 32,
+          "params": 1e6, "compile_s": 1.0, "step_ms": step_ms, "tokens_per_s": 1.0,
+          "flops_per_token": 1e9, "mfu": None, "peak_memory_mb": None}
+
+
+def test_the_ratios_are_each_row_step_time_over_llama_and_cem_fused_at_its_shape():
+  rows = [_row("llama", 64, 10.0), _row("cem_fused", 64, 30.0), _row("cem_autodiff", 64, 60.0),
+          _row("llama", 128, 40.0), _row("cem_autodiff", 128, 80.0)]
+  cells = {}
+  for line in bench.format_table(rows).splitlines()[2:]:
+    c = [x.strip() for x in line.split("|")[1:-1]]
+    cells[c[0], c[2]] = c[-2:]  # (variant, seq_len): [x llama, x cem_fused]
+  assert cells["cem_autodiff", "64"] == ["6.00", "2.00"]  # slower than llama reads > 1
+  assert cells["cem_fused", "64"] == ["3.00", "1.00"]
+  assert cells["cem_autodiff", "128"] == ["2.00", ""]  # no cem_fused row at seq_len 128

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -23,7 +24,7 @@ from conftest import quadrature_phi_silu, tiny_config
 from flax import nnx
 from ml_collections import config_flags
 
-from cem_jax import cli, energies, optim, preflight, steps, train
+from cem_jax import cli, energies, memory, optim, preflight, steps, train
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax.checkpoint import Checkpointer
@@ -130,6 +131,14 @@ def test_cli_config_errors_exit_before_anything_is_written(tmp_path, arg, expect
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines() == [expected]  # one line, said once
   _assert_nothing_left(tmp_path / "w")
+
+
+def test_a_misspelt_override_is_named_wherever_it_stands_on_the_command_line():
+  config = config_lib.get_default_config()
+  for argv in (["main.py", "--config.trian.num_steps=5", "--config=c.py"],
+               ["main.py", "--config=c.py", "--workdir=w", "--config.trian.num_steps=5"]):
+    assert cli._unknown_override(config, argv) == (
+        "--config.trian.num_steps: the config has no field 'trian'; did you mean 'train'?")
 
 
 def test_validation_names_field_value_and_what_is_allowed():
@@ -734,6 +743,22 @@ def test_xla_out_of_memory_at_compile_time_is_one_line_and_other_errors_pass():
   assert memory.eval_advice(cfg, 8).startswith("set train.loss_block_size=")
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: other"):
     memory.compile_within_memory(Failing("INTERNAL: other"), (), cfg)
+
+
+def test_the_eval_advice_halves_the_eval_batch_onto_whole_devices():
+  cfg = tiny_config("llama")
+  cfg.eval.batch_size = 40  # half is 20 rows: 16 on 8 devices (2 each), not 20
+  assert memory.eval_advice(cfg, 8).startswith("lower eval.batch_size=40 to 16, ")
+  cfg.eval.batch_size = 24
+  assert memory.eval_advice(cfg, 8).startswith("lower eval.batch_size=24 to 8, ")
+
+
+def test_resident_bytes_count_one_device_shard_of_each_array():
+  # A [8, 4] float32 array split in 4 along its rows holds 2 x 4 x 4 bytes on each device.
+  sharded = types.SimpleNamespace(shape=(8, 4), dtype=np.dtype(np.float32),
+                                  sharding=types.SimpleNamespace(shard_shape=lambda s: (2, 4)))
+  plain = np.zeros((3,), np.int64)  # no sharding: all of it
+  assert memory.resident_bytes({"a": sharded, "b": plain}) == 2 * 4 * 4 + 3 * 8
 
 
 def test_a_key_the_checkpoint_predates_is_compared_at_its_default(caplog):

@@ -39,6 +39,16 @@ def test_local_dry_run_prints_each_process_environment_and_command():
   assert shlex.split(lines[1])[-len(MAIN_ARGS):] == MAIN_ARGS  # the shell gets the exact args
 
 
+def test_local_gpu_processes_each_get_their_own_gpus():
+  proc = _launch("local.py", "--platform=gpu", "--num_processes=3", "--devices_per_process=2",
+                 "--port=4321", "--dry_run", "--", "python", "train.py")
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.splitlines() == [
+      f"CEM_COORDINATOR_ADDRESS=127.0.0.1:4321 CEM_NUM_PROCESSES=3 CEM_PROCESS_ID={i} "
+      f"JAX_LOCAL_DEVICE_IDS={ids} python train.py"
+      for i, ids in enumerate(["0,1", "2,3", "4,5"])]
+
+
 def test_local_runs_every_process_with_its_environment():
   code = ("import os; print(os.environ['CEM_PROCESS_ID'], os.environ['CEM_NUM_PROCESSES'], "
           "os.environ['CEM_COORDINATOR_ADDRESS'], os.environ['XLA_FLAGS'])")

@@ -11,6 +11,7 @@ from conftest import tiny_config
 
 from cem_jax import steps, train
 from cem_jax.metrics import read_metrics
+from cem_jax.profiling import StepProfiler
 
 
 def test_epochs_are_logged_and_warned_and_the_best_eval_is_kept(shared_data, tmp_path, caplog):
@@ -242,6 +243,32 @@ def test_a_trace_that_cannot_start_or_be_written_costs_the_run_nothing(monkeypat
   assert other.stops_at(3)
   other.stop(3)
   assert caplog.text.count("could not start the trace") == 1  # the other never tried
+
+
+def test_a_run_resumed_inside_the_window_traces_the_rest_of_it(caplog):
+  # Window 2..5, resumed after step 3: steps 4 and 5 are traced; after step 5: nothing.
+  rest = StepProfiler("/tmp/unused", first=2, num_steps=4, start_step=3, trace=False)
+  assert [s for s in range(1, 8) if rest.starts_at(s)] == [4]
+  rest.start()
+  assert [s for s in range(1, 8) if rest.stops_at(s)] == [5]
+  with caplog.at_level(logging.INFO):
+    after = StepProfiler("/tmp/unused", first=2, num_steps=4, start_step=5)
+  assert not any(after.starts_at(s) for s in range(1, 8))
+  assert "steps 2..5 (train.profile_first_step, train.profile_steps) ran before" in caplog.text
+
+
+def test_an_error_inside_the_window_still_writes_the_trace(monkeypatch):
+  # The trace of the steps before an error may show why: abort writes it, then closes.
+  events = []
+  monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: events.append("start"))
+  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: events.append("written"))
+  profiler = StepProfiler("/tmp/unused", first=2, num_steps=4, start_step=0)
+  profiler.start()
+  closer = lambda what: types.SimpleNamespace(close=lambda: events.append(what))  # noqa: E731
+  loop = types.SimpleNamespace(profiler=profiler, done=3, writer=closer("metrics closed"),
+                               run=types.SimpleNamespace(ckpt=closer("checkpoints closed")))
+  train._Loop.abort(loop)
+  assert events == ["start", "written", "checkpoints closed", "metrics closed"]
 
 
 def test_the_peak_is_that_of_every_device_and_unknown_if_any_is_unknown():

@@ -10,7 +10,7 @@ from conftest import tiny_config
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from cem_jax import preflight, sharding
+from cem_jax import plot, preflight, sharding
 from cem_jax import summary as summary_lib
 from cem_jax.model import DecoderLM, count_params
 from cem_jax.workdir import last_eval_in
@@ -31,6 +31,11 @@ def test_inspect_totals_equal_the_built_model(overrides):
   assert s["totals"]["mlp"] == sum(count_params(b.mlp) for b in built.blocks)
   embedding = 300 * cfg.model.d_model * (1 if cfg.model.tie_embeddings else 2)
   assert s["totals"]["non_embedding"] == count_params(built) - embedding
+  # A training token costs forward + backward: 3x the forward FLOPs.
+  assert s["flops_per_token"]["train"] == 3 * s["flops_per_token"]["forward"]
+  if cfg.model.block == "llama":  # L(8d² + 6df + 4nd) + 2dV, d=64, f=128, n=64, L=2, V=300
+    forward = 2 * (8 * 64**2 + 6 * 64 * 128 + 4 * 64 * 64) + 2 * 64 * 300
+    assert s["flops_per_token"]["forward"] == forward
 
 
 def test_inspect_cli_prints_the_summary():
@@ -146,6 +151,19 @@ def test_evaluate_reports_the_trained_steps_of_the_checkpoint_not_config_json(tm
   assert report.startswith("Test-time steps for a model trained with T = 2 "), report
   rows = json.loads((workdir / "test_time_steps.json").read_text())
   assert [r["T_trained"] for r in rows] == [2]
+
+
+def test_the_energy_plot_is_of_the_newest_eval(tmp_path, monkeypatch):
+  key = "eval/energy/layer0/step1/att_{}".format
+  lines = [{"step": 5, "train/loss": 3.0},
+           {"step": 10, "eval/loss": 2.5, key("before"): 1.0, key("after"): 0.5},
+           {"step": 20, "eval/loss": 2.0, key("before"): 0.4, key("after"): 0.2}]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+  drawn = []
+  monkeypatch.setattr(plot, "plot_energy", lambda *args: drawn.append(args))
+  plot.plot_run(str(tmp_path))
+  assert drawn == [({0: {"att": [(0.4, 0.2)]}}, str(tmp_path / "plots" / "energy.png"),
+                    "energy trace at step 20")]
 
 
 def test_last_eval_in_is_the_final_eval_line(tmp_path):
