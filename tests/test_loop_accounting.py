@@ -20,15 +20,21 @@ def test_epochs_are_logged_and_warned_and_the_best_eval_is_kept(shared_data, tmp
   cfg = tiny_config("llama", **{
       "model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64, "model.num_layers": 1,
       "data.files": str(tmp_path / "small.txt"), "data.seq_len": 32, "data.vocab_size": 384,
-      "train.batch_size": 16, "train.num_steps": 24, "train.warmup_steps": 2,
+      "train.batch_size": 16, "train.num_steps": 22, "train.warmup_steps": 2,
       "train.learning_rate": 3e-2, "train.eval_every_steps": 8, "train.log_every_steps": 8,
-      "eval.max_batches": 2})
+      "checkpoint.every_steps": 8, "eval.max_batches": 2})
   workdir = tmp_path / "run"
   with caplog.at_level(logging.INFO):
     final = train.train_and_evaluate(cfg, str(workdir))
   lines = read_metrics(str(workdir))
+  # 22 steps, intervals 8: the final step, off the intervals, is still logged, evaluated (what
+  # the run returns and tables read as its result) and saved.
+  assert [m["step"] for m in lines if "train/loss" in m] == [8, 16, 22]
+  assert [m["step"] for m in lines if "eval/loss" in m] == [8, 16, 22]
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()
+                if p.name.isdigit()) == [8, 16, 22]
   windows = lines[0]["data/train_windows"]
-  want = 24 * 16 / windows
+  want = 22 * 16 / windows
   assert want >= train.EPOCHS_WARNING  # the setup passes over the text several times
   assert lines[0]["data/epochs"] == pytest.approx(want)
   warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -278,26 +284,6 @@ def test_the_peak_is_that_of_every_device_and_unknown_if_any_is_unknown():
   assert model_stats.peak_flops([h200] * 8) == 8 * 989e12
   assert model_stats.peak_flops(h200) == 989e12
   assert model_stats.peak_flops([h200, cpu]) is None and model_stats.peak_flops([cpu]) is None
-
-
-def test_the_final_step_is_logged_evaluated_and_saved_off_the_intervals(shared_data, tmp_path):
-  # train.num_steps=3 is no multiple of the intervals (2): step 3 still gets its train line, its
-  # eval (what the run returns and tables read as the result) and its checkpoint.
-  (tmp_path / "small.txt").write_text((shared_data / "tinyshakespeare.txt").read_text()[:6_000])
-  cfg = tiny_config("llama", **{
-      "model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64, "model.num_layers": 1,
-      "data.files": str(tmp_path / "small.txt"), "data.seq_len": 32, "data.vocab_size": 384,
-      "train.num_steps": 3, "train.warmup_steps": 1, "train.eval_every_steps": 2,
-      "train.log_every_steps": 2, "checkpoint.every_steps": 2, "eval.max_batches": 1})
-  workdir = tmp_path / "run"
-  final = train.train_and_evaluate(cfg, str(workdir))
-  lines = read_metrics(str(workdir))
-  assert [m["step"] for m in lines if "train/loss" in m] == [2, 3]
-  evals = [m for m in lines if "eval/loss" in m]
-  assert [m["step"] for m in evals] == [2, 3]
-  assert final["eval/loss"] == evals[-1]["eval/loss"]
-  saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-  assert saved == [2, 3]
 
 
 def test_metrics_jsonl_on_a_fresh_start_and_on_resume(tmp_path, monkeypatch):
