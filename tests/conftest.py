@@ -1,5 +1,6 @@
 """Shared fixtures: where the shared corpora live and a tiny training config."""
 
+import json
 import os
 import shutil
 import socket
@@ -68,6 +69,11 @@ def tiny_config(block: str = "cem", **overrides):
   if (c.data.files or c.data.tfds_name) and "data.builtin" not in overrides:
     c.data.builtin = get_default_config().data.builtin  # not read: validation refuses it
   return c
+
+
+def write_metrics(folder, lines: list[dict]) -> None:
+  """``folder/metrics.jsonl`` holding ``lines``, one JSON object a line, as the loop writes it."""
+  (Path(folder) / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
 
 
 def closed_port() -> int:

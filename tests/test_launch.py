@@ -2,7 +2,6 @@
 processes, forwards their environment and stops them all when one fails; the sweep skips
 finished runs. No JAX here: every command is a plain Python script."""
 
-import json
 import os
 import shlex
 import subprocess
@@ -11,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import write_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTILE = "--config.data.files=a b;rm -rf x"
@@ -245,7 +245,7 @@ def _finish(run_dir: Path, steps: int, eval_line: bool = True, checkpoint: bool 
   run_dir.mkdir(parents=True)
   lines = [{"step": steps, "train/loss": 1.0}] + ([{"step": steps, "eval/loss": 1.0}]
                                                   if eval_line else [])
-  (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+  write_metrics(run_dir, lines)
   if checkpoint:
     (run_dir / "checkpoints" / str(steps)).mkdir(parents=True)
 

@@ -7,7 +7,7 @@ import types
 
 import jax
 import pytest
-from conftest import tiny_config
+from conftest import tiny_config, write_metrics
 
 from cem_jax import steps, train
 from cem_jax.metrics import read_metrics
@@ -298,7 +298,7 @@ def test_metrics_jsonl_on_a_fresh_start_and_on_resume(tmp_path, monkeypatch):
 
   def open_at(start: int, workdir):
     workdir.mkdir()
-    (workdir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in old))
+    write_metrics(workdir, old)
     cfg = tiny_config("llama", **{"train.num_steps": 40})
     run = types.SimpleNamespace(workdir=str(workdir), start_step=start, config=cfg, model=None,
                                 data=types.SimpleNamespace(stats=lambda: {"train_windows": 999}))

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import tiny_config
+from conftest import tiny_config, write_metrics
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -158,7 +158,7 @@ def test_the_energy_plot_is_of_the_newest_eval(tmp_path, monkeypatch):
   lines = [{"step": 5, "train/loss": 3.0},
            {"step": 10, "eval/loss": 2.5, key("before"): 1.0, key("after"): 0.5},
            {"step": 20, "eval/loss": 2.0, key("before"): 0.4, key("after"): 0.2}]
-  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+  write_metrics(tmp_path, lines)
   drawn = []
   monkeypatch.setattr(plot, "plot_energy", lambda *args: drawn.append(args))
   plot.plot_run(str(tmp_path))
@@ -173,7 +173,7 @@ def test_last_eval_in_is_the_final_eval_line(tmp_path):
            {"step": 10, "eval/loss": 3.0, "eval/bits_per_byte": 2.0},
            {"step": 20, "train/loss": 2.5},
            {"step": 20, "eval/loss": 2.0, "eval/bits_per_byte": 1.5}]
-  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+  write_metrics(tmp_path, lines)
   assert last_eval_in(str(tmp_path)) == {"eval/loss": 2.0, "eval/bits_per_byte": 1.5}
 
 
