@@ -10,11 +10,13 @@ import pytest
 from conftest import tiny_config, write_metrics
 
 from cem_jax import steps, train
+from cem_jax.data import pipeline
 from cem_jax.metrics import read_metrics
 from cem_jax.profiling import StepProfiler
 
 
-def test_epochs_are_logged_and_warned_and_the_best_eval_is_kept(shared_data, tmp_path, caplog):
+def test_epochs_are_logged_and_warned_and_the_best_eval_is_kept(shared_data, tmp_path, caplog,
+                                                                monkeypatch):
   text = (shared_data / "tinyshakespeare.txt").read_text()[:6_000]
   (tmp_path / "small.txt").write_text(text)
   cfg = tiny_config("llama", **{
@@ -24,8 +26,16 @@ def test_epochs_are_logged_and_warned_and_the_best_eval_is_kept(shared_data, tmp
       "train.learning_rate": 3e-2, "train.eval_every_steps": 8, "train.log_every_steps": 8,
       "checkpoint.every_steps": 8, "eval.max_batches": 2})
   workdir = tmp_path / "run"
+  read, real_batch = [], pipeline.TrainBatches.batch
+
+  def recording_batch(self, step, *args, **kwargs):
+    read.append(step)
+    return real_batch(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(pipeline.TrainBatches, "batch", recording_batch)
   with caplog.at_level(logging.INFO):
     final = train.train_and_evaluate(cfg, str(workdir))
+  assert read == list(range(22))  # step s (0-based) trains on batch s: none skipped or repeated
   lines = read_metrics(str(workdir))
   # 22 steps, intervals 8: the final step, off the intervals, is still logged, evaluated (what
   # the run returns and tables read as its result) and saved.
