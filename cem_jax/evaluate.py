@@ -140,7 +140,7 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> li
     FileNotFoundError, CheckpointError, ValueError: as :func:`load_run`.
   """
   from cem_jax import steps as steps_lib
-  from cem_jax.metrics import energy_trace
+  from cem_jax.metrics import final_energy
 
   config, data, graphdef, params, step = load_run(workdir)
   if config.model.block != "cem":
@@ -153,12 +153,8 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> li
     eval_step = steps_lib.make_eval_step(graphdef, t_eval, True,
                                          loss_block_size=config.train.loss_block_size)
     metrics = steps_lib.eval_loop(eval_step, params, data, config)
-    trace = energy_trace(metrics)
-    # Only the CEM sub-layers have an energy (model.cem_attention / cem_mlp may turn one off).
-    final = (sum(chain[-1] for parts in trace.values() for chain in parts.values())
-             if trace else None)
     rows.append({"T_eval": t_eval, "step": step, "T_trained": config.model.num_steps,
-                 "final_energy": final,
+                 "final_energy": final_energy(metrics),
                  **{k: metrics[k] for k in ("eval/loss", "eval/perplexity",
                                             "eval/bits_per_byte")}})
   return rows

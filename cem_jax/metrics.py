@@ -172,3 +172,13 @@ def energy_trace(metrics_line: dict) -> dict[int, dict[str, list[float]]]:
   return {layer: {part: [pairs[0][0]] + [after for _, after in pairs]
                   for part, pairs in parts.items()}
           for layer, parts in energy_steps(metrics_line).items()}
+
+
+def final_energy(metrics_line: dict) -> float | None:
+  """The energy after the last step, summed over layers and over the CEM sub-layers the line
+  has (each a mean per token); None when the line has no energy trace (a Llama model, or
+  ``eval.energy_trace`` off). What ``evaluate``'s test-time-steps table reports."""
+  trace = energy_trace(metrics_line)
+  if not trace:
+    return None
+  return sum(chain[-1] for parts in trace.values() for chain in parts.values())

@@ -90,7 +90,7 @@ def test_eval_metrics_equal_the_float64_reference_for_any_eval_batch_size():
 
 
 def test_energy_steps_keep_each_sub_steps_own_before_and_after():
-  from cem_jax.metrics import energy_steps, energy_trace
+  from cem_jax.metrics import energy_steps, energy_trace, final_energy
 
   line = {"step": 5, "eval/loss": 1.0}
   values = {(0, 1, "att"): (-1.0, -3.0), (0, 2, "att"): (-2.0, -2.5),  # the MLP step raised it
@@ -103,7 +103,10 @@ def test_energy_steps_keep_each_sub_steps_own_before_and_after():
   assert steps[0]["att"] == [(-1.0, -3.0), (-2.0, -2.5)]
   assert steps[1]["mlp"] == [(1.0, 0.0), (0.5, 0.25)]
   assert energy_trace(line)[0]["att"] == [-1.0, -3.0, -2.5]
+  # after each sub-layer's last step, summed: -2.5 + 0.5 (layer 0), -0.75 + 0.25 (layer 1)
+  assert final_energy(line) == pytest.approx(-2.5)
   assert energy_steps({"step": 5, "eval/loss": 1.0}) == {}
+  assert final_energy({"step": 5, "eval/loss": 1.0}) is None  # no trace: a Llama model
   # steps and layers in numeric order whatever the key order (step10 after step9)
   many = {"eval/loss": 1.0}
   for step in reversed(range(1, 12)):
