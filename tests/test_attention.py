@@ -281,6 +281,8 @@ def test_the_model_picks_splash_on_tpu_and_lays_it_out_by_the_mesh_rules():
      "augmented head of width 80 \\(d_h \\+ d_model"),
     ({"model.attention_impl": "splash", "data.seq_len": 64}, "data.seq_len=64 must be a "
      "multiple of 128"),
+    ({"model.attention_impl": "cudnn", "model.dtype": "bfloat16", "model.head_dim": 12},
+     "head_dim=12 must be a multiple of 8"),  # the explicit head width, not d_model / heads
     ({"model.attention_impl": "flash"}, "allowed: auto, xla, cudnn, splash"),
     ({"model.energy_block_size": 64}, "model.energy_block_size=64 has no effect on the fused"),
 ])

@@ -312,6 +312,34 @@ def test_tokenizer_training_is_deterministic():
   assert tokenizer_lib.train_model(train, 600) != tokenizer_lib.train_model(train, 512)
 
 
+def test_tokenizer_training_chunks_end_after_the_last_newline_or_space(monkeypatch):
+  monkeypatch.setattr(tokenizer_lib, "TRAIN_CHUNK_CHARS", 10)
+  docs = ["ab\ncd\nefgh\nij", "aaa bbb ccc ddd", "abcdefghijkl"]
+  assert list(tokenizer_lib._chunks(docs)) == [
+      "ab\ncd\n", "efgh\nij",  # after the last newline of the first 10 characters
+      "aaa bbb ", "ccc ddd",  # no newline: after the last space
+      "abcdefghij", "kl"]  # neither: at 10 characters
+
+
+def test_tokenizer_training_sample_is_every_kth_chunk_up_to_the_limit(monkeypatch):
+  # 9 documents of one 10-character chunk, 25 characters allowed: every ceil(90 / 25) = 4th.
+  monkeypatch.setattr(tokenizer_lib, "TRAIN_CHUNK_CHARS", 10)
+  monkeypatch.setattr(tokenizer_lib, "MAX_TRAIN_CHARS", 25)
+  docs = [f"document{i}\n" for i in range(9)]
+  assert tokenizer_lib._training_chunks(docs) == [docs[0], docs[4], docs[8]]
+  assert tokenizer_lib._training_chunks(docs[:2]) == docs[:2]  # under the limit: all of it
+
+
+def test_tokenizer_trains_on_chunks_of_multibyte_text():
+  # ~2,000-character chunks of Cyrillic are ~3,700 UTF-8 bytes: none may be skipped as too
+  # long, or the tokenizer learns no word of the text.
+  words = "привет мир язык модель текст слово".split()
+  text = "".join(" ".join(words[(i * j) % 6] for j in range(1, 8)) + "\n" for i in range(300))
+  tok = tokenizer_lib.Tokenizer(tokenizer_lib.train_model([text], 330))
+  assert len(tok.encode("привет мир")) <= 3
+  assert tok.decode(tok.encode(text)) == text
+
+
 def test_tokenizer_errors(tmp_path):
   with pytest.raises(ValueError, match=r"data\.vocab_size=5000 is too large.*maximum allowed is "
                                        r"\d+$"):

@@ -183,6 +183,16 @@ def test_registry_lookup_and_errors():
     updates.resolve_update(energies.EnergySpec("u", "mlp", lambda *a: 0.0), "fused")
 
 
+def test_auto_uses_the_closed_form_where_one_exists_and_jax_grad_elsewhere():
+  # model.update_mode's default: the fused update of a built-in energy (no autodiff pass).
+  spec = energies.get("softmax", "attention")
+  assert updates.resolve_update(spec, "auto") is spec.fused_update
+  half_square = energies.EnergySpec("u", "mlp", lambda y, c, p, a: 0.5 * jnp.sum(y * y))
+  y = jnp.array([1.0, -2.0, 3.0])
+  np.testing.assert_array_equal(updates.resolve_update(half_square, "auto")(y, None, None, None),
+                                -y)  # -∇(|y|²/2) = -y
+
+
 def test_preconditioner_is_positive_definite():
   for seed in range(5):
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)

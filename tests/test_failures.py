@@ -8,6 +8,7 @@ Also here: the non-finite guard, and regression tests reduced from public bug re
 """
 
 import errno
+import logging
 import os
 import shutil
 import subprocess
@@ -353,8 +354,6 @@ def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path, caplog):
   assert read_metrics(str(workdir)) == before and checkpoint.is_dir()
   # The file as it was, moved; how the same model is computed (the kernel, the memory
   # policy) and what only initialisation reads (the restore replaces it) may change.
-  import logging
-
   with caplog.at_level(logging.INFO):
     train.train_and_evaluate(cfg(4, moved, **{"model.remat": "full", "model.init_std": 0.01,
                                               "model.eta_init": 0.5,
@@ -393,8 +392,6 @@ class _CallableEnergy:
 
 def test_source_digest_pins_wrapped_energies_and_says_when_it_cannot(caplog):
   import functools
-  import logging
-
   namespace = {}
   exec("def no_file(y, context, params, aux):\n  return 0.0 * y.sum()", namespace)  # noqa: S102
   wrapped = {
@@ -624,8 +621,6 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
   # spec off by a dtype or a sharding would compile twice, doubling start-up at 125M on a
   # GPU), none for a finished run. Counted from jax's compile log, whose wording a jax
   # upgrade may change: then fix the count here.
-  import logging
-
   from cem_jax import memory
 
   def compiles(name):
@@ -753,6 +748,35 @@ def test_the_eval_advice_halves_the_eval_batch_onto_whole_devices():
   assert memory.eval_advice(cfg, 8).startswith("lower eval.batch_size=24 to 8, ")
 
 
+def test_sizes_read_in_gib_from_one_gib_in_mib_below_and_in_bytes_where_alike():
+  gib, mib = 2**30, 2**20
+  assert memory._sizes(3 * gib, 80 * gib) == ["3.00 GiB", "80.00 GiB"]
+  assert memory._sizes(5 * mib, 1023 * mib) == ["5.0 MiB", "1023.0 MiB"]
+  assert memory._sizes(mib, mib + 1) == ["1048576 bytes", "1048577 bytes"]
+
+
+def test_the_loss_block_advice_is_the_largest_divisor_up_to_256_below_the_block_in_use():
+  cfg = tiny_config("llama")
+  cfg.data.seq_len, cfg.train.loss_block_size = 1024, 0
+  assert "set train.loss_block_size=256 (now 0; " in memory._what_to_change(cfg, 1)
+  cfg.data.seq_len, cfg.train.loss_block_size = 64, 16
+  assert "set train.loss_block_size=8 (now 16; " in memory._what_to_change(cfg, 1)
+  cfg.train.loss_block_size = 8  # not under 8 positions
+  assert "loss_block_size=" not in memory._what_to_change(cfg, 1).split("or lower")[0]
+  # Any remat policy but 'full' keeps activations that 'full' would recompute.
+  cfg.model.remat = "dots"
+  assert "set model.remat='full' (now 'dots'), " in memory._what_to_change(cfg, 1)
+
+
+def test_the_footprint_log_line_names_the_need_and_the_limit(caplog):
+  x = jax.ShapeDtypeStruct((512, 512), jnp.float32)  # 1 MiB in, 1 MiB out
+  with caplog.at_level(logging.INFO):
+    memory.compile_within_memory(jax.jit(lambda a: a * 2), (x,), tiny_config("llama"),
+                                 limit_bytes=2**30)
+  (line,) = [r.getMessage() for r in caplog.records if "per device" in r.getMessage()]
+  assert line.startswith("the training step: 2.0 MiB per device of 1.00 GiB (XLA memory ")
+
+
 def test_resident_bytes_count_one_device_shard_of_each_array():
   # A [8, 4] float32 array split in 4 along its rows holds 2 x 4 x 4 bytes on each device.
   sharded = types.SimpleNamespace(shape=(8, 4), dtype=np.dtype(np.float32),
@@ -762,7 +786,6 @@ def test_resident_bytes_count_one_device_shard_of_each_array():
 
 
 def test_a_key_the_checkpoint_predates_is_compared_at_its_default(caplog):
-  import logging
   import types
 
   now = tiny_config("cem")

@@ -2,6 +2,7 @@
 processes, forwards their environment and stops them all when one fails; the sweep skips
 finished runs. No JAX here: every command is a plain Python script."""
 
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -20,6 +21,14 @@ MAIN_ARGS = ["--config=experiments/tiny.py", "--workdir=/mnt/runs/t w", HOSTILE]
 def _launch(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, f"launch/{script}", *args], cwd=REPO,
                         capture_output=True, text=True, timeout=timeout)
+
+
+def _script(name: str):
+  """``launch/NAME.py`` imported as a module, to call its functions in this process."""
+  spec = importlib.util.spec_from_file_location(f"launch_{name}", REPO / "launch" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,6 +56,13 @@ def test_local_gpu_processes_each_get_their_own_gpus():
       f"CEM_COORDINATOR_ADDRESS=127.0.0.1:4321 CEM_NUM_PROCESSES=3 CEM_PROCESS_ID={i} "
       f"JAX_LOCAL_DEVICE_IDS={ids} python train.py"
       for i, ids in enumerate(["0,1", "2,3", "4,5"])]
+
+
+def test_local_keeps_the_callers_other_xla_flags(monkeypatch):
+  # Only the device count is replaced; a dump folder or debug flag the caller set stays.
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8")
+  env = _script("local").process_env(1, 2, 4, 1234)
+  assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=4"
 
 
 def test_local_runs_every_process_with_its_environment():
@@ -157,6 +173,28 @@ def test_tpu_pod_quotes_hostile_names_and_detaches_with_a_log():
 def test_tpu_pod_needs_config_and_workdir():
   proc = _launch("tpu_pod.py", "--tpu=t", "--zone=z", "--dry_run", "--", "--config=a.py")
   assert proc.returncode == 2 and "give --workdir=DIR after --" in proc.stderr
+
+
+def test_tpu_pod_no_install_only_unpacks_the_code():
+  proc = _launch("tpu_pod.py", "--tpu=t", "--zone=z", "--no_install", "--dry_run", "--",
+                 *MAIN_ARGS)
+  assert proc.returncode == 0, proc.stderr
+  setup = shlex.split(proc.stdout.splitlines()[2])
+  assert setup[-1] == ('--command=set -e; mkdir -p "$HOME"/cem_jax; tar -xzf '
+                       '"$HOME"/cem_jax_src.tar.gz -C "$HOME"/cem_jax')
+
+
+def test_tpu_pod_stops_at_the_first_failed_command(monkeypatch, capsys):
+  # A failed copy must not start training on the workers' old code, and the launcher (which
+  # sweep.py's exit status relies on) exits with the failure's status.
+  tpu_pod = _script("tpu_pod")
+  ran = []
+  monkeypatch.setattr(tpu_pod, "pack", lambda tarball: 3)
+  monkeypatch.setattr(tpu_pod.subprocess, "run",
+                      lambda cmd: ran.append(cmd) or subprocess.CompletedProcess(cmd, 5))
+  assert tpu_pod.main(["--tpu=t", "--zone=z", "--", *MAIN_ARGS]) == 5
+  assert [cmd[4] for cmd in ran] == ["scp"]
+  assert "launch/tpu_pod.py: scp failed with exit status 5" in capsys.readouterr().err
 
 
 def test_tpu_pod_packs_the_working_tree(tmp_path):
@@ -305,3 +343,57 @@ def test_sweep_errors_are_one_line(tmp_path):
   proc = _launch("sweep.py", f"--config={cfg}", "--workdir=/tmp/x", "--dry_run")
   assert proc.stderr.strip() == ("error: get_sweep() has two runs named "
                                  "'train.learning_rate=0.001'; give one a 'name'")
+
+
+SWEEP_STEPS_CONFIG = """
+from cem_jax.config import get_default_config
+
+
+def get_config():
+  c = get_default_config()
+  c.train.num_steps = 40
+  return c
+
+
+def get_sweep():
+  return [{"name": "short", "train.num_steps": 20}, {"name": "no_eval"},
+          {"data.files": "../data/x.txt"}]
+"""
+
+
+def test_sweep_judges_a_run_by_its_own_num_steps_and_its_final_eval(tmp_path):
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_STEPS_CONFIG)
+  work = tmp_path / "sw"
+  _finish(work / "short", 20)  # its own override: 20 steps, not the config's 40
+  _finish(work / "no_eval", 40, eval_line=False)  # killed between its last step and final eval
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run")
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  assert lines[0] == "skip short (finished: step 20)"
+  assert shlex.split(lines[1])[4] == f"--workdir={work}/no_eval"
+  # A value's '/' neither nests the run's folder nor ('..') puts it outside --workdir.
+  assert shlex.split(lines[2])[4] == f"--workdir={work}/data.files=.._data_x.txt"
+
+
+def test_sweep_copies_the_code_with_its_first_launched_run_and_fails_if_any_run_fails(
+    tmp_path, monkeypatch, capsys):
+  sweep = _script("sweep")
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_CONFIG)
+  work = tmp_path / "sw"
+  _finish(work / "train.learning_rate=0.001", 40)  # the sweep's first run: skipped
+  ran, codes = [], iter([-9, 0])  # the first launched run is killed by SIGKILL
+  monkeypatch.setattr(sweep.subprocess, "run", lambda cmd, env: ran.append((cmd, env)) or
+                      subprocess.CompletedProcess(cmd, next(codes)))
+  monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+  status = sweep.main([f"--config={cfg}", f"--workdir={work}", "--launcher=tpu_pod", "--tpu=t",
+                       "--zone=z", "--project=p"])
+  assert status == 1
+  assert "1 of 3 runs failed: train.learning_rate=0.003,model.block=llama" in (
+      capsys.readouterr().err)
+  # The first run that starts copies the code (no --no_sync), whichever run of the sweep it is.
+  assert [cmd[2:6] for cmd, _ in ran] == [["--tpu=t", "--zone=z", "--project=p", "--"],
+                                          ["--tpu=t", "--zone=z", "--project=p", "--no_sync"]]
+  # cem_jax imports in the runs even when it is not pip-installed.
+  assert {env["PYTHONPATH"] for _, env in ran} == {f"{REPO}{os.pathsep}/elsewhere"}

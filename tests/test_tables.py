@@ -113,6 +113,14 @@ def test_unknown_rows_are_a_one_line_error():
     tables._rows_flag(module, " , ")
 
 
+def test_a_table_config_without_a_scale_is_the_tiny_scale():
+  # --config=experiments/paper/design.py:t1 (no ',SCALE') trains the CPU-sized row.
+  module = tables.load_table("design")
+  assert module.get_config("t1").to_dict() == module.get_config("t1,tiny").to_dict()
+  assert (module.get_config("t1").model.d_model, module.get_config("t1").train.batch_size) == (
+      D, 16)
+
+
 def test_design_diagnostic_rows_change_what_they_say():
   module = tables.load_table("design")
   cfg = {row: tables.row_config(module, row, "tiny", 0) for row in module.ROWS}

@@ -1,6 +1,7 @@
 """Inspection and sharding rules: counts equal the built model; specs follow the rules."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,23 @@ def test_inspect_cli_prints_the_summary():
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "parameters: 1,180,800 total" in proc.stdout
   assert "['blocks'][0]['attn']['w_o']" in proc.stdout
+
+
+def test_inspect_rows_and_text_name_axes_sharding_blocks_and_flops():
+  s = summary_lib.summary(tiny_config("llama"), vocab_size=300)
+  rows = {r["path"]: r for r in s["rows"]}
+  # The embedding's axes (vocab, embed) lie over (tensor, fsdp) by the default rules.
+  assert rows["['embedding']"]["logical_axes"] == ("vocab", "embed")
+  assert rows["['embedding']"]["spec"] == str(P("tensor", "fsdp"))
+  assert rows["['blocks'][0]['attn']['w_q']"]["spec"] == str(P("fsdp", "tensor", None))
+  lines = summary_lib.format_summary(s).splitlines()
+  assert "blocks: 2 unique, 2 layers" in lines
+  # L(8d² + 6df + 4nd) + 2dV = 235,008 forward FLOPs a token (d=64, f=128, n=64, L=2, V=300);
+  # a training token 3x that: 705,024.
+  assert lines[-1] == "FLOPs per token: 0.24 M forward, 0.71 M per training token"
+  shared = summary_lib.summary(tiny_config("llama", **{"model.num_unique_blocks": 1}), 300)
+  assert "blocks: 1 unique, 2 layers (layer l runs block l % 1)" in (
+      summary_lib.format_summary(shared).splitlines())
 
 
 def test_logical_rules_to_partition_specs():
@@ -164,6 +182,61 @@ def test_the_energy_plot_is_of_the_newest_eval(tmp_path, monkeypatch):
   plot.plot_run(str(tmp_path))
   assert drawn == [({0: {"att": [(0.4, 0.2)]}}, str(tmp_path / "plots" / "energy.png"),
                     "energy trace at step 20")]
+
+
+def test_the_loss_plot_labels_the_newest_bits_per_byte(tmp_path, monkeypatch):
+  lines = [{"step": 5, "train/loss": 3.0},
+           {"step": 10, "eval/loss": 2.5, "eval/bits_per_byte": 2.0},
+           {"step": 20, "eval/loss": 2.0, "eval/bits_per_byte": 1.5}]
+  write_metrics(tmp_path, lines)
+  figures = []
+  monkeypatch.setattr(plot, "atomic_save_figure", lambda fig, path: figures.append(fig))
+  plot.plot_run(str(tmp_path))
+  (fig,) = figures
+  labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+  assert labels == ["train", "eval (last: 1.5000 bits/byte)"]
+
+
+def test_the_test_time_report_holds_every_row_as_given(tmp_path):
+  from cem_jax import evaluate
+
+  rows = [{"T_eval": 1, "step": 30, "T_trained": 2, "final_energy": -1.5, "eval/loss": 2.0,
+           "eval/perplexity": 7.389056, "eval/bits_per_byte": 0.9},
+          {"T_eval": 4, "step": 30, "T_trained": 2, "final_energy": None, "eval/loss": 1.5,
+           "eval/perplexity": 4.481689, "eval/bits_per_byte": 0.8}]
+  paths = evaluate.write_report(str(tmp_path), rows, trained_steps=2)
+  assert paths == [str(tmp_path / f"test_time_steps{ext}") for ext in (".md", ".json", ".png")]
+  assert (tmp_path / "test_time_steps.md").read_text().splitlines() == [
+      "Test-time steps for a model trained with T = 2 (checkpoint step 30).",
+      "",
+      "| T_eval | eval loss (nats) | perplexity | bits/byte | final energy (Σ layers, per token) |",
+      "|---:|---:|---:|---:|---:|",
+      "| 1 | 2.0000 | 7.39 | 0.9000 | -1.5000 |",
+      "| 4 | 1.5000 | 4.48 | 0.8000 | n/a |"]
+  assert json.loads((tmp_path / "test_time_steps.json").read_text()) == rows
+  assert os.path.getsize(paths[2]) > 0
+
+
+def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
+  # --max_batches, not the run's own eval.max_batches, bounds each T_eval's eval.
+  from cem_jax import evaluate
+  from cem_jax import steps as steps_lib
+
+  cfg = tiny_config("cem", **{"model.num_steps": 2, "eval.max_batches": 4})
+  monkeypatch.setattr(evaluate, "load_run", lambda workdir: (cfg, "data", "graph", "params", 30))
+  monkeypatch.setattr(steps_lib, "make_eval_step",
+                      lambda graphdef, t, trace, loss_block_size: t)
+  seen = []
+
+  def eval_loop(t, params, data, config):
+    seen.append((t, config.eval.max_batches))
+    return {"eval/loss": float(t), "eval/perplexity": 1.0, "eval/bits_per_byte": 0.5}
+
+  monkeypatch.setattr(steps_lib, "eval_loop", eval_loop)
+  rows = evaluate.test_time_steps("w", [1, 3], max_batches=2)
+  assert seen == [(1, 2), (3, 2)]
+  assert [(r["T_eval"], r["eval/loss"], r["step"], r["T_trained"]) for r in rows] == [
+      (1, 1.0, 30, 2), (3, 3.0, 30, 2)]
 
 
 def test_last_eval_in_is_the_final_eval_line(tmp_path):
