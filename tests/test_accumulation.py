@@ -47,7 +47,8 @@ def _reference_loss(graphdef, params, batch):
 # against float64 NumPy in test_loss.py).
 @pytest.mark.parametrize("block,k,loss_block", [("cem", 4, 0), ("llama", 2, 4)])
 def test_the_accumulated_update_is_minus_the_gradient_of_the_whole_batch_mean(block, k,
-                                                                             loss_block):
+                                                                             loss_block,
+                                                                             monkeypatch):
   cfg = tiny_config(block, **{"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64,
                               "model.num_layers": 1, "data.seq_len": N})
   graphdef, params = nnx.split(steps.build_model(cfg, V), nnx.Param)
@@ -65,10 +66,20 @@ def test_the_accumulated_update_is_minus_the_gradient_of_the_whole_batch_mean(bl
   assert max(means) > 4 * min(means)  # the microbatches hold very different token counts
 
   tx = optax.apply_if_finite(optax.sgd(1.0), 10)
+  seen = []  # the targets of each microbatch, in the order the step runs them
+  loss_of = steps.blockwise_cross_entropy
+
+  def recorded(hidden, head, targets, *args):
+    jax.debug.callback(lambda t: seen.append(np.asarray(t)), targets)
+    return loss_of(hidden, head, targets, *args)
+
+  monkeypatch.setattr(steps, "blockwise_cross_entropy", recorded)
   step = steps.make_train_step(graphdef, tx, gradient_accumulation_steps=k,
                                loss_block_size=loss_block)
   kept = jax.tree.map(jnp.copy, params)
   new, _, metrics = step(params, tx.init(kept), batch)
+  # microbatch i holds rows i, i + k, ...: on a mesh, every device splits its own rows
+  np.testing.assert_array_equal(np.stack(seen), [batch["targets"][i::k] for i in range(k)])
   np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=2e-6)
   np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grads)),
                              rtol=2e-5)

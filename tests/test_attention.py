@@ -260,6 +260,38 @@ def test_auto_picks_the_fastest_kernel_the_platform_allows(platform, dtype, extr
     assert "augmented head" in reason
 
 
+@pytest.mark.parametrize("capability,limit", [("8.0", 128), ("8.9", 128), ("9.0", 256),
+                                              ("10.0", 256)])
+def test_cudnn_head_dims_up_to_the_limit_run_and_hopper_on_allows_256(monkeypatch, capability,
+                                                                      limit):
+  # The limit itself is allowed, explicitly and under 'auto'; one step of 8 beyond it is not.
+  from types import SimpleNamespace
+
+  gpu = SimpleNamespace(compute_capability=capability)  # what jax.devices()[0] says on a GPU
+  monkeypatch.setattr(jax, "devices", lambda *a: [gpu])
+  assert attention.cudnn_max_head_dim("gpu") == limit
+  for requested in ("cudnn", "auto"):
+    assert attention.resolve(requested, platform="gpu", dtype="bfloat16",
+                             head_dim=limit)[0] == "cudnn"
+  assert attention.resolve("auto", platform="gpu", dtype="bfloat16",
+                           head_dim=limit + 8)[0] == "xla"
+  with pytest.raises(ValueError, match=f"head_dim={limit + 8} must be a multiple of 8 and "
+                                       f"<= {limit}$"):
+    attention.resolve("cudnn", platform="gpu", dtype="bfloat16", head_dim=limit + 8)
+
+
+def test_validation_without_a_machine_allows_what_some_gpu_runs_and_refuses_unknown_names():
+  # platform None (config validation, before jax starts): Hopper's 256 is possible.
+  assert attention.resolve("cudnn", platform=None, dtype="bfloat16", head_dim=256) == (
+      "cudnn", "explicit")
+  with pytest.raises(ValueError, match="head_dim=264 must be a multiple of 8 and <= 256$"):
+    attention.resolve("cudnn", platform=None, dtype="bfloat16", head_dim=264)
+  # resolve is public (tools, tests call it without config.validate): it checks the name.
+  with pytest.raises(ValueError, match=r"^model.attention_impl='flash'; allowed: auto, xla, "
+                                       r"cudnn, splash$"):
+    attention.resolve("flash", platform="cpu", dtype="float32", head_dim=64)
+
+
 def test_the_model_picks_splash_on_tpu_and_lays_it_out_by_the_mesh_rules():
   from cem_jax.model import resolve_attention
   from cem_jax.steps import build_model
@@ -273,6 +305,18 @@ def test_the_model_picks_splash_on_tpu_and_lays_it_out_by_the_mesh_rules():
       ("data", "fsdp"), ("tensor",))
   cfg.mesh.rules = [["batch", "data"], ["heads", None]]
   assert build_model(cfg, 64).make_aux(None, 2, 128).attention_partition == (("data",), ())
+
+
+def test_splash_at_a_length_it_cannot_take_fails_if_asked_for_and_is_xla_under_auto():
+  from cem_jax import model as model_lib
+
+  cfg = tiny_config("llama", **{"model.attention_impl": "splash"}).model
+  with pytest.raises(ValueError, match=r"^model.attention_impl='splash' cannot run: seq_len=64 "
+                                       r"must be a multiple of 128$"):
+    model_lib.training_aux(cfg, None, 2, 64, "splash")
+  cfg.attention_impl = "auto"
+  assert model_lib.training_aux(cfg, None, 2, 64, "splash").attention_impl == "xla"
+  assert model_lib.training_aux(cfg, None, 2, 128, "splash").attention_impl == "splash"
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -308,6 +308,16 @@ def test_digests_follow_keep(tmp_path):
   assert sorted(p.name for p in (tmp_path / "digests").iterdir()) == ["4.json", "5.json"]
 
 
+def test_a_synchronous_save_returns_with_the_step_committed_and_a_saved_step_is_kept(tmp_path):
+  ckpt = Checkpointer(str(tmp_path), async_save=False)
+  assert ckpt.save(1, _small_state(1.0), {"step": 1}, force=True)
+  assert ckpt.verify(1) == []  # committed, and its digest written, before save returned
+  assert not ckpt.save(1, _small_state(2.0), {"step": 1}, force=True)  # already saved
+  state, _ = ckpt.restore(1, _small_state(0.0))
+  np.testing.assert_array_equal(state["w"], np.arange(1000.0))
+  ckpt.close()
+
+
 def test_read_only_reader_skips_damage_and_touches_nothing(tmp_path):
   """A tool reading a run that may still be training must not delete the folder of a save in
   progress nor move steps around."""

@@ -609,8 +609,10 @@ from cem_jax.data import benchmark
 shared, folder = Path(sys.argv[1]), Path(sys.argv[2])
 out = folder / "corpus.txt"
 n = benchmark.make_corpus(shared, out, 1)
-assert n >= 10**6 and out.stat().st_size == n, n
+assert 10**6 <= n < 10**6 + 2008 and out.stat().st_size == n, n  # MB, to the line
 first = out.read_bytes()
+lines = first.splitlines()  # every repetition of the 5 lines is shuffled again
+assert len({tuple(lines[i:i + 5]) for i in range(0, len(lines) - 4, 5)}) > 1
 assert os.listdir(folder) == ["corpus.txt"]
 
 def full_disk(fd):

@@ -168,6 +168,19 @@ def test_masked_logsumexp_all_masked_row():
   np.testing.assert_array_equal(np.asarray(g)[1], 0.0)
 
 
+def test_masked_logsumexp_of_scores_far_below_zero_shifts_by_the_visible_max():
+  # Scores far below 0 beside a masked entry: exp(-200) underflows float32, so the shift must be
+  # the max over the visible entries (-200), not one that counts the masked entry.
+  scores = jnp.array([[-200.0, -201.0, 5.0], [-1000.0, -1000.5, -999.0]])
+  mask = jnp.array([[True, True, False], [True, True, True]])
+  want = [-200.0 + np.log1p(np.exp(-1.0)), -999.0 + np.log(1.0 + np.exp(-1.0) + np.exp(-1.5))]
+  np.testing.assert_allclose(np.asarray(energies.masked_logsumexp(scores, mask)), want,
+                             rtol=1e-6)
+  g = jax.grad(lambda s: jnp.sum(energies.masked_logsumexp(s, mask)))(scores)
+  e = np.exp(-1.0)
+  np.testing.assert_allclose(np.asarray(g)[0], [1 / (1 + e), e / (1 + e), 0.0], rtol=1e-5)
+
+
 def test_registry_lookup_and_errors():
   assert energies.get("softmax", "attention").fused_update is not None
   assert set(energies.names("mlp")) >= {"silu", "gelu", "relu", "relu2"}
@@ -505,6 +518,68 @@ def test_rope_keeps_float64_inputs_in_float64():
     np.testing.assert_allclose(np.asarray(back), x, rtol=0, atol=1e-12)
   assert apply_rope(jnp.asarray(x, jnp.bfloat16), jnp.asarray(pos), 10_000.0).dtype == (
       jnp.bfloat16)
+
+
+def test_rope_of_bfloat16_inputs_rotates_by_float32_angles():
+  # bf16 holds integers exactly only up to 256: positions in the thousands (and their angles)
+  # formed in bf16 are off by whole radians. Only the output is rounded to bf16.
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(1, 4, 2, 8)), jnp.bfloat16)
+  pos = np.array([[1001, 2003, 3001, 4093]])
+  x64 = np.asarray(x.astype(jnp.float32), np.float64)
+  angle = pos[:, :, None, None] * 10_000.0 ** (-np.arange(4) * 2.0 / 8)
+  x1, x2 = x64[..., :4], x64[..., 4:]
+  want = np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle),
+                         x2 * np.cos(angle) + x1 * np.sin(angle)], axis=-1)
+  got = apply_rope(x, jnp.asarray(pos, jnp.int32), 10_000.0)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=0,
+                             atol=2 ** -8 * np.abs(want).max())
+
+
+def _half_square(y, context, params, aux):
+  return 0.5 * jnp.sum(y * y)
+
+
+def _minus_y(y, context, params, aux):  # -∇(|y|²/2)
+  return -y
+
+
+def _minus_y_edited(y, context, params, aux):  # the same closed form, edited
+  return -1.0 * y
+
+
+def test_a_user_energy_digest_pins_its_closed_form_too():
+  # Resuming after an edit of the closed form alone must be refused like an edit of the energy.
+  names = {"one": _minus_y, "edited": _minus_y_edited, "none": None}
+  try:
+    for name, fused in names.items():
+      energies.register(f"digest_{name}", "mlp", _half_square, fused)
+    digests = {n: energies.source_digest(f"digest_{n}", "mlp") for n in names}
+  finally:
+    for name in names:
+      energies.registry._REGISTRY.pop(f"digest_{name}", None)
+  assert len(set(digests.values())) == 3 and all(digests.values()), digests
+
+
+def test_a_name_is_registered_once_and_a_failed_import_is_retried(tmp_path):
+  builtin = energies.get("softmax", "attention")
+  try:
+    with pytest.raises(ValueError, match="^energy name 'softmax' is already registered$"):
+      energies.register("softmax", "attention", _half_square)
+  finally:
+    energies.registry._REGISTRY["softmax"] = builtin
+  assert energies.get("softmax", "attention") is builtin
+  # A file that failed to import is imported again once fixed, not taken half-run from
+  # sys.modules (the failed import defined nothing).
+  path = tmp_path / "later.py"
+  path.write_text("raise RuntimeError('not yet')\n\ndef energy(y, context, params, aux):\n"
+                  "  return 0.5 * (y * y).sum()\n")
+  with pytest.raises(ValueError, match="importing .*later.py failed: RuntimeError: not yet"):
+    energies.get(f"{path}:energy", "attention")
+  path.write_text(path.read_text().replace("raise RuntimeError('not yet')\n", ""))
+  y = jnp.array([1.0, -2.0])
+  assert float(energies.get(f"{path}:energy", "attention").energy(y, None, None, None)) == 2.5
 
 
 def test_absolute_name_makes_only_relative_file_paths_absolute(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """Eval metrics (loss, bits per byte, perplexity, energy trace) are totals over real tokens,
 equal to a float64 reference and the same for any eval.batch_size."""
 
+import math
 import types
 
 import jax
@@ -115,3 +116,21 @@ def test_energy_steps_keep_each_sub_steps_own_before_and_after():
       many[f"eval/energy/layer{layer}/step{step}/att_after"] = step - 0.5
   got = energy_steps(many)
   assert list(got) == [2, 10] and got[10]["att"] == [(s, s - 0.5) for s in range(1, 12)]
+
+
+def test_the_eval_loop_reads_max_batches_and_caps_the_perplexity():
+  # A stand-in eval step (a diverged model: 800 nats per token) over five batches.
+  seen = []
+
+  def eval_step(params, batch):
+    seen.append(batch["i"])
+    return {"loss_sum": 8000.0, "weight_sum": 10.0, "byte_sum": 20.0}
+
+  data = types.SimpleNamespace(eval_batches=lambda bs, index, count: ({"i": i} for i in range(5)))
+  for max_batches, want in ((2, [0, 1]), (-1, [0, 1, 2, 3, 4])):
+    seen.clear()
+    m = steps_lib.eval_loop(eval_step, None, data, tiny_config(**{"eval.max_batches": max_batches}))
+    assert seen == want
+    assert m["eval/loss"] == 800.0 and m["eval/tokens"] == 10 * len(want)
+    assert m["eval/perplexity"] == math.exp(80.0)  # exp(800) overflows a float
+    assert m["eval/bits_per_byte"] == pytest.approx(800.0 / 2.0 / math.log(2))

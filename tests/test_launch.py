@@ -253,6 +253,17 @@ def test_slurm_one_process_per_node_drives_all_its_gpus(tmp_path):
   assert text.rstrip().endswith("-m cem_jax.main --distributed=on --config=c.py --workdir=/w")
 
 
+def test_slurm_submits_unless_told_not_to_and_exits_with_sbatchs_status(tmp_path, monkeypatch):
+  slurm = _script("slurm")
+  calls = []
+  monkeypatch.setattr(slurm.subprocess, "run",
+                      lambda cmd: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1))
+  script = tmp_path / "job.sbatch"
+  args = [f"--script={script}", "--", "--config=c.py", "--workdir=/w"]
+  assert slurm.main(["--no_submit", *args]) == 0 and calls == [] and script.is_file()
+  assert slurm.main(args) == 1 and calls == [["sbatch", str(script)]]  # sbatch failed
+
+
 def test_slurm_rejects_values_sbatch_cannot_quote():
   proc = _launch("slurm.py", "--partition=gpu\n#SBATCH --x", "--dry_run", "--", "--config=c",
                  "--workdir=w")

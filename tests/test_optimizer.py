@@ -73,17 +73,26 @@ def test_the_first_update_moves_the_weights_by_the_first_rate():
 
 
 def test_after_a_skipped_update_the_logged_rate_is_the_applied_one():
-  params, opt_state, step = _setup(_cfg())
-  logged = []
+  params, opt_state, step = _setup(_cfg(max_consecutive_nonfinite=2))
+  logged, guard = [], np.int32(0)
   for i in range(6):
-    params, opt_state, m = step(params, opt_state, _batch(i, nan=(i == 1)))
+    params, opt_state, m = step(params, opt_state, _batch(i, nan=(i == 1)), guard,
+                                np.int32(i + 1))
     logged.append(float(m["learning_rate"]))
+    guard = m["nonfinite_guard"]
   assert int(m["nonfinite_total"]) == 1
   # updates 1, 3, 4, 5, 6 were applied as the 1st..5th: update 3 used the 2nd rate, not the 3rd
   expected = [_expected_lr(1), _expected_lr(2), _expected_lr(2), _expected_lr(3),
               _expected_lr(4), _expected_lr(5)]
   np.testing.assert_allclose(logged, expected, rtol=1e-6)
   assert int(optim.applied_updates(opt_state)) == 5
+  # Updates 7, 8, 9 non-finite: the guard becomes 8, where two in a row were first reached, and
+  # stays there (the loop reads it at its next log or save).
+  assert int(guard) == 0
+  for i in range(6, 9):
+    params, opt_state, m = step(params, opt_state, _batch(i, nan=True), guard, np.int32(i + 1))
+    guard = m["nonfinite_guard"]
+  assert int(guard) == 8
 
 
 def test_three_updates_equal_adamw_with_clipping_in_float64():

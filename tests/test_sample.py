@@ -77,8 +77,51 @@ def test_temperature_sampling_is_seeded_and_validates_length():
   b = sample.generate(graphdef, params, prompt, 8, rng=jax.random.PRNGKey(5), temperature=1.0,
                       top_k=3)
   np.testing.assert_array_equal(a, b)
+  # The final norm's scale at 0: every logit is 0 and top-k a uniform draw over tokens 0..2.
+  # Each token has its own key: drawn with one key at every step, they would all be one token.
+  flat = jax.tree_util.tree_map_with_path(
+      lambda path, x: jnp.zeros_like(x) if "final_norm" in jax.tree_util.keystr(path) else x,
+      params)
+  uniform = sample.generate(graphdef, flat, prompt, 8, rng=jax.random.PRNGKey(5),
+                            temperature=1.0, top_k=3)
+  assert len(set(uniform[0, 1:].tolist())) > 1, uniform
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     sample.generate(graphdef, params, prompt, 0)
+
+
+def test_sample_takes_a_prompt_and_new_tokens_up_to_seq_len_and_no_more(monkeypatch, capsys):
+  # cem_jax.sample's main on a stand-in run (seq_len 8, a 3-token prompt): 5 new tokens fill the
+  # trained context exactly and are allowed; 6 are refused, naming the 5 that are.
+  from types import SimpleNamespace
+
+  from absl import flags
+
+  from cem_jax import evaluate
+
+  fv = flags.FlagValues()
+  for name, default in (("workdir", "w"), ("prompt", "abc"), ("verbosity", "0")):
+    flags.DEFINE_string(name, default, "", flag_values=fv)
+  for name, default in (("max_new_tokens", 5), ("top_k", 0), ("seed", 0)):
+    flags.DEFINE_integer(name, default, "", flag_values=fv)
+  for name, default in (("temperature", 0.0), ("top_p", 1.0)):
+    flags.DEFINE_float(name, default, "", flag_values=fv)
+  flags.DEFINE_bool("no_cache", False, "", flag_values=fv)
+  fv(["sample", "--verbosity=0"])  # given: main leaves the logging level alone
+  monkeypatch.setattr(flags, "FLAGS", fv)
+  tokenizer = SimpleNamespace(vocab_size=V, encode=lambda text: [1, 2, 3],
+                              decode=lambda ids: "+" * len(ids))
+  config = tiny_config(**{"data.seq_len": 8})
+  monkeypatch.setattr(evaluate, "load_run", lambda workdir: (
+      config, SimpleNamespace(tokenizer=tokenizer), None, None, 7))
+  monkeypatch.setattr(sample, "generate",
+                      lambda graphdef, params, prompt, n, **kw: np.zeros((1, n), np.int32))
+  sample.main([])
+  assert capsys.readouterr().out == "abc+++++\n"
+  fv.max_new_tokens = 6
+  with pytest.raises(SystemExit) as e:
+    sample.main([])
+  assert e.value.code == 1
+  assert capsys.readouterr().err.endswith("allowed: at most 5 new tokens for this prompt\n")
 
 
 def _kept_reference(logits, top_k, top_p):

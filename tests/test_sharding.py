@@ -152,6 +152,25 @@ def test_bad_rules_are_one_clear_line():
     sharding.rules_from_config({"rules": (None,)})
 
 
+def test_a_dimension_the_mesh_axes_do_not_divide_is_replicated_with_a_warning(caplog):
+  # jax.jit refuses uneven shardings: a loaded tokenizer's vocabulary of 50 over tensor=4.
+  import logging
+  from types import SimpleNamespace
+
+  from flax import nnx
+
+  from cem_jax import steps
+
+  _, abstract = nnx.split(nnx.eval_shape(lambda: steps.build_model(tiny_config("llama"), 50)),
+                          nnx.Param)
+  mesh = SimpleNamespace(shape={"data": 1, "fsdp": 2, "tensor": 4})  # only its sizes are read
+  with caplog.at_level(logging.WARNING):
+    specs = sharding.param_specs(abstract, mesh=mesh)
+  assert specs["embedding"] == sharding.PartitionSpec(None, "fsdp")  # vocab, embed (64)
+  assert "dimension of size 50 is not divisible by mesh axes ('tensor',); replicated" in (
+      caplog.text)
+
+
 # ---------------------------------------------------------------------------------------------
 # jax.distributed start-up decisions (no processes started).
 

@@ -137,6 +137,12 @@ def test_design_diagnostic_rows_change_what_they_say():
     assert cfg[half].model.to_dict() == cfg[full].model.to_dict()
 
 
+def test_each_seed_is_its_own_initialisation_and_data_order():
+  module = tables.load_table("design")
+  cfgs = [tables.row_config(module, "t1", "tiny", seed) for seed in (0, 2)]
+  assert [(c.seed, c.data.shuffle_seed) for c in cfgs] == [(0, 0), (2, 2)]
+
+
 def test_every_run_is_checked_before_any_trains():
   design, end_to_end = tables.load_table("design"), tables.load_table("end_to_end")
   # the rows differ in the learning rate: overriding it would merge t2_lr_half into t2_fixed
@@ -361,6 +367,29 @@ def test_a_preempted_run_writes_no_result_and_stops_the_table(tmp_path, shared_d
   assert tables.run_table(module, "toy", "tiny", 1, str(workdir)) is None
   assert len(trained) == 1  # the table stopped at the preempted run
   assert not (workdir / "toy" / "llama" / "seed0" / "result.json").exists()
+
+
+def test_the_table_of_finished_runs_leaves_out_older_numerics_and_pairs_by_seed(tmp_path):
+  # Results written by hand (no training): the toy rows on the built-in corpus.
+  toy = tmp_path / "toy.py"
+  toy.write_text(TOY.replace("FILES", "''"))
+  module = tables.load_table(str(toy))
+  workdir = str(tmp_path / "out")
+  losses = {("llama", 0): 3.0, ("llama", 1): 2.0, ("cem", 0): 2.5, ("cem", 1): 2.25}
+  for (row, seed), loss in losses.items():
+    out = tables.run_dir(workdir, "toy", row, seed)
+    os.makedirs(out)
+    version = NUMERICS_VERSION - ((row, seed) == ("cem", 1))  # one run of older numerics
+    tables._write_json(os.path.join(out, "result.json"), {
+        "row": row, "seed": seed, "eval/loss": loss, "eval/bits_per_byte": 1.0,
+        "tokens_per_sec": 1.0, "numerics_version": version,
+        "config_digest": tables.config_digest(tables.row_config(module, row, "tiny", seed))})
+  results = tables.finished_results(module, "toy", "tiny", 2, workdir)
+  assert [(r["row"], r["seed"]) for r in results] == [("llama", 0), ("llama", 1), ("cem", 0)]
+  rows = tables.aggregate(module, "tiny", results)
+  # the first row is the baseline, paired by seed: cem seed 0 against llama seed 0 only
+  assert [(r["row"], r["delta_loss_mean"], r["seeds"]) for r in rows] == [
+      ("llama", 0.0, 2), ("cem", -0.5, 1)]
 
 
 def test_row_config_saves_a_set_energy_file_absolute(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from cem_jax import plot, preflight, sharding
 from cem_jax import summary as summary_lib
 from cem_jax.model import DecoderLM, count_params
-from cem_jax.workdir import last_eval_in
+from cem_jax.workdir import Preemption, last_eval_in, prepare_workdir
 
 
 @pytest.mark.parametrize("overrides", [
@@ -248,6 +248,23 @@ def test_last_eval_in_is_the_final_eval_line(tmp_path):
            {"step": 20, "eval/loss": 2.0, "eval/bits_per_byte": 1.5}]
   write_metrics(tmp_path, lines)
   assert last_eval_in(str(tmp_path)) == {"eval/loss": 2.0, "eval/bits_per_byte": 1.5}
+
+
+def test_preparing_a_workdir_says_whether_it_made_it_and_leaves_nothing_in_it(tmp_path):
+  workdir = tmp_path / "w"
+  assert prepare_workdir(str(workdir)) and not prepare_workdir(str(workdir))
+  assert os.listdir(workdir) == []  # the write probe is removed
+
+
+def test_preemption_hands_sigterm_back_when_the_run_ends():
+  # tables and tests run several trainings in one process: after each, SIGTERM must terminate
+  # the process again, not set the flag of a run that has ended.
+  import signal
+
+  before = signal.getsignal(signal.SIGTERM)
+  with Preemption() as preemption:
+    assert signal.getsignal(signal.SIGTERM) == preemption._handle
+  assert signal.getsignal(signal.SIGTERM) is before and not preemption.requested
 
 
 def test_process_slice_is_the_block_of_rows_this_process_holds():
