@@ -200,7 +200,7 @@ def test_auto_uses_the_closed_form_where_one_exists_and_jax_grad_elsewhere():
   # model.update_mode's default: the fused update of a built-in energy (no autodiff pass).
   spec = energies.get("softmax", "attention")
   assert updates.resolve_update(spec, "auto") is spec.fused_update
-  half_square = energies.EnergySpec("u", "mlp", lambda y, c, p, a: 0.5 * jnp.sum(y * y))
+  half_square = energies.EnergySpec("u", "mlp", _half_square)
   y = jnp.array([1.0, -2.0, 3.0])
   np.testing.assert_array_equal(updates.resolve_update(half_square, "auto")(y, None, None, None),
                                 -y)  # -∇(|y|²/2) = -y

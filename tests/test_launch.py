@@ -198,14 +198,9 @@ def test_tpu_pod_stops_at_the_first_failed_command(monkeypatch, capsys):
 
 
 def test_tpu_pod_packs_the_working_tree(tmp_path):
-  sys.path.insert(0, str(REPO / "launch"))
-  try:
-    import tpu_pod
-  finally:
-    sys.path.pop(0)
   import tarfile
 
-  n = tpu_pod.pack(str(tmp_path / "src.tar.gz"))
+  n = _script("tpu_pod").pack(str(tmp_path / "src.tar.gz"))
   names = tarfile.open(tmp_path / "src.tar.gz").getnames()
   assert n == len(names) and "cem_jax/train.py" in names and "setup.cfg" in names
   assert not any("__pycache__" in x or x.startswith(".git/") for x in names)
