@@ -71,6 +71,15 @@ def tiny_config(block: str = "cem", **overrides):
   return c
 
 
+def force_fields(config, overrides: dict) -> None:
+  """Sets dotted ``overrides`` on ``config`` past ConfigDict's type check, as a hand-edited
+  config file or a command line could, so validation itself can be tested on bad values."""
+  with config.unlocked():
+    for key, value in overrides.items():
+      group, leaf = key.split(".")
+      config[group].__dict__["_fields"][leaf] = value
+
+
 def write_metrics(folder, lines: list[dict]) -> None:
   """``folder/metrics.jsonl`` holding ``lines``, one JSON object a line, as the loop writes it."""
   (Path(folder) / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import force_fields, tiny_config
 from flax import nnx
 
 from cem_jax import energies, preflight, train, updates
@@ -249,10 +249,7 @@ INVALID = [
 @pytest.mark.parametrize("overrides,message", INVALID, ids=lambda v: str(v)[:40])
 def test_invalid_configs_fail_at_start_up(overrides, message):
   cfg = tiny_config("cem")
-  with cfg.unlocked():
-    for key, value in overrides.items():
-      group, leaf = key.split(".")
-      cfg[group].__dict__["_fields"][leaf] = value  # bypass ConfigDict's type check
+  force_fields(cfg, overrides)
   with pytest.raises(ValueError, match=message):
     preflight.check(cfg)
 
