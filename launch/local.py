@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -184,6 +185,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.error(f"--devices_per_process={args.devices_per_process}; allowed: an int >= 1")
   if not 0 <= args.port < 65536:
     parser.error(f"--port={args.port}; allowed: 0 (a free port) or 1..65535")
+  if not args.dry_run and shutil.which(args.command[0]) is None:
+    parser.error(f"the command after --, {args.command[0]!r}, is not an executable on PATH")
   return args
 
 

@@ -23,6 +23,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -95,6 +96,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
       a.startswith("--workdir=") for a in main_args):
     parser.error("give cem_jax.main's arguments after --, at least --config=FILE and "
                  "--workdir=DIR (on a filesystem all nodes share)")
+  if args.submit and not args.dry_run and shutil.which("sbatch") is None:
+    parser.error("sbatch not found on PATH: run this on a SLURM login node, or pass --no_submit "
+                 "to only write the script")
   return args, main_args
 
 

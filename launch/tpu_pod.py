@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -140,6 +141,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                  "--workdir=DIR")
   if not any(a.startswith("--workdir=") for a in main_args):
     parser.error("give --workdir=DIR after -- (a folder every worker sees at the same path)")
+  if not args.dry_run and shutil.which("gcloud") is None:
+    parser.error("gcloud not found on PATH: install the Google Cloud CLI, or pass --dry_run to "
+                 "print the commands")
   return args, main_args
 
 

@@ -190,6 +190,7 @@ def test_tpu_pod_stops_at_the_first_failed_command(monkeypatch, capsys):
   tpu_pod = _script("tpu_pod")
   ran = []
   monkeypatch.setattr(tpu_pod, "pack", lambda tarball: 3)
+  monkeypatch.setattr(tpu_pod.shutil, "which", lambda name: f"/usr/bin/{name}")
   monkeypatch.setattr(tpu_pod.subprocess, "run",
                       lambda cmd: ran.append(cmd) or subprocess.CompletedProcess(cmd, 5))
   assert tpu_pod.main(["--tpu=t", "--zone=z", "--", *MAIN_ARGS]) == 5
@@ -251,12 +252,34 @@ def test_slurm_one_process_per_node_drives_all_its_gpus(tmp_path):
 def test_slurm_submits_unless_told_not_to_and_exits_with_sbatchs_status(tmp_path, monkeypatch):
   slurm = _script("slurm")
   calls = []
+  monkeypatch.setattr(slurm.shutil, "which", lambda name: f"/usr/bin/{name}")
   monkeypatch.setattr(slurm.subprocess, "run",
                       lambda cmd: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1))
   script = tmp_path / "job.sbatch"
   args = [f"--script={script}", "--", "--config=c.py", "--workdir=/w"]
   assert slurm.main(["--no_submit", *args]) == 0 and calls == [] and script.is_file()
   assert slurm.main(args) == 1 and calls == [["sbatch", str(script)]]  # sbatch failed
+
+
+@pytest.mark.parametrize("script,args,tool", [
+    ("slurm.py", ["--script={tmp}/job.sbatch"], "sbatch"),
+    ("tpu_pod.py", ["--tpu=t", "--zone=z"], "gcloud"),
+    ("local.py", [], "no-such-tool"),
+])
+def test_a_launcher_whose_tool_is_missing_says_so_in_one_line_and_writes_nothing(
+    script, args, tool, tmp_path):
+  # Off a SLURM login node or without the Cloud CLI: one line naming the tool, no traceback,
+  # no half-done work (no script written, no tarball packed, no process started).
+  main = ["no-such-tool", "x"] if script == "local.py" else ["--config=c.py", "--workdir=/w"]
+  proc = subprocess.run(
+      [sys.executable, f"launch/{script}", *(a.format(tmp=tmp_path) for a in args), "--", *main],
+      cwd=REPO, capture_output=True, text=True, timeout=60,
+      env=dict(os.environ, PATH=str(tmp_path)))
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"{script}: error: ") and tool in last, last
+  assert "not found on PATH" in last or "not an executable on PATH" in last, last
+  assert list(tmp_path.iterdir()) == []
 
 
 def test_slurm_rejects_values_sbatch_cannot_quote():
