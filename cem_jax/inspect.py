@@ -1,6 +1,7 @@
 """``python -m cem_jax.inspect``: the command of :mod:`cem_jax.summary` under its old name."""
 
-from cem_jax.summary import format_summary, run, summary  # noqa: F401
+import runpy
 
 if __name__ == "__main__":
-  run()
+  # Runs summary as the main module: absl's --help lists the main module's flags.
+  runpy.run_module("cem_jax.summary", run_name="__main__", alter_sys=True)

@@ -152,12 +152,12 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.DEFINE_string("workdir", None, "A trained run's folder.")
-  flags.DEFINE_string("prompt", "", "Text to continue.")
+  flags.DEFINE_string("prompt", None, "Text to continue (at least one character).")
   flags.DEFINE_integer("max_new_tokens", 100, "Tokens to generate.")
   flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
   flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: all).")
   flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
   flags.DEFINE_integer("seed", 0, "Sampling seed.")
   flags.DEFINE_bool("no_cache", False, "Recompute the prefix at every token.")
-  flags.mark_flag_as_required("workdir")
+  flags.mark_flags_as_required(["workdir", "prompt"])
   app.run(main, flags_parser=cli.parse_flags)

@@ -46,6 +46,11 @@ def test_inspect_cli_prints_the_summary():
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "parameters: 1,180,800 total" in proc.stdout
   assert "['blocks'][0]['attn']['w_o']" in proc.stdout
+  # Under its old name too, --help lists summary's own flags (absl lists the main module's).
+  proc = subprocess.run([sys.executable, "-m", "cem_jax.inspect", "--help"], capture_output=True,
+                        text=True, timeout=300)
+  assert "--config: Experiment config file" in proc.stdout, proc.stdout[-2000:]
+  assert "--vocab_size: Vocabulary size" in proc.stdout
 
 
 def test_inspect_rows_and_text_name_axes_sharding_blocks_and_flops():
