@@ -74,8 +74,8 @@ def get_default_config() -> ml_collections.ConfigDict:
   m.cem_attention = True  # False: the standard untied attention inside a CEM block (controls)
   m.cem_mlp = True  # False: the standard SwiGLU inside a CEM block (controls)
   m.update_mode = "auto"  # 'auto' (fused where a closed form exists) | 'fused' | 'autodiff'
-  m.attention_energy = "softmax"  # registry name or 'module:function'
-  m.mlp_energy = "silu"  # registry name or 'module:function'
+  m.attention_energy = "softmax"  # registry name, 'package.module:function' or 'file.py:function'
+  m.mlp_energy = "silu"  # registry name, 'package.module:function' or 'file.py:function'
   m.strict_causal = False  # N(i) = {j < i} instead of {j <= i} (section 1)
   m.learn_beta = False  # learnable inverse temperature (then eta is fixed, section 1)
   m.learn_eta = True  # per-head (attention) / scalar (MLP) step sizes, softplus
@@ -503,7 +503,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
         "change one or set model.head_dim"
     )
   if m.rope and head_dim % 2:
-    raise ValueError(f"model.head_dim={head_dim} must be even with model.rope=True")
+    derived = ("" if m.head_dim > 0 else
+               f" (model.d_model={m.d_model} // model.num_heads={m.num_heads})")
+    raise ValueError(f"model.head_dim={head_dim}{derived} must be even with model.rope=True")
   if m.precond_rank > m.d_model:
     raise ValueError(
         f"model.precond_rank={m.precond_rank} exceeds model.d_model={m.d_model}; "

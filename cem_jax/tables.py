@@ -29,6 +29,7 @@ import io
 import json
 import math
 import os
+import shlex
 import shutil
 import statistics
 import time
@@ -445,6 +446,16 @@ def eval_curves(workdir: str, table: str, module, seeds: int,
   return curves
 
 
+def command_line(table: str, scale: str, seeds: int, workdir: str, steps: int | None,
+                 rows: list[str] | None, sets: list[str]) -> str:
+  """The shell command that writes this table again from the same runs (quoted for a shell)."""
+  args = ["python", "-m", "cem_jax.tables", f"--table={table}", f"--scale={scale}",
+          f"--seeds={seeds}", f"--workdir={workdir}"]
+  args += [f"--steps={steps}"] if steps else []
+  args += [f"--rows={','.join(rows)}"] if rows else []
+  return shlex.join(args + [f"--set={pair}" for pair in sets])
+
+
 def _rows_flag(module, value: str | None) -> list[str] | None:
   """``--rows=a,b`` → ``["a", "b"]`` in the given order; None (all rows) when unset.
 
@@ -491,10 +502,7 @@ def main(argv):
   table_rows = aggregate(module, fl.scale, results, fl.steps, None, overrides)
   device = jax.devices()[0].device_kind
   when = time.strftime("%Y-%m-%d", time.gmtime())
-  command = (f"python -m cem_jax.tables --table={fl.table} --scale={fl.scale} "
-             f"--seeds={fl.seeds} --workdir={fl.workdir}"
-             + (f" --steps={fl.steps}" if fl.steps else "")
-             + "".join(f" --set={pair}" for pair in fl.set))
+  command = command_line(fl.table, fl.scale, fl.seeds, fl.workdir, fl.steps, rows, fl.set)
   header = (f"Table {name}, scale {fl.scale}, {fl.seeds} seed(s), written {when} ({device}); "
             f"command: {command}")
   paths = write_outputs(fl.workdir, name, table_rows,

@@ -5,8 +5,9 @@ Command (runs one after the other; a finished run is skipped, an interrupted one
     python launch/sweep.py --config=experiments/lr_sweep.py --workdir=/tmp/lr_sweep
 
 Runs: ``model.block`` in (cem, llama) x ``train.learning_rate`` in (1e-3, 3e-3, 1e-2), each
-the tiny model of ``experiments/tiny.py`` for ``train.num_steps`` = 300 (the main job runs 1000).
-``--config=experiments/lr_sweep.py:short`` makes them 20 steps, 2 of warm-up (a smoke test of the launcher).
+the tiny model of ``experiments/tiny.py`` for ``train.num_steps`` = 300 (the main job runs
+1000). ``--config=experiments/lr_sweep.py:short`` makes them 20 steps, 2 of warm-up (a smoke
+test of the launcher).
 
 Expected result: six folders ``/tmp/lr_sweep/model.block=...,train.learning_rate=...`` with
 ``metrics.jsonl`` and a final checkpoint; rerunning the command prints ``skip ...`` six times.
@@ -19,7 +20,7 @@ LEARNING_RATES = (1e-3, 3e-3, 1e-2)
 
 
 def get_config(arg: str = "full"):
-  """``arg``: ``'full'`` (300 steps) or ``'short'`` (20 steps, 2 of warm-up, eval at the end only)."""
+  """``arg``: ``'full'`` (300 steps) or ``'short'`` (20, 2 of warm-up, eval at the end only)."""
   if arg not in ("full", "short"):
     raise ValueError(f"experiments/lr_sweep.py:{arg}; allowed args: full, short")
   c = get_default_config()

@@ -113,6 +113,16 @@ def test_unknown_rows_are_a_one_line_error():
     tables._rows_flag(module, " , ")
 
 
+def test_the_header_command_writes_the_same_table_again():
+  # Every flag that chose the runs is in it (--rows too), quoted for a shell.
+  assert tables.command_line("design", "gpu", 1, "/runs/a b", 2, ["t1", "t2_fixed"],
+                             ["data.files=/d/x y.txt", "train.learning_rate=1e-3"]) == (
+      "python -m cem_jax.tables --table=design --scale=gpu --seeds=1 '--workdir=/runs/a b' "
+      "--steps=2 --rows=t1,t2_fixed '--set=data.files=/d/x y.txt' --set=train.learning_rate=1e-3")
+  assert tables.command_line("mlp", "tiny", 3, "results/tiny", None, None, []) == (
+      "python -m cem_jax.tables --table=mlp --scale=tiny --seeds=3 --workdir=results/tiny")
+
+
 def test_a_table_config_without_a_scale_is_the_tiny_scale():
   # --config=experiments/paper/design.py:t1 (no ',SCALE') trains the CPU-sized row.
   module = tables.load_table("design")

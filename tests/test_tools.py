@@ -110,6 +110,10 @@ def test_one_head_dim_rule_for_validation_mesh_checks_and_parameters():
   assert axes.head_dim_of(tiny_config(**{"model.head_dim": 6}).model) == 6
   with pytest.raises(ValueError, match=r"^model\.head_dim=5 must be even with model\.rope"):
     preflight.check(tiny_config(**{"model.head_dim": 5}))
+  # A derived head_dim names the fields the user set.
+  with pytest.raises(ValueError, match=r"^model\.head_dim=25 \(model\.d_model=100 // "
+                     r"model\.num_heads=4\) must be even"):
+    preflight.check(tiny_config(**{"model.d_model": 100}))
   rules = (*axes.DEFAULT_RULES[:3], ("head_dim", "tensor"), *axes.DEFAULT_RULES[4:])
   cfg = tiny_config(**{"model.head_dim": 6, "mesh.tensor": 4, "mesh.rules": rules})
   with pytest.raises(ValueError, match=r"^model\.head_dim=6 is not divisible by mesh\.tensor=4"):

@@ -383,7 +383,7 @@ def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: i
   _write_json(manifest_path, manifest)
   text_mb = sum(i["bytes"] for i in split_info.values()) / 1e6
   log.info("prepared %s in %s: %.1f MB of text, %d train / %d validation tokens in %.1f s "
-           "(%.1f MB/s, %d workers)", splits.source, out_dir, text_mb,
+           "(%.1f MB/s, workers: %d)", splits.source, out_dir, text_mb,
            split_info["train"]["tokens"], split_info["validation"]["tokens"], seconds,
            text_mb / max(seconds, 1e-9), workers)
   return out_dir

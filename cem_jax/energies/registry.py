@@ -150,7 +150,7 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
   if spec is None:
     raise ValueError(
         f"{field}={name!r} is not a registered {kind} energy; allowed: "
-        f"{', '.join(names(kind))} or a 'module:function' path"
+        f"{', '.join(names(kind))}, or a 'package.module:function' or 'path/to/file.py:function'"
     )
   if spec.kind != kind:
     raise ValueError(f"{field}={name!r} is {_A[spec.kind]} energy, not {_A[kind]} energy")
