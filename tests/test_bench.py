@@ -350,3 +350,20 @@ def test_the_ratios_are_each_row_step_time_over_llama_and_cem_fused_at_its_shape
   assert cells["cem_autodiff", "64"] == ["6.00", "2.00"]  # slower than llama reads > 1
   assert cells["cem_fused", "64"] == ["3.00", "1.00"]
   assert cells["cem_autodiff", "128"] == ["2.00", ""]  # no cem_fused row at seq_len 128
+
+
+def test_analytic_flops_of_the_standard_attention_in_a_cem_block_by_hand():
+  """model.cem_attention=False: every recursive step runs Llama's attention, 8d² + 4n·H·d_h
+  (full n×n score and value products, no key term), and the tied MLP's 6df
+  (model_stats docstring); a CEM attention counts its keys once and 4d² + 4n·H·d_h a step."""
+  from cem_jax.config import get_default_config
+
+  cfg = get_default_config().model
+  cfg.d_model, cfg.num_heads, cfg.mlp_dim, cfg.num_layers, cfg.num_steps = 32, 2, 64, 3, 2
+  d, f, n, vocab = 32, 64, 40, 100
+  cfg.cem_attention = False
+  assert bench.flops_per_token(cfg, vocab, n) == 3 * 2 * (8 * d * d + 4 * n * d + 6 * d * f) + (
+      2 * d * vocab)
+  cfg.cem_attention = True
+  assert bench.flops_per_token(cfg, vocab, n) == 3 * (
+      2 * d * d + 2 * (4 * d * d + 4 * n * d + 6 * d * f)) + 2 * d * vocab

@@ -673,3 +673,25 @@ def test_data_identity_changes_with_each_split_and_the_tokenizer():
     with pytest.raises(ValueError, match=rf"trained on other data \({key} "):
       check_same_data(base, now, "ckpt/7")
   check_same_data(base, dict(base), "ckpt/7")  # the same data: accepted
+
+
+def test_a_validation_split_of_one_token_is_refused():
+  """A padded tail needs two real tokens to hold one weighted target (count_windows)."""
+  assert packing.count_windows(2, 8, keep_tail=True, split="validation") == 1
+  with pytest.raises(ValueError, match=r"data\.seq_len=8 is too long for the validation split: "
+                                       r"it has 1 tokens"):
+    packing.count_windows(1, 8, keep_tail=True, split="validation")
+  with pytest.raises(ValueError, match="too long for the validation split"):
+    pack([np.zeros(0, np.int32)], 8, EOS, PAD, keep_tail=True, split="validation")
+
+
+def test_docstrings_are_read_from_the_standard_library_only(tmp_path, monkeypatch):
+  """A same-named module earlier on sys.path (here antigravity.py) does not change the corpus."""
+  import sysconfig
+
+  (tmp_path / "antigravity.py").write_text('"""Not the standard library."""\n')
+  monkeypatch.syspath_prepend(os.fspath(tmp_path))
+  files = dict(builtin._module_files())
+  stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+  assert all(path.is_relative_to(stdlib) for path in files.values())
+  assert "json" in files

@@ -368,3 +368,13 @@ def test_example_config_names_its_allowed_args():
   preflight.check(c)
   with pytest.raises(ValueError, match=r"experiments/neighbours.py:nope; allowed: .*yuriiformer"):
     module.get_config("nope")
+
+
+def test_retract_keeps_a_zero_vector_zero():
+  """inner.retract: a zero vector (no direction) stays exactly 0, never NaN; any other vector
+  goes to radius √d."""
+  z = jnp.asarray([[0.0, 0.0, 0.0, 0.0], [1.0, -2.0, 0.5, 0.0]], jnp.float32)
+  got = np.asarray(inner.retract(z), np.float64)
+  np.testing.assert_array_equal(got[0], 0.0)
+  np.testing.assert_allclose(np.linalg.norm(got[1]), 2.0, rtol=1e-6)
+  np.testing.assert_allclose(got[1], np.asarray(z[1]) * 2.0 / np.linalg.norm(z[1]), rtol=1e-6)

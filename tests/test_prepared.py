@@ -607,3 +607,13 @@ def test_workdir_preparation_follows_an_edited_tokenizer_file(tmp_path):
   assert len(list((tmp_path / "wd" / "data").iterdir())) == 2
   assert second.identity["tokenizer_sha256"] == files.sha256_file(model)
   assert second.identity["tokenizer_sha256"] != first.identity["tokenizer_sha256"]
+
+
+def test_interleave_split_chunk_size_by_hand():
+  """41 characters, no line break, fraction 0.1: k = 10, chunks of ceil(41 / 40) = 2
+  characters (21 chunks); chunks 9 and 19 are held out."""
+  doc = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNO"
+  assert len(doc) == 41
+  train, validation = text_lib.interleave_split([doc], 0.1)
+  assert validation == [doc[18:20], doc[38:40]]
+  assert train == [doc[:18], doc[20:38], doc[40:]]

@@ -17,6 +17,7 @@ change CEM_MATH.md and the reference together.
 import math
 import zlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from flax import nnx
 from cem_jax import energies, updates
 from cem_jax.config import get_default_config
 from cem_jax.layers import CEMBlock, LlamaBlock
-from cem_jax.model import DecoderLM
+from cem_jax.model import DecoderLM, training_aux
 
 B, N, D, H, F = 2, 8, 16, 2, 24  # batch, seq_len, d_model, num_heads, mlp_dim
 DH = D // H
@@ -517,3 +518,45 @@ def test_llama_block_matches_reference_and_with_rope_is_not_the_tied_cem_step():
   np.testing.assert_allclose(ref_llama_block(x, tied, no_rope, mask, pos),
                              ref_block(x, cem, block_cfg(rope=False, learn_eta=False), mask, pos),
                              rtol=1e-12, atol=1e-12)
+
+
+def test_energy_trace_matches_reference():
+  """The energy trace (``trace=True``) against the reference, sub-step by sub-step, T = 2,
+  Lie–Trotter: ``att_after`` is E_att right after the attention sub-step (before the MLP's),
+  ``mlp_before``/``mlp_after`` E_mlp with the step's gate held fixed, each summed over tokens."""
+  cfg = block_cfg(num_steps=2, rope=False)  # no RoPE: a faster reference
+  block = CEMBlock(cfg, rngs=nnx.Rngs(0))
+  prm = randomize(block, "trace")
+  x = _rng("trace-x").standard_normal((B, N, D))
+  aux = training_aux(cfg, None, B, N)
+  _, trace = jax.jit(lambda v: block(v, aux, trace=True))(jnp.asarray(x, jnp.float32))
+  mask, pos = ref_mask(None, B, N, False), np.broadcast_to(np.arange(N), (B, N))
+  eps, dh = cfg.norm_eps, D // H
+  beta = np.full(H, dh**-0.5)
+
+  def rms(name, v):
+    return ref_rms_norm(v, prm[f"{name}.scale"], eps)
+
+  def att(y, ctx, t):
+    eta = softplus(prm["attn.eta"][min(t, prm["attn.eta"].shape[0] - 1)])
+    return ref_attention(rms("norm_att", y), ctx, prm["attn.w_q"], prm["attn.w_k"], eta, beta,
+                         None, "bilinear", mask, pos, pos, None)
+
+  def mlp(y, gate, t):
+    eta = softplus(prm["mlp.eta"][min(t, prm["mlp.eta"].shape[0] - 1)])
+    return ref_mlp(rms("norm_mlp", y), gate, prm["mlp.w"], prm["mlp.g"], eta, cfg.mlp_energy)
+
+  context, y = rms("norm_att", x), x
+  assert len(trace) == 2
+  for t, rec in enumerate(trace):
+    want = {}
+    want["att_before"], u = att(y, context, t)
+    y = y + u
+    want["att_after"] = att(y, context, t)[0]
+    gate = rms("norm_mlp", y)  # model.mlp_condition='step'
+    want["mlp_before"], u = mlp(y, gate, t)
+    y = y + u
+    want["mlp_after"] = mlp(y, gate, t)[0]
+    assert set(rec) == set(want)
+    for key, value in want.items():
+      assert abs(float(rec[key]) - value) <= 2 * TOL * abs(value), (t, key, float(rec[key]), value)
