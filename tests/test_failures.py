@@ -167,9 +167,11 @@ def test_validation_names_field_value_and_what_is_allowed():
     ("evaluate", ["--num_steps=1,-2"],
      "error: --num_steps=1,-2; allowed: comma-separated integers >= 1"),
     ("evaluate", ["--max_batches=0"], "error: --max_batches=0; allowed: -1 (all) or an int >= 1"),
-    ("sample", ["--temperature=nan"], "error: --temperature=nan; allowed: 0 (greedy) or > 0"),
-    ("sample", ["--top_k=-3"], "error: --top_k=-3; allowed: 0 (off) or 1..vocab_size"),
-    ("sample", ["--temperature=0", "--top_k=3"],
+    ("sample", ["--prompt=The", "--temperature=nan"],
+     "error: --temperature=nan; allowed: 0 (greedy) or > 0"),
+    ("sample", ["--prompt=The", "--top_k=-3"],
+     "error: --top_k=-3; allowed: 0 (off) or 1..vocab_size"),
+    ("sample", ["--prompt=The", "--temperature=0", "--top_k=3"],
      "error: --top_k=3 --top_p=1.0 have no effect with --temperature=0 (greedy); leave them at "
      "0 and 1"),
 ])
