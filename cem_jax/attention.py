@@ -94,7 +94,8 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
   if requested == "cudnn":
     problems = []
     if platform is not None and platform != "gpu":
-      problems.append(f"it needs an NVIDIA GPU, this machine's platform is {platform}")
+      problems.append(f"it needs an NVIDIA GPU, this machine's platform is {platform} "
+                      "(use 'auto' or 'xla' here)")
     if dtype not in ("bfloat16", "float16"):
       problems.append(f"it needs model.dtype=bfloat16 (cuDNN flash attention has no {dtype})")
     if augmented_head_dim is not None:
@@ -107,7 +108,8 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
   if requested == "splash":
     problems = []
     if platform is not None and platform != "tpu":
-      problems.append(f"splash attention is a TPU kernel, this machine's platform is {platform}")
+      problems.append(f"splash attention is a TPU kernel, this machine's platform is {platform} "
+                      "(use 'auto' or 'xla' here)")
     if augmented_head_dim is not None:
       problems.append(why_wide + "; use 'xla' or model.diagonal='none'")
     if seq_len is not None and seq_len % SPLASH_BLOCK:

@@ -196,6 +196,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   """
   preflight.check(config)
   data_parallel_devices(config)
+  preflight.check_machine(config)
   created = workdir_lib.prepare_workdir(workdir)
   ckpt = None
   try:

@@ -350,6 +350,24 @@ def test_impossible_explicit_choices_fail_when_the_model_is_built(overrides, mat
   assert "\n" not in str(e.value) and "model.attention_impl=" in str(e.value)
 
 
+@pytest.mark.parametrize("overrides", [
+    {"model.attention_impl": "cudnn", "model.dtype": "bfloat16"},
+    {"model.attention_impl": "splash", "data.seq_len": 128},
+])
+def test_a_kernel_this_machine_cannot_run_is_refused_before_the_data_is_built(tmp_path,
+                                                                                overrides):
+  # In an existing workdir: no tokenizer trained and no shards written for a run that cannot
+  # start, and the error says what to use instead.
+  from cem_jax import train
+
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  with pytest.raises(ValueError, match=r"^model\.attention_impl='(cudnn|splash)' cannot run: .*"
+                     r"platform is cpu \(use 'auto' or 'xla' here\)$"):
+    train.train_and_evaluate(tiny_config("cem", **overrides), str(workdir))
+  assert list(workdir.iterdir()) == []
+
+
 # ---- blockwise (online) log-sum-exp --------------------------------------------------------
 
 @pytest.mark.parametrize("block_size", [16, 48, 128])  # 48 does not divide 128: padded keys
