@@ -1,4 +1,6 @@
-"""The package's import structure: no cycle, and the config modules load without jax.
+"""The package's import structure: no cycle, imports point down the stages of
+docs/ARCHITECTURE.md (config -> data -> energies -> layers -> model -> steps -> train -> tools),
+and the config modules load without jax.
 
 The graph is read from the source (``ast``), every ``import`` statement counted, including those
 inside functions (a late import that closes a cycle is still a cycle: it only hides it from
@@ -115,6 +117,42 @@ def test_the_package_has_no_import_cycle():
   assert len(graph) > 20 and f"{PACKAGE}.sharding" in graph[f"{PACKAGE}.train"]
   cycle = find_cycle(graph)
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# docs/ARCHITECTURE.md's direction of imports as data: a module imports only modules of its own
+# stage or an earlier one. A new module goes in the stage of what it owns.
+STAGES = (
+    # 0: leaf helpers, importable from anywhere
+    ("axes", "files", "masks", "version", "cli", "distributed", "memory", "profiling",
+     "integrity", "checkpoint", "metrics", "sharding"),
+    ("config", "attention", "inner", "loss", "model_stats", "scales"),  # 1
+    ("data",),  # 2
+    ("energies", "updates"),  # 3
+    ("layers",),  # 4
+    ("model", "optim", "energy_checks", "preflight"),  # 5
+    ("steps", "workdir"),  # 6
+    ("train",),  # 7
+    ("main", "bench", "evaluate", "sample", "plot", "summary", "inspect", "tables",
+     "prepare"),  # 8: the tools; nothing above imports them
+)
+
+
+def _stage(module: str) -> int:
+  name = module[len(PACKAGE) + 1:]
+  for i, names in enumerate(STAGES):
+    if name.split(".")[0] in names:
+      return i
+  raise AssertionError(f"{module} is in no stage of STAGES (tests/test_imports.py): add it "
+                       "where docs/ARCHITECTURE.md's diagram puts it")
+
+
+def test_imports_point_down_the_stages():
+  graph = import_graph(_modules())
+  stage = {m: _stage(m) for m in graph if m != PACKAGE}  # every module has a stage
+  upward = sorted(f"{a} ({stage[a]}) imports {b} ({stage[b]})"
+                  for a, targets in graph.items() if a != PACKAGE
+                  for b in targets if b != PACKAGE and stage[b] > stage[a])
+  assert not upward, "; ".join(upward)
 
 
 def test_config_and_axes_import_no_jax():
