@@ -5,6 +5,7 @@ For each variant × shape it measures compile time, step time (median of the pre
 the device's peak is known) and peak device memory, prints a table and writes JSON.
 
     python -m cem_jax.bench --preset=tiny                  # CPU, ~1 min for all 8 variants
+    python -m cem_jax.bench --preset=cpu --variants=llama,cem_fused  # CPU, the tiny LM's size
     python -m cem_jax.bench --preset=gpu125m --out=bench.json   # one GPU, ~125M, bf16
     python -m cem_jax.bench --preset=gpu125m --attention_impl=xla  # the XLA attention path
     python -m cem_jax.bench --preset=gpu125m --loss_block_size=256  # logits 256 positions at once

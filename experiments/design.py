@@ -15,7 +15,8 @@ and evaluate a T = 2 model at other step counts with
 
 Variants (all tied attention + tied MLP, the tiny model of ``experiments/tiny.py``):
   diagonal: per-head diagonal-plus-low-rank interaction, bilinear form.
-  precond:  diagonal + rank-8 preconditioner on both sub-steps, shared across steps.
+  precond:  preconditioner P = diagonal + rank 8 on both sub-steps, shared across steps
+            (the interaction itself has no diagonal here).
   t2:       T = 2 recursive steps with a fixed context (keys computed once).
   sigmoid:  a user-defined softplus energy (experiments/sigmoid_energy.py), updates by jax.grad.
 
