@@ -131,13 +131,15 @@ def main(argv):
     if fl.temperature == 0.0 and (fl.top_k or fl.top_p < 1.0):
       raise ValueError(f"--top_k={fl.top_k} --top_p={fl.top_p} have no effect with "
                        "--temperature=0 (greedy); leave them at 0 and 1")
+    if not fl.prompt:
+      raise ValueError("--prompt is empty; give at least one character")
     config, data, graphdef, params, step = load_run(fl.workdir)
     vocab = data.tokenizer.vocab_size
     if fl.top_k > vocab:
       raise ValueError(f"--top_k={fl.top_k}; allowed: 0 (off) or 1..{vocab} (the vocabulary)")
     ids = data.tokenizer.encode(fl.prompt)
     if not ids:
-      raise ValueError("--prompt is empty; give at least one character")
+      raise ValueError(f"--prompt={fl.prompt!r} encodes to no tokens; give some text")
     if len(ids) + fl.max_new_tokens > config.data.seq_len:
       raise ValueError(
           f"--prompt ({len(ids)} tokens) + --max_new_tokens={fl.max_new_tokens} exceeds "

@@ -9,9 +9,10 @@
 #       --config.data.files='/data/corpus/*.txt' --out=PREPARED_DIR
 # It should hold >= 100M training tokens: each row trains on 100.7M, and a smaller corpus is
 # passed over several times (the run logs how many).
-# The runs go to $WORKDIR (default results/gpu, or /tmp/cem_gpu_tables_check under SCALE or
-# STEPS, so a check leaves no runs that a real run would refuse; finished runs are skipped,
-# interrupted ones resume). OUT_DIR receives each TABLE.{md,csv,png} and gpu_runs.tgz (each run's config.json,
+# The runs go to $WORKDIR (relative to where you are; default results/gpu, or
+# /tmp/cem_gpu_tables_check/SCALE_stepsSTEPS under SCALE or STEPS, so that a check leaves no
+# runs that a real run or another check would refuse; finished runs are skipped, interrupted
+# ones resume). OUT_DIR receives each TABLE.{md,csv,png} and gpu_runs.tgz (each run's config.json,
 # metrics.jsonl, result.json; no checkpoints). design trains its five headline rows; the
 # diagnostic rows (t2_eta_half, ...) are `python -m cem_jax.tables --table=design --scale=gpu
 # --seeds=1 --rows=...` with the same --set flags (the table then shows every finished row).
@@ -24,14 +25,14 @@ usage="usage: bash experiments/gpu_tables.sh PREPARED_DIR OUT_DIR [TABLE ...]"
 prepared=$(realpath -m "${1:?$usage}")
 out=$(realpath -m "${2:?$usage}")
 shift 2
+if [ "${SCALE:-gpu}" = gpu ] && [ -z "${STEPS:-}" ]; then
+  work=$(realpath -m "${WORKDIR:-$(dirname "${BASH_SOURCE[0]}")/../results/gpu}")
+else  # a check: one folder per setting (runs of another setting would be refused there)
+  work=$(realpath -m "${WORKDIR:-${TMPDIR:-/tmp}/cem_gpu_tables_check/${SCALE:-gpu}_steps${STEPS:-all}}")
+fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 fail() { echo "error: $*" >&2; exit 1; }
 [ -f "$prepared/manifest.json" ] || fail "$prepared/manifest.json not found: prepare the corpus first (see the header of $0)"
-if [ "${SCALE:-gpu}" = gpu ] && [ -z "${STEPS:-}" ]; then
-  work=${WORKDIR:-results/gpu}
-else  # a check: its runs differ from the real ones, which would refuse their folders
-  work=${WORKDIR:-${TMPDIR:-/tmp}/cem_gpu_tables_check}
-fi
 tables=("$@")
 [ ${#tables[@]} -gt 0 ] || tables=(design end_to_end)
 for t in "${tables[@]}"; do

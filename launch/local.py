@@ -186,7 +186,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   if not 0 <= args.port < 65536:
     parser.error(f"--port={args.port}; allowed: 0 (a free port) or 1..65535")
   if not args.dry_run and shutil.which(args.command[0]) is None:
-    parser.error(f"the command after --, {args.command[0]!r}, is not an executable on PATH")
+    where = "file" if os.sep in args.command[0] else "on PATH"
+    parser.error(f"the command after --, {args.command[0]!r}, is not an executable {where}")
   return args
 
 

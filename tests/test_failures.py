@@ -167,6 +167,7 @@ def test_validation_names_field_value_and_what_is_allowed():
     ("evaluate", ["--num_steps=1,-2"],
      "error: --num_steps=1,-2; allowed: comma-separated integers >= 1"),
     ("evaluate", ["--max_batches=0"], "error: --max_batches=0; allowed: -1 (all) or an int >= 1"),
+    ("sample", ["--prompt="], "error: --prompt is empty; give at least one character"),
     ("sample", ["--prompt=The", "--temperature=nan"],
      "error: --temperature=nan; allowed: 0 (greedy) or > 0"),
     ("sample", ["--prompt=The", "--top_k=-3"],

@@ -279,6 +279,10 @@ def test_a_launcher_whose_tool_is_missing_says_so_in_one_line_and_writes_nothing
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith(f"{script}: error: ") and tool in last, last
   assert "not found on PATH" in last or "not an executable on PATH" in last, last
+  if script == "local.py":  # a path is not looked up on PATH
+    proc = subprocess.run([sys.executable, "launch/local.py", "--", str(tmp_path / "run.sh")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.stderr.strip().splitlines()[-1].endswith("is not an executable file"), proc.stderr
   assert list(tmp_path.iterdir()) == []
 
 
