@@ -84,6 +84,7 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
     raise ValueError(f"model.attention_impl={requested!r}; allowed: "
                      f"{', '.join(IMPLEMENTATIONS)}")
   width = head_dim if augmented_head_dim is None else augmented_head_dim
+  elsewhere = f"this machine's platform is {platform} (use 'auto' or 'xla' here)"
   limit = cudnn_max_head_dim(platform) if platform is not None else 256
   if augmented_head_dim is not None:
     why_wide = (f"the CEM diagonal attends with one augmented head of width "
@@ -94,8 +95,7 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
   if requested == "cudnn":
     problems = []
     if platform is not None and platform != "gpu":
-      problems.append(f"it needs an NVIDIA GPU, this machine's platform is {platform} "
-                      "(use 'auto' or 'xla' here)")
+      problems.append(f"it needs an NVIDIA GPU, {elsewhere}")
     if dtype not in ("bfloat16", "float16"):
       problems.append(f"it needs model.dtype=bfloat16 (cuDNN flash attention has no {dtype})")
     if augmented_head_dim is not None:
@@ -108,8 +108,7 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
   if requested == "splash":
     problems = []
     if platform is not None and platform != "tpu":
-      problems.append(f"splash attention is a TPU kernel, this machine's platform is {platform} "
-                      "(use 'auto' or 'xla' here)")
+      problems.append(f"splash attention is a TPU kernel, {elsewhere}")
     if augmented_head_dim is not None:
       problems.append(why_wide + "; use 'xla' or model.diagonal='none'")
     if seq_len is not None and seq_len % SPLASH_BLOCK:

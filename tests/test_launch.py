@@ -18,9 +18,10 @@ HOSTILE = "--config.data.files=a b;rm -rf x"
 MAIN_ARGS = ["--config=experiments/tiny.py", "--workdir=/mnt/runs/t w", HOSTILE]
 
 
-def _launch(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def _launch(script: str, *args: str, timeout: float = 60,
+            env: dict | None = None) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, f"launch/{script}", *args], cwd=REPO,
-                        capture_output=True, text=True, timeout=timeout)
+                        capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _script(name: str):
@@ -271,17 +272,14 @@ def test_a_launcher_whose_tool_is_missing_says_so_in_one_line_and_writes_nothing
   # Off a SLURM login node or without the Cloud CLI: one line naming the tool, no traceback,
   # no half-done work (no script written, no tarball packed, no process started).
   main = ["no-such-tool", "x"] if script == "local.py" else ["--config=c.py", "--workdir=/w"]
-  proc = subprocess.run(
-      [sys.executable, f"launch/{script}", *(a.format(tmp=tmp_path) for a in args), "--", *main],
-      cwd=REPO, capture_output=True, text=True, timeout=60,
-      env=dict(os.environ, PATH=str(tmp_path)))
+  proc = _launch(script, *(a.format(tmp=tmp_path) for a in args), "--", *main,
+                 env=dict(os.environ, PATH=str(tmp_path)))
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
   last = proc.stderr.strip().splitlines()[-1]
   assert last.startswith(f"{script}: error: ") and tool in last, last
   assert "not found on PATH" in last or "not an executable on PATH" in last, last
   if script == "local.py":  # a path is not looked up on PATH
-    proc = subprocess.run([sys.executable, "launch/local.py", "--", str(tmp_path / "run.sh")],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = _launch("local.py", "--", str(tmp_path / "run.sh"))
     assert proc.stderr.strip().splitlines()[-1].endswith("is not an executable file"), proc.stderr
   assert list(tmp_path.iterdir()) == []
 
