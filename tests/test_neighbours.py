@@ -164,19 +164,26 @@ def test_inner_rules_match_a_float64_numpy_iteration(tmp_path, opt, manifold, un
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-def test_padding_enters_no_energy_of_the_trace_user_energies_included(tmp_path):
-  """The energy trace sums over the real tokens: windows padded at their tail give the trace
-  of their real prefix alone. The quadratic user energies are not 0 at a padding token's
-  state, so this holds only because padding is evaluated at y = context = 0."""
+@pytest.mark.parametrize("document_mask", [True, False])
+@pytest.mark.parametrize("energy", ["builtin", "user"])
+def test_padding_enters_no_energy_of_the_trace_user_energies_included(
+    tmp_path, energy, document_mask):
+  """The energy trace sums over the real tokens: a window padded at its tail, batched with a
+  row of padding alone, gives the trace of its real prefix alone, with or without the
+  document mask. The quadratic user energies are not 0 at a padding token's state, so this
+  holds only because padding is evaluated at y = context = 0; the log-sum-exp of a padded
+  query is 0 only if it sees no key (model.document_mask=False sees them through the causal
+  mask: the trace then grew with eval.batch_size)."""
   (tmp_path / "quad.py").write_text(QUADRATIC)
-  cfg = model_cfg(attention_energy=f"{tmp_path}/quad.py:att",
-                  mlp_energy=f"{tmp_path}/quad.py:mlp", num_steps=2, rope=False)
+  user = dict(attention_energy=f"{tmp_path}/quad.py:att",
+              mlp_energy=f"{tmp_path}/quad.py:mlp") if energy == "user" else {}
+  cfg = model_cfg(num_steps=2, rope=False, document_mask=document_mask, **user)
   model = DecoderLM(cfg, V, rngs=nnx.Rngs(5))
   nnx.update(model, jax.tree.map(lambda p: p * 1.3 + 0.01, nnx.state(model, nnx.Param)))
   tokens, real = _tokens(3), 4
-  segment_ids = jnp.broadcast_to(jnp.arange(N) < real, (B, N)).astype(jnp.int32)
+  segment_ids = jnp.stack([jnp.arange(N) < real, jnp.zeros(N, bool)]).astype(jnp.int32)
   _, padded = model(tokens, segment_ids, trace=True)
-  _, prefix = model(tokens[:, :real], segment_ids[:, :real], trace=True)
+  _, prefix = model(tokens[:1, :real], segment_ids[:1, :real], trace=True)
   got, want = jax.tree.leaves(padded), jax.tree.leaves(prefix)
   assert len(got) == len(want) == 3 * 2 * 4  # layers x steps x (att, mlp) x (before, after)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -220,8 +220,14 @@ class CEMBlock(nnx.Module):
     without that, padding would enter per-token means and make them depend on the batching."""
     view = self._view(norm, y)
     if aux.real is not None:
-      real = aux.real[..., None]
-      view, context = jnp.where(real, view, 0), jnp.where(real, context, 0)
+      real = aux.real
+      view = jnp.where(real[..., None], view, 0)
+      context = jnp.where(real[..., None], context, 0)
+      if aux.segment_ids is None:
+        # model.document_mask=False: the causal mask lets padding see (and be seen by) tokens,
+        # and a query at 0 facing n keys still has a log-sum-exp of log n.
+        aux = aux.replace(mask=aux.mask & real[:, :, None] & real[:, None, :],
+                          is_plain_causal=False, is_causal=False)
     return spec.energy(view, context, params, aux)
 
   def _att_delta(self, y, context, aux, t, rec, key, at=None, kv=None):
