@@ -2,7 +2,8 @@
 blocks before anything is compiled for training:
 
 - each energy, and the fused update when it is the one used, is evaluated abstractly
-  (``jax.eval_shape``) on both layouts the model calls it with: training (``y`` and
+  (``jax.eval_shape``), with inputs and weights in ``model.dtype`` as the layer passes them,
+  on both layouts the model calls it with: training (``y`` and
   ``context`` of equal length) and cached decoding (``y`` the new tokens, ``context`` and
   ``aux.mask``'s key axis the whole cache), and must return a float scalar (the update: an
   array shaped like ``y``);
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cem_jax import axes, energies, updates
+from cem_jax.layers import DTYPES
 from cem_jax.model import decoding_aux, training_aux
 
 # The abstract training layout; an energy's wrong-shape error quotes it (e.g. "(1, 4)").
@@ -80,7 +82,9 @@ def validate_energies(config) -> None:
           f"model.energy_block_size={m.energy_block_size} has no effect on the fused update "
           f"of {spec.name!r} (it changes how jax.grad of the energy is computed); set "
           "model.update_mode='autodiff' or model.energy_block_size=0")
-    shapes = _param_shapes(kind, m)
+    # The abstract checks see the dtypes the layer hands the energy (model.dtype); the
+    # numerical ones compare in float32, where a correct closed form agrees to ~1e-6.
+    shapes = _param_shapes(kind, m, DTYPES[m.dtype])
     for decoding in (False, True):
       seq = _DECODE_NEW if decoding else _ABSTRACT_SEQ
       with jax.default_device(_cpu_device()):  # the aux's masks are small eager arrays
@@ -89,10 +93,11 @@ def validate_energies(config) -> None:
       _check_energy_shape(field, spec, y, context, shapes, aux, decoding)
       if fused:
         _check_update_shape(field, spec, y, context, shapes, aux, decoding)
+    numeric = _param_shapes(kind, m, jnp.float32)
     if fused and not spec.builtin:
-      _check_fused_values(field, spec, kind, m, shapes)
+      _check_fused_values(field, spec, kind, m, numeric)
     if not spec.builtin:
-      _causal_values(field, spec, kind, m, shapes, update)
+      _causal_values(field, spec, kind, m, numeric, update)
 
 
 def _one_line(e: Exception) -> str:
@@ -105,21 +110,22 @@ def _fn_name(fn) -> str:
   return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _param_shapes(kind: str, m) -> dict:
-  """The ``params`` dict the slot's layer hands its energy (``cem_jax.layers.cem``), float32."""
+def _param_shapes(kind: str, m, dtype) -> dict:
+  """The ``params`` dict the slot's layer hands its energy (``energy_params`` in
+  ``cem_jax.layers.cem``): weights in ``dtype``, ``eta`` and ``beta`` float32."""
   d, h = m.d_model, m.num_heads
   dh = axes.head_dim_of(m)
   f32 = jnp.float32
   if kind == "mlp":
-    return {"w": jax.ShapeDtypeStruct((d, m.mlp_dim), f32),
-            "g": jax.ShapeDtypeStruct((d, m.mlp_dim), f32),
+    return {"w": jax.ShapeDtypeStruct((d, m.mlp_dim), dtype),
+            "g": jax.ShapeDtypeStruct((d, m.mlp_dim), dtype),
             "eta": jax.ShapeDtypeStruct((), f32)}
-  shapes = {"w_q": jax.ShapeDtypeStruct((d, h, dh), f32),
-            "w_k": jax.ShapeDtypeStruct((d, h, dh), f32),
+  shapes = {"w_q": jax.ShapeDtypeStruct((d, h, dh), dtype),
+            "w_k": jax.ShapeDtypeStruct((d, h, dh), dtype),
             "eta": jax.ShapeDtypeStruct((h,), f32),
             "beta": jax.ShapeDtypeStruct((h,), f32)}
   if m.diagonal != "none":
-    shapes["diag"] = jax.ShapeDtypeStruct((h, d), f32)  # 'shared' is broadcast to per head
+    shapes["diag"] = jax.ShapeDtypeStruct((h, d), dtype)  # 'shared' is broadcast to per head
   return shapes
 
 
@@ -151,8 +157,10 @@ def _context_len(kind: str, aux) -> int:
 
 
 def _abstract_inputs(kind, m, batch, seq, aux):
-  y = jax.ShapeDtypeStruct((batch, seq, m.d_model), jnp.float32)
-  context = jax.ShapeDtypeStruct((batch, _context_len(kind, aux), m.d_model), jnp.float32)
+  """``y`` and ``context`` as the layer passes them: in ``model.dtype``."""
+  dtype = DTYPES[m.dtype]
+  y = jax.ShapeDtypeStruct((batch, seq, m.d_model), dtype)
+  context = jax.ShapeDtypeStruct((batch, _context_len(kind, aux), m.d_model), dtype)
   return y, context
 
 
@@ -160,6 +168,8 @@ def _where(y, context, aux, decoding: bool, inputs: str = "inputs") -> str:
   """How the inputs looked, for an error message (shapes only in the decoding layout, the one
   users do not expect)."""
   if not decoding:
+    if inputs == "inputs" and y.dtype != jnp.float32:
+      inputs = f"{jnp.dtype(y.dtype).name} inputs (model.dtype)"
     return f"[batch, seq_len, d_model] {inputs}"
   shapes = f"y {list(y.shape)}, context {list(context.shape)}, aux.mask {list(aux.mask.shape)}"
   longer = "context longer than y" if context.shape[1] > y.shape[1] else "aux.mask wider than y"

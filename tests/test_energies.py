@@ -350,6 +350,12 @@ def cumsum_exact_fused_update(y, context, params, aux):
   return -jax.grad(gate_cumsum)(y, context, params, aux)
 
 
+def f32_only(y, context, params, aux):  # lax.mul takes no mixed dtypes: bf16 inputs fail
+  pre = jnp.einsum("btd,df->btf", y, params["w"])
+  gate = jnp.einsum("btd,df->btf", context, params["g"])
+  return jax.lax.mul(jnp.sum(gate * jnp.tanh(pre)), -params["eta"])
+
+
 def tril(y, context, params, aux):  # builds its own mask of y's length
   q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
   k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
@@ -442,6 +448,18 @@ def test_energy_with_its_own_causal_mask_is_refused_at_start_up(tmp_path):
       "longer than y, as in cached decoding (python -m cem_jax.sample) (y [1, 2, 64], "
       "context [1, 8, 64], aux.mask [1, 2, 8]): ValueError: Incompatible shapes")
   assert "build masks from aux.mask" in message
+
+
+def test_energy_that_fails_in_the_models_dtype_is_refused_at_start_up(tmp_path):
+  """The layer hands an energy its weights, y and context in model.dtype (eta, beta float32).
+  The abstract checks ran in float32 only, so an energy failing on bfloat16 passed start-up
+  and failed when the train step compiled, after the data was prepared, as a traceback."""
+  preflight.check(_user_config(tmp_path, mlp_energy="f32_only"))  # float32: fine
+  message = _refusal(_user_config(tmp_path, mlp_energy="f32_only", dtype="bfloat16"))
+  assert message.startswith(
+      f"model.mlp_energy='{tmp_path}/user_fused.py:f32_only' failed on [batch, seq_len, "
+      "d_model] bfloat16 inputs (model.dtype): TypeError: ")
+  assert "bfloat16" in message.split("TypeError: ")[1]
 
 
 @pytest.mark.parametrize("slot,name,extra", [
