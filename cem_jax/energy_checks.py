@@ -61,7 +61,8 @@ def validate_energies(config) -> None:
 
   Raises:
     ValueError: one line naming the config field: unknown energy; no closed form for
-      ``update_mode='fused'``; ``energy_block_size`` with a fused update; an energy or fused
+      ``update_mode='fused'``; ``energy_block_size`` with a fused update, or with an energy
+      that does not read ``aux.energy_block_size``; an energy or fused
       update that fails, or returns the wrong shape or dtype, in either layout; a user's fused
       update whose maximum relative error against ``-jax.grad(energy)`` exceeds
       :data:`FUSED_RTOL` (or whose reference gradient is not finite); a user's energy whose
@@ -93,6 +94,8 @@ def validate_energies(config) -> None:
       _check_energy_shape(field, spec, y, context, shapes, aux, decoding)
       if fused:
         _check_update_shape(field, spec, y, context, shapes, aux, decoding)
+      if kind == "attention" and m.energy_block_size > 0 and not decoding:
+        _check_block_size_read(field, spec, y, context, shapes, aux)
     numeric = _param_shapes(kind, m, jnp.float32)
     if fused and not spec.builtin:
       _check_fused_values(field, spec, kind, m, numeric)
@@ -195,6 +198,24 @@ def _check_energy_shape(field, spec, y, context, shapes, aux, decoding):
   if not jnp.issubdtype(out.dtype, jnp.floating):
     raise ValueError(f"{field}={spec.name!r} returns dtype {out.dtype}{where}; an energy must "
                      "return a float scalar")
+
+
+def _check_block_size_read(field, spec, y, context, shapes, aux):
+  """Refuses ``model.energy_block_size`` that the energy never reads: its computation
+  (jaxpr) is then the same at another block size, so memory stays quadratic in seq_len. The
+  other size is 1 (2 when the config's is 1): over the abstract layout's 4 keys a block of 1
+  is a scan of 4 steps, any other size fewer (0 could look the same as a block of all keys)."""
+  def computation(block_size):
+    at = aux.replace(energy_block_size=block_size)
+    return str(jax.make_jaxpr(lambda y_, c_, p_: spec.energy(y_, c_, p_, at))(y, context,
+                                                                               shapes))
+  size = aux.energy_block_size
+  if computation(size) == computation(2 if size == 1 else 1):
+    raise ValueError(
+        f"model.energy_block_size={aux.energy_block_size} has no effect on {field}="
+        f"{spec.name!r}: the energy does not read aux.energy_block_size (pass it to "
+        "cem_jax.energies.blockwise_logsumexp for memory linear in seq_len); set "
+        "model.energy_block_size=0")
 
 
 def _check_update_shape(field, spec, y, context, shapes, aux, decoding):

@@ -92,6 +92,9 @@ UNUSED = [
      r"model.eta_init=0.5 has no effect with model.learn_eta=False"),
     ({"model.cem_attention": False, "model.cem_mlp": False, "model.eta_init": 0.5},
      r"model.eta_init=0.5 has no effect with model.cem_attention=False and"),
+    ({"model.cem_attention": False, "model.cem_mlp": False, "model.norm_mode": "chain"},
+     r"^model.norm_mode='chain' has no effect with model.cem_attention=False and model.cem_mlp"
+     r"=False \('chain' differentiates an energy step through its norm; .*'prenorm'$"),
     ({"model.block": "llama", "eval.num_steps": 3},
      r"^eval.num_steps=3 has no effect with model.block='llama' \(it applies to CEM blocks "),
     ({"model.rope": False, "model.rope_theta": 500.0},
@@ -121,6 +124,8 @@ def test_options_that_would_be_ignored_are_refused(overrides, message):
     {"model.cem_mlp": False, "model.precond": "attention", "model.num_steps": 2,
      "model.context": "coevolve", "model.precond_shared": False, "model.eta_per_step": True},
     {"model.cem_attention": False, "model.cem_mlp": False, "model.num_steps": 2},
+    {"model.cem_attention": False, "model.cem_mlp": False, "model.norm_mode": "none"},
+    {"model.cem_mlp": False, "model.norm_mode": "chain"},  # the attention's energy step
     {"model.diagonal": "shared", "model.diagonal_form": "distance"},
     {"model.context": "coevolve"},  # T=1 in training, eval.num_steps may add test-time steps
     {"model.split": "joint"},  # joint differs from lie_trotter at T=1 too

@@ -224,7 +224,7 @@ def test_preconditioner_is_positive_definite():
 USER_FUSED = '''
 import jax
 import jax.numpy as jnp
-from cem_jax.energies import apply_rope
+from cem_jax.energies import apply_rope, blockwise_logsumexp
 
 
 def _scores(y, context, params, aux):
@@ -350,6 +350,21 @@ def cumsum_exact_fused_update(y, context, params, aux):
   return -jax.grad(gate_cumsum)(y, context, params, aux)
 
 
+def lse_blocks(y, context, params, aux):  # reads aux.energy_block_size (all keys when 0)
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  lse = blockwise_logsumexp(q, k, aux.mask, aux.energy_block_size or k.shape[1],
+                            params["beta"])
+  return -jnp.sum(params["eta"][None, :, None] * lse)
+
+
+def lse_dense(y, context, params, aux):  # the same energy, blind to aux.energy_block_size
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  lse = blockwise_logsumexp(q, k, aux.mask, k.shape[1], params["beta"])
+  return -jnp.sum(params["eta"][None, :, None] * lse)
+
+
 def f32_only(y, context, params, aux):  # lax.mul takes no mixed dtypes: bf16 inputs fail
   pre = jnp.einsum("btd,df->btf", y, params["w"])
   gate = jnp.einsum("btd,df->btf", context, params["g"])
@@ -448,6 +463,23 @@ def test_energy_with_its_own_causal_mask_is_refused_at_start_up(tmp_path):
       "longer than y, as in cached decoding (python -m cem_jax.sample) (y [1, 2, 64], "
       "context [1, 8, 64], aux.mask [1, 2, 8]): ValueError: Incompatible shapes")
   assert "build masks from aux.mask" in message
+
+
+def test_energy_block_size_an_energy_never_reads_is_refused(tmp_path):
+  """model.energy_block_size reaches energies only through aux: one that ignores it kept
+  quadratic memory under jax.grad, silently. An energy reading it (even one treating 0 as one
+  block of all keys, so that 0 and a block of all keys look the same) and the built-in pass."""
+  blocks = {"update_mode": "autodiff", "energy_block_size": 64, "rope": False}
+  message = _refusal(_user_config(tmp_path, attention_energy="lse_dense", **blocks))
+  assert message == (
+      f"model.energy_block_size=64 has no effect on model.attention_energy='{tmp_path}/"
+      "user_fused.py:lse_dense': the energy does not read aux.energy_block_size (pass it to "
+      "cem_jax.energies.blockwise_logsumexp for memory linear in seq_len); set "
+      "model.energy_block_size=0")
+  for size in (1, 2, 64):
+    preflight.check(_user_config(tmp_path, attention_energy="lse_blocks",
+                                 **dict(blocks, energy_block_size=size)))
+  preflight.check(_user_config(tmp_path, **blocks))  # the built-in softmax energy
 
 
 def test_energy_that_fails_in_the_models_dtype_is_refused_at_start_up(tmp_path):
