@@ -25,6 +25,13 @@ GIB = 2**30
 _OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"
 
 
+def _is_out_of_memory(e: Exception) -> bool:
+  """The runtime error's status code (``error_code_string``; a jaxlib without it puts the
+  code's name first in the message)."""
+  code = getattr(e, "error_code_string", None)
+  return code == _OUT_OF_MEMORY if code is not None else str(e).startswith(_OUT_OF_MEMORY)
+
+
 def footprint_bytes(compiled) -> int | None:
   """A compiled program's device memory per device, in bytes: arguments + outputs + XLA
   temporaries − buffers aliased (donated inputs reused as outputs), from XLA's memory
@@ -146,7 +153,7 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
   try:
     compiled = jitted.lower(*args).compile()
   except jax.errors.JaxRuntimeError as e:
-    if not str(e).startswith(_OUT_OF_MEMORY):
+    if not _is_out_of_memory(e):
       raise
     first = str(e).splitlines()[0][:200]
     raise ValueError(f"{what} does not fit in device memory (XLA: {first}): {advice}") from e
