@@ -59,7 +59,8 @@ def step_dir(directory: str, step: int) -> str:
 
 
 def digest_path(directory: str, step: int) -> str:
-  """The sha256 digest file of checkpoint ``step`` (written after the step commits)."""
+  """The sha256 digest file of checkpoint ``step`` (written once the step's files are final,
+  before Orbax commits it: the module docstring)."""
   return os.path.join(directory, DIGEST_DIR, f"{step}.json")
 
 

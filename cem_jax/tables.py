@@ -350,8 +350,9 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
   and data order), mean and std over the seeds both rows have. Seeds move all rows together
   (a lucky data order helps every model), so the paired difference is the fair comparison.
   Losses are nats/token; ``perplexity`` is ``exp`` of the mean loss over seeds;
-  ``tokens_per_sec`` the mean over seeds of each run's median logged rate (the first log,
-  which holds the compilation, left out); ``flops_per_token``
+  ``tokens_per_sec`` the mean over seeds of each run's median logged rate (the first log
+  left out as warm-up: the step is compiled before the clock starts, but the first steps
+  still start the data reads and allocate buffers); ``flops_per_token``
   analytic forward FLOPs (:func:`cem_jax.model_stats.flops_per_token`).
   """
   names = [r for r in (rows or module.ROWS) if any(x["row"] == r for x in results)]
