@@ -31,6 +31,7 @@ import os
 import time
 
 import jax
+import orbax.checkpoint as ocp
 from absl import logging
 
 from cem_jax.distributed import sync_processes
@@ -39,11 +40,12 @@ from cem_jax.files import atomic_write_json, sha256_file
 DIGEST_DIR = "digests"
 REJECTED_DIR = "rejected"
 # Orbax's file names (orbax.checkpoint's commit protocol): the marker of a committed step where
-# rename is not atomic, the per-step metadata the commit rewrites, and the suffix of a step
-# folder that is still being written.
-COMMIT_MARKER = "commit_success.txt"
+# rename is not atomic, the per-step metadata the commit rewrites (Orbax exports no name for
+# it; tests/test_checkpoint.py saves and verifies real steps), and the suffix of a step folder
+# that is still being written.
+COMMIT_MARKER = ocp.path.atomicity.COMMIT_SUCCESS_FILE
 _NOT_DIGESTED = ("_CHECKPOINT_METADATA", COMMIT_MARKER)
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
 
 
 class CheckpointError(ValueError):
