@@ -31,7 +31,7 @@ import numpy as np
 
 from cem_jax import axes, energies, updates
 from cem_jax.layers import DTYPES
-from cem_jax.model import decoding_aux, training_aux
+from cem_jax.model import check_kernel_is_called, decoding_aux, training_aux
 
 # The abstract training layout; an energy's wrong-shape error quotes it (e.g. "(1, 4)").
 _ABSTRACT_BATCH, _ABSTRACT_SEQ = 1, 4
@@ -61,7 +61,8 @@ def validate_energies(config) -> None:
 
   Raises:
     ValueError: one line naming the config field: unknown energy; no closed form for
-      ``update_mode='fused'``; ``energy_block_size`` with a fused update, or with an energy
+      ``update_mode='fused'``; an explicit ``attention_impl`` with an attention update that
+      calls no kernel; ``energy_block_size`` with a fused update, or with an energy
       that does not read ``aux.energy_block_size``; an energy or fused
       update that fails, or returns the wrong shape or dtype, in either layout; a user's fused
       update whose maximum relative error against ``-jax.grad(energy)`` exceeds
@@ -78,6 +79,8 @@ def validate_energies(config) -> None:
     spec = energies.get(m[field.split(".")[1]], kind, field)
     update = updates.resolve_update(spec, m.update_mode)
     fused = update is spec.fused_update
+    if kind == "attention":
+      check_kernel_is_called(m, fused)
     if kind == "attention" and m.energy_block_size > 0 and fused:
       raise ValueError(
           f"model.energy_block_size={m.energy_block_size} has no effect on the fused update "

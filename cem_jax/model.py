@@ -49,21 +49,33 @@ def resolve_attention(cfg, blocks, platform: str | None = None) -> tuple[str, st
       would use (an autodiff CEM update calls no attention kernel).
   """
   platform = jax.default_backend() if platform is None else platform
-  requested = cfg.attention_impl
   block = blocks[0]
   if isinstance(block, CEMBlock) and block.att_spec is not None:
     fused = block.att_update is block.att_spec.fused_update
+    check_kernel_is_called(cfg, fused)
     if not fused:
-      if requested not in ("auto", "xla"):
-        raise ValueError(
-            f"model.attention_impl={requested!r} has no effect: the CEM attention update is "
-            f"jax.grad of {cfg.attention_energy!r} (model.update_mode={cfg.update_mode!r}), "
-            "which calls no attention kernel; use 'auto' or 'xla' (memory: "
-            "model.energy_block_size)")
       return "xla", ("no attention kernel: the CEM update is jax.grad of the energy "
                      f"(model.energy_block_size={cfg.energy_block_size})")
-  return attention.resolve(requested, platform=platform, dtype=cfg.dtype,
+  return attention.resolve(cfg.attention_impl, platform=platform, dtype=cfg.dtype,
                            head_dim=head_dim_of(cfg), augmented_head_dim=augmented_head_dim(cfg))
+
+
+def check_kernel_is_called(cfg, fused: bool) -> None:
+  """Refuses an explicit ``model.attention_impl`` that no layer would call: a CEM attention
+  update that is not fused (``jax.grad`` of the energy) calls no attention kernel.
+
+  Args:
+    cfg: the ``model`` config group of a model with the CEM attention.
+    fused: whether its attention update is the energy's closed form.
+  Raises:
+    ValueError: one line naming ``model.attention_impl`` and ``model.update_mode``.
+  """
+  if not fused and cfg.attention_impl not in ("auto", "xla"):
+    raise ValueError(
+        f"model.attention_impl={cfg.attention_impl!r} has no effect: the CEM attention update "
+        f"is jax.grad of {cfg.attention_energy!r} (model.update_mode={cfg.update_mode!r}), "
+        "which calls no attention kernel; use 'auto' or 'xla' (memory: "
+        "model.energy_block_size)")
 
 
 def training_aux(
