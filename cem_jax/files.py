@@ -3,7 +3,8 @@
 The data goes to a temporary file in the same folder (so the rename stays on one filesystem),
 is flushed to disk, and is renamed over ``path`` (``os.replace``, atomic on POSIX and Windows).
 A failed write removes its temporary file and leaves ``path`` as it was; a killed one leaves
-it, and :func:`temporary_of` recognises it. :func:`sha256_file` hashes a file of any size.
+it, and :func:`temporary_of` recognises it. :func:`atomic_path` does the same for a writer
+that opens the file by name. :func:`sha256_file` hashes a file of any size.
 """
 
 from __future__ import annotations
@@ -87,14 +88,27 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
   Raises:
     OSError: as :func:`atomic_write_bytes`.
   """
+  with atomic_path(path) as tmp, open(tmp, "xb") as f:
+    yield f
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
+  """The name of a temporary file, for a writer that opens files by name (e.g. an
+  ``ArrayRecordWriter``): when the ``with`` block ends without an exception, the file written
+  there is flushed to disk and replaces ``path`` atomically; on an exception it is removed
+  and ``path`` is unchanged. The folder must exist; the block must close the file.
+
+  Raises:
+    OSError: as :func:`atomic_write_bytes`, or nothing was written at the name.
+  """
   path = os.fspath(path)
   # A unique name (not tempfile.mkstemp): concurrent writers never share a temporary file, and
   # the file gets the usual permissions (umask), not mkstemp's owner-only 0600.
   tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
   try:
-    with open(tmp, "xb") as f:
-      yield f
-      f.flush()
+    yield tmp
+    with open(tmp, "rb") as f:
       os.fsync(f.fileno())
     os.replace(tmp, path)
   except BaseException:

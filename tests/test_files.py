@@ -47,7 +47,11 @@ def test_temporary_of_recognises_the_temporaries_of_both_writers(tmp_path, monke
   files.atomic_write_json(tmp_path / "a.json", {"a": 1})
   with files.atomic_writer(tmp_path / "b.txt") as f:
     f.write(b"streamed")
-  assert [files.temporary_of(name) for name in made] == ["a.json", "b.txt"]
+  with files.atomic_path(tmp_path / "c.bin") as name:
+    with open(name, "wb") as f:
+      f.write(b"by name")
+  assert [files.temporary_of(name) for name in made] == ["a.json", "b.txt", "c.bin"]
+  assert (tmp_path / "c.bin").read_bytes() == b"by name"
   assert files.temporary_of(tmp_path / made[0]) == "a.json"
   for name in ["a.json", "a.json.tmp", "a.json.12.0123456789ab.tmp.bak",
                "a.json.x.0123456789ab.tmp", "a.json.12.0123456789.tmp", ".12.0123456789ab.tmp"]:
@@ -66,6 +70,16 @@ def test_atomic_writer_keeps_the_old_file_on_an_exception(tmp_path):
   with pytest.raises(FileNotFoundError):
     with files.atomic_writer(tmp_path / "no" / "a.bin"):
       pass
+  with pytest.raises(KeyboardInterrupt):
+    with files.atomic_path(path) as name:
+      with open(name, "wb") as f:
+        f.write(b"half")
+      raise KeyboardInterrupt
+  assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["a.bin"]
+  with pytest.raises(FileNotFoundError):  # nothing written at the name: path unchanged
+    with files.atomic_path(path):
+      pass
+  assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["a.bin"]
 
 
 def test_sha256_file_is_the_digest_of_the_whole_file(tmp_path):

@@ -299,7 +299,8 @@ def test_a_prepare_killed_before_its_first_shard_gives_way_to_other_input(tmp_pa
   (out / "prepare.json").write_text(json.dumps({"fingerprint": "0123456789abcdef",
                                                 "format_version": 1}))
   (out / "tokenizer.model").write_bytes(b"the tokenizer of other text")
-  (out / "train-00000.array_record.tmp1234").write_bytes(b"half a shard")
+  (out / "train-00000.array_record.4321.0123456789ab.tmp").write_bytes(b"half a shard")
+  (out / "train-00001.array_record.tmp1234").write_bytes(b"half a shard (older cem_jax)")
   # And the temporary files of its atomic writes killed before the rename; a file that only
   # looks like one is not ours: it stays.
   (out / "prepare.json.4321.0123456789ab.tmp").write_text("{")

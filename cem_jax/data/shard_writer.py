@@ -42,7 +42,13 @@ from cem_jax.data.prepared import (
     shard_name,
     token_dtype,
 )
-from cem_jax.files import atomic_write_bytes, atomic_write_json, sha256_file, temporary_of
+from cem_jax.files import (
+    atomic_path,
+    atomic_write_bytes,
+    atomic_write_json,
+    sha256_file,
+    temporary_of,
+)
 
 # About 16 MB of text per shard: a few seconds of encoding, so a killed prepare loses little
 # and the shards of a large corpus keep both workers busy.
@@ -136,22 +142,15 @@ def _encode_and_write(job: tuple[dict, str, str, str]) -> dict:
   nbytes = np.concatenate(byte_parts).astype("<u4") if with_bytes else None
   name = shard_name(task["split"], task["index"])
   path = out_dir / name
-  tmp = out_dir / f"{name}.tmp{os.getpid()}"
-  writer = array_record_module.ArrayRecordWriter(os.fspath(tmp), WRITER_OPTIONS)
-  try:
+  with atomic_path(path) as tmp:
+    writer = array_record_module.ArrayRecordWriter(tmp, WRITER_OPTIONS)
     for start in range(0, len(ids), RECORD_TOKENS):
       record = ids[start:start + RECORD_TOKENS].tobytes()
       if nbytes is not None:
         record += nbytes[start:start + RECORD_TOKENS].tobytes()
       writer.write(record)
     writer.close()
-    with open(tmp, "rb") as f:
-      os.fsync(f.fileno())
     digest = sha256_file(tmp)
-    os.replace(tmp, path)
-  except BaseException:
-    tmp.unlink(missing_ok=True)
-    raise
   meta = {
       "file": name, "tokens": int(len(ids)), "records": -(-len(ids) // RECORD_TOKENS),
       "size": path.stat().st_size, "sha256": digest, "text_sha256": _task_hash(task),
@@ -207,7 +206,9 @@ def _remove_leftovers(out_dir: Path, *, progress: bool, tokenizer: bool) -> None
   as asked, ``prepare.json`` and the tokenizer. Other files are not ours: they stay."""
   for path in out_dir.iterdir():
     name = path.name
+    # (``.array_record.tmp<pid>``: a shard's temporary before it was an atomic_path)
     if (temporary_of(name) in (PROGRESS, TOKENIZER)
+        or (temporary_of(name) or "").endswith(".array_record")
         or ".array_record.tmp" in name or (progress and name == PROGRESS)
         or (tokenizer and name == TOKENIZER)):
       path.unlink(missing_ok=True)
