@@ -114,7 +114,7 @@ def test_interleave_split_holds_out_every_kth_chunk():
   assert (train, validation) == text_lib.interleave_split(list(docs), 0.2)
   total = sum(map(len, docs))
   size = min(text_lib.HOLDOUT_CHUNK_CHARS, -(-total // 20))
-  chunks = [c for d in docs for c in text_lib.holdout_chunks(d, size)]
+  chunks = [c for d in docs for c in text_lib.cut_at_breaks(d, size)]
   assert validation == chunks[4::5]
   # Training keeps each document's consecutive chunks together, in order.
   assert "".join(train) == "".join(c for i, c in enumerate(chunks) if i % 5 != 4)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm import tqdm
 
+from cem_jax.data import text
 from cem_jax.data.tokenizer import Tokenizer
 
 # Documents are encoded in pieces of at most this many characters (cut at a paragraph or line
@@ -63,22 +64,13 @@ class Windows:
 def encode_pieces(doc: str) -> list[str]:
   """Splits ``doc`` into the pieces it is encoded in: at most ``ENCODE_PIECE_CHARS``
   characters each, cut after the last blank line (else newline) before the limit when there
-  is one. Joined, they give ``doc`` back; ``[]`` for an empty document.
+  is one (:func:`cem_jax.data.text.cut_at_breaks`). Joined, they give ``doc`` back; ``[]``
+  for an empty document.
 
   The in-memory and prepared paths both encode these pieces, so they tokenize a document the
   same way.
   """
-  out = []
-  start = 0
-  while start < len(doc):
-    end = start + ENCODE_PIECE_CHARS
-    if end < len(doc):
-      cut = doc.rfind("\n\n", start, end - 1)
-      cut = cut + 2 if cut >= start else doc.rfind("\n", start, end) + 1
-      end = cut if cut > start else end
-    out.append(doc[start:end])
-    start = end
-  return out
+  return text.cut_at_breaks(doc, ENCODE_PIECE_CHARS)
 
 
 def encode_documents(tok: Tokenizer, docs: Sequence[str], desc: str = "encode"

@@ -154,10 +154,11 @@ def split_documents(
 HOLDOUT_CHUNK_CHARS = 16 * 1024
 
 
-def holdout_chunks(doc: str, size: int) -> list[str]:
+def cut_at_breaks(doc: str, size: int) -> list[str]:
   """Cuts ``doc`` into pieces of at most ``size`` characters, each ending after a paragraph
   break (``'\\n\\n'``) when the window has one, else after a newline, else at ``size``;
-  ``''.join(result) == doc``."""
+  ``''.join(result) == doc`` (``[]`` for an empty ``doc``). The held-out chunks and the
+  pieces a document is encoded in (``packing.encode_pieces``) are cut by this rule."""
   pieces = []
   start = 0
   while start < len(doc):
@@ -178,7 +179,7 @@ def interleave_split(
 
   The rule for local files (``data.files``), so the held-out text samples the whole corpus
   rather than its tail (the licence text of many e-texts): every document is cut by
-  ``holdout_chunks`` into chunks of at most ``size = min(HOLDOUT_CHUNK_CHARS, ceil(total /
+  ``cut_at_breaks`` into chunks of at most ``size = min(HOLDOUT_CHUNK_CHARS, ceil(total /
   (4 k)))`` characters, ``total`` the characters of all documents and ``k =
   round(1 / validation_fraction)``, so every corpus has at least ~4 held-out chunks. Chunks
   are numbered across the corpus from 0; chunk ``c`` is held out when ``c % k == k - 1``.
@@ -209,7 +210,7 @@ def interleave_split(
   c = 0
   for doc in docs:
     run: list[str] = []
-    for chunk in holdout_chunks(doc, size):
+    for chunk in cut_at_breaks(doc, size):
       if c % k == k - 1:
         if run:
           train.append("".join(run))
