@@ -129,6 +129,13 @@ def mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
   return tuple(sizes)
 
 
+def data_parallel_size(mesh_config, sizes: dict[str, int]) -> int:
+  """The devices a batch is split over: the product of ``sizes`` (resolved mesh sizes, as
+  :func:`check_config` returns them) over the mesh axes of the ``batch`` rule."""
+  batch_axes = mesh_axes_of(dict(rules_from_config(mesh_config)).get("batch"))
+  return math.prod(sizes[a] for a in batch_axes)
+
+
 def check_config(config, num_devices: int) -> dict[str, int]:
   """Checks the mesh of ``config`` against the devices and the model/batch sizes.
 
@@ -156,7 +163,7 @@ def check_config(config, num_devices: int) -> dict[str, int]:
                        f"{logical!r} over {'x'.join(axes)}); allowed: a {'x'.join(axes)} size "
                        f"dividing {size}")
   axes = mesh_axes_of(rules.get("batch"))
-  dp = math.prod(sizes[a] for a in axes)
+  dp = data_parallel_size(config.mesh, sizes)
   names = " x ".join(f"mesh.{a}" for a in axes) or "(none: mesh.rules replicates batch)"
   values = " x ".join(str(sizes[a]) for a in axes) or "1"
   for field in ("train.batch_size", "eval.batch_size"):

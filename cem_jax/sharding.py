@@ -22,6 +22,7 @@ from cem_jax.axes import (  # noqa: F401
   LOGICAL_AXES,
   MESH_AXES,
   check_config,
+  data_parallel_size,
   mesh_axes_of,
   mesh_shape,
   rules_from_config,

@@ -62,9 +62,7 @@ def data_parallel_devices(config: ml_collections.ConfigDict) -> int:
       ``model.num_heads``, ``model.mlp_dim`` (``model.d_model``).
   """
   sizes = sharding_lib.check_config(config, jax.device_count())
-  batch_axes = dict(sharding_lib.rules_from_config(config.mesh)).get("batch")
-  names = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
-  return math.prod(sizes[n] for n in names)
+  return sharding_lib.data_parallel_size(config.mesh, sizes)
 
 
 # The schedule passing over the training tokens this many times or more gets a warning: from the
