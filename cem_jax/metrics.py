@@ -103,6 +103,18 @@ def read_metrics(workdir: str) -> list[dict]:
   return [m for _, m in lines]
 
 
+def has_final_eval(workdir: str, num_steps: int) -> bool:
+  """Whether ``WORKDIR/metrics.jsonl`` holds the eval line of step ``num_steps``: a run
+  trained to its end (a preempted or killed one has none); False without the file.
+
+  Raises:
+    ValueError: as :func:`read_metrics`.
+  """
+  if not os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
+    return False
+  return any(m["step"] == num_steps and "eval/loss" in m for m in read_metrics(workdir))
+
+
 def _parse_metrics(path: str) -> tuple[list[tuple[str, dict]], str | None]:
   """The one parser of ``metrics.jsonl``, for readers and the resuming writer alike.
 

@@ -43,7 +43,7 @@ from cem_jax import cli, energies, model_stats, preflight, train
 from cem_jax import config as config_lib
 from cem_jax.config import get_default_config
 from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text
-from cem_jax.metrics import read_metrics
+from cem_jax.metrics import has_final_eval, read_metrics
 from cem_jax.model import DecoderLM
 from cem_jax.version import NUMERICS_VERSION
 
@@ -224,11 +224,6 @@ def _finished_run(workdir: str, digest: str, config) -> str | None:
   return None
 
 
-def _trained_to_the_end(out: str, num_steps: int) -> bool:
-  """True when ``out/metrics.jsonl`` has the eval line of the final step ``num_steps``."""
-  return any(m.get("step") == num_steps and "eval/loss" in m for m in read_metrics(out))
-
-
 def check_runs(module, scale: str, seeds: int, steps: int | None = None,
                rows: list[str] | None = None, overrides: dict | None = None) -> None:
   """Validates every run's config before any trains, so that a bad ``--set`` or row fails
@@ -303,7 +298,7 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
     else:
       logging.info("table %s: row %s seed %d -> %s", table, row, seed, out)
       final = train.train_and_evaluate(cfg, out)
-      if not _trained_to_the_end(out, cfg.train.num_steps):
+      if not has_final_eval(out, cfg.train.num_steps):
         # Preempted (SIGTERM): the run saved a checkpoint and returned early. Writing its
         # result.json would make a partial run count as finished; stop the table instead.
         logging.warning("table %s: row %s seed %d stopped before step %d (preempted); rerun "

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import re
 import shlex
@@ -101,21 +100,16 @@ def num_steps(module, arg, overrides: dict, extra: list[str]) -> int:
 
 
 def is_finished(run_dir: str, steps: int) -> bool:
-  """The run's final eval line and final checkpoint both exist."""
+  """The run's final eval line (``cem_jax.metrics.has_final_eval``) and final checkpoint both
+  exist."""
+  from cem_jax import metrics  # REPO is on sys.path once the config is loaded
+
   if not os.path.isdir(os.path.join(run_dir, "checkpoints", str(steps))):
     return False
   try:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-      for line in f:
-        try:
-          m = json.loads(line)
-        except json.JSONDecodeError:
-          continue  # a line cut short by a kill
-        if m.get("step") == steps and "eval/loss" in m:
-          return True
-  except OSError:
-    return False
-  return False
+    return metrics.has_final_eval(run_dir, steps)
+  except (OSError, ValueError) as e:  # a damaged metrics.jsonl: the run needs a look
+    raise SystemExit(f"error: run {run_dir!r}: {e}") from e
 
 
 def main_args(config: str, run_dir: str, overrides: dict, extra: list[str]) -> list[str]:

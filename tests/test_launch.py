@@ -407,6 +407,25 @@ def test_sweep_judges_a_run_by_its_own_num_steps_and_its_final_eval(tmp_path):
   assert shlex.split(lines[2])[4] == f"--workdir={work}/data.files=.._data_x.txt"
 
 
+def test_sweep_reads_metrics_with_the_one_parser(tmp_path):
+  """A torn last line (a kill mid-write) is skipped; damage before it is one line naming the
+  run and the file, not a run silently judged unfinished and trained again over it."""
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_STEPS_CONFIG)
+  work = tmp_path / "sw"
+  _finish(work / "short", 20)
+  with open(work / "short" / "metrics.jsonl", "a") as f:
+    f.write('{"step": 21, "train/lo')  # torn
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run")
+  assert proc.returncode == 0 and proc.stdout.startswith("skip short"), proc.stderr
+  metrics = work / "short" / "metrics.jsonl"
+  metrics.write_text("not json\n" + metrics.read_text())
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run")
+  assert proc.returncode == 1 and proc.stdout == ""
+  assert proc.stderr.startswith(f"error: run '{work}/short': {metrics}:1 is not valid JSON")
+  assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_sweep_copies_the_code_with_its_first_launched_run_and_fails_if_any_run_fails(
     tmp_path, monkeypatch, capsys):
   sweep = _script("sweep")
