@@ -308,7 +308,10 @@ class CEMBlock(nnx.Module):
     steps = cfg.num_steps if num_steps is None else num_steps
     x = x.astype(self.dtype)
     opt, manifold = cfg.inner_optimizer, cfg.manifold
-    # 'gd' on the euclidean manifold keeps today's ops in today's order (bit-identical).
+    # 'gd' on the euclidean manifold keeps its own ops in their own order. The general branches
+    # compute the same sums (Lie–Trotter bit for bit), but under the joint split XLA then
+    # fuses the sum otherwise: gradients move by ~3e-7, which would bump NUMERICS_VERSION
+    # and retrain the committed joint-split runs for nothing.
     plain = opt == "gd" and manifold == "euclidean"
     if manifold == "sphere":
       x = inner.retract(x)
