@@ -84,54 +84,68 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
     raise ValueError(f"model.attention_impl={requested!r}; allowed: "
                      f"{', '.join(IMPLEMENTATIONS)}")
   width = head_dim if augmented_head_dim is None else augmented_head_dim
-  elsewhere = f"this machine's platform is {platform} (use 'auto' or 'xla' here)"
-  limit = cudnn_max_head_dim(platform) if platform is not None else 256
+  why_wide = None
   if augmented_head_dim is not None:
     why_wide = (f"the CEM diagonal attends with one augmented head of width "
                 f"{augmented_head_dim} (d_h + d_model, + 1 in the distance form), beyond "
                 "flash kernels' head sizes")
   if requested == "xla":
     return "xla", "explicit"
-  if requested == "cudnn":
-    problems = []
-    if platform is not None and platform != "gpu":
-      problems.append(f"it needs an NVIDIA GPU, {elsewhere}")
-    if dtype not in ("bfloat16", "float16"):
-      problems.append(f"it needs model.dtype=bfloat16 (cuDNN flash attention has no {dtype})")
-    if augmented_head_dim is not None:
-      problems.append(why_wide + "; use 'xla' or model.diagonal='none'")
-    elif width % 8 or width > limit:
-      problems.append(f"head_dim={width} must be a multiple of 8 and <= {limit}")
+  if requested in ("cudnn", "splash"):
+    problems = (_cudnn_problems(platform, dtype, width, why_wide) if requested == "cudnn"
+                else _splash_problems(platform, seq_len, why_wide))
     if problems:
-      raise ValueError(f"model.attention_impl='cudnn' cannot run: {'; '.join(problems)}")
-    return "cudnn", "explicit"
-  if requested == "splash":
-    problems = []
-    if platform is not None and platform != "tpu":
-      problems.append(f"splash attention is a TPU kernel, {elsewhere}")
-    if augmented_head_dim is not None:
-      problems.append(why_wide + "; use 'xla' or model.diagonal='none'")
-    if seq_len is not None and seq_len % SPLASH_BLOCK:
-      problems.append(f"data.seq_len={seq_len} must be a multiple of {SPLASH_BLOCK}")
-    if problems:
-      raise ValueError(f"model.attention_impl='splash' cannot run: {'; '.join(problems)}")
-    return "splash", "explicit"
+      raise ValueError(f"model.attention_impl={requested!r} cannot run: {'; '.join(problems)}")
+    return requested, "explicit"
   # auto: the fastest kernel the platform, dtype, head size and mask allow.
   if platform is None:
     return "auto", "resolved when the model is built"
-  if augmented_head_dim is not None:
+  if why_wide is not None:
     return "xla", "auto: " + why_wide
   if platform == "gpu":
-    if dtype not in ("bfloat16", "float16"):
-      return "xla", f"auto: GPU with model.dtype={dtype} (cuDNN flash attention needs bf16)"
-    if width % 8 or width > limit:
-      return "xla", f"auto: head_dim={width} is not a multiple of 8 <= {limit} (cuDNN)"
+    problems = _cudnn_problems(platform, dtype, width, why_wide)
+    if problems:
+      return "xla", f"auto: GPU, but cuDNN flash attention cannot run: {'; '.join(problems)}"
     return "cudnn", f"auto: GPU, {dtype}, head_dim={width}: cuDNN flash attention"
   if platform == "tpu":
-    if seq_len is not None and seq_len % SPLASH_BLOCK:
-      return "xla", f"auto: TPU but seq_len={seq_len} is not a multiple of {SPLASH_BLOCK}"
+    problems = _splash_problems(platform, seq_len, why_wide)
+    if problems:
+      return "xla", f"auto: TPU, but splash attention cannot run: {'; '.join(problems)}"
     return "splash", f"auto: TPU, head_dim={width}: Pallas splash attention"
   return "xla", f"auto: platform {platform} has no flash kernel here, XLA attention"
+
+
+def _elsewhere(platform: str) -> str:
+  return f"this machine's platform is {platform} (use 'auto' or 'xla' here)"
+
+
+def _cudnn_problems(platform: str | None, dtype: str, width: int,
+                    why_wide: str | None) -> list[str]:
+  """Why cuDNN flash attention cannot run (``[]``: it can); ``platform`` None: on some GPU."""
+  problems = []
+  if platform is not None and platform != "gpu":
+    problems.append(f"it needs an NVIDIA GPU, {_elsewhere(platform)}")
+  if dtype not in ("bfloat16", "float16"):
+    problems.append(f"it needs model.dtype=bfloat16 (cuDNN flash attention has no {dtype})")
+  limit = cudnn_max_head_dim(platform) if platform is not None else 256
+  if why_wide is not None:
+    problems.append(why_wide + "; use 'xla' or model.diagonal='none'")
+  elif width % 8 or width > limit:
+    problems.append(f"head_dim={width} must be a multiple of 8 and <= {limit}")
+  return problems
+
+
+def _splash_problems(platform: str | None, seq_len: int | None,
+                     why_wide: str | None) -> list[str]:
+  """Why splash attention cannot run (``[]``: it can); ``platform`` None: on some TPU."""
+  problems = []
+  if platform is not None and platform != "tpu":
+    problems.append(f"splash attention is a TPU kernel, {_elsewhere(platform)}")
+  if why_wide is not None:
+    problems.append(why_wide + "; use 'xla' or model.diagonal='none'")
+  if seq_len is not None and seq_len % SPLASH_BLOCK:
+    problems.append(f"data.seq_len={seq_len} must be a multiple of {SPLASH_BLOCK}")
+  return problems
 
 
 def dot_product_attention(
