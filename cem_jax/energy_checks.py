@@ -23,8 +23,10 @@ them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,8 +99,8 @@ def validate_energies(config) -> None:
       _check_energy_shape(field, spec, y, context, shapes, aux, decoding)
       if fused:
         _check_update_shape(field, spec, y, context, shapes, aux, decoding)
-      if kind == "attention" and m.energy_block_size > 0 and not decoding:
-        _check_block_size_read(field, spec, y, context, shapes, aux)
+    if kind == "attention" and m.energy_block_size > 0 and not spec.builtin:
+      _check_block_size_read(field, spec, m, shapes, config.data.seq_len)
     numeric = _param_shapes(kind, m, jnp.float32)
     if fused and not spec.builtin:
       _check_fused_values(field, spec, kind, m, numeric)
@@ -203,21 +205,57 @@ def _check_energy_shape(field, spec, y, context, shapes, aux, decoding):
                      "return a float scalar")
 
 
-def _check_block_size_read(field, spec, y, context, shapes, aux):
-  """Refuses ``model.energy_block_size`` that the energy never reads: its computation
-  (jaxpr) is then the same at another block size, so memory stays quadratic in seq_len. The
-  other size is 1 (2 when the config's is 1): over the abstract layout's 4 keys a block of 1
-  is a scan of 4 steps, any other size fewer (0 could look the same as a block of all keys)."""
-  def computation(block_size):
-    at = aux.replace(energy_block_size=block_size)
-    return str(jax.make_jaxpr(lambda y_, c_, p_: spec.energy(y_, c_, p_, at))(y, context,
-                                                                               shapes))
-  size = aux.energy_block_size
-  if computation(size) == computation(2 if size == 1 else 1):
+# _WatchedAux counts reads of energy_block_size while "on" (only inside the traced energy, not
+# while jax flattens the arguments of the probe itself).
+_BLOCK_SIZE_WATCH = {"on": False, "reads": 0}
+
+
+@flax.struct.dataclass
+class _WatchedAux(energies.EnergyAux):
+  """An :class:`EnergyAux` that counts reads of ``energy_block_size``: by the energy, its
+  gradient, or jax flattening an aux the energy passes on (all count as reading it)."""
+
+  def __getattribute__(self, name):
+    if name == "energy_block_size" and _BLOCK_SIZE_WATCH["on"]:
+      _BLOCK_SIZE_WATCH["reads"] += 1
+    return super().__getattribute__(name)
+
+
+def _check_block_size_read(field, spec, m, shapes, seq_len: int):
+  """Refuses ``model.energy_block_size`` when neither the energy nor its gradient (what the
+  autodiff update runs) reads ``aux.energy_block_size``, traced abstractly (no arrays are
+  made) at the training layout of ``data.seq_len`` (an energy may read it only at long
+  lengths): memory would stay quadratic in seq_len. Any read counts, so an energy using the
+  size in any way passes."""
+  small = _aux(m, 1, _ABSTRACT_SEQ, False)  # the static fields; arrays at seq_len below
+
+  def at_seq_len(x):
+    return jax.ShapeDtypeStruct((1,) + (seq_len,) * (x.ndim - 1), x.dtype)
+
+  watched = _WatchedAux(**{
+      f.name: at_seq_len(v) if isinstance(v, jax.Array) else v
+      for f in dataclasses.fields(small) for v in [getattr(small, f.name)]})
+  y, context = _abstract_inputs("attention", m, 1, seq_len, watched)
+
+  def gradient(y_, c_, p_, aux_):
+    _BLOCK_SIZE_WATCH["on"] = True
+    try:
+      return jax.grad(spec.energy)(y_, c_, p_, aux_)
+    finally:
+      _BLOCK_SIZE_WATCH["on"] = False
+
+  _BLOCK_SIZE_WATCH["reads"] = 0
+  try:
+    jax.eval_shape(gradient, y, context, shapes, watched)
+  except Exception as e:  # the energy failed at the training length, not at 4 tokens
+    raise ValueError(f"{field}={spec.name!r}: jax.grad of the energy failed on [batch, "
+                     f"seq_len, d_model] inputs at data.seq_len={seq_len}: {_one_line(e)}"
+                     ) from e
+  if not _BLOCK_SIZE_WATCH["reads"]:
     raise ValueError(
-        f"model.energy_block_size={aux.energy_block_size} has no effect on {field}="
-        f"{spec.name!r}: the energy does not read aux.energy_block_size (pass it to "
-        "cem_jax.energies.blockwise_logsumexp for memory linear in seq_len); set "
+        f"model.energy_block_size={m.energy_block_size} has no effect on {field}="
+        f"{spec.name!r}: neither the energy nor its gradient reads aux.energy_block_size "
+        "(pass it to cem_jax.energies.blockwise_logsumexp for memory linear in seq_len); set "
         "model.energy_block_size=0")
 
 

@@ -358,6 +358,17 @@ def lse_blocks(y, context, params, aux):  # reads aux.energy_block_size (all key
   return -jnp.sum(params["eta"][None, :, None] * lse)
 
 
+def lse_long_only(y, context, params, aux):  # blocks only at 64 keys or more
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  if k.shape[1] >= 64:
+    assert aux.energy_block_size % 8 == 0, "energy_block_size must be a multiple of 8"
+    lse = blockwise_logsumexp(q, k, aux.mask, aux.energy_block_size, params["beta"])
+  else:
+    lse = blockwise_logsumexp(q, k, aux.mask, k.shape[1], params["beta"])
+  return -jnp.sum(params["eta"][None, :, None] * lse)
+
+
 def lse_dense(y, context, params, aux):  # the same energy, blind to aux.energy_block_size
   q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
   k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
@@ -467,18 +478,20 @@ def test_energy_with_its_own_causal_mask_is_refused_at_start_up(tmp_path):
 
 def test_energy_block_size_an_energy_never_reads_is_refused(tmp_path):
   """model.energy_block_size reaches energies only through aux: one that ignores it kept
-  quadratic memory under jax.grad, silently. An energy reading it (even one treating 0 as one
-  block of all keys, so that 0 and a block of all keys look the same) and the built-in pass."""
+  quadratic memory under jax.grad, silently. An energy reading it in any way passes: one
+  treating 0 as one block of all keys, one blocking only at the training length (64 here)
+  and checking the size itself; and the built-in."""
   blocks = {"update_mode": "autodiff", "energy_block_size": 64, "rope": False}
   message = _refusal(_user_config(tmp_path, attention_energy="lse_dense", **blocks))
   assert message == (
       f"model.energy_block_size=64 has no effect on model.attention_energy='{tmp_path}/"
-      "user_fused.py:lse_dense': the energy does not read aux.energy_block_size (pass it to "
-      "cem_jax.energies.blockwise_logsumexp for memory linear in seq_len); set "
-      "model.energy_block_size=0")
+      "user_fused.py:lse_dense': neither the energy nor its gradient reads "
+      "aux.energy_block_size (pass it to cem_jax.energies.blockwise_logsumexp for memory "
+      "linear in seq_len); set model.energy_block_size=0")
   for size in (1, 2, 64):
     preflight.check(_user_config(tmp_path, attention_energy="lse_blocks",
                                  **dict(blocks, energy_block_size=size)))
+  preflight.check(_user_config(tmp_path, attention_energy="lse_long_only", **blocks))
   preflight.check(_user_config(tmp_path, **blocks))  # the built-in softmax energy
 
 
