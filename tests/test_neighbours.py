@@ -29,6 +29,7 @@ D, H, F, B, N, V = 16, 2, 24, 2, 6, 40
 # input; MLP: the gate, the point its update is evaluated at); the term in c alone moves only
 # the energy's value (the energy trace).
 QUADRATIC = '''
+import jax
 import jax.numpy as jnp
 def att(y, context, params, aux):
   w = params["w_q"].reshape(y.shape[-1], -1)
@@ -38,6 +39,11 @@ def mlp(y, context, params, aux):
   w = params["w"]
   return (0.25 * jnp.sum(jnp.square(y @ w)) + 0.05 * jnp.sum(jnp.square(y))
           + 0.1 * jnp.sum(y * (context @ w @ w.T)) + 0.01 * jnp.sum(jnp.square(context)))
+def att_offset(y, context, params, aux):  # a constant per token: not 0 at y = context = 0
+  return att(y, context, params, aux) + 0.3 * y.shape[0] * y.shape[1]
+def mlp_softplus(y, context, params, aux):  # sigmoid(0) * softplus(0) = ln(2) / 2 per unit
+  gate = jax.nn.sigmoid(context @ params["g"])
+  return -params["eta"] * jnp.sum(gate * jax.nn.softplus(y @ params["w"]))
 '''
 
 
@@ -165,7 +171,7 @@ def test_inner_rules_match_a_float64_numpy_iteration(tmp_path, opt, manifold, un
 
 
 @pytest.mark.parametrize("document_mask", [True, False])
-@pytest.mark.parametrize("energy", ["builtin", "user"])
+@pytest.mark.parametrize("energy", ["builtin", "user", "user_offset"])
 def test_padding_enters_no_energy_of_the_trace_user_energies_included(
     tmp_path, energy, document_mask):
   """The energy trace sums over the real tokens: a window padded at its tail, batched with a
@@ -173,10 +179,12 @@ def test_padding_enters_no_energy_of_the_trace_user_energies_included(
   document mask. The quadratic user energies are not 0 at a padding token's state, so this
   holds only because padding is evaluated at y = context = 0; the log-sum-exp of a padded
   query is 0 only if it sees no key (model.document_mask=False sees them through the causal
-  mask: the trace then grew with eval.batch_size)."""
+  mask: the trace then grew with eval.batch_size); energies with a constant per token
+  ('user_offset') need that constant taken off per padding token."""
   (tmp_path / "quad.py").write_text(QUADRATIC)
-  user = dict(attention_energy=f"{tmp_path}/quad.py:att",
-              mlp_energy=f"{tmp_path}/quad.py:mlp") if energy == "user" else {}
+  names = {"user": ("att", "mlp"), "user_offset": ("att_offset", "mlp_softplus")}
+  user = dict(attention_energy=f"{tmp_path}/quad.py:{names[energy][0]}",
+              mlp_energy=f"{tmp_path}/quad.py:{names[energy][1]}") if energy in names else {}
   cfg = model_cfg(num_steps=2, rope=False, document_mask=document_mask, **user)
   model = DecoderLM(cfg, V, rngs=nnx.Rngs(5))
   nnx.update(model, jax.tree.map(lambda p: p * 1.3 + 0.01, nnx.state(model, nnx.Param)))

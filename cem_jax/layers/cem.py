@@ -215,20 +215,30 @@ class CEMBlock(nnx.Module):
     return u if precond is None else precond(u, step)
 
   def _energy(self, spec, norm, y, context, params, aux):
-    """The energy summed over the real tokens (``aux.real``). Padding positions are evaluated
-    at ``y = context = 0`` with no visible key, where every built-in energy is exactly 0:
-    without that, padding would enter per-token means and make them depend on the batching."""
+    """The energy summed over the real tokens (``aux.real``): without that, padding would
+    enter per-token means and make them depend on the batching. Padding positions are
+    evaluated at ``y = context = 0`` with no visible key (and seen by none), then what one
+    such token contributes is taken off per padding token: 0 for every built-in energy, a
+    constant for a user energy that is not 0 there (per-token terms, as the start-up checks
+    require)."""
     view = self._view(norm, y)
-    if aux.real is not None:
-      real = aux.real
-      view = jnp.where(real[..., None], view, 0)
-      context = jnp.where(real[..., None], context, 0)
-      if aux.segment_ids is None:
-        # model.document_mask=False: the causal mask lets padding see (and be seen by) tokens,
-        # and a query at 0 facing n keys still has a log-sum-exp of log n.
-        aux = aux.replace(mask=aux.mask & real[:, :, None] & real[:, None, :],
-                          is_plain_causal=False, is_causal=False)
-    return spec.energy(view, context, params, aux)
+    if aux.real is None:
+      return spec.energy(view, context, params, aux)
+    real = aux.real
+    view = jnp.where(real[..., None], view, 0)
+    context = jnp.where(real[..., None], context, 0)
+    if aux.segment_ids is None:
+      # model.document_mask=False: the causal mask lets padding see (and be seen by) tokens,
+      # and a query at 0 facing n keys still has a log-sum-exp of log n.
+      aux = aux.replace(mask=aux.mask & real[:, :, None] & real[:, None, :],
+                        is_plain_causal=False, is_causal=False)
+    alone = energies.EnergyAux(  # one padding token: at 0, seeing no key
+        mask=jnp.zeros((1, 1, 1), bool), positions=jnp.zeros((1, 1), jnp.int32),
+        rope_theta=aux.rope_theta, diagonal_form=aux.diagonal_form,
+        strict_causal=aux.strict_causal, energy_block_size=aux.energy_block_size)
+    zero = jnp.zeros((1, 1, view.shape[-1]), view.dtype)
+    padding = spec.energy(zero, zero.astype(context.dtype), params, alone)
+    return spec.energy(view, context, params, aux) - jnp.sum(~real) * padding
 
   def _att_delta(self, y, context, aux, t, rec, key, at=None, kv=None):
     """The attention sub-step's residual update at ``at`` (default ``y``; Nesterov: the
