@@ -211,8 +211,14 @@ def test_killed_prepare_then_rerun_equals_an_uninterrupted_one(tmp_path):
   kept = {p: p.stat().st_mtime_ns for p in (tmp_path / "a").glob("train-00000.*")}
   with pytest.raises(ValueError, match=r"no manifest\.json.*prepare did not finish"):
     prepared.PreparedData.open(tmp_path / "a")
+  # What writes killed before their rename leave (a shard, its sidecar; an older cem_jax's).
+  for name in ("train-00001.array_record.4321.0123456789ab.tmp",
+               "train-00001.json.4321.abcdef012345.tmp", "train-00002.array_record.tmp4321"):
+    (tmp_path / "a" / name).write_bytes(b"half")
   shard_writer.prepare(config.data, tmp_path / "a", shard_chars=20_000)
   shard_writer.prepare(config.data, tmp_path / "b", shard_chars=20_000)
+  assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(
+      p.name for p in (tmp_path / "b").iterdir())
   sums = _shard_sums(tmp_path / "a")
   assert len(sums) >= 3 and sums == _shard_sums(tmp_path / "b")
   assert {k: sums[k] for k in first} == first

@@ -202,15 +202,14 @@ def _holds_data(out_dir: Path) -> bool:
 
 
 def _remove_leftovers(out_dir: Path, *, progress: bool, tokenizer: bool) -> None:
-  """Removes what a prepare writes before its first shard: temporaries of killed writes and,
-  as asked, ``prepare.json`` and the tokenizer. Other files are not ours: they stay."""
+  """Removes the temporaries of writes killed before their rename (shards, sidecars, the
+  manifest, the tokenizer, ``prepare.json``) and, as asked, ``prepare.json`` and the
+  tokenizer. Other files are not ours: they stay. One prepare writes a folder at a time."""
   for path in out_dir.iterdir():
     name = path.name
     # (``.array_record.tmp<pid>``: a shard's temporary before it was an atomic_path)
-    if (temporary_of(name) in (PROGRESS, TOKENIZER)
-        or (temporary_of(name) or "").endswith(".array_record")
-        or ".array_record.tmp" in name or (progress and name == PROGRESS)
-        or (tokenizer and name == TOKENIZER)):
+    if (temporary_of(name) is not None or ".array_record.tmp" in name
+        or (progress and name == PROGRESS) or (tokenizer and name == TOKENIZER)):
       path.unlink(missing_ok=True)
 
 
@@ -230,7 +229,8 @@ def _claim(out_dir: Path, fp: str) -> bool:
     except ValueError:
       saved = None
     previous = saved.get("fingerprint") if isinstance(saved, dict) else None
-    if previous == fp:
+    if previous == fp:  # a re-run: keep the work, not the temporaries of killed writes
+      _remove_leftovers(out_dir, progress=False, tokenizer=False)
       return False
     if _holds_data(out_dir):
       raise ValueError(
