@@ -50,6 +50,9 @@ _DECODE_NEW, _DECODE_INDEX, _DECODE_CACHE = 2, 3, 8
 # (η, a head, RoPE) is off by O(1).
 FUSED_RTOL = 1e-3
 _DECODING = "as in cached decoding (python -m cem_jax.sample)"
+# The numerical checks compare in float32 whatever model.dtype is: an energy must run in it.
+_FLOAT32_NOTE = (" (the numerical start-up checks run in float32 whatever model.dtype; write "
+                 "the energy for any float dtype, e.g. cast constants with y.dtype)")
 _PER_TOKEN_HINT = ("an MLP energy must be a sum of per-token terms (token i's gate input is "
                    "context[:, i], its own state)")
 _MASK_HINT = ("build masks from aux.mask (not jnp.tril of y's length) and RoPE angles from "
@@ -322,8 +325,9 @@ def _check_fused_values(field, spec, kind, m, shapes):
       try:
         got, want = (np.asarray(a, np.float64) for a in both(y, context, params, aux))
       except Exception as e:  # the shape checks ran both functions' code already: rare
+        note = _FLOAT32_NOTE if m.dtype != "float32" else ""
         raise ValueError(f"{field}={spec.name!r}: its fused update {name} or jax.grad of the "
-                         f"energy failed on {where}: {_one_line(e)}") from e
+                         f"energy failed on {where}{note}: {_one_line(e)}") from e
       if not np.all(np.isfinite(want)):
         raise ValueError(
             f"{field}={spec.name!r}: -jax.grad(energy) w.r.t. y is not finite on {where}, so "
@@ -406,8 +410,9 @@ def _causal_values(field, spec, kind, m, shapes, update):
                                jnp.where(change, -other[:, :seq], context), params, seg),
                          np.float64)
     except Exception as e:  # the shape checks ran this code already: rare
-      raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs: "
-                       f"{_one_line(e)}") from e
+      raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
+                       f"{_FLOAT32_NOTE if m.dtype != 'float32' else ''}: {_one_line(e)}"
+                       ) from e
   rel = _relative_error(got, want)
   if not rel <= FUSED_RTOL:  # also NaN
     raise refuse(f"of {new} new tokens at positions {index}.. against a {cache}-slot cache, "

@@ -108,7 +108,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
   tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
   try:
     yield tmp
-    with open(tmp, "rb") as f:
+    with open(tmp, "r+b") as f:  # writable: Windows' fsync needs write access
       os.fsync(f.fileno())
     os.replace(tmp, path)
   except BaseException:

@@ -26,9 +26,11 @@ def check(config: ml_collections.ConfigDict) -> None:
     ValueError: one line naming the field, its value and what is allowed.
   """
   config_lib.validate(config)
-  _attention_kernel(config, platform=None)
   if config.model.block == "cem":
+    # First: an explicit kernel that no layer calls is refused here, whatever else is wrong
+    # with it (its dtype, its seq_len) would be beside the point.
     energy_checks.validate_energies(config)
+  _attention_kernel(config, platform=None)
 
 
 def check_machine(config: ml_collections.ConfigDict) -> None:

@@ -331,6 +331,9 @@ def test_splash_at_a_length_it_cannot_take_fails_if_asked_for_and_is_xla_under_a
     ({"model.energy_block_size": 64}, "model.energy_block_size=64 has no effect on the fused"),
     ({"model.attention_impl": "cudnn", "model.dtype": "bfloat16",
       "model.update_mode": "autodiff"}, "has no effect: the CEM attention update is jax.grad"),
+    # Said first: changing the dtype (or seq_len) for a kernel that is never called is no fix.
+    ({"model.attention_impl": "cudnn", "model.update_mode": "autodiff"}, "has no effect: "),
+    ({"model.attention_impl": "splash", "model.update_mode": "autodiff"}, "has no effect: "),
 ])
 def test_impossible_explicit_choices_fail_config_validation_in_one_line(overrides, match):
   with pytest.raises(ValueError, match=match) as e:

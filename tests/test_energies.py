@@ -382,6 +382,12 @@ def f32_only(y, context, params, aux):  # lax.mul takes no mixed dtypes: bf16 in
   return jax.lax.mul(jnp.sum(gate * jnp.tanh(pre)), -params["eta"])
 
 
+def bf16_only(y, context, params, aux):  # runs in a bfloat16 model, not in float32
+  pre = jnp.einsum("btd,df->btf", y, params["w"])
+  gate = jnp.einsum("btd,df->btf", context, params["g"])
+  return jax.lax.mul(jnp.sum(gate * jnp.tanh(pre)), -params["eta"].astype(jnp.bfloat16))
+
+
 def tril(y, context, params, aux):  # builds its own mask of y's length
   q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
   k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
@@ -505,6 +511,13 @@ def test_energy_that_fails_in_the_models_dtype_is_refused_at_start_up(tmp_path):
       f"model.mlp_energy='{tmp_path}/user_fused.py:f32_only' failed on [batch, seq_len, "
       "d_model] bfloat16 inputs (model.dtype): TypeError: ")
   assert "bfloat16" in message.split("TypeError: ")[1]
+  # The numerical checks run in float32: an energy that only runs in bfloat16 is refused,
+  # saying so.
+  message = _refusal(_user_config(tmp_path, mlp_energy="bf16_only", dtype="bfloat16"))
+  assert message.startswith(
+      f"model.mlp_energy='{tmp_path}/user_fused.py:bf16_only': its update failed on random "
+      "float32 inputs (the numerical start-up checks run in float32 whatever model.dtype; "
+      "write the energy for any float dtype, e.g. cast constants with y.dtype): TypeError: ")
 
 
 @pytest.mark.parametrize("slot,name,extra", [
