@@ -333,6 +333,25 @@ def test_read_only_reader_skips_damage_and_touches_nothing(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def test_a_reader_closed_after_the_run_saved_on_keeps_the_newer_steps_digests(tmp_path):
+  """A tool (evaluate) reads a run that trains on: the steps it listed are older than those the
+  run has saved since. Closing it must not remove their digests: a step without its digest is
+  damaged, and the run's next resume would move it aside (its training lost)."""
+  writer = _save_steps(tmp_path, steps=(1, 2))
+  reader = Checkpointer(str(tmp_path), read_only=True)
+  assert reader.restorable_step() == 2
+  for s in (3, 4):
+    assert writer.save(s, _small_state(float(s)), {"step": s}, force=True)
+  writer.wait()
+  reader.close()
+  writer.close()
+  assert sorted(p.name for p in (tmp_path / "digests").iterdir()) == [
+      "1.json", "2.json", "3.json", "4.json"]
+  ckpt = Checkpointer(str(tmp_path), keep=5)
+  assert ckpt.restorable_step() == 4 and ckpt.all_steps() == [1, 2, 3, 4]
+  ckpt.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # Restore targets: optax types, mismatches, other devices.
 

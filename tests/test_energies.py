@@ -219,7 +219,6 @@ def test_preconditioner_is_positive_definite():
                                atol=1e-5)
 
 
-
 # User energies with closed forms (``<function>_fused_update``), written by hand.
 USER_FUSED = '''
 import jax
@@ -322,6 +321,25 @@ def across_documents(y, context, params, aux):  # causal by position, blind to d
   k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
   causal = aux.context_positions[:, None, :] <= aux.positions[:, :, None]
   s = jnp.where(causal[:, None], jnp.einsum("bthk,bshk->bhts", q, k), 0.0)
+  return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2)
+
+
+def peek_next_key(y, context, params, aux):  # an off-by-one causal mask: key i + 1 too
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  ahead = aux.context_positions[:, None, :] <= aux.positions[:, :, None] + 1
+  s = jnp.where(ahead[:, None], jnp.einsum("bthk,bshk->bhts", q, k), 0.0)
+  return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2)
+
+
+def across_real_documents(y, context, params, aux):  # leaves padding out, not other documents
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  mask = aux.context_positions[:, None, :] <= aux.positions[:, :, None]
+  if aux.segment_ids is not None:
+    real = aux.segment_ids > 0
+    mask = mask & real[:, :, None] & real[:, None, :]
+  s = jnp.where(mask[:, None], jnp.einsum("bthk,bshk->bhts", q, k), 0.0)
   return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2)
 
 
@@ -523,7 +541,8 @@ def test_energy_that_fails_in_the_models_dtype_is_refused_at_start_up(tmp_path):
 @pytest.mark.parametrize("slot,name,extra", [
     ("attention", "tril_of_context", {}), ("attention", "tril_of_context", {"strict_causal": True}),
     ("attention", "rope_from_arange", {"rope": False}), ("attention", "no_mask", {}),
-    ("attention", "lookahead", {}), ("mlp", "gate_cumsum", {}), ("mlp", "gate_ahead", {})])
+    ("attention", "lookahead", {}), ("mlp", "gate_cumsum", {}), ("mlp", "gate_ahead", {}),
+    ("attention", "peek_next_key", {"document_mask": False})])
 def test_energy_that_decodes_differently_from_training_is_refused(tmp_path, slot, name, extra):
   """Right shapes, so the abstract checks passed, but the update of the new tokens against a
   cache differs from training's for the same tokens: sampling was silently wrong (a non-causal
@@ -553,6 +572,12 @@ def test_energy_that_crosses_documents_is_refused(tmp_path):
       "change, as in training with model.document_mask: max relative error ")
   preflight.check(_user_config(tmp_path, attention_energy="across_documents",
                                document_mask=False))  # right without documents
+  # Padding left out but other documents not: the rows' last documents still see them.
+  message = _refusal(_user_config(tmp_path, attention_energy="across_real_documents"))
+  assert message.startswith(
+      f"model.attention_energy='{tmp_path}/user_fused.py:across_real_documents': its update of "
+      "a row's last document changes when the tokens of the documents (or padding) before it "
+      "change, as in training with model.document_mask: max relative error ")
 
 
 def test_energy_that_mixes_batch_rows_is_refused(tmp_path):

@@ -319,6 +319,18 @@ def test_model_changes_compares_the_model_a_config_makes():
       "model.norm_eps", "model.rope_theta"]
 
 
+@pytest.mark.parametrize("key,value", [
+    ("num_steps", 2), ("strict_causal", True), ("document_mask", False), ("rope", False),
+    ("context", "coevolve"), ("split", "joint"), ("mlp_condition", "layer"),
+    ("norm_mode", "chain"), ("manifold", "sphere"), ("mlp_energy", "gelu")])
+def test_a_model_key_that_leaves_every_parameter_shape_is_still_a_model_change(key, value):
+  # Such a checkpoint restores without a shape error (T = 2 reuses T = 1's step parameters):
+  # only model_changes stops a resume that would train it on as another model.
+  saved, now = tiny_config("cem"), tiny_config("cem", **{f"model.{key}": value})
+  assert config_lib.model_changes(saved.to_dict(), now) == [
+      f"model.{key}: {saved.model[key]!r} -> {value!r}"]
+
+
 USER_ENERGY = """
 from cem_jax.energies import interaction_energy
 
@@ -606,6 +618,7 @@ def test_custom_jvp_potential_has_the_plain_hessian():
 
 
 # ---- the training step too large for the device ------------------------------------------
+
 
 def test_footprint_counts_arguments_outputs_and_temporaries_once_with_donation():
   from cem_jax import memory

@@ -150,6 +150,39 @@ def test_the_rate_leaves_out_evals_and_saves_and_mfu_is_the_model_flops_over_the
   # Without a known peak (a CPU) there is no train/mfu: test_train.py's command-line run.
 
 
+def test_the_rate_of_every_log_line_is_the_steps_of_its_own_interval(tmp_path, monkeypatch):
+  # A clock that only training moves: each step takes exactly 1 s, each eval 1000 s (off the
+  # clock), reading it takes none. Every log line's interval is then log_every_steps seconds
+  # of log_every_steps steps: 1 step/s, tokens_per_sec = batch x seq_len, on every line, not
+  # only the first (steps since the start over the last interval's seconds grow line by line).
+  now = [0.0]
+  real_step, real_eval = steps.make_train_step, steps.eval_loop
+
+  def make_train_step(*args, **kwargs):
+    step = real_step(*args, **kwargs)
+
+    def one_second(*a):
+      now[0] += 1.0
+      return step(*a)
+    one_second.lower = step.lower  # the start-up compile
+    return one_second
+
+  def slow_eval(*args, **kwargs):
+    now[0] += 1000.0
+    return real_eval(*args, **kwargs)
+
+  monkeypatch.setattr(train, "_clock", lambda: now[0])
+  monkeypatch.setattr(steps, "make_train_step", make_train_step)
+  monkeypatch.setattr(steps, "eval_loop", slow_eval)
+  cfg = tiny_config("llama", **{"model.num_layers": 1, "train.num_steps": 6,
+                                "train.log_every_steps": 2, "train.eval_every_steps": 1,
+                                "eval.max_batches": 1})
+  train.train_and_evaluate(cfg, str(tmp_path / "w"))
+  lines = [m for m in read_metrics(str(tmp_path / "w")) if "train/loss" in m]
+  assert [(m["step"], m["train/tokens_per_sec"]) for m in lines] == [
+      (2, 8 * 64.0), (4, 8 * 64.0), (6, 8 * 64.0)]
+
+
 def test_an_eval_or_save_between_logs_waits_for_the_queued_steps_before_its_clock_starts(
     tmp_path, monkeypatch):
   # jax dispatches steps asynchronously: an eval that started its clock at once would wait

@@ -103,6 +103,15 @@ def test_prepared_from_a_streamed_tfds_catalog_equals_in_memory(tmp_path, monkey
   name = fake_catalog(tmp_path / "tfds", [_text(300, "t"), _text(200, "u")], [_text(80, "v")])
   config = _config(tfds_name=name, tfds_data_dir=os.fspath(tmp_path / "tfds"), vocab_size=300)
   _assert_same_data(build_data(config, tmp_path / "wd"), build_data_in_memory(config))
+  # Prepared from 'train': a config asking for another split (or feature) of the catalog is
+  # other data, not silently served this one.
+  out = shard_writer.prepare(config.data, tmp_path / "p")
+  for key, value in (("tfds_train_split", "train[:25%]"), ("tfds_eval_split", "train"),
+                     ("tfds_text_key", "body")):
+    with pytest.raises(ValueError, match=rf"^data\.{key}='{re.escape(value)}' does not fit "
+                                         r"data\.prepared_dir=.*, prepared with '"):
+      build_data(_config(tfds_name=name, prepared_dir=os.fspath(out), vocab_size=300,
+                         **{key: value}), tmp_path / "wd2")
 
 
 # ---- held-out split ---------------------------------------------------------------------------
@@ -232,6 +241,38 @@ def test_killed_prepare_then_rerun_equals_an_uninterrupted_one(tmp_path):
   # Another config into the same folder is refused.
   with pytest.raises(ValueError, match=r"--out=.* holds another dataset"):
     shard_writer.prepare(_config(files=os.fspath(corpus), vocab_size=320).data, tmp_path / "a")
+
+
+def test_a_prepare_failing_after_its_first_shard_keeps_its_work_for_the_rerun(tmp_path,
+                                                                              monkeypatch):
+  # A full disk at the third shard: an error, not a kill. The finished shards, the trained
+  # tokenizer and prepare.json stay, so the re-run (the disk freed) finishes the job instead of
+  # refusing a folder that "holds no prepared dataset".
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(2000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  real, written = shard_writer._encode_and_write, []
+
+  def disk_full_at_the_third_shard(job):
+    if len(written) == 2:
+      raise OSError(28, "No space left on device")
+    meta = real(job)
+    written.append(meta["file"])
+    return meta
+
+  monkeypatch.setattr(shard_writer, "_encode_and_write", disk_full_at_the_third_shard)
+  with pytest.raises(OSError, match="No space left"):
+    shard_writer.prepare(config.data, tmp_path / "a", shard_chars=20_000)
+  monkeypatch.setattr(shard_writer, "_encode_and_write", real)
+  assert written == ["train-00000.array_record", "train-00001.array_record"]
+  kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "a").iterdir()}
+  assert {"prepare.json", "tokenizer.model", *written} <= set(kept)
+  shard_writer.prepare(config.data, tmp_path / "a", shard_chars=20_000)
+  shard_writer.prepare(config.data, tmp_path / "b", shard_chars=20_000)
+  assert _shard_sums(tmp_path / "a") == _shard_sums(tmp_path / "b")
+  assert {n: (tmp_path / "a" / n).stat().st_mtime_ns for n in written} == {
+      n: kept[n] for n in written}  # the finished shards were not redone
+  prepared.PreparedData.open(tmp_path / "a")
 
 
 def test_damaged_shard_is_a_one_line_error_naming_the_file(tmp_path):
@@ -583,6 +624,16 @@ def test_a_shard_of_whole_records_counts_them_as_arrayrecord_does(prepared_300, 
     reader = array_record_module.ArrayRecordReader(os.fspath(out / meta["file"]))
     assert (meta["tokens"], meta["records"], reader.num_records()) == (docs, records, records)
     reader.close()
+
+
+@pytest.mark.parametrize("vocab,dtype", [(8, "<u2"), (65_535, "<u2"), (65_536, "<u2"),
+                                         (65_537, "<u4"), (100_000, "<u4"), (1 << 20, "<u4")])
+def test_the_token_dtype_holds_every_id_of_the_vocabulary(vocab, dtype):
+  # Ids are 0..vocab-1: two bytes hold them up to a vocabulary of 2**16 = 65,536 (the format:
+  # '<u2' up to 65,536 pieces), above it the largest ids would wrap to small ones silently.
+  assert prepared.token_dtype(vocab) == dtype
+  ids = np.array([0, 1, vocab // 2, vocab - 1], np.int64)
+  assert np.array_equal(ids.astype(prepared.token_dtype(vocab)).astype(np.int64), ids)
 
 
 def test_builtin_prepared_dir_must_have_the_same_validation_fraction(prepared_300):

@@ -195,8 +195,19 @@ def test_distributed_resolve():
     distributed.resolve("auto", environ={**env, "CEM_PROCESS_ID": "x"})
 
 
+def test_a_batch_script_outside_srun_is_one_process():
+  # sbatch/salloc set SLURM_NTASKS for the whole allocation; only an srun step starts that
+  # many processes (SLURM_STEP_NODELIST). A plain `python -m cem_jax.main` in the batch script
+  # is one process: initialising jax.distributed would wait for peers that never come.
+  batch_script = {"SLURM_NTASKS": "16", "SLURM_JOB_ID": "7", "SLURM_NODELIST": "gpu[01-02]"}
+  assert distributed.cluster_processes(batch_script) == 1
+  assert distributed.resolve("auto", environ=batch_script) is None
+  assert distributed.cluster_processes({**batch_script, "SLURM_STEP_NODELIST": "gpu01"}) == 16
+
+
 # ---------------------------------------------------------------------------------------------
 # Eight forced CPU devices: every mesh gives the 1-device losses.
+
 
 MESH_SCRIPT = """
 import json, sys
@@ -336,6 +347,7 @@ def test_every_mesh_gives_the_one_device_losses(block, shared_data, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Two processes x 4 devices through launch/local.py = one process with 8 devices.
 
+
 CONFIG = """
 from cem_jax.config import get_default_config
 
@@ -403,6 +415,7 @@ def test_two_processes_match_one_process(shared_data, tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # Splash attention (a Pallas call XLA cannot partition) runs per device in shard_map.
+
 
 SPLASH_SCRIPT = """
 import json, re, sys

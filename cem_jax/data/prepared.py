@@ -383,7 +383,8 @@ class PreparedData:
 def check_fits(manifest: dict, data_config, directory: Path) -> None:
   """Checks that a prepared manifest fits the ``data`` config: equal ``vocab_size``, the same
   given tokenizer (by sha256), and the same source where the config names one (``data.files``
-  or ``data.tfds_name`` left empty take the prepared dataset's; ``validation_fraction`` and
+  or ``data.tfds_name`` left empty take the prepared dataset's; a catalog's splits and text
+  feature must match; ``validation_fraction`` and
   the trained tokenizer's model type must match). ``seq_len`` and ``shuffle_seed`` do not
   matter: windows are cut when read.
 
@@ -415,6 +416,10 @@ def check_fits(manifest: dict, data_config, directory: Path) -> None:
       raise mismatch("files", d.files, saved["files"] or f"a {kind} source")
   if d.tfds_name and d.tfds_name != saved["tfds_name"]:
     raise mismatch("tfds_name", d.tfds_name, saved["tfds_name"] or f"a {kind} source")
+  if d.tfds_name:  # the splits and the feature are the catalog source's data too
+    for key in ("tfds_train_split", "tfds_eval_split", "tfds_text_key"):
+      if d[key] != saved[key]:
+        raise mismatch(key, d[key], saved[key])
   if not d.files and not d.tfds_name and kind == "builtin" and d.builtin != saved["builtin"]:
     raise mismatch("builtin", d.builtin, saved["builtin"])
   if kind != "tfds" and d.validation_fraction != saved["validation_fraction"]:
