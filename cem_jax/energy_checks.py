@@ -230,7 +230,8 @@ def _check_block_size_read(field, spec, m, shapes, seq_len: int):
   made) at the training layout of ``data.seq_len`` (an energy may read it only at long
   lengths): memory would stay quadratic in seq_len. Any read counts, so an energy using the
   size in any way passes."""
-  small = _aux(m, 1, _ABSTRACT_SEQ, False)  # the static fields; arrays at seq_len below
+  with jax.default_device(_cpu_device()):  # the static fields; arrays at seq_len below
+    small = _aux(m, 1, _ABSTRACT_SEQ, False)
 
   def at_seq_len(x):
     return jax.ShapeDtypeStruct((1,) + (seq_len,) * (x.ndim - 1), x.dtype)
