@@ -13,11 +13,25 @@ import pytest
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+# Less XLA optimisation: the tests' tiny programs compile about twice as fast, and the suite
+# takes a third less time. What the tests check does not move: the golden numbers agree to
+# rel 1e-5 and the memory checks hold at both levels. XLA_FLAGS that set their own
+# --xla_backend_optimization_level (say =3) test at that level instead.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
 def pytest_configure(config):
-  """One persistent jax compilation cache for the whole session: its workers (pytest-xdist)
-  and the programs tests start inherit it. Many tests compile the same tiny programs; a cached
-  executable is the same program, so no number changes. Removed at the end of the session."""
-  if "PYTEST_XDIST_WORKER" in os.environ or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+  """The session's XLA flags (``FAST_COMPILE``) and one persistent jax compilation cache for
+  the whole session: its workers (pytest-xdist) and the programs tests start inherit both.
+  Many tests compile the same tiny programs; a cached executable is the same program, so no
+  number changes. The cache is removed at the end of the session."""
+  if "PYTEST_XDIST_WORKER" in os.environ:
+    return
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_backend_optimization_level" not in flags:
+    os.environ["XLA_FLAGS"] = " ".join([*flags.split(), *FAST_COMPILE])
+  if "JAX_COMPILATION_CACHE_DIR" in os.environ:
     return
   config._cem_jax_cache = tempfile.mkdtemp(prefix="cem_jax_jit_cache_")
   os.environ.update(JAX_COMPILATION_CACHE_DIR=config._cem_jax_cache,
@@ -29,6 +43,16 @@ def pytest_unconfigure(config):
   cache = getattr(config, "_cem_jax_cache", None)
   if cache:
     shutil.rmtree(cache, ignore_errors=True)
+
+
+def subprocess_env(devices: int | None = None, **extra: str) -> dict:
+  """The environment for a program a test starts: this session's (its XLA flags and
+  compilation cache), on the CPU, with ``devices`` forced host devices when given."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not (devices and f.startswith(_DEVICE_COUNT_FLAG))]
+  if devices:
+    flags.append(f"{_DEVICE_COUNT_FLAG}={devices}")
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags), **extra)
 
 
 @pytest.fixture

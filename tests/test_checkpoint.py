@@ -8,7 +8,6 @@ command line, as a user or a scheduler would restart them.
 """
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -23,7 +22,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import tiny_config
+from conftest import subprocess_env, tiny_config
 from flax import nnx
 
 from cem_jax import optim
@@ -52,23 +51,13 @@ def get_config():
 """
 
 
-def _env(cache_dir) -> dict:
-  # A compilation cache shared by this module's subprocesses: each run compiles in ~1 s instead
-  # of ~6 s. Cached executables are the same programs, so losses are unaffected.
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache_dir),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  return env
-
-
 @pytest.fixture(scope="module")
 def run_setup(tmp_path_factory):
   root = tmp_path_factory.mktemp("resume")
   config = root / "run_config.py"
   config.write_text(RUN_CONFIG.format(files=str(REPO.parent / "shared" / "data" /
                                                   "tinyshakespeare.txt")))
-  return config, _env(root / "jax_cache")
+  return config, subprocess_env()
 
 
 def _cli(config: Path, workdir: Path) -> list[str]:
@@ -494,12 +483,10 @@ _DEVICES_SCRIPT = textwrap.dedent("""
 def test_restore_on_8_4_and_1_devices_is_bit_identical(tmp_path):
   script = tmp_path / "devices.py"
   script.write_text(_DEVICES_SCRIPT.format(tests=str(REPO / "tests")))
-  env = _env(tmp_path / "jax_cache")
   results = []
   for mode, n in (("save", 8), ("restore", 4), ("restore", 1)):
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
     proc = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "ckpt")], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=subprocess_env(n), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
   assert [r["devices"] for r in results] == [8, 4, 1]

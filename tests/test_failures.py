@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import flags
-from conftest import quadrature_phi_silu, tiny_config
+from conftest import quadrature_phi_silu, subprocess_env, tiny_config
 from flax import nnx
 from ml_collections import config_flags
 
@@ -492,10 +492,8 @@ def test_cli_unwritable_workdir(tmp_path):
 def test_cli_batch_not_divisible_by_data_parallel_devices(tmp_path):
   (tmp_path / "cfg.py").write_text(CONFIG_FILE)
   workdir = tmp_path / "w"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu")
   proc = _run_cli([f"--config={tmp_path / 'cfg.py'}", f"--workdir={workdir}",
-                   "--config.train.batch_size=6"], env=env)
+                   "--config.train.batch_size=6"], env=subprocess_env(4))
   assert proc.returncode == 1
   line = _last_line(proc)
   assert line.startswith("error: train.batch_size=6 is not divisible by the 4 data-parallel "

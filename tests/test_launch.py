@@ -36,7 +36,8 @@ def _script(name: str):
 # local.py
 
 
-def test_local_dry_run_prints_each_process_environment_and_command():
+def test_local_dry_run_prints_each_process_environment_and_command(monkeypatch):
+  monkeypatch.delenv("XLA_FLAGS", raising=False)  # the test session's own flags would be kept
   proc = _launch("local.py", "--num_processes=2", "--devices_per_process=4", "--port=4321",
                  "--dry_run", "--", "python", "-m", "cem_jax.main", *MAIN_ARGS)
   assert proc.returncode == 0, proc.stderr
@@ -66,7 +67,8 @@ def test_local_keeps_the_callers_other_xla_flags(monkeypatch):
   assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=4"
 
 
-def test_local_runs_every_process_with_its_environment():
+def test_local_runs_every_process_with_its_environment(monkeypatch):
+  monkeypatch.delenv("XLA_FLAGS", raising=False)  # the test session's own flags would be kept
   code = ("import os; print(os.environ['CEM_PROCESS_ID'], os.environ['CEM_NUM_PROCESSES'], "
           "os.environ['CEM_COORDINATOR_ADDRESS'], os.environ['XLA_FLAGS'])")
   proc = _launch("local.py", "--num_processes=3", "--devices_per_process=2", "--",

@@ -6,14 +6,13 @@ set before jax loads; this pytest process stays single-device so other tests are
 
 import json
 import math
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import tiny_config
+from conftest import subprocess_env, tiny_config
 
 from cem_jax import config as config_lib
 from cem_jax import distributed, sharding
@@ -24,17 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 MESHES = {"llama": [(8, 1, 1), (2, 4, 1), (2, 2, 2)], "cem": [(2, 4, 1), (2, 2, 2)]}
 
 
-# Less XLA optimisation: these tiny models compile twice as fast; every run compared in a test
-# uses the same flags.
-FAST_COMPILE = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
-
-
-def _env(devices: int, fast_compile: bool = True) -> dict:
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  flags += FAST_COMPILE if fast_compile else []
-  return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-              XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]))
+def _env(devices: int) -> dict:
+  return subprocess_env(devices, PYTHONPATH=str(REPO))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,7 +204,7 @@ import json, sys
 import jax, numpy as np
 from flax import nnx
 sys.path.insert(0, {tests!r})
-from conftest import tiny_config
+from conftest import subprocess_env, tiny_config
 from cem_jax import data as data_lib, memory, optim, sharding, steps
 
 assert jax.device_count() == 8, jax.devices()
