@@ -45,13 +45,12 @@ def pytest_unconfigure(config):
     shutil.rmtree(cache, ignore_errors=True)
 
 
-def subprocess_env(devices: int | None = None, **extra: str) -> dict:
+def subprocess_env(devices: int = 1, **extra: str) -> dict:
   """The environment for a program a test starts: this session's (its XLA flags and
-  compilation cache), on the CPU, with ``devices`` forced host devices when given."""
+  compilation cache), on the CPU with ``devices`` forced host devices, plus ``extra``."""
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not (devices and f.startswith(_DEVICE_COUNT_FLAG))]
-  if devices:
-    flags.append(f"{_DEVICE_COUNT_FLAG}={devices}")
+           if not f.startswith(_DEVICE_COUNT_FLAG)]
+  flags.append(f"{_DEVICE_COUNT_FLAG}={devices}")
   return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags), **extra)
 
 
