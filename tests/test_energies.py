@@ -226,9 +226,13 @@ import jax.numpy as jnp
 from cem_jax.energies import apply_rope, blockwise_logsumexp
 
 
+def _qk(y, context, params):
+  return (jnp.einsum("btd,dhk->bthk", y, params["w_q"]),
+          jnp.einsum("bsd,dhk->bshk", context, params["w_k"]))
+
+
 def _scores(y, context, params, aux):
-  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
-  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  q, k = _qk(y, context, params)
   if aux.rope_theta is not None:
     q = apply_rope(q, aux.positions, aux.rope_theta)
     k = apply_rope(k, aux.context_positions, aux.rope_theta)
@@ -274,21 +278,23 @@ def causal_n_fused_update(y, context, params, aux):  # counts keys as if context
   return _quad_update(y, context, params, aux, n, params["eta"])
 
 
+def _pre_gate(y, context, params):
+  return (jnp.einsum("btd,df->btf", y, params["w"]),
+          jnp.einsum("btd,df->btf", context, params["g"]))
+
+
 def gate_quad(y, context, params, aux):  # E = -eta/2 sum (G x) (W y)^2
-  pre = jnp.einsum("btd,df->btf", y, params["w"])
-  gate = jnp.einsum("btd,df->btf", context, params["g"])
+  pre, gate = _pre_gate(y, context, params)
   return -0.5 * params["eta"] * jnp.sum(gate * pre**2)
 
 
 def gate_quad_fused_update(y, context, params, aux):  # eta W (G x * W y)
-  pre = jnp.einsum("btd,df->btf", y, params["w"])
-  gate = jnp.einsum("btd,df->btf", context, params["g"])
+  pre, gate = _pre_gate(y, context, params)
   return params["eta"] * jnp.einsum("btf,df->btd", gate * pre, params["w"])
 
 
 def tril_of_context(y, context, params, aux):  # right shapes, wrong rows when decoding
-  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
-  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  q, k = _qk(y, context, params)
   s = jnp.einsum("bthk,bshk->bhts", q, k)
   n = context.shape[1]
   mask = jnp.tril(jnp.ones((n, n), bool))[:y.shape[1]]
@@ -296,8 +302,7 @@ def tril_of_context(y, context, params, aux):  # right shapes, wrong rows when d
 
 
 def rope_from_arange(y, context, params, aux):  # positions 0.. whatever the tokens' are
-  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
-  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  q, k = _qk(y, context, params)
   q = apply_rope(q, jnp.broadcast_to(jnp.arange(y.shape[1]), y.shape[:2]), 10_000.0)
   k = apply_rope(k, jnp.broadcast_to(jnp.arange(context.shape[1]), context.shape[:2]), 10_000.0)
   s = jnp.where(aux.mask[:, None], jnp.einsum("bthk,bshk->bhts", q, k), 0.0)
@@ -305,8 +310,7 @@ def rope_from_arange(y, context, params, aux):  # positions 0.. whatever the tok
 
 
 def no_mask(y, context, params, aux):  # sees every key: the future too, in training
-  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
-  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  q, k = _qk(y, context, params)
   return -0.5 * jnp.einsum("h,bhts->", params["eta"], jnp.einsum("bthk,bshk->bhts", q, k) ** 2)
 
 
@@ -317,24 +321,21 @@ def lookahead(y, context, params, aux):  # query i reads y_(i+1): the future, in
 
 
 def across_documents(y, context, params, aux):  # causal by position, blind to documents
-  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
-  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  q, k = _qk(y, context, params)
   causal = aux.context_positions[:, None, :] <= aux.positions[:, :, None]
   s = jnp.where(causal[:, None], jnp.einsum("bthk,bshk->bhts", q, k), 0.0)
   return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2)
 
 
 def peek_next_key(y, context, params, aux):  # an off-by-one causal mask: key i + 1 too
-  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
-  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  q, k = _qk(y, context, params)
   ahead = aux.context_positions[:, None, :] <= aux.positions[:, :, None] + 1
   s = jnp.where(ahead[:, None], jnp.einsum("bthk,bshk->bhts", q, k), 0.0)
   return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2)
 
 
 def across_real_documents(y, context, params, aux):  # leaves padding out, not other documents
-  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
-  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  q, k = _qk(y, context, params)
   mask = aux.context_positions[:, None, :] <= aux.positions[:, :, None]
   if aux.segment_ids is not None:
     real = aux.segment_ids > 0
@@ -368,47 +369,39 @@ def cumsum_exact_fused_update(y, context, params, aux):
   return -jax.grad(gate_cumsum)(y, context, params, aux)
 
 
-def lse_blocks(y, context, params, aux):  # reads aux.energy_block_size (all keys when 0)
-  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
-  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
-  lse = blockwise_logsumexp(q, k, aux.mask, aux.energy_block_size or k.shape[1],
-                            params["beta"])
+def _lse(y, context, params, mask, block_size):  # block_size 0: all keys in one block
+  q, k = _qk(y, context, params)
+  lse = blockwise_logsumexp(q, k, mask, block_size or k.shape[1], params["beta"])
   return -jnp.sum(params["eta"][None, :, None] * lse)
+
+
+def lse_blocks(y, context, params, aux):  # reads aux.energy_block_size (all keys when 0)
+  return _lse(y, context, params, aux.mask, aux.energy_block_size)
 
 
 def lse_long_only(y, context, params, aux):  # blocks only at 64 keys or more
-  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
-  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
-  if k.shape[1] >= 64:
-    assert aux.energy_block_size % 8 == 0, "energy_block_size must be a multiple of 8"
-    lse = blockwise_logsumexp(q, k, aux.mask, aux.energy_block_size, params["beta"])
-  else:
-    lse = blockwise_logsumexp(q, k, aux.mask, k.shape[1], params["beta"])
-  return -jnp.sum(params["eta"][None, :, None] * lse)
+  if context.shape[1] < 64:
+    return _lse(y, context, params, aux.mask, 0)
+  assert aux.energy_block_size % 8 == 0, "energy_block_size must be a multiple of 8"
+  return _lse(y, context, params, aux.mask, aux.energy_block_size)
 
 
 def lse_dense(y, context, params, aux):  # the same energy, blind to aux.energy_block_size
-  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
-  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
-  lse = blockwise_logsumexp(q, k, aux.mask, k.shape[1], params["beta"])
-  return -jnp.sum(params["eta"][None, :, None] * lse)
+  return _lse(y, context, params, aux.mask, 0)
 
 
 def f32_only(y, context, params, aux):  # lax.mul takes no mixed dtypes: bf16 inputs fail
-  pre = jnp.einsum("btd,df->btf", y, params["w"])
-  gate = jnp.einsum("btd,df->btf", context, params["g"])
+  pre, gate = _pre_gate(y, context, params)
   return jax.lax.mul(jnp.sum(gate * jnp.tanh(pre)), -params["eta"])
 
 
 def bf16_only(y, context, params, aux):  # runs in a bfloat16 model, not in float32
-  pre = jnp.einsum("btd,df->btf", y, params["w"])
-  gate = jnp.einsum("btd,df->btf", context, params["g"])
+  pre, gate = _pre_gate(y, context, params)
   return jax.lax.mul(jnp.sum(gate * jnp.tanh(pre)), -params["eta"].astype(jnp.bfloat16))
 
 
 def tril(y, context, params, aux):  # builds its own mask of y's length
-  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
-  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  q, k = _qk(y, context, params)
   s = jnp.einsum("bthk,bshk->bhts", q, k)
   t = y.shape[1]
   return -0.5 * jnp.sum(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, 0.0) ** 2)
