@@ -96,12 +96,12 @@ def parse_flags(argv):
     # file by itself to learn why (None: it loads, the error is another flag's).
     failed_to_load = (given and CONFIG_FLAG in flags.FLAGS
                       and not flags.FLAGS[CONFIG_FLAG].present)
-    cause = _run_config_file(given[0].split("=", 1)[1])[1] if failed_to_load else None
+    cause = _run_config_file(given[-1].split("=", 1)[1])[1] if failed_to_load else None
     _fail(cause or str(e).splitlines()[0])
   except (AttributeError, KeyError):
     # ml_collections applies --config.KEY overrides by attribute lookup: a missing field. It
     # also lets these two escape the config file's own get_config unwrapped.
-    config, cause = _run_config_file(given[0].split("=", 1)[1]) if given else (None, None)
+    config, cause = _run_config_file(given[-1].split("=", 1)[1]) if given else (None, None)
     if config is not None:
       cause = _unknown_override(config, argv)
     if cause is None:

@@ -161,11 +161,9 @@ def run(command: list[str], num_processes: int, devices_per_process: int, port: 
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-  if "--" not in argv:
-    raise SystemExit("error: give the command after --, e.g. launch/local.py --num_processes=2 "
-                     "-- python -m cem_jax.main --config=experiments/tiny.py --workdir=/tmp/mp")
-  split = argv.index("--")
+  split = argv.index("--") if "--" in argv else len(argv)
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                   usage="%(prog)s [options] -- COMMAND [ARG ...]",
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--num_processes", type=int, default=2)
   parser.add_argument("--devices_per_process", type=int, default=1,
@@ -175,7 +173,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--kill_grace_s", type=float, default=5.0,
                       help="seconds between SIGTERM and SIGKILL when stopping processes")
   parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
-  args = parser.parse_args(argv[:split])
+  args = parser.parse_args(argv[:split])  # --help prints the usage here, with or without --
+  if split == len(argv):
+    parser.error("give the command after --, e.g. launch/local.py --num_processes=2 -- python "
+                 "-m cem_jax.main --config=experiments/tiny.py --workdir=/tmp/mp")
   args.command = argv[split + 1:]
   if not args.command:
     parser.error("the command after -- is empty")

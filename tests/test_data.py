@@ -136,8 +136,12 @@ def test_file_decoding_normalises_bom_and_line_ends(tmp_path):
 
 
 def test_file_errors(tmp_path):
-  with pytest.raises(ValueError, match=r"glob '.*nothing\*\.txt' matches no file"):
+  with pytest.raises(ValueError, match=r"glob '.*nothing\*\.txt' matches no file$"):
     resolve_files(f"{tmp_path}/nothing*.txt")
+  with pytest.raises(ValueError) as e:  # a folder: the files in it, not the folder
+    resolve_files(f"{tmp_path}/")
+  assert str(e.value) == (f"data.files: glob '{tmp_path}/' matches no file ('{tmp_path}/' is a "
+                          f"folder; allowed: globs of files, e.g. '{tmp_path}/*.txt')")
   bad = tmp_path / "bad.txt"
   bad.write_bytes(codecs.BOM_UTF8 + b"hello\nwor\xffld\n")
   with pytest.raises(ValueError, match=r"bad\.txt: not UTF-8 .*byte 0xff at byte offset 12"):

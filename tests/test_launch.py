@@ -121,9 +121,12 @@ def test_local_reports_a_killed_process_as_128_plus_signal():
   assert proc.returncode == 128 + 9
 
 
-def test_local_needs_a_command():
+def test_local_needs_a_command_and_helps_without_one():
   proc = _launch("local.py", "--num_processes=2")
-  assert proc.returncode != 0 and "give the command after --" in proc.stderr
+  assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+      "local.py: error: give the command after --"), proc.stderr
+  proc = _launch("local.py", "--help")
+  assert proc.returncode == 0 and "--devices_per_process" in proc.stdout, proc.stderr
 
 
 # ---------------------------------------------------------------------------------------------

@@ -86,6 +86,12 @@ def test_a_config_file_error_is_one_line_naming_the_file(tmp_path):
                         capture_output=True, text=True, timeout=300)
   assert (proc.returncode, proc.stderr.strip()) == (1, f"error: --config={path}:big: "
                                                        "'no preset big'")
+  # Given twice, the last --config is the one loaded, and the one explained.
+  tiny = Path(__file__).resolve().parents[1] / "experiments" / "tiny.py"
+  proc = subprocess.run([sys.executable, "-m", "cem_jax.inspect", f"--config={tiny}",
+                         f"--config={path}:big"], capture_output=True, text=True, timeout=300)
+  assert (proc.returncode, proc.stderr.strip()) == (1, f"error: --config={path}:big: "
+                                                       "'no preset big'")
 
 
 def test_mesh_shape_resolution_and_errors():

@@ -68,7 +68,10 @@ def resolve_files(files: str) -> list[Path]:
         if os.path.isfile(m)
     )
     if not matches:
-      raise ValueError(f"data.files: glob {pattern!r} matches no file")
+      folder = os.path.isdir(os.path.expanduser(pattern))
+      hint = (f" ({pattern!r} is a folder; allowed: globs of files, e.g. "
+              f"{os.path.join(pattern, '*.txt')!r})" if folder else "")
+      raise ValueError(f"data.files: glob {pattern!r} matches no file{hint}")
     for path in matches:
       if path not in seen:
         seen.add(path)
