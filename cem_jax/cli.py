@@ -59,6 +59,17 @@ def _run_config_file(spec: str):
     return None, (message if path in message else f"--{CONFIG_FLAG}={spec}: {message}")
 
 
+def _run_config_files(given: list[str]):
+  """:func:`_run_config_file` of each ``--config=FILE[:ARG]`` given, in order, as absl parses
+  every occurrence: ``(the last one's config, None)`` or ``(None, the first failure)``."""
+  config = None
+  for arg in given:
+    config, cause = _run_config_file(arg.split("=", 1)[1])
+    if cause is not None:
+      return None, cause
+  return config, None
+
+
 def _unknown_override(config, argv) -> str | None:
   """The first ``--config.KEY=VALUE`` whose KEY is not a field of ``config``, as one line with
   the closest field name (None when every KEY exists)."""
@@ -92,16 +103,13 @@ def parse_flags(argv):
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    # ml_collections loads the file while parsing --config: if that flag did not parse, run the
-    # file by itself to learn why (None: it loads, the error is another flag's).
-    failed_to_load = (given and CONFIG_FLAG in flags.FLAGS
-                      and not flags.FLAGS[CONFIG_FLAG].present)
-    cause = _run_config_file(given[-1].split("=", 1)[1])[1] if failed_to_load else None
-    _fail(cause or str(e).splitlines()[0])
+    # ml_collections loads the file while parsing each --config: run the files by themselves to
+    # learn whether one fails and why (None: they load, the error is another flag's).
+    _fail(_run_config_files(given)[1] or str(e).splitlines()[0])
   except (AttributeError, KeyError):
     # ml_collections applies --config.KEY overrides by attribute lookup: a missing field. It
     # also lets these two escape the config file's own get_config unwrapped.
-    config, cause = _run_config_file(given[-1].split("=", 1)[1]) if given else (None, None)
+    config, cause = _run_config_files(given)
     if config is not None:
       cause = _unknown_override(config, argv)
     if cause is None:

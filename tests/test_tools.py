@@ -86,12 +86,17 @@ def test_a_config_file_error_is_one_line_naming_the_file(tmp_path):
                         capture_output=True, text=True, timeout=300)
   assert (proc.returncode, proc.stderr.strip()) == (1, f"error: --config={path}:big: "
                                                        "'no preset big'")
-  # Given twice, the last --config is the one loaded, and the one explained.
+  # absl parses every --config given: the one that fails is explained, first or last, whether
+  # get_config raises a KeyError (escapes ml_collections) or a ValueError (wrapped by it).
   tiny = Path(__file__).resolve().parents[1] / "experiments" / "tiny.py"
-  proc = subprocess.run([sys.executable, "-m", "cem_jax.inspect", f"--config={tiny}",
-                         f"--config={path}:big"], capture_output=True, text=True, timeout=300)
-  assert (proc.returncode, proc.stderr.strip()) == (1, f"error: --config={path}:big: "
-                                                       "'no preset big'")
+  for given, want in (([f"--config={path}:big", f"--config={tiny}"],
+                       f"error: --config={path}:big: 'no preset big'"),
+                      ([f"--config={tiny}", f"--config={tiny}:lama"],
+                       f"error: --config={tiny}:lama: experiments/tiny.py:lama; allowed "
+                       "args: cem, llama")):
+    proc = subprocess.run([sys.executable, "-m", "cem_jax.inspect", *given],
+                          capture_output=True, text=True, timeout=300)
+    assert (proc.returncode, proc.stderr.strip()) == (1, want)
 
 
 def test_mesh_shape_resolution_and_errors():
