@@ -50,13 +50,19 @@ _DECODE_NEW, _DECODE_INDEX, _DECODE_CACHE = 2, 3, 8
 # (η, a head, RoPE) is off by O(1).
 FUSED_RTOL = 1e-3
 _DECODING = "as in cached decoding (python -m cem_jax.sample)"
-# The numerical checks compare in float32 whatever model.dtype is: an energy must run in it.
-_FLOAT32_NOTE = (" (the numerical start-up checks run in float32 whatever model.dtype; write "
-                 "the energy for any float dtype, e.g. cast constants with y.dtype)")
 _PER_TOKEN_HINT = ("an MLP energy must be a sum of per-token terms (token i's gate input is "
                    "context[:, i], its own state)")
 _MASK_HINT = ("build masks from aux.mask (not jnp.tril of y's length) and RoPE angles from "
               "aux.positions (y) and aux.context_positions (context)")
+
+
+def _float32_note(m) -> str:
+  """What to add to a numerical check's failure in a model that is not float32: the
+  numerical checks compare in float32 whatever ``model.dtype`` is, so an energy must run in it."""
+  if m.dtype == "float32":
+    return ""
+  return (" (the numerical start-up checks run in float32 whatever model.dtype; write the "
+          "energy for any float dtype, e.g. cast constants with y.dtype)")
 
 
 def validate_energies(config) -> None:
@@ -326,9 +332,8 @@ def _check_fused_values(field, spec, kind, m, shapes):
       try:
         got, want = (np.asarray(a, np.float64) for a in both(y, context, params, aux))
       except Exception as e:  # the shape checks ran both functions' code already: rare
-        note = _FLOAT32_NOTE if m.dtype != "float32" else ""
         raise ValueError(f"{field}={spec.name!r}: its fused update {name} or jax.grad of the "
-                         f"energy failed on {where}{note}: {_one_line(e)}") from e
+                         f"energy failed on {where}{_float32_note(m)}: {_one_line(e)}") from e
       if not np.all(np.isfinite(want)):
         raise ValueError(
             f"{field}={spec.name!r}: -jax.grad(energy) w.r.t. y is not finite on {where}, so "
@@ -412,8 +417,7 @@ def _causal_values(field, spec, kind, m, shapes, update):
                          np.float64)
     except Exception as e:  # the shape checks ran this code already: rare
       raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
-                       f"{_FLOAT32_NOTE if m.dtype != 'float32' else ''}: {_one_line(e)}"
-                       ) from e
+                       f"{_float32_note(m)}: {_one_line(e)}") from e
   rel = _relative_error(got, want)
   if not rel <= FUSED_RTOL:  # also NaN
     raise refuse(f"of {new} new tokens at positions {index}.. against a {cache}-slot cache, "
