@@ -72,6 +72,7 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str):
   from cem_jax import data as data_lib
   from cem_jax import optim, preflight
   from cem_jax import steps as steps_lib
+  from cem_jax import workdir as workdir_lib
 
   meta = ckpt.read_meta(step)
   saved = meta.get("config")
@@ -97,8 +98,13 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str):
     # not be where they were (or exist at all).
     d = config.data
     d.prepared_dir, d.files, d.tfds_name, d.tokenizer = found, "", "", ""
+  held = workdir_lib.prepared_folders(workdir)
   data = data_lib.build_data(config, workdir)
-  data_lib.check_same_data(meta.get("data"), data.identity, ckpt.step_dir(step))
+  try:
+    data_lib.check_same_data(meta.get("data"), data.identity, ckpt.step_dir(step))
+  except ValueError:
+    workdir_lib.remove_prepared_since(workdir, held)
+    raise
   model = steps_lib.build_model(config, data.tokenizer.vocab_size)
   graphdef, params = nnx.split(model, nnx.Param)
   tx, _ = optim.make_optimizer(config.train)

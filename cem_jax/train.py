@@ -186,8 +186,8 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   """Validates ``config`` and the devices, prepares ``workdir``, builds the data, the optimizer
   and the sharded state, and restores the newest intact checkpoint if there is one.
 
-  Nothing is written to ``workdir`` but the data it prepares; if anything fails and ``workdir``
-  did not exist before, it is removed again.
+  Nothing is written to ``workdir`` but the data it prepares (removed again if the checkpoint
+  refuses them); if anything fails and ``workdir`` did not exist before, it is removed again.
 
   Raises:
     ValueError: as :func:`train_and_evaluate`.
@@ -196,6 +196,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   data_parallel_devices(config)
   preflight.check_machine(config)
   created = workdir_lib.prepare_workdir(workdir)
+  held = workdir_lib.prepared_folders(workdir)
   ckpt = None
   try:
     data = workdir_lib.build_data_once(config, workdir)
@@ -212,7 +213,11 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
     if run.resume is not None:
       # Checked before the arrays are read: a model's worth of restore for nothing otherwise.
       saved = ckpt.read_meta(run.resume)
-      data_lib.check_same_data(saved.get("data"), data.identity, ckpt.step_dir(run.resume))
+      try:
+        data_lib.check_same_data(saved.get("data"), data.identity, ckpt.step_dir(run.resume))
+      except ValueError:
+        workdir_lib.remove_prepared_since(workdir, held)
+        raise
       _check_same_model(saved, config, run.energies, ckpt.step_dir(run.resume))
       # The target is the freshly initialised state on the current devices: the restore takes
       # its structure (optax's state types) and shardings, whatever the saving run used.

@@ -1,11 +1,12 @@
-"""What the loop needs around it: a writable workdir, the data built once across processes,
-the last eval read back from ``metrics.jsonl``, and SIGTERM as a flag. Nothing here builds a
-model or runs a step.
+"""What the loop needs around it: a writable workdir, the data built once across processes
+(and removed again if a resume refuses them), the last eval read back from ``metrics.jsonl``,
+and SIGTERM as a flag. Nothing here builds a model or runs a step.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -43,6 +44,29 @@ def build_data_once(config: ml_collections.ConfigDict, workdir: str):
   if not ok:
     raise ValueError("process 0 could not build the data (see its error); nothing trained")
   return data if data is not None else data_lib.build_data(config, workdir)
+
+
+def prepared_folders(workdir: str) -> frozenset[str] | None:
+  """The names in ``WORKDIR/data`` (the datasets prepared there); None if it does not exist."""
+  try:
+    return frozenset(os.listdir(os.path.join(workdir, "data")))
+  except FileNotFoundError:
+    return None
+
+
+def remove_prepared_since(workdir: str, before: frozenset[str] | None) -> None:
+  """Removes, on process 0 (which prepares), what ``WORKDIR/data`` gained since ``before`` (a
+  :func:`prepared_folders` taken earlier), ``WORKDIR/data`` itself if it was not there. For a
+  resume refused for other data: only a run of this workdir would read a dataset in it, and
+  its checkpoint refuses that one, so it would stay as dead weight (a corpus's tokens)."""
+  if jax.process_index() != 0:
+    return
+  data = os.path.join(workdir, "data")
+  if before is None:
+    shutil.rmtree(data, ignore_errors=True)
+    return
+  for name in (prepared_folders(workdir) or frozenset()) - before:
+    shutil.rmtree(os.path.join(data, name), ignore_errors=True)
 
 
 def prepare_workdir(workdir: str) -> bool:

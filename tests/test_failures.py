@@ -25,7 +25,7 @@ from conftest import quadrature_phi_silu, subprocess_env, tiny_config
 from flax import nnx
 from ml_collections import config_flags
 
-from cem_jax import cli, energies, memory, optim, preflight, steps, train
+from cem_jax import cli, energies, evaluate, memory, optim, preflight, steps, train
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax.checkpoint import Checkpointer
@@ -276,6 +276,7 @@ def test_resume_on_other_data_is_refused_and_keeps_the_run(shared_data, tmp_path
       "checkpoint.every_steps": 2, "train.eval_every_steps": 2})
   train.train_and_evaluate(cfg(2), str(workdir))
   before = read_metrics(str(workdir))
+  prepared = sorted(os.listdir(workdir / "data"))
   text.write_text(text.read_text().replace("the", "THE"))
   with pytest.raises(ValueError) as e:
     train.train_and_evaluate(cfg(4), str(workdir))
@@ -285,6 +286,17 @@ def test_resume_on_other_data_is_refused_and_keeps_the_run(shared_data, tmp_path
                             "data (tokenizer_sha256 ")
   assert "train_sha256" in message and message.endswith("train in a new --workdir")
   assert read_metrics(str(workdir)) == before and (workdir / "checkpoints" / "2").is_dir()
+  # The edited text was prepared (its tokens are what the check compares), then removed: no
+  # run of this workdir could read it.
+  assert sorted(os.listdir(workdir / "data")) == prepared and len(prepared) == 1
+  # evaluate finds the tokens the checkpoint was trained on without the text; with them gone,
+  # it prepares the edited text, refuses it and removes it too.
+  assert evaluate.load_run(str(workdir))[4] == 2
+  shutil.move(workdir / "data" / prepared[0], tmp_path / "kept")
+  with pytest.raises(ValueError, match="was trained on other data"):
+    evaluate.load_run(str(workdir))
+  assert os.listdir(workdir / "data") == []
+  shutil.move(tmp_path / "kept", workdir / "data" / prepared[0])
   # The text as it was: the run resumes.
   text.write_text((shared_data / "tinyshakespeare.txt").read_text()[:60_000])
   train.train_and_evaluate(cfg(4), str(workdir))

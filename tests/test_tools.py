@@ -14,7 +14,13 @@ from jax.sharding import PartitionSpec as P
 from cem_jax import plot, preflight, sharding
 from cem_jax import summary as summary_lib
 from cem_jax.model import DecoderLM, count_params
-from cem_jax.workdir import Preemption, last_eval_in, prepare_workdir
+from cem_jax.workdir import (
+  Preemption,
+  last_eval_in,
+  prepare_workdir,
+  prepared_folders,
+  remove_prepared_since,
+)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -274,6 +280,22 @@ def test_preparing_a_workdir_says_whether_it_made_it_and_leaves_nothing_in_it(tm
   workdir = tmp_path / "w"
   assert prepare_workdir(str(workdir)) and not prepare_workdir(str(workdir))
   assert os.listdir(workdir) == []  # the write probe is removed
+
+
+def test_a_refused_resume_removes_only_the_data_it_prepared(tmp_path):
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  assert prepared_folders(str(workdir)) is None
+  (workdir / "data" / "old").mkdir(parents=True)
+  (workdir / "data" / "old" / "manifest.json").write_text("{}")
+  held = prepared_folders(str(workdir))
+  (workdir / "data" / "new").mkdir()
+  (workdir / "data" / "new" / "manifest.json").write_text("{}")
+  remove_prepared_since(str(workdir), held)
+  assert sorted(os.listdir(workdir / "data")) == ["old"] and held == {"old"}
+  assert os.listdir(workdir / "data" / "old") == ["manifest.json"]
+  remove_prepared_since(str(workdir), None)  # WORKDIR/data was not there before: all of it
+  assert os.listdir(workdir) == []
 
 
 def test_preemption_hands_sigterm_back_when_the_run_ends():
