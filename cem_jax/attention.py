@@ -10,9 +10,10 @@ one kept kernel:
   jax today, so ``is_causal=True`` alone never reaches cuDNN.)
 - ``'cudnn'``: ``jax.nn.dot_product_attention(implementation='cudnn')``, cuDNN flash
   attention on NVIDIA GPUs; bf16/fp16 only, head_dim a multiple of 8 and at most 128 (256 on
-  Hopper or later). Plain causal attention uses cuDNN's causal mask (no n x n array); no
-  public jax API hands segment ids to cuDNN, so a document mask goes in as a dense
-  ``[batch, 1, n, n]`` boolean mask that jax turns into an additive bias.
+  Hopper or later), an even training sequence length. Plain causal attention uses cuDNN's
+  causal mask (no n x n array); no public jax API hands segment ids to cuDNN, so a document
+  mask goes in as a dense ``[batch, 1, n, n]`` boolean mask that jax turns into an additive
+  bias, beside cuDNN's causal mask (so the tiles above the diagonal are still skipped).
 - ``'splash'``: Pallas splash attention on TPU
   (``jax.experimental.pallas.ops.tpu.splash_attention``): causal or strict-causal mask as
   structure, documents as segment ids (no n x n array); sequence length a multiple of 128.
@@ -41,6 +42,10 @@ from cem_jax.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 from cem_jax.masks import make_mask, visible_rows
 
 SPLASH_BLOCK = 128  # splash tiles the sequence in blocks of (a multiple of) 128
+# What a kernel needs the training sequence length to be a multiple of. cuDNN: jax's training
+# rule always hands cuDNN a bias operand (an empty one when there is no mask), and cuDNN's
+# flash attention with a bias needs even lengths (jax's check_is_flash_attention).
+SEQ_MULTIPLE = {"splash": SPLASH_BLOCK, "cudnn": 2}
 
 
 def partition_of(rules=DEFAULT_RULES) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -72,7 +77,8 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
     head_dim: the attention head width.
     augmented_head_dim: with the CEM diagonal, the width of the augmented head the fused
       update attends with, ``d_h + d_model`` (+ 1 in the distance form); None without one.
-    seq_len: the query length if known (splash needs a multiple of 128).
+    seq_len: the training sequence length if known (``SEQ_MULTIPLE``: splash needs a
+      multiple of 128, cuDNN an even length).
   Returns:
     ``(implementation, reason)``, the implementation one of ``'xla'``, ``'cudnn'``,
     ``'splash'``.
@@ -92,8 +98,8 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
   if requested == "xla":
     return "xla", "explicit"
   if requested in ("cudnn", "splash"):
-    problems = (_cudnn_problems(platform, dtype, width, why_wide) if requested == "cudnn"
-                else _splash_problems(platform, seq_len, why_wide))
+    problems = (_cudnn_problems(platform, dtype, width, why_wide, seq_len)
+                if requested == "cudnn" else _splash_problems(platform, seq_len, why_wide))
     if problems:
       raise ValueError(f"model.attention_impl={requested!r} cannot run: {'; '.join(problems)}")
     return requested, "explicit"
@@ -103,7 +109,7 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
   if why_wide is not None:
     return "xla", "auto: " + why_wide
   if platform == "gpu":
-    problems = _cudnn_problems(platform, dtype, width, why_wide)
+    problems = _cudnn_problems(platform, dtype, width, why_wide, seq_len)
     if problems:
       return "xla", f"auto: GPU, but cuDNN flash attention cannot run: {'; '.join(problems)}"
     return "cudnn", f"auto: GPU, {dtype}, head_dim={width}: cuDNN flash attention"
@@ -119,8 +125,15 @@ def _elsewhere(platform: str) -> str:
   return f"this machine's platform is {platform} (use 'auto' or 'xla' here)"
 
 
-def _cudnn_problems(platform: str | None, dtype: str, width: int,
-                    why_wide: str | None) -> list[str]:
+def _seq_len_problems(implementation: str, seq_len: int | None) -> list[str]:
+  multiple = SEQ_MULTIPLE[implementation]
+  if seq_len is None or seq_len % multiple == 0:
+    return []
+  return [f"data.seq_len={seq_len} must be a multiple of {multiple}"]
+
+
+def _cudnn_problems(platform: str | None, dtype: str, width: int, why_wide: str | None,
+                    seq_len: int | None) -> list[str]:
   """Why cuDNN flash attention cannot run (``[]``: it can); ``platform`` None: on some GPU."""
   problems = []
   if platform is not None and platform != "gpu":
@@ -132,7 +145,7 @@ def _cudnn_problems(platform: str | None, dtype: str, width: int,
     problems.append(why_wide + "; use 'xla' or model.diagonal='none'")
   elif width % 8 or width > limit:
     problems.append(f"head_dim={width} must be a multiple of 8 and <= {limit}")
-  return problems
+  return problems + _seq_len_problems("cudnn", seq_len)
 
 
 def _splash_problems(platform: str | None, seq_len: int | None,
@@ -143,9 +156,7 @@ def _splash_problems(platform: str | None, seq_len: int | None,
     problems.append(f"splash attention is a TPU kernel, {_elsewhere(platform)}")
   if why_wide is not None:
     problems.append(why_wide + "; use 'xla' or model.diagonal='none'")
-  if seq_len is not None and seq_len % SPLASH_BLOCK:
-    problems.append(f"data.seq_len={seq_len} must be a multiple of {SPLASH_BLOCK}")
-  return problems
+  return problems + _seq_len_problems("splash", seq_len)
 
 
 def dot_product_attention(
@@ -203,8 +214,10 @@ def dot_product_attention(
     else:
       if mask is None:
         mask = make_mask(segment_ids, t, b, strict=strict_causal)
+      # is_causal with the mask (which lies inside the causal triangle): cuDNN then skips
+      # the tiles above the diagonal instead of computing all n x n of them.
       out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
-                                         implementation=impl)
+                                         is_causal=is_causal, implementation=impl)
   elif implementation == "splash":
     if not is_causal:
       raise ValueError("attention_impl='splash' takes causal structure (is_causal=True with "

@@ -91,18 +91,20 @@ def training_aux(
   the model's static options and the attention kernel (``attention_impl``, resolved).
 
   Raises:
-    ValueError: an explicit ``model.attention_impl='splash'`` at a ``seq_len`` that is not a
-      multiple of 128 (under 'auto' the kernel becomes 'xla', logged once).
+    ValueError: an explicit ``model.attention_impl`` at a ``seq_len`` its kernel cannot take
+      (``attention.SEQ_MULTIPLE``: splash a multiple of 128, cuDNN an even one; under 'auto'
+      the kernel becomes 'xla', logged once).
   """
   positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
   impl = attention_impl
-  if impl == "splash" and seq_len % attention.SPLASH_BLOCK:
+  multiple = attention.SEQ_MULTIPLE.get(impl)
+  if multiple and seq_len % multiple:
     if cfg.attention_impl != "auto":
-      raise ValueError(f"model.attention_impl='splash' cannot run: seq_len={seq_len} must "
-                       f"be a multiple of {attention.SPLASH_BLOCK}")
+      raise ValueError(f"model.attention_impl={impl!r} cannot run: seq_len={seq_len} must "
+                       f"be a multiple of {multiple}")
+    _log_once(f"attention: xla at seq_len={seq_len} (auto: {impl} needs a multiple of "
+              f"{multiple})")
     impl = "xla"
-    _log_once(f"attention: xla at seq_len={seq_len} (auto: splash needs a multiple of "
-              f"{attention.SPLASH_BLOCK})")
   return EnergyAux(
       mask=make_mask(segment_ids, seq_len, batch, strict=cfg.strict_causal),
       positions=positions,

@@ -307,16 +307,44 @@ def test_the_model_picks_splash_on_tpu_and_lays_it_out_by_the_mesh_rules():
   assert build_model(cfg, 64).make_aux(None, 2, 128).attention_partition == (("data",), ())
 
 
-def test_splash_at_a_length_it_cannot_take_fails_if_asked_for_and_is_xla_under_auto():
+@pytest.mark.parametrize("impl,bad,good,multiple", [("splash", 64, 128, 128),
+                                                     ("cudnn", 63, 64, 2)])
+def test_a_kernel_at_a_length_it_cannot_take_fails_if_asked_for_and_is_xla_under_auto(
+    impl, bad, good, multiple):
+  # cuDNN: jax's training rule always passes a bias operand, and cuDNN with a bias needs even
+  # lengths; an odd seq_len on a GPU was a traceback at the first compile.
   from cem_jax import model as model_lib
 
-  cfg = tiny_config("llama", **{"model.attention_impl": "splash"}).model
-  with pytest.raises(ValueError, match=r"^model.attention_impl='splash' cannot run: seq_len=64 "
-                                       r"must be a multiple of 128$"):
-    model_lib.training_aux(cfg, None, 2, 64, "splash")
+  cfg = tiny_config("llama", **{"model.attention_impl": impl}).model
+  with pytest.raises(ValueError, match=rf"^model.attention_impl='{impl}' cannot run: "
+                                       rf"seq_len={bad} must be a multiple of {multiple}$"):
+    model_lib.training_aux(cfg, None, 2, bad, impl)
+  assert model_lib.training_aux(cfg, None, 2, good, impl).attention_impl == impl
   cfg.attention_impl = "auto"
-  assert model_lib.training_aux(cfg, None, 2, 64, "splash").attention_impl == "xla"
-  assert model_lib.training_aux(cfg, None, 2, 128, "splash").attention_impl == "splash"
+  assert model_lib.training_aux(cfg, None, 2, bad, impl).attention_impl == "xla"
+  assert model_lib.training_aux(cfg, None, 2, good, impl).attention_impl == impl
+  platform = {"splash": "tpu", "cudnn": "gpu"}[impl]
+  assert attention.resolve("auto", platform=platform, dtype="bfloat16", head_dim=64,
+                           seq_len=bad)[0] == "xla"
+  assert attention.resolve("auto", platform=platform, dtype="bfloat16", head_dim=64,
+                           seq_len=good)[0] == impl
+
+
+@pytest.mark.parametrize("kind,causal", [("documents", True), ("strict_documents", True),
+                                         ("decode", False)])
+def test_cudnn_gets_its_causal_mask_beside_a_document_mask(monkeypatch, kind, causal):
+  # Without is_causal, jax's cuDNN call takes no causal mask type and computes all n x n
+  # tiles for a document mask; decoding against a cache is not causal (t != s).
+  calls = []
+  monkeypatch.setattr(jax.nn, "dot_product_attention",
+                      lambda q, k, v, **kw: calls.append(kw) or q)
+  q, k, v, _ = _qkv(seed=3)
+  kwargs, mask = _structure(kind)
+  attention.dot_product_attention(q[:, :3] if kind == "decode" else q, k, v, scale=0.3,
+                                  implementation="cudnn", **kwargs)
+  (kw,) = calls
+  assert kw["implementation"] == "cudnn" and kw["is_causal"] is causal
+  assert np.array_equal(np.asarray(kw["mask"])[:, 0], mask)
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -327,6 +355,8 @@ def test_splash_at_a_length_it_cannot_take_fails_if_asked_for_and_is_xla_under_a
      "multiple of 128"),
     ({"model.attention_impl": "cudnn", "model.dtype": "bfloat16", "model.head_dim": 12},
      "head_dim=12 must be a multiple of 8"),  # the explicit head width, not d_model / heads
+    ({"model.attention_impl": "cudnn", "model.dtype": "bfloat16", "data.seq_len": 63},
+     "data.seq_len=63 must be a multiple of 2$"),
     ({"model.attention_impl": "flash"}, "allowed: auto, xla, cudnn, splash"),
     ({"model.energy_block_size": 64}, "model.energy_block_size=64 has no effect on the fused"),
     ({"model.attention_impl": "cudnn", "model.dtype": "bfloat16",
