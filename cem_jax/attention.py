@@ -232,7 +232,9 @@ def dot_product_attention(
   else:
     raise ValueError(f"attention implementation={implementation!r}; allowed: xla, cudnn, "
                      "splash (resolve 'auto' with cem_jax.attention.resolve)")
-  rows = visible_rows(mask, is_causal=is_causal, strict=strict_causal,
+  # With causal structure the rows come from it, O(batch x t): splash would otherwise read
+  # the n x n mask only here (and under remat keep it as a residual of every layer).
+  rows = visible_rows(None if is_causal else mask, is_causal=is_causal, strict=strict_causal,
                       segment_ids=segment_ids, shape=(b, t))
   if rows is not None:
     # where, not a product: a kernel may leave an empty row non-finite.

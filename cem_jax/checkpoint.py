@@ -168,7 +168,7 @@ class Checkpointer:
     self.manager.reload()  # the folder may have changed since the manager started
     steps = self.manager.all_steps()
     step = integrity.newest_intact(self.directory, steps, self.read_only)
-    if step is not None and not self.read_only and step != max(steps):
+    if step is not None and not self.read_only and step != max(steps, default=step):
       self.manager.reload()  # damaged newer steps were moved aside
     return step
 

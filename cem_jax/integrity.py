@@ -20,7 +20,8 @@ resume, :func:`newest_intact` verifies steps newest first; a damaged one is repo
 (``logging.warning`` naming the step and the file) and moved to ``rejected/`` so the run can
 save that step number again, and the newest intact step is used. If steps exist but none is
 intact, :class:`CheckpointError` says so. Verification reads every file once (about 1 GB/s of
-sha256 per core).
+sha256 per core). With several processes only process 0 verifies and moves; the others take
+its answer (verifying too, each would read the whole checkpoint, and race process 0's move).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ import os
 import time
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from cem_jax.distributed import sync_processes
 from cem_jax.files import atomic_write_json, sha256_file
 
 DIGEST_DIR = "digests"
@@ -189,12 +190,37 @@ def newest_intact(directory: str, steps, read_only: bool) -> int | None:
 
   Newer damaged steps are reported with ``logging.warning`` (step and file) and, unless
   ``read_only``, moved to ``rejected/`` (:func:`move_aside`), so that training can save those
-  step numbers again.
+  step numbers again. With several processes, process 0 does this (with its own ``steps``)
+  and every process returns its answer once the move is done; all must call it.
 
   Raises:
     CheckpointError: steps exist but none is intact (one line listing each step's first
-      problem and the fix).
+      problem and the fix; on the other processes, one line pointing to process 0's).
+    OSError: a damaged step could not be moved (on the other processes: CheckpointError).
   """
+  if jax.process_count() == 1:
+    return _newest_intact(directory, steps, read_only)
+  from jax.experimental import multihost_utils
+
+  step, error = None, None
+  if jax.process_index() == 0:
+    try:
+      step = _newest_intact(directory, steps, read_only)
+    except (CheckpointError, OSError) as e:
+      error = e
+  # -2: process 0 failed; -1: no step. A collective every process joins, after the move.
+  answer = -2 if error is not None else (-1 if step is None else step)
+  answer = int(multihost_utils.broadcast_one_to_all(np.int32(answer)))
+  if error is not None:
+    raise error
+  if answer == -2:
+    raise CheckpointError(f"{directory}: process 0 found no checkpoint to restore (see its "
+                          "error); nothing restored")
+  return None if answer == -1 else answer
+
+
+def _newest_intact(directory: str, steps, read_only: bool) -> int | None:
+  """:func:`newest_intact` on this process alone."""
   steps = sorted(steps, reverse=True)
   rejected = {}
   for step in steps:
@@ -218,15 +244,13 @@ def newest_intact(directory: str, steps, read_only: bool) -> int | None:
 
 
 def move_aside(directory: str, steps: list[int]) -> None:
-  """Moves steps ``steps`` and their digests to ``rejected/`` (process 0), then syncs all
-  processes so that none lists them afterwards."""
-  if jax.process_index() == 0:
-    target = os.path.join(directory, REJECTED_DIR)
-    os.makedirs(target, exist_ok=True)
-    for step in steps:
-      dest = os.path.join(target, f"{step}.{time.time_ns()}")
-      os.replace(step_dir(directory, step), dest)
-      if os.path.exists(digest_path(directory, step)):
-        os.replace(digest_path(directory, step), dest + ".digest.json")
-      logging.warning("moved damaged checkpoint step %d to %s", step, dest)
-  sync_processes("cem_jax.checkpoint.move_aside")
+  """Moves steps ``steps`` and their digests to ``rejected/`` (one process: process 0, see
+  :func:`newest_intact`)."""
+  target = os.path.join(directory, REJECTED_DIR)
+  os.makedirs(target, exist_ok=True)
+  for step in steps:
+    dest = os.path.join(target, f"{step}.{time.time_ns()}")
+    os.replace(step_dir(directory, step), dest)
+    if os.path.exists(digest_path(directory, step)):
+      os.replace(digest_path(directory, step), dest + ".digest.json")
+    logging.warning("moved damaged checkpoint step %d to %s", step, dest)

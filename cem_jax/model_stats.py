@@ -73,6 +73,7 @@ def parameter_counts(module: nnx.Module) -> dict[str, int]:
 
 
 # Dense bf16 peak FLOP/s by device kind (vendor data sheets); MFU is left empty elsewhere.
+# Each TPU under every name jax's runtimes report for it (jax's tpu_info: a v5p says "TPU v5").
 PEAK_FLOPS = {
     "NVIDIA H200": 989e12,
     "NVIDIA H100 80GB HBM3": 989e12,
@@ -81,8 +82,11 @@ PEAK_FLOPS = {
     "NVIDIA A100-SXM4-40GB": 312e12,
     "TPU v4": 275e12,
     "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5": 459e12,
     "TPU v5p": 459e12,
     "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
 }
 
 

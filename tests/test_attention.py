@@ -170,6 +170,22 @@ def test_entry_point_and_its_gradient_equal_the_float64_reference(impl, kind):
     assert np.all(np.asarray(out)[empty] == 0.0)
 
 
+@pytest.mark.parametrize("impl", ["xla", "splash"])
+def test_with_causal_structure_the_empty_rows_come_from_it_not_from_the_mask(impl):
+  # Splash reads no dense mask: were the rows taken from it, an n x n array would live on
+  # (under remat, a residual of every layer) for a row-wise test the segment ids answer.
+  # A mask that sees everything must not un-zero the padded rows.
+  q, k, v, _ = _qkv(seed=11)
+  kwargs, mask = _structure("documents")
+  everything = jnp.ones((B, T, T), bool)
+  out = attention.dot_product_attention(q, k, v, scale=0.3, implementation=impl,
+                                        **{**kwargs, "mask": everything})
+  assert np.all(np.asarray(out)[~mask.any(-1)] == 0.0)
+  if impl == "splash":  # the kernel takes the segment ids: the output is the reference's
+    ref = np_attention(q, k, v, mask, 0.3, np.zeros_like(q))[0]
+    assert rel(out, ref) <= TOL
+
+
 def _attention_params(seed, d, heads, dh, diag=False):
   r = np.random.default_rng(seed)
   p = {"w_q": jnp.asarray(0.4 * r.normal(size=(d, heads, dh)), jnp.float32),

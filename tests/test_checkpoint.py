@@ -288,6 +288,45 @@ def test_no_intact_step_is_a_clear_error(tmp_path):
   ckpt.close()
 
 
+@pytest.mark.parametrize("damaged", [(3,), (1, 2, 3)])
+def test_with_several_processes_process_0_verifies_and_the_others_take_its_answer(
+    damaged, tmp_path, monkeypatch):
+  # Each process verifying on its own raced process 0's move of a damaged step (a process
+  # still hashing it crashed; one listing after the move skipped the barrier process 0 waited
+  # at), and every host read the whole checkpoint.
+  from jax.experimental import multihost_utils
+
+  from cem_jax import integrity
+
+  _save_steps(tmp_path).close()
+  for step in damaged:
+    _flip(tmp_path / str(step))
+  sent = []
+
+  def broadcast(x):  # process 0's value reaches every process
+    sent.append(int(x))
+    return sent[0]
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  want = None if len(damaged) == 3 else 2
+  if want is None:
+    with pytest.raises(CheckpointError, match="no intact checkpoint"):
+      integrity.newest_intact(str(tmp_path), [1, 2, 3], read_only=False)
+  else:
+    assert integrity.newest_intact(str(tmp_path), [1, 2, 3], read_only=False) == want
+    assert list((tmp_path / "rejected").glob("3.*")) and not (tmp_path / "3").exists()
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(integrity, "verify", lambda *a: pytest.fail("process 1 verified"))
+  if want is None:
+    with pytest.raises(CheckpointError, match="process 0 found no checkpoint to restore"):
+      integrity.newest_intact(str(tmp_path), [1, 2, 3], read_only=False)
+  else:  # its own listing still has the step process 0 moved
+    assert integrity.newest_intact(str(tmp_path), [1, 2, 3], read_only=False) == want
+  assert len(sent) == 2 and sent[0] == (-2 if want is None else want)  # each joined once
+
+
 def test_digests_follow_keep(tmp_path):
   ckpt = Checkpointer(str(tmp_path), keep=2)
   for s in range(1, 6):

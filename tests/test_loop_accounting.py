@@ -327,6 +327,11 @@ def test_the_peak_is_that_of_every_device_and_unknown_if_any_is_unknown():
   assert model_stats.peak_flops([h200] * 8) == 8 * 989e12
   assert model_stats.peak_flops(h200) == 989e12
   assert model_stats.peak_flops([h200, cpu]) is None and model_stats.peak_flops([cpu]) is None
+  # A TPU under each name jax reports for it (a v5p chip says "TPU v5").
+  for kinds, peak in ((("TPU v5", "TPU v5p"), 459e12), (("TPU v5 lite", "TPU v5e"), 197e12),
+                      (("TPU v6 lite", "TPU v6e"), 918e12)):
+    for kind in kinds:
+      assert model_stats.peak_flops(types.SimpleNamespace(device_kind=kind)) == peak, kind
 
 
 def test_metrics_jsonl_on_a_fresh_start_and_on_resume(tmp_path, monkeypatch):
