@@ -43,7 +43,9 @@ def build_data_once(config: ml_collections.ConfigDict, workdir: str):
     raise error
   if not ok:
     raise ValueError("process 0 could not build the data (see its error); nothing trained")
-  return data if data is not None else data_lib.build_data(config, workdir)
+  # Process 0 has just verified every file's sha256: the others check sizes only (each hash
+  # is a read of the whole corpus, from storage all hosts share).
+  return data if data is not None else data_lib.build_data(config, workdir, verify=False)
 
 
 def prepared_folders(workdir: str) -> frozenset[str] | None:

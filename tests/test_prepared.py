@@ -290,6 +290,9 @@ def test_damaged_shard_is_a_one_line_error_naming_the_file(tmp_path):
     build_data(config, tmp_path / "wd")
   assert str(info.value).startswith(f"{shard}: damaged prepared data: sha256")
   assert "\n" not in str(info.value)
+  # A peer process verified: sizes only, so the damage shows only where the reader trips.
+  with pytest.raises(ValueError, match=rf"^{out}: damaged prepared data: "):
+    build_data(config, tmp_path / "wd", verify=False)
   shard.write_bytes(bytes(data[:100]))
   with pytest.raises(ValueError, match=rf"^{shard}: damaged prepared data: 100 bytes"):
     build_data(config, tmp_path / "wd")
@@ -592,6 +595,44 @@ def test_prepare_cli_validates_the_config_first_and_writes_nothing(override, mes
   assert (proc.returncode, proc.stderr.strip().splitlines()[-1:]) == (1, [message]), (
       proc.stderr[-2000:])
   assert sorted(p.name for p in tmp_path.iterdir()) == before  # no --out folder, nothing else
+
+
+def test_the_open_files_limit_is_raised_for_the_shards_or_the_hard_limit_named(monkeypatch):
+  # Every shard's reader stays open: past ~1,000 shards (~17 GB of text) a soft limit of 1024
+  # made the data unreadable, reported as damage.
+  import resource
+
+  calls = []
+  monkeypatch.setattr(resource, "setrlimit", lambda kind, limits: calls.append(limits))
+  for soft, hard, want in ((1024, 4096, [(3256, 4096)]), (1024, resource.RLIM_INFINITY,
+                           [(3256, resource.RLIM_INFINITY)]), (8192, 8192, [])):
+    calls.clear()
+    monkeypatch.setattr(resource, "getrlimit", lambda kind, s=soft, h=hard: (s, h))
+    prepared.allow_open_files(3000, Path("/d"))
+    assert calls == want, (soft, hard)
+  monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, 2048))
+  with pytest.raises(ValueError, match=r"^/d: 3000 shards stay open while reading, but this "
+                                       r"process may open 2048 files \(hard limit\); raise it "
+                                       r"\(ulimit -Hn 3256\)"):
+    prepared.allow_open_files(3000, Path("/d"))
+
+
+def test_processes_other_than_0_open_the_data_process_0_verified_by_sizes(monkeypatch):
+  import jax
+  from jax.experimental import multihost_utils
+
+  from cem_jax import data as data_lib
+  from cem_jax import workdir
+
+  seen = []
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: 1)
+  monkeypatch.setattr(data_lib, "build_data",
+                      lambda c, w, verify=True: seen.append(verify) or "data")
+  for index in (0, 1):
+    monkeypatch.setattr(jax, "process_index", lambda i=index: i)
+    workdir.build_data_once(None, "w")
+  assert seen == [True, False]
 
 
 def test_prepare_rebuilds_a_shard_damaged_in_place(tmp_path):

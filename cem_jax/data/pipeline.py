@@ -246,14 +246,15 @@ class Data:
     }
 
 
-def build_data(config, workdir: str | os.PathLike) -> Data:
+def build_data(config, workdir: str | os.PathLike, verify: bool = True) -> Data:
   """Builds the data of an experiment from its resolved config.
 
   Reads ``config.data`` (source, split, tokenizer, ``seq_len``, ``shuffle_seed``,
   ``prepared_dir``) and ``config.train.batch_size``. Trains from the prepared dataset in
   ``data.prepared_dir``, or, when that is '', from ``WORKDIR/data/<fingerprint>``, prepared
   there first (``shard_writer.prepare``) unless it already is. No raw text is read when the
-  prepared data is there.
+  prepared data is there. ``verify``: check the prepared files' sha256 (False: sizes only,
+  see ``PreparedData.open``).
 
   Raises:
     ValueError: bad config values or inputs, a prepared dataset that does not fit the config
@@ -264,7 +265,7 @@ def build_data(config, workdir: str | os.PathLike) -> Data:
   d = config.data
   start = time.perf_counter()
   directory = shard_writer.prepared_for(d, workdir)
-  ds = prepared_lib.PreparedData.open(directory, d if d.prepared_dir else None)
+  ds = prepared_lib.PreparedData.open(directory, d if d.prepared_dir else None, verify=verify)
   tok, info = ds.tokenizer, ds.manifest["splits"]
   logging.getLogger(__name__).info(
       "data: %s (%d train / %d validation tokens) ready in %.2f s", directory,

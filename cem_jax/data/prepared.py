@@ -30,6 +30,7 @@ import bisect
 import dataclasses
 import json
 import os
+import resource
 from pathlib import Path
 
 import numpy as np
@@ -362,22 +363,50 @@ class PreparedData:
     return manifest
 
   @classmethod
-  def open(cls, directory: str | os.PathLike, data_config=None) -> PreparedData:
+  def open(cls, directory: str | os.PathLike, data_config=None,
+           verify: bool = True) -> PreparedData:
     """Opens a prepared folder; with ``data_config`` checks that it fits (see ``check_fits``).
+    ``verify=False`` checks the files' sizes, not their sha256: for a process whose peer has
+    just verified the same folder (at corpus scale each hash is a read of every shard).
+    Every shard stays open while the data are read: the soft limit of open files is raised
+    towards the hard one where it is too low.
 
     Raises:
       ValueError: no or damaged manifest/shard/tokenizer, a tokenizer or shard that disagrees
-        with the manifest, or a dataset not made for the config (one line naming the file,
-        folder or field).
+        with the manifest, a dataset not made for the config (one line naming the file,
+        folder or field), or more shards than this process may open.
     """
     directory = Path(os.path.expanduser(os.fspath(directory)))
-    manifest = cls.open_manifest(directory, verify=True)
+    manifest = cls.open_manifest(directory, verify=verify)
     if data_config is not None:
       check_fits(manifest, data_config, directory)
+    allow_open_files(sum(len(manifest["splits"][s]["shards"]) for s in SPLITS), directory)
     try:
       return cls(directory, manifest)
     except RuntimeError as e:  # array_record/sentencepiece reading a file that is not theirs
       raise ValueError(f"{directory}: damaged prepared data: {str(e).splitlines()[0]}") from None
+
+
+OPEN_FILES_BESIDE_SHARDS = 256  # checkpoints, logs, sockets, jax's own files
+
+
+def allow_open_files(shards: int, directory: Path) -> None:
+  """Raises this process's soft limit of open files (``RLIMIT_NOFILE``) so that ``shards``
+  readers fit beside ``OPEN_FILES_BESIDE_SHARDS`` others, up to the hard limit (a common soft
+  limit of 1024 is ~17 GB of text in shards).
+
+  Raises:
+    ValueError: the hard limit is too low (one line naming the folder, the counts and the fix).
+  """
+  need = shards + OPEN_FILES_BESIDE_SHARDS
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  if soft == resource.RLIM_INFINITY or soft >= need:
+    return
+  if hard != resource.RLIM_INFINITY and hard < need:
+    raise ValueError(f"{directory}: {shards} shards stay open while reading, but this process "
+                     f"may open {hard} files (hard limit); raise it (ulimit -Hn {need}) or "
+                     "prepare with larger shards")
+  resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def check_fits(manifest: dict, data_config, directory: Path) -> None:
