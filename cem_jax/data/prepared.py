@@ -404,8 +404,7 @@ def allow_open_files(shards: int, directory: Path) -> None:
     return
   if hard != resource.RLIM_INFINITY and hard < need:
     raise ValueError(f"{directory}: {shards} shards stay open while reading, but this process "
-                     f"may open {hard} files (hard limit); raise it (ulimit -Hn {need}) or "
-                     "prepare with larger shards")
+                     f"may open {hard} files (hard limit); raise it (ulimit -Hn {need})")
   resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
