@@ -5,10 +5,11 @@ writes each split's token stream as sharded ArrayRecord files in ``DIR``, with t
 and a manifest (:mod:`cem_jax.data.shard_writer`; the format: :mod:`cem_jax.data.prepared`).
 The source is the config's:
 ``--config.data.files=GLOB``, ``--config.data.tfds_name=NAME`` or the built-in corpus.
-Encoding runs in worker processes (``--workers``; default 2 for corpora of 8M characters or
-more) with a progress bar when stderr is a terminal. Killed, it leaves no manifest; run again,
-it writes only the missing shards; complete, it is a no-op. Failed before its first shard (bad
-input), it removes what it wrote, so the re-run with fixed input starts afresh. Then train with
+Encoding runs in worker processes (``--workers``; default: every CPU this process may use,
+for corpora of 8M characters or more) with a progress bar when stderr is a terminal. Killed,
+it leaves no manifest; run again, it writes only the missing shards; complete, it is a no-op.
+Failed before its first shard (bad input), it removes what it wrote, so the re-run with fixed
+input starts afresh. Then train with
 ``python -m cem_jax.main --config=CFG --workdir=W --config.data.prepared_dir=DIR``.
 
 The config is validated first, as ``cem_jax.main`` does (``cem_jax.config.validate``): a
@@ -26,8 +27,8 @@ from cem_jax import cli
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
                                           lock_config=True)
 _OUT = flags.DEFINE_string("out", None, "Folder of the prepared dataset (created).")
-_WORKERS = flags.DEFINE_integer("workers", None, "Encoding processes (default: 2 for large "
-                                "corpora, else 1).")
+_WORKERS = flags.DEFINE_integer("workers", None, "Encoding processes (default: the usable "
+                                "CPUs for large corpora, else 1).")
 flags.mark_flags_as_required(["config", "out"])
 
 

@@ -716,3 +716,36 @@ def test_interleave_split_chunk_size_by_hand():
   train, validation = text_lib.interleave_split([doc], 0.1)
   assert validation == [doc[18:20], doc[38:40]]
   assert train == [doc[:18], doc[20:38], doc[40:]]
+
+
+def test_prepare_starts_one_worker_per_usable_cpu_by_default(tmp_path, monkeypatch):
+  # The shards do not depend on the count; a pod host's 100+ CPUs used to get 2 workers.
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+  assert shard_writer.default_workers() == 3
+  started = []
+
+  class Pool:  # records the size asked for and encodes here: no process starts
+    def __init__(self, size, initializer, initargs):
+      started.append(size)
+      initializer(*initargs)
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      return False
+
+    def imap(self, fn, jobs):
+      return map(fn, jobs)
+
+  monkeypatch.setattr(shard_writer.multiprocessing, "get_context",
+                      lambda method: type("Context", (), {"Pool": Pool}))
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(400, "a"))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  shard_writer.prepare(config.data, tmp_path / "small")
+  assert started == []  # below POOL_MIN_CHARS: this process alone
+  monkeypatch.setattr(shard_writer, "POOL_MIN_CHARS", 0)
+  shard_writer.prepare(config.data, tmp_path / "large")
+  assert started == [3]
+  assert (tmp_path / "large" / prepared.MANIFEST).is_file()

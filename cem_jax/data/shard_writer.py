@@ -61,6 +61,16 @@ WRITER_OPTIONS = "group_size:1"
 PROGRESS = "prepare.json"
 
 
+def default_workers() -> int:
+  """The CPUs this process may run on: its affinity mask where the OS has one (a container's
+  or a job's share of the host), else ``os.cpu_count()``. Shards are defined by the input, so
+  the number of workers never changes what is written."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # macOS and Windows have no affinity mask
+    return os.cpu_count() or 1
+
+
 def _sha256_bytes(data: bytes) -> str:
   return hashlib.sha256(data).hexdigest()
 
@@ -267,8 +277,10 @@ def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD
       (another fingerprint) is refused; what a prepare of other input left before its first
       shard is replaced.
     shard_chars: characters of text per shard (recorded in the manifest).
-    workers: encoding processes; None = ``min(2, cpu count)`` for corpora of at least
-      ``POOL_MIN_CHARS`` characters, else this process alone.
+    workers: encoding processes; None = ``default_workers()`` (the usable CPUs) for corpora
+      of at least ``POOL_MIN_CHARS`` characters (and catalog datasets, whose size is not
+      known beforehand), else this process alone. Each holds one shard's text and tokens,
+      about 100 MB.
 
   Returns:
     ``out_dir`` as a Path.
@@ -325,7 +337,7 @@ def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: i
   total = (sum(len(d) for split in SPLITS for d in docs[split])
            if identity["kind"] != "tfds" else None)
   if workers is None:
-    workers = min(2, os.cpu_count() or 1) if total is None or total >= POOL_MIN_CHARS else 1
+    workers = default_workers() if total is None or total >= POOL_MIN_CHARS else 1
   results: dict[str, list[dict]] = {s: [] for s in SPLITS}
 
   def jobs() -> Iterator[tuple[dict, str, str, str]]:
