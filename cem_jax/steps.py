@@ -289,7 +289,8 @@ def eval_loop(eval_step, params, data, cfg, shardings: StateShardings | None = N
   every global eval batch; ``eval_step`` sums over all of them on the devices, so every
   process gets the same totals, equal to one process's up to float summation order.
 
-  Reads the first ``eval.max_batches`` batches (-1: the whole split). ``eval/perplexity`` is
+  Reads ``eval.max_batches`` batches of windows spread evenly over the split (-1: the whole
+  split; ``EvalWindows.batches``). ``eval/perplexity`` is
   ``exp(min(loss, 80))`` (finite for an untrained or diverged model); ``eval/tokens`` is the
   number of predicted tokens evaluated.
   """
@@ -297,9 +298,7 @@ def eval_loop(eval_step, params, data, cfg, shardings: StateShardings | None = N
   index, count = (0, 1) if shardings is None else shardings.process_slice(bs)
   totals = {"loss_sum": 0.0, "weight_sum": 0.0, "byte_sum": 0.0}
   energy_sum, tokens = None, 0.0
-  for i, batch in enumerate(data.eval_batches(bs, index, count)):
-    if 0 <= cfg.eval.max_batches <= i:
-      break
+  for batch in data.eval_batches(bs, index, count, cfg.eval.max_batches):
     if shardings is not None:
       batch = shardings.global_batch(batch, bs)
     out = jax.device_get(eval_step(params, batch))

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from cem_jax.data import (
   packing,
   read_documents,
   resolve_files,
+  shuffled_positions,
   split_documents,
   text_splits,
   tfds_catalog,
@@ -551,6 +553,64 @@ def test_every_window_once_per_epoch():
     assert sorted(order.tolist()) == list(range(n))
   assert not np.array_equal(epochs[0], epochs[1])
   assert not np.array_equal(epochs[0], np.arange(n))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 50, 1000, 2**16, 2**16 + 1])
+def test_each_epoch_is_a_permutation_of_the_windows(n):
+  # 2**16 + 1 windows: grain's index_shuffle alone never draws the last one (its cipher block
+  # is one bit short when max_index is a power of two >= 2**16) and draws another twice.
+  sizes = types.SimpleNamespace(num_windows=n, seq_len=4)
+  batches = TrainBatches(sizes, n, shuffle_seed=5)  # one step = one epoch
+  first, second = batches.window_indices(0), batches.window_indices(1)
+  for order in (first, second):
+    assert order.dtype == np.int64 and np.array_equal(np.sort(order), np.arange(n))
+  if n >= 50:
+    assert not np.array_equal(first, second)
+    # far from the identity: position and window are about uncorrelated
+    assert abs(np.corrcoef(np.arange(n), first)[0, 1]) < 0.3
+
+
+def test_the_shuffle_is_keyed_by_seed_and_epoch_apart():
+  # grain keys epoch e of seed s with s + e; ours must not make seed 1's first epoch seed 0's
+  # second (two seeds of a table would share most of their data order).
+  n = 200
+  order = {(s, e): shuffled_positions(np.arange(n), n, s, e) for s in (0, 1) for e in (0, 1)}
+  keys = list(order)
+  for i, a in enumerate(keys):
+    for b in keys[i + 1:]:
+      assert np.mean(order[a] == order[b]) < 0.1, (a, b)
+  # only the positions asked for are computed; any shape is kept
+  some = np.array([[3, 7], [199, 0]])
+  assert np.array_equal(shuffled_positions(some, n, 1, 1), order[(1, 1)][some])
+
+
+def test_the_eval_subset_is_spread_over_the_split():
+  lengths = [4] * 40  # 40 one-window documents of 5 tokens (EOS included) -> window i = doc i
+  docs = _distinct_docs(lengths)
+  windows = pack(docs, 4, EOS, PAD, keep_tail=True, split="validation",
+                 doc_bytes=[np.ones_like(d) for d in docs])
+  evals = EvalWindows(windows, PAD)
+  n = windows.num_windows
+  first_tokens = {int(windows.tokens[i, 0]): i for i in range(n)}
+  assert len(first_tokens) == n  # every window is named by its first token
+
+  def read(batch_size, count, max_batches):
+    got = []
+    for parts in zip(*(evals.batches(batch_size, i, count, max_batches) for i in range(count)),
+                     strict=True):
+      got += [first_tokens[int(t)] for p in parts
+              for t, seg in zip(p["inputs"][:, 0], p["segment_ids"][:, 0], strict=True) if seg]
+    return got
+
+  for batch_size, count, max_batches in ((4, 1, 3), (6, 2, 2), (5, 1, 1)):
+    total = batch_size * max_batches
+    want = [i * n // total for i in range(total)]
+    assert read(batch_size, count, max_batches) == want
+    assert want[-1] >= n - n // total - 1  # reaches the end of the split
+  whole = list(range(n))
+  assert read(4, 2, -1)[:n] == whole and read(4, 1, 100)[:n] == whole
+  with pytest.raises(ValueError, match=r"^max_batches=0 must be -1 \(all\) or >= 1$"):
+    next(evals.batches(4, 0, 1, 0))
 
 
 def test_eval_padding_keeps_total_weight():

@@ -126,7 +126,10 @@ def test_the_eval_loop_reads_max_batches_and_caps_the_perplexity():
     seen.append(batch["i"])
     return {"loss_sum": 8000.0, "weight_sum": 10.0, "byte_sum": 20.0}
 
-  data = types.SimpleNamespace(eval_batches=lambda bs, index, count: ({"i": i} for i in range(5)))
+  def eval_batches(bs, index, count, max_batches):  # EvalWindows.batches picks the windows
+    return ({"i": i} for i in range(5 if max_batches == -1 else max_batches))
+
+  data = types.SimpleNamespace(eval_batches=eval_batches)
   for max_batches, want in ((2, [0, 1]), (-1, [0, 1, 2, 3, 4])):
     seen.clear()
     m = steps_lib.eval_loop(eval_step, None, data, tiny_config(**{"eval.max_batches": max_batches}))

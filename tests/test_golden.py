@@ -32,12 +32,13 @@ CONFIGS = {
 }
 
 # (numerics version, model) -> {step: (loss, grad_norm)}: steps 1 (initial parameters),
-# 2 (after one update) and 6 (after five updates).
+# 2 (after one update) and 6 (after five updates). Version 3 changed only the data order and
+# the eval windows, not these fixed batches: its numbers are version 2's.
 GOLDEN = {
-    (2, "cem"): {1: (4.5659284591674805, 1.6355526447296143),
+    (3, "cem"): {1: (4.5659284591674805, 1.6355526447296143),
                  2: (4.592813968658447, 1.8160977363586426),
                  6: (4.600702285766602, 1.3772908449172974)},
-    (2, "llama"): {1: (4.573606491088867, 1.0723673105239868),
+    (3, "llama"): {1: (4.573606491088867, 1.0723673105239868),
                    2: (4.592437744140625, 1.0996721982955933),
                    6: (4.62600040435791, 1.09440016746521)},
 }

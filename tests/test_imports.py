@@ -163,3 +163,13 @@ def test_config_and_axes_import_no_jax():
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": REPO}, check=True)
   assert out.stdout.strip() == "", f"importing config/axes loaded: {out.stdout.strip()}"
+
+
+def test_bench_imports_no_grain():
+  # The offline GPU image has no grain, and ../shared/tools/gpu/prepare.sh does not carry
+  # it: the bench (which never shuffles) must start without it.
+  code = ("import sys; import cem_jax.bench; "
+          "print(','.join(sorted({m.split('.')[0] for m in sys.modules} & {'grain'})))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": REPO}, check=True)
+  assert out.stdout.strip() == "", f"importing cem_jax.bench loaded: {out.stdout.strip()}"

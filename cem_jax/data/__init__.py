@@ -17,6 +17,7 @@ from cem_jax.data.pipeline import (
     build_data_in_memory,
     check_same_data,
     data_identity,
+    shuffled_positions,
 )
 from cem_jax.data.prepared import PreparedData, StreamWindows
 from cem_jax.data.shard_writer import prepare
@@ -45,6 +46,7 @@ __all__ = [
     "prepare",
     "read_documents",
     "resolve_files",
+    "shuffled_positions",
     "split_documents",
     "text_splits",
     "train_model",

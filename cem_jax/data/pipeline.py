@@ -6,8 +6,10 @@ offer ``num_windows``, ``seq_len``, ``has_bytes`` and ``rows(idx)``.
 
 Training batches are a pure function of ``(shuffle_seed, step)``: global example ``g`` of
 step ``s`` is ``s * batch_size + g``; it lies in epoch ``g // num_windows`` at position
-``g % num_windows`` of that epoch's permutation, seeded by ``(shuffle_seed, epoch)``. Resuming
-at any step therefore needs no iterator state, and every window is seen once per epoch.
+``g % num_windows``, and that position's window is ``shuffled_positions`` of it: grain's
+``index_shuffle``, a keyed permutation computed index by index, so no epoch's order is ever
+held in memory and it does not depend on numpy's random streams. Resuming at any step
+therefore needs no iterator state, and every window is seen once per epoch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,43 @@ import numpy as np
 from cem_jax.data import packing, shard_writer, sources
 from cem_jax.data import prepared as prepared_lib
 from cem_jax.data import tokenizer as tokenizer_lib
+
+
+def _epoch_seed(shuffle_seed: int, epoch: int) -> int:
+  # grain's MapDataset.shuffle keys epoch e with seed + e, so seed 1's first epoch would be
+  # seed 0's second; a hash keeps the runs of different seeds apart. 32 bits: the cipher's key.
+  digest = hashlib.sha256(f"cem_jax.shuffle/{shuffle_seed}/{epoch}".encode()).digest()
+  return int.from_bytes(digest[:4], "little")
+
+
+def shuffled_positions(positions: np.ndarray, num_windows: int, shuffle_seed: int,
+                       epoch: int) -> np.ndarray:
+  """Maps positions of epoch ``epoch`` to windows: a permutation of ``[0, num_windows)``
+  keyed by ``(shuffle_seed, epoch)``, evaluated only at ``positions`` (int, each in
+  ``[0, num_windows)``); returns int64 of the same shape. Memory and time are linear in
+  ``len(positions)`` (~6 us each), not in ``num_windows``.
+
+  The permutation is ``grain.experimental.index_shuffle`` (a 4-round Simon cipher, cycle
+  walked into the range). grain sizes the cipher's block as ``ceil(log2(max_index))`` bits,
+  one bit short when ``max_index`` is a power of two of 2**16 or more: there window
+  ``max_index`` is never drawn and another one twice (``num_windows = 65537`` drops a
+  window every epoch). Such sizes shuffle one index more, ``[0, num_windows]``, and walk
+  past it, which is again a permutation of ``[0, num_windows)``.
+  """
+  # Imported here: the offline GPU image has no grain, and bench never shuffles.
+  from grain.experimental import index_shuffle
+
+  n = int(num_windows)
+  top = n if (n - 1) & (n - 2) == 0 else n - 1  # n - 1 a power of two (or 0): one more
+  seed = _epoch_seed(shuffle_seed, epoch)
+  flat = np.asarray(positions, np.int64).reshape(-1)
+  out = np.empty(flat.shape, np.int64)
+  for k, p in enumerate(flat.tolist()):
+    j = index_shuffle(p, max_index=top, seed=seed, rounds=4)
+    while j >= n:
+      j = index_shuffle(j, max_index=top, seed=seed, rounds=4)
+    out[k] = j
+  return out.reshape(np.shape(positions))
 
 
 class TrainBatches:
@@ -46,7 +85,6 @@ class TrainBatches:
     self.windows = windows
     self.batch_size = int(batch_size)
     self.shuffle_seed = int(shuffle_seed)
-    self._perms: dict[int, np.ndarray] = {}
 
   @property
   def num_windows(self) -> int:
@@ -60,17 +98,6 @@ class TrainBatches:
   def steps_per_epoch(self) -> float:
     """Steps needed to see every window once (may be fractional)."""
     return self.num_windows / self.batch_size
-
-  def permutation(self, epoch: int) -> np.ndarray:
-    """Returns epoch ``epoch``'s window order: int64 ``[num_windows]``, a permutation."""
-    perm = self._perms.get(epoch)
-    if perm is None:
-      rng = np.random.default_rng([self.shuffle_seed, epoch])
-      perm = rng.permutation(self.num_windows)
-      if len(self._perms) >= 4:  # a batch spans at most a few epochs; bound the memo
-        self._perms.pop(next(iter(self._perms)))
-      self._perms[epoch] = perm
-    return perm
 
   def window_indices(self, step: int, process_index: int = 0, process_count: int = 1
                      ) -> np.ndarray:
@@ -96,7 +123,8 @@ class TrainBatches:
     out = np.empty(local, np.int64)
     for epoch in np.unique(epochs):
       sel = epochs == epoch
-      out[sel] = self.permutation(int(epoch))[positions[sel]]
+      out[sel] = shuffled_positions(positions[sel], self.num_windows, self.shuffle_seed,
+                                    int(epoch))
     return out
 
   def batch(self, step: int, process_index: int = 0, process_count: int = 1
@@ -153,13 +181,17 @@ class EvalWindows:
   def num_batches(self, batch_size: int) -> int:
     return -(-self.num_windows // batch_size)
 
-  def batches(self, batch_size: int, process_index: int = 0, process_count: int = 1
-              ) -> Iterator[dict[str, np.ndarray]]:
+  def batches(self, batch_size: int, process_index: int = 0, process_count: int = 1,
+              max_batches: int = -1) -> Iterator[dict[str, np.ndarray]]:
     """Yields this process's part of each global eval batch of ``batch_size`` windows.
 
-    All windows are visited once, in order. The last global batch is filled up to
-    ``batch_size`` with padding rows (pad ids, segment 0, weight 0), so every batch has the
-    same shape and the summed weights equal ``total_weight()``.
+    With ``max_batches`` -1 (or at least ``num_batches``), all windows are visited once, in
+    order, and the last global batch is filled up to ``batch_size`` with padding rows (pad
+    ids, segment 0, weight 0), so every batch has the same shape and the summed weights equal
+    ``total_weight()``. Otherwise ``max_batches * batch_size`` windows spread evenly over the
+    split are read, window ``floor(i * num_windows / (max_batches * batch_size))`` for
+    each ``i``: a held-out split is the text's files in order, so its first windows would be
+    its first few files.
 
     Yields:
       dicts as ``TrainBatches.batch`` plus ``target_bytes`` (float32, the UTF-8 bytes of text
@@ -167,18 +199,27 @@ class EvalWindows:
       ``[batch_size // process_count, seq_len]``.
 
     Raises:
-      ValueError: ``batch_size`` < 1 or not divisible by ``process_count``
-        (naming ``eval.batch_size``).
+      ValueError: ``batch_size`` < 1 or not divisible by ``process_count`` (naming
+        ``eval.batch_size``), or ``max_batches`` neither -1 nor >= 1.
     """
     if batch_size < 1 or batch_size % process_count:
       raise ValueError(
           f"eval.batch_size={batch_size} must be >= 1 and divisible by the process count "
           f"{process_count}"
       )
+    if max_batches < 1 and max_batches != -1:
+      raise ValueError(f"max_batches={max_batches} must be -1 (all) or >= 1")
+    n = self.num_windows
+    if max_batches == -1 or max_batches * batch_size >= n:
+      num_batches, picks = self.num_batches(batch_size), np.arange(n, dtype=np.int64)
+    else:
+      num_batches = max_batches
+      total = max_batches * batch_size
+      picks = np.arange(total, dtype=np.int64) * n // total
     local = batch_size // process_count
-    for b in range(self.num_batches(batch_size)):
+    for b in range(num_batches):
       start = b * batch_size + process_index * local
-      idx = np.arange(start, min(start + local, self.num_windows))
+      idx = picks[start:start + local]
       rows = self.windows.rows(idx)
       tok, seg, nb = rows["tokens"], rows["segment_ids"], rows["nbytes"]
       missing = local - len(idx)
@@ -229,10 +270,10 @@ class Data:
   def eval_windows(self) -> int:
     return self.eval.num_windows
 
-  def eval_batches(self, batch_size: int, process_index: int = 0, process_count: int = 1
-                   ) -> Iterator[dict[str, np.ndarray]]:
+  def eval_batches(self, batch_size: int, process_index: int = 0, process_count: int = 1,
+                   max_batches: int = -1) -> Iterator[dict[str, np.ndarray]]:
     """Same as ``self.eval.batches``."""
-    return self.eval.batches(batch_size, process_index, process_count)
+    return self.eval.batches(batch_size, process_index, process_count, max_batches)
 
   def stats(self) -> dict[str, int | str]:
     """The counts above as a flat dict (for logs and ``metrics.jsonl``)."""
