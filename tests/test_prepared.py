@@ -139,6 +139,52 @@ def test_interleave_split_holds_out_every_kth_chunk():
     text_lib.interleave_split(["x"], 0.1)
 
 
+# chunk size 1, ~2.5K, 16K (the cap); characters, not bytes (a BOM, CRLF, 2-byte characters)
+@pytest.mark.parametrize("lines", [3, 400, 9000])
+def test_interleave_split_files_reads_one_file_at_a_time(tmp_path, monkeypatch, lines):
+  texts = [_text(lines, "a"), "", "\ufeff" + _text(lines // 2 + 1, "\u03b2" * 30).replace("\n", "\r\n"),
+           _text(lines, "c")]
+  paths = []
+  for i, t in enumerate(texts):
+    paths.append(tmp_path / f"f{i}.txt")
+    paths[-1].write_bytes(t.encode("utf-8"))
+  want = text_lib.interleave_split(read_documents(paths), 0.1)
+  reads = []
+  read_bytes = Path.read_bytes
+  monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self.name) or read_bytes(self))
+  train, validation = text_lib.interleave_split_files(paths, 0.1)
+  assert reads == [p.name for p in paths]  # counted once, before any pass
+  reads.clear()
+  next(iter(train))
+  assert reads == ["f0.txt"]  # a pass holds one file, not the corpus
+  for _ in range(2):  # re-iterable: every pass reads the files again
+    assert (list(train), list(validation)) == want
+
+
+def test_interleave_split_files_fails_as_the_split_of_the_text(tmp_path):
+  def files(*texts):
+    paths = [tmp_path / f"g{i}.txt" for i in range(len(texts))]
+    for p, t in zip(paths, texts, strict=True):
+      p.write_bytes(t)
+    return paths
+
+  with pytest.raises(ValueError, match=r"data\.validation_fraction=0\.6 must be in"):
+    text_lib.interleave_split_files([tmp_path / "missing.txt"], 0.6)  # before any read
+  with pytest.raises(ValueError, match=r"g1\.txt: not UTF-8 text: byte 0xff at byte offset 2"):
+    text_lib.interleave_split_files(files(b"ok", b"ab\xff"), 0.1)
+  with pytest.raises(ValueError, match=r"the corpus is empty"):
+    text_lib.interleave_split_files(files(b"", b" \n"), 0.1)
+  for text in (b"x", b"abcdefghi", b"abcdefghij"):  # 10 characters: chunk 9 is held out
+    paths = files(text)
+    try:
+      want = text_lib.interleave_split(read_documents(paths), 0.1)
+    except ValueError as e:
+      with pytest.raises(ValueError, match=f"^{re.escape(str(e))}$"):
+        text_lib.interleave_split_files(paths, 0.1)
+    else:
+      assert [list(s) for s in text_lib.interleave_split_files(paths, 0.1)] == list(want)
+
+
 @needs_shared
 def test_war_and_peace_held_out_text_is_not_its_tail():
   (doc,) = read_documents([SHARED_DATA / "warpeace.txt"])

@@ -2,10 +2,11 @@
 
 Sources, by precedence: ``data.files`` (local files), ``data.tfds_name`` (a TFDS catalog
 dataset with its own splits), else ``data.builtin``. Local files are split by
-``text.interleave_split`` (every k-th chunk held out); the builtin corpus by
-``text.split_documents`` (for ``pydoc+docstrings`` only the pydoc topics are split: validation
-is their tail, the text the byte 4-gram reference of the README is scored on; the docstrings
-are all training text). Catalog splits are read lazily, one example at a time.
+``text.interleave_split_files`` (every k-th chunk held out; read one file at a time); the
+builtin corpus by ``text.split_documents`` (for ``pydoc+docstrings`` only the pydoc topics
+are split: validation is their tail, the text the byte 4-gram reference of the README is
+scored on; the docstrings are all training text). Catalog splits are read lazily, one
+example at a time.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ class TextSplits:
   """Documents of both splits, in their canonical order.
 
   Attributes:
-    train: training documents (str): a list, or for catalog datasets a re-iterable that reads
-      the split afresh on each pass.
+    train: training documents (str): a list, or for local files and catalog datasets a
+      re-iterable that reads the split afresh on each pass.
     validation: validation documents, likewise.
     source: a one-line human description of where the text came from.
     identity: JSON-able description of the exact text (file paths with sizes and sha256, the
@@ -81,8 +82,7 @@ def text_splits(data_config) -> TextSplits:
   identity = source_identity(data_config)
   if identity["kind"] == "files":
     paths = [f["path"] for f in identity["files"]]
-    train, validation = text_lib.interleave_split(
-        text_lib.read_documents(paths), data_config.validation_fraction)
+    train, validation = text_lib.interleave_split_files(paths, data_config.validation_fraction)
     names = ", ".join(os.path.basename(p) for p in paths[:5]) + (", ..." if len(paths) > 5
                                                                  else "")
     return TextSplits(train, validation, f"files: {len(paths)} ({names})", identity)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import codecs
 import glob
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 # The separator the split rule (and the byte n-gram reference tool) puts between documents.
@@ -87,12 +87,22 @@ def read_documents(paths: Sequence[Path]) -> list[str]:
       whitespace only (names the files).
     OSError: a file cannot be read.
   """
-  docs = [decode_utf8(Path(p).read_bytes(), p) for p in paths]
-  if not any(doc.strip() for doc in docs):
+  docs = list(_each_document(paths))
+  _check_has_text(any(doc.strip() for doc in docs), paths)
+  return docs
+
+
+def _each_document(paths: Sequence[Path]) -> Iterator[str]:
+  """``read_documents``, one file in memory at a time (no emptiness check)."""
+  for p in paths:
+    yield decode_utf8(Path(p).read_bytes(), p)
+
+
+def _check_has_text(has_text: bool, paths: Sequence[Path]) -> None:
+  if not has_text:
     names = ", ".join(os.fspath(p) for p in paths)
     raise ValueError(f"data.files: the corpus is empty (only empty or whitespace files): {names}; "
                      "point data.files at files with text")
-  return docs
 
 
 def split_documents(
@@ -188,6 +198,7 @@ def interleave_split(
   are numbered across the corpus from 0; chunk ``c`` is held out when ``c % k == k - 1``.
   Each held-out chunk is one validation document; the consecutive training chunks of a
   document stay one training document. About ``1 / k`` of the characters are held out.
+  ``interleave_split_files`` is the same split of files, read one at a time.
 
   Args:
     docs: documents in their canonical order.
@@ -201,33 +212,90 @@ def interleave_split(
     ValueError: the fraction is outside (0, 0.5], or either split is empty (corpus too small);
       the message names ``data.validation_fraction``.
   """
-  if not 0.0 < validation_fraction <= 0.5:
-    raise ValueError(
-        f"data.validation_fraction={validation_fraction} must be in (0, 0.5]"
-    )
-  k = round(1.0 / validation_fraction)
-  total = sum(len(d) for d in docs)
-  size = max(1, min(HOLDOUT_CHUNK_CHARS, -(-total // (4 * k))))
+  k, size = _interleave_rule(sum(len(d) for d in docs), validation_fraction)
   train: list[str] = []
   validation: list[str] = []
+  for held_out, doc in _interleave(docs, k, size):
+    (validation if held_out else train).append(doc)
+  if not validation:
+    _refuse_empty_validation(docs, validation_fraction, k, size)
+  return train, validation
+
+
+def interleave_split_files(
+    paths: Sequence[Path], validation_fraction: float
+) -> tuple[Iterable[str], Iterable[str]]:
+  """``interleave_split(read_documents(paths), validation_fraction)`` without the corpus in
+  memory: each split is a re-iterable that reads the files again on every pass, one at a
+  time, so a pass holds one file's text (and its chunks), not the corpus twice.
+
+  The files are read once here, to count their characters (the chunk size depends on the
+  total) and to raise every error of the eager split before any work starts.
+
+  Raises:
+    As ``read_documents`` and ``interleave_split``.
+    OSError: a file cannot be read (here, or on a later pass).
+  """
+  _interleave_rule(0, validation_fraction)  # a bad fraction fails before any file is read
+  total, has_text = 0, False
+  for doc in _each_document(paths):
+    total += len(doc)
+    has_text = has_text or bool(doc.strip())
+  _check_has_text(has_text, paths)
+  k, size = _interleave_rule(total, validation_fraction)
+  # Chunks never exceed ``size`` characters, so a corpus has at least total / size >= 2k of
+  # them, and so a held-out chunk, once total >= 4k; only smaller corpora need counting.
+  if total < 4 * k and not any(held for held, _ in _interleave(_each_document(paths), k, size)):
+    _refuse_empty_validation(list(_each_document(paths)), validation_fraction, k, size)
+  return (_InterleavedFiles(tuple(paths), k, size, held_out=False),
+          _InterleavedFiles(tuple(paths), k, size, held_out=True))
+
+
+class _InterleavedFiles:
+  """One split of ``interleave_split_files``: iterating it reads the files afresh."""
+
+  def __init__(self, paths: tuple[Path, ...], k: int, size: int, held_out: bool):
+    self.paths, self.k, self.size, self.held_out = paths, k, size, held_out
+
+  def __iter__(self) -> Iterator[str]:
+    for held_out, doc in _interleave(_each_document(self.paths), self.k, self.size):
+      if held_out == self.held_out:
+        yield doc
+
+
+def _interleave_rule(total: int, validation_fraction: float) -> tuple[int, int]:
+  """``(k, size)`` of ``interleave_split`` for a corpus of ``total`` characters."""
+  if not 0.0 < validation_fraction <= 0.5:
+    raise ValueError(f"data.validation_fraction={validation_fraction} must be in (0, 0.5]")
+  k = round(1.0 / validation_fraction)
+  return k, max(1, min(HOLDOUT_CHUNK_CHARS, -(-total // (4 * k))))
+
+
+def _interleave(docs: Iterable[str], k: int, size: int) -> Iterator[tuple[bool, str]]:
+  """Yields ``(held_out, document)`` of ``interleave_split`` in corpus order."""
   c = 0
   for doc in docs:
     run: list[str] = []
     for chunk in cut_at_breaks(doc, size):
       if c % k == k - 1:
         if run:
-          train.append("".join(run))
+          yield False, "".join(run)
           run = []
-        validation.append(chunk)
+        yield True, chunk
       else:
         run.append(chunk)
       c += 1
     if run:
-      train.append("".join(run))
-  if not train or not validation:
-    raise ValueError(
-        f"data.validation_fraction={validation_fraction} leaves an empty "
-        f"{'train' if not train else 'validation'} split of a {total}-character corpus "
-        f"(every {k}th of its {c} chunks is held out); use more text or another fraction"
-    )
-  return train, validation
+      yield False, "".join(run)
+
+
+def _refuse_empty_validation(docs: Sequence[str], validation_fraction: float, k: int,
+                             size: int) -> None:
+  # k >= 2, so chunk 0 trains: only the held-out split can be empty.
+  total = sum(len(d) for d in docs)
+  chunks = sum(len(cut_at_breaks(d, size)) for d in docs)
+  raise ValueError(
+      f"data.validation_fraction={validation_fraction} leaves an empty validation split of a "
+      f"{total}-character corpus (every {k}th of its {chunks} chunks is held out); use more "
+      "text or another fraction"
+  )
