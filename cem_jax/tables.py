@@ -213,6 +213,18 @@ def numerics_version(result: dict) -> int:
   return int(result.get("numerics_version", 1))
 
 
+def _trained_version(out: str) -> int | None:
+  """The numerics version run folder ``out`` was trained under: its ``result.json``'s, else
+  (unfinished) its first metrics line's; None when it has neither (never started)."""
+  result_path = os.path.join(out, "result.json")
+  if os.path.exists(result_path):
+    return numerics_version(_read_result(result_path))
+  if os.path.exists(os.path.join(out, "metrics.jsonl")):
+    lines = read_metrics(out)
+    return numerics_version(lines[0]) if lines else None
+  return None
+
+
 def _finished_run(workdir: str, digest: str, config) -> str | None:
   """The directory of a finished run under ``workdir`` trained with ``config`` under the
   current numerics version, if any."""
@@ -276,13 +288,14 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
     result_path = os.path.join(out, "result.json")
     cfg = row_config(module, row, scale, seed, steps, overrides)
     digest = config_digest(cfg)
-    if os.path.exists(result_path):
-      # An older version's run is retrained whatever its config; the config is checked only
-      # for a run that would be reused (a stale run may point into runs retrained since).
-      version = numerics_version(_read_result(result_path))
-      if version == NUMERICS_VERSION:
-        results.append(_read_result(result_path, digest, cfg))
-        continue
+    version = _trained_version(out)
+    # An older version's run, finished or not (its resume would be refused), is retrained
+    # whatever its config; the config is checked only for a run that would be reused (a
+    # stale run may point into runs retrained since).
+    if version == NUMERICS_VERSION and os.path.exists(result_path):
+      results.append(_read_result(result_path, digest, cfg))
+      continue
+    if version not in (None, NUMERICS_VERSION):
       stale = f"{out}.numerics_v{version}"
       logging.info("table %s: row %s seed %d was trained under numerics version %d, now %d "
                    "(cem_jax/version.py): moved to %s, training again", table, row, seed,

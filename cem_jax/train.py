@@ -218,6 +218,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
       except ValueError:
         workdir_lib.remove_prepared_since(workdir, held)
         raise
+      _check_same_numerics(saved, ckpt.step_dir(run.resume))
       _check_same_model(saved, config, run.energies, ckpt.step_dir(run.resume))
       # The target is the freshly initialised state on the current devices: the restore takes
       # its structure (optax's state types) and shardings, whatever the saving run used.
@@ -251,6 +252,24 @@ def energy_digests(config: ml_collections.ConfigDict) -> dict[str, str]:
                                                            f"model.{kind}_energy")
            for kind, used in slots if used}
   return {k: v for k, v in found.items() if v is not None}
+
+
+def _check_same_numerics(saved: dict, checkpoint: str) -> None:
+  """Refuses to resume a checkpoint trained under another ``NUMERICS_VERSION``: the rest of
+  the run would see another data order (windows of the epoch trained twice, others not at
+  all) and other eval windows, and ``tables`` would count the mix as a run of this version.
+  ``saved``: the checkpoint's metadata (no ``numerics_version``: version 1).
+
+  Raises:
+    ValueError: one line naming the checkpoint and both versions.
+  """
+  version = int(saved.get("numerics_version", 1))
+  if version != NUMERICS_VERSION:
+    raise ValueError(
+        f"checkpoint {checkpoint} was trained under numerics version {version}, this code is "
+        f"version {NUMERICS_VERSION} (cem_jax/version.py says what changed): resumed, the run "
+        "would mix the two; finish it with the code it started with, or train in a new "
+        "--workdir")
 
 
 def _check_same_model(saved: dict, config: ml_collections.ConfigDict, energies_now: dict,

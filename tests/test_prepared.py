@@ -142,8 +142,8 @@ def test_interleave_split_holds_out_every_kth_chunk():
 # chunk size 1, ~2.5K, 16K (the cap); characters, not bytes (a BOM, CRLF, 2-byte characters)
 @pytest.mark.parametrize("lines", [3, 400, 9000])
 def test_interleave_split_files_reads_one_file_at_a_time(tmp_path, monkeypatch, lines):
-  texts = [_text(lines, "a"), "", "\ufeff" + _text(lines // 2 + 1, "\u03b2" * 30).replace("\n", "\r\n"),
-           _text(lines, "c")]
+  crlf = "\ufeff" + _text(lines // 2 + 1, "\u03b2" * 30).replace("\n", "\r\n")
+  texts = [_text(lines, "a"), "", crlf, _text(lines, "c")]
   paths = []
   for i, t in enumerate(texts):
     paths.append(tmp_path / f"f{i}.txt")

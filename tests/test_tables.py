@@ -358,6 +358,18 @@ def test_a_run_from_older_numerics_is_retrained_not_reused(tmp_path, shared_data
   assert (workdir / "toy_third" / "llama" / "seed0.numerics_v1" / "result.json").exists()
   now = json.loads((reused / "result.json").read_text())
   assert now["numerics_version"] == NUMERICS_VERSION and now["config_digest"] != "v1 digest"
+  # an unfinished run of an older version (no result.json; its first metrics line says the
+  # version): its resume would be refused, so it is moved aside (here a finished run of the
+  # same config is reused in its place)
+  unfinished = workdir / "toy_third" / "cem" / "seed0"
+  unfinished.mkdir(parents=True)
+  (unfinished / "metrics.jsonl").write_text(
+      json.dumps({"step": 0, "numerics_version": NUMERICS_VERSION - 1}) + "\n")
+  tables.run_table(module, "toy_third", "tiny", 1, str(workdir), rows=["cem"])
+  assert (workdir / "toy_third" / "cem" / f"seed0.numerics_v{NUMERICS_VERSION - 1}"
+          / "metrics.jsonl").exists()
+  assert json.loads((unfinished / "result.json").read_text())["numerics_version"] == (
+      NUMERICS_VERSION)
 
 
 def test_a_preempted_run_writes_no_result_and_stops_the_table(tmp_path, shared_data,

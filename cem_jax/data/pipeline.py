@@ -27,7 +27,6 @@ from cem_jax.data import packing, shard_writer, sources
 from cem_jax.data import prepared as prepared_lib
 from cem_jax.data import tokenizer as tokenizer_lib
 
-
 # Rounds of grain's cipher. Its default, 4 (MapDataset.shuffle's), mixes too little: the
 # windows at positions 2k and 2k + 1 agree in some bits of their index always and in others
 # never, so a batch holds e.g. exactly as many windows from each half of the split. At 6 some
