@@ -18,7 +18,8 @@
 # --seeds=1 --rows=...` with the same --set flags (the table then shows every finished row).
 # SCALE=tiny STEPS=2 (environment) make a quick CPU check of the script itself.
 # On the workplace's lent H200 (offline; ../shared does not travel), after
-# `bash ../shared/tools/gpu/prepare.sh` and preparing into .device/corpus here:
+# `bash ../shared/tools/gpu/prepare.sh`, adding grain's wheels to .device/whl (the image lacks
+# grain; the loop at the end of docs/PERFORMANCE.md) and preparing into .device/corpus here:
 #   bash .device/run.sh bash experiments/gpu_tables.sh .device/corpus $OUT design
 set -euo pipefail
 usage="usage: bash experiments/gpu_tables.sh PREPARED_DIR OUT_DIR [TABLE ...]"

@@ -602,6 +602,17 @@ def test_neighbouring_rows_are_independent_and_the_order_is_pinned():
       84370068, 65067752]
 
 
+def test_without_grain_training_batches_fail_at_start_up(monkeypatch):
+  # The offline GPU image has no grain: fail when the data is built, not at the first batch.
+  import importlib.util
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "grain" else find_spec(name, *a))
+  with pytest.raises(ModuleNotFoundError, match=r"^grain is not installed: .* pip install "
+                                                r"'grain>=0\.2\.18' \(offline: "):
+    TrainBatches(_numbered_windows(5), 2, shuffle_seed=0)
+
+
 def test_the_eval_subset_is_spread_over_the_split():
   lengths = [4] * 40  # 40 one-window documents of 5 tokens (EOS included) -> window i = doc i
   docs = _distinct_docs(lengths)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import logging
 import os
 import time
@@ -85,6 +86,8 @@ class TrainBatches:
 
   Raises:
     ValueError: ``batch_size`` < 1 or ``shuffle_seed`` < 0 (naming the field).
+    ModuleNotFoundError: grain is not installed (one line: what to install), raised here at
+      start-up rather than at the first batch, after the compile.
   """
 
   def __init__(self, windows, batch_size: int, shuffle_seed: int):
@@ -92,6 +95,10 @@ class TrainBatches:
       raise ValueError(f"train.batch_size={batch_size} must be >= 1")
     if shuffle_seed < 0:
       raise ValueError(f"data.shuffle_seed={shuffle_seed} must be >= 0")
+    if importlib.util.find_spec("grain") is None:  # e.g. the offline GPU image
+      raise ModuleNotFoundError(
+          "grain is not installed: the training order is grain.experimental.index_shuffle; "
+          "pip install 'grain>=0.2.18' (offline: carry its wheel, docs/PERFORMANCE.md)")
     self.windows = windows
     self.batch_size = int(batch_size)
     self.shuffle_seed = int(shuffle_seed)
