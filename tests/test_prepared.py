@@ -767,7 +767,26 @@ def test_interleave_split_chunk_size_by_hand():
 def test_prepare_starts_one_worker_per_usable_cpu_by_default(tmp_path, monkeypatch):
   # The shards do not depend on the count; a pod host's 100+ CPUs used to get 2 workers.
   monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+  nowhere = os.fspath(tmp_path / "no-cgroup")
+  monkeypatch.setattr(shard_writer, "CGROUP_CPU_MAX", nowhere)
+  monkeypatch.setattr(shard_writer, "CGROUP_V1_CPU", (nowhere, nowhere))
   assert shard_writer.default_workers() == 3
+  # A CPU quota (a container's --cpus) caps it, rounded up; "max" or -1 is no quota.
+  cpu_max = tmp_path / "cpu.max"
+  monkeypatch.setattr(shard_writer, "CGROUP_CPU_MAX", os.fspath(cpu_max))
+  for text, want in (("200000 100000\n", 2), ("150000 100000", 2), ("50000 100000", 1),
+                     ("800000 100000", 3), ("max 100000", 3)):
+    cpu_max.write_text(text)
+    assert shard_writer.default_workers() == want, text
+  quota, period = tmp_path / "quota", tmp_path / "period"
+  monkeypatch.setattr(shard_writer, "CGROUP_CPU_MAX", nowhere)
+  monkeypatch.setattr(shard_writer, "CGROUP_V1_CPU", (os.fspath(quota), os.fspath(period)))
+  for text, want in (("100000", 1), ("-1", 3)):  # cgroup v1
+    quota.write_text(text + "\n")
+    period.write_text("100000\n")
+    assert shard_writer.default_workers() == want, text
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+  quota.write_text("-1\n")
   started = []
 
   class Pool:  # records the size asked for and encodes here: no process starts
@@ -787,11 +806,13 @@ def test_prepare_starts_one_worker_per_usable_cpu_by_default(tmp_path, monkeypat
   monkeypatch.setattr(shard_writer.multiprocessing, "get_context",
                       lambda method: type("Context", (), {"Pool": Pool}))
   corpus = tmp_path / "c.txt"
-  corpus.write_text(_text(400, "a"))
+  corpus.write_text(_text(400, "a"))  # ~30K characters
   config = _config(files=os.fspath(corpus), vocab_size=300)
-  shard_writer.prepare(config.data, tmp_path / "small")
+  shard_writer.prepare(config.data, tmp_path / "small", shard_chars=5000)
   assert started == []  # below POOL_MIN_CHARS: this process alone
   monkeypatch.setattr(shard_writer, "POOL_MIN_CHARS", 0)
-  shard_writer.prepare(config.data, tmp_path / "large")
+  shard_writer.prepare(config.data, tmp_path / "large", shard_chars=5000)
   assert started == [3]
   assert (tmp_path / "large" / prepared.MANIFEST).is_file()
+  shard_writer.prepare(config.data, tmp_path / "two", shard_chars=20_000)
+  assert started == [3, 2]  # no more workers than shards

@@ -51,7 +51,7 @@ from cem_jax.files import (
 )
 
 # About 16 MB of text per shard: a few seconds of encoding, so a killed prepare loses little
-# and the shards of a large corpus keep both workers busy.
+# and the shards of a large corpus keep every worker busy.
 SHARD_CHARS = 1 << 24
 # Below this many characters the text is encoded in this process: starting workers would
 # take longer than the encoding (the tiny default corpus is ~1.8M characters).
@@ -61,14 +61,40 @@ WRITER_OPTIONS = "group_size:1"
 PROGRESS = "prepare.json"
 
 
+# Where Linux states a CPU quota (a container's --cpus, a Kubernetes limit), which the
+# affinity mask does not show: cgroup v2's "QUOTA PERIOD" (or "max PERIOD"), or v1's pair.
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+CGROUP_V1_CPU = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+
+
 def default_workers() -> int:
-  """The CPUs this process may run on: its affinity mask where the OS has one (a container's
-  or a job's share of the host), else ``os.cpu_count()``. Shards are defined by the input, so
-  the number of workers never changes what is written."""
+  """The CPUs this process may use: its affinity mask where the OS has one (else
+  ``os.cpu_count()``), capped by a cgroup CPU quota rounded up (a container limited to 4 of a
+  host's 128 CPUs gets 4). Shards are defined by the input, so the number of workers never
+  changes what is written."""
   try:
-    return len(os.sched_getaffinity(0))
+    cpus = len(os.sched_getaffinity(0))
   except AttributeError:  # macOS and Windows have no affinity mask
-    return os.cpu_count() or 1
+    cpus = os.cpu_count() or 1
+  quota = _cgroup_cpu_quota()
+  return max(1, min(cpus, quota)) if quota is not None else cpus
+
+
+def _cgroup_cpu_quota() -> int | None:
+  """The cgroup CPU quota in whole CPUs (rounded up), or None: no limit, or none stated."""
+  try:
+    with open(CGROUP_CPU_MAX) as f:
+      quota, period = f.read().split()[:2]
+  except (OSError, ValueError):
+    try:
+      quota, period = (Path(p).read_text().strip() for p in CGROUP_V1_CPU)
+    except OSError:
+      return None
+  try:
+    quota_us, period_us = int(quota), int(period)
+  except ValueError:  # "max": no limit
+    return None
+  return -(-quota_us // period_us) if quota_us > 0 and period_us > 0 else None
 
 
 def _sha256_bytes(data: bytes) -> str:
@@ -277,10 +303,10 @@ def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD
       (another fingerprint) is refused; what a prepare of other input left before its first
       shard is replaced.
     shard_chars: characters of text per shard (recorded in the manifest).
-    workers: encoding processes; None = ``default_workers()`` (the usable CPUs) for corpora
-      of at least ``POOL_MIN_CHARS`` characters (and catalog datasets, whose size is not
-      known beforehand), else this process alone. Each holds one shard's text and tokens,
-      about 100 MB.
+    workers: encoding processes; None = ``default_workers()`` (the usable CPUs), at most one
+      per ``shard_chars`` of text, for corpora of at least ``POOL_MIN_CHARS`` characters (and
+      catalog datasets, whose size is not known beforehand), else this process alone. Each
+      holds one shard's text and tokens, about 100 MB.
 
   Returns:
     ``out_dir`` as a Path.
@@ -337,7 +363,12 @@ def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: i
   total = (sum(len(d) for split in SPLITS for d in docs[split])
            if identity["kind"] != "tfds" else None)
   if workers is None:
-    workers = default_workers() if total is None or total >= POOL_MIN_CHARS else 1
+    if total is not None and total < POOL_MIN_CHARS:
+      workers = 1
+    else:
+      workers = default_workers()
+      if total is not None:  # one shard at a time each: no more workers than shards
+        workers = max(1, min(workers, -(-total // shard_chars)))
   results: dict[str, list[dict]] = {s: [] for s in SPLITS}
 
   def jobs() -> Iterator[tuple[dict, str, str, str]]:
