@@ -12,11 +12,13 @@ History:
      k-th chunk of the text instead of its tail (the built-in corpus keeps its held-out
      pydoc tail); bits/byte counts the text's own bytes (an unknown piece used to count
      the bytes of its piece, not of the text it replaced).
-  3: the training order is grain's ``index_shuffle`` keyed by ``(data.shuffle_seed, epoch)``
-     (it was numpy's ``default_rng([seed, epoch]).permutation``, a whole epoch in memory and
-     not promised stable across numpy versions); ``eval.max_batches`` reads windows spread
-     evenly over the held-out split (it read the first ones). Models, losses and the golden
-     numbers are unchanged; the tables under ``results/`` were trained under version 2.
+  3: the training order is grain's ``index_shuffle`` (8 rounds) keyed by
+     ``(data.shuffle_seed, epoch)`` (it was numpy's ``default_rng([seed,
+     epoch]).permutation``, a whole epoch in memory and not promised stable across numpy
+     versions); ``eval.max_batches`` reads windows spread evenly over the held-out split (it
+     read the first ones). Models, losses and the golden numbers are unchanged; the tables
+     under ``results/`` were trained under version 2. A checkpoint of another version is
+     not resumed (``train._check_same_numerics``).
 """
 
 NUMERICS_VERSION = 3

@@ -558,7 +558,7 @@ def test_every_window_once_per_epoch():
 @pytest.mark.parametrize("n", [1, 2, 3, 50, 1000, 2**16, 2**16 + 1])
 def test_each_epoch_is_a_permutation_of_the_windows(n):
   # 2**16 + 1 windows: grain's index_shuffle alone never draws the last one (its cipher block
-  # is one bit short when max_index is a power of two >= 2**16) and draws another twice.
+  # is one bit short when max_index is an even power of two >= 2**16) and draws another twice.
   sizes = types.SimpleNamespace(num_windows=n, seq_len=4)
   batches = TrainBatches(sizes, n, shuffle_seed=5)  # one step = one epoch
   first, second = batches.window_indices(0), batches.window_indices(1)
