@@ -11,8 +11,10 @@ same ``WORKDIR`` (e.g. the Llama baseline shared by the attention, mlp and end_t
 reuses that run's result and metrics instead of training again (``reused_from`` in its
 ``result.json``). A run is reused only when trained under the current
 :data:`cem_jax.version.NUMERICS_VERSION` (``numerics_version`` in its ``result.json``; none =
-1): an older one in the row's own folder, whatever its config, is moved aside to
-``seed{S}.numerics_v{N}`` and trained again, with a log line saying so. Then
+1; unfinished: its first metrics line's): an older one in the row's own folder, finished or
+not (``main`` refuses to resume it) and whatever its config, is moved aside to
+``seed{S}.numerics_v{N}`` (or ``...v{N}.2``, ... when taken) and trained again, with a log
+line saying so. Then
 ``WORKDIR/TABLE.{md,csv,png}`` are written: parameters (total, non-embedding, attention,
 MLP), analytic FLOPs per token, eval loss (mean ± std over seeds), perplexity, bits per byte and
 training tokens/s; the plot has one eval-loss curve per row (mean over seeds).
@@ -213,6 +215,16 @@ def numerics_version(result: dict) -> int:
   return int(result.get("numerics_version", 1))
 
 
+def _free_name(path: str) -> str:
+  """``path``, or ``path.2``, ``path.3``, ... : the first that does not exist (a run moved
+  aside before, e.g. finished with older code and met again, keeps its folder)."""
+  candidate, n = path, 1
+  while os.path.exists(candidate):
+    n += 1
+    candidate = f"{path}.{n}"
+  return candidate
+
+
 def _trained_version(out: str) -> int | None:
   """The numerics version run folder ``out`` was trained under: its ``result.json``'s, else
   (unfinished) its first metrics line's; None when it has neither (never started)."""
@@ -296,7 +308,7 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
       results.append(_read_result(result_path, digest, cfg))
       continue
     if version not in (None, NUMERICS_VERSION):
-      stale = f"{out}.numerics_v{version}"
+      stale = _free_name(f"{out}.numerics_v{version}")
       logging.info("table %s: row %s seed %d was trained under numerics version %d, now %d "
                    "(cem_jax/version.py): moved to %s, training again", table, row, seed,
                    version, NUMERICS_VERSION, stale)

@@ -195,6 +195,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   preflight.check(config)
   data_parallel_devices(config)
   preflight.check_machine(config)
+  data_lib.require_shuffle()
   created = workdir_lib.prepare_workdir(workdir)
   held = workdir_lib.prepared_folders(workdir)
   ckpt = None

@@ -602,15 +602,25 @@ def test_neighbouring_rows_are_independent_and_the_order_is_pinned():
       84370068, 65067752]
 
 
-def test_without_grain_training_batches_fail_at_start_up(monkeypatch):
-  # The offline GPU image has no grain: fail when the data is built, not at the first batch.
-  import importlib.util
-  find_spec = importlib.util.find_spec
-  monkeypatch.setattr(importlib.util, "find_spec",
-                      lambda name, *a: None if name == "grain" else find_spec(name, *a))
-  with pytest.raises(ModuleNotFoundError, match=r"^grain is not installed: .* pip install "
-                                                r"'grain>=0\.2\.18' \(offline: "):
-    TrainBatches(_numbered_windows(5), 2, shuffle_seed=0)
+def test_without_grain_training_fails_at_start_up_and_the_data_still_builds(monkeypatch,
+                                                                          tmp_path):
+  # The offline GPU image has no grain: training fails before it prepares or compiles
+  # anything, not at the first batch; building the data (evaluate, sample) needs no grain.
+  import sys
+
+  from conftest import tiny_config
+
+  from cem_jax import train
+  for name in ("grain", "grain.experimental"):
+    monkeypatch.setitem(sys.modules, name, None)
+  batches = TrainBatches(_numbered_windows(5), 2, shuffle_seed=0)
+  with pytest.raises(ModuleNotFoundError, match=r"^grain cannot be imported \(.*\): the "
+                                                r"training order is grain\.experimental\."
+                                                r"index_shuffle; pip install 'grain>=0\.2\.18'"):
+    train.train_and_evaluate(tiny_config("llama"), str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+  with pytest.raises(ModuleNotFoundError):  # only its first batch would have said so
+    batches.batch(0)
 
 
 def test_the_eval_subset_is_spread_over_the_split():

@@ -157,8 +157,30 @@ def test_interleave_split_files_reads_one_file_at_a_time(tmp_path, monkeypatch, 
   reads.clear()
   next(iter(train))
   assert reads == ["f0.txt"]  # a pass holds one file, not the corpus
-  for _ in range(2):  # re-iterable: every pass reads the files again
+  for _ in range(2):  # re-iterable: every pass reads every file again, nothing is kept
+    reads.clear()
     assert (list(train), list(validation)) == want
+    assert reads == [p.name for p in paths] * 2
+
+
+def test_a_file_changed_between_passes_is_an_error_not_a_mix(tmp_path):
+  # Read ~7 times by a prepare: edited in between, the tokenizer would be of one text and the
+  # shards of another, and held-out text could move into the training split.
+  paths = [tmp_path / "a.txt", tmp_path / "b.txt"]
+  paths[0].write_text(_text(300, "a"))
+  paths[1].write_text(_text(300, "b"))
+  sha = [files.sha256_file(p) for p in paths]
+  train, validation = text_lib.interleave_split_files(paths, 0.1, sha)
+  assert list(train) and list(validation)
+  before = paths[1].stat().st_mtime_ns
+  paths[1].write_text(_text(300, "b") + "one more line\n")
+  os.utime(paths[1], ns=(before + 10**9, before + 10**9))  # a coarse clock still moves
+  changed = (rf"^data\.files: {re.escape(str(paths[1]))} changed while its text was being "
+             r"read; run again once the files are final$")
+  with pytest.raises(ValueError, match=changed):
+    list(validation)
+  with pytest.raises(ValueError, match=changed):  # no longer the text that was identified
+    text_lib.interleave_split_files(paths, 0.1, sha)
 
 
 def test_interleave_split_files_fails_as_the_split_of_the_text(tmp_path):
@@ -781,7 +803,7 @@ def test_prepare_starts_one_worker_per_usable_cpu_by_default(tmp_path, monkeypat
   quota, period = tmp_path / "quota", tmp_path / "period"
   monkeypatch.setattr(shard_writer, "CGROUP_CPU_MAX", nowhere)
   monkeypatch.setattr(shard_writer, "CGROUP_V1_CPU", (os.fspath(quota), os.fspath(period)))
-  for text, want in (("100000", 1), ("-1", 3)):  # cgroup v1
+  for text, want in (("150000", 2), ("-1", 3)):  # cgroup v1
     quota.write_text(text + "\n")
     period.write_text("100000\n")
     assert shard_writer.default_workers() == want, text

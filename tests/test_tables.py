@@ -365,11 +365,21 @@ def test_a_run_from_older_numerics_is_retrained_not_reused(tmp_path, shared_data
   unfinished.mkdir(parents=True)
   (unfinished / "metrics.jsonl").write_text(
       json.dumps({"step": 0, "numerics_version": NUMERICS_VERSION - 1}) + "\n")
+  stale = workdir / "toy_third" / "cem" / f"seed0.numerics_v{NUMERICS_VERSION - 1}"
+  stale.mkdir()  # moved aside before (finished with the older code, and met again)
   tables.run_table(module, "toy_third", "tiny", 1, str(workdir), rows=["cem"])
-  assert (workdir / "toy_third" / "cem" / f"seed0.numerics_v{NUMERICS_VERSION - 1}"
-          / "metrics.jsonl").exists()
+  assert (stale.parent / f"{stale.name}.2" / "metrics.jsonl").exists()
   assert json.loads((unfinished / "result.json").read_text())["numerics_version"] == (
       NUMERICS_VERSION)
+  # an unfinished run of this version (its first line says so, later lines need not) is
+  # resumed in its folder, not moved aside
+  current = workdir / "toy_fourth" / "llama" / "seed0"
+  current.mkdir(parents=True)
+  (current / "metrics.jsonl").write_text(
+      json.dumps({"step": 0, "numerics_version": NUMERICS_VERSION}) + "\n"
+      + json.dumps({"step": 2, "train/loss": 3.0}) + "\n")
+  tables.run_table(module, "toy_fourth", "tiny", 1, str(workdir), rows=["llama"])
+  assert not list(current.parent.glob("seed0.numerics_v*"))
 
 
 def test_a_preempted_run_writes_no_result_and_stops_the_table(tmp_path, shared_data,

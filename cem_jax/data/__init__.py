@@ -17,6 +17,7 @@ from cem_jax.data.pipeline import (
     build_data_in_memory,
     check_same_data,
     data_identity,
+    require_shuffle,
     shuffled_positions,
 )
 from cem_jax.data.prepared import PreparedData, StreamWindows
@@ -45,6 +46,7 @@ __all__ = [
     "pack",
     "prepare",
     "read_documents",
+    "require_shuffle",
     "resolve_files",
     "shuffled_positions",
     "split_documents",

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import logging
 import os
 import time
@@ -76,6 +75,23 @@ def shuffled_positions(positions: np.ndarray, num_windows: int, shuffle_seed: in
   return out.reshape(np.shape(positions))
 
 
+def require_shuffle() -> None:
+  """Imports the shuffle's library now: training calls it at start-up, so that a machine
+  without grain (the offline GPU image) fails before the data is prepared and the steps
+  compiled, not at the first batch. Evaluation never shuffles and does not call it.
+
+  Raises:
+    ModuleNotFoundError: one line: grain (or a package it needs) cannot be imported.
+  """
+  try:
+    from grain.experimental import index_shuffle  # noqa: F401
+  except ImportError as e:
+    raise ModuleNotFoundError(
+        f"grain cannot be imported ({e}): the training order is "
+        "grain.experimental.index_shuffle; pip install 'grain>=0.2.18' (offline: carry its "
+        "wheels, docs/PERFORMANCE.md)") from e
+
+
 class TrainBatches:
   """Shuffled training batches of packed windows, indexed by step.
 
@@ -86,8 +102,6 @@ class TrainBatches:
 
   Raises:
     ValueError: ``batch_size`` < 1 or ``shuffle_seed`` < 0 (naming the field).
-    ModuleNotFoundError: grain is not installed (one line: what to install), raised here at
-      start-up rather than at the first batch, after the compile.
   """
 
   def __init__(self, windows, batch_size: int, shuffle_seed: int):
@@ -95,10 +109,6 @@ class TrainBatches:
       raise ValueError(f"train.batch_size={batch_size} must be >= 1")
     if shuffle_seed < 0:
       raise ValueError(f"data.shuffle_seed={shuffle_seed} must be >= 0")
-    if importlib.util.find_spec("grain") is None:  # e.g. the offline GPU image
-      raise ModuleNotFoundError(
-          "grain is not installed: the training order is grain.experimental.index_shuffle; "
-          "pip install 'grain>=0.2.18' (offline: carry its wheel, docs/PERFORMANCE.md)")
     self.windows = windows
     self.batch_size = int(batch_size)
     self.shuffle_seed = int(shuffle_seed)

@@ -82,7 +82,8 @@ def text_splits(data_config) -> TextSplits:
   identity = source_identity(data_config)
   if identity["kind"] == "files":
     paths = [f["path"] for f in identity["files"]]
-    train, validation = text_lib.interleave_split_files(paths, data_config.validation_fraction)
+    train, validation = text_lib.interleave_split_files(
+        paths, data_config.validation_fraction, [f["sha256"] for f in identity["files"]])
     names = ", ".join(os.path.basename(p) for p in paths[:5]) + (", ..." if len(paths) > 5
                                                                  else "")
     return TextSplits(train, validation, f"files: {len(paths)} ({names})", identity)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import glob
+import hashlib
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -92,10 +93,26 @@ def read_documents(paths: Sequence[Path]) -> list[str]:
   return docs
 
 
-def _each_document(paths: Sequence[Path]) -> Iterator[str]:
-  """``read_documents``, one file in memory at a time (no emptiness check)."""
-  for p in paths:
-    yield decode_utf8(Path(p).read_bytes(), p)
+def _each_document(paths: Sequence[Path], stamps: Sequence[tuple] | None = None
+                   ) -> Iterator[str]:
+  """``read_documents``, one file in memory at a time (no emptiness check); with ``stamps``
+  (``_stamp`` of each file when first read), a file that changed since is an error."""
+  for i, p in enumerate(paths):
+    data = Path(p).read_bytes()
+    if stamps is not None and _stamp(p, data) != stamps[i]:
+      raise ValueError(_changed(p))
+    yield decode_utf8(data, p)
+
+
+def _stamp(path: Path, data: bytes) -> tuple[int, int, int]:
+  # Taken after the read: a write during it moves the modification time.
+  st = os.stat(path)
+  return len(data), st.st_size, st.st_mtime_ns
+
+
+def _changed(path: Path) -> str:
+  return (f"data.files: {os.fspath(path)} changed while its text was being read; run again "
+          "once the files are final")
 
 
 def _check_has_text(has_text: bool, paths: Sequence[Path]) -> None:
@@ -223,42 +240,57 @@ def interleave_split(
 
 
 def interleave_split_files(
-    paths: Sequence[Path], validation_fraction: float
+    paths: Sequence[Path], validation_fraction: float, sha256s: Sequence[str] | None = None
 ) -> tuple[Iterable[str], Iterable[str]]:
   """``interleave_split(read_documents(paths), validation_fraction)`` without the corpus in
   memory: each split is a re-iterable that reads the files again on every pass, one at a
   time, so a pass holds one file's text (and its chunks), not the corpus twice.
 
   The files are read once here, to count their characters (the chunk size depends on the
-  total) and to raise every error of the eager split before any work starts.
+  total), to raise every error of the eager split before any work starts, and to check them
+  against ``sha256s`` (each file's, when it was identified; ``sources.source_identity``). A
+  later pass that finds a file of another size or modification time raises: a file edited
+  between passes would otherwise mix two texts (a tokenizer of one, shards of the other,
+  held-out text in the training split).
 
   Raises:
     As ``read_documents`` and ``interleave_split``.
+    ValueError: a file differs from its ``sha256s`` entry, or changed since (here, or on a
+      later pass); one line naming it.
     OSError: a file cannot be read (here, or on a later pass).
   """
   _interleave_rule(0, validation_fraction)  # a bad fraction fails before any file is read
-  total, has_text = 0, False
-  for doc in _each_document(paths):
+  total, has_text, stamps = 0, False, []
+  for i, p in enumerate(paths):
+    data = Path(p).read_bytes()
+    if sha256s is not None and hashlib.sha256(data).hexdigest() != sha256s[i]:
+      raise ValueError(_changed(p))
+    stamps.append(_stamp(p, data))
+    doc = decode_utf8(data, p)
     total += len(doc)
     has_text = has_text or bool(doc.strip())
   _check_has_text(has_text, paths)
   k, size = _interleave_rule(total, validation_fraction)
   # Chunks never exceed ``size`` characters, so a corpus has at least total / size >= 2k of
   # them, and so a held-out chunk, once total >= 4k; only smaller corpora need counting.
-  if total < 4 * k and not any(held for held, _ in _interleave(_each_document(paths), k, size)):
-    _refuse_empty_validation(list(_each_document(paths)), validation_fraction, k, size)
-  return (_InterleavedFiles(tuple(paths), k, size, held_out=False),
-          _InterleavedFiles(tuple(paths), k, size, held_out=True))
+  docs = lambda: _each_document(paths, stamps)  # noqa: E731
+  if total < 4 * k and not any(held for held, _ in _interleave(docs(), k, size)):
+    _refuse_empty_validation(list(docs()), validation_fraction, k, size)
+  return (_InterleavedFiles(tuple(paths), tuple(stamps), k, size, held_out=False),
+          _InterleavedFiles(tuple(paths), tuple(stamps), k, size, held_out=True))
 
 
 class _InterleavedFiles:
   """One split of ``interleave_split_files``: iterating it reads the files afresh."""
 
-  def __init__(self, paths: tuple[Path, ...], k: int, size: int, held_out: bool):
-    self.paths, self.k, self.size, self.held_out = paths, k, size, held_out
+  def __init__(self, paths: tuple[Path, ...], stamps: tuple[tuple, ...], k: int, size: int,
+               held_out: bool):
+    self.paths, self.stamps, self.k, self.size = paths, stamps, k, size
+    self.held_out = held_out
 
   def __iter__(self) -> Iterator[str]:
-    for held_out, doc in _interleave(_each_document(self.paths), self.k, self.size):
+    docs = _each_document(self.paths, self.stamps)
+    for held_out, doc in _interleave(docs, self.k, self.size):
       if held_out == self.held_out:
         yield doc
 
