@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import codecs
+import hashlib
 import io
 import json
 import os
+import re
 import socket
 import time
 import types
@@ -33,6 +35,7 @@ from cem_jax.data import (
   text_splits,
   tfds_catalog,
 )
+from cem_jax.data import text as text_lib
 from cem_jax.data import tokenizer as tokenizer_lib
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -110,6 +113,7 @@ def test_pydoc_source(tmp_path):
   assert 70 <= len(topics) <= 90
   assert splits.source.startswith("builtin: pydoc")
   assert "".join(splits.train) + "".join(splits.validation) == "".join(topics)
+  assert splits.characters == len("".join(topics))
   assert "\n\n".join(topics).endswith("\n\n".join(splits.validation))
   frac = sum(map(len, splits.validation)) / sum(map(len, topics))
   assert 0.09 < frac < 0.11
@@ -135,6 +139,65 @@ def test_file_decoding_normalises_bom_and_line_ends(tmp_path):
   path = tmp_path / "a.txt"
   path.write_bytes(codecs.BOM_UTF8 + "caf\u00e9\r\nline two\rthree\n".encode())
   assert read_documents([path]) == ["caf\u00e9\nline two\nthree\n"]
+
+
+def _decoded(data: bytes) -> str | int:
+  """The text of a file's bytes by the module docstring's rule, or the file offset of its first
+  bad byte: the reference ``read_text`` is checked against."""
+  bom = codecs.BOM_UTF8 if data.startswith(codecs.BOM_UTF8) else b""
+  try:
+    text = data[len(bom):].decode("utf-8")
+  except UnicodeDecodeError as e:
+    return len(bom) + e.start
+  return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def test_file_text_read_a_block_at_a_time_equals_the_whole_file_decoded(tmp_path):
+  # Blocks of 1..7 bytes cut every CRLF, multi-byte character and BOM somewhere.
+  rng = np.random.default_rng(0)
+  parts = [b"a", b" ", b"\n", b"\r", b"\r\n", "\u00e9".encode(), "\u20ac".encode(),
+           "\U0001d11e".encode(), codecs.BOM_UTF8]
+  bad = [b"\xff", b"\xe2\x82", b"\xc3(", b"\x80"]
+  path = tmp_path / "t.txt"
+  cases = [b"", codecs.BOM_UTF8, codecs.BOM_UTF8[:2], b"\r", b"\r\n\r"]
+  for i in range(300):
+    data = b"".join(parts[j] for j in rng.integers(0, len(parts), rng.integers(0, 40)))
+    if i % 3 == 0:
+      data = codecs.BOM_UTF8 + data
+    if i % 4 == 1:
+      at = int(rng.integers(0, len(data) + 1))
+      data = data[:at] + bad[i % len(bad)] + data[at:]
+    cases.append(data)
+  for data in cases:
+    path.write_bytes(data)
+    want = _decoded(data)
+    for block in (1, 2, 3, 4, 5, 7, None):
+      if isinstance(want, str):
+        pieces = list(text_lib.read_text(path, block_bytes=block))
+        assert "".join(pieces) == want, (data, block)
+        assert all(0 < len(t) <= max(block or text_lib.READ_BLOCK_BYTES, 3) for t in pieces)
+      else:
+        with pytest.raises(ValueError, match=rf"t\.txt: not UTF-8 text: byte 0x{data[want]:02x} "
+                                             rf"at byte offset {want} \("):
+          list(text_lib.read_text(path, block_bytes=block))
+
+
+def test_file_text_changed_since_identified_or_during_its_read_is_an_error(tmp_path):
+  path = _write(tmp_path / "a.txt", "one\ntwo\nthree\n")
+  stamp = text_lib.file_stamp(path)
+  changed = rf"^data\.files: {re.escape(str(path))} changed while its text was being read"
+  reading = text_lib.read_text(path, stamp, block_bytes=4)
+  assert next(reading) == "one\n"
+  with path.open("a") as f:
+    f.write("four\n")
+  with pytest.raises(ValueError, match=changed):  # found at the end of the read
+    list(reading)
+  with pytest.raises(ValueError, match=changed):  # found when opened: nothing is yielded
+    next(text_lib.read_text(path, stamp))
+  digest = hashlib.sha256()
+  assert "".join(text_lib.read_text(path, text_lib.file_stamp(path), digest, 3)) == (
+      "one\ntwo\nthree\nfour\n")
+  assert digest.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_file_errors(tmp_path):
@@ -207,6 +270,7 @@ def test_tfds_catalog_reads_a_prepared_dataset_offline(tmp_path, monkeypatch):
       [train[0], "second\ndoc\n"], validation)
   assert list(splits.train) == list(splits.train)  # re-iterable
   assert splits.source.startswith(f"tfds:{name}")
+  assert splits.characters is None  # unknown without a pass over the catalog
   config.data.tfds_text_key = "body"
   with pytest.raises(ValueError, match=r"data\.tfds_text_key='body' is not a feature"):
     text_splits(config.data)

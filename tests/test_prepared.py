@@ -3,6 +3,7 @@ held-out split, exact bytes, interrupted and damaged preparations, fit to the co
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -150,10 +151,13 @@ def test_interleave_split_files_reads_one_file_at_a_time(tmp_path, monkeypatch, 
     paths[-1].write_bytes(t.encode("utf-8"))
   want = text_lib.interleave_split(read_documents(paths), 0.1)
   reads = []
-  read_bytes = Path.read_bytes
-  monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self.name) or read_bytes(self))
+  read_text = text_lib.read_text
+  monkeypatch.setattr(text_lib, "read_text",
+                      lambda path, *a: reads.append(Path(path).name) or read_text(path, *a))
   train, validation = text_lib.interleave_split_files(paths, 0.1)
   assert reads == [p.name for p in paths]  # counted once, before any pass
+  assert train.corpus_characters == validation.corpus_characters == sum(
+      map(len, read_documents(paths)))
   reads.clear()
   next(iter(train))
   assert reads == ["f0.txt"]  # a pass holds one file, not the corpus
@@ -161,6 +165,39 @@ def test_interleave_split_files_reads_one_file_at_a_time(tmp_path, monkeypatch, 
     reads.clear()
     assert (list(train), list(validation)) == want
     assert reads == [p.name for p in paths] * 2
+
+
+def test_chunks_cut_from_a_stream_of_texts_equal_those_of_the_whole_text():
+  rng = np.random.default_rng(1)
+  for _ in range(300):
+    text = "".join(rng.choice(["ab", "c ", "\n", "\n\n", "xyz"], rng.integers(0, 60)))
+    cuts = np.sort(rng.integers(0, len(text) + 1, rng.integers(0, 6)))
+    texts = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    for size in (1, 2, 3, 5, 8):
+      assert list(text_lib._cut_stream(texts, size)) == text_lib.cut_at_breaks(text, size)
+
+
+def test_a_corpus_of_one_large_file_is_split_a_block_at_a_time(tmp_path, monkeypatch):
+  import tracemalloc
+
+  # 4 MB in one file, with CRLFs and 2-byte characters cut by the 64 KiB blocks.
+  text = _text(25_000, "\u03b2").replace("\n", "\r\n") + _text(25_000, "a")
+  path = tmp_path / "one.txt"
+  path.write_bytes(codecs.BOM_UTF8 + text.encode("utf-8"))
+  want = text_lib.interleave_split([text.replace("\r\n", "\n")], 0.1)
+  monkeypatch.setattr(text_lib, "READ_BLOCK_BYTES", 1 << 16)
+  train, validation = text_lib.interleave_split_files([path], 0.1)
+  tracemalloc.start()
+  try:
+    got = [sum(map(len, split)) for split in (train, validation)]  # one pass each, nothing kept
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert got == [sum(map(len, split)) for split in want]
+  # A block, a training document (9 chunks of 16K characters) and its copies: 1.1 MB. The
+  # file alone is 4.2 MB, its text 5.6 MB as a str.
+  assert peak < 2_000_000, peak
+  assert (list(train), list(validation)) == want
 
 
 def test_a_file_changed_between_passes_is_an_error_not_a_mix(tmp_path):

@@ -360,8 +360,7 @@ def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: i
   tok_sha = _sha256_bytes(model)
   dtype = token_dtype(tok.vocab_size)
   docs = {"train": splits.train, "validation": splits.validation}
-  total = (sum(len(d) for split in SPLITS for d in docs[split])
-           if identity["kind"] != "tfds" else None)
+  total = splits.characters
   if workers is None:
     if total is not None and total < POOL_MIN_CHARS:
       workers = 1

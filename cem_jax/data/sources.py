@@ -2,7 +2,7 @@
 
 Sources, by precedence: ``data.files`` (local files), ``data.tfds_name`` (a TFDS catalog
 dataset with its own splits), else ``data.builtin``. Local files are split by
-``text.interleave_split_files`` (every k-th chunk held out; read one file at a time); the
+``text.interleave_split_files`` (every k-th chunk held out; read a block at a time); the
 builtin corpus by ``text.split_documents`` (for ``pydoc+docstrings`` only the pydoc topics
 are split: validation is their tail, the text the byte 4-gram reference of the README is
 scored on; the docstrings are all training text). Catalog splits are read lazily, one
@@ -33,12 +33,15 @@ class TextSplits:
     source: a one-line human description of where the text came from.
     identity: JSON-able description of the exact text (file paths with sizes and sha256, the
       catalog dataset, or the builtin corpus and Python version), for the prepared manifest.
+    characters: the characters of both splits together, or None where only a pass over them
+      would tell (catalog datasets).
   """
 
   train: Iterable[str]
   validation: Iterable[str]
   source: str
   identity: dict
+  characters: int | None
 
 
 def source_identity(data_config) -> dict:
@@ -86,13 +89,14 @@ def text_splits(data_config) -> TextSplits:
         paths, data_config.validation_fraction, [f["sha256"] for f in identity["files"]])
     names = ", ".join(os.path.basename(p) for p in paths[:5]) + (", ..." if len(paths) > 5
                                                                  else "")
-    return TextSplits(train, validation, f"files: {len(paths)} ({names})", identity)
+    return TextSplits(train, validation, f"files: {len(paths)} ({names})", identity,
+                      train.corpus_characters)
   if identity["kind"] == "tfds":
     train, validation, source = tfds_catalog.load_catalog(
         data_config.tfds_name, data_config.tfds_data_dir, data_config.tfds_text_key,
         data_config.tfds_train_split, data_config.tfds_eval_split,
     )
-    return TextSplits(train, validation, source, identity)
+    return TextSplits(train, validation, source, identity, None)
   docs = builtin.builtin_documents(data_config.builtin)
   if data_config.builtin == "pydoc+docstrings":
     topics = builtin.pydoc_topics()
@@ -101,4 +105,4 @@ def text_splits(data_config) -> TextSplits:
   else:
     train, validation = text_lib.split_documents(docs, data_config.validation_fraction)
   return TextSplits(train, validation, f"builtin: {data_config.builtin} ({len(docs)} documents)",
-                    identity)
+                    identity, sum(map(len, train)) + sum(map(len, validation)))
