@@ -31,14 +31,16 @@ def normalize_newlines(text: str) -> str:
 READ_BLOCK_BYTES = 1 << 20
 
 
-def file_stamp(path: str | os.PathLike | int) -> tuple[int, int, int]:
-  """``(size in bytes, modification time in ns, inode)`` of a file path or open descriptor:
-  what ``read_text`` compares to find a file changed since it was identified."""
+def file_stamp(path: str | os.PathLike | int) -> tuple[int, int]:
+  """``(size in bytes, modification time in ns)`` of a file path or open descriptor: what
+  ``read_text`` compares to find a file changed since it was identified."""
+  # Not the inode: FUSE file systems (without use_ino, e.g. object-store mounts) may number a
+  # file anew once the kernel forgets it between two opens.
   st = os.stat(path)
-  return st.st_size, st.st_mtime_ns, st.st_ino
+  return st.st_size, st.st_mtime_ns
 
 
-def read_text(path: str | os.PathLike, stamp: tuple[int, int, int] | None = None,
+def read_text(path: str | os.PathLike, stamp: tuple[int, int] | None = None,
               digest=None, block_bytes: int | None = None) -> Iterator[str]:
   """Yields the text of file ``path``, decoded and normalised (see the module docstring), in
   non-empty pieces of at most ``max(block_bytes, 3)`` characters (3: a BOM is read whole);
@@ -296,7 +298,7 @@ def interleave_split_files(
   The files are read once here, to count their characters (the chunk size depends on the
   total), to raise every error of the eager split before any work starts, and to check them
   against ``sha256s`` (each file's, when it was identified; ``sources.source_identity``). A
-  later pass that finds a file of another size, modification time or inode raises: a file
+  later pass that finds a file of another size or modification time raises: a file
   edited between passes would otherwise mix two texts (a tokenizer of one, shards of the
   other, held-out text in the training split).
 
