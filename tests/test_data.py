@@ -198,6 +198,16 @@ def test_file_text_changed_since_identified_or_during_its_read_is_an_error(tmp_p
   assert "".join(text_lib.read_text(path, text_lib.file_stamp(path), digest, 3)) == (
       "one\ntwo\nthree\nfour\n")
   assert digest.hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
+  # The same size and the old modification time set back (cp -p, then mv): still found.
+  stamp, before = text_lib.file_stamp(path), path.stat()
+  replacement = _write(tmp_path / "b.txt", "ONE\nTWO\nTHREE\nFOUR\n")
+  os.utime(replacement, ns=(before.st_atime_ns, before.st_mtime_ns))
+  os.replace(replacement, path)
+  assert path.stat().st_size == before.st_size and path.stat().st_mtime_ns == before.st_mtime_ns
+  with pytest.raises(ValueError, match=changed):
+    next(text_lib.read_text(path, stamp))
+  if os.path.exists("/proc/cpuinfo"):  # a size of 0 on disk, text when read: not "changed"
+    assert "".join(text_lib.read_text("/proc/cpuinfo"))
 
 
 def test_file_errors(tmp_path):

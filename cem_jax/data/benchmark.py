@@ -14,8 +14,9 @@ The corpus is built from ``--shared=../shared/data`` (every ``*.txt``): all line
 size is reached; the same arguments give the same bytes.
 
 Measured on 2 CPU cores at load average ~2-3 (README, "Large corpora", has the table):
-prepare 5.3 MB/s (100 MB) and 4.7 MB/s (1 GB); pipeline 13.8M (100 MB) and 5.1M (1 GB)
-tokens/s; 5-step run: first step at 8.7 s / 8.3 s, peak RSS 1.13 / 1.20 GB.
+prepare 5.3 MB/s (100 MB) and 4.7 MB/s (1 GB; 8.2 MB/s on an idle machine, peak
+RSS 0.50 GB, on 2026-12-03); pipeline 13.8M (100 MB) and 5.1M (1 GB)
+tokens/s; 5-step run: first step at 8.7 s / 8.3 s, peak RSS 1.16 / 1.23 GB (10^9 bytes).
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ def make_corpus(shared: Path, out: Path, megabytes: int, seed: int = 0) -> int:
   return written
 
 
+def _peak_rss_gb(who: int) -> float:
+  """The peak resident memory of this process or (``RUSAGE_CHILDREN``) of its largest finished
+  child, in GB (10^9 bytes; Linux counts ``ru_maxrss`` in KiB)."""
+  return resource.getrusage(who).ru_maxrss * 1024 / 1e9
+
+
 def _pipeline(prepared_dir: str, batch: int, seq_len: int, steps: int) -> None:
   from cem_jax.config import get_default_config
   from cem_jax.data import build_data
@@ -121,7 +128,7 @@ def _first_step(prepared_dir: str) -> None:
     if first is None and re.search(r"step 1/5", line):
       first = time.perf_counter() - start
   proc.wait()
-  rss_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6
+  rss_gb = _peak_rss_gb(resource.RUSAGE_CHILDREN)
   if proc.returncode:
     raise RuntimeError(f"the 5-step run failed (exit {proc.returncode}): {' '.join(cmd)}")
   print(f"first_step: {prepared_dir}: data ready {ready:.1f} s (build_data itself {own:.2f} s) "
@@ -152,7 +159,9 @@ def main(argv):
     manifest = prepared.PreparedData.open_manifest(out, verify=False)
     mb = sum(s["bytes"] for s in manifest["splits"].values()) / 1e6
     print(f"prepare: {mb:.1f} MB of text in {seconds:.1f} s = {mb / seconds:.2f} MB/s "
-          f"(tokenizer training, reading, hashing and encoding; {os.cpu_count()} CPUs)")
+          f"(tokenizer training, reading, hashing and encoding; {os.cpu_count()} CPUs); "
+          f"peak RSS {_peak_rss_gb(resource.RUSAGE_SELF):.2f} GB, of an encoding worker "
+          f"{_peak_rss_gb(resource.RUSAGE_CHILDREN):.2f} GB")
   elif _MODE.value == "pipeline":
     _pipeline(_PREPARED.value, _BATCH.value, _SEQ_LEN.value, _STEPS.value)
   else:

@@ -31,16 +31,18 @@ def normalize_newlines(text: str) -> str:
 READ_BLOCK_BYTES = 1 << 20
 
 
-def file_stamp(path: str | os.PathLike | int) -> tuple[int, int]:
-  """``(size in bytes, modification time in ns)`` of a file path or open descriptor: what
-  ``read_text`` compares to find a file changed since it was identified."""
-  # Not the inode: FUSE file systems (without use_ino, e.g. object-store mounts) may number a
-  # file anew once the kernel forgets it between two opens.
+def file_stamp(path: str | os.PathLike | int) -> tuple[int, int, int]:
+  """``(size in bytes, modification time, status change time)`` (times in ns) of a file path
+  or open descriptor: what ``read_text`` compares to find a file changed since it was
+  identified."""
+  # The change time as well: an edit that keeps the size and sets the old modification time
+  # back (``cp -p`` then ``mv``, ``touch -r``) moves it, and no user can set it. Not the inode:
+  # FUSE file systems (without use_ino) may number a file anew between two opens.
   st = os.stat(path)
-  return st.st_size, st.st_mtime_ns
+  return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def read_text(path: str | os.PathLike, stamp: tuple[int, int] | None = None,
+def read_text(path: str | os.PathLike, stamp: tuple[int, int, int] | None = None,
               digest=None, block_bytes: int | None = None) -> Iterator[str]:
   """Yields the text of file ``path``, decoded and normalised (see the module docstring), in
   non-empty pieces of at most ``max(block_bytes, 3)`` characters (3: a BOM is read whole);
@@ -89,7 +91,9 @@ def read_text(path: str | os.PathLike, stamp: tuple[int, int] | None = None,
           yield normalize_newlines(text)
       if end:
         break
-    if offset != opened[0] or file_stamp(f.fileno()) != opened:
+    # Stamps, not the bytes read against the size: /proc and some FUSE files report a size
+    # their content does not have.
+    if file_stamp(f.fileno()) != opened:
       raise ValueError(_changed(path))
 
 
@@ -262,7 +266,7 @@ def interleave_split(
   are numbered across the corpus from 0; chunk ``c`` is held out when ``c % k == k - 1``.
   Each held-out chunk is one validation document; the consecutive training chunks of a
   document stay one training document. About ``1 / k`` of the characters are held out.
-  ``interleave_split_files`` is the same split of files, read one at a time.
+  ``interleave_split_files`` is the same split of files, read a block at a time.
 
   Args:
     docs: documents in their canonical order.
@@ -298,7 +302,7 @@ def interleave_split_files(
   The files are read once here, to count their characters (the chunk size depends on the
   total), to raise every error of the eager split before any work starts, and to check them
   against ``sha256s`` (each file's, when it was identified; ``sources.source_identity``). A
-  later pass that finds a file of another size or modification time raises: a file
+  later pass that finds a file of another size, modification or change time raises: a file
   edited between passes would otherwise mix two texts (a tokenizer of one, shards of the
   other, held-out text in the training split).
 
