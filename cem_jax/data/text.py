@@ -34,7 +34,11 @@ READ_BLOCK_BYTES = 1 << 20
 def file_stamp(path: str | os.PathLike | int) -> tuple[int, int, int]:
   """``(size in bytes, modification time, status change time)`` (times in ns) of a file path
   or open descriptor: what ``read_text`` compares to find a file changed since it was
-  identified."""
+  identified.
+
+  Raises:
+    OSError: the file cannot be found or its status read.
+  """
   # The change time as well: an edit that keeps the size and sets the old modification time
   # back (``cp -p`` then ``mv``, ``touch -r``) moves it, and no user can set it. Not the inode:
   # FUSE file systems (without use_ino) may number a file anew between two opens.
