@@ -122,6 +122,10 @@ def load_config(name: str = "config"):
 
   ml_collections defers a missing or unreadable config file to the first attribute access
   (a multi-line ``IOError``); this surfaces it at once.
+
+  Raises:
+    ValueError: the config file cannot be loaded: one line naming ``--{name}``, the file and
+      the cause.
   """
   holder = flags.FLAGS[name]
   config = holder.value

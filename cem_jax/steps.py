@@ -137,6 +137,10 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   or gradient, and then stays; 0 = never (and always 0 when ``max_consecutive_nonfinite`` is
   None). It lives on the device so the loop need not fetch anything every step (that would
   stall asynchronous dispatch) yet cannot miss a run of failures that ended between checks.
+
+  Raises:
+    ValueError: ``gradient_accumulation_steps`` is not an int >= 1 (one line naming
+      ``train.gradient_accumulation_steps``).
   """
 
   k = gradient_accumulation_steps
