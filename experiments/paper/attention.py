@@ -8,13 +8,13 @@ Rows:
   cem_tied_diag: + a per-head diagonal (diagonal-plus-low-rank interaction), 2d² + H·d.
   llama_matched: Llama MHA with the tied row's parameter count (head_dim halved: 2d²).
 Single row: ``python -m cem_jax.main --config=experiments/paper/attention.py:cem_tied,tiny``.
-Measured at tiny scale (2026-12-01, numerics version 2, 3 seeds, 400 steps on War and Peace,
+Measured at tiny scale (2026-12-03, numerics version 3, 3 seeds, 400 steps on War and Peace,
 2 CPU cores; results/tiny/attention.md, discussion in docs/REPRODUCING.md): eval loss in
 nats/token (mean), then the difference to llama_mha paired by seed (mean ± spread):
-  llama_mha       3.884   0
-  cem_tied        3.956   +0.072 ± 0.149
-  cem_tied_diag   3.954   +0.070 ± 0.149
-  llama_matched   3.690   −0.194 ± 0.138
+  llama_mha       3.909   0
+  cem_tied        3.955   +0.046 ± 0.227
+  cem_tied_diag   3.953   +0.044 ± 0.239
+  llama_matched   3.674   −0.235 ± 0.227
 """
 
 from cem_jax import scales

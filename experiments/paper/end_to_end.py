@@ -8,13 +8,13 @@ Rows:
   cem_full:      CEM + per-head diagonal + T = 2 (fixed context) + diagonal+rank-8
                  preconditioners.
   llama_matched: Llama with the CEM row's per-layer parameters (narrower SwiGLU).
-Measured at tiny scale (2026-12-01, numerics version 2, 3 seeds, 400 steps on War and Peace,
+Measured at tiny scale (2026-12-03, numerics version 3, 3 seeds, 400 steps on War and Peace,
 2 CPU cores; results/tiny/end_to_end.md, discussion in docs/REPRODUCING.md): eval loss in
 nats/token (mean), then the difference to llama paired by seed (mean ± spread):
-  llama           3.884   0
-  cem             4.279   +0.394 ± 0.169
-  cem_full        4.664   +0.779 ± 0.184
-  llama_matched   4.256   +0.371 ± 0.261
+  llama           3.909   0
+  cem             4.124   +0.215 ± 0.373
+  cem_full        4.629   +0.721 ± 0.109
+  llama_matched   4.356   +0.448 ± 0.262
 """
 
 from cem_jax import scales

@@ -7,13 +7,13 @@ Rows:
   cem_tied:       CEM tied MLP (W_down = W_gateᵀ, separate gate G), 2·d·f.
   swiglu_matched: SwiGLU narrowed to the tied MLP's parameters (f' = 2f/3).
   cem_widened:    CEM MLP widened to SwiGLU's parameters (f' = 3f/2).
-Measured at tiny scale (2026-12-01, numerics version 2, 3 seeds, 400 steps on War and Peace,
+Measured at tiny scale (2026-12-03, numerics version 3, 3 seeds, 400 steps on War and Peace,
 2 CPU cores; results/tiny/mlp.md, discussion in docs/REPRODUCING.md): eval loss in nats/token
 (mean), then the difference to swiglu paired by seed (mean ± spread):
-  swiglu          3.884   0
-  cem_tied        4.415   +0.531 ± 0.302
-  swiglu_matched  4.031   +0.147 ± 0.110
-  cem_widened     4.265   +0.381 ± 0.285
+  swiglu          3.909   0
+  cem_tied        4.494   +0.585 ± 0.333
+  swiglu_matched  4.076   +0.167 ± 0.072
+  cem_widened     4.277   +0.368 ± 0.187
 """
 
 from cem_jax import scales
