@@ -183,8 +183,10 @@ class Run:
 
 
 def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
-  """Validates ``config`` and the devices, prepares ``workdir``, builds the data, the optimizer
-  and the sharded state, and restores the newest intact checkpoint if there is one.
+  """Validates ``config`` and the devices, prepares ``workdir``, checks the newest intact
+  checkpoint's numerics version and model (before anything is built: a refused resume costs
+  seconds, not a tokenizing pass), builds the data, the optimizer and the sharded state, checks
+  the checkpoint's data and restores it.
 
   Nothing is written to ``workdir`` but the data it prepares (removed again if the checkpoint
   refuses them); if anything fails and ``workdir`` did not exist before, it is removed again.
@@ -200,30 +202,33 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   held = workdir_lib.prepared_folders(workdir)
   ckpt = None
   try:
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
+                        every_steps=config.checkpoint.every_steps,
+                        async_save=config.checkpoint.async_save)
+    resume = ckpt.restorable_step()
+    energies_now = energy_digests(config)
+    if resume is not None:
+      # Checked before the data and the model are built: a refusal would otherwise come after
+      # minutes of tokenizing and initialising for nothing.
+      saved = ckpt.read_meta(resume)
+      _check_same_numerics(saved, ckpt.step_dir(resume))
+      _check_same_model(saved, config, energies_now, ckpt.step_dir(resume))
     data = workdir_lib.build_data_once(config, workdir)
     tx, schedule = make_optimizer(config.train)
     graphdef, params, opt_state, shardings, model = steps_lib.init_state(
         config, data.tokenizer.vocab_size, tx)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
-                        every_steps=config.checkpoint.every_steps,
-                        async_save=config.checkpoint.async_save)
     run = Run(config=config, workdir=workdir, data=data, tx=tx, schedule=schedule,
               graphdef=graphdef, params=params, opt_state=opt_state, shardings=shardings,
-              model=model, ckpt=ckpt, created=created, energies=energy_digests(config))
-    run.resume = ckpt.restorable_step()
-    if run.resume is not None:
-      # Checked before the arrays are read: a model's worth of restore for nothing otherwise.
-      saved = ckpt.read_meta(run.resume)
+              model=model, ckpt=ckpt, created=created, energies=energies_now, resume=resume)
+    if resume is not None:
       try:
-        data_lib.check_same_data(saved.get("data"), data.identity, ckpt.step_dir(run.resume))
+        data_lib.check_same_data(saved.get("data"), data.identity, ckpt.step_dir(resume))
       except ValueError:
         workdir_lib.remove_prepared_since(workdir, held)
         raise
-      _check_same_numerics(saved, ckpt.step_dir(run.resume))
-      _check_same_model(saved, config, run.energies, ckpt.step_dir(run.resume))
       # The target is the freshly initialised state on the current devices: the restore takes
       # its structure (optax's state types) and shardings, whatever the saving run used.
-      state, run.meta = ckpt.restore(run.resume, {"params": params, "opt_state": opt_state})
+      state, run.meta = ckpt.restore(resume, {"params": params, "opt_state": opt_state})
       run.params, run.opt_state = state["params"], state["opt_state"]
       run.start_step = int(run.meta["step"])
   except BaseException:
@@ -298,11 +303,14 @@ def _check_same_model(saved: dict, config: ml_collections.ConfigDict, energies_n
 
 
 def _undo_start(ckpt: Checkpointer | None, workdir: str, created: bool) -> None:
-  """After a failed start: closes ``ckpt`` and removes ``workdir`` if this start created it, so
-  no failed start looks like a run. The caller re-raises the error that caused it."""
+  """After a failed start: closes ``ckpt``, removes its folder if empty (the start opens it
+  before building the data) and ``workdir`` if this start created it, so no failed start looks
+  like a run. The caller re-raises the error that caused it."""
   try:
     if ckpt is not None:
       ckpt.close()
+      with contextlib.suppress(OSError):  # not empty: it holds a run's checkpoints
+        os.rmdir(ckpt.directory)
   finally:  # a close that fails too must not leave the new workdir behind
     if created:
       shutil.rmtree(workdir, ignore_errors=True)

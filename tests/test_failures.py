@@ -354,6 +354,11 @@ def energy(y, context, params, aux):
 """
 
 
+def _refused_before_the_data_is_built(*args, **kwargs):
+  # A refused resume must not first spend a tokenizing pass (minutes at corpus scale).
+  raise AssertionError("the data was built before the checkpoint was refused")
+
+
 def test_resume_under_another_numerics_version_is_refused_and_keeps_the_run(tmp_path,
                                                                             monkeypatch):
   # Version 3 changed the data order: a version-2 run resumed by it would train some windows
@@ -367,11 +372,12 @@ def test_resume_under_another_numerics_version_is_refused_and_keeps_the_run(tmp_
   before = read_metrics(str(workdir))
   monkeypatch.setattr(train, "NUMERICS_VERSION", NUMERICS_VERSION)
   checkpoint = workdir / "checkpoints" / "2"
-  with pytest.raises(ValueError, match=(
+  with monkeypatch.context() as m, pytest.raises(ValueError, match=(
       f"^checkpoint {re.escape(str(checkpoint))} was trained under numerics version "
       f"{NUMERICS_VERSION - 1}, this code is version {NUMERICS_VERSION} \\(cem_jax/version.py "
       r"says what changed\): resumed, the run would mix the two; finish it with the code it "
       r"started with, or train in a new --workdir$")):
+    m.setattr(train.workdir_lib, "build_data_once", _refused_before_the_data_is_built)
     train.train_and_evaluate(cfg(4), str(workdir))
   assert read_metrics(str(workdir)) == before and checkpoint.is_dir()
   monkeypatch.setattr(train, "NUMERICS_VERSION", NUMERICS_VERSION - 1)
@@ -379,7 +385,7 @@ def test_resume_under_another_numerics_version_is_refused_and_keeps_the_run(tmp_
   assert read_metrics(str(workdir))[-1]["step"] == 4
 
 
-def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path, caplog):
+def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path, caplog, monkeypatch):
   # Parameters of the same shapes restore into another model without an error: a changed
   # mask, energy or energy file would train on as if nothing had changed, its metrics mixed
   # with the old. The same file elsewhere (another checkout, another machine) is the same.
@@ -396,7 +402,8 @@ def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path, caplog):
   before = read_metrics(str(workdir))
   checkpoint = workdir / "checkpoints" / "2"
   first.write_text(USER_ENERGY.format(scale="2.0"))  # the same path, another function
-  with pytest.raises(ValueError) as e:
+  with monkeypatch.context() as m, pytest.raises(ValueError) as e:
+    m.setattr(train.workdir_lib, "build_data_once", _refused_before_the_data_is_built)
     train.train_and_evaluate(cfg(4, first, **{"model.strict_causal": True,
                                               "model.mlp_energy": "relu2"}), str(workdir))
   message = str(e.value)
