@@ -190,8 +190,8 @@ def test_file_text_changed_since_identified_or_during_its_read_is_an_error(tmp_p
   assert next(reading) == "one\n"
   with path.open("a") as f:
     f.write("four\n")
-  with pytest.raises(ValueError, match=changed):  # found at the end of the read
-    list(reading)
+  with pytest.raises(ValueError, match=changed):  # found at the next block, not at the end
+    next(reading)
   with pytest.raises(ValueError, match=changed):  # found when opened: nothing is yielded
     next(text_lib.read_text(path, stamp))
   digest = hashlib.sha256()

@@ -55,7 +55,8 @@ def read_text(path: str | os.PathLike, stamp: tuple[int, int, int] | None = None
   Args:
     path: the file.
     stamp: its ``file_stamp`` when it was identified: a file found otherwise when opened, or
-      changed by the end of its read, is an error. None: checked only during the read.
+      changed during its read (checked at every block), is an error. None: checked only
+      during the read.
     digest: a ``hashlib`` object, updated with every byte of the file (a BOM included).
     block_bytes: bytes read and decoded at a time (>= 1; default ``READ_BLOCK_BYTES``).
 
@@ -74,6 +75,11 @@ def read_text(path: str | os.PathLike, stamp: tuple[int, int, int] | None = None
     while True:
       # The BOM is stripped by hand, not by 'utf-8-sig', so error offsets count its bytes.
       data = f.read(max(block_bytes, len(codecs.BOM_UTF8)) if offset == 0 else block_bytes)
+      # Stamps, not the bytes read against the size: /proc and some FUSE files report a size
+      # their content does not have. Checked at every block (an fstat per MiB), so an edit
+      # stops an encoding pass at once, not after the rest of the file has been encoded.
+      if file_stamp(f.fileno()) != opened:
+        raise ValueError(_changed(path))
       if digest is not None:
         digest.update(data)
       end = not data
@@ -95,10 +101,6 @@ def read_text(path: str | os.PathLike, stamp: tuple[int, int, int] | None = None
           yield normalize_newlines(text)
       if end:
         break
-    # Stamps, not the bytes read against the size: /proc and some FUSE files report a size
-    # their content does not have.
-    if file_stamp(f.fileno()) != opened:
-      raise ValueError(_changed(path))
 
 
 def resolve_files(files: str) -> list[Path]:
