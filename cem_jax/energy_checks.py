@@ -72,8 +72,8 @@ def validate_energies(config) -> None:
 
   Raises:
     ValueError: one line naming the config field: unknown energy; no closed form for
-      ``update_mode='fused'``; an explicit ``attention_impl`` with an attention update that
-      calls no kernel; ``energy_block_size`` with a fused update, or with an energy
+      ``update_mode='fused'``; ``attention_impl`` 'cudnn' or 'splash' with an attention update
+      that calls no kernel; ``energy_block_size`` with a fused update, or with an energy
       that does not read ``aux.energy_block_size``; an energy or fused
       update that fails, or returns the wrong shape or dtype, in either layout; a user's fused
       update whose maximum relative error against ``-jax.grad(energy)`` exceeds

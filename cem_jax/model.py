@@ -45,8 +45,9 @@ def resolve_attention(cfg, blocks, platform: str | None = None) -> tuple[str, st
   Returns:
     ``(implementation, reason)``: ``'xla'``, ``'cudnn'`` or ``'splash'``, and one line why.
   Raises:
-    ValueError: an explicit ``model.attention_impl`` that cannot run here, or that no layer
-      would use (an autodiff CEM update calls no attention kernel).
+    ValueError: an explicit ``model.attention_impl`` that cannot run here, or 'cudnn' or
+      'splash' that no layer would use (an autodiff CEM update calls no attention kernel;
+      'xla' is accepted there: XLA computes its gradient).
   """
   platform = jax.default_backend() if platform is None else platform
   block = blocks[0]
@@ -61,8 +62,9 @@ def resolve_attention(cfg, blocks, platform: str | None = None) -> tuple[str, st
 
 
 def check_kernel_is_called(cfg, fused: bool) -> None:
-  """Refuses an explicit ``model.attention_impl`` that no layer would call: a CEM attention
-  update that is not fused (``jax.grad`` of the energy) calls no attention kernel.
+  """Refuses an explicit kernel (``model.attention_impl`` 'cudnn' or 'splash') that no layer
+  would call: a CEM attention update that is not fused (``jax.grad`` of the energy) calls no
+  attention kernel. 'xla' is accepted: XLA computes that gradient, as it does every op.
 
   Args:
     cfg: the ``model`` config group of a model with the CEM attention.

@@ -1,9 +1,11 @@
 """Plots of a run: ``python -m cem_jax.plot --workdir=DIR`` writes ``DIR/plots/*.png``.
 
 - ``loss.png``: train and eval loss (nats/token) against the step.
-- ``energy.png`` (CEM models): the newest eval's energy trace — for each layer, the mean
-  per-token attention and MLP energies before the first step and after each recursive step.
-  A descending line is the layer doing what CEM says it does (CEM_MATH.md §4).
+- ``energy.png`` (CEM models with ``eval.energy_trace``): the newest eval's energy trace —
+  for each layer, every sub-step's mean per-token energy as a solid segment from before to
+  after its update, and a dotted jump to the next sub-step's "before" (another sub-step or a
+  recomputed context moves the state in between). A descending segment is the layer doing
+  what CEM says it does (CEM_MATH.md §4).
 """
 
 from __future__ import annotations
