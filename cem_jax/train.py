@@ -185,8 +185,8 @@ class Run:
 def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   """Validates ``config`` and the devices, prepares ``workdir``, checks the newest intact
   checkpoint's numerics version and model (before anything is built: a refused resume costs
-  seconds, not a tokenizing pass), builds the data, the optimizer and the sharded state, checks
-  the checkpoint's data and restores it.
+  seconds, not a data build and a model's initialisation), builds the data, the optimizer and
+  the sharded state, checks the checkpoint's data and restores it.
 
   Nothing is written to ``workdir`` but the data it prepares (removed again if the checkpoint
   refuses them); if anything fails and ``workdir`` did not exist before, it is removed again.
@@ -209,7 +209,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
     energies_now = energy_digests(config)
     if resume is not None:
       # Checked before the data and the model are built: a refusal would otherwise come after
-      # minutes of tokenizing and initialising for nothing.
+      # reading or preparing the data (minutes at corpus scale) and initialising, for nothing.
       saved = ckpt.read_meta(resume)
       _check_same_numerics(saved, ckpt.step_dir(resume))
       _check_same_model(saved, config, energies_now, ckpt.step_dir(resume))

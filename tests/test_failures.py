@@ -355,7 +355,8 @@ def energy(y, context, params, aux):
 
 
 def _refused_before_the_data_is_built(*args, **kwargs):
-  # A refused resume must not first spend a tokenizing pass (minutes at corpus scale).
+  # A refused resume must not first build the data (reading or preparing it: minutes at
+  # corpus scale).
   raise AssertionError("the data was built before the checkpoint was refused")
 
 
