@@ -22,25 +22,26 @@ Diagnostics of recursion (issue 17: why is T = 2 worse than T = 1 at tiny scale?
   t1_joint_eta_half: t1_eta_half with a joint step (the control for t2_joint_eta_half).
 Every row logs the energy trace at each eval (eval.energy_trace): the energies before and after
 each sub-step of each layer, so one can see whether each inner step lowers its energy.
-Measured at tiny scale (2026-12-01, numerics version 2, 3 seeds, 400 steps on War and Peace,
-2 CPU cores; results/tiny/design.md and design_recursion.md, discussion in
-docs/REPRODUCING.md; the third seed's 12 runs took 1 h 53 min on cores shared with other
-jobs): eval loss in nats/token (mean), then the difference to t1 paired by seed (mean ± std):
-  t1                 4.279   0
-  t2_fixed           4.505   +0.226 ± 0.154
-  t2_coevolve        4.599   +0.321 ± 0.051
-  t1_precond_diag    4.170   -0.109 ± 0.197
-  t1_precond_dlr     4.379   +0.100 ± 0.197
-  t2_eta_half        4.014   -0.265 ± 0.105
-  t2_eta_per_step    4.588   +0.309 ± 0.376
-  t2_lr_half         4.266   -0.013 ± 0.124
-  t1_lr_half         4.164   -0.115 ± 0.119
-  t1_eta_half        3.958   -0.320 ± 0.117
-  t2_joint_eta_half  3.911   -0.368 ± 0.123
-  t1_joint_eta_half  3.851   -0.428 ± 0.108
-(T = 2 trails T = 1 in every seed; η = 1 is too large a starting step for both T; the joint
-split helps both T by ~0.1; at equal η and split T = 2 still trails T = 1 by +0.06 in every
-seed. With two seeds the diagonal preconditioner looked helpful: seed 2 made it undecided.)
+Measured at tiny scale (2026-12-03, numerics version 3, 3 seeds, 400 steps on War and Peace,
+2 CPU cores: 5–6.5 min a T = 1 run and ~10 min a T = 2 run when idle, ~4.5 h in all;
+results/tiny/design.md and design_recursion.md, discussion in docs/REPRODUCING.md): eval
+loss in nats/token (mean), then the difference to t1 paired by seed (mean ± std):
+  t1                 4.123   0
+  t2_fixed           4.461   +0.338 ± 0.216
+  t2_coevolve        4.407   +0.283 ± 0.124
+  t1_precond_diag    4.026   -0.098 ± 0.116
+  t1_precond_dlr     4.141   +0.018 ± 0.170
+  t2_eta_half        4.014   -0.110 ± 0.152
+  t2_eta_per_step    4.500   +0.376 ± 0.218
+  t2_lr_half         4.351   +0.228 ± 0.214
+  t1_lr_half         4.217   +0.094 ± 0.180
+  t1_eta_half        4.150   +0.026 ± 0.436
+  t2_joint_eta_half  3.899   -0.225 ± 0.156
+  t1_joint_eta_half  3.840   -0.284 ± 0.151
+(T = 2 trails T = 1 in every seed; starting η at 1/2 helps T = 2 in every seed; the joint
+split helps both T by ~0.1 in every seed; at equal η and under the joint split T = 2 still
+trails T = 1 by +0.06 in every seed, as under version 2. Version 2's "half the learning rate
+helps" did not hold on the new data order; the preconditioners stay undecided.)
 """
 
 from cem_jax import scales
