@@ -23,7 +23,7 @@ Diagnostics of recursion (issue 17: why is T = 2 worse than T = 1 at tiny scale?
 Every row logs the energy trace at each eval (eval.energy_trace): the energies before and after
 each sub-step of each layer, so one can see whether each inner step lowers its energy.
 Measured at tiny scale (2026-12-03, numerics version 3, 3 seeds, 400 steps on War and Peace,
-2 CPU cores: 5–6.5 min a T = 1 run and ~10 min a T = 2 run when idle, ~4.5 h in all;
+2 CPU cores: 5–6.5 min a T = 1 run and 9–11.5 min a T = 2 run when idle, ~5 h in all;
 results/tiny/design.md and design_recursion.md, discussion in docs/REPRODUCING.md): eval
 loss in nats/token (mean), then the difference to t1 paired by seed (mean ± std):
   t1                 4.123   0
@@ -39,9 +39,10 @@ loss in nats/token (mean), then the difference to t1 paired by seed (mean ± std
   t2_joint_eta_half  3.899   -0.225 ± 0.156
   t1_joint_eta_half  3.840   -0.284 ± 0.151
 (T = 2 trails T = 1 in every seed; starting η at 1/2 helps T = 2 in every seed; the joint
-split helps both T by ~0.1 in every seed; at equal η and under the joint split T = 2 still
-trails T = 1 by +0.06 in every seed, as under version 2. Version 2's "half the learning rate
-helps" did not hold on the new data order; the preconditioners stay undecided.)
+split helps both T in every seed, by ~0.1 (T = 1 seed 1 by 0.66: its control sat on the early
+plateau); at equal η and under the joint split T = 2 still trails T = 1 by +0.06 in every
+seed, as under version 2. Version 2's "half the learning rate helps" did not hold on the new
+data order; the preconditioners stay undecided.)
 """
 
 from cem_jax import scales
