@@ -15,8 +15,6 @@ import ssl
 import threading
 from pathlib import Path
 
-import tensorflow_datasets as tfds
-
 from cem_jax.data import text as text_lib
 
 # Host TFDS downloads from (and its metadata bucket); tests point this at a closed port.
@@ -120,6 +118,10 @@ def _split_names(split: str) -> list[str]:
 
 def _read_texts(name: str, split: str, data_dir: Path, text_key: str, download: bool,
                 field: str) -> CatalogTexts:
+  # Here, not at module level: every program start would pay its import (~0.4 s) for the
+  # few runs that read a catalog dataset.
+  import tensorflow_datasets as tfds
+
   try:
     builder = tfds.builder(name, data_dir=os.fspath(data_dir))
   except tfds.core.DatasetNotFoundError:
