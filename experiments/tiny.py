@@ -1,4 +1,4 @@
-"""Tiny CEM (or Llama) language model on the built-in corpus: ~8 minutes on 2 CPU cores.
+"""Tiny CEM (or Llama) language model on the built-in corpus: 8–13 minutes on 2 CPU cores.
 
 Command (CEM; the main job of the README)::
 
@@ -16,7 +16,8 @@ pydoc topics, the text the byte 4-gram reference (``../shared/tools/ngram_bpb.py
 
 Measured 2026-12-02 under numerics version 3 (cem_jax/version.py), each row the command
 above with its arg/override, on a 2-core CPU shared with other jobs (same losses as on idle
-cores, longer wall times: the CEM main job took 8.7 min here, ~7.5 min on idle cores):
+cores, longer wall times: the CEM main job took 8.7 min here, ~7.5 min on idle cores; 12.4
+min on idle cores of the same kind of machine on 2026-12-03, 1.7273 bits/byte as before):
 
 | run | eval bits/byte at step 500 / 1000 | version 2 | reference |
 |---|---|---|---|
