@@ -131,6 +131,9 @@ def main(argv):
     if fl.temperature == 0.0 and (fl.top_k or fl.top_p < 1.0):
       raise ValueError(f"--top_k={fl.top_k} --top_p={fl.top_p} have no effect with "
                        "--temperature=0 (greedy); leave them at 0 and 1")
+    if fl.temperature == 0.0 and fl["seed"].present:
+      raise ValueError(f"--seed={fl.seed} has no effect with --temperature=0 (greedy): "
+                       "the most likely token is taken; leave --seed out")
     if not fl.prompt:
       raise ValueError("--prompt is empty; give at least one character")
     config, data, graphdef, params, step = load_run(fl.workdir)
@@ -159,7 +162,7 @@ if __name__ == "__main__":
   flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
   flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: all).")
   flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
-  flags.DEFINE_integer("seed", 0, "Sampling seed.")
+  flags.DEFINE_integer("seed", 0, "Sampling seed (refused with --temperature=0: greedy).")
   flags.DEFINE_bool("no_cache", False, "Recompute the prefix at every token.")
   flags.mark_flags_as_required(["workdir", "prompt"])
   app.run(main, flags_parser=cli.parse_flags)

@@ -177,6 +177,9 @@ def test_validation_names_field_value_and_what_is_allowed():
     ("sample", ["--prompt=The", "--temperature=0", "--top_k=3"],
      "error: --top_k=3 --top_p=1.0 have no effect with --temperature=0 (greedy); leave them at "
      "0 and 1"),
+    ("sample", ["--prompt=The", "--temperature=0", "--seed=7"],
+     "error: --seed=7 has no effect with --temperature=0 (greedy): the most likely token is "
+     "taken; leave --seed out"),
 ])
 def test_tool_flags_are_checked_before_the_run_is_loaded(tmp_path, tool, args, expected):
   # The workdir does not exist: the flag error must come first, alone, on one line.
