@@ -55,11 +55,16 @@ class Checkpointer:
     async_save: False waits for each save to finish before :meth:`save` returns.
     read_only: for tools that only restore (e.g. evaluating a run that may still be training):
       nothing is created, cleaned up or moved aside; damaged steps are only skipped.
+
+  Attributes:
+    created: True if ``directory`` did not exist and this Checkpointer created it.
   """
 
   def __init__(self, directory: str, keep: int = 3, every_steps: int = 1,
                async_save: bool = True, read_only: bool = False):
     self.directory = os.path.abspath(directory)
+    # True if this Checkpointer makes the folder: a failed start may then remove it again.
+    self.created = not read_only and not os.path.isdir(self.directory)
     self.async_save = async_save
     self.read_only = read_only
     self._saving_step: int | None = None
@@ -79,8 +84,10 @@ class Checkpointer:
         async_options=ocp.AsyncOptions(post_finalization_callback=self._write_digest),
         create=not read_only,
         # A killed save's temporary folder is removed when a training run starts; a reader
-        # must not remove the folder of a save in progress.
-        cleanup_tmp_directories=not read_only,
+        # must not remove the folder of a save in progress. A new folder holds none, and
+        # Orbax's clean-up thread (which ``close`` does not wait for) would race a failed
+        # start's removal of it.
+        cleanup_tmp_directories=not read_only and not self.created,
         read_only=read_only,
     )
     # Handlers named up front so that a fresh process can read a step's tree metadata.

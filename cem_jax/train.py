@@ -303,14 +303,15 @@ def _check_same_model(saved: dict, config: ml_collections.ConfigDict, energies_n
 
 
 def _undo_start(ckpt: Checkpointer | None, workdir: str, created: bool) -> None:
-  """After a failed start: closes ``ckpt``, removes its folder if empty (the start opens it
-  before building the data) and ``workdir`` if this start created it, so no failed start looks
-  like a run. The caller re-raises the error that caused it."""
+  """After a failed start: closes ``ckpt``, removes its folder if this start created it (the
+  start opens it before building the data) and ``workdir`` if this start created it, so no
+  failed start looks like a run. The caller re-raises the error that caused it."""
   try:
     if ckpt is not None:
       ckpt.close()
-      with contextlib.suppress(OSError):  # not empty: it holds a run's checkpoints
-        os.rmdir(ckpt.directory)
+      if ckpt.created:  # only then is no Orbax clean-up thread listing it (Checkpointer)
+        with contextlib.suppress(OSError):
+          os.rmdir(ckpt.directory)
   finally:  # a close that fails too must not leave the new workdir behind
     if created:
       shutil.rmtree(workdir, ignore_errors=True)
