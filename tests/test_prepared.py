@@ -396,6 +396,7 @@ def test_damaged_shard_is_a_one_line_error_naming_the_file(tmp_path):
   with pytest.raises(ValueError) as info:
     build_data(config, tmp_path / "wd")
   assert str(info.value).startswith(f"{shard}: damaged prepared data: sha256")
+  assert str(info.value).endswith("; run prepare again to rebuild it")
   assert "\n" not in str(info.value)
   # A peer process verified: sizes only, so the damage shows only where the reader trips.
   with pytest.raises(ValueError, match=rf"^{out}: damaged prepared data: "):
@@ -411,6 +412,26 @@ def test_damaged_shard_is_a_one_line_error_naming_the_file(tmp_path):
   shard_writer.prepare(config.data, out, shard_chars=20_000)
   config.data.prepared_dir = os.fspath(out)
   build_data(config, tmp_path / "wd")
+
+
+def test_a_damaged_folder_that_training_prepared_names_the_folder_to_remove(tmp_path):
+  # WORKDIR/data/<fingerprint> was made by build_data, not by a prepare the user ran: the
+  # remedy is to remove it, so that the next start prepares it anew.
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(2000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  workdir = tmp_path / "wd"
+  build_data(config, workdir)
+  (folder,) = (workdir / "data").iterdir()
+  shard = sorted(folder.glob("train-*.array_record"))[0]
+  size = shard.stat().st_size
+  shard.write_bytes(shard.read_bytes()[:100])
+  with pytest.raises(prepared.BadPreparedData) as info:
+    build_data(config, workdir)
+  assert str(info.value) == (f"{shard}: damaged prepared data: 100 bytes, the manifest says "
+                             f"{size}; remove {folder} and start again: it is prepared anew")
+  shutil.rmtree(folder)
+  assert build_data(config, workdir).train_tokens > 0
 
 
 def _bad_tokenizer(tmp_path: Path) -> dict:
@@ -555,6 +576,7 @@ def test_a_hand_edited_manifest_is_a_one_line_error_naming_the_folder(
   with pytest.raises(ValueError) as info:
     build_data(config, tmp_path / "wd")
   assert re.match(re.escape(os.fspath(out)) + message, str(info.value)), str(info.value)
+  assert str(info.value).endswith("; run prepare again to rebuild it")
   assert "\n" not in str(info.value)
   # prepare rebuilds the manifest (the shards are intact: kept).
   sums = _shard_sums(out)

@@ -334,14 +334,21 @@ def build_data(config, workdir: str | os.PathLike, verify: bool = True) -> Data:
 
   Raises:
     ValueError: bad config values or inputs, a prepared dataset that does not fit the config
-      or is damaged (one line naming the field or file).
+      or is damaged (one line naming the field or file, and for a damaged
+      ``WORKDIR/data/<fingerprint>`` the folder to remove).
     FileNotFoundError: ``data.tokenizer`` does not exist.
     ConnectionError: a TFDS catalog dataset is not prepared and there is no network.
   """
   d = config.data
   start = time.perf_counter()
   directory = shard_writer.prepared_for(d, workdir)
-  ds = prepared_lib.PreparedData.open(directory, d if d.prepared_dir else None, verify=verify)
+  try:
+    ds = prepared_lib.PreparedData.open(directory, d if d.prepared_dir else None, verify=verify)
+  except prepared_lib.BadPreparedData as e:
+    if d.prepared_dir:
+      raise
+    # The user never ran prepare for this folder: training made it, and makes it again.
+    raise e.with_remedy(f"remove {directory} and start again: it is prepared anew") from None
   tok, info = ds.tokenizer, ds.manifest["splits"]
   logging.getLogger(__name__).info(
       "data: %s (%d train / %d validation tokens) ready in %.2f s", directory,

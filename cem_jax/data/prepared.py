@@ -51,6 +51,25 @@ SPEC_KEYS = ("files", "tfds_name", "tfds_data_dir", "tfds_text_key", "tfds_train
              "tokenizer_model_type")
 
 
+class BadPreparedData(ValueError):
+  """A prepared folder that cannot be read as it is: damaged (its files disagree with its
+  manifest or with each other) or in another format version.
+
+  ``str(error)`` is ``what`` then ``remedy``. The default remedy is for a folder the user
+  prepared (``data.prepared_dir``); a caller that prepared the folder itself gives its own
+  with :meth:`with_remedy` (``main`` rebuilds ``WORKDIR/data/<fingerprint>`` once removed).
+  """
+
+  REPREPARE = "run prepare again to rebuild it"
+
+  def __init__(self, what: str, remedy: str = REPREPARE):
+    super().__init__(f"{what}; {remedy}")
+    self.what = what
+
+  def with_remedy(self, remedy: str) -> BadPreparedData:
+    return BadPreparedData(self.what, remedy)
+
+
 def shard_name(split: str, index: int) -> str:
   """The file name of shard ``index`` of ``split``: ``{split}-{index:05d}.array_record``."""
   return f"{split}-{index:05d}.array_record"
@@ -160,7 +179,7 @@ class TokenStream:
     dtype: the manifest's ``token_dtype``.
 
   Raises:
-    ValueError: a shard's records, as ArrayRecord counts them, or the length of its last
+    BadPreparedData: a shard's records, as ArrayRecord counts them, or the length of its last
       record disagree with the manifest (one line naming the folder and the shard).
     RuntimeError: a shard is not an ArrayRecord file.
   """
@@ -180,8 +199,8 @@ class TokenStream:
       records = reader.num_records()
       reader.close()
       if records != s["records"]:
-        raise ValueError(f"{directory}: inconsistent prepared data: {s['file']} holds {records} "
-                         f"records, {MANIFEST} says {s['records']}; run prepare again")
+        raise BadPreparedData(f"{directory}: inconsistent prepared data: {s['file']} holds "
+                          f"{records} records, {MANIFEST} says {s['records']}")
       files.append(_WholeFile(path, records))
     # Counted here once, so the source need not open every file again to count.
     self._source = array_record_data_source.ArrayRecordDataSource(files)
@@ -193,10 +212,10 @@ class TokenStream:
                             strict=True):
       want = (s["tokens"] - (s["records"] - 1) * RECORD_TOKENS) * width
       if len(data) != want:
-        raise ValueError(
+        raise BadPreparedData(
             f"{directory}: inconsistent prepared data: the last record of {s['file']} has "
             f"{len(data)} bytes, {MANIFEST} says {want} ({s['tokens']} tokens of "
-            f"{self._dtype.str}{' and <u4 bytes' if self.has_bytes else ''}); run prepare again")
+            f"{self._dtype.str}{' and <u4 bytes' if self.has_bytes else ''})")
 
   def _record_of(self, pos: int) -> tuple[int, int, int]:
     """(global record index, offset in it, tokens left in it) of stream position ``pos``."""
@@ -299,8 +318,8 @@ class PreparedData:
     """Loads the tokenizer and the streams of a manifest that ``open_manifest`` returned.
 
     Raises:
-      ValueError: the tokenizer or a shard disagrees with the manifest (one line naming the
-        folder and what disagrees).
+      BadPreparedData: the tokenizer or a shard disagrees with the manifest (one line naming
+        the folder and what disagrees).
       RuntimeError: the tokenizer or a shard is not a file of its kind.
     """
     self.directory = directory
@@ -309,8 +328,8 @@ class PreparedData:
     for key in ("vocab_size", "eos_id", "pad_id"):
       ours, theirs = getattr(self.tokenizer, key), manifest["tokenizer"][key]
       if ours != theirs:
-        raise ValueError(f"{directory}: inconsistent prepared data: {TOKENIZER} has {key} "
-                         f"{ours}, {MANIFEST} says {theirs}; run prepare again")
+        raise BadPreparedData(f"{directory}: inconsistent prepared data: {TOKENIZER} has {key} "
+                          f"{ours}, {MANIFEST} says {theirs}")
     self.streams = {split: TokenStream(directory, manifest["splits"][split],
                                        manifest["token_dtype"]) for split in SPLITS}
 
@@ -320,8 +339,10 @@ class PreparedData:
     size and (``verify``) sha256.
 
     Raises:
-      ValueError: one line naming the folder or the damaged file and what to do; a manifest
-        unlike any that prepare writes (its structure, names, token counts) is damaged.
+      ValueError: no manifest (one line naming the folder and what to do).
+      BadPreparedData: a damaged file or one of another format version (one line naming it
+        and what to do); a manifest unlike any that prepare writes (its structure, names,
+        token counts) is damaged.
     """
     directory = Path(os.path.expanduser(os.fspath(directory)))
     path = directory / MANIFEST
@@ -332,18 +353,17 @@ class PreparedData:
     try:
       manifest = json.loads(path.read_text())
     except ValueError as e:
-      raise ValueError(f"{path} is not valid JSON ({e}); run prepare again") from None
+      raise BadPreparedData(f"{path} is not valid JSON ({e})") from None
     if not isinstance(manifest, dict):
-      raise ValueError(f"{path}: damaged manifest: it is {json.dumps(manifest)[:40]}, not an "
-                       "object; run prepare again to rebuild it")
+      raise BadPreparedData(f"{path}: damaged manifest: it is {json.dumps(manifest)[:40]}, not an "
+                        "object")
     if manifest.get("format_version") != FORMAT_VERSION or manifest.get(
         "record_tokens") != RECORD_TOKENS:
-      raise ValueError(
+      raise BadPreparedData(
           f"{path}: format {manifest.get('format_version')} with {manifest.get('record_tokens')}"
-          f"-token records; this version reads format {FORMAT_VERSION} with {RECORD_TOKENS}; "
-          "prepare the data again")
+          f"-token records; this version reads format {FORMAT_VERSION} with {RECORD_TOKENS}")
     if error := _manifest_error(manifest):
-      raise ValueError(f"{path}: damaged manifest: {error}; run prepare again to rebuild it")
+      raise BadPreparedData(f"{path}: damaged manifest: {error}")
     files = [(manifest["tokenizer"]["file"], None, manifest["tokenizer"]["sha256"])]
     for split in SPLITS:
       files += [(s["file"], s["size"], s["sha256"]) for s in manifest["splits"][split]["shards"]]
@@ -352,14 +372,13 @@ class PreparedData:
       try:
         actual = f.stat().st_size
       except OSError as e:
-        raise ValueError(f"{f}: damaged prepared data: cannot read it ({e.strerror}); run "
-                         "prepare again to rebuild it") from None
+        raise BadPreparedData(
+            f"{f}: damaged prepared data: cannot read it ({e.strerror})") from None
       if size is not None and actual != size:
-        raise ValueError(f"{f}: damaged prepared data: {actual} bytes, the manifest says "
-                         f"{size}; run prepare again to rebuild it")
+        raise BadPreparedData(f"{f}: damaged prepared data: {actual} bytes, the manifest says "
+                          f"{size}")
       if verify and sha256_file(f) != sha:
-        raise ValueError(f"{f}: damaged prepared data: sha256 differs from the manifest's; "
-                         "run prepare again to rebuild it")
+        raise BadPreparedData(f"{f}: damaged prepared data: sha256 differs from the manifest's")
     return manifest
 
   @classmethod
@@ -372,9 +391,10 @@ class PreparedData:
     towards the hard one where it is too low.
 
     Raises:
-      ValueError: no or damaged manifest/shard/tokenizer, a tokenizer or shard that disagrees
-        with the manifest, a dataset not made for the config (one line naming the file,
+      ValueError: no manifest, a dataset not made for the config (one line naming the
         folder or field), or more shards than this process may open.
+      BadPreparedData: a damaged manifest/shard/tokenizer, one that disagrees with the
+        manifest, or another format version (one line naming the file or folder).
     """
     directory = Path(os.path.expanduser(os.fspath(directory)))
     manifest = cls.open_manifest(directory, verify=verify)
@@ -384,7 +404,8 @@ class PreparedData:
     try:
       return cls(directory, manifest)
     except RuntimeError as e:  # array_record/sentencepiece reading a file that is not theirs
-      raise ValueError(f"{directory}: damaged prepared data: {str(e).splitlines()[0]}") from None
+      first = str(e).splitlines()[0]
+      raise BadPreparedData(f"{directory}: damaged prepared data: {first}") from None
 
 
 OPEN_FILES_BESIDE_SHARDS = 256  # checkpoints, logs, sockets, jax's own files
