@@ -520,43 +520,59 @@ def test_llama_block_matches_reference_and_with_rope_is_not_the_tied_cem_step():
                              rtol=1e-12, atol=1e-12)
 
 
-def test_energy_trace_matches_reference():
+@pytest.mark.parametrize("padding", ["none", "left and inside"])
+def test_energy_trace_matches_reference(padding):
   """The energy trace (``trace=True``) against the reference, sub-step by sub-step, T = 2,
   Lie–Trotter: ``att_after`` is E_att right after the attention sub-step (before the MLP's),
-  ``mlp_before``/``mlp_after`` E_mlp with the step's gate held fixed, each summed over tokens."""
+  ``mlp_before``/``mlp_after`` E_mlp with the step's gate held fixed, each summed over tokens.
+
+  With padding (``aux.real``) and ``model.document_mask=False``, the updates see every token
+  through the causal mask, the trace sums over the real tokens only: a real query sees no
+  padding key. Packing pads only at a window's tail, where causality alone hides padding, so
+  padding before real tokens is the case that tells (a caller's own ``segment_ids``)."""
   cfg = block_cfg(num_steps=2, rope=False)  # no RoPE: a faster reference
   block = CEMBlock(cfg, rngs=nnx.Rngs(0))
   prm = randomize(block, "trace")
   x = _rng("trace-x").standard_normal((B, N, D))
   aux = training_aux(cfg, None, B, N)
+  real = np.ones((B, N), bool)
+  if padding != "none":
+    real[0, :2] = real[1, 3] = False
+    aux = aux.replace(real=jnp.asarray(real))
   _, trace = jax.jit(lambda v: block(v, aux, trace=True))(jnp.asarray(x, jnp.float32))
   mask, pos = ref_mask(None, B, N, False), np.broadcast_to(np.arange(N), (B, N))
+  traced = mask & real[:, :, None] & real[:, None, :]
   eps, dh = cfg.norm_eps, D // H
   beta = np.full(H, dh**-0.5)
 
   def rms(name, v):
     return ref_rms_norm(v, prm[f"{name}.scale"], eps)
 
-  def att(y, ctx, t):
+  def att(y, ctx, t, visible=mask):
     eta = softplus(prm["attn.eta"][min(t, prm["attn.eta"].shape[0] - 1)])
     return ref_attention(rms("norm_att", y), ctx, prm["attn.w_q"], prm["attn.w_k"], eta, beta,
-                         None, "bilinear", mask, pos, pos, None)
+                         None, "bilinear", visible, pos, pos, None)
 
   def mlp(y, gate, t):
     eta = softplus(prm["mlp.eta"][min(t, prm["mlp.eta"].shape[0] - 1)])
     return ref_mlp(rms("norm_mlp", y), gate, prm["mlp.w"], prm["mlp.g"], eta, cfg.mlp_energy)
 
+  def att_energy(y, ctx, t):
+    return att(y, ctx, t, traced)[0]
+
+  def mlp_energy(y, gate, t):  # element-wise: the real tokens alone, as one row
+    return mlp(y[real][None], gate[real][None], t)[0]
+
   context, y = rms("norm_att", x), x
   assert len(trace) == 2
   for t, rec in enumerate(trace):
-    want = {}
-    want["att_before"], u = att(y, context, t)
-    y = y + u
-    want["att_after"] = att(y, context, t)[0]
+    want = {"att_before": att_energy(y, context, t)}
+    y = y + att(y, context, t)[1]
+    want["att_after"] = att_energy(y, context, t)
     gate = rms("norm_mlp", y)  # model.mlp_condition='step'
-    want["mlp_before"], u = mlp(y, gate, t)
-    y = y + u
-    want["mlp_after"] = mlp(y, gate, t)[0]
+    want["mlp_before"] = mlp_energy(y, gate, t)
+    y = y + mlp(y, gate, t)[1]
+    want["mlp_after"] = mlp_energy(y, gate, t)
     assert set(rec) == set(want)
     for key, value in want.items():
       assert abs(float(rec[key]) - value) <= 2 * TOL * abs(value), (t, key, float(rec[key]), value)

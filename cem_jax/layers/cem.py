@@ -229,7 +229,9 @@ class CEMBlock(nnx.Module):
     context = jnp.where(real[..., None], context, 0)
     if aux.segment_ids is None:
       # model.document_mask=False: the causal mask lets padding see (and be seen by) tokens,
-      # and a query at 0 facing n keys still has a log-sum-exp of log n.
+      # and a query at 0 facing n keys still has a log-sum-exp of log n. Packed windows pad
+      # only at their tail, which causality hides from real queries; the key term is for
+      # padding before real tokens (a caller's own segment_ids).
       aux = aux.replace(mask=aux.mask & real[:, :, None] & real[:, None, :],
                         is_plain_causal=False, is_causal=False)
     alone = energies.EnergyAux(  # one padding token: at 0, seeing no key
