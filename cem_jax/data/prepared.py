@@ -200,7 +200,7 @@ class TokenStream:
       reader.close()
       if records != s["records"]:
         raise BadPreparedData(f"{directory}: inconsistent prepared data: {s['file']} holds "
-                          f"{records} records, {MANIFEST} says {s['records']}")
+                              f"{records} records, {MANIFEST} says {s['records']}")
       files.append(_WholeFile(path, records))
     # Counted here once, so the source need not open every file again to count.
     self._source = array_record_data_source.ArrayRecordDataSource(files)
@@ -329,7 +329,7 @@ class PreparedData:
       ours, theirs = getattr(self.tokenizer, key), manifest["tokenizer"][key]
       if ours != theirs:
         raise BadPreparedData(f"{directory}: inconsistent prepared data: {TOKENIZER} has {key} "
-                          f"{ours}, {MANIFEST} says {theirs}")
+                              f"{ours}, {MANIFEST} says {theirs}")
     self.streams = {split: TokenStream(directory, manifest["splits"][split],
                                        manifest["token_dtype"]) for split in SPLITS}
 
@@ -355,8 +355,8 @@ class PreparedData:
     except ValueError as e:
       raise BadPreparedData(f"{path} is not valid JSON ({e})") from None
     if not isinstance(manifest, dict):
-      raise BadPreparedData(f"{path}: damaged manifest: it is {json.dumps(manifest)[:40]}, not an "
-                        "object")
+      raise BadPreparedData(
+          f"{path}: damaged manifest: it is {json.dumps(manifest)[:40]}, not an object")
     if manifest.get("format_version") != FORMAT_VERSION or manifest.get(
         "record_tokens") != RECORD_TOKENS:
       raise BadPreparedData(
@@ -376,7 +376,7 @@ class PreparedData:
             f"{f}: damaged prepared data: cannot read it ({e.strerror})") from None
       if size is not None and actual != size:
         raise BadPreparedData(f"{f}: damaged prepared data: {actual} bytes, the manifest says "
-                          f"{size}")
+                              f"{size}")
       if verify and sha256_file(f) != sha:
         raise BadPreparedData(f"{f}: damaged prepared data: sha256 differs from the manifest's")
     return manifest
@@ -406,7 +406,6 @@ class PreparedData:
     except RuntimeError as e:  # array_record/sentencepiece reading a file that is not theirs
       first = str(e).splitlines()[0]
       raise BadPreparedData(f"{directory}: damaged prepared data: {first}") from None
-
 
 OPEN_FILES_BESIDE_SHARDS = 256  # checkpoints, logs, sockets, jax's own files
 
