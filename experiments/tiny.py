@@ -15,9 +15,12 @@ pydoc topics, the text the byte 4-gram reference (``../shared/tools/ngram_bpb.py
 2.06 bits/byte, fitted on the first 90% of the topics) is scored on.
 
 Measured 2026-12-02 under numerics version 3 (cem_jax/version.py), each row the command
-above with its arg/override, on a 2-core CPU shared with other jobs (same losses as on idle
-cores, longer wall times: the CEM main job took 8.7 min here, ~7.5 min on idle cores; 12.4
-min on idle cores of the same kind of machine on 2026-12-03, 1.7273 bits/byte as before):
+above with its arg/override, on a 2-core CPU shared with other jobs (8.7 min for the CEM
+main job there). The wall time depends on the machine more than on the load: the same job
+took 12.4 min on idle cores of another 2-core machine (2026-12-03, 1.7273 bits/byte again)
+and 9.6 min on an AMD EPYC with AVX-512 (2026-12-03), which ends at 1.7237 (step 500:
+1.934): XLA's CPU kernels round differently on that processor. Each machine repeats its own
+figures to the last digit.
 
 | run | eval bits/byte at step 500 / 1000 | version 2 | reference |
 |---|---|---|---|
