@@ -344,19 +344,22 @@ def _log_resume(run: Run, resolved: dict) -> None:
 
 def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWriter, dict, dict]:
   """Writes ``config.json`` and opens ``metrics.jsonl`` (the step-0 line on a fresh start);
-  logs the epochs. Returns ``(writer, best, last_eval)``: the best eval kept on resume, and the
-  last one if the run is already finished (else ``{}``); the writer is closed if this fails.
+  logs the schedule (:func:`_log_schedule`). Returns ``(writer, best, last_eval)``: the best
+  eval kept on resume, and the last one if the run is already finished (else ``{}``); the
+  writer is closed if this fails. A finished run re-run trains nothing: its ``config.json``
+  stays the one it trained with, no TensorBoard event file is added and no schedule logged.
 
   Raises:
     ValueError: ``metrics.jsonl`` is damaged before its last line (see :class:`MetricsWriter`).
   """
+  done_before = run.start_step >= run.config.train.num_steps
   # A run killed before its first checkpoint starts over: drop its step-0 line too. First, so
   # that a damaged metrics.jsonl is refused before config.json is rewritten.
   writer = MetricsWriter(run.workdir, enabled=is_main,
-                         truncate_after_step=run.start_step if run.start_step > 0 else -1)
+                         truncate_after_step=run.start_step if run.start_step > 0 else -1,
+                         tensorboard=not done_before)
   try:
-    # A finished run re-run trains nothing: its config.json stays the one it trained with.
-    if is_main and run.start_step < run.config.train.num_steps:
+    if is_main and not done_before:
       atomic_write_json(os.path.join(run.workdir, "config.json"), resolved, sort_keys=True)
     config, workdir, data = run.config, run.workdir, run.data
     passes = epochs(config, data.stats()["train_windows"])
@@ -364,31 +367,38 @@ def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWrite
       stats = {f"data/{k}": v for k, v in data.stats().items()}
       writer.write(0, {"params/total": count_params(run.model), **stats, "data/epochs": passes,
                        "numerics_version": NUMERICS_VERSION})
-    logging.info("the schedule passes over the %d training windows %.2f times (epochs)",
-                 data.stats()["train_windows"], passes)
-    if passes >= EPOCHS_WARNING and is_main:
-      logging.warning(
-          "train.num_steps=%d x train.batch_size=%d passes over the %d training windows %.1f "
-          "times: held-out loss may rise after the first epochs (eval/best_* keeps the best "
-          "eval); use more data or fewer steps", config.train.num_steps,
-          config.train.batch_size, data.stats()["train_windows"], passes)
-    t = config.train
-    if t.warmup_steps > t.num_steps and is_main:
-      logging.warning(
-          "train.warmup_steps=%d > train.num_steps=%d: the learning rate never reaches "
-          "train.learning_rate=%g (at most %g); lower train.warmup_steps for a short run",
-          t.warmup_steps, t.num_steps, t.learning_rate,
-          t.learning_rate * t.num_steps / max(t.warmup_steps, 1))
+    if not done_before:
+      _log_schedule(config.train, data.stats()["train_windows"], passes, is_main)
     # On resume: the eval lines kept (those up to the restored step) hold the best so far.
     resumed_metrics = is_main and run.start_step > 0 and os.path.exists(writer.path)
     best = best_eval(read_metrics(workdir)) if resumed_metrics else {}
     # Read after the writer dropped the lines past the restored step: those never happened.
-    done_before = run.start_step >= config.train.num_steps
     last_eval = workdir_lib.last_eval_in(workdir) if done_before else {}
   except BaseException:
     writer.close()
     raise
   return writer, best, last_eval
+
+
+def _log_schedule(t: ml_collections.ConfigDict, train_windows: int, passes: float,
+                  is_main: bool) -> None:
+  """Logs how many times the schedule of ``t`` (``config.train``) passes over the
+  ``train_windows``, warns (on process 0) from :data:`EPOCHS_WARNING` passes on and of a
+  warm-up longer than the run."""
+  logging.info("the schedule passes over the %d training windows %.2f times (epochs)",
+               train_windows, passes)
+  if passes >= EPOCHS_WARNING and is_main:
+    logging.warning(
+        "train.num_steps=%d x train.batch_size=%d passes over the %d training windows %.1f "
+        "times: held-out loss may rise after the first epochs (eval/best_* keeps the best "
+        "eval); use more data or fewer steps", t.num_steps, t.batch_size, train_windows,
+        passes)
+  if t.warmup_steps > t.num_steps and is_main:
+    logging.warning(
+        "train.warmup_steps=%d > train.num_steps=%d: the learning rate never reaches "
+        "train.learning_rate=%g (at most %g); lower train.warmup_steps for a short run",
+        t.warmup_steps, t.num_steps, t.learning_rate,
+        t.learning_rate * t.num_steps / max(t.warmup_steps, 1))
 
 
 class _Loop:

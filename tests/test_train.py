@@ -107,12 +107,16 @@ def test_cli_trains_and_writes_the_contract_files(tmp_path, shared_data):
   # The default 50 warmup updates never end in 6: said once, with the highest rate reached.
   assert ("train.warmup_steps=50 > train.num_steps=6: the learning rate never reaches "
           "train.learning_rate=0.003 (at most 0.00036)") in proc.stderr
-  # The same command again: the run is finished, nothing is trained or appended.
+  # The same command again: the run is finished, nothing is trained, appended or added to
+  # TensorBoard, and the schedule it will not run is not described.
+  events = sorted(p.name for p in (workdir / "tensorboard").iterdir())
   again = _run_cli([f"--config={REPO}/experiments/tiny.py", f"--workdir={workdir}",
                     *overrides], cwd=tmp_path)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "the run is already finished (train.num_steps=6): nothing to train" in again.stderr
   assert read_metrics(str(workdir)) == metrics
+  assert sorted(p.name for p in (workdir / "tensorboard").iterdir()) == events
+  assert "training windows" not in again.stderr and "warmup_steps" not in again.stderr
   assert ("profile: steps 4..5 (train.profile_first_step, train.profile_steps) ran before this "
           "start at step 6: no trace") in again.stderr
   assert len(list((workdir / "tensorboard" / "plugins" / "profile").iterdir())) == 1
