@@ -83,7 +83,9 @@ def _finite(value) -> bool:
 
 def best_eval(evals: list[dict]) -> dict:
   """``eval/best_loss``, ``eval/best_bits_per_byte`` and ``eval/best_step`` (its step) of the
-  eval line with the lowest finite ``eval/loss``; ``{}`` without such a line.
+  eval line with the lowest finite ``eval/loss``, the earliest such line on a tie (e.g. two
+  evals with only skipped steps between them); ``{}`` without such a line. The running loop
+  keeps its best with this function too, so a resumed run names the same best step.
 
   Non-finite values (a live ``nan``, or the ``null`` that ``metrics.jsonl`` stores for one) are
   never the best: ``x < nan`` is always false, so a NaN once best would stay best, and
@@ -560,9 +562,9 @@ class _Loop:
     run = self.run
     last_eval = steps_lib.eval_loop(self.eval_step, self.params, run.data, run.config,
                                     run.shardings)
-    new = best_eval([{**last_eval, "step": done}])  # {}: a non-finite eval is never best
-    if new and (not self.best or new["eval/best_loss"] < self.best["eval/best_loss"]):
-      self.best = new
+    before = [{"step": self.best["eval/best_step"], "eval/loss": self.best["eval/best_loss"],
+               "eval/bits_per_byte": self.best["eval/best_bits_per_byte"]}] if self.best else []
+    self.best = best_eval([*before, {**last_eval, "step": done}])  # NaN: never the best
     self.last_eval = {**last_eval, **self.best}
     self.writer.write(done, self.last_eval)
     if self.is_main:

@@ -70,6 +70,27 @@ def test_no_warning_below_two_epochs():
       "eval/best_loss": 2.0, "eval/best_bits_per_byte": 1.0, "eval/best_step": 5}
 
 
+def test_on_a_tie_the_earliest_eval_is_the_best_live_and_on_resume(tmp_path, monkeypatch):
+  # Equal eval losses (updates all skipped between two evals) name the earliest step, in the
+  # running loop and when a resume rebuilds the best from metrics.jsonl.
+  line = lambda step, loss: {"step": step, "eval/loss": loss, "eval/bits_per_byte": loss}  # noqa: E731
+  assert train.best_eval([line(5, 2.0), line(9, 2.0), line(12, 3.0)])["eval/best_step"] == 5
+  assert train.best_eval([line(9, 2.0), line(5, 2.0)])["eval/best_step"] == 5
+  real_eval_loop = steps.eval_loop
+
+  def constant(*args, **kwargs):
+    return {**real_eval_loop(*args, **kwargs), "eval/loss": 2.0, "eval/bits_per_byte": 1.0}
+
+  monkeypatch.setattr(steps, "eval_loop", constant)
+  cfg = tiny_config("llama", **{"train.num_steps": 6, "train.eval_every_steps": 2,
+                                "train.log_every_steps": 2, "eval.max_batches": 1})
+  workdir = tmp_path / "run"
+  final = train.train_and_evaluate(cfg, str(workdir))
+  assert final["eval/best_step"] == 2
+  assert json.loads((workdir / "best_eval.json").read_text())["eval/best_step"] == 2
+  assert [m["eval/best_step"] for m in read_metrics(str(workdir)) if "eval/loss" in m] == [2] * 3
+
+
 def test_a_non_finite_eval_is_never_the_best():
   nan, inf = float("nan"), float("inf")
   line = lambda step, loss: {"step": step, "eval/loss": loss, "eval/bits_per_byte": loss}  # noqa: E731
