@@ -49,9 +49,9 @@ def _reference(graphdef, params, windows):
   forward = jax.jit(lambda p, x, s: nnx.merge(graphdef, p)(x, s, trace=True))
   energy, tokens, loss, targets, nbytes = {}, 0, 0.0, 0.0, 0.0
   for tok, seg, byt in zip(windows.tokens, windows.segment_ids, windows.nbytes, strict=True):
-    batch = packing.make_batch(tok[None], seg[None])
-    n = int((batch["segment_ids"][0] > 0).sum())  # padding is only at the tail
-    logits, traces = forward(params, batch["inputs"][:, :n], batch["segment_ids"][:, :n])
+    # Not make_batch (which the eval step uses): input i is token i, with its own document.
+    n = int((seg[:-1] > 0).sum())  # padding is only at the tail
+    logits, traces = forward(params, tok[None, :n], seg[None, :n])
     for layer, steps in enumerate(traces):
       for t, rec in enumerate(steps):
         for key, value in rec.items():
