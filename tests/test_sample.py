@@ -85,6 +85,10 @@ def test_temperature_sampling_is_seeded_and_validates_length():
   uniform = sample.generate(graphdef, flat, prompt, 8, rng=jax.random.PRNGKey(5),
                             temperature=1.0, top_k=3)
   assert len(set(uniform[0, 1:].tolist())) > 1, uniform
+  # Without the cache the same keys in the same order: on flat logits, the same draws.
+  np.testing.assert_array_equal(
+      sample.generate(graphdef, flat, prompt, 8, rng=jax.random.PRNGKey(5), temperature=1.0,
+                      top_k=3, use_cache=False), uniform)
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     sample.generate(graphdef, params, prompt, 0)
 
