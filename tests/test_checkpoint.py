@@ -272,6 +272,31 @@ def test_damaged_newest_step_is_reported_and_the_previous_used(damage, tmp_path,
   ckpt.close()
 
 
+def test_evaluate_and_sample_load_the_newest_intact_step_and_leave_the_run_as_it_is(
+    tmp_path, caplog):
+  # load_run (evaluate, sample) reads a run that may still be training: a damaged newest step
+  # is named and skipped, not restored, and nothing in the workdir is moved.
+  from cem_jax import evaluate, train
+
+  workdir = tmp_path / "run"
+  train.train_and_evaluate(tiny_config("llama", **{
+      "train.num_steps": 4, "checkpoint.every_steps": 2, "train.eval_every_steps": 4,
+      "eval.max_batches": 1}), str(workdir))
+  named = _flip(workdir / "checkpoints" / "4")
+  listing = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+  with caplog.at_level("WARNING"):
+    config, _, _, params, step = evaluate.load_run(str(workdir))
+  assert step == 2
+  warning = next(r.getMessage() for r in caplog.records if "step 4 is damaged" in r.getMessage())
+  assert named in warning
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == listing
+  tx, _ = optim.make_optimizer(config.train)
+  want, _ = Checkpointer(str(workdir / "checkpoints"), read_only=True).restore(
+      2, {"params": params, "opt_state": tx.init(params)})  # step 2's own, restored directly
+  for got, expected in zip(jax.tree.leaves(params), jax.tree.leaves(want["params"]), strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
 def test_no_intact_step_is_a_clear_error(tmp_path):
   _save_steps(tmp_path, steps=(1, 2, 3)).close()
   _truncate(tmp_path / "1")
