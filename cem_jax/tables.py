@@ -369,6 +369,7 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
   ``delta_loss_*``: eval loss minus the first row's, paired by seed (same initialisation seed
   and data order), mean and std over the seeds both rows have. Seeds move all rows together
   (a lucky data order helps every model), so the paired difference is the fair comparison.
+  Every ``*_std`` is the sample standard deviation over seeds (n - 1; 0 for one seed).
   Losses are nats/token; ``perplexity`` is ``exp`` of the mean loss over seeds;
   ``tokens_per_sec`` the mean over seeds of each run's median logged rate (the first log
   left out as warm-up: the step is compiled before the clock starts, but the first steps

@@ -4,6 +4,7 @@ import csv
 import json
 import os
 
+import numpy as np
 import pytest
 from conftest import tiny_config
 
@@ -422,6 +423,56 @@ def test_the_table_of_finished_runs_leaves_out_older_numerics_and_pairs_by_seed(
   # the first row is the baseline, paired by seed: cem seed 0 against llama seed 0 only
   assert [(r["row"], r["delta_loss_mean"], r["seeds"]) for r in rows] == [
       ("llama", 0.0, 2), ("cem", -0.5, 1)]
+
+
+def test_the_statistics_of_a_row_and_its_curve_against_numpy(tmp_path):
+  # Results and metrics written by hand: sample std (n - 1), perplexity exp(mean loss), the
+  # curve the mean over seeds at each step.
+  toy = tmp_path / "toy.py"
+  toy.write_text(TOY.replace("FILES", "''"))
+  module = tables.load_table(str(toy))
+  workdir = str(tmp_path / "out")
+  loss = {"llama": np.array([3.0, 2.0, 2.6]), "cem": np.array([2.5, 2.25, 2.0])}
+  bpb = {"llama": np.array([1.5, 1.1, 1.2]), "cem": np.array([1.0, 0.9, 1.3])}
+  results = []
+  for row in ("llama", "cem"):
+    for seed in range(3):
+      results.append({"row": row, "seed": seed, "eval/loss": float(loss[row][seed]),
+                      "eval/bits_per_byte": float(bpb[row][seed]),
+                      "tokens_per_sec": 10.0 * (seed + 1)})
+      out = tables.run_dir(workdir, "toy", row, seed)
+      os.makedirs(out)
+      with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        for step, value in ((5, 4.0 + seed), (10, float(loss[row][seed]))):
+          f.write(json.dumps({"step": step, "eval/loss": value}) + "\n")
+  rows = {r["row"]: r for r in tables.aggregate(module, "tiny", results)}
+  delta = loss["cem"] - loss["llama"]
+  want = {"eval_loss_mean": loss["cem"].mean(), "eval_loss_std": loss["cem"].std(ddof=1),
+          "delta_loss_mean": delta.mean(), "delta_loss_std": delta.std(ddof=1),
+          "perplexity": np.exp(loss["cem"].mean()), "bits_per_byte_mean": bpb["cem"].mean(),
+          "bits_per_byte_std": bpb["cem"].std(ddof=1), "tokens_per_sec": 20.0, "seeds": 3}
+  np.testing.assert_allclose([rows["cem"][k] for k in want], list(want.values()), rtol=1e-12)
+  assert rows["llama"]["delta_loss_mean"] == rows["llama"]["delta_loss_std"] == 0.0
+  curves = tables.eval_curves(workdir, "toy", module, 3)
+  np.testing.assert_allclose(np.array(curves["cem"]), [[5, 5.0], [10, loss["cem"].mean()]],
+                             rtol=1e-12)
+
+
+def test_a_rows_rate_leaves_out_the_first_log(tmp_path, shared_data, monkeypatch):
+  module = _toy_table(tmp_path, shared_data)
+
+  def trained(cfg, out):  # the first log's rate is the warm-up: left out of the median
+    os.makedirs(out, exist_ok=True)
+    final = {"eval/loss": 3.0, "eval/bits_per_byte": 1.5}
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+      for step, rate in ((1, 1.0), (2, 100.0), (3, 90.0)):
+        f.write(json.dumps({"step": step, "train/tokens_per_sec": rate}) + "\n")
+      f.write(json.dumps({"step": cfg.train.num_steps, **final}) + "\n")
+    return final
+
+  monkeypatch.setattr(tables.train, "train_and_evaluate", trained)
+  (result,) = tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"), rows=["llama"])
+  assert result["tokens_per_sec"] == 95.0
 
 
 def test_row_config_saves_a_set_energy_file_absolute(tmp_path, monkeypatch):
