@@ -542,3 +542,36 @@ def test_splash_runs_per_device_in_shard_map_on_a_mesh(shared_data, tmp_path):
       for metric, value in res["eval"][f"{block}/xla_1"].items():
         tol = 1e-5 * max(1.0, abs(value))
         assert abs(res["eval"][key][metric] - value) <= tol, (key, metric)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"model.block": "llama"},
+    {"model.diagonal": "per_head", "model.precond": "both", "model.precond_rank": 3,
+     "model.context": "coevolve", "model.num_steps": 2},
+    {"model.diagonal": "shared", "model.inner_optimizer": "nesterov", "model.num_steps": 2},
+    {"model.cem_attention": False, "model.cem_mlp": False},
+], ids=["llama", "cem-per_head-precond-coevolve", "cem-shared-nesterov", "cem-standard"])
+def test_every_parameter_names_the_axes_of_its_own_dimensions(overrides):
+  # A tag on the wrong dimension still trains (it only splits the weight otherwise over
+  # devices), so no loss comparison sees it: the sizes tell, all distinct here.
+  from flax import nnx
+
+  from cem_jax import steps
+
+  sizes = {"embed": 48, "heads": 4, "head_dim": 8, "mlp": 80, "vocab": 101}
+  block = overrides.get("model.block", "cem")
+  cfg = tiny_config(block, **{k: v for k, v in overrides.items() if k != "model.block"},
+                    **{"model.d_model": 48, "model.num_heads": 4, "model.head_dim": 8,
+                       "model.mlp_dim": 80})
+  config_lib.validate(cfg)
+  state = nnx.state(nnx.eval_shape(lambda: steps.build_model(cfg, sizes["vocab"])), nnx.Param)
+  named = 0
+  for path, variable in nnx.to_flat_state(state):
+    axes = variable.get_metadata().get("logical_axes")
+    shape = variable.get_value().shape
+    assert axes is not None and len(axes) == len(shape), (path, axes, shape)
+    for axis, size in zip(axes, shape, strict=True):
+      if axis is not None:
+        named += 1
+        assert size == sizes[axis], (path, axes, shape)
+  assert named > 10
