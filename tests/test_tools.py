@@ -127,6 +127,11 @@ def test_one_head_dim_rule_for_validation_mesh_checks_and_parameters():
   assert axes.head_dim_of(tiny_config(**{"model.head_dim": 6}).model) == 6
   with pytest.raises(ValueError, match=r"^model\.head_dim=5 must be even with model\.rope"):
     preflight.check(tiny_config(**{"model.head_dim": 5}))
+  # d_model 66 over 4 heads: refused only when head_dim is derived from them.
+  preflight.check(tiny_config(**{"model.d_model": 66, "model.head_dim": 8}))
+  with pytest.raises(ValueError, match=r"^model\.d_model=66 is not divisible by "
+                     r"model\.num_heads=4; change one or set model\.head_dim$"):
+    preflight.check(tiny_config(**{"model.d_model": 66}))
   # A derived head_dim names the fields the user set.
   with pytest.raises(ValueError, match=r"^model\.head_dim=25 \(model\.d_model=100 // "
                      r"model\.num_heads=4\) must be even"):
