@@ -56,8 +56,9 @@ class MetricsWriter:
     if tensorboard:
       from tensorboardX import SummaryWriter  # imported here: only process 0 writes events
 
-      self._tb = SummaryWriter(tensorboard_dir(workdir),
-                               purge_step=truncate_after_step or None)
+      # TensorBoard purges the events at and after purge_step: those after the kept step.
+      self._tb = SummaryWriter(tensorboard_dir(workdir), purge_step=None if (
+          truncate_after_step is None) else truncate_after_step + 1)
     if kept is not None:
       atomic_write_bytes(self.path, kept.encode())
     self._file = open(self.path, "a")

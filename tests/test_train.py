@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +154,36 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
   assert events.Scalars("eval/energy/layer0/step1/att_after")[0].value == -3.0
   assert "data/source" not in events.Tags()["scalars"]
   assert read_metrics(str(tmp_path))[1]["step"] == 20
+
+
+def test_a_resume_rewrites_the_steps_after_its_checkpoint_in_both_logs(tmp_path):
+  # Lines past the restored step never happened: metrics.jsonl drops them and TensorBoard
+  # purges them, so each step shows once, with the resumed run's value; a run killed before
+  # its first checkpoint (truncate_after_step=-1) starts both over.
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  from cem_jax.metrics import MetricsWriter
+
+  def run(first, truncate):
+    time.sleep(1.1)  # event files are named by the second: a real start takes longer
+    writer = MetricsWriter(str(tmp_path), truncate_after_step=truncate)
+    for step in range(first, 5):
+      writer.write(step, {"train/loss": float(10 * (truncate or 0) + step)})
+    writer.close()
+
+  def losses():
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    return ([(m["step"], m["train/loss"]) for m in read_metrics(str(tmp_path))],
+            [(e.step, e.value) for e in events.Scalars("train/loss")])
+
+  run(1, None)
+  run(3, 2)  # resumed at step 2: steps 3 and 4 again
+  want = [(1, 1.0), (2, 2.0), (3, 23.0), (4, 24.0)]
+  assert losses() == (want, want)
+  run(1, -1)  # killed before any checkpoint: everything again
+  want = [(s, float(s - 10)) for s in range(1, 5)]
+  assert losses() == (want, want)
 
 
 def test_non_finite_metrics_are_strict_json_null(tmp_path):
