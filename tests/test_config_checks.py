@@ -34,7 +34,8 @@ def test_numbers_out_of_range_are_one_line_errors(field, value):
     ("train.b1", 0.0), ("train.b2", 0.0), ("train.weight_decay", 0.0),
     ("train.min_learning_rate_ratio", 0.0), ("train.min_learning_rate_ratio", 1.0),
     ("model.precond_eps", 0.5), ("train.grad_clip", 1e9), ("train.learning_rate", 1),
-    ("model.eta_init", 1e-6), ("model.eta_init", 1e3)])
+    ("model.eta_init", 1e-6), ("model.eta_init", 1e3), ("data.validation_fraction", 0.5),
+    ("model.num_unique_blocks", 2)])  # tiny_config: 2 layers
 def test_numbers_at_the_edges_of_their_ranges_are_accepted(field, value):
   config_lib.validate(tiny_config("cem", **({"model.precond": "both"} if "precond" in field
                                             else {}), **{field: value}))

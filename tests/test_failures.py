@@ -335,6 +335,22 @@ def test_resume_on_other_data_is_refused_and_keeps_the_run(shared_data, tmp_path
   assert read_metrics(str(workdir))[-1]["step"] == 4
 
 
+# How the step is computed (kernel, precision, rematerialisation, energy blocks) or only how
+# a fresh model is initialised: a resume may change them (spelled out, not read from the code).
+@pytest.mark.parametrize("key", ["model.attention_impl", "model.dtype", "model.remat",
+                                 "model.energy_block_size", "model.init_std", "model.eta_init",
+                                 "model.momentum_init"])
+def test_every_key_a_resume_may_change_is_no_model_change(key):
+  now = tiny_config("cem", **{"model.inner_optimizer": "heavy_ball"})
+  saved = now.to_dict()
+  field = key.split(".")[1]
+  old = now.model[field]
+  now.model[field] = (old + "_other" if isinstance(old, str) else
+                      not old if isinstance(old, bool) else old * 2 + 1)
+  assert config_lib.model_changes(saved, now) == []
+  assert config_lib.model_changes(saved, tiny_config("cem", **{"model.d_model": 32})) != []
+
+
 def test_model_changes_compares_the_model_a_config_makes():
   now = tiny_config("cem")
   saved = now.to_dict()
