@@ -262,6 +262,8 @@ def test_damaged_newest_step_is_reported_and_the_previous_used(damage, tmp_path,
   warning = next(r.getMessage() for r in caplog.records if "step 3 is damaged" in r.getMessage())
   assert named in warning
   assert ckpt.all_steps() == [1, 2] and list((tmp_path / "rejected").glob("3.*"))
+  # Its digest goes with it (a digest of another save would judge a new step 3).
+  assert not (tmp_path / "digests" / "3.json").exists()
   state, meta = ckpt.restore(2, _small_state(0.0))
   np.testing.assert_array_equal(state["w"], np.arange(1000.0) * 2)
   assert meta == {"step": 2}
