@@ -523,6 +523,30 @@ def _edit_shard(split: str, i: int, tokens: int, records: int = 0):
   return edit
 
 
+def test_the_fingerprint_follows_everything_that_decides_the_tokens(prepared_300, monkeypatch):
+  # Another trainer setting, training sample or encode cut gives other tokens: a folder
+  # prepared before must not be reused for them.
+  from cem_jax.data import packing
+  from cem_jax.data import tokenizer as tokenizer_lib
+
+  config = _config(files="c.txt", vocab_size=300).data
+  identity = {"files": "sha"}
+  base = shard_writer.fingerprint(config, identity)
+  assert shard_writer.fingerprint(config, identity) == base
+  for module, name in [(tokenizer_lib, "TRAIN_CHUNK_CHARS"), (tokenizer_lib, "MAX_TRAIN_CHARS"),
+                       (packing, "ENCODE_PIECE_CHARS"), (shard_writer, "FORMAT_VERSION"),
+                       (shard_writer, "RECORD_TOKENS")]:
+    with monkeypatch.context() as m:
+      m.setattr(module, name, getattr(module, name) + 1)
+      assert shard_writer.fingerprint(config, identity) != base, name
+  with monkeypatch.context() as m:
+    m.setattr(tokenizer_lib, "TRAINER_SETTINGS", {**tokenizer_lib.TRAINER_SETTINGS, "x": 1})
+    assert shard_writer.fingerprint(config, identity) != base
+  assert shard_writer.fingerprint(config, {"files": "other"}) != base
+  # The manifest records the shard size it was prepared with.
+  assert json.loads((prepared_300 / "manifest.json").read_text())["shard_chars"] == 20_000
+
+
 def _set(m, keys, value):
   *path, last = keys
   for key in path:
