@@ -591,3 +591,30 @@ def test_leftover_tmp_folder_and_uncommitted_step_after_a_kill(run_setup, tmp_pa
   assert all(ckpt.verify(s) == [] for s in ckpt.all_steps())
   ckpt.close()
   assert _losses(tmp_path) == losses  # steps 36 to 40 again, exactly
+
+
+def test_verify_reads_a_digest_file_by_file_and_names_each_problem(tmp_path):
+  # A step folder and digest written by hand: an empty file is a file like any other; a file
+  # that grew, a digest entry outside the folder and a malformed sha256 are each named.
+  from cem_jax import integrity
+
+  folder = tmp_path / "5"
+  (folder / "state").mkdir(parents=True)
+  (folder / "empty").write_bytes(b"")
+  (folder / "state" / "data").write_bytes(b"0123456789")
+  (folder / integrity.COMMIT_MARKER).write_text("done")
+  files = integrity.compute_digest(str(folder))
+  assert sorted(files) == ["empty", "state/data"] and files["empty"]["size"] == 0
+
+  def digest(entries):
+    (tmp_path / integrity.DIGEST_DIR).mkdir(exist_ok=True)
+    (tmp_path / integrity.DIGEST_DIR / "5.json").write_text(json.dumps({"files": entries}))
+    return integrity.verify(str(tmp_path), 5)
+
+  assert digest(files) == []
+  (folder / "state" / "data").write_bytes(b"0123456789+")
+  assert digest(files) == [f"{folder}/state/data: 11 bytes, digest says 10 (grown)"]
+  (problem,) = digest({**files, "../x": files["empty"]})
+  assert problem.endswith("damaged digest ('../x' is outside the step folder)")
+  (problem,) = digest({"empty": {**files["empty"], "sha256": "ab" * 31}})
+  assert problem.endswith("damaged digest ('empty' has no valid 'sha256' (64 hex digits))")
