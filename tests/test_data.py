@@ -872,3 +872,21 @@ def test_docstrings_are_read_from_the_standard_library_only(tmp_path, monkeypatc
   stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
   assert all(path.is_relative_to(stdlib) for path in files.values())
   assert "json" in files
+
+
+def test_a_normalising_tokenizer_still_counts_every_byte_of_the_text(tmp_path):
+  # SentencePiece's defaults drop leading, trailing and repeated spaces: the dropped bytes still
+  # count (bits per byte divides by the text's bytes), for the id next to them.
+  writer = io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(["hello world, a small text\n"] * 20), model_writer=writer,
+      vocab_size=40, hard_vocab_limit=False, minloglevel=2, pad_id=0, eos_id=1, unk_id=2,
+      bos_id=-1)
+  path = tmp_path / "default.model"
+  path.write_bytes(writer.getvalue())
+  size = spm.SentencePieceProcessor(model_file=os.fspath(path)).get_piece_size()
+  tok = tokenizer_lib.load_tokenizer(path, size)
+  for text in ["   hello  world  ", "  é hello", "hello"]:
+    ids, nbytes = tok.encode_with_bytes(text)
+    assert nbytes.sum() == len(text.encode("utf-8")), text
+    assert len(ids) == len(nbytes) and (nbytes >= 0).all()
