@@ -261,11 +261,15 @@ def quad_fused_update(y, context, params, aux):
   return _quad_update(y, context, params, aux, n, params["eta"])
 
 
-zero, noeta, causal_n = quad, quad, quad
+zero, noeta, causal_n, summed = quad, quad, quad, quad
 
 
 def zero_fused_update(y, context, params, aux):
   return jnp.zeros_like(y)
+
+
+def summed_fused_update(y, context, params, aux):  # [b, t, 1]: broadcasts, but is not y's shape
+  return jnp.sum(quad_fused_update(y, context, params, aux), -1, keepdims=True)
 
 
 def noeta_fused_update(y, context, params, aux):  # forgets that the energy carries eta
@@ -443,6 +447,12 @@ def test_builtin_energies_are_flagged_and_user_ones_are_not(tmp_path):
 def test_correct_user_fused_update_passes_start_up(tmp_path, fields):
   """A closed form computed by hand equals -jax.grad(energy): accepted (and used)."""
   preflight.check(_user_config(tmp_path, **fields))
+
+
+def test_a_user_fused_update_not_shaped_like_y_is_refused_by_its_shape(tmp_path):
+  message = _refusal(_user_config(tmp_path, attention_energy="summed"))
+  assert re.search(r"its fused update summed_fused_update returns shape \(\d+, \d+, 1\), dtype "
+                   r"float32 on .*a float array shaped like y$", message), message
 
 
 @pytest.mark.parametrize("name", ["zero", "noeta"])
