@@ -261,11 +261,15 @@ def quad_fused_update(y, context, params, aux):
   return _quad_update(y, context, params, aux, n, params["eta"])
 
 
-zero, noeta, causal_n, summed = quad, quad, quad, quad
+zero, noeta, causal_n, summed, nanned = quad, quad, quad, quad, quad
 
 
 def zero_fused_update(y, context, params, aux):
   return jnp.zeros_like(y)
+
+
+def nanned_fused_update(y, context, params, aux):  # NaN is no number close to the gradient
+  return quad_fused_update(y, context, params, aux) * jnp.nan
 
 
 def summed_fused_update(y, context, params, aux):  # [b, t, 1]: broadcasts, but is not y's shape
@@ -447,6 +451,12 @@ def test_builtin_energies_are_flagged_and_user_ones_are_not(tmp_path):
 def test_correct_user_fused_update_passes_start_up(tmp_path, fields):
   """A closed form computed by hand equals -jax.grad(energy): accepted (and used)."""
   preflight.check(_user_config(tmp_path, **fields))
+
+
+def test_a_nan_user_fused_update_is_refused_by_the_value_check(tmp_path):
+  message = _refusal(_user_config(tmp_path, attention_energy="nanned"))
+  assert "its fused update nanned_fused_update is not -jax.grad(energy) w.r.t. y: max " \
+         "relative error nan > 0.001" in message, message
 
 
 def test_a_user_fused_update_not_shaped_like_y_is_refused_by_its_shape(tmp_path):
