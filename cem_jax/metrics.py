@@ -57,8 +57,8 @@ class MetricsWriter:
       from tensorboardX import SummaryWriter  # imported here: only process 0 writes events
 
       # TensorBoard purges the events at and after purge_step: those after the kept step.
-      self._tb = SummaryWriter(tensorboard_dir(workdir), purge_step=None if (
-          truncate_after_step is None) else truncate_after_step + 1)
+      purge = None if truncate_after_step is None else truncate_after_step + 1
+      self._tb = SummaryWriter(tensorboard_dir(workdir), purge_step=purge)
     if kept is not None:
       atomic_write_bytes(self.path, kept.encode())
     self._file = open(self.path, "a")

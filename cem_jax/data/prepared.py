@@ -67,6 +67,7 @@ class BadPreparedData(ValueError):
     self.what = what
 
   def with_remedy(self, remedy: str) -> BadPreparedData:
+    """The same error with ``remedy`` (one clause, e.g. which folder to remove) as its fix."""
     return BadPreparedData(self.what, remedy)
 
 
