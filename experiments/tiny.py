@@ -1,4 +1,4 @@
-"""Tiny CEM (or Llama) language model on the built-in corpus: 8–13 minutes on 2 CPU cores.
+"""Tiny CEM (or Llama) language model on the built-in corpus: 5–13 minutes on 2 CPU cores.
 
 Command (CEM; the main job of the README)::
 
@@ -16,11 +16,11 @@ pydoc topics, the text the byte 4-gram reference (``../shared/tools/ngram_bpb.py
 
 Measured 2026-12-02 under numerics version 3 (cem_jax/version.py), each row the command
 above with its arg/override, on a 2-core CPU shared with other jobs (8.7 min for the CEM
-main job there). The wall time depends on the machine more than on the load: the same job
-took 12.4 min on idle cores of another 2-core machine (2026-12-03, 1.7273 bits/byte again)
-and 9.6 min on an AMD EPYC with AVX-512 (2026-12-03), which ends at 1.7237 (step 500:
-1.934): XLA's CPU kernels round differently on that processor. Each machine repeats its own
-figures to the last digit.
+main job there). The wall time depends on the machine and on the load: the same job took
+12.4 min on idle cores of another 2-core machine (2026-12-03, 1.7273 bits/byte again) and
+4.7 min on an idle AMD EPYC with AVX-512 (2026-12-04; 9.6 min there the day before beside
+other jobs), which ends at 1.7237 (step 500: 1.934): XLA's CPU kernels round differently on
+that processor. Each machine repeats its own figures to the last digit.
 
 | run | eval bits/byte at step 500 / 1000 | version 2 | reference |
 |---|---|---|---|
