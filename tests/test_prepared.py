@@ -179,6 +179,56 @@ def test_chunks_cut_from_a_stream_of_texts_equal_those_of_the_whole_text():
       assert list(text_lib._cut_stream(texts, size)) == text_lib.cut_at_breaks(text, size)
 
 
+def _cut_by_the_rule(doc, size):
+  # cut_at_breaks written from its docstring, a character at a time: a window of `size`
+  # characters ends after its last paragraph break whose second newline is not the window's
+  # last character, else after its last newline, else at `size`; the final window is kept whole.
+  pieces, start = [], 0
+  while start < len(doc):
+    end = start + size
+    if end < len(doc):
+      paragraph = [p for p in range(start + 2, end) if doc[p - 2:p] == "\n\n"]
+      line = [p for p in range(start + 1, end + 1) if doc[p - 1] == "\n"]
+      end = max(paragraph) if paragraph else max(line) if line else end
+    else:
+      end = len(doc)
+    pieces.append(doc[start:end])
+    start = end
+  return pieces
+
+
+def test_cut_at_breaks_follows_its_rule_with_breaks_at_every_place_in_a_window():
+  rng = np.random.default_rng(2)
+  # By hand: a paragraph break at the window's start is a cut; an earlier paragraph break
+  # wins over a later newline; no break in the window cuts at `size`.
+  assert text_lib.cut_at_breaks("\n\nabc\nxy", 6) == ["\n\n", "abc\nxy"]
+  assert text_lib.cut_at_breaks("a\n\nb\ncdefgh", 6) == ["a\n\n", "b\n", "cdefgh"]
+  assert text_lib.cut_at_breaks("ab\n\n\ncdefgh", 6) == ["ab\n\n\n", "cdefgh"]
+  assert text_lib.cut_at_breaks("abcdefgh", 3) == ["abc", "def", "gh"]
+  assert text_lib.cut_at_breaks("", 4) == []
+  for _ in range(400):
+    doc = "".join(rng.choice(["a", "bc", "\n", "\n\n", "\n\n\n"], rng.integers(0, 40)))
+    for size in (1, 2, 3, 4, 7):
+      pieces = text_lib.cut_at_breaks(doc, size)
+      assert pieces == _cut_by_the_rule(doc, size), (doc, size)
+      assert "".join(pieces) == doc and all(0 < len(p) <= size for p in pieces)
+
+
+def test_a_shard_closes_once_its_pieces_reach_shard_chars(monkeypatch):
+  from cem_jax.data import packing
+
+  monkeypatch.setattr(packing, "ENCODE_PIECE_CHARS", 3)
+  docs = ["abc", "de", "fg", "", "h\nijkl", "m"]
+  tasks = list(shard_writer._shard_tasks(docs, "train", 3))
+  # "abc" reaches 3 alone; "de" + "fg" passes it; the empty document is one empty piece;
+  # "h\nijkl" is encoded as "h\n", "ijk", "l" (cut at its newline, then at 3).
+  want = [(["abc"], [True]), (["de", "fg"], [True, True]), (["", "h\n", "ijk"],
+          [True, False, False]), (["l", "m"], [True, True])]
+  assert [(t["pieces"], t["ends"]) for t in tasks] == want
+  assert [t["index"] for t in tasks] == [0, 1, 2, 3]
+  assert {t["split"] for t in tasks} == {"train"}
+
+
 def test_a_corpus_of_one_large_file_is_split_a_block_at_a_time(tmp_path, monkeypatch):
   import tracemalloc
 

@@ -224,8 +224,9 @@ HOLDOUT_CHUNK_CHARS = 16 * 1024
 
 
 def cut_at_breaks(doc: str, size: int) -> list[str]:
-  """Cuts ``doc`` into pieces of at most ``size`` characters, each ending after a paragraph
-  break (``'\\n\\n'``) when the window has one, else after a newline, else at ``size``;
+  """Cuts ``doc`` into pieces of at most ``size`` characters, each ending after the window's
+  last paragraph break (``'\\n\\n'``) that ends before its last character, else after its
+  last newline, else at ``size``;
   ``''.join(result) == doc`` (``[]`` for an empty ``doc``). The held-out chunks and the
   pieces a document is encoded in (``packing.encode_pieces``) are cut by this rule."""
   return _cut(doc, size, final=True)[0]
