@@ -21,6 +21,7 @@ tokens/s; 5-step run: first step at 8.7 s / 8.3 s, peak RSS 1.16 / 1.23 GB (10^9
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import resource
@@ -95,7 +96,8 @@ def _pipeline(prepared_dir: str, batch: int, seq_len: int, steps: int) -> None:
   for key in ("validation_fraction", "tokenizer_model_type"):
     config.data[key] = manifest["config"][key]
   start = time.perf_counter()
-  data = build_data(config, tempfile.mkdtemp())
+  with tempfile.TemporaryDirectory() as workdir:
+    data = build_data(config, workdir)
   opened = time.perf_counter() - start
   data.train.batch(0)
   start = time.perf_counter()
@@ -112,24 +114,27 @@ def _first_step(prepared_dir: str) -> None:
 
   # The run itself verifies every file; this only needs the manifest's settings.
   manifest = PreparedData.open_manifest(prepared_dir, verify=False)
-  workdir = tempfile.mkdtemp()
-  cmd = [sys.executable, "-m", "cem_jax.main", "--config=experiments/tiny.py",
-         f"--workdir={workdir}", f"--config.data.prepared_dir={prepared_dir}",
-         f"--config.data.vocab_size={manifest['tokenizer']['vocab_size']}",
-         f"--config.data.validation_fraction={manifest['config']['validation_fraction']}",
-         "--config.train.num_steps=5", "--config.train.log_every_steps=1",
-         "--config.train.eval_every_steps=1000", "--config.eval.max_batches=1"]
-  start = time.perf_counter()
-  proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-  first = ready = own = None
-  for line in proc.stderr:
-    if ready is None and (m := re.search(r"data: .* ready in ([\d.]+) s", line)):
-      ready, own = time.perf_counter() - start, float(m.group(1))
-    if first is None and re.search(r"step 1/5", line):
-      first = time.perf_counter() - start
-  proc.wait()
+  with tempfile.TemporaryDirectory() as workdir:
+    cmd = [sys.executable, "-m", "cem_jax.main", "--config=experiments/tiny.py",
+           f"--workdir={workdir}", f"--config.data.prepared_dir={prepared_dir}",
+           f"--config.data.vocab_size={manifest['tokenizer']['vocab_size']}",
+           f"--config.data.validation_fraction={manifest['config']['validation_fraction']}",
+           "--config.train.num_steps=5", "--config.train.log_every_steps=1",
+           "--config.train.eval_every_steps=1000", "--config.eval.max_batches=1"]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    first = ready = own = None
+    tail = collections.deque(maxlen=20)  # the run's last words, shown if it fails
+    for line in proc.stderr:
+      tail.append(line)
+      if ready is None and (m := re.search(r"data: .* ready in ([\d.]+) s", line)):
+        ready, own = time.perf_counter() - start, float(m.group(1))
+      if first is None and re.search(r"step 1/5", line):
+        first = time.perf_counter() - start
+    proc.wait()
   rss_gb = _peak_rss_gb(resource.RUSAGE_CHILDREN)
   if proc.returncode:
+    sys.stderr.writelines(tail)
     raise RuntimeError(f"the 5-step run failed (exit {proc.returncode}): {' '.join(cmd)}")
   print(f"first_step: {prepared_dir}: data ready {ready:.1f} s (build_data itself {own:.2f} s) "
         f"and first step logged "
