@@ -45,6 +45,16 @@ def pytest_unconfigure(config):
     shutil.rmtree(cache, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_in_pytest_folder(tmp_path_factory):
+  """This process's temporary files go to the session's pytest folder, which pytest rotates:
+  TFDS leaves an empty ``/tmp/tmp*tfds`` folder each time it builds an unprepared dataset."""
+  saved = tempfile.tempdir
+  tempfile.tempdir = os.fspath(tmp_path_factory.mktemp("tempfile"))
+  yield
+  tempfile.tempdir = saved
+
+
 def subprocess_env(devices: int = 1, **extra: str) -> dict:
   """The environment for a program a test starts: this session's (its XLA flags and
   compilation cache), on the CPU with ``devices`` forced host devices, plus ``extra``."""
