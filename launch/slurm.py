@@ -29,7 +29,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # #SBATCH values are read by sbatch, not by a shell: no quoting exists, so allow only plain ones.
-_SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.:@%+,=/\-\[\]]+$")
+_SBATCH_VALUE = re.compile(r"[A-Za-z0-9_.:@%+,=/\-\[\]]+")
 
 
 def sbatch_script(args: argparse.Namespace, main_args: list[str]) -> str:
@@ -89,7 +89,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
       parser.error(f"--{name}={getattr(args, name)}; allowed: an int >= 1")
   for name in ("job_name", "time", "partition", "account", "output"):
     value = getattr(args, name)
-    if value and not _SBATCH_VALUE.match(value):
+    if value and not _SBATCH_VALUE.fullmatch(value):  # '$' would pass a final \n
       parser.error(f"--{name}={value!r}; allowed: letters, digits and _.:@%+,=/-[] (no spaces "
                    "or shell characters: #SBATCH lines cannot quote)")
   if not any(a.startswith("--config=") for a in main_args) or not any(

@@ -34,6 +34,8 @@ import shlex
 import subprocess
 import sys
 
+import numpy as np
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO, "launch")
 
@@ -56,7 +58,10 @@ def _call(fn, arg):
 
 
 def format_value(value) -> str:
-  """A Python value as ``--config.KEY=`` text that ml_collections parses back to it."""
+  """A Python value as ``--config.KEY=`` text that ml_collections parses back to it; a numpy
+  scalar (say from ``np.logspace``) as the Python number it holds."""
+  if isinstance(value, np.generic):
+    value = value.item()  # repr would give 'np.float64(0.001)', which no flag parses
   return value if isinstance(value, str) else repr(value)
 
 

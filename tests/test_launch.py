@@ -129,6 +129,58 @@ def test_local_needs_a_command_and_helps_without_one():
   assert proc.returncode == 0 and "--devices_per_process" in proc.stdout, proc.stderr
 
 
+@pytest.mark.parametrize("arg,allowed", [
+    ("--num_processes=0", "an int >= 1"), ("--devices_per_process=0", "an int >= 1"),
+    ("--port=65536", "0 (a free port) or 1..65535")])
+def test_local_refuses_a_count_or_port_out_of_range(arg, allowed):
+  proc = _launch("local.py", arg, "--dry_run", "--", "python", "x.py")
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1] == f"local.py: error: {arg}; allowed: {allowed}"
+
+
+def test_local_waits_for_every_process_and_reports_a_late_failure():
+  # Process 0 succeeds at once; 1 fails a second later: the launcher must still see it.
+  code = ("import os, sys, time\n"
+          "if os.environ['CEM_PROCESS_ID'] == '1': time.sleep(1); sys.exit(3)\n")
+  proc = _launch("local.py", "--num_processes=2", "--", sys.executable, "-c", code)
+  assert proc.returncode == 3, proc.stderr
+
+
+def test_local_passes_the_callers_environment_on(monkeypatch):
+  monkeypatch.setenv("CEM_TEST_MARKER", "kept")
+  proc = _launch("local.py", "--num_processes=1", "--", sys.executable, "-c",
+                 "import os; print(os.environ.get('CEM_TEST_MARKER'))", env=dict(os.environ))
+  assert proc.returncode == 0 and proc.stdout.split() == ["[0]", "kept"], proc.stderr
+
+
+def test_local_stopped_by_sigterm_stops_its_processes_and_exits_128_plus_15(tmp_path):
+  import signal
+
+  code = (f"import os, time; open(os.path.join({str(tmp_path)!r}, "
+          "os.environ['CEM_PROCESS_ID']), 'w').write(str(os.getpid())); time.sleep(120)")
+  launcher = subprocess.Popen([sys.executable, "launch/local.py", "--num_processes=2",
+                               "--kill_grace_s=1", "--", sys.executable, "-c", code], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  deadline = time.monotonic() + 60
+  while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+    time.sleep(0.1)
+  time.sleep(0.2)  # both pid files written in full
+  launcher.send_signal(signal.SIGTERM)
+  assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+  assert b"got signal 15; stopping all processes" in launcher.stderr.read()
+  for f in tmp_path.iterdir():
+    with pytest.raises(ProcessLookupError):
+      os.kill(int(f.read_text()), 0)
+
+
+def test_local_dry_run_line_gives_the_shell_the_callers_xla_flags_as_one_word(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+  proc = _launch("local.py", "--num_processes=1", "--port=4321", "--dry_run", "--",
+                 "python", "x.py", env=dict(os.environ))
+  assert ("XLA_FLAGS=--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=1"
+          in shlex.split(proc.stdout)), proc.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # tpu_pod.py
 
@@ -179,6 +231,23 @@ def test_tpu_pod_quotes_hostile_names_and_detaches_with_a_log():
 def test_tpu_pod_needs_config_and_workdir():
   proc = _launch("tpu_pod.py", "--tpu=t", "--zone=z", "--dry_run", "--", "--config=a.py")
   assert proc.returncode == 2 and "give --workdir=DIR after --" in proc.stderr
+  proc = _launch("tpu_pod.py", "--tpu=t", "--zone=z", "--dry_run", "--", "--workdir=/w")
+  assert proc.returncode == 2 and "at least --config=FILE" in proc.stderr, proc.stderr
+
+
+def test_tpu_pod_copies_the_tarball_it_has_just_packed(monkeypatch):
+  # Not a stale one from an earlier launch; --no_sync packs and copies nothing.
+  tpu_pod, packed, ran = _script("tpu_pod"), [], []
+  monkeypatch.setattr(tpu_pod, "pack", lambda tarball: packed.append(tarball) or 3)
+  monkeypatch.setattr(tpu_pod.shutil, "which", lambda name: f"/usr/bin/{name}")
+  monkeypatch.setattr(tpu_pod.subprocess, "run",
+                      lambda cmd: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+  assert tpu_pod.main(["--tpu=t", "--zone=z", "--", *MAIN_ARGS]) == 0
+  assert len(packed) == 1 and ran[0][4] == "scp" and ran[0][5] == packed[0]
+  packed.clear()
+  ran.clear()
+  assert tpu_pod.main(["--tpu=t", "--zone=z", "--no_sync", "--", *MAIN_ARGS]) == 0
+  assert packed == [] and "scp" not in [cmd[4] for cmd in ran]
 
 
 def test_tpu_pod_no_install_only_unpacks_the_code():
@@ -296,6 +365,28 @@ def test_slurm_rejects_values_sbatch_cannot_quote():
   assert "--partition='gpu\\n#SBATCH --x'; allowed: letters, digits" in proc.stderr
 
 
+@pytest.mark.parametrize("arg", ["--output=a b.out", "--job_name=x;y", "--job_name=x\n",
+                                 "--nodes=0", "--gpus_per_node=0"])
+def test_slurm_refuses_each_value_sbatch_cannot_take(arg):
+  proc = _launch("slurm.py", arg, "--dry_run", "--", "--config=c.py", "--workdir=/w")
+  name, value = arg.split("=", 1)
+  assert proc.returncode == 2 and f"error: {name}=" in proc.stderr, proc.stderr
+  assert "#SBATCH" not in proc.stdout
+
+
+@pytest.mark.parametrize("main_args", [["--config=c.py"], ["--workdir=/w"], []])
+def test_slurm_needs_both_config_and_workdir(main_args):
+  proc = _launch("slurm.py", "--dry_run", "--", *main_args)
+  assert proc.returncode == 2 and "at least --config=FILE and --workdir=DIR" in proc.stderr
+
+
+def test_slurm_cpus_per_task_only_when_given():
+  main = ["--dry_run", "--", "--config=c.py", "--workdir=/w"]
+  lines = _launch("slurm.py", "--cpus_per_task=6", *main).stdout.splitlines()
+  assert "#SBATCH --cpus-per-task=6" in lines
+  assert "cpus-per-task" not in _launch("slurm.py", *main).stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # sweep.py
 
@@ -379,6 +470,47 @@ def test_sweep_errors_are_one_line(tmp_path):
   proc = _launch("sweep.py", f"--config={cfg}", "--workdir=/tmp/x", "--dry_run")
   assert proc.stderr.strip() == ("error: get_sweep() has two runs named "
                                  "'train.learning_rate=0.001'; give one a 'name'")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--launcher=tpu_pod", "--tpu=t"], "--launcher=tpu_pod needs --tpu=NAME and --zone=ZONE"),
+    (["--launcher=tpu_pod", "--zone=z"], "--launcher=tpu_pod needs --tpu=NAME and --zone=ZONE"),
+    (["--num_processes=0"], "--num_processes=0; allowed: an int >= 1")])
+def test_sweep_refuses_a_pod_without_its_name_and_zone_or_no_processes(tmp_path, args, message):
+  proc = _launch("sweep.py", "--config=experiments/tiny.py", f"--workdir={tmp_path}",
+                 "--dry_run", *args)
+  assert proc.returncode == 2 and proc.stderr.strip().endswith(message), proc.stderr
+
+
+def _sweep_file(tmp_path: Path, sweep: str) -> Path:
+  cfg = tmp_path / "c.py"
+  cfg.write_text("import numpy as np\nfrom cem_jax.config import get_default_config\n\n\n"
+                 "def get_config():\n  return get_default_config()\n\n\n"
+                 f"def get_sweep():\n  return {sweep}\n")
+  return cfg
+
+
+def test_sweep_entry_that_is_not_a_dict_is_a_one_line_error(tmp_path):
+  cfg = _sweep_file(tmp_path, "[[('train.learning_rate', 1e-3)]]")
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={tmp_path}/w", "--dry_run")
+  assert proc.returncode == 1 and proc.stderr.strip() == (
+      "error: get_sweep() entry 0 is [('train.learning_rate', 0.001)]; allowed: a dict of "
+      "'group.key': value overrides")
+
+
+def test_sweep_numpy_values_and_an_entry_without_overrides_get_folders_and_flags(tmp_path):
+  # np.logspace gives np.float64: its repr ('np.float64(0.001)') is no value a flag parses.
+  cfg = _sweep_file(tmp_path, "[{}] + [{'train.learning_rate': lr, 'train.num_steps': n} "
+                              "for lr, n in zip(np.logspace(-3, -2, 2), np.array([10, 20]))]")
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={tmp_path}/w", "--dry_run")
+  assert proc.returncode == 0, proc.stderr
+  runs = [shlex.split(line)[4:] for line in proc.stdout.splitlines()]
+  assert runs == [
+      [f"--workdir={tmp_path}/w/default"],  # the config as it is, in a folder of its own
+      [f"--workdir={tmp_path}/w/train.learning_rate=0.001,train.num_steps=10",
+       "--config.train.learning_rate=0.001", "--config.train.num_steps=10"],
+      [f"--workdir={tmp_path}/w/train.learning_rate=0.01,train.num_steps=20",
+       "--config.train.learning_rate=0.01", "--config.train.num_steps=20"]]
 
 
 SWEEP_STEPS_CONFIG = """
