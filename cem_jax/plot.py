@@ -33,7 +33,8 @@ def plot_losses(metrics: list[dict], path: str, title: str = "") -> None:
     ax.plot(*zip(*train, strict=True), label="train", alpha=0.7)
   bpb = [m["eval/bits_per_byte"] for m in metrics if "eval/bits_per_byte" in m]
   if evals:
-    final = f" (last: {bpb[-1]:.4f} bits/byte)" if bpb else ""
+    final = "" if not bpb else (" (last: not finite)" if bpb[-1] is None
+                                else f" (last: {bpb[-1]:.4f} bits/byte)")
     ax.plot(*zip(*evals, strict=True), "o-", label="eval" + final)
   ax.set_xlabel("step")
   ax.set_ylabel("loss (nats/token)")

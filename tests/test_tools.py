@@ -228,6 +228,36 @@ def test_the_loss_plot_labels_the_newest_bits_per_byte(tmp_path, monkeypatch):
   assert labels == ["train", "eval (last: 1.5000 bits/byte)"]
 
 
+def test_the_loss_plot_of_a_run_whose_last_eval_is_not_finite_or_that_has_only_evals(
+    tmp_path, monkeypatch):
+  figures = []
+  monkeypatch.setattr(plot, "atomic_save_figure", lambda fig, path: figures.append(fig))
+  # metrics.jsonl writes a non-finite value as null.
+  write_metrics(tmp_path, [{"step": 10, "eval/loss": 2.5, "eval/bits_per_byte": 2.0},
+                           {"step": 20, "eval/loss": None, "eval/bits_per_byte": None}])
+  assert plot.plot_run(str(tmp_path)) == [str(tmp_path / "plots" / "loss.png")]
+  labels = [t.get_text() for t in figures[-1].axes[0].get_legend().get_texts()]
+  assert labels == ["eval (last: not finite)"]
+  write_metrics(tmp_path, [{"step": 10, "eval/loss": 2.5}])
+  assert plot.plot_run(str(tmp_path)) == [str(tmp_path / "plots" / "loss.png")]
+  assert [list(line.get_ydata()) for line in figures[-1].axes[0].lines] == [[2.5]]
+
+
+def test_the_energy_plot_joins_each_steps_end_to_the_next_steps_start(monkeypatch):
+  figures = []
+  monkeypatch.setattr(plot, "atomic_save_figure", lambda fig, path: figures.append(fig))
+  plot.plot_energy({0: {"att": [(4.0, 3.0), (2.5, 2.0)], "mlp": [(1.0, 0.5)]}}, "x.png")
+  att, mlp = figures[0].axes
+  # Solid sub-steps at x = 2t, 2t + 1; the dotted segment from step 1's end to step 2's start.
+  assert [(list(line.get_xdata()), list(line.get_ydata()), line.get_linestyle())
+          for line in att.lines] == [([0, 1], [4.0, 3.0], "-"), ([1, 2], [3.0, 2.5], ":"),
+                                     ([2, 3], [2.5, 2.0], "-")]
+  assert [t.get_text() for t in att.get_xticklabels()] == [
+      "t=1 before", "t=1 after", "t=2 before", "t=2 after"]
+  assert [(list(line.get_xdata()), list(line.get_ydata())) for line in mlp.lines] == [
+      ([0, 1], [1.0, 0.5])]
+
+
 def test_the_test_time_report_holds_every_row_as_given(tmp_path):
   from cem_jax import evaluate
 
