@@ -3,7 +3,7 @@
 import math
 
 import pytest
-from conftest import tiny_config
+from conftest import force_fields, tiny_config
 
 from cem_jax import config as config_lib
 
@@ -87,6 +87,12 @@ UNUSED = [
     ({"model.block": "llama", "model.context": "coevolve"},
      r"model.context='coevolve' applies to CEM blocks only; model.block='llama' needs"),
     ({"model.block": "llama", "model.cem_mlp": False}, r"model.cem_mlp=False applies to CEM"),
+    ({"model.block": "llama", "model.cem_attention": False},
+     r"^model.cem_attention=False applies to CEM blocks only; model.block='llama' needs "),
+    ({"model.precond_rank": 2},
+     r"^model.precond_rank=2 has no effect with model.precond='none'; set model.precond to "),
+    ({"model.cem_mlp": False, "model.precond": "both"},
+     r"^model.precond='both' preconditions an energy step that model.cem_mlp=False replaces"),
     ({"model.block": "llama", "model.norm_mode": "chain"}, r"model.norm_mode='chain' applies"),
     ({"model.block": "llama", "model.eta_init": 0.5}, r"model.eta_init=0.5 applies to CEM"),
     ({"model.learn_eta": False, "model.learn_beta": True, "model.eta_init": 0.5},
@@ -163,13 +169,35 @@ def test_flat_config_equals_the_json_it_is_saved_as():
     ("data.validation_fraction", 0.0,
      r"^data.validation_fraction=0.0; allowed: 0 < fraction <= 0.5$"),
     ("data.seq_len", 1, r"^data.seq_len=1 must be >= 2$"),
+    ("data.vocab_size", 7, r"^data.vocab_size=7 must be >= 8$"),
+    ("checkpoint.every_steps", 0, r"^checkpoint.every_steps=0 must be >= 1$"),
+    ("train.eval_every_steps", 0, r"^train.eval_every_steps=0 must be >= 1$"),
+    ("eval.max_batches", -2,  # else the run trains, then fails at its first eval
+     r"^eval.max_batches=-2; allowed: -1 \(the whole split\) or an int >= 1$"),
+    ("eval.max_batches", 0, r"^eval.max_batches=0; allowed: -1 "),
+    ("data.validation_fraction", 0.51,
+     r"^data.validation_fraction=0.51; allowed: 0 < fraction <= 0.5$"),
+    ("train.num_steps", True, r"^train.num_steps=True must be an int \(a static Python int\)$"),
+    ("model.precond_rank", 65, r"^model.precond_rank=65 exceeds model.d_model=64; allowed: 0..64$"),
+    ("model.d_model", 66, r"^model.d_model=66 is not divisible by model.num_heads=4; change one "),
+    ("model.head_dim", 7, r"^model.head_dim=7 must be even with model.rope=True$"),
 ])
 def test_values_that_were_silently_defaulted_or_failed_late_are_refused(field, value, message):
   """head_dim 0 or -7 used to mean "the default" (only -1 is documented); a negative seed
   passed validation and failed inside numpy after the data was built."""
+  extra = {"model.precond": "both"} if field == "model.precond_rank" else {}
   with pytest.raises(ValueError, match=message) as e:
-    config_lib.validate(tiny_config("cem", **{field: value}))
+    config_lib.validate(tiny_config("cem", **extra, **{field: value}))
   assert "\n" not in str(e.value)
+
+
+def test_a_bool_is_not_a_number():
+  # ConfigDict turns True into 1.0 for a float field; a config file's dict or a config.json
+  # read back need not, and True would train at learning rate 1.
+  cfg = tiny_config("cem")
+  force_fields(cfg, {"train.learning_rate": True})
+  with pytest.raises(ValueError, match=r"^train.learning_rate=True; allowed: a finite number"):
+    config_lib.validate(cfg)
 
 
 def test_a_profile_window_must_lie_inside_the_run():
@@ -189,8 +217,26 @@ def test_a_profile_window_must_lie_inside_the_run():
   config_lib.validate(cfg)
 
 
-def test_an_explicit_head_dim_is_accepted():
-  config_lib.validate(tiny_config("cem", **{"model.head_dim": 8}))
+@pytest.mark.parametrize("overrides", [
+    {"model.head_dim": 8},
+    {"model.d_model": 66, "model.head_dim": 16},  # heads need not divide d_model then
+    {"model.rope": False, "model.head_dim": 7},  # only RoPE needs an even head_dim
+    {"model.precond": "both", "model.precond_rank": 64},  # rank up to d_model
+    {"data.vocab_size": 8},
+])
+def test_documented_edges_are_accepted(overrides):
+  config_lib.validate(tiny_config("cem", **overrides))
+
+
+def test_the_defaults_are_the_documented_tiny_model():
+  # get_default_config's docstring and experiments/tiny.py's.
+  c = config_lib.get_default_config()
+  m, t = c.model, c.train
+  assert (m.block, m.d_model, m.num_layers, m.num_heads, m.mlp_dim) == ("cem", 128, 4, 4, 512)
+  assert (c.data.seq_len, c.data.vocab_size, c.data.tokenizer_model_type,
+          c.data.validation_fraction) == (128, 1024, "bpe", 0.1)
+  assert (t.num_steps, t.batch_size, t.learning_rate, t.warmup_steps,
+          t.min_learning_rate_ratio) == (1000, 16, 3e-3, 50, 0.1)
 
 
 def test_model_tables_match_the_config_choices():
