@@ -143,6 +143,17 @@ def test_a_misspelt_override_is_named_wherever_it_stands_on_the_command_line():
                ["main.py", "--config=c.py", "--workdir=w", "--config.trian.num_steps=5"]):
     assert cli._unknown_override(config, argv) == (
         "--config.trian.num_steps: the config has no field 'trian'; did you mean 'train'?")
+  assert cli._unknown_override(config, ["main.py", "--config.seed.x=1"]) == (
+      "--config.seed.x: the config has no field 'x'; config.seed is a value, not a group")
+
+
+def test_library_info_records_are_dropped_and_ours_and_their_warnings_kept():
+  rec = lambda path, level: logging.LogRecord("x", level, path, 1, "m", None, None)  # noqa: E731
+  quiet = cli.QuietLibraries(logging.WARNING)
+  assert not quiet.filter(rec("/site-packages/orbax/checkpoint/x.py", logging.INFO))
+  assert not quiet.filter(rec("/site-packages/tensorflow_datasets/core/x.py", logging.INFO))
+  assert quiet.filter(rec("/site-packages/orbax/checkpoint/x.py", logging.WARNING))
+  assert quiet.filter(rec("/repo/cem_jax/train.py", logging.INFO))
 
 
 def test_validation_names_field_value_and_what_is_allowed():

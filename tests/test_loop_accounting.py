@@ -341,13 +341,19 @@ def test_an_error_inside_the_window_still_writes_the_trace(monkeypatch):
   assert events == ["start", "written", "checkpoints closed", "metrics closed"]
 
 
-def test_the_peak_is_that_of_every_device_and_unknown_if_any_is_unknown():
+def test_the_peak_is_that_of_every_device_and_unknown_if_any_is_unknown(monkeypatch):
   from cem_jax import model_stats
 
   h200, cpu = (types.SimpleNamespace(device_kind=k) for k in ("NVIDIA H200", "cpu"))
   assert model_stats.peak_flops([h200] * 8) == 8 * 989e12
   assert model_stats.peak_flops(h200) == 989e12
   assert model_stats.peak_flops([h200, cpu]) is None and model_stats.peak_flops([cpu]) is None
+  # NVIDIA's A100 data sheet: 312 TFLOP/s dense bf16 (624 is with 2:4 sparsity).
+  a100 = types.SimpleNamespace(device_kind="NVIDIA A100-SXM4-80GB")
+  assert model_stats.peak_flops(a100) == 312e12
+  # By default: this process's first device, not all of them.
+  monkeypatch.setattr(model_stats.jax, "local_devices", lambda: [h200] * 8)
+  assert model_stats.peak_flops() == 989e12
   # A TPU under each name jax reports for it (a v5p chip says "TPU v5").
   for kinds, peak in ((("TPU v5", "TPU v5p"), 459e12), (("TPU v5 lite", "TPU v5e"), 197e12),
                       (("TPU v6 lite", "TPU v6e"), 918e12)):

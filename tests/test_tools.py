@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 from conftest import tiny_config, write_metrics
 from flax import nnx
@@ -74,6 +75,18 @@ def test_inspect_rows_and_text_name_axes_sharding_blocks_and_flops():
   shared = summary_lib.summary(tiny_config("llama", **{"model.num_unique_blocks": 1}), 300)
   assert "blocks: 1 unique, 2 layers (layer l runs block l % 1)" in (
       summary_lib.format_summary(shared).splitlines())
+  # d=64, f=128, L=2, V=300, tied: attention 4d² a layer, MLP 3df, norms d (2 a layer + 1).
+  assert (f"parameters: {2 * 4 * 64**2 + 2 * 3 * 64 * 128 + 5 * 64 + 300 * 64:,} total, "
+          f"{2 * 4 * 64**2 + 2 * 3 * 64 * 128 + 5 * 64:,} non-embedding, {2 * 4 * 64**2:,} "
+          f"attention, {2 * 3 * 64 * 128:,} MLP") in lines
+
+
+def test_inspect_refuses_what_main_would_refuse():
+  with pytest.raises(ValueError, match=r"^--vocab_size=0; allowed: an int >= 1$"):
+    summary_lib.summary(tiny_config("llama"), vocab_size=0)
+  cfg = tiny_config("llama", **{"mesh.data": 8, "train.batch_size": 12})
+  with pytest.raises(ValueError, match=r"^train.batch_size=12 is not divisible by the 8 "):
+    summary_lib.summary(cfg, vocab_size=300, devices=[jax.devices()[0]] * 8)
 
 
 def test_logical_rules_to_partition_specs():
