@@ -51,6 +51,17 @@ def visible_rows(mask: jax.Array | None, *, is_causal: bool, strict: bool,
   if segment_ids is not None:
     rows = rows & (segment_ids > 0)
     if strict:  # a document's first token sees nothing before it
-      prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)))
-      rows = rows & (prev == segment_ids)
+      rows = rows & ~_first_of_its_id(segment_ids)
   return None if (is_causal and not strict and segment_ids is None) else rows
+
+
+def _first_of_its_id(ids: jax.Array) -> jax.Array:
+  """``[batch, t]`` bool: True where ``ids`` (``[batch, t]`` int) holds an id for the first
+  time in its row. Ids need not form contiguous runs (a document may come back later in a
+  window); a stable sort keeps this O(t log t), where comparing with the previous position
+  would hold only for runs."""
+  order = jnp.argsort(ids, axis=-1, stable=True)
+  ranked = jnp.take_along_axis(ids, order, axis=-1)
+  first = jnp.concatenate([jnp.ones_like(ranked[:, :1], bool), ranked[:, 1:] != ranked[:, :-1]],
+                          axis=-1)
+  return jnp.take_along_axis(first, jnp.argsort(order, axis=-1), axis=-1)

@@ -107,6 +107,11 @@ B, T, H, E = 2, 128, 2, 16
 # Document 1 ends at 40, 2 at 97, then padding; row 2 is one document and padding.
 SEGMENTS = np.zeros((B, T), np.int32)
 SEGMENTS[0, :40], SEGMENTS[0, 40:97], SEGMENTS[1, :70] = 1, 2, 1
+# Ids need not be contiguous runs or increase: document 1 comes back after document 2 (rows
+# 60.. see 0..39); in row 2 the smallest id starts at 30, between two runs of 3, no padding.
+RETURNING = SEGMENTS.copy()
+RETURNING[0, 60:97] = 1
+RETURNING[1, :30], RETURNING[1, 30:70], RETURNING[1, 70:] = 3, 1, 3
 
 
 def _qkv(seed):
@@ -128,6 +133,9 @@ def _structure(kind):
   if kind == "documents":
     mask = make_mask(seg, T, B)
     return dict(is_causal=True, segment_ids=seg, mask=mask), np.asarray(mask)
+  if kind == "strict_returning":
+    seg = jnp.asarray(RETURNING)
+    kind = "strict_documents"
   if kind == "strict_documents":
     mask = make_mask(seg, T, B, strict=True)
     return (dict(is_causal=True, strict_causal=True, segment_ids=seg, mask=mask),
@@ -144,7 +152,7 @@ CASES = [("xla", "causal"), ("xla", "documents"), ("xla", "strict_documents"),
 # The structure alone (no dense mask): the kernel builds the mask or takes segment ids, and
 # the entry point works out which rows see no key (masks.visible_rows without a mask).
 CASES += [(impl, kind + "/alone") for impl in ("xla", "splash")
-          for kind in ("strict", "documents", "strict_documents")]
+          for kind in ("strict", "documents", "strict_documents", "strict_returning")]
 
 
 @pytest.mark.parametrize("impl,kind", CASES)
