@@ -81,7 +81,8 @@ def resolve(requested: str, *, platform: str | None, dtype: str, head_dim: int,
       multiple of 128, cuDNN an even length).
   Returns:
     ``(implementation, reason)``, the implementation one of ``'xla'``, ``'cudnn'``,
-    ``'splash'``.
+    ``'splash'``; ``('auto', ...)`` for ``'auto'`` with ``platform`` None (chosen when the
+    model is built, on its machine).
   Raises:
     ValueError: one line naming ``model.attention_impl``, the value and why it cannot run.
   """

@@ -316,6 +316,46 @@ def test_validation_without_a_machine_allows_what_some_gpu_runs_and_refuses_unkn
     attention.resolve("flash", platform="cpu", dtype="float32", head_dim=64)
 
 
+def test_cudnn_takes_every_head_dim_multiple_of_8_and_off_a_gpu_the_limit_is_128():
+  assert attention.resolve("cudnn", platform=None, dtype="bfloat16", head_dim=72) == (
+      "cudnn", "explicit")
+  with pytest.raises(ValueError, match="head_dim=68 must be a multiple of 8 and <= 256$"):
+    attention.resolve("cudnn", platform=None, dtype="bfloat16", head_dim=68)
+  assert attention.cudnn_max_head_dim("cpu") == attention.cudnn_max_head_dim("tpu") == 128
+
+
+@pytest.mark.parametrize("impl,platform,words", [
+    ("cudnn", "tpu", "it needs an NVIDIA GPU, this machine's platform is tpu"),
+    ("splash", "gpu", "splash attention is a TPU kernel, this machine's platform is gpu"),
+    ("splash", "tpu", "the CEM diagonal attends with one augmented head of width 41")])
+def test_a_kernel_of_the_other_accelerator_or_for_the_augmented_head_is_refused(
+    impl, platform, words):
+  wide = {"augmented_head_dim": 41} if "augmented" in words else {}
+  with pytest.raises(ValueError, match=rf"^model.attention_impl='{impl}' cannot run: {words}"):
+    attention.resolve(impl, platform=platform, dtype="bfloat16", head_dim=8, seq_len=128,
+                      **wide)
+
+
+def test_splash_at_a_length_not_a_multiple_of_128_is_a_one_line_error():
+  q = jnp.zeros((1, 64, 1, 8))
+  with pytest.raises(ValueError, match=r"^attention_impl='splash': seq_len=64 must be a "
+                                       r"multiple of 128$"):
+    attention.dot_product_attention(q, q, q, scale=1.0, implementation="splash",
+                                    is_causal=True)
+
+
+def test_rows_with_no_visible_key_are_zero_when_the_kernel_leaves_them_nan(monkeypatch):
+  # cuDNN may leave an empty row non-finite: the entry point selects zeros, not multiplies.
+  monkeypatch.setattr(jax.nn, "dot_product_attention",
+                      lambda q, k, v, **kw: jnp.full(q.shape, jnp.nan, q.dtype))
+  seg = jnp.asarray([[1, 1, 2, 2, 0, 0, 0, 0]], jnp.int32)
+  q = jnp.ones((1, 8, 1, 8))
+  out = attention.dot_product_attention(q, q, q, scale=1.0, implementation="cudnn",
+                                        mask=make_mask(seg, 8, 1), is_causal=True,
+                                        segment_ids=seg)
+  assert np.all(np.asarray(out)[0, 4:] == 0.0)
+
+
 def test_the_model_picks_splash_on_tpu_and_lays_it_out_by_the_mesh_rules():
   from cem_jax.model import resolve_attention
   from cem_jax.steps import build_model

@@ -334,6 +334,46 @@ def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(m
   assert r["mfu"] == pytest.approx(3 * 57344 * 64 / 0.5 / 1e9)
 
 
+def test_a_row_times_the_median_of_its_steps_after_warmup_in_mib_with_a_null_nan_loss(
+    monkeypatch):
+  # A clock moved by the steps themselves: warm-up 1 s, then 2, 3 and 10 s (median 3 s).
+  import numpy as np
+
+  tiny = dict(bench.PRESETS["tiny"], d_model=32, num_layers=1, mlp_dim=64, tokens_per_batch=64)
+  config = bench._model_config(tiny, bench.VARIANTS["llama"], 32, 32)
+  now, durations = [0.0], iter([1.0, 2.0, 3.0, 10.0])
+
+  def step(p, o, b):
+    now[0] += next(durations)
+    return p, o, {"loss": jnp.float32(jnp.nan)}
+
+  compiled = type("Lowered", (), {"compile": lambda self: step})()
+  fake = type("Step", (), {"lower": lambda self, *a: compiled})()
+  monkeypatch.setattr(bench.steps_lib, "make_train_step", lambda *a, **k: fake)
+  monkeypatch.setattr(bench, "DecoderLM", _StandInModel)
+  monkeypatch.setattr(bench.memory, "footprint_bytes", lambda c: 3 * 2**20)
+  batches = []
+  make_batch = bench.make_batch
+  monkeypatch.setattr(bench, "make_batch",
+                      lambda t, s: batches.append(np.asarray(s)) or make_batch(t, s))
+  monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+  r = bench.bench_one(config, 512, steps=3, warmup=1)
+  assert r["step_ms"] == 3000.0
+  assert r["peak_memory_mb"] == 3.0  # MiB
+  assert r["loss"] is None and json.dumps(r, allow_nan=False)
+  # DOCUMENTS_PER_WINDOW equal documents, ids 1..4, in every row of the window.
+  (segment_ids,) = batches
+  assert bench.DOCUMENTS_PER_WINDOW == 4 and set(np.unique(segment_ids)) == {1, 2, 3, 4}
+
+
+def test_a_width_sweep_scales_heads_and_mlp_and_a_variant_keeps_its_document_mask():
+  c = bench._model_config(bench.PRESETS["tiny"], bench.VARIANTS["llama"], 64, 128).model
+  assert (c.d_model, c.num_heads, c.mlp_dim) == (128, 8, 512)  # head_dim 16 at every width
+  gpu = bench.PRESETS["gpu125m"]  # document_mask False; the *_docs variants set True
+  assert bench._model_config(gpu, bench.VARIANTS["llama_docs"], 1024, 768).model.document_mask
+  assert not bench._model_config(gpu, bench.VARIANTS["llama"], 1024, 768).model.document_mask
+
+
 def _row(variant: str, seq_len: int, step_ms: float) -> dict:
   return {"variant": variant, "attention": "xla", "seq_len": seq_len, "d_model": 32,
           "params": 1e6, "compile_s": 1.0, "step_ms": step_ms, "tokens_per_s": 1.0,

@@ -901,6 +901,13 @@ def test_the_footprint_log_line_names_the_need_and_the_limit(caplog):
   assert line.startswith("the training step: 2.0 MiB per device of 1.00 GiB (XLA memory ")
 
 
+def test_the_device_limit_is_the_backends_bytes_limit_and_none_where_it_reports_none():
+  device = lambda stats: types.SimpleNamespace(memory_stats=lambda: stats)  # noqa: E731
+  assert memory.device_limit_bytes(device({"bytes_limit": 2**34, "bytes_in_use": 5})) == 2**34
+  assert memory.device_limit_bytes(device(None)) is None  # CPU
+  assert memory.device_limit_bytes(device({})) is None
+
+
 def test_resident_bytes_count_one_device_shard_of_each_array():
   # A [8, 4] float32 array split in 4 along its rows holds 2 x 4 x 4 bytes on each device.
   sharded = types.SimpleNamespace(shape=(8, 4), dtype=np.dtype(np.float32),

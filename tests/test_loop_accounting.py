@@ -313,6 +313,31 @@ def test_a_trace_that_cannot_start_or_be_written_costs_the_run_nothing(monkeypat
   assert other.stops_at(3)
   other.stop(3)
   assert caplog.text.count("could not start the trace") == 1  # the other never tried
+  # A trace that did not start is not stopped: that would stop (and write) a trace the user
+  # runs around the training.
+  stops = []
+  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: stops.append("stopped"))
+  profiler = StepProfiler("/tmp/unused", first=2, num_steps=2, start_step=0)
+  profiler.start()
+  profiler.stop(3)
+  assert stops == []
+
+
+def test_a_one_step_window_opens_and_closes_at_that_step():
+  one = StepProfiler("/tmp/unused", first=3, num_steps=1, start_step=0, trace=False)
+  assert [s for s in range(1, 6) if one.starts_at(s)] == [3]
+  one.start()
+  assert [s for s in range(1, 6) if one.stops_at(s)] == [3]
+
+
+def test_a_profiler_error_is_reported_by_its_first_line(monkeypatch):
+  from cem_jax import profiling
+
+  def fail(*args, **kwargs):
+    raise RuntimeError("first line\nsecond line")
+
+  monkeypatch.setattr(jax.profiler, "start_trace", fail)
+  assert profiling.start_trace("/tmp/unused") == "RuntimeError: first line"
 
 
 def test_a_run_resumed_inside_the_window_traces_the_rest_of_it(caplog):

@@ -177,6 +177,8 @@ def test_distributed_resolve():
   assert distributed.resolve("auto", environ=slurm) == {}  # JAX detects the rest
   assert distributed.resolve("auto", environ={**slurm, "SLURM_NTASKS": "1"}) is None
   assert distributed.resolve("on", environ={}) == {}  # TPU pods: JAX asks the metadata server
+  assert distributed.resolve("on", num_processes=4, process_id=2, environ={}) == {
+      "num_processes": 4, "process_id": 2}  # given without a coordinator: JAX finds it
   with pytest.raises(ValueError, match=r"needs --num_processes and --process_id"):
     distributed.resolve("auto", "h:1", environ={})
   with pytest.raises(ValueError, match=r"^--process_id=2 with --num_processes=2; allowed"):
