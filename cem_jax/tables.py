@@ -9,7 +9,8 @@ finished run is skipped (its ``result.json`` exists), an interrupted one resumes
 checkpoint, and a run whose resolved config equals a finished run of another table under the
 same ``WORKDIR`` (e.g. the Llama baseline shared by the attention, mlp and end_to_end tables)
 reuses that run's result and metrics instead of training again (``reused_from`` in its
-``result.json``). A run is reused only when trained under the current
+``result.json``). A run is reused only when trained on the same text (``data_source`` in its
+``result.json``: the files' sha256, not their paths; :func:`source_record`) and under the current
 :data:`cem_jax.version.NUMERICS_VERSION` (``numerics_version`` in its ``result.json``; none =
 1; unfinished: its first metrics line's): an older one in the row's own folder, finished or
 not (``main`` refuses to resume it) and whatever its config, is moved aside to
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import difflib
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -37,6 +39,7 @@ import statistics
 import time
 
 import jax
+import ml_collections
 from absl import app, flags, logging
 from flax import nnx
 from tqdm import tqdm
@@ -44,6 +47,7 @@ from tqdm import tqdm
 from cem_jax import cli, energies, model_stats, preflight, train
 from cem_jax import config as config_lib
 from cem_jax.config import get_default_config
+from cem_jax.data import sources
 from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text
 from cem_jax.metrics import has_final_eval, read_metrics
 from cem_jax.model import DecoderLM
@@ -160,6 +164,40 @@ RESULT_KEYS = ("row", "seed", "eval/loss", "eval/bits_per_byte", "tokens_per_sec
                "config_digest")
 
 
+@functools.lru_cache(maxsize=16)
+def _source_record(data_json: str) -> dict:
+  identity = sources.source_identity(ml_collections.ConfigDict(json.loads(data_json)))
+  if identity["kind"] == "files":  # by content, not by where the files lie
+    identity["files"] = [{**f, "path": os.path.basename(f["path"])} for f in identity["files"]]
+  identity.pop("data_dir", None)  # a TFDS catalog's local folder
+  return identity
+
+
+def source_record(config) -> dict:
+  """What identifies the text a run of ``config`` trains on, wherever it lies: for
+  ``data.files`` each file's name, size and sha256; for a TFDS or built-in corpus its name,
+  splits and (built-in) Python version (:func:`cem_jax.data.sources.source_identity`, the
+  files hashed once per command). Recorded as ``data_source`` in a run's ``result.json``.
+
+  Raises:
+    ValueError: a ``data.files`` glob that matches no file.
+  """
+  return _source_record(json.dumps(config.data.to_dict(), sort_keys=True))
+
+
+def _other_source(result: dict, config) -> str | None:
+  """Why ``result`` was trained on other text than ``config`` selects, or None. A result
+  without a record (written before ``data_source`` existed) is judged by its config alone,
+  which names ``data.files`` by file name."""
+  if "data_source" not in result or result["data_source"] == source_record(config):
+    return None
+  saved, now = result["data_source"], source_record(config)
+  if saved.get("kind") == now["kind"] == "files":
+    return (f"data.files with sha256 {[f['sha256'][:12] for f in saved['files']]}, now "
+            f"{[f['sha256'][:12] for f in now['files']]}")
+  return f"{saved.get('kind')} {saved.get('name', '')}, now {now['kind']} {now.get('name', '')}"
+
+
 def _same_config(run: str, config) -> bool:
   """True when ``run/config.json`` is ``config`` up to keys added to the defaults since that
   run (which must hold their default values: new options default to the old behaviour), to
@@ -207,6 +245,10 @@ def _read_result(path: str, digest: str | None = None, config=None) -> dict:
     raise ValueError(f"{path} was trained with another config (e.g. another --steps or "
                      "--scale, or an edited table file); use a new --workdir, or delete that "
                      "run to train it again")
+  other = _other_source(result, config) if config is not None else None
+  if other:
+    raise ValueError(f"{path} was trained on other text ({other}); use a new --workdir, or "
+                     "delete that run to train it again")
   return result
 
 
@@ -243,7 +285,8 @@ def _finished_run(workdir: str, digest: str, config) -> str | None:
   for path in sorted(glob.glob(os.path.join(workdir, "*", "*", "seed*", "result.json"))):
     result = _read_result(path)
     if "reused_from" not in result and numerics_version(result) == NUMERICS_VERSION and (
-        result["config_digest"] == digest or _same_config(os.path.dirname(path), config)):
+        result["config_digest"] == digest or _same_config(os.path.dirname(path), config)
+    ) and not _other_source(result, config):
       return os.path.dirname(path)
   return None
 
@@ -332,7 +375,7 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
       rates = [m["train/tokens_per_sec"] for m in read_metrics(out)
                if "train/tokens_per_sec" in m]
       result = {"row": row, "seed": seed, **final, "config_digest": digest,
-                "numerics_version": NUMERICS_VERSION,
+                "numerics_version": NUMERICS_VERSION, "data_source": source_record(cfg),
                 "tokens_per_sec": statistics.median(rates[1:] or rates)}
     _write_json(result_path, result)
     results.append(result)

@@ -1,6 +1,7 @@
 """Paper tables: every row builds with the right parameter counts; the runner resumes."""
 
 import csv
+import hashlib
 import json
 import os
 
@@ -298,6 +299,39 @@ def test_a_result_from_another_config_is_not_reused_silently(tmp_path, shared_da
                                "numerics_version": NUMERICS_VERSION}))
   with pytest.raises(ValueError, match=r"seed0/result.json was trained with another config"):
     tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"))
+
+
+def test_a_result_on_other_text_under_the_same_file_name_is_not_reused(tmp_path):
+  # Two corpora named corpus.txt: the config names data.files by file name (so that runs
+  # trained in another checkout count); the record of what was read tells them apart.
+  for name, text in (("a", "the first corpus\n" * 50), ("b", "another text\n" * 50),
+                     ("c", "the first corpus\n" * 50)):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "corpus.txt").write_text(text)
+  trained = tiny_config("llama", **{"data.files": str(tmp_path / "a" / "corpus.txt")})
+  run = tmp_path / "w" / "toy" / "llama" / "seed0"
+  run.mkdir(parents=True)
+  (run / "config.json").write_text(trained.to_json())
+  result = {"row": "llama", "seed": 0, "eval/loss": 3.0, "eval/bits_per_byte": 1.5,
+            "tokens_per_sec": 1.0, "config_digest": tables.config_digest(trained),
+            "numerics_version": NUMERICS_VERSION}
+  (run / "result.json").write_text(json.dumps(result))
+  assert tables.source_record(trained)["files"] == [
+      {"path": "corpus.txt", "size": 850,
+       "sha256": hashlib.sha256(("the first corpus\n" * 50).encode()).hexdigest()}]
+  now = {d: tiny_config("llama", **{"data.files": str(tmp_path / d / "corpus.txt")})
+         for d in "bc"}
+  # Without a record (a run from before it): judged by its config, by file name.
+  tables._read_result(str(run / "result.json"), "another digest", now["b"])
+  result["data_source"] = tables.source_record(trained)
+  (run / "result.json").write_text(json.dumps(result))
+  with pytest.raises(ValueError, match=r"seed0/result.json was trained on other text \(data.files "
+                                       r"with sha256 \['[0-9a-f]{12}'\], now \['"):
+    tables._read_result(str(run / "result.json"), "another digest", now["b"])
+  assert tables._finished_run(str(tmp_path / "w"), "another digest", now["b"]) is None
+  # The same text in another folder is the same data.
+  tables._read_result(str(run / "result.json"), "another digest", now["c"])
+  assert tables._finished_run(str(tmp_path / "w"), "another digest", now["c"]) == str(run)
 
 
 def test_a_run_from_older_numerics_is_retrained_not_reused(tmp_path, shared_data, monkeypatch,
