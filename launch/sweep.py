@@ -75,18 +75,29 @@ def expand(module, arg) -> list[tuple[str, dict]]:
   """The sweep as ``[(name, overrides)]``.
 
   Raises:
-    SystemExit: no ``get_sweep``, a malformed entry, or two runs with the same name.
+    SystemExit: no ``get_sweep``, one that raises or returns no list of runs, a malformed
+      entry, a name that is not a folder name, or two runs with the same name.
   """
   if not hasattr(module, "get_sweep"):
     raise SystemExit("error: the config file has no get_sweep(); define one returning a list "
                      "of override dicts, e.g. [{'train.learning_rate': 1e-3}, ...]")
+  try:
+    entries = _call(module.get_sweep, arg)
+  except Exception as e:  # noqa: BLE001 - the user's file: one line, not our traceback
+    raise SystemExit(f"error: get_sweep() raised {type(e).__name__}: {e}") from None
+  if not isinstance(entries, (list, tuple)) or not entries:
+    raise SystemExit(f"error: get_sweep() returned {entries!r}; allowed: a non-empty list of "
+                     "dicts of 'group.key': value overrides")
   runs, seen = [], set()
-  for i, entry in enumerate(_call(module.get_sweep, arg)):
+  for i, entry in enumerate(entries):
     if not isinstance(entry, dict):
       raise SystemExit(f"error: get_sweep() entry {i} is {entry!r}; allowed: a dict of "
                        "'group.key': value overrides")
     overrides = {k: v for k, v in entry.items() if k != "name"}
     name = str(entry.get("name") or run_name(overrides))
+    if name in (".", "..") or "/" in name or os.sep in name:
+      raise SystemExit(f"error: get_sweep() entry {i} has name {name!r}; allowed: a folder "
+                       "name inside --workdir (no '/', not '.' or '..')")
     if name in seen:
       raise SystemExit(f"error: get_sweep() has two runs named {name!r}; give one a 'name'")
     seen.add(name)
@@ -100,8 +111,11 @@ def num_steps(module, arg, overrides: dict, extra: list[str]) -> int:
   steps = overrides.get("train.num_steps", config.train.num_steps)
   for a in extra:
     if a.startswith("--config.train.num_steps="):
-      steps = int(a.split("=", 1)[1])
-  return int(steps)
+      steps = a.split("=", 1)[1]
+  try:
+    return int(str(steps))  # an int or its digits; not 10.5, True or 'ten'
+  except ValueError:
+    raise SystemExit(f"error: train.num_steps={steps!r}; allowed: an int >= 1") from None
 
 
 def is_finished(run_dir: str, steps: int) -> bool:
@@ -157,7 +171,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.error("--launcher=tpu_pod needs --tpu=NAME and --zone=ZONE")
   if args.num_processes < 1:
     parser.error(f"--num_processes={args.num_processes}; allowed: an int >= 1")
-  return args, argv[split + 1:]
+  extra = argv[split + 1:]
+  for flag in ("--workdir", "--config"):
+    if any(a == flag or a.startswith(flag + "=") for a in extra):
+      parser.error(f"{flag} after -- would give every run the same one; give it before --")
+  return args, extra
 
 
 def main(argv: list[str]) -> int:

@@ -498,6 +498,36 @@ def test_sweep_entry_that_is_not_a_dict_is_a_one_line_error(tmp_path):
       "'group.key': value overrides")
 
 
+@pytest.mark.parametrize("sweep,error", [
+    ("[{'name': 'x'}, {'name': 'x/'}]", "get_sweep() entry 1 has name 'x/'; allowed: a folder "
+                                        "name inside --workdir (no '/', not '.' or '..')"),
+    ("[{'name': '../escape'}]", "get_sweep() entry 0 has name '../escape'; allowed: "),
+    ("[{'name': '.'}]", "get_sweep() entry 0 has name '.'; allowed: "),
+    ("None", "get_sweep() returned None; allowed: a non-empty list of dicts"),
+    ("[]", "get_sweep() returned []; allowed: a non-empty list of dicts"),
+    ("1 / 0", "get_sweep() raised ZeroDivisionError: division by zero"),
+    ("[{'train.num_steps': 10.5}]", "train.num_steps=10.5; allowed: an int >= 1"),
+])
+def test_a_sweep_that_would_share_a_folder_or_cannot_run_is_a_one_line_error(tmp_path, sweep,
+                                                                            error):
+  cfg = _sweep_file(tmp_path, sweep)
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={tmp_path}/w", "--dry_run")
+  assert proc.returncode == 1 and proc.stderr.startswith(f"error: {error}"), proc.stderr
+  assert proc.stdout == "" and not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("extra", ["--workdir=/tmp/y", "--config=other.py",
+                                   "--config.train.num_steps=ten"])
+def test_what_follows_the_sweeps_double_dash_may_not_merge_its_runs(tmp_path, extra):
+  cfg = _sweep_file(tmp_path, "[{'train.learning_rate': 1e-3}]")
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={tmp_path}/w", "--dry_run", "--",
+                 extra)
+  assert proc.returncode in (1, 2) and proc.stdout == "", proc.stdout
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.endswith("give it before --") or last == (
+      "error: train.num_steps='ten'; allowed: an int >= 1"), last
+
+
 def test_sweep_numpy_values_and_an_entry_without_overrides_get_folders_and_flags(tmp_path):
   # np.logspace gives np.float64: its repr ('np.float64(0.001)') is no value a flag parses.
   cfg = _sweep_file(tmp_path, "[{}] + [{'train.learning_rate': lr, 'train.num_steps': n} "
