@@ -12,6 +12,7 @@ import difflib
 import importlib.util
 import sys
 
+import ml_collections
 from absl import flags, logging
 
 CONFIG_FLAG = "config"
@@ -93,11 +94,11 @@ def _unknown_override(config, argv) -> str | None:
 def parse_flags(argv):
   """absl flag parsing with one-line errors; pass as ``app.run(main, flags_parser=...)``.
 
-  Covers: a bad flag value (absl's own message, first line), a ``--config`` file whose
-  ``get_config`` raises (its message, naming the file), and a misspelt ``--config.KEY``
-  override (the field that does not exist and the closest one). The causes are found by
-  checking the values (running the config file, looking the keys up), not by reading the
-  libraries' message texts.
+  Covers: a bad flag value (absl's own message, first line), a ``--config`` file that is
+  missing or whose code or ``get_config`` raises (its message, naming the file), and a
+  misspelt ``--config.KEY`` override (the field that does not exist and the closest one).
+  The causes are found by checking the values (running the config file, looking the keys
+  up), not by reading the libraries' message texts.
   """
   given = [a for a in argv[1:] if a.startswith(f"--{CONFIG_FLAG}=")]
   try:
@@ -106,14 +107,16 @@ def parse_flags(argv):
     # ml_collections loads the file while parsing each --config: run the files by themselves to
     # learn whether one fails and why (None: they load, the error is another flag's).
     _fail(_run_config_files(given)[1] or str(e).splitlines()[0])
-  except (AttributeError, KeyError):
-    # ml_collections applies --config.KEY overrides by attribute lookup: a missing field. It
-    # also lets these two escape the config file's own get_config unwrapped.
+  except Exception:
+    # ml_collections lets what the config file's get_config raises (a NameError, an
+    # ImportError, a SyntaxError...) escape unwrapped, and a missing file surfaces as an
+    # OSError when an override is applied; it applies --config.KEY overrides by attribute
+    # lookup, so a missing field is an AttributeError or KeyError.
     config, cause = _run_config_files(given)
     if config is not None:
       cause = _unknown_override(config, argv)
     if cause is None:
-      raise  # not a misspelt field: a bug, keep the traceback
+      raise  # neither the file nor a misspelt field: a bug, keep the traceback
     _fail(cause)
 
 
@@ -136,6 +139,10 @@ def load_config(name: str = "config"):
     detail = [line.strip() for line in str(cause).splitlines() if line.strip()][-1]
     raise ValueError(f"--{name}={holder.config_filename}: cannot load it ({detail}); paths "
                      "are relative to the working directory") from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ValueError(f"--{name}={holder.config_filename}: get_config() returned a "
+                     f"{type(config).__name__}; allowed: an ml_collections.ConfigDict (e.g. "
+                     "cem_jax.config.get_default_config() with your changes)")
   return config
 
 

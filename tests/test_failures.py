@@ -137,6 +137,28 @@ def test_cli_config_errors_exit_before_anything_is_written(tmp_path, arg, expect
   _assert_nothing_left(tmp_path / "w")
 
 
+@pytest.mark.parametrize("body,args,expected", [
+    ("def get_config():\n  return undefined_name\n", [],
+     "name 'undefined_name' is not defined"),
+    ("def get_config(:\n  pass\n", [], "invalid syntax (cfg.py, line 1)"),
+    ("import no_such_module\n", [], "No module named 'no_such_module'"),
+    ("def get_config():\n  return {'model': {}}\n", [],
+     "get_config() returned a dict; allowed: an ml_collections.ConfigDict (e.g. "
+     "cem_jax.config.get_default_config() with your changes)"),
+    (None, ["--config.model.num_layers=2"], "[Errno 2] No such file or directory: "),
+])
+def test_a_config_file_that_cannot_run_is_one_line_with_or_without_overrides(tmp_path, body,
+                                                                             args, expected):
+  path = tmp_path / "cfg.py"
+  if body is not None:
+    path.write_text(body)
+  proc = _run_cli([f"--config={path}", f"--workdir={tmp_path / 'w'}", *args])
+  assert proc.returncode == 1
+  (line,) = proc.stderr.strip().splitlines()  # no traceback
+  assert line.startswith("error: ") and str(path) in line and expected in line, line
+  _assert_nothing_left(tmp_path / "w")
+
+
 def test_a_misspelt_override_is_named_wherever_it_stands_on_the_command_line():
   config = config_lib.get_default_config()
   for argv in (["main.py", "--config.trian.num_steps=5", "--config=c.py"],
