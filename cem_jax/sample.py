@@ -23,7 +23,8 @@ from cem_jax import cli
 
 
 def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
-  """Scaled and filtered logits ``[batch, vocab]`` float (removed entries are -inf): top-k
+  """Scaled and filtered logits ``[batch, vocab]`` float32, shifted so that each row's largest
+  is 0 (the same distribution; removed entries are -inf): top-k
   (Fan et al. 2018) and nucleus top-p (Holtzman et al. 2020, arXiv:1904.09751) sampling.
 
   ``top_k`` keeps exactly ``k`` tokens and ``top_p`` exactly the smallest prefix of the tokens
@@ -32,23 +33,30 @@ def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: floa
   same on every call. ``top_k`` <= 0 and ``top_p`` >= 1 disable those filters;
   ``temperature`` must be > 0.
   """
-  logits = logits / temperature
+  # The ranking is taken from the logits themselves, the probabilities from the scaled ones
+  # shifted to a maximum of 0: a tiny temperature then tends to greedy (no inf - inf), and a
+  # huge one cannot collapse the ranking into ties.
+  logits = logits.astype(jnp.float32)
+  shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+  # 0 stays 0 where a temperature below float32's range is flushed to 0 (0/0 would be nan).
+  scaled = jnp.where(shifted < 0, shifted / temperature, 0.0)
   rows = jnp.arange(logits.shape[0])[:, None]
+  keep = jnp.ones(logits.shape, bool)
   if top_k > 0:
     # lax.top_k returns k indices, the lower index first among equal values: a threshold
     # (logits >= the k-th largest) would keep every token tied with the k-th.
     _, kept = jax.lax.top_k(logits, top_k)
     keep = jnp.zeros(logits.shape, bool).at[rows, kept].set(True)
-    logits = jnp.where(keep, logits, -jnp.inf)
   if top_p < 1.0:
-    order = jnp.argsort(-logits, axis=-1, stable=True)  # ties: the lower id first
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # a token stays when the mass before it is < top_p (the first token always stays)
-    keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p
-    keep = jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
-    logits = jnp.where(keep, logits, -jnp.inf)
-  return logits
+    # Kept tokens by logit, the lower id first among ties; the removed ones last.
+    order = jnp.argsort(-jnp.where(keep, logits, -jnp.inf), axis=-1, stable=True)
+    probs = jax.nn.softmax(
+        jnp.take_along_axis(jnp.where(keep, scaled, -jnp.inf), order, axis=-1), axis=-1)
+    # a token stays when the mass before it is < top_p; the first always stays (also when
+    # top_p is below float32's smallest number)
+    keep_sorted = ((jnp.cumsum(probs, axis=-1) - probs) < top_p).at[:, 0].set(True)
+    keep = keep & jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
+  return jnp.where(keep, scaled, -jnp.inf)
 
 
 def _choose(logits, rng, temperature, top_k, top_p):
@@ -124,8 +132,9 @@ def main(argv):
       raise ValueError(f"--max_new_tokens={fl.max_new_tokens}; allowed: >= 1")
     if not 0.0 < fl.top_p <= 1.0:
       raise ValueError(f"--top_p={fl.top_p}; allowed: 0 < top_p <= 1")
-    if not fl.temperature >= 0.0:  # also rejects nan
-      raise ValueError(f"--temperature={fl.temperature}; allowed: 0 (greedy) or > 0")
+    if not 0.0 <= fl.temperature < float("inf"):  # also rejects nan
+      raise ValueError(f"--temperature={fl.temperature}; allowed: 0 (greedy) or a finite "
+                       "number > 0")
     if fl.top_k < 0:
       raise ValueError(f"--top_k={fl.top_k}; allowed: 0 (off) or 1..vocab_size")
     if fl.temperature == 0.0 and (fl.top_k or fl.top_p < 1.0):
@@ -136,6 +145,11 @@ def main(argv):
                        "the most likely token is taken; leave --seed out")
     if not fl.prompt:
       raise ValueError("--prompt is empty; give at least one character")
+    try:
+      fl.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes the shell passed that are not UTF-8
+      raise ValueError(f"--prompt={fl.prompt!r} is not UTF-8 text (at character {e.start}); "
+                       "give it in UTF-8") from None
     config, data, graphdef, params, step = load_run(fl.workdir)
     vocab = data.tokenizer.vocab_size
     if fl.top_k > vocab:
@@ -143,6 +157,11 @@ def main(argv):
     ids = data.tokenizer.encode(fl.prompt)
     if not ids:
       raise ValueError(f"--prompt={fl.prompt!r} encodes to no tokens; give some text")
+    if len(ids) >= config.data.seq_len:
+      raise ValueError(
+          f"--prompt is {len(ids)} tokens; allowed: at most {config.data.seq_len - 1}, so that "
+          f"one new token fits in data.seq_len={config.data.seq_len}, the longest context the "
+          "model was trained on")
     if len(ids) + fl.max_new_tokens > config.data.seq_len:
       raise ValueError(
           f"--prompt ({len(ids)} tokens) + --max_new_tokens={fl.max_new_tokens} exceeds "

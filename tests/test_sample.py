@@ -66,7 +66,23 @@ def test_top_k_and_top_p_filters():
   assert np.isfinite(np.asarray(p)).tolist() == [[True, True, False, False]]
   p_small = sample.filter_logits(logits, 1.0, 0, 0.1)  # the top token always stays
   assert np.isfinite(np.asarray(p_small)).tolist() == [[True, False, False, False]]
-  np.testing.assert_allclose(sample.filter_logits(logits, 2.0, 0, 1.0), logits / 2.0)
+  # Scaled and shifted to a maximum of 0 (the same distribution as logits / 2).
+  np.testing.assert_allclose(sample.filter_logits(logits, 2.0, 0, 1.0),
+                             (logits - jnp.log(0.5)) / 2.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,want", [
+    (1e-40, 0, 1.0, {1}),  # tends to greedy: 1/T overflows float32
+    (1.0, 0, 1e-40, {1}),  # below float32's smallest number: the top token still stays
+    (1e300, 2, 1.0, {1, 2}),  # near-uniform, but top-k ranks by the logits: not ids 0 and 1
+])
+def test_extreme_settings_keep_the_tokens_their_limits_define(temperature, top_k, top_p, want):
+  logits = jnp.asarray([[1.0, 3.0, 2.0, 0.0]])
+  out = np.asarray(sample.filter_logits(logits, temperature, top_k, top_p))
+  assert set(np.flatnonzero(np.isfinite(out[0])).tolist()) == want
+  keys = jax.random.split(jax.random.PRNGKey(0), 64)
+  tokens = {int(sample._choose(logits, k, temperature, top_k, top_p)[0]) for k in keys}
+  assert tokens <= want and (len(want) == 1 or tokens == want)
 
 
 def test_temperature_sampling_is_seeded_and_validates_length():
@@ -126,6 +142,22 @@ def test_sample_takes_a_prompt_and_new_tokens_up_to_seq_len_and_no_more(monkeypa
     sample.main([])
   assert e.value.code == 1
   assert capsys.readouterr().err.endswith("allowed: at most 5 new tokens for this prompt\n")
+  # A prompt that fills the context leaves no room: said of the prompt, not as "-1 new tokens".
+  fv.max_new_tokens = 1
+  monkeypatch.setattr(tokenizer, "encode", lambda text: list(range(1, 9)))
+  with pytest.raises(SystemExit):
+    sample.main([])
+  assert capsys.readouterr().err == (
+      "error: --prompt is 8 tokens; allowed: at most 7, so that one new token fits in "
+      "data.seq_len=8, the longest context the model was trained on\n")
+  # Bytes that are not UTF-8 reach Python as surrogates: refused before the run is loaded.
+  fv.prompt = "\udcff\udcfe abc"
+  monkeypatch.setattr(evaluate, "load_run", lambda workdir: pytest.fail("loaded"))
+  with pytest.raises(SystemExit):
+    sample.main([])
+  assert capsys.readouterr().err == (
+      "error: --prompt='\\udcff\\udcfe abc' is not UTF-8 text (at character 0); give it in "
+      "UTF-8\n")
 
 
 def _kept_reference(logits, top_k, top_p):
