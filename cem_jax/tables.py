@@ -527,7 +527,7 @@ def _rows_flag(module, value: str | None) -> list[str] | None:
   Raises:
     ValueError: a name that is not a row of the table, naming the allowed rows.
   """
-  if not value:
+  if value is None:
     return None
   rows = [r.strip() for r in value.split(",") if r.strip()]
   allowed = f"allowed: {', '.join(module.ROWS)}, each at most once"
@@ -545,7 +545,7 @@ def main(argv):
   del argv
   cli.quiet_libraries()
   fl = flags.FLAGS
-  with cli.user_errors():
+  with cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
     module = load_table(fl.table)
     name = os.path.basename(fl.table)[:-3] if fl.table.endswith(".py") else fl.table
     if fl.seeds < 1:
@@ -559,20 +559,21 @@ def main(argv):
     os.makedirs(fl.workdir, exist_ok=True)
     results = run_table(module, name, fl.scale, fl.seeds, fl.workdir, fl.steps, rows,
                         overrides)
-  if results is None:  # preempted: the table is written when every run has finished
-    return
-  if rows:  # the table shows every row finished here, not only those trained now
-    results = finished_results(module, name, fl.scale, fl.seeds, fl.workdir, fl.steps,
-                               overrides)
-  table_rows = aggregate(module, fl.scale, results, fl.steps, None, overrides)
-  device = jax.devices()[0].device_kind
-  when = time.strftime("%Y-%m-%d", time.gmtime())
-  command = command_line(fl.table, fl.scale, fl.seeds, fl.workdir, fl.steps, rows, fl.set)
-  header = (f"Table {name}, scale {fl.scale}, {fl.seeds} seed(s), written {when} ({device}); "
-            f"command: {command}")
-  paths = write_outputs(fl.workdir, name, table_rows,
-                        eval_curves(fl.workdir, name, module, fl.seeds,
-                                    [r["row"] for r in table_rows]), header)
+    if results is None:  # preempted: the table is written when every run has finished
+      return
+    if rows:  # the table shows every row finished here, not only those trained now
+      results = finished_results(module, name, fl.scale, fl.seeds, fl.workdir, fl.steps,
+                                 overrides)
+    table_rows = aggregate(module, fl.scale, results, fl.steps, None, overrides)
+    device = jax.devices()[0].device_kind
+    when = time.strftime("%Y-%m-%d", time.gmtime())
+    command = command_line(fl.table, fl.scale, fl.seeds, fl.workdir, fl.steps, rows, fl.set)
+    header = (f"Table {name}, scale {fl.scale}, {fl.seeds} seed(s), written {when} ({device}); "
+              f"command: {command}")
+    # Inside: a damaged metrics line of a finished run is a one-line ValueError too.
+    paths = write_outputs(fl.workdir, name, table_rows,
+                          eval_curves(fl.workdir, name, module, fl.seeds,
+                                      [r["row"] for r in table_rows]), header)
   print(open(paths[0]).read())
   print("\n".join(paths))
 

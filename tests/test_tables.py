@@ -113,6 +113,8 @@ def test_unknown_rows_are_a_one_line_error():
     tables._rows_flag(module, "t1,t2_fixed,t1")
   with pytest.raises(ValueError, match=r"--rows=' , ': not rows of the table: none"):
     tables._rows_flag(module, " , ")
+  with pytest.raises(ValueError, match=r"--rows='': not rows of the table: none"):
+    tables._rows_flag(module, "")  # given empty: not "every row"
 
 
 def test_the_header_command_writes_the_same_table_again():
