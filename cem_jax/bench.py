@@ -285,9 +285,19 @@ def main(argv):
     if unknown or not fl.variants:
       raise ValueError(f"--variants={','.join(unknown)}; allowed: one or more of "
                        f"{', '.join(VARIANTS)}")
+    twice = sorted({v for v in fl.variants if fl.variants.count(v) > 1})
+    if twice:
+      raise ValueError(f"--variants={','.join(fl.variants)}: {', '.join(twice)} given twice; "
+                       "allowed: each variant once")
+    # Found out now, not after the first row (or the whole sweep).
     out_dir = os.path.dirname(os.path.abspath(fl.out)) if fl.out else None
-    if out_dir and not os.path.isdir(out_dir):  # found out now, not after the whole sweep
+    if out_dir and not os.path.isdir(out_dir):
       raise ValueError(f"--out={fl.out}: folder {out_dir} does not exist")
+    if fl.out and os.path.isdir(fl.out):
+      raise ValueError(f"--out={fl.out} is a folder; give the JSON file's path")
+    if fl.profile_dir and os.path.exists(fl.profile_dir) and not os.path.isdir(fl.profile_dir):
+      raise ValueError(f"--profile_dir={fl.profile_dir} is a file; give a folder (created if "
+                       "missing)")
     document_mask = None if fl.document_mask is None else fl.document_mask.lower() == "true"
     try:
       run(fl.preset, fl.variants, fl.out, document_mask, fl.attention_impl,

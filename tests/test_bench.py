@@ -407,3 +407,26 @@ def test_analytic_flops_of_the_standard_attention_in_a_cem_block_by_hand():
   cfg.cem_attention = True
   assert bench.flops_per_token(cfg, vocab, n) == 3 * (
       2 * d * d + 2 * (4 * d * d + 4 * n * d + 6 * d * f)) + 2 * d * vocab
+
+
+@pytest.mark.parametrize("args,error", [
+    (["--variants=llama,gpt"], "--variants=gpt; allowed: one or more of llama, "),
+    (["--variants=llama,cem_fused,llama"],
+     "--variants=llama,cem_fused,llama: llama given twice; allowed: each variant once"),
+    (["--out={tmp}/missing/b.json"], "--out={tmp}/missing/b.json: folder {tmp}/missing does "
+                                     "not exist"),
+    (["--out={tmp}"], "--out={tmp} is a folder; give the JSON file's path"),
+    (["--profile_dir={tmp}/f"], "--profile_dir={tmp}/f is a file; give a folder (created if "
+                                "missing)"),
+])
+def test_bad_arguments_are_refused_before_any_row_runs(tmp_path, args, error):
+  import subprocess
+  import sys
+
+  (tmp_path / "f").write_text("")
+  proc = subprocess.run([sys.executable, "-m", "cem_jax.bench", "--preset=tiny",
+                         *(a.format(tmp=tmp_path) for a in args)],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1 and proc.stdout == ""
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      "error: " + error.format(tmp=tmp_path)), proc.stderr[-500:]
