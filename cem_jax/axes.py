@@ -49,7 +49,8 @@ def rules_from_config(mesh_config) -> tuple:
   Lists (from ``config.json``) become tuples. A missing ``mesh.rules`` gives ``DEFAULT_RULES``.
 
   Raises:
-    ValueError: a malformed pair, an unknown logical axis or an unknown mesh axis (one line).
+    ValueError: a malformed pair, an unknown or repeated logical axis, or an unknown or
+      repeated mesh axis (one line).
   """
   raw = mesh_config.get("rules", None) if hasattr(mesh_config, "get") else None
   if raw is None:
@@ -57,7 +58,7 @@ def rules_from_config(mesh_config) -> tuple:
   if not isinstance(raw, (tuple, list)):
     raise ValueError(f"mesh.rules={raw!r}; allowed: a tuple of (logical_axis, mesh_axis or None "
                      "or a tuple of mesh axes) pairs")
-  out = []
+  out, seen = [], set()
   for pair in raw:
     if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not isinstance(pair[0], str):
       raise ValueError(f"mesh.rules entry {pair!r}; allowed: a pair (logical_axis, mesh_axis or "
@@ -66,11 +67,18 @@ def rules_from_config(mesh_config) -> tuple:
     if logical not in LOGICAL_AXES:
       raise ValueError(f"mesh.rules names logical axis {logical!r}; allowed: "
                        f"{', '.join(LOGICAL_AXES)}")
+    if logical in seen:  # else the last rule would win silently
+      raise ValueError(f"mesh.rules gives logical axis {logical!r} twice; allowed: one rule "
+                       "per logical axis")
+    seen.add(logical)
     names = mesh_axes_of(target)
     bad = [n for n in names if n not in MESH_AXES]
     if bad:
       raise ValueError(f"mesh.rules maps {logical!r} to {bad[0]!r}; allowed mesh axes: "
                        f"{', '.join(MESH_AXES)} (or None: replicated)")
+    if len(set(names)) < len(names):  # a NamedSharding uses a mesh axis once
+      raise ValueError(f"mesh.rules maps {logical!r} to {target!r}, a mesh axis twice; allowed: "
+                       "each mesh axis at most once per rule")
     out.append((logical, None if not names else names[0] if len(names) == 1 else names))
   return tuple(out)
 

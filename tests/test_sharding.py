@@ -140,6 +140,14 @@ def test_bad_rules_are_one_clear_line():
     sharding.rules_from_config({"rules": 5})
   with pytest.raises(ValueError, match=r"^mesh\.rules entry None; allowed: a pair "):
     sharding.rules_from_config({"rules": (None,)})
+  # A NamedSharding takes a mesh axis once (main failed at the first sharding with jax's
+  # DuplicateSpecError); a second rule for an axis would win silently.
+  with pytest.raises(ValueError, match=r"^mesh\.rules maps 'embed' to \('fsdp', 'fsdp'\), a "
+                                       r"mesh axis twice; allowed: each mesh axis at most once"):
+    config_lib.validate(tiny_config("cem", **{"mesh.rules": (("embed", ("fsdp", "fsdp")),)}))
+  with pytest.raises(ValueError, match=r"^mesh\.rules gives logical axis 'embed' twice; "):
+    config_lib.validate(tiny_config("cem", **{"mesh.rules": (("embed", "fsdp"),
+                                                             ("embed", None))}))
 
 
 def test_a_dimension_the_mesh_axes_do_not_divide_is_replicated_with_a_warning(caplog):
