@@ -10,6 +10,7 @@ that opens the file by name. :func:`sha256_file` hashes a file of any size.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -103,6 +104,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     OSError: as :func:`atomic_write_bytes`, or nothing was written at the name.
   """
   path = os.fspath(path)
+  # Said of the path asked for, not of the temporary file a failed open would name.
+  folder = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(folder):
+    raise FileNotFoundError(errno.ENOENT, f"no folder {folder} to write into", path)
+  if os.path.isdir(path):
+    raise IsADirectoryError(errno.EISDIR, "a folder is in the way of the file", path)
   # A unique name (not tempfile.mkstemp): concurrent writers never share a temporary file, and
   # the file gets the usual permissions (umask), not mkstemp's owner-only 0600.
   tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"

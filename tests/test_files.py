@@ -30,9 +30,17 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_nothing(tmp_path, monkeypa
 
 
 def test_a_missing_folder_is_an_error_not_created(tmp_path):
-  with pytest.raises(FileNotFoundError):
-    files.atomic_write_bytes(tmp_path / "no" / "a.bin", b"x")
+  # Each error names the path asked for (not the temporary file beside it).
+  target = tmp_path / "no" / "a.bin"
+  with pytest.raises(FileNotFoundError) as e:
+    files.atomic_write_bytes(target, b"x")
+  assert str(e.value) == f"[Errno 2] no folder {tmp_path / 'no'} to write into: '{target}'"
   assert os.listdir(tmp_path) == []
+  (tmp_path / "d").mkdir()
+  with pytest.raises(IsADirectoryError) as e:
+    files.atomic_write_text(tmp_path / "d", "x")
+  assert str(e.value) == f"[Errno 21] a folder is in the way of the file: '{tmp_path / 'd'}'"
+  assert os.listdir(tmp_path / "d") == []
 
 
 def test_temporary_of_recognises_the_temporaries_of_both_writers(tmp_path, monkeypatch):
