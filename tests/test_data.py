@@ -890,3 +890,21 @@ def test_a_normalising_tokenizer_still_counts_every_byte_of_the_text(tmp_path):
     ids, nbytes = tok.encode_with_bytes(text)
     assert nbytes.sum() == len(text.encode("utf-8")), text
     assert len(ids) == len(nbytes) and (nbytes >= 0).all()
+
+
+@pytest.mark.parametrize("args,error", [
+    (["--mode=pipeline"], "--mode=pipeline needs --prepared_dir=FOLDER (made by --mode=prepare)"),
+    (["--mode=corpus", "--out={tmp}/c.txt", "--shared={tmp}"], "--shared={tmp} holds no *.txt "
+                                                                "file"),
+    (["--mode=pipeline", "--prepared_dir={tmp}", "--batch_size=0"],
+     "flag --batch_size=0: 0 is not a positive integer"),
+])
+def test_data_benchmark_refuses_bad_arguments_in_one_line(tmp_path, args, error):
+  import subprocess
+  import sys
+
+  proc = subprocess.run([sys.executable, "-m", "cem_jax.data.benchmark",
+                         *(a.format(tmp=tmp_path) for a in args)], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [f"error: {error.format(tmp=tmp_path)}"]

@@ -33,19 +33,23 @@ from pathlib import Path
 
 from absl import app, flags
 
+from cem_jax import cli
 from cem_jax.files import atomic_writer
+
+REPO = Path(__file__).resolve().parents[2]
 
 _MODE = flags.DEFINE_enum("mode", None, ["corpus", "prepare", "pipeline", "first_step"],
                           "What to measure.")
 _OUT = flags.DEFINE_string("out", None, "corpus: the text file to write; prepare: the folder.")
-_MEGABYTES = flags.DEFINE_integer("megabytes", 100, "corpus: size in MB (10^6 bytes).")
+_MEGABYTES = flags.DEFINE_integer("megabytes", 100, "corpus: size in MB (10^6 bytes).",
+                                  lower_bound=1)
 _SHARED = flags.DEFINE_string("shared", "../shared/data", "corpus: folder of the source texts.")
 _SEED = flags.DEFINE_integer("seed", 0, "corpus: shuffle seed.")
 _FILES = flags.DEFINE_string("files", None, "prepare: data.files of the corpus.")
 _PREPARED = flags.DEFINE_string("prepared_dir", None, "pipeline/first_step: prepared folder.")
-_BATCH = flags.DEFINE_integer("batch_size", 64, "pipeline: rows per batch.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "pipeline: tokens per row.")
-_STEPS = flags.DEFINE_integer("steps", 200, "pipeline: batches to read.")
+_BATCH = flags.DEFINE_integer("batch_size", 64, "pipeline: rows per batch.", lower_bound=1)
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "pipeline: tokens per row.", lower_bound=2)
+_STEPS = flags.DEFINE_integer("steps", 200, "pipeline: batches to read.", lower_bound=1)
 
 
 def make_corpus(shared: Path, out: Path, megabytes: int, seed: int = 0) -> int:
@@ -115,7 +119,7 @@ def _first_step(prepared_dir: str) -> None:
   # The run itself verifies every file; this only needs the manifest's settings.
   manifest = PreparedData.open_manifest(prepared_dir, verify=False)
   with tempfile.TemporaryDirectory() as workdir:
-    cmd = [sys.executable, "-m", "cem_jax.main", "--config=experiments/tiny.py",
+    cmd = [sys.executable, "-m", "cem_jax.main", f"--config={REPO / 'experiments' / 'tiny.py'}",
            f"--workdir={workdir}", f"--config.data.prepared_dir={prepared_dir}",
            f"--config.data.vocab_size={manifest['tokenizer']['vocab_size']}",
            f"--config.data.validation_fraction={manifest['config']['validation_fraction']}",
@@ -144,9 +148,16 @@ def _first_step(prepared_dir: str) -> None:
 
 def main(argv):
   del argv
+  with cli.user_errors():
+    _main()
+
+
+def _main() -> None:
+  if _MODE.value in ("pipeline", "first_step") and not _PREPARED.value:
+    raise ValueError(f"--mode={_MODE.value} needs --prepared_dir=FOLDER (made by --mode=prepare)")
   if _MODE.value == "corpus":
     if not _OUT.value:
-      raise app.UsageError("--mode=corpus needs --out=FILE")
+      raise ValueError("--mode=corpus needs --out=FILE")
     start = time.perf_counter()
     n = make_corpus(Path(_SHARED.value), Path(_OUT.value), _MEGABYTES.value, _SEED.value)
     print(f"corpus: wrote {n / 1e6:.1f} MB to {_OUT.value} in {time.perf_counter() - start:.1f} s")
@@ -155,7 +166,7 @@ def main(argv):
     from cem_jax.data import prepared, shard_writer
 
     if not (_FILES.value and _OUT.value):
-      raise app.UsageError("--mode=prepare needs --files and --out")
+      raise ValueError("--mode=prepare needs --files and --out")
     config = get_default_config()
     config.data.files = _FILES.value
     start = time.perf_counter()
@@ -175,4 +186,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("mode")
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)
