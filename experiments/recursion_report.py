@@ -27,6 +27,7 @@ are missing, and the committed η values would be lost.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import statistics
@@ -54,13 +55,24 @@ def _seeds(workdir: str, row: str) -> list[str]:
 
 
 def _last_eval(run: str) -> dict:
-  return [m for m in read_metrics(run) if "eval/loss" in m][-1]
+  """The run's last eval line, its loss nan where metrics.jsonl holds null (not finite).
+
+  Raises:
+    ValueError: the run has no eval line.
+  """
+  evals = [m for m in read_metrics(run) if "eval/loss" in m]
+  if not evals:
+    raise ValueError(f"{run}/metrics.jsonl has no eval line; train that run again")
+  last = evals[-1]
+  return {**last, "eval/loss": math.nan if last["eval/loss"] is None else last["eval/loss"]}
 
 
 def _energies(line: dict) -> dict:
-  """``{(layer, step, part): (before, after)}`` (steps from 1) from one eval line."""
+  """``{(layer, step, part): (before, after)}`` (steps from 1) from one eval line; sub-steps
+  whose energy was not finite (null) are left out."""
   return {(layer, t + 1, part): pair for layer, parts in energy_steps(line).items()
-          for part, pairs in parts.items() for t, pair in enumerate(pairs)}
+          for part, pairs in parts.items() for t, pair in enumerate(pairs)
+          if None not in pair}
 
 
 def _fmt(values: list[float]) -> str:
@@ -153,6 +165,9 @@ def eta_table(workdir: str) -> list[str]:
       continue
     cells = []
     for part in ("attn", "mlp"):
+      if not per_part[part]:  # no learned η in this part (a Llama or standard sub-layer)
+        cells.append("–")
+        continue
       stacked = np.stack(per_part[part])  # [layers × seeds, copies]
       cells.append(", ".join(f"{v:.3f}" for v in stacked.mean(axis=0)))
     lines.append(f"| {row} | " + " | ".join(cells) + f" | {', '.join(read)} |")

@@ -369,3 +369,26 @@ def test_process_slice_is_the_block_of_rows_this_process_holds():
   assert sharding.process_slice(Rows(slice(4, 6), slice(6, 8)), 8) == (1, 2)
   assert sharding.process_slice(Rows(slice(6, 8)), 8) == (3, 4)
   assert sharding.process_slice(Rows(slice(0, 2), slice(4, 6)), 8) == (0, 1)  # not one block
+
+
+def test_recursion_report_reads_a_diverged_run_and_names_a_run_without_evals(tmp_path):
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location(
+      "recursion_report", Path(__file__).resolve().parents[1] / "experiments/recursion_report.py")
+  report = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(report)
+  key = "eval/energy/layer0/step1/att_{}".format
+  for row, loss, energy in (("t1", 2.0, (1.0, 0.5)), ("t2_fixed", None, (None, None))):
+    run = tmp_path / "design" / row / "seed0"
+    run.mkdir(parents=True)
+    (run / "result.json").write_text("{}")
+    # null: not finite, as metrics.jsonl writes it
+    write_metrics(run, [{"step": 10, "eval/loss": loss, key("before"): energy[0],
+                         key("after"): energy[1]}])
+  table = report.loss_table(str(tmp_path))
+  assert table[2:] == ["| t1 | 2.0000 | 0 | +nan |", "| t2_fixed | nan | +nan | 0 |"]
+  assert "| t1 | -0.50 | – | – | – | 1/1 | – | – |" in report.energy_table(str(tmp_path))
+  write_metrics(tmp_path / "design" / "t1" / "seed0", [{"step": 10, "train/loss": 3.0}])
+  with pytest.raises(ValueError, match=r"design/t1/seed0/metrics\.jsonl has no eval line"):
+    report.loss_table(str(tmp_path))
