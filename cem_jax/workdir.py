@@ -77,8 +77,15 @@ def prepare_workdir(workdir: str) -> bool:
   Returns True if this call created it (so a failed start-up can remove it again).
 
   Raises:
-    ValueError: it cannot be created or written (one line naming ``--workdir`` and the reason).
+    ValueError: it cannot be created or written, or is not a UTF-8 path (one line naming
+      ``--workdir`` and the reason).
   """
+  try:
+    os.path.abspath(workdir).encode("utf-8")
+  except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8
+    # ArrayRecord's and Orbax's writers take UTF-8 paths only: found out before anything exists.
+    raise ValueError(f"--workdir={workdir!r} is not a UTF-8 path; choose another --workdir"
+                     ) from None
   created = not os.path.isdir(workdir)
   try:
     os.makedirs(workdir, exist_ok=True)

@@ -328,6 +328,12 @@ def test_preparing_a_workdir_says_whether_it_made_it_and_leaves_nothing_in_it(tm
   workdir = tmp_path / "w"
   assert prepare_workdir(str(workdir)) and not prepare_workdir(str(workdir))
   assert os.listdir(workdir) == []  # the write probe is removed
+  # Bytes that are not UTF-8 (a surrogate from the shell): ArrayRecord's writer would fail
+  # on the path later; refused before anything is made.
+  bad = str(tmp_path / "x\udcffy")
+  with pytest.raises(ValueError, match=r"^--workdir='.*x\\udcffy' is not a UTF-8 path; "):
+    prepare_workdir(bad)
+  assert sorted(os.listdir(tmp_path)) == ["w"]
 
 
 def test_a_refused_resume_removes_only_the_data_it_prepared(tmp_path):
