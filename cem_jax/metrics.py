@@ -164,7 +164,8 @@ def energy_steps(metrics_line: dict) -> dict[int, dict[str, list[tuple[float, fl
   """``{layer: {'att': [(before, after) of step 1, of step 2, ...], 'mlp': [...]}}`` from one
   eval line of ``metrics.jsonl`` (energies per real token); empty without an energy trace.
 
-  Each pair is one sub-step's own energy before and after it. Between two steps the other
+  Each pair is one sub-step's own energy before and after it (None where the line holds
+  null, a value that was not finite, or lacks the key). Between two steps the other
   sub-step moves the state, so step 2's ``before`` need not equal step 1's ``after`` (with
   the Lie–Trotter split the MLP step may raise the attention energy again)."""
   found: dict[int, dict[str, dict[int, dict[str, float]]]] = {}
@@ -173,7 +174,8 @@ def energy_steps(metrics_line: dict) -> dict[int, dict[str, list[tuple[float, fl
     if m:
       layer, step, part, when = int(m[1]), int(m[2]), m[3], m[4]
       found.setdefault(layer, {}).setdefault(part, {}).setdefault(step, {})[when] = value
-  return {layer: {part: [(steps[s]["before"], steps[s]["after"]) for s in sorted(steps)]
+  # .get: a half missing from a cut or hand-edited line is None, like a non-finite value.
+  return {layer: {part: [(steps[s].get("before"), steps[s].get("after")) for s in sorted(steps)]
                   for part, steps in parts.items()}
           for layer, parts in sorted(found.items())}
 
@@ -190,8 +192,8 @@ def energy_trace(metrics_line: dict) -> dict[int, dict[str, list[float]]]:
 def final_energy(metrics_line: dict) -> float | None:
   """The energy after the last step, summed over layers and over the CEM sub-layers the line
   has (each a mean per token); None when the line has no energy trace (a Llama model, or
-  ``eval.energy_trace`` off). What ``evaluate``'s test-time-steps table reports."""
+  ``eval.energy_trace`` off) or when one of them is not finite (null). What ``evaluate``'s
+  test-time-steps table reports."""
   trace = energy_trace(metrics_line)
-  if not trace:
-    return None
-  return sum(chain[-1] for parts in trace.values() for chain in parts.values())
+  last = [chain[-1] for parts in trace.values() for chain in parts.values()]
+  return None if not last or None in last else sum(last)

@@ -82,7 +82,8 @@ def plot_run(workdir: str) -> list[str]:
 
   Raises:
     FileNotFoundError: ``workdir/metrics.jsonl`` does not exist.
-    ValueError: it holds no losses yet, or a damaged line before the last.
+    ValueError: it holds no losses yet, none that is finite, or a damaged line before the
+      last.
   """
   if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
     raise FileNotFoundError(f"--workdir={workdir}: no metrics.jsonl (train there first)")
@@ -90,6 +91,9 @@ def plot_run(workdir: str) -> list[str]:
   if not any("train/loss" in m or "eval/loss" in m for m in metrics):
     raise ValueError(f"--workdir={workdir}: metrics.jsonl has no losses yet (the first is "
                      "logged after train.log_every_steps steps)")
+  if all(m.get("train/loss") is None and m.get("eval/loss") is None for m in metrics):
+    raise ValueError(f"--workdir={workdir}: every loss in metrics.jsonl is null (not finite: "
+                     "the run diverged from its start); nothing to plot")
   out_dir = os.path.join(workdir, "plots")
   os.makedirs(out_dir, exist_ok=True)
   written = [os.path.join(out_dir, "loss.png")]

@@ -107,6 +107,9 @@ def test_energy_steps_keep_each_sub_steps_own_before_and_after():
   # after each sub-layer's last step, summed: -2.5 + 0.5 (layer 0), -0.75 + 0.25 (layer 1)
   assert final_energy(line) == pytest.approx(-2.5)
   assert energy_steps({"step": 5, "eval/loss": 1.0}) == {}
+  # A half missing (a cut or hand-edited line) is None, as a non-finite (null) value is.
+  assert energy_steps({"eval/energy/layer0/step1/att_before": 2.0}) == {0: {"att": [(2.0, None)]}}
+  assert final_energy({"eval/energy/layer0/step1/att_before": 2.0}) is None
   assert final_energy({"step": 5, "eval/loss": 1.0}) is None  # no trace: a Llama model
   # steps and layers in numeric order whatever the key order (step10 after step9)
   many = {"eval/loss": 1.0}

@@ -253,6 +253,9 @@ def test_the_loss_plot_of_a_run_whose_last_eval_is_not_finite_or_that_has_only_e
   assert labels == ["eval (last: not finite)"]
   write_metrics(tmp_path, [{"step": 10, "eval/loss": 2.5}])
   assert plot.plot_run(str(tmp_path)) == [str(tmp_path / "plots" / "loss.png")]
+  write_metrics(tmp_path, [{"step": 10, "train/loss": None}, {"step": 10, "eval/loss": None}])
+  with pytest.raises(ValueError, match=r"every loss in metrics.jsonl is null \(not finite"):
+    plot.plot_run(str(tmp_path))
   assert [list(line.get_ydata()) for line in figures[-1].axes[0].lines] == [[2.5]]
 
 
