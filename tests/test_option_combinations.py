@@ -10,20 +10,9 @@ import numpy as np
 import pytest
 import test_reference as R
 from flax import nnx
+from test_neighbours import QUADRATIC, B, D, N, V, model_cfg  # its sizes and config
 
-from cem_jax.config import get_default_config
 from cem_jax.model import DecoderLM
-
-D, H, F, B, N, V = 16, 2, 24, 2, 6, 40
-
-
-def model_cfg(**overrides):
-  cfg = get_default_config().model
-  cfg.d_model, cfg.num_heads, cfg.mlp_dim, cfg.num_layers = D, H, F, 3
-  cfg.init_std = 0.1
-  for k, v in overrides.items():
-    cfg[k] = v
-  return cfg
 
 
 def _tokens(seed=0, n=N):
@@ -86,17 +75,7 @@ def test_cached_decoding_matches_full_forward_at_random_parameters(case):
 # Mutation: cem.py _att_delta `self._energy(..., y, ...)` -> `(..., at, ...)` (no test traces a
 # momentum block with a nonzero incoming velocity).
 
-QUADRATIC = '''
-import jax.numpy as jnp
-def att(y, context, params, aux):
-  w = params["w_q"].reshape(y.shape[-1], -1)
-  return (0.5 * jnp.sum(jnp.square(y @ w)) + 0.05 * jnp.sum(jnp.square(y))
-          + 0.1 * jnp.sum(y * (context @ w @ w.T)) + 0.01 * jnp.sum(jnp.square(context)))
-def mlp(y, context, params, aux):
-  w = params["w"]
-  return (0.25 * jnp.sum(jnp.square(y @ w)) + 0.05 * jnp.sum(jnp.square(y))
-          + 0.1 * jnp.sum(y * (context @ w @ w.T)) + 0.01 * jnp.sum(jnp.square(context)))
-'''
+# The energies: test_neighbours.QUADRATIC's att and mlp.
 
 
 def _np_quad(y, c, w, half):
