@@ -544,3 +544,39 @@ def test_a_run_predating_a_key_counts_only_with_that_key_at_its_default(tmp_path
   assert tables._same_config(str(tmp_path), tiny_config("llama"))
   assert not tables._same_config(
       str(tmp_path), tiny_config("llama", **{"train.min_learning_rate_ratio": 0.5}))
+
+
+def test_a_diverged_run_or_damaged_curve_is_one_line_from_the_command(tmp_path, monkeypatch,
+                                                                      capsys):
+  # tables.main on stand-ins: a run that diverges (FloatingPointError, as train raises it) and
+  # a damaged metrics line met while drawing the curves end in one line, exit status 1.
+  from absl import flags
+
+  fv = flags.FlagValues()
+  for name, default in (("table", "design"), ("scale", "tiny"), ("workdir", str(tmp_path)),
+                        ("rows", None)):
+    flags.DEFINE_string(name, default, "", flag_values=fv)
+  flags.DEFINE_integer("seeds", 1, "", flag_values=fv)
+  flags.DEFINE_integer("steps", None, "", flag_values=fv)
+  flags.DEFINE_multi_string("set", [], "", flag_values=fv)
+  fv(["tables"])
+  monkeypatch.setattr(flags, "FLAGS", fv)
+
+  def diverge(*args):
+    raise FloatingPointError("train/loss is not finite at step 3 of row t1")
+
+  monkeypatch.setattr(tables, "run_table", diverge)
+  with pytest.raises(SystemExit) as e:
+    tables.main([])
+  assert e.value.code == 1
+  assert capsys.readouterr().err == "error: train/loss is not finite at step 3 of row t1\n"
+
+  def damaged(*args):
+    raise ValueError("seed0/metrics.jsonl:2 is not valid JSON")
+
+  monkeypatch.setattr(tables, "run_table", lambda *args: [])
+  monkeypatch.setattr(tables, "aggregate", lambda *args: [])
+  monkeypatch.setattr(tables, "eval_curves", damaged)
+  with pytest.raises(SystemExit):
+    tables.main([])
+  assert capsys.readouterr().err == "error: seed0/metrics.jsonl:2 is not valid JSON\n"
