@@ -189,9 +189,10 @@ def _other_source(result: dict, config) -> str | None:
   """Why ``result`` was trained on other text than ``config`` selects, or None. A result
   without a record (written before ``data_source`` existed) is judged by its config alone,
   which names ``data.files`` by file name."""
-  if "data_source" not in result or result["data_source"] == source_record(config):
+  saved = result.get("data_source")
+  now = None if saved is None else source_record(config)
+  if saved is None or saved == now:
     return None
-  saved, now = result["data_source"], source_record(config)
   if saved.get("kind") == now["kind"] == "files":
     return (f"data.files with sha256 {[f['sha256'][:12] for f in saved['files']]}, now "
             f"{[f['sha256'][:12] for f in now['files']]}")
