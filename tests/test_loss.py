@@ -106,7 +106,10 @@ def test_blocks_keep_one_blocks_logits_in_memory():
   need = {b: memory.footprint_bytes(steps.make_train_step(graphdef, tx, loss_block_size=b)
                                     .lower(params, tx.init(params), batch).compile())
           for b in (0, 32)}
-  assert need[32] < 0.4 * need[0], need  # measured: 59 MiB vs 200 MiB
+  # Measured: 51 MiB vs 105 MiB (200 MiB before the loss stopped writing log_softmax's
+  # [batch, seq_len, vocab_size] copy: the logits themselves now dominate less).
+  assert need[32] < 0.6 * need[0], need
+  assert need[0] < 4.5 * 2**25, need  # < 4.5 float32 copies of the logits (log_softmax: 6.2)
   batch["target_bytes"] = batch["weights"]
   need = {b: memory.footprint_bytes(steps.make_eval_step(graphdef, None, loss_block_size=b)
                                     .lower(params, batch).compile()) for b in (0, 32)}
