@@ -1,7 +1,6 @@
 """Benchmark: the analytic FLOP formula agrees with XLA; the benchmark runs end to end."""
 
 import gzip
-import itertools
 import json
 
 import jax
@@ -319,11 +318,17 @@ def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(m
   # and a clock that advances 0.5 s a reading: every step takes 0.5 s.
   tiny = dict(bench.PRESETS["tiny"], d_model=32, num_layers=1, mlp_dim=64, tokens_per_batch=64)
   config = bench._model_config(tiny, bench.VARIANTS["llama"], 32, 32)  # 2 rows of 32 tokens
-  fake = jax.jit(lambda p, o, b: (p, o, {"loss": jnp.float32(1.0)}))
+  now = [0.0]
+
+  def step(p, o, b):  # every step takes 0.5 s of the clock
+    now[0] += 0.5
+    return p, o, {"loss": jnp.float32(1.0)}
+
+  compiled = type("Lowered", (), {"compile": lambda self: step})()
+  fake = type("Step", (), {"lower": lambda self, *a: compiled})()
   monkeypatch.setattr(bench.steps_lib, "make_train_step", lambda *a, **k: fake)
   monkeypatch.setattr(bench, "DecoderLM", _StandInModel)
-  clock = itertools.count(0.0, 0.5)
-  monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+  monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
   monkeypatch.setattr(bench, "peak_flops", lambda: 1e9)
   r = bench.bench_one(config, 512, steps=3, warmup=1)
   # Llama, L=1, d=32, f=64, n=32, V=512: L(8d² + 6df + 4nd) + 2dV
@@ -334,14 +339,14 @@ def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(m
   assert r["mfu"] == pytest.approx(3 * 57344 * 64 / 0.5 / 1e9)
 
 
-def test_a_row_times_the_median_of_its_steps_after_warmup_in_mib_with_a_null_nan_loss(
-    monkeypatch):
-  # A clock moved by the steps themselves: warm-up 1 s, then 2, 3 and 10 s (median 3 s).
+def test_a_row_times_steps_back_to_back_after_warmup_in_mib_with_a_null_nan_loss(monkeypatch):
+  # A clock moved by the steps themselves: warm-up 1 s; waited for one by one 2, 3 and 10 s
+  # (median 3 s); then back to back 4, 4 and 7 s (mean 5 s: the figure).
   import numpy as np
 
   tiny = dict(bench.PRESETS["tiny"], d_model=32, num_layers=1, mlp_dim=64, tokens_per_batch=64)
   config = bench._model_config(tiny, bench.VARIANTS["llama"], 32, 32)
-  now, durations = [0.0], iter([1.0, 2.0, 3.0, 10.0])
+  now, durations = [0.0], iter([1.0, 2.0, 3.0, 10.0, 4.0, 4.0, 7.0])
 
   def step(p, o, b):
     now[0] += next(durations)
@@ -358,7 +363,8 @@ def test_a_row_times_the_median_of_its_steps_after_warmup_in_mib_with_a_null_nan
                       lambda t, s: batches.append(np.asarray(s)) or make_batch(t, s))
   monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
   r = bench.bench_one(config, 512, steps=3, warmup=1)
-  assert r["step_ms"] == 3000.0
+  assert r["step_ms"] == 5000.0 and r["step_ms_synced"] == 3000.0
+  assert r["tokens_per_s"] == 64 / 5.0
   assert r["peak_memory_mb"] == 3.0  # MiB
   assert r["loss"] is None and json.dumps(r, allow_nan=False)
   # DOCUMENTS_PER_WINDOW equal documents, ids 1..4, in every row of the window.
