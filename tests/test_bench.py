@@ -218,7 +218,7 @@ def _the_run_to_do() -> list[dict[str, str]]:
 
   doc = (pathlib.Path(__file__).parents[1] / "docs" / "PERFORMANCE.md").read_text()
   section = doc[doc.index("### The run to do"):]
-  section = section[:section.index("Commit both JSON files")].replace("\\\n", " ")
+  section = section[:section.index("Commit the JSON files")].replace("\\\n", " ")
   runs = []
   for line in section.splitlines():
     words = shlex.split(line) if "python3 -m cem_jax.bench" in line else []
