@@ -130,6 +130,23 @@ def test_other_potentials_differentiate_to_their_activation(potential):
   assert abs(float(phi(jnp.float32(0.0)))) < 1e-7
 
 
+@pytest.mark.parametrize("potential", ["silu", "gelu", "relu", "relu2"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_potentials_run_in_half_precision_and_keep_the_dtype(potential, dtype):
+  # A bf16 model evaluates Φ in bf16; jax.scipy.stats.norm takes no half precision, so
+  # phi_gelu computes in float32 and casts back, like phi_silu.
+  phi, act = energies.POTENTIALS[potential]
+  z = jnp.linspace(-4.0, 4.0, 33)
+  half = phi(z.astype(dtype))
+  assert half.dtype == dtype
+  np.testing.assert_allclose(np.asarray(half, np.float32), np.asarray(phi(z)), rtol=1e-2,
+                             atol=1e-2)
+  grad = jax.vmap(jax.grad(phi))(z.astype(dtype))
+  assert grad.dtype == dtype
+  np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(act(z)), rtol=2e-2,
+                             atol=2e-2)
+
+
 @pytest.mark.parametrize("mode", ["autodiff", "fused"])
 def test_empty_rows_update_zero_and_derivatives_finite(mode):
   """A padded query row / position 0 under strict causality sees no key: update exactly 0."""

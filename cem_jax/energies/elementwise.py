@@ -69,10 +69,13 @@ def _phi_silu_jvp(primals, tangents):
 def phi_gelu(z: jax.Array) -> jax.Array:
   """The (exact, erf) GELU potential ``Φ(z) = ½(z²-1)·N(z) + ½ z φ(z) + ¼``; ``Φ' = gelu``.
 
-  Element-wise, same shape and dtype as ``z`` (CEM_MATH.md §2)."""
-  cdf = jax.scipy.stats.norm.cdf(z)
-  pdf = jax.scipy.stats.norm.pdf(z)
-  return 0.5 * (z * z - 1.0) * cdf + 0.5 * z * pdf + 0.25
+  Element-wise, same shape and dtype as ``z`` (bf16/f16 are computed in float32, which
+  ``jax.scipy.stats.norm`` needs; CEM_MATH.md §2)."""
+  z = jnp.asarray(z)
+  x = z.astype(jnp.promote_types(z.dtype, jnp.float32))
+  cdf = jax.scipy.stats.norm.cdf(x)
+  pdf = jax.scipy.stats.norm.pdf(x)
+  return (0.5 * (x * x - 1.0) * cdf + 0.5 * x * pdf + 0.25).astype(z.dtype)
 
 
 def phi_relu(z: jax.Array) -> jax.Array:
