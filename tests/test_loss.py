@@ -146,6 +146,19 @@ def test_in_bfloat16_the_heads_gradient_is_summed_over_blocks_in_float32():
     assert error(block_size) < 1.5 * whole, (block_size, error(block_size), whole)
 
 
+def test_bf16_logits_are_accumulated_and_kept_in_float32():
+  # Logits of magnitude ~10 from bf16 operands: rounded to bf16 they would be off by up to
+  # 2^-9 of their size (~0.02); accumulated in float32 they match the float64 product of the
+  # same bf16 operands to float32 rounding.
+  rng = np.random.default_rng(3)
+  hidden = jnp.asarray(rng.normal(size=(2, 8, 64)), jnp.bfloat16)
+  head = jnp.asarray(1.2 * rng.normal(size=(64, 50)), jnp.bfloat16)
+  got = loss.output_logits(hidden, head)
+  want = np.asarray(hidden, np.float64) @ np.asarray(head, np.float64)
+  assert got.dtype == jnp.float32 and np.abs(want).max() > 20
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=2e-4)
+
+
 def test_blocks_run_along_the_sequence_whatever_the_batch():
   """Blocks are blocks of positions (all rows at once), not of rows: with batch 2 and 16 blocks
   the gradient's memory holds one [2, 32, V] block of logits, not a row's [512, V]."""
