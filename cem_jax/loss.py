@@ -30,8 +30,35 @@ def output_logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
     ``[..., vocab_size]`` float32 logits: the product of the compute-dtype operands
     accumulated and written in float32 (``preferred_element_type``), never rounded to bf16
     on the way (a bf16 logit near 10 is only good to 0.06; MaxText's ``logits_dot_in_fp32``).
+    The gradient's two products take the float32 cotangent cast to the compute dtype, as a
+    bf16 product cast to float32 would: left to autodiff they would multiply float32 by bf16,
+    which a GPU runs as a float32 product. Both are accumulated in float32 and returned in
+    the operands' dtypes. Float32 (or wider) operands take the plain product: the same
+    numbers as before this rule existed.
   """
+  if jnp.promote_types(hidden.dtype, head.dtype).itemsize >= 4:
+    return (hidden @ head).astype(jnp.float32)
+  return _output_logits(hidden, head)
+
+
+@jax.custom_vjp
+def _output_logits(hidden, head):
   return jnp.matmul(hidden, head, preferred_element_type=jnp.float32)
+
+
+def _output_logits_fwd(hidden, head):
+  return _output_logits(hidden, head), (hidden, head)
+
+
+def _output_logits_bwd(residuals, g):
+  hidden, head = residuals
+  g = g.astype(hidden.dtype)
+  d_hidden = jnp.matmul(g, head.T, preferred_element_type=jnp.float32)
+  d_head = jnp.einsum("...v,...d->dv", g, hidden, preferred_element_type=jnp.float32)
+  return d_hidden.astype(hidden.dtype), d_head.astype(head.dtype)
+
+
+_output_logits.defvjp(_output_logits_fwd, _output_logits_bwd)
 
 
 def weighted_cross_entropy(logits, targets, weights):

@@ -157,6 +157,26 @@ def test_bf16_logits_are_accumulated_and_kept_in_float32():
   want = np.asarray(hidden, np.float64) @ np.asarray(head, np.float64)
   assert got.dtype == jnp.float32 and np.abs(want).max() > 20
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=2e-4)
+  # The gradient's products multiply bf16 by bf16 (float32 by bf16 runs as a float32 product
+  # on a GPU), and the gradients come back in bf16.
+  targets = rng.integers(0, 50, (2, 8)).astype(np.int32)
+  f = lambda h, w: loss.blockwise_cross_entropy(h, w, targets, np.ones((2, 8), np.float32))[0]
+  jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(hidden, head)
+  dots = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+  assert len(dots) == 3 and all({v.aval.dtype for v in e.invars} == {jnp.dtype(jnp.bfloat16)}
+                                for e in dots), [[v.aval.dtype for v in e.invars] for e in dots]
+  assert all(g.dtype == jnp.bfloat16 for g in jax.grad(f, argnums=(0, 1))(hidden, head))
+
+
+def _equations(jaxpr):
+  """Every equation of ``jaxpr``, those of the jaxprs inside it (jit, custom_vjp) included."""
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for sub in (p if isinstance(p, (list, tuple)) else [p]):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _equations(inner)
 
 
 def test_blocks_run_along_the_sequence_whatever_the_batch():
