@@ -16,7 +16,8 @@ blocks before anything is compiled for training:
   must equal the training-layout update of the same tokens, and with ``model.document_mask`` a
   row's last document's update must not change with the documents before it; an energy that
   builds its own mask or RoPE positions, ignores ``aux.mask``, looks ahead or crosses
-  documents fails.
+  documents fails; so does an update that is not finite (NaN or inf) in either layout, padding
+  and rows that see no key included.
 Built-ins (``EnergySpec.builtin``) skip the numerical checks: tests/test_energies.py verifies
 them.
 """
@@ -78,7 +79,8 @@ def validate_energies(config) -> None:
       update that fails, or returns the wrong shape or dtype, in either layout; a user's fused
       update whose maximum relative error against ``-jax.grad(energy)`` exceeds
       :data:`FUSED_RTOL` (or whose reference gradient is not finite); a user's energy whose
-      update in the cached-decoding layout departs from the training layout's by more.
+      update in the cached-decoding layout departs from the training layout's by more, or is
+      not finite in either layout.
   """
   m = config.model
   slots = []
@@ -401,7 +403,8 @@ def _causal_values(field, spec, kind, m, shapes, update):
     try:
       # One document, as decoding sees it (segment ids when training has them: one compile).
       one = jnp.ones((batch, seq), jnp.int32) if m.document_mask else None
-      want = np.asarray(train(y, context, params, one), np.float64)[:, rows]
+      trained = np.asarray(train(y, context, params, one), np.float64)
+      want = trained[:, rows]
       got = np.asarray(decode(y[:, rows], cached if kind == "attention" else context[:, rows],
                               params), np.float64)
       # What must not move when the rest changes: each row's last document, or without
@@ -418,6 +421,11 @@ def _causal_values(field, spec, kind, m, shapes, update):
     except Exception as e:  # the shape checks ran this code already: rare
       raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
                        f"{_float32_note(m)}: {_one_line(e)}") from e
+    # A NaN or inf update is no layout mismatch: say what it is (the comparisons below would
+    # call it one, or, on rows they do not compare (padding), let it train to a NaN loss).
+    for values, segments in ((trained, None), (before, seg), (after, seg), (got, None)):
+      if not np.all(np.isfinite(values)):
+        raise _not_finite(field, spec, kind, m, update, values, segments, values is got)
   rel = _relative_error(got, want)
   if not rel <= FUSED_RTOL:  # also NaN
     raise refuse(f"of {new} new tokens at positions {index}.. against a {cache}-slot cache, "
@@ -429,3 +437,30 @@ def _causal_values(field, spec, kind, m, shapes, update):
                  "padding) before it change, as in training with model.document_mask"
                  if m.document_mask else "of one batch row changes when another row's tokens "
                  "change (rows are independent examples)", rel)
+
+
+def _not_finite(field, spec, kind, m, update, values, segment_ids, decoding) -> ValueError:
+  """The refusal of an update with NaN or inf entries (``values``: ``[batch, rows, d_model]``
+  in the training layout of ``segment_ids``, or the cached-decoding one), saying for attention
+  whether only the rows that see no key have them."""
+  what = (f"fused update {_fn_name(update)}" if update is spec.fused_update else
+          "update (jax.grad of the energy)")
+  if decoding:
+    where = f"new tokens against a longer cache, {_DECODING}"
+  else:
+    where = "[batch, seq_len, d_model] inputs" + (
+        " with documents and padding (model.document_mask)" if segment_ids is not None else "")
+  if kind == "attention":
+    hint = ("the update must be finite, and 0 on a row that sees no key: mask scores with "
+            "jnp.where, not by multiplying them or their exponentials (CEM_MATH.md section 7)")
+    if not decoding:
+      batch, seq = values.shape[:2]
+      sees = np.asarray(jnp.any(training_aux(m, segment_ids, batch, seq).mask, axis=-1))
+      if not np.any(sees & ~np.all(np.isfinite(values), axis=-1)):
+        where += (", on rows that see no key only (padding, or a document's first token with "
+                  "model.strict_causal)")
+  else:
+    hint = ("the update must be finite: give a function whose jax.grad is NaN (e.g. "
+            "jax.scipy.special.spence) a jax.custom_jvp (CEM_MATH.md section 2)")
+  return ValueError(f"{field}={spec.name!r}: its {what} is not finite (NaN or inf) on random "
+                    f"float32 {where}{_float32_note(m)}; {hint}")

@@ -240,6 +240,8 @@ def test_preconditioner_is_positive_definite():
 USER_FUSED = '''
 import jax
 import jax.numpy as jnp
+from jax.scipy.special import spence
+
 from cem_jax.energies import apply_rope, blockwise_logsumexp
 
 
@@ -279,6 +281,7 @@ def quad_fused_update(y, context, params, aux):
 
 
 zero, noeta, causal_n, summed, nanned = quad, quad, quad, quad, quad
+eta_swapped, beta_swapped = quad, quad
 
 
 def zero_fused_update(y, context, params, aux):
@@ -296,6 +299,17 @@ def summed_fused_update(y, context, params, aux):  # [b, t, 1]: broadcasts, but 
 def noeta_fused_update(y, context, params, aux):  # forgets that the energy carries eta
   n = jnp.maximum(aux.mask.sum(-1), 1)
   return _quad_update(y, context, params, aux, n, 1.0)
+
+
+def eta_swapped_fused_update(y, context, params, aux):  # each head steps with another's eta
+  n = jnp.maximum(aux.mask.sum(-1), 1)
+  return _quad_update(y, context, params, aux, n, params["eta"][::-1])
+
+
+def beta_swapped_fused_update(y, context, params, aux):  # each head scaled by another's beta
+  n = jnp.maximum(aux.mask.sum(-1), 1)
+  swapped = dict(params, beta=params["beta"][::-1])
+  return _quad_update(y, context, swapped, aux, n, params["eta"])
 
 
 def causal_n_fused_update(y, context, params, aux):  # counts keys as if context were y
@@ -367,6 +381,38 @@ def across_real_documents(y, context, params, aux):  # leaves padding out, not o
     mask = mask & real[:, :, None] & real[:, None, :]
   s = jnp.where(mask[:, None], jnp.einsum("bthk,bshk->bhts", q, k), 0.0)
   return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2)
+
+
+def mean_over_keys(y, context, params, aux):  # averages over context's length, not N(i)
+  s, _ = _scores(y, context, params, aux)
+  return -0.5 * jnp.sum(params["eta"][:, None] * jnp.mean(s**2, -1))
+
+
+def product_mask(y, context, params, aux):  # log Σ mask·exp(s): log 0 on a row seeing no key
+  q, k = _qk(y, context, params)
+  s = jnp.einsum("bthk,bshk->bhts", q, k) * params["beta"][:, None, None]
+  total = jnp.sum(aux.mask[:, None] * jnp.exp(s), -1)
+  lse = jnp.where(jnp.any(aux.mask, -1)[:, None], jnp.log(total), 0.0)  # a finite energy
+  return -jnp.sum((params["eta"] / params["beta"])[:, None] * lse)
+
+
+def spence_phi(y, context, params, aux):  # the SiLU potential without its custom JVP
+  pre, gate = _pre_gate(y, context, params)
+  phi = pre * jax.nn.softplus(pre) + spence(1.0 + jnp.exp(pre)) + jnp.pi**2 / 12
+  return -params["eta"] * jnp.sum(gate * phi)
+
+
+def spence_phi_fused_update(y, context, params, aux):  # right: eta W (silu(W y) * G x)
+  pre, gate = _pre_gate(y, context, params)
+  return params["eta"] * jnp.einsum("btf,df->btd", jax.nn.silu(pre) * gate, params["w"])
+
+
+def stopped(y, context, params, aux):  # y behind stop_gradient: jax.grad is 0, the update not
+  return quad(jax.lax.stop_gradient(y), context, params, aux)
+
+
+def stopped_fused_update(y, context, params, aux):
+  return quad_fused_update(y, context, params, aux)
 
 
 def gate_ahead(y, context, params, aux):  # token i's gate reads c_i + c_(i+1)
@@ -482,7 +528,7 @@ def test_a_user_fused_update_not_shaped_like_y_is_refused_by_its_shape(tmp_path)
                    r"float32 on .*a float array shaped like y$", message), message
 
 
-@pytest.mark.parametrize("name", ["zero", "noeta"])
+@pytest.mark.parametrize("name", ["zero", "noeta", "eta_swapped", "beta_swapped"])
 def test_wrong_user_fused_update_is_refused_at_start_up(tmp_path, name):
   """A closed form that is not -∇_y energy used to train silently (zeros: a model without
   attention); now config.validate refuses it with the error it measured."""
@@ -493,7 +539,10 @@ def test_wrong_user_fused_update_is_refused_at_start_up(tmp_path, name):
       f"{name}_fused_update is not -jax.grad(energy) w.r.t. y: max relative error ")
   error = re.search(r"max relative error (\S+) > 0.001 on \[batch, seq_len, d_model\] random "
                     r"float32 inputs", message)
-  assert float(error.group(1)) == (1.0 if name == "zero" else pytest.approx(0.3, abs=0.25))
+  assert float(error.group(1)) == {  # the check's η and β differ per head: a swap shows
+      "zero": 1.0, "noeta": pytest.approx(0.3, abs=0.25),
+      "eta_swapped": pytest.approx(0.086, rel=0.1), "beta_swapped": pytest.approx(0.82, rel=0.1),
+  }[name]
   assert "model.update_mode='autodiff'" in message
   with cfg.unlocked():
     cfg.model.update_mode = "autodiff"  # the closed form is then never called
@@ -572,7 +621,8 @@ def test_energy_that_fails_in_the_models_dtype_is_refused_at_start_up(tmp_path):
     ("attention", "tril_of_context", {}), ("attention", "tril_of_context", {"strict_causal": True}),
     ("attention", "rope_from_arange", {"rope": False}), ("attention", "no_mask", {}),
     ("attention", "lookahead", {}), ("mlp", "gate_cumsum", {}), ("mlp", "gate_ahead", {}),
-    ("attention", "peek_next_key", {"document_mask": False})])
+    ("attention", "peek_next_key", {"document_mask": False}),
+    ("attention", "mean_over_keys", {"document_mask": False})])
 def test_energy_that_decodes_differently_from_training_is_refused(tmp_path, slot, name, extra):
   """Right shapes, so the abstract checks passed, but the update of the new tokens against a
   cache differs from training's for the same tokens: sampling was silently wrong (a non-causal
@@ -583,6 +633,49 @@ def test_energy_that_decodes_differently_from_training_is_refused(tmp_path, slot
       "positions 3.. against a 8-slot cache, as in cached decoding (python -m cem_jax.sample), "
       "differs from the training-layout update of the same tokens: max relative error ")
   assert ("build masks from aux.mask" if slot == "attention" else "per-token terms") in message
+
+
+@pytest.mark.parametrize("slot,name,extra,rows", [
+    ("attention", "product_mask", {}, "with documents and padding (model.document_mask), on "
+     "rows that see no key only"),
+    ("attention", "product_mask", {"document_mask": False, "strict_causal": True},
+     "on rows that see no key only"),
+    ("mlp", "spence_phi", {"update_mode": "autodiff"}, "")])
+def test_energy_whose_update_is_not_finite_is_refused_at_start_up(tmp_path, slot, name, extra,
+                                                                   rows):
+  """A NaN update only where no row was compared (padding, a document's first token under
+  strict causality) passed start-up and trained to a NaN loss at the first step; NaN
+  everywhere was refused as a cached-decoding mismatch, with a hint about masks."""
+  message = _refusal(_user_config(tmp_path, **{f"{slot}_energy": name}, **extra))
+  assert message.startswith(
+      f"model.{slot}_energy='{tmp_path}/user_fused.py:{name}': its update (jax.grad of the "
+      "energy) is not finite (NaN or inf) on random float32 [batch, seq_len, d_model] inputs"
+      + (f" {rows}" if rows.startswith("with") else f", {rows}" if rows else ";")), message
+  assert ("jnp.where" if slot == "attention" else "jax.custom_jvp") in message
+  # Without empty rows (no documents, no strict causality), masking by a product is finite.
+  if slot == "attention" and extra:
+    preflight.check(_user_config(tmp_path, attention_energy=name, document_mask=False))
+
+
+def test_a_fused_update_whose_energy_has_no_finite_gradient_is_refused_as_uncheckable(tmp_path):
+  """A right closed form of an energy jax.grad cannot differentiate (Φ_silu through spence,
+  CEM_MATH.md section 2) cannot be verified: refused, saying why, not as a wrong closed form."""
+  message = _refusal(_user_config(tmp_path, mlp_energy="spence_phi"))
+  assert message.startswith(
+      f"model.mlp_energy='{tmp_path}/user_fused.py:spence_phi': -jax.grad(energy) w.r.t. y is "
+      "not finite on [batch, seq_len, d_model] random float32 inputs, so its fused update "
+      "spence_phi_fused_update cannot be checked against it; make the energy's gradient "
+      "finite (e.g. with jax.custom_jvp)"), message
+
+
+def test_a_fused_update_of_an_energy_whose_gradient_is_zero_is_refused(tmp_path):
+  """y behind stop_gradient: jax.grad of the energy is exactly 0 and the closed form is not,
+  an infinite relative error (a zero reference must not make every update pass)."""
+  message = _refusal(_user_config(tmp_path, attention_energy="stopped"))
+  assert message.startswith(
+      f"model.attention_energy='{tmp_path}/user_fused.py:stopped': its fused update "
+      "stopped_fused_update is not -jax.grad(energy) w.r.t. y: max relative error inf > "
+      "0.001"), message
 
 
 def test_an_energy_with_an_exact_closed_form_is_checked_for_causality_too(tmp_path):

@@ -348,6 +348,45 @@ def test_attention_energy_and_update_match_reference(masking, diag_form, rope):
     assert np.all(np.asarray(got)[empty] == 0.0), mode
 
 
+def test_attention_update_derivatives_in_every_input_match_reference():
+  """Training differentiates the update w.r.t. the context and every weight (the context is
+  held fixed only in that the energy is differentiated in ``y``): each directional derivative
+  of the fused update (the default; tests/test_layers.py pins autodiff's training gradients to
+  it) equals float64 central differences of ``ref_attention``. A ``stop_gradient`` on the keys
+  or the context in ``_project`` changes no update, nor any check comparing the two paths."""
+  y, c, params, theta = _attention_case("attention-derivatives", "distance", rope=True)
+  rng = _rng("attention-derivatives-directions")
+  ref_m = ref_mask(SEGMENTS, B, N, strict=True)
+  pos = np.broadcast_to(np.arange(N), (B, N))
+  primals = {"y": y, "c": c, **params}
+  names = list(primals)  # y, c, w_q, w_k, eta, beta, diag: one direction each
+
+  def ref_update(p):
+    return ref_attention(p["y"], p["c"], p["w_q"], p["w_k"], p["eta"], p["beta"], p["diag"],
+                         "distance", ref_m, pos, pos, theta)[1]
+
+  step, want = 1e-5, []
+  directions = {n: np.zeros((len(names),) + np.shape(v)) for n, v in primals.items()}
+  for i, name in enumerate(names):
+    directions[name][i] = rng.standard_normal(np.shape(primals[name]))
+    plus = {n: v + step * directions[n][i] for n, v in primals.items()}
+    minus = {n: v - step * directions[n][i] for n, v in primals.items()}
+    want.append((ref_update(plus) - ref_update(minus)) / (2 * step))
+  aux = energies.EnergyAux(mask=jnp.asarray(ref_m), positions=jnp.asarray(pos, jnp.int32),
+                           rope_theta=theta, diagonal_form="distance", strict_causal=True)
+  fused = energies.get("softmax", "attention").fused_update
+
+  def derivative(t):
+    def f(p):
+      return fused(p["y"], p["c"], {n: p[n] for n in params}, aux)
+    return jax.jvp(f, ({n: jnp.asarray(v, jnp.float32) for n, v in primals.items()},), (t,))[1]
+
+  got = jax.jit(jax.vmap(derivative))({n: jnp.asarray(v, jnp.float32)
+                                       for n, v in directions.items()})
+  for i, name in enumerate(names):
+    assert _rel(got[i], want[i]) <= TOL, (name, _rel(got[i], want[i]))
+
+
 @pytest.mark.parametrize("potential", sorted(energies.POTENTIALS))
 def test_mlp_energy_and_update_match_reference(potential):
   rng = _rng(f"mlp-{potential}")
