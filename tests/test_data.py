@@ -107,6 +107,13 @@ def test_split_rule_single_document_and_bad_fraction():
     split_documents(["no newline at all " * 10], 0.1)
 
 
+def test_the_split_cut_counts_the_separators_and_splits_no_document_at_a_document_start():
+  # "ab\n\ncd\nef" is 9 characters: the cut, int(9 * 0.5) = 4, is the first character of the
+  # second document, a line start, so no document is split. (Without the separator's 2
+  # characters the cut would be 3, inside "cd", and move to "ef".)
+  assert split_documents(["ab", "cd\nef"], 0.5) == (["ab"], ["cd\nef"])
+
+
 def test_pydoc_source(tmp_path):
   splits = text_splits(_config().data)
   topics = builtin.pydoc_topics()
@@ -133,6 +140,30 @@ def test_docstrings_leave_out_test_demo_and_gui_packages():
   assert "json" in names and "json.decoder" in names and "email.mime.text" in names
   skipped = {"test", "tests", "idlelib", "idle_test", "turtledemo", "lib2to3", "ensurepip", "this"}
   assert not [n for n in names if skipped & set(n.split("."))]
+  # Private modules (_pyio, _strptime, ...) neither: the corpus is the public library's.
+  assert not [n for n in names if any(part.startswith("_") for part in n.split("."))]
+
+
+def test_docstrings_of_a_file_are_one_document_joined_by_blank_lines(tmp_path, monkeypatch):
+  path = tmp_path / "m.py"
+  path.write_text('"""Module m."""\n\nclass A:\n  """Class A."""\n\n  def f(self):\n'
+                  '    """Method f.\n\n    More."""\n\n\ndef g():\n  pass\n')
+  monkeypatch.setattr(builtin, "_module_files", lambda: [("m", path)])
+  assert builtin.stdlib_docstrings() == ["Module m.\n\nClass A.\n\nMethod f.\n\nMore."]
+
+
+def test_the_builtin_source_is_identified_by_the_python_that_ships_it(monkeypatch):
+  # The builtin corpus is the installed Python's text: another Python is another dataset.
+  import sys
+
+  from cem_jax.data import shard_writer, sources
+
+  config = _config().data
+  before = sources.source_identity(config)
+  monkeypatch.setattr(sys, "version", sys.version + " (another build)")
+  after = sources.source_identity(config)
+  assert after != before
+  assert shard_writer.fingerprint(config, after) != shard_writer.fingerprint(config, before)
 
 
 def test_file_decoding_normalises_bom_and_line_ends(tmp_path):
@@ -295,6 +326,8 @@ def test_tfds_catalog_reads_a_prepared_dataset_offline(tmp_path, monkeypatch):
 def test_catalog_texts_read_the_configured_feature():
   source = [{"text": "not this", "body": b"first\r\nline\n"}, {"text": "nor this", "body": "x"}]
   assert list(tfds_catalog.CatalogTexts(source, "body")) == ["first\nline\n", "x"]
+  # A BOM is kept: only local files drop theirs (text.py), and prepared catalog data have it.
+  assert list(tfds_catalog.CatalogTexts([{"text": "\ufeffa\r\n"}], "text")) == ["\ufeffa\n"]
 
 
 def test_prepared_dir_is_the_newest_prepared_version(tmp_path):
@@ -306,6 +339,23 @@ def test_prepared_dir_is_the_newest_prepared_version(tmp_path):
   assert tfds_catalog.prepared_dir("ds:1.0.0", tmp_path) == tmp_path / "ds" / "1.0.0"
 
 
+def test_prepared_dir_takes_only_a_prepared_version_of_one_config(tmp_path):
+  def prepared(*parts):
+    (tmp_path.joinpath(*parts)).mkdir(parents=True)
+    (tmp_path.joinpath(*parts) / "dataset_info.json").write_text("{}")
+
+  prepared("ds", "cfg", "1.0.0")
+  prepared("ds", "cfg", "3.0")  # not a version (x.y.z): never taken
+  (tmp_path / "ds" / "cfg" / "2.0.0").mkdir()  # not prepared
+  assert tfds_catalog.prepared_dir("ds", tmp_path) == tmp_path / "ds" / "cfg" / "1.0.0"
+  assert tfds_catalog.prepared_dir("ds/cfg:2.0.0", tmp_path) is None
+  assert tfds_catalog.prepared_dir("ds/cfg:1.0.0", tmp_path) == tmp_path / "ds" / "cfg" / "1.0.0"
+  # A second prepared config: 'ds' names neither of them.
+  prepared("ds", "other", "1.0.0")
+  assert tfds_catalog.prepared_dir("ds", tmp_path) is None
+  assert tfds_catalog.prepared_dir("ds/other", tmp_path) == tmp_path / "ds" / "other" / "1.0.0"
+
+
 def test_tfds_catalog_splits_and_formats_are_checked_before_reading(tmp_path, monkeypatch):
   monkeypatch.setattr(tfds_catalog, "PROBE_ADDRESS", ("127.0.0.1", closed_port()))
   data_dir = tmp_path / "tfds"
@@ -313,11 +363,17 @@ def test_tfds_catalog_splits_and_formats_are_checked_before_reading(tmp_path, mo
   config = _config(tfds_name=name, tfds_data_dir=os.fspath(data_dir))
   config.data.tfds_train_split = "train[:50%]+validation"
   assert list(text_splits(config.data).train) == ["t0", "t1", "v0"]
+  config.data.tfds_train_split = "tarin"  # the train split's errors name its own field
+  with pytest.raises(ValueError, match=r"^data\.tfds_train_split='tarin': no such split of "):
+    text_splits(config.data)
   config.data.tfds_train_split = "train"
   for split, pattern in [
       ("test", r"data\.tfds_eval_split='test': no such split of '.*'; it has "
                r"\['train', 'validation'\]"),
       ("train+tset", r"data\.tfds_eval_split='train\+tset': no such split of '.*'; it has "),
+      # Every name of the spec is checked, not only the first (a slice is not a name).
+      ("validation[:1]+tset", r"data\.tfds_eval_split='validation\[:1\]\+tset': no such split "
+                              r"of '.*'; it has "),
       # Known names, but a slice TFDS refuses: its syntax, or more examples than there are.
       ("validation[:5x]", r"data\.tfds_eval_split='validation\[:5x\]' is not a valid split of "
                           r"'.*': \S"),
@@ -384,6 +440,35 @@ def test_tokenizer_round_trips_awkward_text(pydoc_tokenizer):
   assert tok.token_bytes.dtype == np.int32 and tok.token_bytes.shape == (tok.vocab_size,)
   assert tok.token_bytes[tok.encode("\u00e9")].tolist() in ([1, 1], [2])
   assert (tok.pad_id, tok.eos_id) == (0, 1)
+
+
+def test_encode_batch_encodes_a_literal_meta_space_as_encode_does(pydoc_tokenizer):
+  # The in-memory reference encodes training text in batches, the prepared path one piece at a
+  # time: both must give a literal '\u2581' its three byte pieces.
+  tok = pydoc_tokenizer
+  texts = ["a \u2581 b\n", "plain text\n", "\u2581\u2581x", ""]
+  batch = tok.encode_batch(texts)
+  assert [list(ids) for ids in batch] == [list(tok.encode(t)) for t in texts]
+  assert tok.decode(batch[0]) == texts[0]
+
+
+def test_a_tokenizer_without_a_pad_piece_pads_with_eos():
+  writer = io.BytesIO()  # SentencePiece's default ids: unk 0, bos 1, eos 2, no pad
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(["hello world\n"] * 3), model_writer=writer, vocab_size=40,
+      hard_vocab_limit=False, minloglevel=2)
+  tok = tokenizer_lib.Tokenizer(writer.getvalue())
+  assert (tok.eos_id, tok.pad_id) == (2, 2)
+
+
+def test_the_tokenizer_is_trained_on_one_thread(monkeypatch):
+  # SentencePiece's model depends on its thread count: one thread, the same model everywhere.
+  seen = {}
+  real = tokenizer_lib.spm.SentencePieceTrainer.train
+  monkeypatch.setattr(tokenizer_lib.spm.SentencePieceTrainer, "train",
+                      lambda **kwargs: seen.update(kwargs) or real(**kwargs))
+  tokenizer_lib.train_model(["hello world\n"] * 3, 268)
+  assert seen["num_threads"] == 1
 
 
 def test_tokenizer_training_is_deterministic():
@@ -570,6 +655,35 @@ def test_packed_real_documents_have_eos_between_them(pydoc_tokenizer):
   assert (batch["weights"][batch["inputs"] == tok.eos_id] == 0).all()
   assert (batch["weights"][batch["targets"] == tok.eos_id] == 1).all()
   assert seg_flat.max() >= 2
+
+
+def test_a_batch_numbers_each_input_by_the_document_it_is_in():
+  # The document mask reads the batch's segment_ids: an EOS input is in the document it ends,
+  # so the next document never attends to it; padding is segment 0.
+  windows = pack(_distinct_docs([2, 3]), 7, EOS, PAD, keep_tail=True, split="validation")
+  assert windows.tokens.tolist() == [[1000, 1001, EOS, 2000, 2001, 2002, EOS, PAD]]
+  batch = make_batch(windows.tokens, windows.segment_ids)
+  assert batch["segment_ids"].tolist() == [[1, 1, 1, 2, 2, 2, 2]]
+  assert batch["weights"].tolist() == [[1, 1, 0, 1, 1, 1, 0]]
+
+
+def test_target_bytes_are_the_bytes_of_each_target():
+  lengths = [3, 5, 2]
+  docs = _distinct_docs(lengths)
+  doc_bytes = [np.arange(n, dtype=np.int32) % 4 + 1 for n in lengths]  # 1 to 4 bytes a token
+  windows = pack(docs, 4, EOS, PAD, keep_tail=True, split="validation", doc_bytes=doc_bytes)
+  batch = make_batch(windows.tokens, windows.segment_ids, windows.nbytes)
+  of_id = {int(i): int(b) for ids, nb in zip(docs, doc_bytes, strict=True)
+           for i, b in zip(ids, nb, strict=True)}  # EOS and PAD: 0 bytes
+  want = np.vectorize(lambda t: of_id.get(int(t), 0))(batch["targets"])
+  assert batch["target_bytes"].dtype == np.float32
+  assert np.array_equal(batch["target_bytes"], want)
+
+
+def test_a_train_split_of_whole_windows_keeps_its_last_window():
+  assert packing.count_windows(10, 4, keep_tail=False, split="train") == 2
+  windows = pack(_distinct_docs([4, 4]), 4, EOS, PAD, keep_tail=False, split="train")
+  assert windows.tokens.tolist() == [[1000, 1001, 1002, 1003, EOS], [2000, 2001, 2002, 2003, EOS]]
 
 
 def test_seq_len_longer_than_the_data(tmp_path):

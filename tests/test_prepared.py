@@ -432,6 +432,83 @@ def test_a_prepare_failing_after_its_first_shard_keeps_its_work_for_the_rerun(tm
   prepared.PreparedData.open(tmp_path / "a")
 
 
+def test_a_shard_sidecar_hash_tells_apart_other_pieces_and_other_document_ends():
+  # A re-run keeps a shard whose sidecar has its task's hash: the same characters cut into
+  # other pieces, or with documents ending elsewhere (EOS), are other tokens.
+  def task_hash(pieces, ends):
+    return shard_writer._task_hash({"pieces": pieces, "ends": ends})
+
+  base = task_hash(["ab", "c"], [False, True])
+  assert task_hash(["ab", "c"], [False, True]) == base
+  others = [task_hash(["a", "bc"], [False, True]), task_hash(["ab", "c"], [True, True]),
+            task_hash(["abc"], [True]), task_hash(["a", "b"], [False, False]),
+            task_hash(["a\x00b"], [False])]  # a NUL in the text is no piece boundary
+  assert len({base, *others}) == 6
+
+
+def test_a_rerun_with_another_shard_size_writes_what_a_fresh_prepare_does(tmp_path):
+  # Killed before its manifest, then run with another shard_chars (the same fingerprint): the
+  # shards of the same index hold other text, so none may be kept.
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(1000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  shard_writer.prepare(config.data, tmp_path / "a", shard_chars=20_000)
+  (tmp_path / "a" / prepared.MANIFEST).unlink()
+  shard_writer.prepare(config.data, tmp_path / "a", shard_chars=10_000)
+  shard_writer.prepare(config.data, tmp_path / "b", shard_chars=10_000)
+  assert _shard_sums(tmp_path / "a") == _shard_sums(tmp_path / "b")
+  assert json.loads((tmp_path / "a" / prepared.MANIFEST).read_text()) == json.loads(
+      (tmp_path / "b" / prepared.MANIFEST).read_text())
+
+
+def test_a_rerun_never_keeps_shards_encoded_by_another_tokenizer(tmp_path):
+  # A tokenizer.model replaced (or damaged) in a prepared folder: the re-run must not serve the
+  # old shards under it; every token decodes to the split's text with the folder's tokenizer.
+  from cem_jax.data import tokenizer as tokenizer_lib
+
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(1000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  out = shard_writer.prepare(config.data, tmp_path / "p", shard_chars=20_000)
+  (out / "tokenizer.model").write_bytes(tokenizer_lib.train_model([_text(400, "x")], 300))
+  shard_writer.prepare(config.data, out, shard_chars=20_000)
+  data = prepared.PreparedData.open(out)
+  train, _ = text_lib.interleave_split(read_documents([corpus]), 0.1)
+  stream = data.streams["train"]
+  tokens, _, _ = stream.read(np.array([0]), stream.num_tokens, 0)
+  assert data.tokenizer.decode(tokens[0]) == "".join(train)
+
+
+def test_a_rerun_in_workers_lists_the_shards_in_order(tmp_path, monkeypatch):
+  # A pool takes every job before the first result comes back: the shards kept are collected
+  # before those written again, and the manifest must still list them in order.
+  class Pool:
+    def __init__(self, size, initializer, initargs):
+      initializer(*initargs)
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      return False
+
+    def imap(self, fn, jobs):
+      return map(fn, list(jobs))
+
+  monkeypatch.setattr(shard_writer.multiprocessing, "get_context",
+                      lambda method: type("Context", (), {"Pool": Pool}))
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(1000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  out = shard_writer.prepare(config.data, tmp_path / "p", shard_chars=20_000)
+  want = json.loads((out / prepared.MANIFEST).read_text())
+  (out / prepared.MANIFEST).unlink()
+  (out / "train-00000.array_record").unlink()
+  shard_writer.prepare(config.data, out, shard_chars=20_000, workers=2)
+  assert json.loads((out / prepared.MANIFEST).read_text()) == want
+  prepared.PreparedData.open(out)
+
+
 def test_damaged_shard_is_a_one_line_error_naming_the_file(tmp_path):
   corpus = tmp_path / "c.txt"
   corpus.write_text(_text(2000))
@@ -595,6 +672,20 @@ def test_the_fingerprint_follows_everything_that_decides_the_tokens(prepared_300
   assert shard_writer.fingerprint(config, {"files": "other"}) != base
   # The manifest records the shard size it was prepared with.
   assert json.loads((prepared_300 / "manifest.json").read_text())["shard_chars"] == 20_000
+
+
+def test_the_fingerprint_follows_every_key_that_defines_the_data():
+  import copy
+
+  config = _config(files="c.txt", vocab_size=300).data
+  identity = {"files": "sha"}
+  base = shard_writer.fingerprint(config, identity)
+  for key in prepared.SPEC_KEYS:
+    other = copy.deepcopy(config)
+    value = other[key]
+    other[key] = (value / 2 if isinstance(value, float) else value + 1 if isinstance(value, int)
+                  else value + "x")
+    assert shard_writer.fingerprint(other, identity) != base, key
 
 
 def _set(m, keys, value):
@@ -891,6 +982,41 @@ def test_builtin_prepared_dir_must_have_the_same_validation_fraction(prepared_30
   with pytest.raises(ValueError, match=r"data\.validation_fraction=0\.2 does not fit"):
     prepared.check_fits(manifest, _config(vocab_size=300, validation_fraction=0.2).data,
                         prepared_300)
+  with pytest.raises(ValueError, match=r"^data\.builtin='pydoc\+docstrings' does not fit .*, "
+                                       r"prepared with 'pydoc'"):
+    prepared.check_fits(manifest, _config(vocab_size=300, builtin="pydoc+docstrings").data,
+                        prepared_300)
+
+
+def test_a_prepared_dir_must_have_the_tokenizer_of_the_config(prepared_300, tmp_path):
+  # Its model type, when the tokenizer was trained there; the given tokenizer, by content.
+  manifest = json.loads((prepared_300 / "manifest.json").read_text())
+  prepared.check_fits(manifest, _config(vocab_size=300).data, prepared_300)
+  with pytest.raises(ValueError, match=r"^data\.tokenizer_model_type='unigram' does not fit "
+                                       r"data\.prepared_dir=.*, prepared with 'bpe'"):
+    prepared.check_fits(manifest, _config(vocab_size=300, tokenizer_model_type="unigram").data,
+                        prepared_300)
+  same, other = tmp_path / "same.model", tmp_path / "other.model"
+  shutil.copy(prepared_300 / "tokenizer.model", same)
+  other.write_bytes(same.read_bytes() + b" ")
+  prepared.check_fits(manifest, _config(vocab_size=300, tokenizer=os.fspath(same)).data,
+                      prepared_300)
+  with pytest.raises(ValueError, match=r"^data\.tokenizer='.*other\.model' does not fit .*, "
+                                       r"prepared with 'a trained tokenizer'"):
+    prepared.check_fits(manifest, _config(vocab_size=300, tokenizer=os.fspath(other)).data,
+                        prepared_300)
+
+
+def test_another_valid_tokenizer_in_a_prepared_folder_is_damage(prepared_300, tmp_path):
+  # Its vocabulary and special ids agree with the manifest: only its sha256 tells.
+  from cem_jax.data import tokenizer as tokenizer_lib
+
+  out = tmp_path / "p"
+  shutil.copytree(prepared_300, out)
+  (out / "tokenizer.model").write_bytes(tokenizer_lib.train_model([_text(400, "x")], 300))
+  with pytest.raises(prepared.BadPreparedData, match=rf"^{out}/tokenizer\.model: damaged "
+                                                     r"prepared data: sha256 differs"):
+    prepared.PreparedData.open(out)
 
 
 def test_workdir_preparation_follows_an_edited_tokenizer_file(tmp_path):
@@ -919,6 +1045,15 @@ def test_interleave_split_chunk_size_by_hand():
   train, validation = text_lib.interleave_split([doc], 0.1)
   assert validation == [doc[18:20], doc[38:40]]
   assert train == [doc[:18], doc[20:38], doc[40:]]
+
+
+def test_interleave_split_rounds_one_over_the_fraction():
+  """Fraction 0.15: k = round(1 / 0.15) = 7, not 6; 56 characters, no line break: chunks of
+  ceil(56 / 28) = 2 characters, chunks 6, 13, 20 and 27 held out."""
+  doc = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123"
+  train, validation = text_lib.interleave_split([doc], 0.15)
+  assert validation == [doc[12:14], doc[26:28], doc[40:42], doc[54:56]]
+  assert train == [doc[:12], doc[14:26], doc[28:40], doc[42:54]]
 
 
 def _cgroups(tmp_path, monkeypatch, own: str, tree: dict[str, str]) -> None:
