@@ -479,11 +479,14 @@ def test_a_rerun_never_keeps_shards_encoded_by_another_tokenizer(tmp_path):
   assert data.tokenizer.decode(tokens[0]) == "".join(train)
 
 
-def test_a_rerun_in_workers_lists_the_shards_in_order(tmp_path, monkeypatch):
-  # A pool takes every job before the first result comes back: the shards kept are collected
-  # before those written again, and the manifest must still list them in order.
+def _inline_pool(started=None, eager=False):
+  """A stand-in for ``multiprocessing``'s pool that encodes in this process (no process
+  starts): records each pool's size in ``started``; ``eager`` takes every job before the
+  first result comes back, as a real pool does."""
   class Pool:
     def __init__(self, size, initializer, initargs):
+      if started is not None:
+        started.append(size)
       initializer(*initargs)
 
     def __enter__(self):
@@ -493,10 +496,16 @@ def test_a_rerun_in_workers_lists_the_shards_in_order(tmp_path, monkeypatch):
       return False
 
     def imap(self, fn, jobs):
-      return map(fn, list(jobs))
+      return map(fn, list(jobs) if eager else jobs)
 
+  return Pool
+
+
+def test_a_rerun_in_workers_lists_the_shards_in_order(tmp_path, monkeypatch):
+  # A pool takes every job before the first result comes back: the shards kept are collected
+  # before those written again, and the manifest must still list them in order.
   monkeypatch.setattr(shard_writer.multiprocessing, "get_context",
-                      lambda method: type("Context", (), {"Pool": Pool}))
+                      lambda method: type("Context", (), {"Pool": _inline_pool(eager=True)}))
   corpus = tmp_path / "c.txt"
   corpus.write_text(_text(1000))
   config = _config(files=os.fspath(corpus), vocab_size=300)
@@ -1107,22 +1116,8 @@ def test_prepare_starts_one_worker_per_usable_cpu_by_default(tmp_path, monkeypat
   cgroups("0::/\n", {})
   started = []
 
-  class Pool:  # records the size asked for and encodes here: no process starts
-    def __init__(self, size, initializer, initargs):
-      started.append(size)
-      initializer(*initargs)
-
-    def __enter__(self):
-      return self
-
-    def __exit__(self, *exc):
-      return False
-
-    def imap(self, fn, jobs):
-      return map(fn, jobs)
-
   monkeypatch.setattr(shard_writer.multiprocessing, "get_context",
-                      lambda method: type("Context", (), {"Pool": Pool}))
+                      lambda method: type("Context", (), {"Pool": _inline_pool(started)}))
   corpus = tmp_path / "c.txt"
   corpus.write_text(_text(400, "a"))  # ~30K characters
   config = _config(files=os.fspath(corpus), vocab_size=300)
