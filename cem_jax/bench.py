@@ -1,8 +1,10 @@
 """Training-step benchmark of Llama and CEM variants in one run: ``python -m cem_jax.bench``.
 
-For each variant × shape it measures compile time, step time (median of the preset's
-``steps`` after its ``warmup`` steps), tokens/s, analytic model FLOPs per token, MFU (when
-the device's peak is known) and peak device memory, prints a table and writes JSON.
+For each variant × shape it measures compile time, step time (the mean of the preset's
+``steps`` run back to back after its ``warmup``, as training dispatches them; the median of
+steps waited for one by one as ``step_ms_synced``), tokens/s, analytic model FLOPs per
+token, MFU (when the device's peak is known) and peak device memory, prints a table and
+writes JSON.
 
     python -m cem_jax.bench --preset=tiny                  # CPU, ~1 min for all 8 variants
     python -m cem_jax.bench --preset=cpu --variants=llama,cem_fused  # CPU, the tiny LM's size
