@@ -372,6 +372,31 @@ def test_a_row_times_steps_back_to_back_after_warmup_in_mib_with_a_null_nan_loss
   assert bench.DOCUMENTS_PER_WINDOW == 4 and set(np.unique(segment_ids)) == {1, 2, 3, 4}
 
 
+def test_a_row_waits_for_the_device_work_of_the_steps_it_times(monkeypatch):
+  # jax dispatches a step and returns at once; the device's 0.5 s of work ends at a wait. A
+  # clock read before the steps' work is waited for would time their dispatch (here 0 s).
+  tiny = dict(bench.PRESETS["tiny"], d_model=32, num_layers=1, mlp_dim=64, tokens_per_batch=64)
+  config = bench._model_config(tiny, bench.VARIANTS["llama"], 32, 32)
+  now, queued = [0.0], [0.0]
+
+  def step(p, o, b):
+    queued[0] += 0.5
+    return p, o, {"loss": jnp.float32(1.0)}
+
+  def wait(tree):
+    now[0], queued[0] = now[0] + queued[0], 0.0
+    return tree
+
+  compiled = type("Lowered", (), {"compile": lambda self: step})()
+  fake = type("Step", (), {"lower": lambda self, *a: compiled})()
+  monkeypatch.setattr(bench.steps_lib, "make_train_step", lambda *a, **k: fake)
+  monkeypatch.setattr(bench, "DecoderLM", _StandInModel)
+  monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+  monkeypatch.setattr(bench.jax, "block_until_ready", wait)
+  r = bench.bench_one(config, 512, steps=3, warmup=1)
+  assert r["step_ms"] == 500.0 and r["step_ms_synced"] == 500.0
+
+
 def test_a_width_sweep_scales_heads_and_mlp_and_a_variant_keeps_its_document_mask():
   c = bench._model_config(bench.PRESETS["tiny"], bench.VARIANTS["llama"], 64, 128).model
   assert (c.d_model, c.num_heads, c.mlp_dim) == (128, 8, 512)  # head_dim 16 at every width

@@ -14,7 +14,7 @@ import pytest
 from conftest import force_fields, tiny_config
 from flax import nnx
 
-from cem_jax import energies, preflight, train, updates
+from cem_jax import energies, preflight, steps, train, updates
 from cem_jax.layers import CEMBlock
 from cem_jax.layers.common import softplus_inverse
 from cem_jax.metrics import energy_trace, read_metrics
@@ -198,7 +198,8 @@ def test_eval_logs_energy_traces_and_test_time_steps(shared_data, tmp_path):
   paths = plot.plot_run(str(tmp_path))
   assert [os.path.basename(p) for p in paths] == ["loss.png", "energy.png"]
   rows = evaluate.test_time_steps(str(tmp_path), [1, 2, 3], max_batches=4)  # as eval at step 10
-  assert [r["T_eval"] for r in rows] == [1, 2, 3]
+  assert [(r["T_eval"], r["T_trained"], r["step"]) for r in rows] == [(1, 2, 10), (2, 2, 10),
+                                                                      (3, 2, 10)]
   assert all(np.isfinite(r["eval/perplexity"]) for r in rows)
   assert rows[0]["eval/loss"] != rows[2]["eval/loss"]
   # At the trained T the report's row is the last eval of training: the final energy is the
@@ -212,7 +213,8 @@ def test_eval_logs_energy_traces_and_test_time_steps(shared_data, tmp_path):
 
 
 @pytest.mark.parametrize("cem_attention,cem_mlp", [(False, True), (False, False)])
-def test_test_time_steps_of_a_block_with_standard_sublayers(tmp_path, cem_attention, cem_mlp):
+def test_test_time_steps_of_a_block_with_standard_sublayers(tmp_path, monkeypatch, cem_attention,
+                                                             cem_mlp):
   """Controls with the standard attention (or MLP) have no energy there: the final energy is
   the CEM sub-layers' (None without any), not a KeyError."""
   from cem_jax import evaluate
@@ -221,7 +223,16 @@ def test_test_time_steps_of_a_block_with_standard_sublayers(tmp_path, cem_attent
                               "model.num_layers": 1, "train.num_steps": 2,
                               "train.eval_every_steps": 2, "eval.max_batches": 1})
   train.train_and_evaluate(cfg, str(tmp_path))
-  rows = evaluate.test_time_steps(str(tmp_path), [1, 2], max_batches=1)
+  # --max_batches, not the run's eval.max_batches, sets the batches each row reads.
+  read, real_eval_loop = [], steps.eval_loop
+
+  def eval_loop(eval_step, params, data, cfg, *args):
+    read.append(cfg.eval.max_batches)
+    return real_eval_loop(eval_step, params, data, cfg, *args)
+
+  monkeypatch.setattr(steps, "eval_loop", eval_loop)
+  rows = evaluate.test_time_steps(str(tmp_path), [1, 2], max_batches=2)
+  assert read == [2, 2]
   last = [m for m in read_metrics(str(tmp_path)) if "eval/loss" in m][-1]
   if cem_mlp:
     assert sorted(energy_trace(last)[0]) == ["mlp"]

@@ -200,8 +200,8 @@ def test_validation_names_field_value_and_what_is_allowed():
 
 @pytest.mark.parametrize("tool, args, expected", [
     ("evaluate", ["--num_steps="], "error: --num_steps=; allowed: comma-separated integers >= 1"),
-    ("evaluate", ["--num_steps=1,-2"],
-     "error: --num_steps=1,-2; allowed: comma-separated integers >= 1"),
+    ("evaluate", ["--num_steps=1,0"],
+     "error: --num_steps=1,0; allowed: comma-separated integers >= 1"),
     ("evaluate", ["--max_batches=0"], "error: --max_batches=0; allowed: -1 (all) or an int >= 1"),
     ("sample", ["--prompt="], "error: --prompt is empty; give at least one character"),
     ("sample", ["--prompt=The", "--temperature=nan"],
@@ -463,8 +463,27 @@ def test_resume_under_another_numerics_version_is_refused_and_keeps_the_run(tmp_
     train.train_and_evaluate(cfg(4), str(workdir))
   assert read_metrics(str(workdir)) == before and checkpoint.is_dir()
   monkeypatch.setattr(train, "NUMERICS_VERSION", NUMERICS_VERSION - 1)
+  read, real_batch = [], pipeline.TrainBatches.batch
+
+  def recording_batch(self, step, *args, **kwargs):
+    read.append(step)
+    return real_batch(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(pipeline.TrainBatches, "batch", recording_batch)
   train.train_and_evaluate(cfg(4), str(workdir))  # the code it started with finishes it
   assert read_metrics(str(workdir))[-1]["step"] == 4
+  assert read == [2, 3]  # from the checkpointed step on: none skipped or repeated
+
+
+def test_a_checkpoint_of_a_newer_or_of_no_numerics_version_is_refused_too():
+  # A checkpoint of newer code (a downgraded checkout) mixes two versions as an older one
+  # does; one without a numerics_version predates the constant: version 1.
+  train._check_same_numerics({"numerics_version": NUMERICS_VERSION}, "ck")  # resumed
+  for saved, version in (({"numerics_version": NUMERICS_VERSION + 1}, NUMERICS_VERSION + 1),
+                         ({}, 1)):
+    with pytest.raises(ValueError, match=f"^checkpoint ck was trained under numerics version "
+                                         f"{version}, this code is version {NUMERICS_VERSION} "):
+      train._check_same_numerics(saved, "ck")
 
 
 def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path, caplog, monkeypatch):
@@ -704,6 +723,33 @@ def test_nonfinite_steps_are_skipped_counted_and_k_in_a_row_stop_the_run(
   counts = [int(v) for p, v in jax.tree_util.tree_leaves_with_path(opt.inner_state)
             if jax.tree_util.keystr(p).endswith(".count")]
   assert counts and set(counts) == {4}
+
+
+def test_a_save_after_k_nonfinite_steps_or_of_non_finite_parameters_is_refused():
+  # A save between logs (checkpoint.every_steps off log_every_steps) checks the guard itself:
+  # the log after it would name a checkpoint of the failed steps as the last one. Parameters
+  # that are not all finite (one leaf is enough) are never saved either.
+  saved = []
+  run = types.SimpleNamespace(config=types.SimpleNamespace(seed=0), data=types.SimpleNamespace(
+      identity={}), energies={}, ckpt=types.SimpleNamespace(save=lambda *a, **k: saved.append(a)))
+
+  def loop(guard, params):
+    loop = types.SimpleNamespace(run=run, guard=np.int32(guard), max_bad=3, last_saved=5,
+                                 params=params, opt_state={}, resolved={})
+    loop.check_guard = lambda: train._Loop.check_guard(loop)
+    loop.saved_text = lambda: train._Loop.saved_text(loop)
+    return loop
+
+  finite = {"w": jnp.ones(2), "b": jnp.zeros(2)}
+  with pytest.raises(FloatingPointError, match=r"^non-finite loss or gradient in 3 consecutive "
+                                               r"steps, steps 6\.\.8 .*; last checkpoint: step 5;"):
+    train._Loop.save(loop(8, finite), 10, force=False)
+  with pytest.raises(FloatingPointError, match=r"^non-finite parameters or optimizer state at "
+                                               r"step 10, not saved; last checkpoint: step 5;"):
+    train._Loop.save(loop(0, {**finite, "b": jnp.array([0.0, np.inf])}), 10, force=False)
+  assert saved == []
+  train._Loop.save(loop(0, finite), 10, force=False)
+  assert [a[0] for a in saved] == [10] and saved[0][2]["step"] == 10
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,13 +3,14 @@
 import json
 import logging
 import math
+import os
 import types
 
 import jax
 import pytest
 from conftest import tiny_config, write_metrics
 
-from cem_jax import steps, train
+from cem_jax import optim, steps, train
 from cem_jax.data import pipeline
 from cem_jax.metrics import read_metrics
 from cem_jax.profiling import StepProfiler
@@ -127,6 +128,32 @@ def test_a_nan_first_eval_neither_sticks_as_best_nor_reaches_best_eval_json(
   assert first["eval/loss"] is None and "eval/best_loss" not in first
 
 
+def test_best_eval_json_is_replaced_whole_or_left_as_it_was(tmp_path, monkeypatch):
+  # A reader (tables, a user) sees the old best or the new one: a write that fails (a full
+  # disk) leaves the old file, never a cut-short one.
+  from cem_jax import files
+
+  monkeypatch.setattr(steps, "eval_loop", lambda *args: {
+      "eval/loss": 1.0, "eval/perplexity": math.e, "eval/bits_per_byte": 0.5})
+  lines = []
+  run = types.SimpleNamespace(workdir=str(tmp_path), data=None, config=None, shardings=None)
+  loop = types.SimpleNamespace(run=run, eval_step=None, params=None, best={}, is_main=True,
+                               writer=types.SimpleNamespace(write=lambda *a: lines.append(a)))
+  train._Loop.eval(loop, 4)
+  best = {"eval/best_loss": 1.0, "eval/best_bits_per_byte": 0.5, "eval/best_step": 4}
+  assert json.loads((tmp_path / "best_eval.json").read_text()) == best and len(lines) == 1
+  before = (tmp_path / "best_eval.json").read_bytes()
+
+  def full_disk(src, dst):
+    raise OSError("No space left on device")
+
+  monkeypatch.setattr(files.os, "replace", full_disk)
+  loop.best = {}
+  with pytest.raises(OSError, match="No space left on device"):
+    train._Loop.eval(loop, 6)
+  assert (tmp_path / "best_eval.json").read_bytes() == before
+
+
 def test_the_rate_leaves_out_evals_and_saves_and_mfu_is_the_model_flops_over_the_peak(
     tmp_path, monkeypatch):
   # A fake clock: every reading is one second later, and an eval takes 1000 s more. Counted in,
@@ -156,9 +183,13 @@ def test_the_rate_leaves_out_evals_and_saves_and_mfu_is_the_model_flops_over_the
   cfg = tiny_config("cem", **{"model.num_layers": 1, "train.num_steps": 6,
                               "train.log_every_steps": 2, "train.eval_every_steps": 2,
                               "checkpoint.every_steps": 2, "train.profile_steps": 2,
-                              "train.profile_first_step": 3})
+                              "train.profile_first_step": 3, "eval.num_steps": 2})
   train.train_and_evaluate(cfg, str(tmp_path / "w"))
-  lines = [m for m in read_metrics(str(tmp_path / "w")) if "train/loss" in m]
+  written = read_metrics(str(tmp_path / "w"))
+  # The evals run eval.num_steps = 2 recursive steps (test-time steps) where training runs 1.
+  assert [m["step"] for m in written if "eval/energy/layer0/step2/att_after" in m
+          and "eval/energy/layer0/step3/att_after" not in m] == [2, 4, 6]
+  lines = [m for m in written if "train/loss" in m]
   tokens_per_step = 8 * 64
   flops = 3 * tokens_per_step * model_stats.flops_per_token(cfg.model, 512, 64)
   assert [m["step"] for m in lines] == [2, 4, 6]
@@ -176,7 +207,9 @@ def test_the_rate_of_every_log_line_is_the_steps_of_its_own_interval(tmp_path, m
   # clock), reading it takes none. Every log line's interval is then log_every_steps seconds
   # of log_every_steps steps: 1 step/s, tokens_per_sec = batch x seq_len, on every line, not
   # only the first (steps since the start over the last interval's seconds grow line by line).
-  now = [0.0]
+  # The other values of a line are those its own step returned, its rate the schedule's after
+  # step - 1 updates.
+  now, returned = [0.0], {}
   real_step, real_eval = steps.make_train_step, steps.eval_loop
 
   def make_train_step(*args, **kwargs):
@@ -184,7 +217,9 @@ def test_the_rate_of_every_log_line_is_the_steps_of_its_own_interval(tmp_path, m
 
     def one_second(*a):
       now[0] += 1.0
-      return step(*a)
+      out = step(*a)
+      returned[int(a[-1])] = jax.device_get(out[2])  # by the step number the loop passes
+      return out
     one_second.lower = step.lower  # the start-up compile
     return one_second
 
@@ -198,10 +233,19 @@ def test_the_rate_of_every_log_line_is_the_steps_of_its_own_interval(tmp_path, m
   cfg = tiny_config("llama", **{"model.num_layers": 1, "train.num_steps": 6,
                                 "train.log_every_steps": 2, "train.eval_every_steps": 1,
                                 "eval.max_batches": 1})
-  train.train_and_evaluate(cfg, str(tmp_path / "w"))
-  lines = [m for m in read_metrics(str(tmp_path / "w")) if "train/loss" in m]
+  final = train.train_and_evaluate(cfg, str(tmp_path / "w"))  # its last eval
+  written = read_metrics(str(tmp_path / "w"))
+  lines = [m for m in written if "train/loss" in m]
   assert [(m["step"], m["train/tokens_per_sec"]) for m in lines] == [
       (2, 8 * 64.0), (4, 8 * 64.0), (6, 8 * 64.0)]
+  schedule = optim.make_schedule(cfg.train)
+  for m in lines:
+    got = returned[m["step"]]
+    assert (m["train/loss"], m["train/grad_norm"], m["train/learning_rate"]) == (
+        float(got["loss"]), float(got["grad_norm"]), float(got["learning_rate"]))
+    assert m["train/learning_rate"] == float(schedule(m["step"] - 1))
+  assert sorted(returned) == list(range(1, 7))
+  assert final == {k: v for k, v in written[-1].items() if k != "step"}
 
 
 def test_an_eval_or_save_between_logs_waits_for_the_queued_steps_before_its_clock_starts(
@@ -402,13 +446,21 @@ def test_metrics_jsonl_on_a_fresh_start_and_on_resume(tmp_path, monkeypatch):
     cfg = tiny_config("llama", **{"train.num_steps": 40})
     run = types.SimpleNamespace(workdir=str(workdir), start_step=start, config=cfg, model=None,
                                 data=types.SimpleNamespace(stats=lambda: {"train_windows": 999}))
-    writer, best, _ = train._open_metrics(run, cfg.to_dict(), True)
+    writer, best, last_eval = train._open_metrics(run, cfg.to_dict(), True)
     writer.close()
-    return read_metrics(str(workdir)), best
+    return read_metrics(str(workdir)), best, last_eval
 
-  kept, best = open_at(20, tmp_path / "resumed")
+  kept, best, last_eval = open_at(20, tmp_path / "resumed")
   assert [m["step"] for m in kept] == [0, 10, 20]
   assert best == {"eval/best_loss": 2.0, "eval/best_bits_per_byte": 1.0, "eval/best_step": 10}
-  kept, best = open_at(0, tmp_path / "fresh")
+  assert last_eval == {}  # the run goes on: its evals are to come
+  kept, best, last_eval = open_at(0, tmp_path / "fresh")
   assert [m["step"] for m in kept] == [0] and "data/epochs" in kept[0]
-  assert best == {}
+  assert best == {} and last_eval == {}
+  kept, _, _ = open_at(1, tmp_path / "one")  # resumed at step 1: the step-0 line is kept once
+  assert [m["step"] for m in kept] == [0]
+  # A finished run (the checkpoint at train.num_steps) run again: the run's result is its last
+  # eval line, and nothing is rewritten or added (no config.json, no TensorBoard events).
+  kept, _, last_eval = open_at(40, tmp_path / "finished")
+  assert kept == old and last_eval == {"eval/loss": 1.0, "eval/bits_per_byte": 0.5}
+  assert sorted(os.listdir(tmp_path / "finished")) == ["metrics.jsonl"]

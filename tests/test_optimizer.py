@@ -64,12 +64,16 @@ def _batch(seed, nan=False):
 def test_the_first_update_moves_the_weights_by_the_first_rate():
   params, opt_state, step = _setup(_cfg())
   before = jax.tree.map(np.asarray, params)
-  params, _, m = step(params, opt_state, _batch(0))
+  params, opt_state, m = step(params, opt_state, _batch(0))
   assert float(m["learning_rate"]) == pytest.approx(1e-2 / 4, rel=1e-6)
   # Adam's first update is lr * g / (|g| + eps) = ±lr where g != 0; RMSNorm scales are not
   # decayed, so they move by exactly the first rate.
   scale = np.asarray(params["final_norm"]["scale"][...]) - before["final_norm"]["scale"][...]
   np.testing.assert_allclose(np.abs(scale), 1e-2 / 4, rtol=1e-3)
+  # A batch of padding alone (no weighted token) is a finite step of loss 0, not a skipped one.
+  padding = dict(_batch(1), weights=np.zeros((2, 8), np.float32))
+  _, _, m = step(params, opt_state, padding)
+  assert (float(m["loss"]), float(m["grad_norm"]), int(m["nonfinite_total"])) == (0.0, 0.0, 0)
 
 
 def test_after_a_skipped_update_the_logged_rate_is_the_applied_one():

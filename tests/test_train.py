@@ -238,6 +238,14 @@ def test_resume_refuses_a_damaged_line_before_the_last_as_read_metrics_does(
   assert path.read_text() == text  # the evidence is left as it was
 
 
+def test_a_whole_last_line_that_is_not_json_is_damage_not_a_kill(tmp_path):
+  # A kill cuts only the line being written, before its newline: a last line with its newline
+  # that does not parse was damaged later, and is refused as an earlier one is.
+  _metrics_file(tmp_path, '{"step": 1, "train/loss": 2.5}\n{"step": 2, "tr\n')
+  with pytest.raises(ValueError, match=r"metrics\.jsonl:2 is not valid JSON "):
+    read_metrics(str(tmp_path))
+
+
 def test_metrics_bytes_that_are_not_utf8_are_damage_inside_and_a_cut_at_the_end(tmp_path):
   """A kill can cut the last line inside a multi-byte character (dropped, as a torn line);
   undecodable bytes before it are damage: one line naming the file and line, and a refused
@@ -256,3 +264,33 @@ def test_metrics_bytes_that_are_not_utf8_are_damage_inside_and_a_cut_at_the_end(
       read()
     assert "\n" not in str(e.value)
   assert path.read_bytes() == bad and sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
+
+
+def test_a_disabled_writer_writes_and_truncates_nothing_and_an_enabled_one_flushes_each_line(
+    tmp_path, monkeypatch):
+  # Processes other than 0 open a disabled writer on the same metrics.jsonl: it must neither
+  # rewrite the file (a resume's truncation) nor add lines or event files. Process 0's lines
+  # are readable at once (a reader, or a kill, must not lose the buffered ones).
+  from cem_jax import files
+  from cem_jax.metrics import MetricsWriter
+
+  text = '{"step": 1, "train/loss": 2.5}\n{"step": 2, "train/loss": 2.0}\n'
+  path = _metrics_file(tmp_path, text)
+  other = MetricsWriter(str(tmp_path), enabled=False, truncate_after_step=1)
+  other.write(2, {"train/loss": 1.0})
+  other.close()
+  assert path.read_text() == text and sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
+  writer = MetricsWriter(str(tmp_path), truncate_after_step=2, tensorboard=False)
+  writer.write(3, {"train/loss": 1.5})
+  assert [m["step"] for m in read_metrics(str(tmp_path))] == [1, 2, 3]  # before close
+  writer.close()
+
+  # The truncation replaces the file whole: a failure (a full disk) leaves it as it was.
+  def fail(src, dst):
+    raise OSError("No space left on device")
+
+  before = path.read_text()
+  monkeypatch.setattr(files.os, "replace", fail)
+  with pytest.raises(OSError, match="No space left on device"):
+    MetricsWriter(str(tmp_path), truncate_after_step=1, tensorboard=False)
+  assert path.read_text() == before
