@@ -496,6 +496,15 @@ def test_blockwise_logsumexp_and_gradient_equal_the_reference(block_size):
   assert np.all(np.asarray(dq)[empty] == 0.0) and np.all(np.isfinite(np.asarray(dk)))
 
 
+@pytest.mark.parametrize("block_size", [0, -1])
+def test_blockwise_logsumexp_refuses_a_block_size_below_one_in_one_line(block_size):
+  # 0 is model.energy_block_size's default: a user energy passing it on must learn why, not
+  # get a ZeroDivisionError from the block count.
+  q = np.zeros((1, 4, 1, 2), np.float32)
+  with pytest.raises(ValueError, match=rf"^block_size={block_size}; allowed: an int >= 1$"):
+    blockwise_logsumexp(q, q, np.ones((1, 4, 4), bool), block_size)
+
+
 @pytest.mark.parametrize("kind,form", [("documents", None), ("strict_documents", None),
                                        ("causal", "bilinear"), ("documents", "distance")])
 def test_blockwise_energy_and_its_autodiff_update_equal_the_reference(kind, form):

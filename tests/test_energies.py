@@ -130,6 +130,12 @@ def test_other_potentials_differentiate_to_their_activation(potential):
   assert abs(float(phi(jnp.float32(0.0)))) < 1e-7
 
 
+def test_an_unknown_potential_is_refused_with_the_allowed_names():
+  with pytest.raises(KeyError, match=r"unknown potential 'swish'; allowed: \['gelu', 'relu', "
+                                     r"'relu2', 'silu'\]"):
+    energies.make_gated_energy("swish")
+
+
 @pytest.mark.parametrize("potential", ["silu", "gelu", "relu", "relu2"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_potentials_run_in_half_precision_and_keep_the_dtype(potential, dtype):
@@ -221,6 +227,20 @@ def test_auto_uses_the_closed_form_where_one_exists_and_jax_grad_elsewhere():
   y = jnp.array([1.0, -2.0, 3.0])
   np.testing.assert_array_equal(updates.resolve_update(half_square, "auto")(y, None, None, None),
                                 -y)  # -∇(|y|²/2) = -y
+
+
+def test_preconditioner_keeps_the_dtype_of_a_bfloat16_update():
+  # The layer keeps p and U in float32 and the update in model.dtype: P v must not promote
+  # the residual stream to float32.
+  rng = np.random.default_rng(5)
+  v, p, u = rng.normal(size=(2, 3, D)), rng.normal(size=D), 0.5 * rng.normal(size=(D, 3))
+  want = (np.logaddexp(0.0, p) + 1e-3) * v + (v @ u) @ u.T
+  for low_rank in (u, None):
+    got = updates.precondition(jnp.asarray(v, jnp.bfloat16), jnp.asarray(p, jnp.float32),
+                               None if low_rank is None else jnp.asarray(u, jnp.float32), 1e-3)
+    assert got.dtype == jnp.bfloat16
+    ref = want if low_rank is not None else (np.logaddexp(0.0, p) + 1e-3) * v
+    assert _rel(np.asarray(got, np.float64), ref) <= 2e-2
 
 
 def test_preconditioner_is_positive_definite():
@@ -496,9 +516,14 @@ def _refusal(cfg) -> str:
 def test_builtin_energies_are_flagged_and_user_ones_are_not(tmp_path):
   assert energies.get("softmax", "attention").builtin
   assert all(energies.get(n, "mlp").builtin for n in energies.POTENTIALS)
+  # Built-ins are pinned by these tests and NUMERICS_VERSION, not by a digest of their source:
+  # one would refuse to resume every run after any edit of cem_jax.
+  assert all(energies.source_digest(n, k) is None for n, k in [("softmax", "attention")] + [
+      (p, "mlp") for p in energies.POTENTIALS])
   cfg = _user_config(tmp_path, attention_energy="quad")
   spec = energies.get(cfg.model.attention_energy, "attention")
   assert spec.fused_update is not None and not spec.builtin
+  assert len(energies.source_digest(cfg.model.attention_energy, "attention")) == 64
   name = "test_user_registered_energy"
   try:
     assert not energies.register(name, "mlp", lambda *a: 0.0).builtin
@@ -742,6 +767,12 @@ def test_rope_keeps_float64_inputs_in_float64():
     np.testing.assert_allclose(np.asarray(back), x, rtol=0, atol=1e-12)
   assert apply_rope(jnp.asarray(x, jnp.bfloat16), jnp.asarray(pos), 10_000.0).dtype == (
       jnp.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim", [3, 7])  # 3 broadcast to a wrong shape, 7 failed in jnp
+def test_rope_of_an_odd_head_dim_is_refused(head_dim):
+  with pytest.raises(ValueError, match=f"^RoPE needs an even head_dim, got {head_dim}$"):
+    apply_rope(np.zeros((1, 2, 1, head_dim), np.float32), np.zeros((1, 2), np.int32), 10.0)
 
 
 def test_rope_of_bfloat16_inputs_rotates_by_float32_angles():
