@@ -955,6 +955,38 @@ def test_prepare_rebuilds_a_shard_damaged_in_place(tmp_path):
   build_data(config, tmp_path / "wd")
 
 
+def test_prepare_rebuilds_a_damaged_trained_tokenizer(tmp_path):
+  # "run prepare again to rebuild it": the re-run used to load the damaged tokenizer.model it
+  # had trained (a bit flip: SentencePiece or a UnicodeDecodeError failed every re-run).
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(1000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  out = shard_writer.prepare(config.data, tmp_path / "p", shard_chars=20_000)
+  model = out / "tokenizer.model"
+  good, sums = model.read_bytes(), _shard_sums(out)
+  data = bytearray(good)
+  data[len(data) // 2] ^= 0xFF
+  model.write_bytes(bytes(data))
+  with pytest.raises(prepared.BadPreparedData, match=r"tokenizer\.model: damaged prepared data"):
+    prepared.PreparedData.open(out)
+  shard_writer.prepare(config.data, out, shard_chars=20_000)
+  assert model.read_bytes() == good and _shard_sums(out) == sums
+  prepared.PreparedData.open(out)
+
+
+def test_a_rerun_with_fewer_shards_leaves_no_shard_the_manifest_does_not_list(tmp_path):
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(1000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  shard_writer.prepare(config.data, tmp_path / "a", shard_chars=10_000)
+  (tmp_path / "a" / prepared.MANIFEST).unlink()  # killed before its manifest
+  shard_writer.prepare(config.data, tmp_path / "a", shard_chars=20_000)
+  shard_writer.prepare(config.data, tmp_path / "b", shard_chars=20_000)
+  assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted(
+      p.name for p in (tmp_path / "b").iterdir())
+  assert _shard_sums(tmp_path / "a") == _shard_sums(tmp_path / "b")
+
+
 def test_a_shard_of_whole_records_counts_them_as_arrayrecord_does(prepared_300, tmp_path):
   # 1024 empty documents: 1024 EOS, exactly one full record (and 1025: two records).
   from array_record.python import array_record_module

@@ -21,6 +21,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -254,14 +255,20 @@ def _done(out_dir: Path, task: dict, tok_sha: str) -> dict | None:
   return meta if ok else None
 
 
-def _tokenizer(data_config, splits: sources.TextSplits, out_dir: Path
+def _tokenizer(data_config, splits: sources.TextSplits, out_dir: Path, fp: str
                ) -> tuple[tokenizer_lib.Tokenizer, bytes, bool]:
   path = out_dir / TOKENIZER
+  try:
+    recorded = json.loads((out_dir / PROGRESS).read_text()).get("tokenizer_sha256")
+  except (OSError, ValueError, AttributeError):
+    recorded = None
   if data_config.tokenizer:
     given = tokenizer_lib.load_tokenizer(data_config.tokenizer, data_config.vocab_size)
     model = given.path.read_bytes()
     trained = False
-  elif path.is_file():  # an interrupted prepare of the same fingerprint trained it already
+  elif path.is_file() and sha256_file(path) == recorded:
+    # An interrupted prepare of the same fingerprint trained it already. Only the model it
+    # recorded: one damaged since (or left by an older cem_jax) is trained again, never used.
     model, trained = path.read_bytes(), True
   else:
     model = tokenizer_lib.train_model(splits.train, data_config.vocab_size,
@@ -270,6 +277,9 @@ def _tokenizer(data_config, splits: sources.TextSplits, out_dir: Path
   if not path.is_file() or path.read_bytes() != model:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, model)
+  if trained and recorded != _sha256_bytes(model):
+    _write_json(out_dir / PROGRESS, {"fingerprint": fp, "format_version": FORMAT_VERSION,
+                                     "tokenizer_sha256": _sha256_bytes(model)})
   return tokenizer_lib.Tokenizer(model, path=path), model, trained
 
 
@@ -400,7 +410,7 @@ def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: i
   manifest_path = out_dir / MANIFEST
   start = time.perf_counter()
   splits = sources.text_splits(data_config)
-  tok, model, trained = _tokenizer(data_config, splits, out_dir)
+  tok, model, trained = _tokenizer(data_config, splits, out_dir, fp)
   tok_sha = _sha256_bytes(model)
   dtype = token_dtype(tok.vocab_size)
   docs = {"train": splits.train, "validation": splits.validation}
@@ -467,6 +477,13 @@ def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: i
       "shard_chars": shard_chars,
       "splits": split_info,
   }
+  # Shards past the last one listed (a killed prepare's, with a smaller shard_chars) are not
+  # data of this manifest: removed, so that the folder holds what it lists.
+  for split in SPLITS:
+    for path in out_dir.iterdir():
+      index = re.fullmatch(rf"{split}-(\d+)\.(array_record|json)", path.name)
+      if index and int(index.group(1)) >= len(split_info[split]["shards"]):
+        path.unlink()
   _write_json(manifest_path, manifest)
   text_mb = sum(i["bytes"] for i in split_info.values()) / 1e6
   log.info("prepared %s in %s: %.1f MB of text, %d train / %d validation tokens in %.1f s "

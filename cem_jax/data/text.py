@@ -1,10 +1,12 @@
 """Plain-text helpers shared by every source: file decoding, globbing and the split rule.
 
-Text normalisation, applied to every local file (and to TFDS catalog text):
+Text normalisation, applied to every local file:
   * a leading UTF-8 byte-order mark is dropped (``utf-8-sig`` semantics);
   * CRLF and lone CR line ends become LF.
 Nothing else is changed (no Unicode normalisation, no whitespace stripping), so the text the
-model sees is byte-for-byte the file minus those two conventions.
+model sees is byte-for-byte the file minus those two conventions. TFDS catalog text gets the
+second only (``tfds_catalog.CatalogTexts``): a BOM at the start of an example is kept, as it
+always was, so that prepared tokens and fingerprints stay as they are.
 """
 
 from __future__ import annotations
