@@ -987,6 +987,31 @@ def test_a_rerun_with_fewer_shards_leaves_no_shard_the_manifest_does_not_list(tm
   assert _shard_sums(tmp_path / "a") == _shard_sums(tmp_path / "b")
 
 
+def test_a_damaged_or_lost_prepare_json_is_named_and_a_complete_folder_still_opens(tmp_path):
+  # prepare.json holds the fingerprint a re-run checks: damaged (a bit flip, a hand edit) or
+  # lost, the folder used to be refused as "another dataset (fingerprint None)" or as holding
+  # no prepared dataset, though its manifest names this one.
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(300))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  out = shard_writer.prepare(config.data, tmp_path / "p", shard_chars=20_000)
+  progress, sums = out / "prepare.json", _shard_sums(out)
+  for damage in ("{not json", "[]", '{"format_version": 1}', None):
+    if damage is None:
+      progress.unlink()
+    else:
+      progress.write_text(damage)
+    shard_writer.prepare(config.data, out, shard_chars=20_000)  # the manifest says: this one
+    assert _shard_sums(out) == sums
+    assert json.loads(progress.read_text())["fingerprint"] == prepared.PreparedData.open(
+        out).manifest["fingerprint"]
+  # Without a manifest nothing tells which dataset the shards are: refused, naming the file.
+  (out / "manifest.json").unlink()
+  progress.write_text("{not json")
+  with pytest.raises(ValueError, match="^" + re.escape(f"--out={out}: {progress} is damaged")):
+    shard_writer.prepare(config.data, out, shard_chars=20_000)
+
+
 def test_a_shard_of_whole_records_counts_them_as_arrayrecord_does(prepared_300, tmp_path):
   # 1024 empty documents: 1024 EOS, exactly one full record (and 1025: two records).
   from array_record.python import array_record_module

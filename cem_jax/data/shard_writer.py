@@ -303,26 +303,45 @@ def _remove_leftovers(out_dir: Path, *, progress: bool, tokenizer: bool) -> None
       path.unlink(missing_ok=True)
 
 
+def _saved_fingerprint(path: Path) -> str | None:
+  """The fingerprint ``path`` (``prepare.json`` or the manifest) records, or None: missing,
+  unreadable, or not a JSON object with a string fingerprint."""
+  try:
+    saved = json.loads(path.read_text())
+  except (OSError, ValueError):
+    return None
+  previous = saved.get("fingerprint") if isinstance(saved, dict) else None
+  return previous if isinstance(previous, str) else None
+
+
 def _claim(out_dir: Path, fp: str) -> bool:
   """Makes ``out_dir`` the folder of fingerprint ``fp``: new, empty, already ``fp``'s, or left by
   a prepare of other input that failed or was killed before its first shard (nothing in it is
-  worth keeping). Returns whether ``prepare.json`` was written now.
+  worth keeping). A damaged or lost ``prepare.json`` beside an intact manifest of ``fp`` is
+  written again. Returns whether ``prepare.json`` was written now (the folder claimed afresh).
 
   Raises:
-    ValueError: ``out_dir`` cannot be created, holds another dataset, or is not empty and
-      holds no prepared dataset.
+    ValueError: ``out_dir`` cannot be created, holds another dataset, holds shards beside a
+      damaged ``prepare.json`` and no intact manifest, or is not empty and holds no prepared
+      dataset.
   """
   progress = out_dir / PROGRESS
-  if progress.is_file():
-    try:
-      saved = json.loads(progress.read_text())
-    except ValueError:
-      saved = None
-    previous = saved.get("fingerprint") if isinstance(saved, dict) else None
-    if previous == fp:  # a re-run: keep the work, not the temporaries of killed writes
-      _remove_leftovers(out_dir, progress=False, tokenizer=False)
-      return False
+  previous = _saved_fingerprint(progress)
+  if previous is None and (out_dir / MANIFEST).is_file():
+    # prepare.json damaged or lost: the manifest names the dataset.
+    previous = _saved_fingerprint(out_dir / MANIFEST)
+    if previous == fp:
+      _write_json(progress, {"fingerprint": fp, "format_version": FORMAT_VERSION})
+  if previous == fp:  # a re-run: keep the work, not the temporaries of killed writes
+    _remove_leftovers(out_dir, progress=False, tokenizer=False)
+    return False
+  if previous is not None or progress.is_file():
     if _holds_data(out_dir):
+      if previous is None:
+        raise ValueError(
+            f"--out={os.fspath(out_dir)}: {os.fspath(progress)} is damaged (not a JSON object "
+            "with a fingerprint) and no intact manifest tells which dataset this is; "
+            "choose another folder or delete it")
       raise ValueError(
           f"--out={os.fspath(out_dir)} holds another dataset (fingerprint {previous}, this "
           f"config and text: {fp}); choose another folder or delete it")
@@ -482,7 +501,8 @@ def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: i
   for split in SPLITS:
     for path in out_dir.iterdir():
       index = re.fullmatch(rf"{split}-(\d+)\.(array_record|json)", path.name)
-      if index and int(index.group(1)) >= len(split_info[split]["shards"]):
+      if (index and int(index.group(1)) >= len(split_info[split]["shards"])
+          and path.is_file()):
         path.unlink()
   _write_json(manifest_path, manifest)
   text_mb = sum(i["bytes"] for i in split_info.values()) / 1e6
