@@ -461,3 +461,82 @@ def test_bad_arguments_are_refused_before_any_row_runs(tmp_path, args, error):
   assert proc.returncode == 1 and proc.stdout == ""
   assert proc.stderr.strip().splitlines()[-1].startswith(
       "error: " + error.format(tmp=tmp_path)), proc.stderr[-500:]
+
+
+# Each measured table in docs/PERFORMANCE.md and the JSON it was copied from: (the heading of
+# its section, its index among that section's tables, the JSON). A new measurement adds its
+# tables here, so that what the docs claim stays what `bench` wrote.
+_DOC_TABLES = [
+    ("## CPU, tiny shapes (2026-11-30)", 0, "cpu_tiny.json"),
+    ("### Measured with the kernels `auto` picks (H200, jax 0.11.2, 2026-12-04; issue 12)",
+     0, "gpu125m_h200_2026-12-04.json"),
+    ("### Measured with the kernels `auto` picks (H200, jax 0.11.2, 2026-12-04; issue 12)",
+     1, "gpu125m_64k_h200_2026-12-04.json"),
+]
+
+# A column's heading -> its figure from a JSON row (``rows``: the rows of that shape by variant).
+_DOC_COLUMNS = {
+    "params": lambda r, rows: r["params"] / 1e6,
+    "compile s": lambda r, rows: r["compile_s"],
+    "step ms": lambda r, rows: r["step_ms"],
+    "tokens/s": lambda r, rows: r["tokens_per_s"],
+    "GFLOP/token": lambda r, rows: r["flops_per_token"] / 1e9,
+    "MFU": lambda r, rows: None if r["mfu"] is None else 100 * r["mfu"],
+    "peak MB": lambda r, rows: r["peak_memory_mb"],
+    "XLA memory": lambda r, rows: r["peak_memory_mb"] / 1024,  # MiB in the JSON, GiB here
+    "× llama": lambda r, rows: r["step_ms"] / rows["llama"]["step_ms"],
+    "× cem_fused": lambda r, rows: r["step_ms"] / rows["cem_fused"]["step_ms"],
+}
+
+
+def _doc_tables(doc: str, heading: str) -> list[list[dict[str, str]]]:
+  """The markdown tables of the section under ``heading``: a list of rows, each a dict."""
+  import re
+
+  start = doc.index(heading + "\n")
+  level = heading.split(" ")[0]
+  end = re.search(rf"^#{{1,{len(level)}}} ", doc[start + len(heading):], re.M)
+  section = doc[start:start + len(heading) + end.start()] if end else doc[start:]
+  tables, lines = [], []
+  for line in section.splitlines() + [""]:
+    if line.startswith("|"):
+      lines.append([c.strip() for c in line.strip().strip("|").split("|")])
+    elif lines:
+      head, body = lines[0], [c for c in lines[1:] if not set("".join(c)) <= set("-: ")]
+      tables.append([dict(zip(head, c, strict=True)) for c in body])
+      lines = []
+  return tables
+
+
+@pytest.mark.parametrize("heading,index,name", _DOC_TABLES)
+def test_the_tables_in_performance_md_are_the_figures_of_their_json(heading, index, name):
+  import pathlib
+  import re
+
+  root = pathlib.Path(__file__).parents[1]
+  table = _doc_tables((root / "docs" / "PERFORMANCE.md").read_text(), heading)[index]
+  measured = json.loads((root / "results" / "bench" / name).read_text())["rows"]
+  by_shape = {}
+  for r in measured:
+    by_shape.setdefault((r["seq_len"], r["d_model"]), {})[r["variant"]] = r
+  assert table and {c for c in table[0] if c in _DOC_COLUMNS} >= {"step ms", "MFU"}, table[:1]
+  for row in table:
+    shape = (int(row["seq_len"]), int(row.get("d_model", measured[0]["d_model"])))
+    rows = by_shape[shape]
+    r = rows[row["variant"]]
+    if "attention" in row:
+      assert row["attention"].split(" ")[0] == r["attention"], (row, r["attention"])
+    for column, figure in _DOC_COLUMNS.items():
+      if column not in row:
+        continue
+      want, text = figure(r, rows), row[column]
+      if want is None:
+        assert text == "n/a", (name, row["variant"], shape, column, text)
+        continue
+      number = re.fullmatch(r"([\d,]+)(?:\.(\d+))?M?%?(?: GiB)?", text)
+      assert number, (name, row["variant"], shape, column, text)
+      # Equal to the JSON's figure rounded to the digits printed.
+      half_ulp = 0.5 * 10.0 ** -len(number.group(2) or "")
+      got = float(number.group(1).replace(",", "") + "." + (number.group(2) or "0"))
+      assert abs(got - want) <= half_ulp * (1 + 1e-9), (name, row["variant"], shape, column,
+                                                        text, want)
