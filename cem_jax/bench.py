@@ -102,6 +102,10 @@ class RowsFailed(RuntimeError):
 
 
 PROFILE_STEPS = 2  # steps traced after the timed ones (--profile_dir)
+# Environment variables recorded in the JSON when set: they change the compiled program or
+# what memory it may use, so two files are comparable only where these agree.
+ENVIRONMENT = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
+               "XLA_PYTHON_CLIENT_ALLOCATOR", "LIBTPU_INIT_ARGS")
 
 
 def bench_one(config, vocab_size: int, steps: int, warmup: int,
@@ -198,8 +202,9 @@ def run(preset: str, variants: list[str], out: str | None = None,
 
   Rows run variant by variant in the order of ``variants``, each over every shape; each row
   records ``wall_s``, its whole cost in seconds (compile, steps, trace). The printed table is
-  ordered by shape. ``out`` (JSON: ``device``, ``platform``, ``jax``, ``preset``, ``rows`` in
-  the order they ran, ``complete``, ``failed``) is rewritten atomically after every row,
+  ordered by shape. ``out`` (JSON: ``device``, ``platform``, ``jax``, ``environment`` (the
+  variables of :data:`ENVIRONMENT` that are set), ``preset``, ``rows`` in the order they ran,
+  ``complete``, ``failed``) is rewritten atomically after every row,
   ``complete`` false until the last: a sweep stopped by a time limit (a lent GPU's) keeps the
   rows it measured, every shape of the variants it reached. A row whose
   config or kernel fails (an ``Exception``: out of memory, a kernel that refuses the shape)
@@ -222,10 +227,14 @@ def run(preset: str, variants: list[str], out: str | None = None,
   shapes += [(p["seq_lens"][0], w) for w in p["widths"] if w != p["d_model"]]
   rows = []
   device = jax.local_devices()[0]
+  # What else decides the figures: XLA's flags (a kernel or scheduler switched on or off) and
+  # the share of device memory jax may take.
+  environment = {k: os.environ[k] for k in ENVIRONMENT if k in os.environ}
   print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
         f"preset {preset}, {p['tokens_per_batch']} tokens per batch, {p['dtype']}, "
         f"document_mask={p['document_mask']}, attention_impl={attention_impl or 'auto'}, "
-        f"loss_block_size={loss_block_size}",
+        f"loss_block_size={loss_block_size}"
+        + "".join(f", {k}={v!r}" for k, v in environment.items()),
         flush=True)
   # Variant by variant, in the order given: a sweep cut off by a time limit has every shape
   # of the variants it reached (the comparisons across seq_len need them), not a seq_len of all.
@@ -252,7 +261,8 @@ def run(preset: str, variants: list[str], out: str | None = None,
     failed = [r for r in rows if "error" in r]
     if out:
       atomic_write_json(out, {"device": device.device_kind, "platform": device.platform,
-                              "jax": jax.__version__, "preset": preset, "rows": rows,
+                              "jax": jax.__version__, "environment": environment,
+                              "preset": preset, "rows": rows,
                               "complete": i == len(todo) - 1, "failed": len(failed)})
   order = {shape: i for i, shape in enumerate(shapes)}  # read by shape: the ratios' columns
   print(format_table(sorted(rows, key=lambda r: order[(r["seq_len"], r["d_model"])])))

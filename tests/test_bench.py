@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +104,9 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
   tiny = dict(bench.PRESETS["tiny"], seq_lens=[32], widths=[32], d_model=32, num_layers=1,
               mlp_dim=64, tokens_per_batch=64, steps=2, warmup=1)
   monkeypatch.setitem(bench.PRESETS, "tiny", tiny)
+  for name in bench.ENVIRONMENT[1:]:
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".5")  # read, not used, on a CPU
   out = tmp_path / "bench.json"
   with pytest.raises(ValueError, match=r"^train\.loss_block_size=5 does not divide "
                      r"data\.seq_len=32"):  # before any row is measured
@@ -161,6 +165,12 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
         bench._model_config(tiny, bench.VARIANTS[r["variant"]], 32, 32).model, 512, 32)
   saved = json.load(open(out))
   assert saved["preset"] == "tiny" and len(saved["rows"]) == 3 and saved["complete"] is True
+  # The flags the rows were compiled under (conftest sets the optimisation level) and the
+  # memory share set above; unset variables are left out.
+  flags = os.environ["XLA_FLAGS"]
+  assert "--xla_backend_optimization_level" in flags
+  assert saved["environment"] == {"XLA_FLAGS": flags, "XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}
+  assert f"XLA_FLAGS={flags!r}, XLA_PYTHON_CLIENT_MEM_FRACTION='.5'" in printed.splitlines()[0]
 
 
 def test_a_trace_that_fails_costs_no_row_its_figures(tmp_path, monkeypatch):
@@ -212,7 +222,8 @@ def test_a_sweep_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch
 
 
 def _the_run_to_do() -> list[dict[str, str]]:
-  """The flags of each bench command in docs/PERFORMANCE.md's "The run to do"."""
+  """The flags of each bench command in docs/PERFORMANCE.md's "The run to do", and under
+  ``env`` the variables set before it (``NAME=value bash .device/run.sh ...``)."""
   import pathlib
   import shlex
 
@@ -225,7 +236,8 @@ def _the_run_to_do() -> list[dict[str, str]]:
     if words:
       flags = words[words.index("cem_jax.bench") + 1:]
       assert all(f.startswith("--") and "=" in f for f in flags), line
-      runs.append(dict(f[2:].split("=", 1) for f in flags))
+      env = dict(w.split("=", 1) for w in words[:words.index("bash")])
+      runs.append({**dict(f[2:].split("=", 1) for f in flags), "env": env})
   return runs
 
 
@@ -239,9 +251,12 @@ def test_the_documented_gpu_run_resolves_its_kernels_and_sizes():
   from cem_jax.model_stats import count_params
 
   runs = _the_run_to_do()
-  # The measurement issue 12 asks for: 'auto' kernels (cuDNN), each preset's own mask setting.
-  assert [sorted(r) for r in runs] == [["out", "preset", "variants"]] * 2, runs
-  assert [r["preset"] for r in runs] == ["gpu125m", "gpu125m_64k"]
+  # The measurement issue 12 asks for: 'auto' kernels (cuDNN), each preset's own mask setting;
+  # then one A/B of an XLA flag.
+  assert [sorted(r) for r in runs] == [["env", "out", "preset", "variants"]] * 3, runs
+  assert [r["preset"] for r in runs] == ["gpu125m", "gpu125m_64k", "gpu125m"]
+  assert [sorted(r["env"]) for r in runs] == [[], [], ["XLA_FLAGS"]]
+  assert len({r["out"] for r in runs}) == 3  # no file overwritten
   for preset, variants in ((r["preset"], r["variants"].split(",")) for r in runs):
     p = bench.PRESETS[preset]
     assert p["dtype"] == "bfloat16" and p["seq_lens"] == [1024, 4096]
@@ -259,6 +274,19 @@ def test_the_documented_gpu_run_resolves_its_kernels_and_sizes():
           assert impl == "cudnn", (preset, name, n, reason)
         if name.startswith("llama"):
           assert 100e6 < count_params(model) < 130e6, (name, count_params(model))
+
+
+def test_the_xla_flags_of_the_documented_gpu_run_are_known_to_xla():
+  # XLA aborts the process on an unknown flag in XLA_FLAGS: a typo would cost the device call.
+  # GPU flags are parsed on every backend, so this CPU jaxlib knows them too.
+  import subprocess
+  import sys
+
+  for env in (r["env"] for r in _the_run_to_do() if r["env"]):
+    proc = subprocess.run([sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1.0)"],
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", **env),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (env, proc.stderr[-300:])
 
 
 def test_a_row_that_fails_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
