@@ -33,6 +33,7 @@ import io
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -451,7 +452,11 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
 
 
 def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, header: str) -> list:
-  """Writes ``TABLE.md``, ``TABLE.csv`` and ``TABLE.png`` in ``workdir``; returns the paths."""
+  """Writes ``TABLE.md``, ``TABLE.csv`` and ``TABLE.png`` in ``workdir``; returns the paths.
+
+  A ``TABLE.md`` that differs from the new one only in the date of its header (``written
+  YYYY-MM-DD``) is left as it is: rebuilding a committed table from its committed runs changes
+  no tracked file, and the date stays the day its figures were first written."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -481,7 +486,15 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
         f"{r['perplexity']:.2f} | "
         f"{spread(r['bits_per_byte_mean'], r['bits_per_byte_std'], r['seeds'], '.4f')} | "
         f"{r['tokens_per_sec']:.0f} |")
-  atomic_write_text(base + ".md", "\n".join(lines) + "\n")
+  text = "\n".join(lines) + "\n"
+  undated = lambda t: re.sub(r"\bwritten \d{4}-\d{2}-\d{2}\b", "written", t, count=1)
+  try:
+    with open(base + ".md", encoding="utf-8") as f:
+      same = undated(f.read()) == undated(text)
+  except (OSError, UnicodeDecodeError):
+    same = False
+  if not same:
+    atomic_write_text(base + ".md", text)
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for row, points in curves.items():
     ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=row, ms=3)

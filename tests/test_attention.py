@@ -412,7 +412,8 @@ def test_cudnn_gets_its_causal_mask_beside_a_document_mask(monkeypatch, kind, ca
 
 
 @pytest.mark.parametrize("overrides,match", [
-    ({"model.attention_impl": "cudnn"}, "needs model.dtype=bfloat16"),
+    ({"model.attention_impl": "cudnn"}, r"needs model.dtype=bfloat16 \(cuDNN flash "
+     r"attention, an NVIDIA GPU kernel, has no float32\)$"),
     ({"model.attention_impl": "cudnn", "model.dtype": "bfloat16", "model.diagonal": "per_head"},
      "augmented head of width 80 \\(d_h \\+ d_model"),
     ({"model.attention_impl": "splash", "data.seq_len": 64}, "data.seq_len=64 must be a "

@@ -218,6 +218,19 @@ def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data,
   paired = [losses["cem", s] - losses["llama", s] for s in (0, 1)]
   assert float(records[1]["delta_loss_mean"]) == pytest.approx(sum(paired) / 2)
   assert "| llama |" in open(paths[0]).read()
+  # Rebuilt another day from the same runs: the committed .md is not touched (only its date
+  # would change); other figures are written with the new date.
+  dated = lambda day: f"Table toy, scale tiny, 2 seed(s), written 2026-12-{day} (cpu); command: x"
+  curves = tables.eval_curves(workdir, "toy", module, 2)
+  tables.write_outputs(workdir, "toy", rows, curves, dated("03"))
+  before = os.stat(paths[0]).st_mtime_ns
+  tables.write_outputs(workdir, "toy", rows, curves, dated("04"))
+  assert open(paths[0]).read().startswith(dated("03") + "\n")
+  assert os.stat(paths[0]).st_mtime_ns == before
+  tables.write_outputs(workdir, "toy", rows[:1], curves, dated("04"))
+  assert open(paths[0]).read().startswith(dated("04") + "\n")
+  assert "| cem |" not in open(paths[0]).read()
+  tables.write_outputs(workdir, "toy", rows, curves, "toy table")
 
   def no_training(*args, **kwargs):
     raise AssertionError("a finished run was trained again")
