@@ -5,7 +5,8 @@ Prints every parameter (path, shape, count, logical axes, sharding on the config
 the totals (all, non-embedding, attention, MLP) and the analytic FLOPs per token. The model
 is built abstractly (``nnx.eval_shape``): nothing is allocated, so a 125M config inspects in
 seconds on a laptop. ``--vocab_size`` stands in for the tokenizer's size (default:
-``data.vocab_size``).
+``data.vocab_size``); ``--num_devices=N`` lays the mesh out for N devices (an abstract mesh:
+a pod's sharding can be read on a laptop), checked as ``main`` would check it on N devices.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from cem_jax import cli, model_stats, preflight, sharding
+from cem_jax import axes, cli, model_stats, preflight, sharding
 from cem_jax.model import DecoderLM
 
 
-def summary(config, vocab_size: int | None = None, devices=None) -> dict:
+def summary(config, vocab_size: int | None = None, devices=None,
+            num_devices: int | None = None) -> dict:
   """Returns ``{'rows': [...], 'totals': {...}, 'flops_per_token': {...}, 'mesh': shape,
   'num_layers': L, 'unique_blocks': G}`` (G < L: shared depth, layer l runs block l % G).
   ``flops_per_token``: ``forward`` (analytic, :mod:`cem_jax.model_stats`) and ``train``
@@ -28,16 +30,28 @@ def summary(config, vocab_size: int | None = None, devices=None) -> dict:
   Each row: ``path``, ``shape``, ``count``, ``logical_axes``, ``spec`` (the PartitionSpec on
   the configured mesh, as a string).
 
+  ``devices``: the devices of the mesh (default: all of this process's view); or
+  ``num_devices``: their number only, for an abstract mesh (``jax.sharding.AbstractMesh``).
+
   Raises:
-    ValueError: an invalid config or a mesh that does not fit the devices.
+    ValueError: an invalid config, ``num_devices`` < 1, or a mesh that does not fit the
+      devices.
   """
   preflight.check(config)
   vocab = config.data.vocab_size if vocab_size is None else vocab_size
   if vocab < 1:
     raise ValueError(f"--vocab_size={vocab}; allowed: an int >= 1")
-  devices = jax.devices() if devices is None else devices
-  sharding.check_config(config, len(devices))  # the layout main.py would accept, or its error
-  mesh = sharding.make_mesh(config.mesh, devices)
+  if num_devices is not None and num_devices < 1:
+    raise ValueError(f"--num_devices={num_devices}; allowed: an int >= 1 (default: this "
+                     "machine's devices)")
+  if num_devices is None:
+    devices = jax.devices() if devices is None else devices
+  count = len(devices) if num_devices is None else num_devices
+  sharding.check_config(config, count)  # the layout main.py would accept, or its error
+  if num_devices is None:
+    mesh = sharding.make_mesh(config.mesh, devices)
+  else:  # param_specs reads the axis sizes only: no device is needed
+    mesh = jax.sharding.AbstractMesh(axes.mesh_shape(config.mesh, count), axes.MESH_AXES)
   model = nnx.eval_shape(lambda: DecoderLM(config.model, vocab, rngs=nnx.Rngs(0)))
   state = nnx.state(model, nnx.Param)
   specs = sharding.param_specs(state, sharding.rules_from_config(config.mesh), mesh)
@@ -85,7 +99,8 @@ def format_summary(s: dict) -> str:
 def main(argv):
   del argv
   with cli.user_errors():
-    print(format_summary(summary(cli.load_config(), flags.FLAGS.vocab_size)))
+    print(format_summary(summary(cli.load_config(), flags.FLAGS.vocab_size,
+                                 num_devices=flags.FLAGS.num_devices)))
 
 
 def run() -> None:
@@ -93,6 +108,8 @@ def run() -> None:
   config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
                                   lock_config=True)
   flags.DEFINE_integer("vocab_size", None, "Vocabulary size (default: data.vocab_size).")
+  flags.DEFINE_integer("num_devices", None, "Lay the mesh out for this many devices (default: "
+                       "this machine's), e.g. a TPU pod's, without them.")
   flags.mark_flag_as_required("config")
   app.run(main, flags_parser=cli.parse_flags)
 

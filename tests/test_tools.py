@@ -58,6 +58,7 @@ def test_inspect_cli_prints_the_summary():
                         text=True, timeout=300)
   assert "--config: Experiment config file" in proc.stdout, proc.stdout[-2000:]
   assert "--vocab_size: Vocabulary size" in proc.stdout
+  assert "--num_devices: Lay the mesh out" in proc.stdout
 
 
 def test_inspect_rows_and_text_name_axes_sharding_blocks_and_flops():
@@ -87,6 +88,24 @@ def test_inspect_refuses_what_main_would_refuse():
   cfg = tiny_config("llama", **{"mesh.data": 8, "train.batch_size": 12})
   with pytest.raises(ValueError, match=r"^train.batch_size=12 is not divisible by the 8 "):
     summary_lib.summary(cfg, vocab_size=300, devices=[jax.devices()[0]] * 8)
+
+
+def test_inspect_lays_a_pod_mesh_out_without_its_devices():
+  # 8 devices on a 1-device machine: the abstract mesh gives main's specs and checks.
+  cfg = tiny_config("llama", **{"mesh.fsdp": 4, "mesh.tensor": 2, "model.num_heads": 2})
+  s = summary_lib.summary(cfg, vocab_size=300, num_devices=8)
+  assert s["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+  rows = {r["path"]: r for r in s["rows"]}
+  assert rows["['blocks'][0]['attn']['w_q']"]["spec"] == str(P("fsdp", "tensor", None))
+  # vocab 300 over tensor=2 divides; 301 does not: replicated, as on real devices.
+  assert rows["['embedding']"]["spec"] == str(P("tensor", "fsdp"))
+  odd = {r["path"]: r for r in summary_lib.summary(cfg, 301, num_devices=8)["rows"]}
+  assert odd["['embedding']"]["spec"] == str(P(None, "fsdp"))
+  with pytest.raises(ValueError, match=r"^mesh sizes \{'data': -1, 'fsdp': 4, 'tensor': 2\} "
+                                       r"do not divide the 4 devices"):
+    summary_lib.summary(cfg, vocab_size=300, num_devices=4)
+  with pytest.raises(ValueError, match=r"^--num_devices=0; allowed: an int >= 1"):
+    summary_lib.summary(cfg, vocab_size=300, num_devices=0)
 
 
 def test_logical_rules_to_partition_specs():
