@@ -22,7 +22,7 @@ from cem_jax import cli
 from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text
 
 
-def load_run(workdir: str):
+def load_run(workdir: str, require=None):
   """Returns ``(config, data, graphdef, params, step)`` of the newest checkpoint in ``workdir``.
 
   The model is rebuilt from the config saved *in that checkpoint*, not from
@@ -31,7 +31,9 @@ def load_run(workdir: str):
   today's defaults. The data are the tokens the checkpoint records it was trained on, read
   from the run's ``data.prepared_dir`` or its ``data/`` folder, so the raw text (and a given
   tokenizer file) may have moved; otherwise they are built from the config, and must be the
-  tokens the checkpoint records.
+  tokens the checkpoint records. ``require``, if given, is called with the checkpoint's
+  config before the data and the model are built (seconds), to refuse a run at once by
+  raising ValueError.
 
   Raises:
     FileNotFoundError: no ``config.json`` or no checkpoint in ``workdir``.
@@ -54,7 +56,7 @@ def load_run(workdir: str):
       if step is None:  # found before the data are built (a tokenizer trained for nothing)
         raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
       try:
-        config, data, graphdef, params = _build_from(ckpt, step, path, workdir)
+        config, data, graphdef, params = _build_from(ckpt, step, path, workdir, require)
         break
       except (OSError, ValueError):
         if attempt == 2 or os.path.isdir(ckpt.step_dir(step)):
@@ -64,7 +66,7 @@ def load_run(workdir: str):
   return config, data, graphdef, params, step
 
 
-def _build_from(ckpt, step: int, config_json: str, workdir: str):
+def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None):
   """``load_run`` for one step: ``(config, data, graphdef, params)``."""
   from flax import nnx
 
@@ -92,6 +94,8 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str):
                      "version of cem_jax; evaluate it with the version that trained it")
   config.update(saved)
   preflight.check(config)
+  if require is not None:
+    require(config)
   found = _prepared_data_of(workdir, config.data.prepared_dir, meta.get("data"))
   if found:
     # The tokens the checkpoint was trained on: the raw text and a given tokenizer file need
@@ -148,14 +152,19 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> li
   from cem_jax import steps as steps_lib
   from cem_jax.metrics import final_energy
 
-  config, data, graphdef, params, step = load_run(workdir)
-  if config.model.block != "cem":
-    raise ValueError(f"model.block={config.model.block!r}: test-time steps need a CEM model")
+  for t_eval in steps:  # before seconds of loading
+    if t_eval < 1:
+      raise ValueError(f"--num_steps={t_eval}; allowed: integers >= 1")
+
+  def require_cem(config):
+    if config.model.block != "cem":
+      raise ValueError(f"model.block={config.model.block!r}: test-time steps need a CEM "
+                       "model")
+
+  config, data, graphdef, params, step = load_run(workdir, require=require_cem)
   config.eval.max_batches = max_batches
   rows = []
   for t_eval in steps:
-    if t_eval < 1:
-      raise ValueError(f"--num_steps={t_eval}; allowed: integers >= 1")
     eval_step = steps_lib.make_eval_step(graphdef, t_eval, True,
                                          loss_block_size=config.train.loss_block_size)
     metrics = steps_lib.eval_loop(eval_step, params, data, config)

@@ -275,9 +275,10 @@ def test_damaged_newest_step_is_reported_and_the_previous_used(damage, tmp_path,
 
 
 def test_evaluate_and_sample_load_the_newest_intact_step_and_leave_the_run_as_it_is(
-    tmp_path, caplog):
+    tmp_path, caplog, monkeypatch):
   # load_run (evaluate, sample) reads a run that may still be training: a damaged newest step
   # is named and skipped, not restored, and nothing in the workdir is moved.
+  from cem_jax import data as data_lib
   from cem_jax import evaluate, train
 
   workdir = tmp_path / "run"
@@ -292,6 +293,20 @@ def test_evaluate_and_sample_load_the_newest_intact_step_and_leave_the_run_as_it
   warning = next(r.getMessage() for r in caplog.records if "step 4 is damaged" in r.getMessage())
   assert named in warning
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == listing
+  # A tool that refuses the run (evaluate: a Llama has no test-time steps) does so from the
+  # checkpoint's config, before the data are built.
+  def refuse(config):
+    raise ValueError(f"refused: {config.model.block}")
+
+  def no_data(*args, **kwargs):
+    raise AssertionError("the data were built for a refused run")
+
+  monkeypatch.setattr(data_lib, "build_data", no_data)
+  with pytest.raises(ValueError, match="^refused: llama$"):
+    evaluate.load_run(str(workdir), require=refuse)
+  with pytest.raises(ValueError, match="test-time steps need a CEM model"):
+    evaluate.test_time_steps(str(workdir), [1])
+  monkeypatch.undo()
   tx, _ = optim.make_optimizer(config.train)
   want, _ = Checkpointer(str(workdir / "checkpoints"), read_only=True).restore(
       2, {"params": params, "opt_state": tx.init(params)})  # step 2's own, restored directly

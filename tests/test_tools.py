@@ -319,7 +319,14 @@ def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
   from cem_jax import steps as steps_lib
 
   cfg = tiny_config("cem", **{"model.num_steps": 2, "eval.max_batches": 4})
-  monkeypatch.setattr(evaluate, "load_run", lambda workdir: (cfg, "data", "graph", "params", 30))
+  def load_run(workdir, require):
+    require(cfg)
+    with pytest.raises(ValueError, match=r"^model.block='llama': test-time steps need a CEM "
+                                         r"model$"):
+      require(tiny_config("llama"))
+    return cfg, "data", "graph", "params", 30
+
+  monkeypatch.setattr(evaluate, "load_run", load_run)
   monkeypatch.setattr(steps_lib, "make_eval_step",
                       lambda graphdef, t, trace, loss_block_size: t)
   seen = []
