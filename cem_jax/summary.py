@@ -12,6 +12,7 @@ a pod's sharding can be read on a laptop), checked as ``main`` would check it on
 from __future__ import annotations
 
 import jax
+import ml_collections
 from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
@@ -52,7 +53,13 @@ def summary(config, vocab_size: int | None = None, devices=None,
     mesh = sharding.make_mesh(config.mesh, devices)
   else:  # param_specs reads the axis sizes only: no device is needed
     mesh = jax.sharding.AbstractMesh(axes.mesh_shape(config.mesh, count), axes.MESH_AXES)
-  model = nnx.eval_shape(lambda: DecoderLM(config.model, vocab, rngs=nnx.Rngs(0)))
+  model_config = config.model
+  if num_devices is not None and model_config.attention_impl in ("cudnn", "splash"):
+    # Whether the kernel runs is the N devices' machine's to say (main's check_machine there;
+    # preflight.check refused what no machine runs): the parameters do not depend on it.
+    model_config = ml_collections.ConfigDict(model_config.to_dict())
+    model_config.attention_impl = "xla"
+  model = nnx.eval_shape(lambda: DecoderLM(model_config, vocab, rngs=nnx.Rngs(0)))
   state = nnx.state(model, nnx.Param)
   specs = sharding.param_specs(state, sharding.rules_from_config(config.mesh), mesh)
   is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)

@@ -108,6 +108,22 @@ def test_inspect_lays_a_pod_mesh_out_without_its_devices():
     summary_lib.summary(cfg, vocab_size=300, num_devices=0)
 
 
+@pytest.mark.parametrize("impl, dtype", [("cudnn", "bfloat16"), ("splash", "float32")])
+def test_inspect_lays_out_a_gpu_or_tpu_pods_explicit_kernel_config_on_any_machine(impl, dtype):
+  # Whether cudnn or splash runs is the pod's machine's to say (main checks it there); the
+  # parameters do not depend on the kernel, so --num_devices reads the layout anywhere.
+  cfg = tiny_config("llama", **{"model.attention_impl": impl, "model.dtype": dtype,
+                                "data.seq_len": 128, "mesh.fsdp": 4})
+  s = summary_lib.summary(cfg, vocab_size=300, num_devices=8)
+  assert s["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+  assert s["totals"] == summary_lib.summary(
+      tiny_config("llama", **{"data.seq_len": 128, "mesh.fsdp": 4}), 300, num_devices=8)["totals"]
+  # What no machine could run is still refused.
+  cfg.model.dtype, cfg.data.seq_len = "float32", 64
+  with pytest.raises(ValueError, match=rf"^model.attention_impl='{impl}' cannot run: "):
+    summary_lib.summary(cfg, vocab_size=300, num_devices=8)
+
+
 def test_logical_rules_to_partition_specs():
   assert sharding.logical_to_spec(("embed", "heads", "head_dim")) == P("fsdp", "tensor", None)
   assert sharding.logical_to_spec(("vocab", "embed")) == P("tensor", "fsdp")
