@@ -22,7 +22,7 @@ from cem_jax import cli
 from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text
 
 
-def load_run(workdir: str, require=None):
+def load_run(workdir: str, require=None, attention_impl: str | None = None):
   """Returns ``(config, data, graphdef, params, step)`` of the newest checkpoint in ``workdir``.
 
   The model is rebuilt from the config saved *in that checkpoint*, not from
@@ -33,7 +33,9 @@ def load_run(workdir: str, require=None):
   tokenizer file) may have moved; otherwise they are built from the config, and must be the
   tokens the checkpoint records. ``require``, if given, is called with the checkpoint's
   config before the data and the model are built (seconds), to refuse a run at once by
-  raising ValueError.
+  raising ValueError. ``attention_impl`` replaces the run's ``model.attention_impl`` (None:
+  the run's own), e.g. 'auto' to evaluate on a CPU a run trained with 'cudnn' on a GPU: the
+  kernel computes the same function and holds no parameter (``config.RESUME_MAY_CHANGE``).
 
   Raises:
     FileNotFoundError: no ``config.json`` or no checkpoint in ``workdir``.
@@ -56,7 +58,8 @@ def load_run(workdir: str, require=None):
       if step is None:  # found before the data are built (a tokenizer trained for nothing)
         raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
       try:
-        config, data, graphdef, params = _build_from(ckpt, step, path, workdir, require)
+        config, data, graphdef, params = _build_from(ckpt, step, path, workdir, require,
+                                                     attention_impl)
         break
       except (OSError, ValueError):
         if attempt == 2 or os.path.isdir(ckpt.step_dir(step)):
@@ -66,7 +69,8 @@ def load_run(workdir: str, require=None):
   return config, data, graphdef, params, step
 
 
-def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None):
+def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
+                attention_impl: str | None = None):
   """``load_run`` for one step: ``(config, data, graphdef, params)``."""
   from flax import nnx
 
@@ -93,6 +97,8 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None):
     raise ValueError(f"{where}: config fields {', '.join(unknown)} are unknown to this "
                      "version of cem_jax; evaluate it with the version that trained it")
   config.update(saved)
+  if attention_impl is not None:
+    config.model.attention_impl = attention_impl
   preflight.check(config)
   if require is not None:
     require(config)
@@ -136,7 +142,8 @@ def _prepared_data_of(workdir: str, prepared_dir: str, identity: dict | None) ->
   return None
 
 
-def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> list[dict]:
+def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
+                    attention_impl: str | None = None) -> list[dict]:
   """Evaluates ``workdir``'s model for each ``T_eval`` in ``steps``; returns one row each.
 
   Row keys: ``T_eval``, ``eval/loss`` (nats/token), ``eval/perplexity``,
@@ -161,7 +168,8 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1) -> li
       raise ValueError(f"model.block={config.model.block!r}: test-time steps need a CEM "
                        "model")
 
-  config, data, graphdef, params, step = load_run(workdir, require=require_cem)
+  config, data, graphdef, params, step = load_run(workdir, require=require_cem,
+                                                  attention_impl=attention_impl)
   config.eval.max_batches = max_batches
   rows = []
   for t_eval in steps:
@@ -216,6 +224,15 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
   return [base + ext for ext in (".md", ".json", ".png")]
 
 
+def define_attention_impl_flag() -> None:
+  """``--attention_impl`` of the tools that load a run (evaluate, sample)."""
+  from cem_jax.config import ATTENTION_IMPLEMENTATIONS
+
+  flags.DEFINE_enum("attention_impl", None, ATTENTION_IMPLEMENTATIONS,
+                    "The attention kernel to run the model with (default: the run's own "
+                    "model.attention_impl), e.g. auto on a CPU for a run trained with cudnn.")
+
+
 def main(argv):
   del argv
   fl = flags.FLAGS
@@ -233,7 +250,7 @@ def main(argv):
                        "integers >= 1")
     if fl.max_batches < 1 and fl.max_batches != -1:
       raise ValueError(f"--max_batches={fl.max_batches}; allowed: -1 (all) or an int >= 1")
-    rows = test_time_steps(fl.workdir, steps, fl.max_batches)
+    rows = test_time_steps(fl.workdir, steps, fl.max_batches, fl.attention_impl)
     # From the checkpoint's own config: config.json may be edited, or newer than the step.
     paths = write_report(fl.workdir, rows, rows[0]["T_trained"])
   print(open(paths[0]).read())
@@ -245,5 +262,6 @@ if __name__ == "__main__":
   flags.DEFINE_string("workdir", None, "A finished (or checkpointed) run's folder.")
   flags.DEFINE_list("num_steps", ["1", "2", "3", "4"], "T_eval values.")
   flags.DEFINE_integer("max_batches", -1, "Eval batches (-1: all).")
+  define_attention_impl_flag()
   flags.mark_flag_as_required("workdir")
   app.run(main, flags_parser=cli.parse_flags)

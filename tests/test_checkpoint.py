@@ -307,6 +307,22 @@ def test_evaluate_and_sample_load_the_newest_intact_step_and_leave_the_run_as_it
   with pytest.raises(ValueError, match="test-time steps need a CEM model"):
     evaluate.test_time_steps(str(workdir), [1])
   monkeypatch.undo()
+  # A run trained with cuDNN on a GPU is read on this CPU with another kernel, named.
+  real_meta = Checkpointer.read_meta
+
+  def trained_on_a_gpu(self, step):
+    meta = real_meta(self, step)
+    meta["config"]["model"].update(attention_impl="cudnn", dtype="bfloat16")
+    return meta
+
+  monkeypatch.setattr(Checkpointer, "read_meta", trained_on_a_gpu)
+  with pytest.raises(ValueError, match=r"^model.attention_impl='cudnn' cannot run: it needs an "
+                                       r"NVIDIA GPU"):
+    evaluate.load_run(str(workdir))
+  for impl in ("auto", "xla"):
+    gpu_config = evaluate.load_run(str(workdir), attention_impl=impl)[0]
+    assert gpu_config.model.attention_impl == impl and gpu_config.model.dtype == "bfloat16"
+  monkeypatch.undo()
   tx, _ = optim.make_optimizer(config.train)
   want, _ = Checkpointer(str(workdir / "checkpoints"), read_only=True).restore(
       2, {"params": params, "opt_state": tx.init(params)})  # step 2's own, restored directly

@@ -46,6 +46,15 @@ def test_inspect_totals_equal_the_built_model(overrides):
     assert s["flops_per_token"]["forward"] == forward
 
 
+@pytest.mark.parametrize("tool", ["sample", "evaluate"])
+def test_the_tools_that_load_a_run_list_attention_impl_in_their_help(tool):
+  # Defined once in evaluate; sample adopts it, or absl's --help would leave it out.
+  proc = subprocess.run([sys.executable, "-m", f"cem_jax.{tool}", "--help"],
+                        capture_output=True, text=True, timeout=300)
+  own = proc.stdout.split("Try --helpfull")[0]
+  assert "--attention_impl: <auto|xla|cudnn|splash>: The attention kernel" in own, own[-1500:]
+
+
 def test_inspect_cli_prints_the_summary():
   proc = subprocess.run([sys.executable, "-m", "cem_jax.inspect",
                          "--config=experiments/tiny.py:llama"], capture_output=True, text=True,
