@@ -119,7 +119,8 @@ def test_sample_takes_a_prompt_and_new_tokens_up_to_seq_len_and_no_more(monkeypa
   from cem_jax import evaluate
 
   fv = flags.FlagValues()
-  for name, default in (("workdir", "w"), ("prompt", "abc"), ("verbosity", "0")):
+  for name, default in (("workdir", "w"), ("prompt", "abc"), ("verbosity", "0"),
+                        ("attention_impl", "xla")):
     flags.DEFINE_string(name, default, "", flag_values=fv)
   for name, default in (("max_new_tokens", 5), ("top_k", 0), ("seed", 0)):
     flags.DEFINE_integer(name, default, "", flag_values=fv)
@@ -131,8 +132,11 @@ def test_sample_takes_a_prompt_and_new_tokens_up_to_seq_len_and_no_more(monkeypa
   tokenizer = SimpleNamespace(vocab_size=V, encode=lambda text: [1, 2, 3],
                               decode=lambda ids: "+" * len(ids))
   config = tiny_config(**{"data.seq_len": 8})
-  monkeypatch.setattr(evaluate, "load_run", lambda workdir: (
-      config, SimpleNamespace(tokenizer=tokenizer), None, None, 7))
+  def load_run(workdir, attention_impl):
+    assert (workdir, attention_impl) == ("w", "xla")  # the flags, passed on
+    return config, SimpleNamespace(tokenizer=tokenizer), None, None, 7
+
+  monkeypatch.setattr(evaluate, "load_run", load_run)
   monkeypatch.setattr(sample, "generate",
                       lambda graphdef, params, prompt, n, **kw: np.zeros((1, n), np.int32))
   sample.main([])

@@ -344,7 +344,8 @@ def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
   from cem_jax import steps as steps_lib
 
   cfg = tiny_config("cem", **{"model.num_steps": 2, "eval.max_batches": 4})
-  def load_run(workdir, require):
+  def load_run(workdir, require, attention_impl):
+    assert attention_impl == "xla"  # passed on
     require(cfg)
     with pytest.raises(ValueError, match=r"^model.block='llama': test-time steps need a CEM "
                                          r"model$"):
@@ -361,7 +362,7 @@ def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
     return {"eval/loss": float(t), "eval/perplexity": 1.0, "eval/bits_per_byte": 0.5}
 
   monkeypatch.setattr(steps_lib, "eval_loop", eval_loop)
-  rows = evaluate.test_time_steps("w", [1, 3], max_batches=2)
+  rows = evaluate.test_time_steps("w", [1, 3], max_batches=2, attention_impl="xla")
   assert seen == [(1, 2), (3, 2)]
   assert [(r["T_eval"], r["eval/loss"], r["step"], r["T_trained"]) for r in rows] == [
       (1, 1.0, 30, 2), (3, 3.0, 30, 2)]
