@@ -78,6 +78,29 @@ def test_preconditioner_starts_at_the_identity(precond_eps):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_the_low_rank_factor_starts_small_but_not_zero_so_its_gradient_does_not_vanish():
+  """U starts ~ normal(0, 1e-3), not at 0 (CEM_MATH.md §3): the gradient of ⟨w, U Uᵀ v⟩ in U
+  is w (Uᵀv)ᵀ + v (Uᵀw)ᵀ, zero at U = 0, which would freeze U for the whole run. Checked
+  against that float64 formula at the initial U."""
+  from cem_jax.layers.cem import Preconditioner
+
+  cfg = model_cfg(precond="both", precond_rank=3)
+  pre = Preconditioner(cfg, rngs=nnx.Rngs(3))
+  u0 = np.asarray(pre.u[...][0], np.float64)
+  assert 0.5e-3 <= u0.std() <= 2e-3, u0.std()
+  rng = np.random.default_rng(5)
+  v, w = rng.standard_normal((7, D)), rng.standard_normal((7, D))
+
+  def loss(u):  # ⟨w, P v⟩ through the library's P; only its U Uᵀ term depends on U
+    pv = updates.precondition(jnp.asarray(v, jnp.float32), pre.p[...][0], u, pre.eps)
+    return jnp.sum(jnp.asarray(w, jnp.float32) * pv)
+
+  got = np.asarray(jax.grad(loss)(pre.u[...][0]), np.float64)
+  want = w.T @ (v @ u0) + v.T @ (w @ u0)
+  assert np.abs(want).max() > 1e-4
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("precond", ["none", "both"])
 def test_prenorm_energy_is_monotone_over_four_steps(precond):
   """Joint step on E_att + E_mlp, small η: the total energy falls at every one of 4 steps."""

@@ -71,6 +71,34 @@ def test_cached_decoding_matches_full_forward_at_random_parameters(case):
     np.testing.assert_allclose(np.asarray(logits[:, 0]), full[:, i], rtol=1e-5, atol=1e-5)
 
 
+# ---- cached decoding without RoPE, against the float64 reference -----------------------------
+# Mutation (round 9): model.py decoding_aux `rope_theta=cfg.rope_theta if cfg.rope else None`
+# -> `cfg.rope_theta` (every cached-decoding test runs with RoPE on, where the two agree).
+
+def test_cached_decoding_without_rope_matches_the_float64_reference():
+  cfg = R.block_cfg(num_layers=2, num_steps=2, rope=False, diagonal="per_head",
+                    precond="attention", precond_rank=2)
+  vocab, n = 13, R.N
+  model = DecoderLM(cfg, vocab, rngs=nnx.Rngs(0))
+  prm = R.randomize(model, "decode-no-rope")
+  tokens = R._rng("decode-no-rope-tokens").integers(0, vocab, (R.B, n))
+  mask = R.ref_mask(None, R.B, n, strict=False)
+  pos = np.broadcast_to(np.arange(n), (R.B, n))
+  x = prm["embedding"][tokens]
+  for layer in range(cfg.num_layers):
+    prefix = f"blocks.{layer}."
+    x = R.ref_block(x, {k[len(prefix):]: v for k, v in prm.items() if k.startswith(prefix)},
+                    cfg, mask, pos)
+  ref = R.ref_rms_norm(x, prm["final_norm.scale"], cfg.norm_eps) @ prm["embedding"].T
+  cache = model.init_cache(R.B, n)
+  got, cache = model(jnp.asarray(tokens[:, :3]), cache=cache, index=0)
+  got = [np.asarray(got)]
+  for i in range(3, n):
+    logits, cache = model(jnp.asarray(tokens[:, i:i + 1]), cache=cache, index=i)
+    got.append(np.asarray(logits))
+  assert R._rel(np.concatenate(got, axis=1), ref) <= 2 * R.TOL
+
+
 # ---- the energy trace under Nesterov records E at the state y, not at the look-ahead --------
 # Mutation: cem.py _att_delta `self._energy(..., y, ...)` -> `(..., at, ...)` (no test traces a
 # momentum block with a nonzero incoming velocity).

@@ -182,9 +182,13 @@ def ref_block(x, prm, cfg, mask, pos):
   def view(name, v):
     return v if cfg.norm_mode == "none" else ref_rms_norm(v, prm[f"{name}.scale"], eps)
 
-  def pick(name, t):  # per-step copies: step t uses copy t, beyond the last the last
+  def pick(name, t, per_step):  # per-step copies: step t uses copy t, beyond the last the last
+    # How many copies there are is the config's (eta_per_step, precond_shared), not read off
+    # the library's array: a layer that made the wrong number would otherwise pass.
     arr = prm[name]
-    return arr[min(t, arr.shape[0] - 1)]
+    copies = cfg.num_steps if per_step else 1
+    assert arr.shape[0] == copies, (name, arr.shape, copies)
+    return arr[min(t, copies - 1)]
 
   def step(update_fn, sub, y, t):  # sub: 'attention' or 'mlp'
     norm = "norm_att" if sub == "attention" else "norm_mlp"
@@ -195,12 +199,14 @@ def ref_block(x, prm, cfg, mask, pos):
       u = update_fn(view(norm, y))
     if cfg.precond in (sub, "both"):
       pc = "precond_att" if sub == "attention" else "precond_mlp"
-      u = ref_precondition(u, pick(f"{pc}.p", t),
-                           pick(f"{pc}.u", t) if cfg.precond_rank else None, cfg.precond_eps)
+      per_step = not cfg.precond_shared
+      u = ref_precondition(u, pick(f"{pc}.p", t, per_step),
+                           pick(f"{pc}.u", t, per_step) if cfg.precond_rank else None,
+                           cfg.precond_eps)
     return u
 
   def att(y, ctx, t):
-    eta = softplus(pick("attn.eta", t)) if cfg.learn_eta else np.ones(h)
+    eta = softplus(pick("attn.eta", t, cfg.eta_per_step)) if cfg.learn_eta else np.ones(h)
     beta = softplus(prm["attn.beta"]) if cfg.learn_beta else np.full(h, dh**-0.5)
     diag = None
     if cfg.diagonal != "none":
@@ -213,7 +219,7 @@ def ref_block(x, prm, cfg, mask, pos):
     return step(update_fn, "attention", y, t)
 
   def mlp(y, gate, t):
-    eta = softplus(pick("mlp.eta", t)) if cfg.learn_eta else 1.0
+    eta = softplus(pick("mlp.eta", t, cfg.eta_per_step)) if cfg.learn_eta else 1.0
 
     def update_fn(g):
       return ref_mlp(g, gate, prm["mlp.w"], prm["mlp.g"], eta, cfg.mlp_energy)[1]
@@ -411,6 +417,26 @@ def test_precondition_matches_dense_reference():
                                None if low_rank is None else jnp.asarray(low_rank, jnp.float32),
                                eps)
     assert _rel(got, ref_precondition(v, p, low_rank, eps)) <= TOL
+
+
+def test_rms_norm_of_bfloat16_input_is_computed_in_float32_and_rounded_once():
+  """RMSNorm upcasts to float32 and rounds to bfloat16 once, at the end: every output lies
+  within half a bfloat16 ulp (plus float32 noise) of the float64 reference at the same
+  (bfloat16) input. Computed in bfloat16 throughout it is off by ~2 ulps."""
+  from cem_jax.layers.common import RMSNorm
+
+  rng = _rng("rms-norm-bf16")
+  d, eps = 256, 1e-6
+  x = jnp.asarray(3.0 * rng.standard_normal((64, d)), jnp.bfloat16)
+  norm = RMSNorm(d, eps)
+  norm.scale[...] = jnp.asarray(1.0 + 0.3 * rng.standard_normal(d), jnp.float32)
+  got = norm(x)
+  assert got.dtype == jnp.bfloat16
+  ref = ref_rms_norm(np.asarray(x.astype(jnp.float32), np.float64),
+                     np.asarray(norm.scale[...], np.float64), eps)
+  ulp = 2.0 ** (np.floor(np.log2(np.abs(ref))) - 7)  # bfloat16: 8 significant bits
+  err = np.abs(np.asarray(got.astype(jnp.float32), np.float64) - ref) / ulp
+  assert err.max() <= 0.51, err.max()
 
 
 # ---------------------------------------------------------------------------------------------
