@@ -140,10 +140,10 @@ def _cudnn_problems(platform: str | None, dtype: str, width: int, why_wide: str 
   if platform is not None and platform != "gpu":
     problems.append(f"it needs an NVIDIA GPU, {_elsewhere(platform)}")
   if dtype not in ("bfloat16", "float16"):
-    # Said of the kernel too: before the machine is known (preflight.check), this is the one
-    # line a CPU user reads, who should not switch to bfloat16 only to learn of the GPU next.
-    problems.append(f"it needs model.dtype=bfloat16 (cuDNN flash attention, an NVIDIA GPU "
-                    f"kernel, has no {dtype})")
+    # Before the machine is known (preflight.check) this is the one line a CPU user reads,
+    # who should not switch to bfloat16 only to learn of the GPU next: it names the GPU too.
+    kernel = "cuDNN flash attention" + (", an NVIDIA GPU kernel," if platform is None else "")
+    problems.append(f"it needs model.dtype=bfloat16 ({kernel} has no {dtype})")
   limit = cudnn_max_head_dim(platform) if platform is not None else 256
   if why_wide is not None:
     problems.append(why_wide + "; use 'xla' or model.diagonal='none'")

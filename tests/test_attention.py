@@ -310,6 +310,16 @@ def test_validation_without_a_machine_allows_what_some_gpu_runs_and_refuses_unkn
       "cudnn", "explicit")
   with pytest.raises(ValueError, match="head_dim=264 must be a multiple of 8 and <= 256$"):
     attention.resolve("cudnn", platform=None, dtype="bfloat16", head_dim=264)
+  # float32: before the machine is known the refusal names the GPU too (a CPU user reads this
+  # line first); once it is known, the platform's own problem says it, once.
+  with pytest.raises(ValueError, match=r"cannot run: it needs model.dtype=bfloat16 \(cuDNN "
+                                       r"flash attention, an NVIDIA GPU kernel, has no float32\)$"):
+    attention.resolve("cudnn", platform=None, dtype="float32", head_dim=64)
+  with pytest.raises(ValueError, match=r"cannot run: it needs an NVIDIA GPU, this machine's "
+                                       r"platform is cpu \(use 'auto' or 'xla' here\); it needs "
+                                       r"model.dtype=bfloat16 \(cuDNN flash attention has no "
+                                       r"float32\)$"):
+    attention.resolve("cudnn", platform="cpu", dtype="float32", head_dim=64)
   # resolve is public (tools, tests call it without config.validate): it checks the name.
   with pytest.raises(ValueError, match=r"^model.attention_impl='flash'; allowed: auto, xla, "
                                        r"cudnn, splash$"):
