@@ -258,10 +258,7 @@ def _done(out_dir: Path, task: dict, tok_sha: str) -> dict | None:
 def _tokenizer(data_config, splits: sources.TextSplits, out_dir: Path, fp: str
                ) -> tuple[tokenizer_lib.Tokenizer, bytes, bool]:
   path = out_dir / TOKENIZER
-  try:
-    recorded = json.loads((out_dir / PROGRESS).read_text()).get("tokenizer_sha256")
-  except (OSError, ValueError, AttributeError):
-    recorded = None
+  recorded = _saved_field(out_dir / PROGRESS, "tokenizer_sha256")
   if data_config.tokenizer:
     given = tokenizer_lib.load_tokenizer(data_config.tokenizer, data_config.vocab_size)
     model = given.path.read_bytes()
@@ -278,8 +275,7 @@ def _tokenizer(data_config, splits: sources.TextSplits, out_dir: Path, fp: str
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, model)
   if trained and recorded != _sha256_bytes(model):
-    _write_json(out_dir / PROGRESS, {"fingerprint": fp, "format_version": FORMAT_VERSION,
-                                     "tokenizer_sha256": _sha256_bytes(model)})
+    _write_progress(out_dir, fp, _sha256_bytes(model))
   return tokenizer_lib.Tokenizer(model, path=path), model, trained
 
 
@@ -303,15 +299,24 @@ def _remove_leftovers(out_dir: Path, *, progress: bool, tokenizer: bool) -> None
       path.unlink(missing_ok=True)
 
 
-def _saved_fingerprint(path: Path) -> str | None:
-  """The fingerprint ``path`` (``prepare.json`` or the manifest) records, or None: missing,
-  unreadable, or not a JSON object with a string fingerprint."""
+def _saved_field(path: Path, key: str) -> str | None:
+  """The string ``path`` (``prepare.json`` or the manifest) records under ``key``, or None:
+  missing, unreadable, or not a JSON object with a string there."""
   try:
     saved = json.loads(path.read_text())
   except (OSError, ValueError):
     return None
-  previous = saved.get("fingerprint") if isinstance(saved, dict) else None
-  return previous if isinstance(previous, str) else None
+  value = saved.get(key) if isinstance(saved, dict) else None
+  return value if isinstance(value, str) else None
+
+
+def _write_progress(out_dir: Path, fp: str, tokenizer_sha256: str | None = None) -> None:
+  """``prepare.json``: the folder's fingerprint and, once trained here, the tokenizer's
+  sha256 (a re-run reuses only that tokenizer)."""
+  progress = {"fingerprint": fp, "format_version": FORMAT_VERSION}
+  if tokenizer_sha256 is not None:
+    progress["tokenizer_sha256"] = tokenizer_sha256
+  _write_json(out_dir / PROGRESS, progress)
 
 
 def _claim(out_dir: Path, fp: str) -> bool:
@@ -326,12 +331,12 @@ def _claim(out_dir: Path, fp: str) -> bool:
       dataset.
   """
   progress = out_dir / PROGRESS
-  previous = _saved_fingerprint(progress)
+  previous = _saved_field(progress, "fingerprint")
   if previous is None and (out_dir / MANIFEST).is_file():
     # prepare.json damaged or lost: the manifest names the dataset.
-    previous = _saved_fingerprint(out_dir / MANIFEST)
+    previous = _saved_field(out_dir / MANIFEST, "fingerprint")
     if previous == fp:
-      _write_json(progress, {"fingerprint": fp, "format_version": FORMAT_VERSION})
+      _write_progress(out_dir, fp)
   if previous == fp:  # a re-run: keep the work, not the temporaries of killed writes
     _remove_leftovers(out_dir, progress=False, tokenizer=False)
     return False
@@ -358,7 +363,7 @@ def _claim(out_dir: Path, fp: str) -> bool:
     except OSError as e:
       raise ValueError(f"--out={os.fspath(out_dir)}: cannot create the folder ({e.strerror}); "
                        "choose a folder that can be created") from None
-  _write_json(progress, {"fingerprint": fp, "format_version": FORMAT_VERSION})
+  _write_progress(out_dir, fp)
   return True
 
 
