@@ -251,12 +251,13 @@ def test_the_documented_gpu_run_resolves_its_kernels_and_sizes():
   from cem_jax.model_stats import count_params
 
   runs = _the_run_to_do()
-  # The measurement issue 12 asks for: 'auto' kernels (cuDNN), each preset's own mask setting;
-  # then one A/B of an XLA flag.
-  assert [sorted(r) for r in runs] == [["env", "out", "preset", "variants"]] * 3, runs
-  assert [r["preset"] for r in runs] == ["gpu125m", "gpu125m_64k", "gpu125m"]
-  assert [sorted(r["env"]) for r in runs] == [[], [], ["XLA_FLAGS"]]
-  assert len({r["out"] for r in runs}) == 3  # no file overwritten
+  # The measurement issue 12 asks for: 'auto' kernels (cuDNN), each preset's own mask setting,
+  # under the recommended XLA flag; then llama and cem_fused again with a trace.
+  assert [sorted(r) for r in runs] == [["env", "out", "preset", "variants"],
+                                       ["env", "out", "preset", "profile_dir", "variants"]]
+  assert [r["preset"] for r in runs] == ["gpu125m", "gpu125m"]
+  assert [sorted(r["env"]) for r in runs] == [["XLA_FLAGS"], ["XLA_FLAGS"]]
+  assert len({r["out"] for r in runs}) == 2  # no file overwritten
   for preset, variants in ((r["preset"], r["variants"].split(",")) for r in runs):
     p = bench.PRESETS[preset]
     assert p["dtype"] == "bfloat16" and p["seq_lens"] == [1024, 4096]
@@ -494,12 +495,17 @@ def test_bad_arguments_are_refused_before_any_row_runs(tmp_path, args, error):
 # Each measured table in docs/PERFORMANCE.md and the JSON it was copied from: (the heading of
 # its section, its index among that section's tables, the JSON). A new measurement adds its
 # tables here, so that what the docs claim stays what `bench` wrote.
+_B2B = ("### Measured with back-to-back timing (H200, jax 0.11.2, 2026-12-04, main at e57afa6; "
+        "issue 12)")
 _DOC_TABLES = [
     ("## CPU, tiny shapes (2026-11-30)", 0, "cpu_tiny.json"),
     ("### Measured with the kernels `auto` picks (H200, jax 0.11.2, 2026-12-04; issue 12)",
      0, "gpu125m_h200_2026-12-04.json"),
     ("### Measured with the kernels `auto` picks (H200, jax 0.11.2, 2026-12-04; issue 12)",
      1, "gpu125m_64k_h200_2026-12-04.json"),
+    *((_B2B, i, f"gpu125m{name}_h200_2026-12-04b.json") for i, name in enumerate(
+        ["", "_64k", "_llama_profiled", "_no_triton_gemm", "_xla_flags_base", "_xla_flags_lt",
+         "_xla_flags_cb", "_xla_flags_ltcb"])),
 ]
 
 # A column's heading -> its figure from a JSON row (``rows``: the rows of that shape by variant).
@@ -507,6 +513,7 @@ _DOC_COLUMNS = {
     "params": lambda r, rows: r["params"] / 1e6,
     "compile s": lambda r, rows: r["compile_s"],
     "step ms": lambda r, rows: r["step_ms"],
+    "waited ms": lambda r, rows: r["step_ms_synced"],
     "tokens/s": lambda r, rows: r["tokens_per_s"],
     "GFLOP/token": lambda r, rows: r["flops_per_token"] / 1e9,
     "MFU": lambda r, rows: None if r["mfu"] is None else 100 * r["mfu"],
@@ -539,7 +546,6 @@ def _doc_tables(doc: str, heading: str) -> list[list[dict[str, str]]]:
 @pytest.mark.parametrize("heading,index,name", _DOC_TABLES)
 def test_the_tables_in_performance_md_are_the_figures_of_their_json(heading, index, name):
   import pathlib
-  import re
 
   root = pathlib.Path(__file__).parents[1]
   table = _doc_tables((root / "docs" / "PERFORMANCE.md").read_text(), heading)[index]
@@ -557,14 +563,41 @@ def test_the_tables_in_performance_md_are_the_figures_of_their_json(heading, ind
     for column, figure in _DOC_COLUMNS.items():
       if column not in row:
         continue
-      want, text = figure(r, rows), row[column]
-      if want is None:
-        assert text == "n/a", (name, row["variant"], shape, column, text)
-        continue
-      number = re.fullmatch(r"([\d,]+)(?:\.(\d+))?M?%?(?: GiB)?", text)
-      assert number, (name, row["variant"], shape, column, text)
-      # Equal to the JSON's figure rounded to the digits printed.
-      half_ulp = 0.5 * 10.0 ** -len(number.group(2) or "")
-      got = float(number.group(1).replace(",", "") + "." + (number.group(2) or "0"))
-      assert abs(got - want) <= half_ulp * (1 + 1e-9), (name, row["variant"], shape, column,
-                                                        text, want)
+      _assert_printed(row[column], figure(r, rows), (name, row["variant"], shape, column))
+
+
+def _assert_printed(text: str, want: float | None, where) -> None:
+  """``text`` (a table cell: ``1,234.5``, ``40.1%``, ``110.12M``, ``10.0 GiB`` or ``n/a``) is
+  ``want`` rounded to the digits printed."""
+  import re
+
+  if want is None:
+    assert text == "n/a", (where, text)
+    return
+  number = re.fullmatch(r"([\d,]+)(?:\.(\d+))?M?%?(?: GiB)?", text)
+  assert number, (where, text)
+  half_ulp = 0.5 * 10.0 ** -len(number.group(2) or "")
+  got = float(number.group(1).replace(",", "") + "." + (number.group(2) or "0"))
+  assert abs(got - want) <= half_ulp * (1 + 1e-9), (where, text, want)
+
+
+def test_the_attention_kernel_table_in_performance_md_is_its_json():
+  # experiments/attention_kernels.py writes its own rows (one attention call, not a step).
+  import pathlib
+
+  root = pathlib.Path(__file__).parents[1]
+  table = _doc_tables((root / "docs" / "PERFORMANCE.md").read_text(),
+                      "### Packed documents: a Pallas kernel with segment ids (H200, jax 0.11.2, "
+                      "2026-12-04)")[0]
+  measured = json.loads(
+      (root / "results" / "bench" / "attention_docs_h200_2026-12-04b.json").read_text())
+  by = {(r["impl"], r["shape"][1]): r for r in measured}
+  assert len(table) == len(measured) == len(by)
+  for row in table:
+    r = by[(row["kernel"], int(row["seq_len"]))]
+    causal = by[("cudnn_causal", r["shape"][1])]["ms_fwd_bwd"]
+    for column, want in (("fwd+bwd ms", r["ms_fwd_bwd"]),
+                         ("× cudnn_causal", r["ms_fwd_bwd"] / causal),
+                         ("max error", r["max_err_vs_xla"]),
+                         ("gradient error", r["grad_rel_err"])):
+      _assert_printed(row[column], want, (row["kernel"], row["seq_len"], column))
