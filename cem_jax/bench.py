@@ -116,7 +116,9 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
   jax profiler (:func:`cem_jax.profiling.start_trace`; each step marked ``train``): the timing
   never includes tracing. Key ``profile``: that folder (the files are in its
   ``plugins/profile/<time>/``); ``profile_error``: why there is no trace, if there is none
-  (the figures are kept).
+  (the figures are kept); ``kernels``: the traced steps' device time by kind of kernel
+  (:func:`cem_jax.profiling.kernel_summary`), or ``kernels_error``: why not (a CPU has no
+  device process in its trace).
 
   Keys: ``attention`` and ``attention_reason`` (the kernel the model used), ``params``,
   ``compile_s`` (seconds), ``step_ms`` (milliseconds: the mean of ``steps`` steps run back to
@@ -167,6 +169,12 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
       jax.block_until_ready(metrics["loss"])  # the traced steps' device work is in the trace
     finally:
       profile_error = profiling.stop_trace()
+  kernels = kernels_error = None
+  if profile_dir and not profile_error:
+    try:
+      kernels = profiling.kernel_summary(profile_dir, PROFILE_STEPS)
+    except ValueError as e:  # e.g. a CPU: no device process in the trace; the trace is kept
+      kernels_error = str(e)
   fpt = flops_per_token(config.model, vocab_size, n)
   achieved = 3 * fpt * b * n / step_s
   peak = peak_flops()
@@ -185,6 +193,8 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
       "loss": (lambda x: x if np.isfinite(x) else None)(float(metrics["loss"])),  # JSON
       **({"profile": profile_dir} if profile_dir else {}),
       **({"profile_error": profile_error} if profile_error else {}),
+      **({"kernels": kernels} if kernels else {}),
+      **({"kernels_error": kernels_error} if kernels_error else {}),
   }
 
 

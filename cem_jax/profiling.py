@@ -16,6 +16,12 @@ step's save, so that a preemption's save is committed first) are left out of
 
 from __future__ import annotations
 
+import glob
+import gzip
+import json
+import os
+import re
+
 import jax
 from absl import logging
 
@@ -128,3 +134,81 @@ class StepProfiler:
     logging.info("profile: trace of steps %d..%d written under %s (TensorBoard's profile "
                  "plugin, or perfetto_trace.json.gz at https://ui.perfetto.dev)", self.first,
                  through, self.log_dir)
+
+
+# What a device kernel is, by its name (first match wins; the rest is "other": XLA's fusions of
+# element-wise work and reductions). cuBLAS on Hopper names its kernels nvjet_* or *xmma_gemm*;
+# XLA's Triton GEMMs are *gemm_fusion*; cuDNN's flash attention is cudnn_*_sdpa_*.
+KERNEL_KINDS = (
+    ("attention", re.compile(r"cudnn|fmha|sdpa|flash|attention|splash", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|convolution", re.I)),
+    ("collective", re.compile(r"nccl|all-reduce|all_reduce|all-gather|all_gather|"
+                              r"reduce-scatter|reduce_scatter|all-to-all|collective", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+)
+
+
+def kernel_summary(trace_dir: str, steps: int, top: int = 10) -> dict:
+  """Where the device time of a trace goes: kernel time per step by kind, from the newest
+  ``perfetto_trace.json.gz`` under ``trace_dir`` (:func:`start_trace`'s layout).
+
+  The kernels are the complete events of the device processes (``/device:...``) on their
+  stream lines (GPU: ``Stream #...``), or on ``XLA Ops`` where there are none (TPU); other
+  lines of a device (modules, steps) would count the same time twice.
+
+  Args:
+    trace_dir: a folder holding a trace (searched recursively).
+    steps: how many steps the trace holds; every figure is divided by it.
+    top: how many of the longest kernels (by total time) to list.
+  Returns:
+    ``{"ms_per_step": {kind: ms, ..., "busy": ms, "span": ms}, "kernels_per_step": float,
+    "top": [[name, ms per step], ...]}``, kinds as :data:`KERNEL_KINDS` plus ``other``;
+    ``busy``: the time at least one kernel runs (overlaps counted once), ``span``: first
+    kernel start to last kernel end; milliseconds per step, rounded to 1 µs.
+  Raises:
+    ValueError: no trace under ``trace_dir``, or no device kernels in it (a CPU run has no
+      device process), naming what the trace holds.
+  """
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                           recursive=True))
+  if not paths:
+    raise ValueError(f"no perfetto_trace.json.gz under {trace_dir}")
+  with gzip.open(paths[-1]) as f:  # folders are named by the time the trace was written
+    events = json.load(f)["traceEvents"]
+  meta = [e for e in events if e.get("ph") == "M"]
+  processes = {e["pid"]: e["args"]["name"] for e in meta if e.get("name") == "process_name"}
+  lines = {(e["pid"], e.get("tid")): e["args"]["name"] for e in meta
+           if e.get("name") == "thread_name" and e["pid"] in processes
+           and processes[e["pid"]].startswith("/device:")}
+  if not lines:
+    raise ValueError(f"{paths[-1]}: no device kernels in the trace (processes: "
+                     f"{', '.join(sorted(set(processes.values()))) or 'none'})")
+  keep = {k for k, name in lines.items() if name.startswith("Stream")}
+  keep = keep or {k for k, name in lines.items() if name == "XLA Ops"}
+  kernels = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in keep]
+  if not kernels:
+    raise ValueError(f"{paths[-1]}: no kernels on a device's stream or XLA Ops lines (lines: "
+                     f"{', '.join(sorted(set(lines.values())))})")
+  per_kind = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+  per_name: dict[str, float] = {}
+  for e in kernels:
+    kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(e["name"])), "other")
+    per_kind[kind] += e["dur"]
+    per_name[e["name"]] = per_name.get(e["name"], 0.0) + e["dur"]
+  busy, end = 0.0, None  # the union of the kernels' intervals
+  for e in sorted(kernels, key=lambda e: e["ts"]):
+    start, stop = e["ts"], e["ts"] + e["dur"]
+    if end is None or start >= end:
+      busy += stop - start
+      end = stop
+    elif stop > end:
+      busy += stop - end
+      end = stop
+  span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+  ms = lambda us: round(us / 1e3 / steps, 6)  # noqa: E731 - trace times are microseconds
+  longest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+  return {"ms_per_step": {k: ms(v) for k, v in per_kind.items()} | {"busy": ms(busy),
+                                                                      "span": ms(span)},
+          "kernels_per_step": len(kernels) / steps,
+          "top": [[name, ms(us)] for name, us in longest]}
+

@@ -147,6 +147,9 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
                                         for part in traced.split("t")[1:]), traced
   for r in rows:
     assert r["profile"] == str(tmp_path / "prof" / f"{r['variant']}_32_32")
+    # A CPU trace has no device process: the row says so and keeps its figures.
+    assert "no device kernels in the trace (processes: /host:CPU" in r["kernels_error"], r
+    assert "kernels" not in r
     found = list((tmp_path / "prof" / f"{r['variant']}_32_32").rglob("perfetto_trace.json.gz"))
     assert len(found) == 1, r
     with gzip.open(found[0]) as f:
@@ -195,6 +198,7 @@ def test_a_trace_that_fails_costs_no_row_its_figures(tmp_path, monkeypatch):
                    profile_dir=str(tmp_path / "prof"))
   assert [r["profile_error"] for r in rows] == [
       "OSError: No space left on device", "RuntimeError: Profile has already been started."]
+  assert not any("kernels" in r or "kernels_error" in r for r in rows)  # no trace to read
   assert all("error" not in r and r["step_ms"] > 0 for r in rows)
 
 

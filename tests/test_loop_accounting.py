@@ -464,3 +464,69 @@ def test_metrics_jsonl_on_a_fresh_start_and_on_resume(tmp_path, monkeypatch):
   kept, _, last_eval = open_at(40, tmp_path / "finished")
   assert kept == old and last_eval == {"eval/loss": 1.0, "eval/bits_per_byte": 0.5}
   assert sorted(os.listdir(tmp_path / "finished")) == ["metrics.jsonl"]
+
+
+def _write_trace(folder, events):
+  import gzip
+
+  path = folder / "plugins" / "profile" / "2026_12_04_18_00_00" / "perfetto_trace.json.gz"
+  path.parent.mkdir(parents=True)
+  with gzip.open(path, "wt") as f:
+    json.dump({"displayTimeUnit": "ns", "traceEvents": events}, f)
+
+
+def _process(pid, name, threads):
+  meta = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}]
+  return meta + [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                  "args": {"name": line}} for tid, line in threads.items()]
+
+
+def _kernel(pid, tid, name, ts, dur):
+  return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+
+def test_the_kernel_summary_sums_a_gpu_trace_by_kind_per_step(tmp_path):
+  # A GPU trace as jax writes it: a host process, a device with two streams and a derived
+  # "XLA Ops" line repeating the kernels. Times in µs, over 2 steps; the expected figures are
+  # worked by hand below.
+  from cem_jax import profiling
+
+  events = _process(1, "/host:CPU", {10: "python"}) + _process(
+      2, "/device:GPU:0", {20: "Stream #13(Compute)", 21: "Stream #14(Compute)", 22: "XLA Ops"})
+  events += [
+      _kernel(1, 10, "gemm on the host thread", 0, 999),  # not a device kernel
+      _kernel(2, 20, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 0, 100),  # matmul 0..100
+      _kernel(2, 20, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 100, 50),  # ..150
+      _kernel(2, 21, "loop_multiply_fusion", 120, 40),  # other, overlaps: busy until 160
+      _kernel(2, 20, "ncclDevKernel_AllReduce_Sum_bf16", 300, 20),  # collective 300..320
+      _kernel(2, 21, "MemcpyD2D", 400, 10),  # copy 400..410
+      _kernel(2, 21, "loop_multiply_fusion", 500, 40),  # other 500..540
+      _kernel(2, 22, "dot.1", 0, 540),  # the derived line: counted nowhere
+  ]
+  _write_trace(tmp_path, events)
+  got = profiling.kernel_summary(str(tmp_path), steps=2, top=2)
+  # busy: [0, 160] + [300, 320] + [400, 410] + [500, 540] = 230 µs; span 0..540.
+  assert got["ms_per_step"] == {"attention": 0.025, "matmul": 0.05, "collective": 0.01,
+                                "copy": 0.005, "other": 0.04, "busy": 0.115, "span": 0.27}
+  assert got["kernels_per_step"] == 3.0
+  assert got["top"] == [["nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 0.05],
+                        ["loop_multiply_fusion", 0.04]]
+
+
+def test_the_kernel_summary_reads_xla_ops_without_streams_and_refuses_a_trace_without_a_device(
+    tmp_path):
+  from cem_jax import profiling
+
+  tpu = tmp_path / "tpu"
+  _write_trace(tpu, _process(3, "/device:TPU:0", {1: "XLA Modules", 2: "XLA Ops"}) + [
+      _kernel(3, 1, "jit_train_step", 0, 90),  # the module around its ops: not counted
+      _kernel(3, 2, "splash_mha_fwd", 0, 30), _kernel(3, 2, "fusion.3", 30, 60)])
+  got = profiling.kernel_summary(str(tpu), steps=1)
+  assert got["ms_per_step"]["attention"] == 0.03 and got["ms_per_step"]["other"] == 0.06
+  assert got["ms_per_step"]["busy"] == 0.09 and got["kernels_per_step"] == 2
+  cpu = tmp_path / "cpu"
+  _write_trace(cpu, _process(1, "/host:CPU", {10: "python"}) + [_kernel(1, 10, "step", 0, 5)])
+  with pytest.raises(ValueError, match=r"no device kernels in the trace \(processes: /host:CPU\)"):
+    profiling.kernel_summary(str(cpu), steps=1)
+  with pytest.raises(ValueError, match="no perfetto_trace.json.gz under"):
+    profiling.kernel_summary(str(tmp_path / "none"), steps=1)
