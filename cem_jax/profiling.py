@@ -134,6 +134,16 @@ class StepProfiler:
     logging.info("profile: trace of steps %d..%d written under %s (TensorBoard's profile "
                  "plugin, or perfetto_trace.json.gz at https://ui.perfetto.dev)", self.first,
                  through, self.log_dir)
+    try:
+      summary = kernel_summary(self.log_dir, through - self.first + 1)
+    except Exception as e:  # noqa: BLE001 - an aid: a CPU trace has no device kernels
+      logging.info("profile: no kernel summary (%s)", _one_line(e))
+      return
+    ms = summary["ms_per_step"]
+    logging.info("profile: device time per step, ms: %s; busy %.3f of a %.3f span, %.0f "
+                 "kernels", ", ".join(f"{kind} {ms[kind]:.3f}" for kind in ms
+                                      if kind not in ("busy", "span")),
+                 ms["busy"], ms["span"], summary["kernels_per_step"])
 
 
 # What a device kernel is, by its name (first match wins; the rest is "other": XLA's fusions of

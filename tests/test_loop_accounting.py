@@ -486,11 +486,34 @@ def _kernel(pid, tid, name, ts, dur):
 
 
 def test_the_kernel_summary_sums_a_gpu_trace_by_kind_per_step(tmp_path):
-  # A GPU trace as jax writes it: a host process, a device with two streams and a derived
-  # "XLA Ops" line repeating the kernels. Times in µs, over 2 steps; the expected figures are
-  # worked by hand below.
   from cem_jax import profiling
 
+  _write_trace(tmp_path, _gpu_trace())
+  got = profiling.kernel_summary(str(tmp_path), steps=2, top=2)
+  # busy: [0, 160] + [300, 320] + [400, 410] + [500, 540] = 230 µs; span 0..540.
+  assert got["ms_per_step"] == {"attention": 0.025, "matmul": 0.05, "collective": 0.01,
+                                "copy": 0.005, "other": 0.04, "busy": 0.115, "span": 0.27}
+  assert got["kernels_per_step"] == 3.0
+  assert got["top"] == [["nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 0.05],
+                        ["loop_multiply_fusion", 0.04]]
+
+
+def test_a_training_trace_logs_its_kernel_summary(tmp_path, monkeypatch, caplog):
+  # The window's 2 steps (4..5) divide the trace's times.
+  monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: None)
+  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: _write_trace(tmp_path, _gpu_trace()))
+  window = StepProfiler(str(tmp_path), first=4, num_steps=2, start_step=0)
+  window.start()
+  with caplog.at_level(logging.INFO):
+    window.stop(5)
+  assert ("profile: device time per step, ms: attention 0.025, matmul 0.050, collective "
+          "0.010, copy 0.005, other 0.040; busy 0.115 of a 0.270 span, 3 kernels") in caplog.text
+
+
+def _gpu_trace():
+  """A GPU trace as jax writes it: a host process, a device with two streams and a derived
+  "XLA Ops" line repeating the kernels. Times in µs, over 2 steps; the expected figures are
+  worked by hand in the test above."""
   events = _process(1, "/host:CPU", {10: "python"}) + _process(
       2, "/device:GPU:0", {20: "Stream #13(Compute)", 21: "Stream #14(Compute)", 22: "XLA Ops"})
   events += [
@@ -503,14 +526,7 @@ def test_the_kernel_summary_sums_a_gpu_trace_by_kind_per_step(tmp_path):
       _kernel(2, 21, "loop_multiply_fusion", 500, 40),  # other 500..540
       _kernel(2, 22, "dot.1", 0, 540),  # the derived line: counted nowhere
   ]
-  _write_trace(tmp_path, events)
-  got = profiling.kernel_summary(str(tmp_path), steps=2, top=2)
-  # busy: [0, 160] + [300, 320] + [400, 410] + [500, 540] = 230 µs; span 0..540.
-  assert got["ms_per_step"] == {"attention": 0.025, "matmul": 0.05, "collective": 0.01,
-                                "copy": 0.005, "other": 0.04, "busy": 0.115, "span": 0.27}
-  assert got["kernels_per_step"] == 3.0
-  assert got["top"] == [["nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 0.05],
-                        ["loop_multiply_fusion", 0.04]]
+  return events
 
 
 def test_the_kernel_summary_reads_xla_ops_without_streams_and_refuses_a_trace_without_a_device(

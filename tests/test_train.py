@@ -98,6 +98,9 @@ def test_cli_trains_and_writes_the_contract_files(tmp_path, shared_data):
     events = json.load(f)["traceEvents"]
   assert sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train") == [4, 5]
   assert f"profile: trace of steps 4..5 written under {workdir / 'tensorboard'}" in proc.stderr
+  # Its device-time summary: a CPU trace has no device process, and the log says so.
+  assert ("profile: no kernel summary (ValueError: " in proc.stderr
+          and "no device kernels in the trace (processes: /host:CPU" in proc.stderr)
   metrics = read_metrics(str(workdir))
   assert metrics[-1]["step"] == 6 and "eval/bits_per_byte" in metrics[-1]
   # A CPU has no known peak: a rate, no MFU (made up otherwise).
