@@ -168,7 +168,7 @@ def check_config(config, num_devices: int) -> dict[str, int]:
     if size % n:
       over = " x ".join(f"mesh.{a}={sizes[a]}" for a in axes)
       raise ValueError(f"{field}={size} is not divisible by {over} (mesh.rules shards "
-                       f"{logical!r} over {'x'.join(axes)}); allowed: a {'x'.join(axes)} size "
+                       f"{logical!r} over {' x '.join(axes)}); allowed: a {' x '.join(axes)} size "
                        f"dividing {size}")
   axes = mesh_axes_of(rules.get("batch"))
   dp = data_parallel_size(config.mesh, sizes)

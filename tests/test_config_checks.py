@@ -18,6 +18,8 @@ OUT_OF_RANGE = [
     ("model.precond_eps", 1.0), ("model.precond_eps", 2.0), ("model.eta_init", 0.0),
     ("model.eta_init", -0.5), ("model.eta_init", math.nan), ("model.eta_init", 1e-50),
     ("model.eta_init", 1e4),
+    # the sigmoid's limit: a momentum of exactly 0 has no finite raw value to start from
+    ("model.momentum_init", 0.0),
 ]
 
 
@@ -166,6 +168,8 @@ def test_flat_config_equals_the_json_it_is_saved_as():
     ("seed", -1, r"^seed=-1 must be >= 0$"),
     ("data.shuffle_seed", -3, r"^data.shuffle_seed=-3 must be >= 0$"),
     ("seed", 2**63, r"^seed=9223372036854775808 must be < 2\*\*63$"),
+    # the data order's seed reaches a jax key too (data/pipeline.py), with the same limit
+    ("data.shuffle_seed", 2**63, r"^data.shuffle_seed=9223372036854775808 must be < 2\*\*63$"),
     ("data.validation_fraction", 0.0,
      r"^data.validation_fraction=0.0; allowed: 0 < fraction <= 0.5$"),
     ("data.seq_len", 1, r"^data.seq_len=1 must be >= 2$"),
@@ -246,3 +250,58 @@ def test_model_tables_match_the_config_choices():
 
   assert set(model.BLOCK_TYPES) == set(config_lib.BLOCKS)
   assert set(model.CHECKPOINT_POLICIES) | {"none"} == set(config_lib.REMAT_POLICIES)
+
+
+# The least value of every integer field, as the comments of get_default_config state it: one
+# below is refused by name (a warmup of -1 steps or an eval batch of 0 rows would otherwise
+# reach optax or the data pipeline and fail there, after the data is built).
+INT_MINIMUMS = [
+    ("seed", 0), ("data.shuffle_seed", 0), ("model.d_model", 1), ("model.num_heads", 1),
+    ("model.mlp_dim", 1), ("model.num_layers", 1), ("model.num_steps", 1),
+    ("model.precond_rank", 0), ("model.energy_block_size", 0), ("data.seq_len", 2),
+    ("data.vocab_size", 8), ("train.num_steps", 1), ("train.batch_size", 1),
+    ("train.gradient_accumulation_steps", 1), ("train.warmup_steps", 0),
+    ("train.eval_every_steps", 1), ("train.log_every_steps", 1),
+    ("train.max_consecutive_nonfinite", 1), ("train.profile_steps", 0),
+    ("train.profile_first_step", 1), ("eval.batch_size", 1), ("checkpoint.every_steps", 1),
+    ("checkpoint.keep", 1),
+]
+
+
+@pytest.mark.parametrize("field, minimum", INT_MINIMUMS, ids=lambda v: str(v))
+def test_every_integer_field_refuses_one_below_its_minimum(field, minimum):
+  extra = {"model.precond": "both"} if field == "model.precond_rank" else {}
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(tiny_config("cem", **extra, **{field: minimum - 1}))
+  assert str(e.value) == f"{field}={minimum - 1} must be >= {minimum}"
+
+
+@pytest.mark.parametrize("field, allowed", [
+    ("model.block", "cem, llama"), ("model.update_mode", "auto, fused, autodiff"),
+    ("model.norm_mode", "prenorm, chain, none"), ("model.diagonal", "none, per_head, shared"),
+    ("model.diagonal_form", "bilinear, distance"), ("model.context", "fixed, coevolve"),
+    ("model.split", "lie_trotter, joint"), ("model.mlp_condition", "step, layer"),
+    ("model.precond", "none, attention, mlp, both"),
+    ("model.inner_optimizer", "gd, heavy_ball, nesterov"),
+    ("model.manifold", "euclidean, sphere"), ("model.dtype", "float32, bfloat16"),
+    ("model.param_dtype", "float32, bfloat16"), ("model.remat", "none, full, dots"),
+    ("model.attention_impl", "auto, xla, cudnn, splash"),
+    ("data.builtin", "pydoc, pydoc+docstrings"), ("data.tokenizer_model_type", "bpe, unigram"),
+])
+def test_every_choice_field_refuses_an_unknown_name_and_lists_the_choices(field, allowed):
+  # config.validate itself (no jax): an unknown remat policy would otherwise pass it and fail
+  # only when the model is built, after the data.
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(tiny_config("cem", **{field: "bogus"}))
+  assert str(e.value) == f"{field}='bogus'; allowed: {allowed}"
+
+
+@pytest.mark.parametrize("head_dim", [1, 2, 6])
+def test_an_explicit_head_dim_is_used_however_small(head_dim):
+  # Only -1 means d_model // num_heads; a head width of 1 (no RoPE) is a width, not a default.
+  from cem_jax import axes
+
+  cfg = tiny_config("cem", **{"model.rope": False, "model.head_dim": head_dim})
+  config_lib.validate(cfg)
+  assert axes.head_dim_of(cfg.model) == head_dim
+  assert axes.head_dim_of(tiny_config("cem").model) == 64 // 4

@@ -698,6 +698,14 @@ def test_seq_len_longer_than_the_data(tmp_path):
     build_data(_config(files=os.fspath(small), seq_len=2000, vocab_size=300), tmp_path / "wd")
 
 
+def test_a_window_needs_at_least_one_target():
+  # seq_len 0 would make windows of one token: no input/target pair in any of them.
+  for keep_tail in (False, True):
+    with pytest.raises(ValueError) as e:
+      packing.count_windows(10, 0, keep_tail=keep_tail, split="train")
+    assert str(e.value) == "data.seq_len=0 must be >= 1"
+
+
 # ---- batches -------------------------------------------------------------------------------
 
 
@@ -730,6 +738,46 @@ def test_train_batches_split_across_processes():
   with pytest.raises(ValueError, match=r"train\.batch_size=12 must be divisible by the process "
                                        r"count 5"):
     batches.batch(0, 0, 5)
+
+
+def test_batches_refuse_bad_arguments_naming_them():
+  windows = _numbered_windows(10)
+  for kwargs, message in (({"batch_size": 0, "shuffle_seed": 0}, "train.batch_size=0 must be >= 1"),
+                          ({"batch_size": 2, "shuffle_seed": -1},
+                           "data.shuffle_seed=-1 must be >= 0")):
+    with pytest.raises(ValueError) as e:
+      TrainBatches(windows, **kwargs)
+    assert str(e.value) == message
+  batches = TrainBatches(windows, 4, shuffle_seed=0)
+  with pytest.raises(ValueError) as e:
+    batches.window_indices(-1)  # would read epoch -1
+  assert str(e.value) == "step=-1 must be >= 0"
+  for index, count in ((2, 2), (-1, 2), (0, 0)):
+    with pytest.raises(ValueError) as e:
+      batches.window_indices(0, index, count)
+    assert str(e.value) == f"process_index={index} must be in [0, {count})"
+  docs = _distinct_docs([6, 6])
+  evals = EvalWindows(pack(docs, 4, EOS, PAD, keep_tail=True, split="validation",
+                           doc_bytes=[np.ones_like(d) for d in docs]), PAD)
+  with pytest.raises(ValueError) as e:
+    next(evals.batches(5, 0, 2))  # two processes cannot share 5 rows equally
+  assert str(e.value) == "eval.batch_size=5 must be >= 1 and divisible by the process count 2"
+
+
+def test_eval_padding_rows_hold_the_pad_id_and_no_weight_or_bytes():
+  pad = 3  # not 0, so a row of zeros is not taken for padding
+  docs = _distinct_docs([5, 9])  # 16 tokens with EOS: 4 windows of 5
+  windows = pack(docs, 4, EOS, pad, keep_tail=True, split="validation",
+                 doc_bytes=[np.full_like(d, 2) for d in docs])
+  (batch,) = EvalWindows(windows, pad).batches(8)
+  n = windows.num_windows
+  assert n == 4
+  for key in ("inputs", "targets"):
+    assert (batch[key][n:] == pad).all()
+  for key in ("segment_ids", "weights", "target_bytes"):
+    assert (batch[key][n:] == 0).all(), key
+  # 14 document tokens at 2 bytes, less the two that open a window (flat positions 0 and 10)
+  assert batch["target_bytes"][:n].sum() == 2 * (14 - 2)
 
 
 def test_every_window_once_per_epoch():
@@ -875,7 +923,7 @@ def test_pydoc_plus_docstrings_holds_out_the_pydoc_tail_only(tmp_path):
 
 
 def test_build_data_on_pydoc(tmp_path):
-  data = build_data(_config(seq_len=64), tmp_path)
+  data = build_data(_config(seq_len=64, shuffle_seed=3), tmp_path)
   stats = data.stats()
   assert stats["train_documents"] + stats["eval_documents"] in (79, 80)
   assert data.train_windows == (data.train_tokens // 65)
@@ -890,6 +938,9 @@ def test_build_data_on_pydoc(tmp_path):
   assert int(ev["nbytes"].sum()) == data.eval_bytes
   eval_weight = sum(b["weights"].sum() for b in data.eval_batches(32))
   assert eval_weight == data.eval.total_weight()
+  # The order is data.shuffle_seed's (config.seed is 0): step 0 reads positions 0..7 of epoch 0.
+  assert data.train.window_indices(0).tolist() == shuffled_positions(
+      np.arange(8), data.train_windows, 3, 0).tolist()
 
 
 _BENCHMARK_CHECKS = """

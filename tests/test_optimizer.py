@@ -42,6 +42,29 @@ def test_schedule_follows_the_formula_from_the_first_update(k):
   assert float(schedule(0)) > 0.0
 
 
+@pytest.mark.parametrize("warmup, total", [(0, 20), (20, 20), (25, 20), (19, 20), (4, 5)])
+def test_schedule_follows_the_formula_at_every_update_for_any_warmup(warmup, total):
+  # warmup 0: the cosine from the first update; a warmup as long as the run (or longer, which
+  # validation allows) is a linear ramp that never decays, not an error from optax.
+  cfg = _cfg(warmup_steps=warmup, num_steps=total).train
+  _, schedule = optim.make_optimizer(cfg)
+  got = [float(schedule(k - 1)) for k in range(1, total + 1)]
+  want = [_expected_lr(k, warmup=warmup, total=total) for k in range(1, total + 1)]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_applied_updates_needs_exactly_one_schedule_in_the_state():
+  # Two schedules (an optimizer wrapped in another) would make the count ambiguous.
+  tx, _ = optim.make_optimizer(_cfg().train)
+  params = {"w": jnp.ones(3)}
+  assert int(optim.applied_updates(tx.init(params))) == 0
+  for state, found in ((optax.chain(tx, tx).init(params), 2), (optax.sgd(0.1).init(params), 0)):
+    with pytest.raises(ValueError) as e:
+      optim.applied_updates(state)
+    assert str(e.value) == (f"expected one learning-rate schedule in the optimizer state, found "
+                            f"{found}; build the optimizer with make_optimizer")
+
+
 def _setup(cfg):
   model = steps.build_model(cfg, V)
   graphdef, params = nnx.split(model, nnx.Param)

@@ -69,6 +69,20 @@ def test_tensor_size_must_divide_heads_and_mlp(field, value, logical):
                           f"'{logical}' over tensor); allowed: a tensor size dividing {value}")
 
 
+def test_a_dimension_split_over_two_mesh_axes_must_divide_by_their_product():
+  # mlp over fsdp x tensor = 2 x 2 (8 devices, data 2): 102 divides by each axis alone but
+  # not into the 4 shards jax would need.
+  rules = tuple(("mlp", ("fsdp", "tensor")) if name == "mlp" else (name, target)
+                for name, target in sharding.DEFAULT_RULES)
+  with pytest.raises(ValueError) as e:
+    _check(**{"mesh.fsdp": 2, "mesh.tensor": 2, "mesh.rules": rules, "model.mlp_dim": 102})
+  assert str(e.value) == ("model.mlp_dim=102 is not divisible by mesh.fsdp=2 x mesh.tensor=2 "
+                          "(mesh.rules shards 'mlp' over fsdp x tensor); allowed: a fsdp x "
+                          "tensor size dividing 102")
+  assert _check(**{"mesh.fsdp": 2, "mesh.tensor": 2, "mesh.rules": rules,
+                   "model.mlp_dim": 104})["data"] == 2
+
+
 def test_fsdp_size_must_divide_d_model():
   with pytest.raises(ValueError, match=r"^model\.d_model=60 is not divisible by mesh\.fsdp=8 "):
     _check(**{"mesh.fsdp": 8, "model.d_model": 60, "model.num_heads": 2})
@@ -167,6 +181,107 @@ def test_a_dimension_the_mesh_axes_do_not_divide_is_replicated_with_a_warning(ca
   assert specs["embedding"] == sharding.PartitionSpec(None, "fsdp")  # vocab, embed (64)
   assert "dimension of size 50 is not divisible by mesh axes ('tensor',); replicated" in (
       caplog.text)
+
+
+def test_the_default_rules_split_what_the_design_says():
+  # axes.py: fsdp shards the model dimension; tensor the heads, the MLP width and the
+  # vocabulary; a head's own width is never split; batches go over data x fsdp.
+  from jax.sharding import PartitionSpec as P
+
+  rules = sharding.rules_from_config(config_lib.get_default_config().mesh)
+  assert {a: sharding.logical_to_spec((a,), rules) for a in sharding.LOGICAL_AXES} == {
+      "batch": P(("data", "fsdp")), "embed": P("fsdp"), "heads": P("tensor"),
+      "head_dim": P(None), "mlp": P("tensor"), "vocab": P("tensor")}
+  # so a head width that tensor does not divide is fine: only the heads are split
+  assert _check(4, **{"mesh.tensor": 4, "model.head_dim": 6})["tensor"] == 4
+
+
+def test_the_batch_is_split_over_the_mesh_axes_its_rule_names():
+  # With batch over data alone, fsdp's devices hold the same rows: the batch need only divide
+  # mesh.data (2 of 8 devices here), and the batch sharding says so.
+  rules = (("batch", "data"), ("embed", "fsdp"))
+  cfg = tiny_config("cem", **{"mesh.fsdp": 4, "mesh.rules": rules, "train.batch_size": 2,
+                              "eval.batch_size": 2})
+  assert sharding.check_config(cfg, 8) == {"data": 2, "fsdp": 4, "tensor": 1}
+  cfg.eval.batch_size = 3
+  with pytest.raises(ValueError) as e:
+    sharding.check_config(cfg, 8)
+  assert str(e.value) == ("eval.batch_size=3 is not divisible by the 2 data-parallel devices "
+                          "(8 devices, mesh.data = 2); use a multiple of 2, e.g. 4")
+  mesh = sharding.make_mesh(tiny_config("cem").mesh)  # this process's one device
+  assert sharding.batch_sharding(mesh, rules).spec == sharding.PartitionSpec("data", None)
+  assert sharding.batch_sharding(mesh).spec == sharding.PartitionSpec(("data", "fsdp"), None)
+
+
+def test_parameters_and_adam_moments_are_laid_out_by_the_configured_rules():
+  # On this process's one device (a 1 x 1 x 1 mesh) every spec is kept as the rules give it,
+  # so the layout a pod would get is visible here: the parameters by mesh.rules (not the
+  # defaults), Adam's moments exactly like their parameters, counts and flags replicated.
+  import jax
+  import optax
+  from flax import nnx
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from cem_jax import optim, steps
+
+  rules = (("batch", "data"), ("embed", None), ("mlp", ("fsdp", "tensor")), ("vocab", "tensor"))
+  cfg = tiny_config("llama", **{"model.num_layers": 1, "model.d_model": 16, "model.num_heads": 2,
+                                "model.mlp_dim": 32, "mesh.rules": rules})
+  mesh = sharding.make_mesh(cfg.mesh)
+  # DESIGN.md: jax's Explicit default breaks sharded matmuls of ordinary code
+  assert tuple(mesh.axis_types) == (jax.sharding.AxisType.Auto,) * 3
+  _, abstract = nnx.split(nnx.eval_shape(lambda: steps.build_model(cfg, 64)), nnx.Param)
+  params = sharding.param_shardings(abstract, mesh, sharding.rules_from_config(cfg.mesh))
+  # w_up is (embed, mlp), the embedding (vocab, embed)
+  assert params["blocks"][0]["mlp"]["w_up"].spec == P(None, ("fsdp", "tensor"))
+  assert params["embedding"].spec == P("tensor", None)
+  tx, _ = optim.make_optimizer(cfg.train)
+  opt = sharding.opt_state_shardings(tx, jax.eval_shape(tx.init, abstract), params, mesh)
+  is_sharding = lambda x: isinstance(x, NamedSharding)  # noqa: E731
+  param_specs = [x.spec for x in jax.tree.leaves(params, is_leaf=is_sharding)]
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+  (adam,) = [x for x in jax.tree.leaves(opt, is_leaf=is_adam) if is_adam(x)]
+  for moment in (adam.mu, adam.nu):
+    assert [x.spec for x in jax.tree.leaves(moment, is_leaf=is_sharding)] == param_specs
+  moments = {id(x) for m in (adam.mu, adam.nu) for x in jax.tree.leaves(m, is_leaf=is_sharding)}
+  others = [x for x in jax.tree.leaves(opt, is_leaf=is_sharding) if id(x) not in moments]
+  assert others and all(x.spec == P() for x in others)
+
+
+def test_a_rule_that_is_not_a_pair_is_one_clear_line():
+  # Else Python's own unpacking error ("too many values to unpack") with a traceback.
+  for entry in (("embed",), ("embed", "fsdp", "tensor"), ["embed"]):
+    with pytest.raises(ValueError) as e:
+      sharding.rules_from_config({"rules": (entry,)})
+    assert str(e.value) == (f"mesh.rules entry {entry!r}; allowed: a pair (logical_axis, "
+                            "mesh_axis or None or a tuple of mesh axes)")
+
+
+def test_rows_are_split_only_over_mesh_axes_whose_product_divides_them():
+  # The activations' and splash's row split (model.py, attention.py): an uneven split is an
+  # error in jax, so a batch the axes do not divide (decoding 4 rows on 8 devices) stays whole.
+  from cem_jax import axes
+
+  shape = {"data": 2, "fsdp": 4, "tensor": 2}
+  assert axes.dividing_axes(("data", "fsdp"), 16, shape) == ("data", "fsdp")
+  assert axes.dividing_axes(("data", "fsdp"), 4, shape) is None
+  assert axes.dividing_axes(("data", "fsdp"), 1, shape) is None
+  assert axes.dividing_axes(("data", "fsdp"), 6, {"data": 2}) == ("data",)  # fsdp not there
+  assert axes.dividing_axes((), 8, shape) is None
+
+
+def test_a_process_holding_rows_that_are_not_one_block_reads_the_whole_batch():
+  # Rows 0, 1 and 3 span a block of 4 but are not all of it: no (index, count) describes them.
+  class Rows:  # a sharding's view of which rows this process's devices hold
+    def __init__(self, *slices):
+      self.slices = slices
+
+    def addressable_devices_indices_map(self, shape):
+      return {device: (s,) for device, s in enumerate(self.slices)}
+
+  assert sharding.process_slice(Rows(slice(0, 2), slice(3, 4)), 8) == (0, 1)
+  assert sharding.process_slice(Rows(slice(2, 3), slice(3, 4)), 8) == (1, 4)
 
 
 # ---------------------------------------------------------------------------------------------
