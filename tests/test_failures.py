@@ -974,6 +974,9 @@ def test_the_footprint_log_line_names_the_need_and_the_limit(caplog):
 def test_the_device_limit_is_the_backends_bytes_limit_and_none_where_it_reports_none():
   device = lambda stats: types.SimpleNamespace(memory_stats=lambda: stats)  # noqa: E731
   assert memory.device_limit_bytes(device({"bytes_limit": 2**34, "bytes_in_use": 5})) == 2**34
+  # The limit the allocator enforces, not what it could reserve beyond it (GPU stats have both).
+  assert memory.device_limit_bytes(device({"bytes_limit": 2**34, "bytes_reservable_limit":
+                                           2**35, "bytes_in_use": 5})) == 2**34
   assert memory.device_limit_bytes(device(None)) is None  # CPU
   assert memory.device_limit_bytes(device({})) is None
 
