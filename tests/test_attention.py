@@ -280,8 +280,8 @@ def test_auto_picks_the_fastest_kernel_the_platform_allows(platform, dtype, extr
   kwargs = {"head_dim": 64, **extra}
   impl, reason = attention.resolve("auto", platform=platform, dtype=dtype, **kwargs)
   assert impl == want and reason.startswith("auto:")
-  if "augmented_head_dim" in extra:
-    assert "augmented head" in reason
+  if "augmented_head_dim" in extra:  # said as such, not as a flash kernel's refusal
+    assert reason.startswith("auto: the CEM diagonal attends with one augmented head"), reason
 
 
 @pytest.mark.parametrize("capability,limit", [("8.0", 128), ("8.9", 128), ("9.0", 256),
@@ -507,6 +507,54 @@ def test_blockwise_logsumexp_and_gradient_equal_the_reference(block_size):
   assert np.all(np.asarray(dq)[empty] == 0.0) and np.all(np.isfinite(np.asarray(dk)))
 
 
+def test_blockwise_logsumexp_of_masked_keys_far_above_the_visible_ones_has_finite_gradients():
+  # A masked (future) key scoring 120 above a row's visible maximum: exp(120) overflows float32.
+  # Masked entries are excluded before the exponential, so their gradient is 0, not 0 * inf.
+  # Row 0 under strict causality sees no key (its shift is 0, its masked scores 60 and 80).
+  q = np.array([[1.0, 0.5], [1.0, -0.5], [0.8, 0.3], [1.2, 0.1]])[None, :, None, :]
+  k = np.array([[-40.0, 1.0], [60.0, -2.0], [80.0, 0.5], [-35.0, 3.0]])[None, :, None, :]
+  mask = np.array([[[False] * 4, [True, False, False, False], [True, True, False, False],
+                    [True, False, True, False]]])
+  g = np.array([[[0.7, -1.3, 0.4, 2.1]]])  # cotangent of lse [b, h, t]
+
+  def f(q, k):
+    return blockwise_logsumexp(q, k, jnp.asarray(mask), 3, 1.0)  # 3 keys a block: one padded
+
+  @jax.jit  # one compilation (eager, each op of the scan compiles on its own)
+  def value_and_vjp(q, k, g):
+    lse, vjp = jax.vjp(f, q, k)
+    return (lse, *vjp(g))
+
+  lse, dq, dk = value_and_vjp(*(jnp.asarray(a, jnp.float32) for a in (q, k, g)))
+  p, want = np_softmax(np.einsum("bthe,bshe->bhts", q, k), mask[:, None])
+  ds = p * g[..., None]
+  for got, ref in ((lse, want), (dq, np.einsum("bhts,bshe->bthe", ds, k)),
+                   (dk, np.einsum("bhts,bthe->bshe", ds, q))):
+    assert np.all(np.isfinite(np.asarray(got)))
+    np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_blockwise_distance_energy_under_strict_causality_equals_the_reference():
+  # The distance form's per-query constant -½ Σ d y² enters only rows that see a key: under
+  # strict causality a document's first token sees none, though later queries see its key
+  # (the rows are the mask's query axis, not its key axis). Small; the mask built in NumPy.
+  b, t, d, h, dh = 2, 7, 6, 2, 4
+  r = np.random.default_rng(21)
+  y, c = (jnp.asarray(r.normal(size=(b, t, d)), jnp.float32) for _ in range(2))
+  params = _attention_params(22, d, h, dh, diag=True)
+  seg = np.array([[1, 1, 1, 2, 2, 2, 2], [1, 1, 2, 2, 2, 0, 0]])
+  pos = np.arange(t)
+  mask = ((pos[None, :] < pos[:, None]) & (seg[:, :, None] == seg[:, None, :])
+          & (seg[:, :, None] > 0))
+  aux = EnergyAux(mask=jnp.asarray(mask), positions=jnp.zeros((b, t), jnp.int32),
+                  rope_theta=None, diagonal_form="distance", energy_block_size=3)
+  want_e, want_u = np_energy_and_update(y, c, params, mask, None, rope=False, form="distance")
+  # One compilation (eager, each op of the scan compiles on its own: seconds).
+  got_e, grad = jax.jit(jax.value_and_grad(interaction_energy))(y, c, params, aux)
+  assert abs(float(got_e) - want_e) <= TOL * abs(want_e)
+  assert rel(-grad, want_u) <= TOL
+
+
 @pytest.mark.parametrize("block_size", [0, -1])
 def test_blockwise_logsumexp_refuses_a_block_size_below_one_in_one_line(block_size):
   # 0 is model.energy_block_size's default: a user energy passing it on must learn why, not
@@ -592,3 +640,35 @@ def test_bf16_diagonal_scores_are_formed_in_float32(form):
   assert rel(fused, want) <= 1e-2, rel(fused, want)
   assert rel(autodiff.astype(jnp.float32), want) <= 1e-2, rel(autodiff.astype(jnp.float32),
                                                               want)
+
+
+@pytest.mark.parametrize("mesh_shape,partition,local_heads", [
+    ((2, 2), (("data",), ("tensor",)), 2),  # 4 heads over tensor=2
+    ((1, 4), (("data",), ("tensor",)), 1),
+    ((4, 1), (("data",), ("tensor",)), 4),  # tensor=1 splits nothing
+    # rows take data (2 rows: data x tensor = 4 does not divide them), heads take tensor
+    ((2, 2), (("data", "tensor"), ("tensor",)), 2),
+])
+def test_the_splash_kernel_is_built_for_the_heads_one_device_holds(monkeypatch, mesh_shape,
+                                                                   partition, local_heads):
+  # Inside shard_map each device sees its own heads; a kernel built for all of them has a
+  # mask per head it never gets (interpret mode tolerates that, so the values cannot tell).
+  # The abstract mesh needs no devices: the build is recorded, then the trace stops.
+  from jax.sharding import AbstractMesh, AxisType
+
+  built = []
+
+  class Built(Exception):
+    pass
+
+  def spy(t, heads, strict, interpret):
+    built.append((t, heads))
+    raise Built
+
+  monkeypatch.setattr(attention, "_splash_kernel", spy)
+  mesh = AbstractMesh(mesh_shape, ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+  q = jax.ShapeDtypeStruct((2, 128, 4, 8), jnp.float32)
+  with jax.sharding.use_abstract_mesh(mesh), pytest.raises(Built):
+    jax.eval_shape(lambda q: attention.dot_product_attention(
+        q, q, q, scale=1.0, implementation="splash", is_causal=True, partition=partition), q)
+  assert built == [(128, local_heads)]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import quadrature_phi_silu, tiny_config
 
-from cem_jax import energies, preflight, updates
+from cem_jax import energies, energy_checks, preflight, updates
 from cem_jax.energies import (
     EnergyAux,
     apply_rope,
@@ -110,6 +110,8 @@ def test_phi_derivatives_match_finite_differences():
     first = np.asarray(jax.vmap(jax.grad(energies.phi_silu))(zj))
     second = np.asarray(jax.vmap(jax.grad(jax.grad(energies.phi_silu)))(zj))
     own = np.asarray(energies.phi_silu(jnp.stack([zj - 1e-4, zj + 1e-4])))
+    # The primal that the JVP rule returns (jax.value_and_grad, jax.jvp), not phi_silu's own.
+    value = np.asarray(jax.vmap(jax.value_and_grad(energies.phi_silu))(zj)[0])
   h1, h2 = 1e-4, 1e-3
   fd1 = (quadrature_phi_silu(z + h1) - quadrature_phi_silu(z - h1)) / (2 * h1)
   fd2 = (quadrature_phi_silu(z + h2) - 2 * quadrature_phi_silu(z)
@@ -117,6 +119,7 @@ def test_phi_derivatives_match_finite_differences():
   np.testing.assert_allclose(first, fd1, rtol=1e-7, atol=1e-9)
   np.testing.assert_allclose(second, fd2, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(first, (own[1] - own[0]) / (2 * 1e-4), rtol=1e-7, atol=1e-9)
+  np.testing.assert_allclose(value, quadrature_phi_silu(z), rtol=1e-9, atol=1e-12)
   z32 = jnp.linspace(-12.0, 12.0, 97)  # float32, the training dtype: finite to third order
   assert bool(jnp.all(jnp.isfinite(jax.vmap(jax.grad(jax.grad(jax.grad(energies.phi_silu))))(
       z32))))
@@ -151,6 +154,21 @@ def test_potentials_run_in_half_precision_and_keep_the_dtype(potential, dtype):
   assert grad.dtype == dtype
   np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(act(z)), rtol=2e-2,
                              atol=2e-2)
+
+
+def test_bfloat16_mlp_energy_evaluates_the_potential_in_float32():
+  # bf16 inputs whose products are exact in bf16 (multiples of 1/8, few terms): the pre-
+  # activations are exact, so only Φ's own precision is left. The energy (the trace eval
+  # reports) must form Φ in float32; Φ = relu³/3 rounded to bf16 is off by ~1e-3.
+  rng = np.random.default_rng(8)
+  y, x = rng.choice([-2.0, -1.0, -0.5, 0.5, 1.0, 1.5], size=(2, 1, 3, 4))
+  w, g = rng.choice([-1.0, -0.75, -0.25, 0.25, 0.5, 1.0], size=(2, 4, 8))
+  want = -0.8 * np.sum((x @ g) * np.maximum(y @ w, 0.0) ** 3 / 3.0)
+  energy, _ = energies.make_gated_energy("relu2")
+  bf = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+  got = jax.jit(energy)(bf(y), bf(x), {"w": bf(w), "g": bf(g), "eta": jnp.float32(0.8)})
+  assert got.dtype == jnp.float32
+  assert abs(float(got) - want) <= 1e-5 * abs(want), (float(got), want)
 
 
 @pytest.mark.parametrize("mode", ["autodiff", "fused"])
@@ -207,6 +225,9 @@ def test_masked_logsumexp_of_scores_far_below_zero_shifts_by_the_visible_max():
 def test_registry_lookup_and_errors():
   assert energies.get("softmax", "attention").fused_update is not None
   assert set(energies.names("mlp")) >= {"silu", "gelu", "relu", "relu2"}
+  # Each slot lists its own kind only (the "allowed:" of an unknown name quotes it).
+  assert "softmax" not in energies.names("mlp") and "softmax" in energies.names("attention")
+  assert not set(energies.POTENTIALS) & set(energies.names("attention"))
   with pytest.raises(ValueError, match="model.mlp_energy='nope' is not a registered mlp"):
     energies.get("nope", "mlp", "model.mlp_energy")
   with pytest.raises(ValueError, match="'softmax' is an attention energy, not an mlp energy$"):
@@ -217,6 +238,16 @@ def test_registry_lookup_and_errors():
     energies.get("no_such_module_xyz:energy", "attention")
   with pytest.raises(ValueError, match="has no closed-form update"):
     updates.resolve_update(energies.EnergySpec("u", "mlp", lambda *a: 0.0), "fused")
+
+
+def test_start_up_relative_error_of_a_zero_reference_is_zero_or_infinite():
+  # An update that is exactly 0 (an energy that ignores y) matches a zero closed form: 0, not
+  # 0/0 = NaN, which the check would refuse; any other closed form is infinitely wrong.
+  zero, other = np.zeros((2, 3)), np.array([[0.0, 1e-9, 0.0], [0.0, 0.0, 0.0]])
+  assert energy_checks._relative_error(zero, zero) == 0.0
+  assert energy_checks._relative_error(other, zero) == np.inf
+  want = np.array([[1.0, -4.0, 2.0], [0.5, 0.0, 3.0]])
+  assert energy_checks._relative_error(want + other, want) == pytest.approx(1e-9 / 4.0)
 
 
 def test_auto_uses_the_closed_form_where_one_exists_and_jax_grad_elsewhere():
@@ -491,6 +522,10 @@ def bf16_only(y, context, params, aux):  # runs in a bfloat16 model, not in floa
   return jax.lax.mul(jnp.sum(gate * jnp.tanh(pre)), -params["eta"].astype(jnp.bfloat16))
 
 
+def per_row(y, context, params, aux):  # one energy per batch row: [batch], not a scalar
+  return -0.5 * jnp.sum(y * y, axis=(1, 2))
+
+
 def tril(y, context, params, aux):  # builds its own mask of y's length
   q, k = _qk(y, context, params)
   s = jnp.einsum("bthk,bshk->bhts", q, k)
@@ -602,6 +637,14 @@ def test_energy_with_its_own_causal_mask_is_refused_at_start_up(tmp_path):
       "longer than y, as in cached decoding (python -m cem_jax.sample) (y [1, 2, 64], "
       "context [1, 8, 64], aux.mask [1, 2, 8]): ValueError: Incompatible shapes")
   assert "build masks from aux.mask" in message
+
+
+def test_energy_of_one_value_per_batch_row_is_refused_at_start_up(tmp_path):
+  # jax.grad needs a scalar: a [batch] energy (one axis, unlike test_design's [batch, seq])
+  # would pass start-up and fail when the train step compiles.
+  message = _refusal(_user_config(tmp_path, attention_energy="per_row"))
+  assert message == (f"model.attention_energy='{tmp_path}/user_fused.py:per_row' returns shape "
+                     "(1,); an energy must return a scalar (sum over batch and positions)")
 
 
 def test_energy_block_size_an_energy_never_reads_is_refused(tmp_path):
