@@ -176,35 +176,41 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 10) -> dict:
     ``busy``: the time at least one kernel runs (overlaps counted once), ``span``: first
     kernel start to last kernel end; milliseconds per step, rounded to 1 µs.
   Raises:
-    ValueError: no trace under ``trace_dir``, or no device kernels in it (a CPU run has no
-      device process), naming what the trace holds.
+    ValueError: no trace under ``trace_dir``, one that is not gzip'd JSON (cut short), or no
+      device kernels in it (a CPU run has no device process), naming what the trace holds.
   """
   paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
                            recursive=True))
   if not paths:
     raise ValueError(f"no perfetto_trace.json.gz under {trace_dir}")
-  with gzip.open(paths[-1]) as f:  # folders are named by the time the trace was written
-    events = json.load(f)["traceEvents"]
-  meta = [e for e in events if e.get("ph") == "M"]
-  processes = {e["pid"]: e["args"]["name"] for e in meta if e.get("name") == "process_name"}
-  lines = {(e["pid"], e.get("tid")): e["args"]["name"] for e in meta
-           if e.get("name") == "thread_name" and e["pid"] in processes
-           and processes[e["pid"]].startswith("/device:")}
+  try:
+    with gzip.open(paths[-1]) as f:  # folders are named by the time the trace was written
+      events = [e for e in json.load(f)["traceEvents"] if isinstance(e, dict)]
+  except (OSError, EOFError, ValueError, KeyError, TypeError) as e:  # cut short, not gzip/JSON
+    raise ValueError(f"{paths[-1]}: not a readable trace ({type(e).__name__}: {e})") from e
+  meta = [e for e in events if e.get("ph") == "M" and isinstance(e.get("args"), dict)]
+  processes = {e.get("pid"): str(e["args"].get("name", "")) for e in meta
+               if e.get("name") == "process_name"}
+  lines = {(e.get("pid"), e.get("tid")): str(e["args"].get("name", "")) for e in meta
+           if e.get("name") == "thread_name" and e.get("pid") in processes
+           and processes[e.get("pid")].startswith("/device:")}
   if not lines:
     raise ValueError(f"{paths[-1]}: no device kernels in the trace (processes: "
                      f"{', '.join(sorted(set(processes.values()))) or 'none'})")
   keep = {k for k, name in lines.items() if name.startswith("Stream")}
   keep = keep or {k for k, name in lines.items() if name == "XLA Ops"}
-  kernels = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in keep]
+  kernels = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in keep
+             and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float))]
   if not kernels:
     raise ValueError(f"{paths[-1]}: no kernels on a device's stream or XLA Ops lines (lines: "
                      f"{', '.join(sorted(set(lines.values())))})")
   per_kind = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
   per_name: dict[str, float] = {}
   for e in kernels:
-    kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(e["name"])), "other")
+    name = str(e.get("name", ""))
+    kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
     per_kind[kind] += e["dur"]
-    per_name[e["name"]] = per_name.get(e["name"], 0.0) + e["dur"]
+    per_name[name] = per_name.get(name, 0.0) + e["dur"]
   busy, end = 0.0, None  # the union of the kernels' intervals
   for e in sorted(kernels, key=lambda e: e["ts"]):
     start, stop = e["ts"], e["ts"] + e["dur"]

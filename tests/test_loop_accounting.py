@@ -546,3 +546,10 @@ def test_the_kernel_summary_reads_xla_ops_without_streams_and_refuses_a_trace_wi
     profiling.kernel_summary(str(cpu), steps=1)
   with pytest.raises(ValueError, match="no perfetto_trace.json.gz under"):
     profiling.kernel_summary(str(tmp_path / "none"), steps=1)
+  cut = tmp_path / "cut"
+  _write_trace(cut, _gpu_trace())
+  (path,) = cut.rglob("perfetto_trace.json.gz")
+  path.write_bytes(path.read_bytes()[:40])  # a trace whose writing was cut short
+  with pytest.raises(ValueError, match=r"perfetto_trace.json.gz: not a readable trace \("):
+    profiling.kernel_summary(str(cut), steps=1)
+
