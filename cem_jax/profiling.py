@@ -172,9 +172,10 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 10) -> dict:
     top: how many of the longest kernels (by total time) to list.
   Returns:
     ``{"ms_per_step": {kind: ms, ..., "busy": ms, "span": ms}, "kernels_per_step": float,
-    "top": [[name, ms per step], ...]}``, kinds as :data:`KERNEL_KINDS` plus ``other``;
-    ``busy``: the time at least one kernel runs (overlaps counted once), ``span``: first
-    kernel start to last kernel end; milliseconds per step, rounded to 1 µs.
+    "devices": int, "top": [[name, ms per step], ...]}``, kinds as :data:`KERNEL_KINDS` plus
+    ``other``; ``busy``: the time at least one kernel runs (overlaps counted once), ``span``:
+    first kernel start to last kernel end; milliseconds per step and per device (the mean
+    over the ``devices`` that ran kernels), rounded to 1 ns.
   Raises:
     ValueError: no trace under ``trace_dir``, one that is not gzip'd JSON (cut short), or no
       device kernels in it (a CPU run has no device process), naming what the trace holds.
@@ -211,20 +212,24 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 10) -> dict:
     kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
     per_kind[kind] += e["dur"]
     per_name[name] = per_name.get(name, 0.0) + e["dur"]
-  busy, end = 0.0, None  # the union of the kernels' intervals
-  for e in sorted(kernels, key=lambda e: e["ts"]):
-    start, stop = e["ts"], e["ts"] + e["dur"]
-    if end is None or start >= end:
-      busy += stop - start
-      end = stop
-    elif stop > end:
-      busy += stop - end
-      end = stop
-  span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
-  ms = lambda us: round(us / 1e3 / steps, 6)  # noqa: E731 - trace times are microseconds
+  devices = sorted({e.get("pid") for e in kernels}, key=str)
+  busy = span = 0.0
+  for pid in devices:  # each device's own timeline: overlaps count once, devices add up
+    mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels if e.get("pid") == pid)
+    end = None
+    for start, stop in mine:
+      if end is None or start >= end:
+        busy += stop - start
+        end = stop
+      elif stop > end:
+        busy += stop - end
+        end = stop
+    span += max(stop for _, stop in mine) - mine[0][0]
+  per = len(devices) * steps  # figures per device and step
+  ms = lambda us: round(us / 1e3 / per, 6)  # noqa: E731 - trace times are microseconds
   longest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
   return {"ms_per_step": {k: ms(v) for k, v in per_kind.items()} | {"busy": ms(busy),
                                                                       "span": ms(span)},
-          "kernels_per_step": len(kernels) / steps,
+          "kernels_per_step": len(kernels) / per, "devices": len(devices),
           "top": [[name, ms(us)] for name, us in longest]}
 

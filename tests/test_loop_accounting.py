@@ -498,6 +498,20 @@ def test_the_kernel_summary_sums_a_gpu_trace_by_kind_per_step(tmp_path):
                         ["loop_multiply_fusion", 0.04]]
 
 
+def test_the_kernel_summary_of_several_devices_is_per_device(tmp_path):
+  # 8 GPUs must not read as 8x the step: each device's own timeline, then the mean.
+  from cem_jax import profiling
+
+  second = _process(4, "/device:GPU:1", {40: "Stream #13(Compute)"}) + [
+      _kernel(4, 40, "sm90_xmma_gemm_bf16bf16_bf16f32", 0, 300)]  # busy and span 0..300
+  _write_trace(tmp_path, _gpu_trace() + second)
+  got = profiling.kernel_summary(str(tmp_path), steps=1)
+  # GPU:0 as in the test above (2 steps' worth in one here): busy 230, span 540 µs.
+  assert got["ms_per_step"] == {"attention": 0.025, "matmul": 0.2, "collective": 0.01,
+                                "copy": 0.005, "other": 0.04, "busy": 0.265, "span": 0.42}
+  assert got["devices"] == 2 and got["kernels_per_step"] == 3.5
+
+
 def test_a_training_trace_logs_its_kernel_summary(tmp_path, monkeypatch, caplog):
   # The window's 2 steps (4..5) divide the trace's times.
   monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: None)
