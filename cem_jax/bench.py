@@ -173,8 +173,8 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
   if profile_dir and not profile_error:
     try:
       kernels = profiling.kernel_summary(profile_dir, PROFILE_STEPS)
-    except ValueError as e:  # e.g. a CPU: no device process in the trace; the trace is kept
-      kernels_error = str(e)
+    except Exception as e:  # noqa: BLE001 - an aid: e.g. a CPU has no device process; the row
+      kernels_error = str(e) if isinstance(e, ValueError) else profiling.one_line(e)  # keeps on
   fpt = flops_per_token(config.model, vocab_size, n)
   achieved = 3 * fpt * b * n / step_s
   peak = peak_flops()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import math
 import os
 import re
 
@@ -42,7 +43,7 @@ def start_trace(log_dir: str) -> str | None:
   try:
     jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
   except Exception as e:  # noqa: BLE001 - reported to the caller as one line
-    return _one_line(e)
+    return one_line(e)
   return None
 
 
@@ -53,11 +54,12 @@ def stop_trace() -> str | None:
   try:
     jax.profiler.stop_trace()
   except Exception as e:  # noqa: BLE001 - reported to the caller as one line
-    return _one_line(e)
+    return one_line(e)
   return None
 
 
-def _one_line(e: Exception) -> str:
+def one_line(e: BaseException) -> str:
+  """``Type: first line of the message`` (a profiler's or parser's error, for a log line)."""
   text = str(e).strip().splitlines()
   return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
@@ -134,15 +136,19 @@ class StepProfiler:
     logging.info("profile: trace of steps %d..%d written under %s (TensorBoard's profile "
                  "plugin, or perfetto_trace.json.gz at https://ui.perfetto.dev)", self.first,
                  through, self.log_dir)
+    if through < self.first:  # stopped before the window's first step finished (abort)
+      logging.info("profile: no kernel summary (no step of the window finished)")
+      return
     try:
       summary = kernel_summary(self.log_dir, through - self.first + 1)
     except Exception as e:  # noqa: BLE001 - an aid: a CPU trace has no device kernels
-      logging.info("profile: no kernel summary (%s)", _one_line(e))
+      logging.info("profile: no kernel summary (%s)", one_line(e))
       return
     ms = summary["ms_per_step"]
-    logging.info("profile: device time per step, ms: %s; busy %.3f of a %.3f span, %.0f "
-                 "kernels", ", ".join(f"{kind} {ms[kind]:.3f}" for kind in ms
-                                      if kind not in ("busy", "span")),
+    each = f" (the mean of {summary['devices']} devices)" if summary["devices"] > 1 else ""
+    logging.info("profile: device time per step%s, ms: %s; busy %.3f of a %.3f span, %.0f "
+                 "kernels", each, ", ".join(f"{kind} {ms[kind]:.3f}" for kind in ms
+                                            if kind not in ("busy", "span")),
                  ms["busy"], ms["span"], summary["kernels_per_step"])
 
 
@@ -177,18 +183,36 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 10) -> dict:
     first kernel start to last kernel end; milliseconds per step and per device (the mean
     over the ``devices`` that ran kernels), rounded to 1 ns.
   Raises:
-    ValueError: no trace under ``trace_dir``, one that is not gzip'd JSON (cut short), or no
-      device kernels in it (a CPU run has no device process), naming what the trace holds.
+    ValueError: ``steps`` < 1 or ``top`` < 0; no trace under ``trace_dir`` (the one written
+      last is read); one that is not gzip'd JSON (cut short) or holds odd events (a kernel
+      without a finite duration >= 0); or no device kernels in it (a CPU run has no device
+      process), naming what the trace holds.
   """
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
-                           recursive=True))
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    raise ValueError(f"kernel_summary: steps={steps!r}; allowed: an integer >= 1 (the steps "
+                     "the trace holds)")
+  if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+    raise ValueError(f"kernel_summary: top={top!r}; allowed: an integer >= 0")
+  paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
   if not paths:
     raise ValueError(f"no perfetto_trace.json.gz under {trace_dir}")
+  # The one written last, as jax picks the folder it writes into: the folders are named by
+  # local time, which does not order traces across time zones or a DST change.
+  path = max(paths, key=os.path.getmtime)
   try:
-    with gzip.open(paths[-1]) as f:  # folders are named by the time the trace was written
+    return _summary(path, steps, top)
+  except ValueError:
+    raise
+  except Exception as e:  # noqa: BLE001 - odd events (an unhashable pid, deep nesting)
+    raise ValueError(f"{path}: not a readable trace ({type(e).__name__}: {e})") from e
+
+
+def _summary(path: str, steps: int, top: int) -> dict:
+  try:
+    with gzip.open(path) as f:
       events = [e for e in json.load(f)["traceEvents"] if isinstance(e, dict)]
   except (OSError, EOFError, ValueError, KeyError, TypeError) as e:  # cut short, not gzip/JSON
-    raise ValueError(f"{paths[-1]}: not a readable trace ({type(e).__name__}: {e})") from e
+    raise ValueError(f"{path}: not a readable trace ({type(e).__name__}: {e})") from e
   meta = [e for e in events if e.get("ph") == "M" and isinstance(e.get("args"), dict)]
   processes = {e.get("pid"): str(e["args"].get("name", "")) for e in meta
                if e.get("name") == "process_name"}
@@ -196,14 +220,20 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 10) -> dict:
            if e.get("name") == "thread_name" and e.get("pid") in processes
            and processes[e.get("pid")].startswith("/device:")}
   if not lines:
-    raise ValueError(f"{paths[-1]}: no device kernels in the trace (processes: "
+    raise ValueError(f"{path}: no device kernels in the trace (processes: "
                      f"{', '.join(sorted(set(processes.values()))) or 'none'})")
   keep = {k for k, name in lines.items() if name.startswith("Stream")}
   keep = keep or {k for k, name in lines.items() if name == "XLA Ops"}
-  kernels = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in keep
-             and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float))]
+  kernels = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in keep]
+  for e in kernels:
+    for key in ("ts", "dur"):
+      value = e.get(key)
+      if (isinstance(value, bool) or not isinstance(value, (int, float))
+          or not math.isfinite(value) or (key == "dur" and value < 0)):
+        raise ValueError(f"{path}: kernel {str(e.get('name', ''))[:80]!r} has {key}={value!r}; "
+                         f"allowed: a finite number of microseconds{', >= 0' * (key == 'dur')}")
   if not kernels:
-    raise ValueError(f"{paths[-1]}: no kernels on a device's stream or XLA Ops lines (lines: "
+    raise ValueError(f"{path}: no kernels on a device's stream or XLA Ops lines (lines: "
                      f"{', '.join(sorted(set(lines.values())))})")
   per_kind = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
   per_name: dict[str, float] = {}

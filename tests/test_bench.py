@@ -605,3 +605,17 @@ def test_the_attention_kernel_table_in_performance_md_is_its_json():
                          ("max error", r["max_err_vs_xla"]),
                          ("gradient error", r["grad_rel_err"])):
       _assert_printed(row[column], want, (row["kernel"], row["seq_len"], column))
+
+
+def test_a_kernel_summary_that_fails_any_way_keeps_the_rows_figures(tmp_path, monkeypatch):
+  # An aid never stops the work it watches: not only a ValueError (was: a TypeError or a
+  # MemoryError from the summary lost the row's timing to "error").
+  def broken(*args, **kwargs):
+    raise MemoryError("trace too large")
+
+  monkeypatch.setattr(bench.profiling, "kernel_summary", broken)
+  rows = bench.run("tiny", ["llama"], str(tmp_path / "out.json"), document_mask=False,
+                   profile_dir=str(tmp_path / "prof"))
+  for r in rows:
+    assert "error" not in r and r["step_ms"] > 0, r
+    assert r["kernels_error"] == "MemoryError: trace too large", r

@@ -567,3 +567,67 @@ def test_the_kernel_summary_reads_xla_ops_without_streams_and_refuses_a_trace_wi
   with pytest.raises(ValueError, match=r"perfetto_trace.json.gz: not a readable trace \("):
     profiling.kernel_summary(str(cut), steps=1)
 
+
+
+def test_the_kernel_summary_refuses_bad_steps_and_a_window_stopped_before_its_first_step(
+    tmp_path, monkeypatch, caplog):
+  from cem_jax import profiling
+
+  _write_trace(tmp_path, _gpu_trace())
+  for bad in (0, -1, 1.5, True):
+    with pytest.raises(ValueError, match=rf"steps={bad!r}; allowed: an integer >= 1"):
+      profiling.kernel_summary(str(tmp_path), steps=bad)
+  with pytest.raises(ValueError, match=r"top=-1; allowed: an integer >= 0"):
+    profiling.kernel_summary(str(tmp_path), steps=1, top=-1)
+  # A run that fails in the window's first step stops it at the step before (abort): no step
+  # was traced, which the log says (was: "no kernel summary (ZeroDivisionError: ...)").
+  monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: None)
+  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
+  window = StepProfiler(str(tmp_path), first=4, num_steps=2, start_step=0)
+  window.start()
+  with caplog.at_level(logging.INFO):
+    window.stop(3)
+  assert "no kernel summary (no step of the window finished)" in caplog.text
+  assert "ZeroDivisionError" not in caplog.text
+
+
+def test_the_kernel_summary_reads_the_trace_written_last_not_the_last_folder_name(tmp_path):
+  # The folders are named by local time: a resume in another time zone (or after a DST change)
+  # writes a folder whose name sorts first. jax writes into the newest by mtime; so must we.
+  from cem_jax import profiling
+
+  _write_trace(tmp_path, _gpu_trace())
+  (old,) = tmp_path.rglob("perfetto_trace.json.gz")
+  os.rename(old.parent, old.parent.parent / "2026_12_05_09_00_00")  # a later-sorting name
+  os.utime(old.parent.parent / "2026_12_05_09_00_00" / old.name, (1, 1))
+  new = tmp_path / "plugins" / "profile" / "2026_12_04_07_00_00" / "perfetto_trace.json.gz"
+  new.parent.mkdir()
+  import gzip
+  with gzip.open(new, "wt") as f:
+    json.dump({"traceEvents": _process(2, "/device:GPU:0", {20: "Stream #13(Compute)"}) + [
+        _kernel(2, 20, "the_new_trace_gemm", 0, 10)]}, f)
+  assert profiling.kernel_summary(str(tmp_path), steps=1)["top"] == [["the_new_trace_gemm",
+                                                                      0.01]]
+
+
+def test_the_kernel_summary_is_per_device_and_odd_events_are_one_value_error(tmp_path):
+  from cem_jax import profiling
+
+  # Two GPUs running the same kernels at the same times: per device, the figures of one.
+  two = _gpu_trace() + [dict(e, pid=5) for e in _gpu_trace() if e.get("pid") == 2]
+  two = [dict(e, args={"name": "/device:GPU:1"}) if e.get("pid") == 5 and
+         e.get("name") == "process_name" else e for e in two]
+  _write_trace(tmp_path / "two", two)
+  got = profiling.kernel_summary(str(tmp_path / "two"), steps=2)
+  assert got["devices"] == 2 and got["kernels_per_step"] == 3.0
+  assert got["ms_per_step"] == {"attention": 0.025, "matmul": 0.05, "collective": 0.01,
+                                "copy": 0.005, "other": 0.04, "busy": 0.115, "span": 0.27}
+  odd = {"negative": (dict(_kernel(2, 20, "k", 0, -5)), r"kernel 'k' has dur=-5; allowed"),
+         "nan": (dict(_kernel(2, 20, "k", 0, float("nan"))), r"kernel 'k' has dur=nan; allow"),
+         "bool": (dict(_kernel(2, 20, "k", True, 5)), r"kernel 'k' has ts=True; allowed"),
+         "list pid": ({"ph": "X", "pid": [2], "tid": 20, "name": "k", "ts": 0, "dur": 1},
+                      r"not a readable trace \(TypeError: unhashable")}
+  for name, (event, message) in odd.items():
+    _write_trace(tmp_path / name, _gpu_trace() + [event])
+    with pytest.raises(ValueError, match=r"perfetto_trace.json.gz: " + message):
+      profiling.kernel_summary(str(tmp_path / name), steps=1)
