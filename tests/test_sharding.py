@@ -271,19 +271,6 @@ def test_rows_are_split_only_over_mesh_axes_whose_product_divides_them():
   assert axes.dividing_axes((), 8, shape) is None
 
 
-def test_a_process_holding_rows_that_are_not_one_block_reads_the_whole_batch():
-  # Rows 0, 1 and 3 span a block of 4 but are not all of it: no (index, count) describes them.
-  class Rows:  # a sharding's view of which rows this process's devices hold
-    def __init__(self, *slices):
-      self.slices = slices
-
-    def addressable_devices_indices_map(self, shape):
-      return {device: (s,) for device, s in enumerate(self.slices)}
-
-  assert sharding.process_slice(Rows(slice(0, 2), slice(3, 4)), 8) == (0, 1)
-  assert sharding.process_slice(Rows(slice(2, 3), slice(3, 4)), 8) == (1, 4)
-
-
 # ---------------------------------------------------------------------------------------------
 # jax.distributed start-up decisions (no processes started).
 

@@ -430,6 +430,9 @@ def test_process_slice_is_the_block_of_rows_this_process_holds():
   assert sharding.process_slice(Rows(slice(4, 6), slice(6, 8)), 8) == (1, 2)
   assert sharding.process_slice(Rows(slice(6, 8)), 8) == (3, 4)
   assert sharding.process_slice(Rows(slice(0, 2), slice(4, 6)), 8) == (0, 1)  # not one block
+  # Rows 0, 1 and 3 span a block of 4 but are not all of it: no (index, count) describes them.
+  assert sharding.process_slice(Rows(slice(0, 2), slice(3, 4)), 8) == (0, 1)
+  assert sharding.process_slice(Rows(slice(2, 3), slice(3, 4)), 8) == (1, 4)
 
 
 def test_recursion_report_reads_a_diverged_run_and_names_a_run_without_evals(tmp_path):
