@@ -29,7 +29,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from cem_jax import cli, memory, optim, preflight, profiling
+from cem_jax import cli, errors, memory, optim, preflight, profiling
 from cem_jax import steps as steps_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import make_batch
@@ -174,7 +174,7 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
     try:
       kernels = profiling.kernel_summary(profile_dir, PROFILE_STEPS)
     except Exception as e:  # noqa: BLE001 - an aid: e.g. a CPU has no device process; the row
-      kernels_error = str(e) if isinstance(e, ValueError) else profiling.one_line(e)  # keeps on
+      kernels_error = str(e) if isinstance(e, ValueError) else errors.one_line(e)  # keeps on
   fpt = flops_per_token(config.model, vocab_size, n)
   achieved = 3 * fpt * b * n / step_s
   peak = peak_flops()

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cem_jax import axes, energies, updates
+from cem_jax.errors import one_line
 from cem_jax.layers import DTYPES
 from cem_jax.model import check_kernel_is_called, decoding_aux, training_aux
 
@@ -119,12 +120,6 @@ def validate_energies(config) -> None:
       _causal_values(field, spec, kind, m, numeric, update)
 
 
-def _one_line(e: Exception) -> str:
-  """``Type: first line of the message``: JAX errors run over many lines."""
-  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-  return f"{type(e).__name__}: {lines[0] if lines else ''}"
-
-
 def _fn_name(fn) -> str:
   return getattr(fn, "__name__", type(fn).__name__)
 
@@ -201,7 +196,7 @@ def _evaluate_shape(field, spec, fn, what, y, context, shapes, aux, decoding):
   except Exception as e:  # the user's function failed on valid shapes: say whose it is
     hint = f"; {_MASK_HINT}" if decoding else ""
     raise ValueError(f"{field}={spec.name!r}{what} failed on {_where(y, context, aux, decoding)}"
-                     f": {_one_line(e)}{hint}") from e
+                     f": {one_line(e)}{hint}") from e
 
 
 def _check_energy_shape(field, spec, y, context, shapes, aux, decoding):
@@ -261,7 +256,7 @@ def _check_block_size_read(field, spec, m, shapes, seq_len: int):
     jax.eval_shape(gradient, y, context, shapes, watched)
   except Exception as e:  # the energy failed at the training length, not at 4 tokens
     raise ValueError(f"{field}={spec.name!r}: jax.grad of the energy failed on [batch, "
-                     f"seq_len, d_model] inputs at data.seq_len={seq_len}: {_one_line(e)}"
+                     f"seq_len, d_model] inputs at data.seq_len={seq_len}: {one_line(e)}"
                      ) from e
   if not _BLOCK_SIZE_WATCH["reads"]:
     raise ValueError(
@@ -335,7 +330,7 @@ def _check_fused_values(field, spec, kind, m, shapes):
         got, want = (np.asarray(a, np.float64) for a in both(y, context, params, aux))
       except Exception as e:  # the shape checks ran both functions' code already: rare
         raise ValueError(f"{field}={spec.name!r}: its fused update {name} or jax.grad of the "
-                         f"energy failed on {where}{_float32_note(m)}: {_one_line(e)}") from e
+                         f"energy failed on {where}{_float32_note(m)}: {one_line(e)}") from e
       if not np.all(np.isfinite(want)):
         raise ValueError(
             f"{field}={spec.name!r}: -jax.grad(energy) w.r.t. y is not finite on {where}, so "
@@ -420,7 +415,7 @@ def _causal_values(field, spec, kind, m, shapes, update):
                          np.float64)
     except Exception as e:  # the shape checks ran this code already: rare
       raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
-                       f"{_float32_note(m)}: {_one_line(e)}") from e
+                       f"{_float32_note(m)}: {one_line(e)}") from e
     # A NaN or inf update is no layout mismatch: say what it is (the comparisons below would
     # call it one, or, on rows they do not compare (padding), let it train to a NaN loss).
     for values, segments in ((trained, None), (before, seg), (after, seg), (got, None)):

@@ -26,6 +26,8 @@ import re
 import jax
 from absl import logging
 
+from cem_jax.errors import one_line
+
 STEP_NAME = "train"  # the name of every step's mark in a trace (Perfetto, TensorBoard)
 
 
@@ -56,12 +58,6 @@ def stop_trace() -> str | None:
   except Exception as e:  # noqa: BLE001 - reported to the caller as one line
     return one_line(e)
   return None
-
-
-def one_line(e: BaseException) -> str:
-  """``Type: first line of the message`` (a profiler's or parser's error, for a log line)."""
-  text = str(e).strip().splitlines()
-  return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 class StepProfiler:

@@ -27,7 +27,7 @@ from conftest import quadrature_phi_silu, subprocess_env, tiny_config
 from flax import nnx
 from ml_collections import config_flags
 
-from cem_jax import cli, energies, evaluate, memory, optim, preflight, steps, train
+from cem_jax import cli, energies, errors, evaluate, memory, optim, preflight, steps, train
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax.checkpoint import Checkpointer
@@ -224,6 +224,17 @@ def test_tool_flags_are_checked_before_the_run_is_loaded(tmp_path, tool, args, e
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines() == [expected]
+
+
+@pytest.mark.parametrize("message, want", [
+    ("RESOURCE_EXHAUSTED: 2 GiB\n  at op 7\n", "ValueError: RESOURCE_EXHAUSTED: 2 GiB"),
+    ("\n   \n  first real line  \nsecond", "ValueError: first real line"),
+    ("", "ValueError"),
+    (" \n\t\n", "ValueError"),
+])
+def test_an_exception_is_quoted_as_its_type_and_first_non_blank_line(message, want):
+  """What every log line and start-up error quotes of a library's many-line error."""
+  assert errors.one_line(ValueError(message)) == want
 
 
 def test_user_errors_reports_bad_input_on_one_line_and_keeps_bugs(capsys):

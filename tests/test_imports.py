@@ -123,7 +123,7 @@ def test_the_package_has_no_import_cycle():
 # stage or an earlier one. A new module goes in the stage of what it owns.
 STAGES = (
     # 0: leaf helpers, importable from anywhere
-    ("axes", "files", "masks", "version", "cli", "distributed", "memory", "profiling",
+    ("axes", "errors", "files", "masks", "version", "cli", "distributed", "memory", "profiling",
      "integrity", "checkpoint", "metrics", "sharding"),
     ("config", "attention", "inner", "loss", "model_stats", "scales"),  # 1
     ("data",),  # 2
