@@ -129,11 +129,6 @@ class TrainBatches:
   def seq_len(self) -> int:
     return self.windows.seq_len
 
-  @property
-  def steps_per_epoch(self) -> float:
-    """Steps needed to see every window once (may be fractional)."""
-    return self.num_windows / self.batch_size
-
   def window_indices(self, step: int, process_index: int = 0, process_count: int = 1
                      ) -> np.ndarray:
     """Returns the window indices (int64 ``[batch_size // process_count]``) of this process's
