@@ -150,14 +150,21 @@ class StepProfiler:
 
 # What a device kernel is, by its name (first match wins; the rest is "other": XLA's fusions of
 # element-wise work and reductions). cuBLAS on Hopper names its kernels nvjet_* or *xmma_gemm*;
-# XLA's Triton GEMMs are *gemm_fusion*; cuDNN's flash attention is cudnn_*_sdpa_*.
+# XLA's Triton GEMMs are *gemm_fusion*; cuDNN's flash attention is cudnn_*_sdpa_*; Pallas's
+# attention kernels are mha_* (GPU) and splash_* (TPU).
 KERNEL_KINDS = (
-    ("attention", re.compile(r"cudnn|fmha|sdpa|flash|attention|splash", re.I)),
+    ("attention", re.compile(r"cudnn|mha|sdpa|flash|attention|splash", re.I)),
     ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|matmul|convolution", re.I)),
     ("collective", re.compile(r"nccl|all-reduce|all_reduce|all-gather|all_gather|"
                               r"reduce-scatter|reduce_scatter|all-to-all|collective", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy", re.I)),
 )
+
+
+def kernel_kind(name: str) -> str:
+  """The kind of a device kernel named ``name``: the first of :data:`KERNEL_KINDS` whose
+  pattern it contains (case-insensitive), else ``'other'``."""
+  return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
 
 
 def kernel_summary(trace_dir: str, steps: int, top: int = 10) -> dict:
@@ -235,7 +242,7 @@ def _summary(path: str, steps: int, top: int) -> dict:
   per_name: dict[str, float] = {}
   for e in kernels:
     name = str(e.get("name", ""))
-    kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+    kind = kernel_kind(name)
     per_kind[kind] += e["dur"]
     per_name[name] = per_name.get(name, 0.0) + e["dur"]
   devices = sorted({e.get("pid") for e in kernels}, key=str)

@@ -485,6 +485,29 @@ def _kernel(pid, tid, name, ts, dur):
   return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
 
 
+@pytest.mark.parametrize("name, kind", [
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64", "attention"),
+    ("mha_forward", "attention"),  # Pallas's Triton attention (experiments/attention_kernels.py)
+    ("mha_backward_dkdv", "attention"),
+    ("splash_mha_fwd_no_residuals", "attention"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("gemm_fusion_dot_3", "matmul"),  # XLA's Triton GEMM
+    ("convolution.12", "matmul"),  # a TPU's matmuls are convolutions
+    ("ncclDevKernel_AllGather_RING_LL", "collective"),
+    ("all-reduce.4", "collective"),
+    ("reduce-scatter-start.1", "collective"),
+    ("MemcpyD2D", "copy"),
+    ("copy.7", "copy"),
+    ("loop_multiply_fusion", "other"),
+    ("input_reduce_fusion_2", "other"),
+])
+def test_a_kernel_is_classified_by_its_name(name, kind):
+  from cem_jax import profiling
+
+  assert profiling.kernel_kind(name) == kind
+
+
 def test_the_kernel_summary_sums_a_gpu_trace_by_kind_per_step(tmp_path):
   from cem_jax import profiling
 
