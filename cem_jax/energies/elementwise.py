@@ -122,8 +122,12 @@ def make_gated_energy(potential: str) -> tuple[Callable, Callable]:
     del aux
     pre = jnp.einsum("btd,df->btf", y, params["w"])
     gate = jnp.einsum("btd,df->btf", context, params["g"])
-    hidden = act(pre) * gate * params["eta"].astype(y.dtype)
-    return jnp.einsum("btf,df->btd", hidden, params["w"]).astype(y.dtype)
+    # η scales the [d_model, mlp_dim] readout, not the [batch, seq_len, mlp_dim] hidden
+    # activations: the same product, with its multiply and its gradient's reduction over the
+    # weight instead of every token.
+    wide = jnp.promote_types(params["w"].dtype, jnp.float32)
+    readout = (params["w"].astype(wide) * params["eta"].astype(wide)).astype(params["w"].dtype)
+    return jnp.einsum("btf,df->btd", act(pre) * gate, readout).astype(y.dtype)
 
   energy.__name__ = f"gated_{potential}_energy"
   fused_update.__name__ = f"gated_{potential}_fused_update"

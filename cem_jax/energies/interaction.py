@@ -160,8 +160,12 @@ def fused_update(y: jax.Array, context: jax.Array, params: dict, aux: EnergyAux)
   if aux.rope_theta is not None:
     o = apply_rope(o, aux.positions, aux.rope_theta, inverse=True)
   dt = o.dtype
-  update = jnp.einsum("bthk,dhk->btd", o * eta.astype(dt)[None, None, :, None],
-                      params["w_q"].astype(dt))
+  # η scales the [d_model, heads, head_dim] output weight, not the [batch, seq_len, heads,
+  # head_dim] output: the same product, with its multiply and its gradient's reduction over
+  # the weight instead of every token (rounded once to dt either way).
+  wide = jnp.promote_types(dt, jnp.float32)
+  w_out = (params["w_q"].astype(wide) * eta.astype(wide)[None, :, None]).astype(dt)
+  update = jnp.einsum("bthk,dhk->btd", o, w_out)
   if diag is not None:
     agg = out[..., head_dim : head_dim + y.shape[-1]]  # Σ_j a_ij c_j   [b, t, h, d] (f32)
     if aux.diagonal_form == "distance":  # -y_i, on the rows that see a key (the others: 0)
