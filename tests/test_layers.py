@@ -3,6 +3,7 @@
 import itertools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -57,6 +58,46 @@ def test_cem_block_one_step_equals_tied_llama_block(segments, update_mode):
   y_cem, _ = cem(x, aux)
   y_llama, _ = llama(x, aux)
   assert _rel(y_cem, y_llama) <= 1e-5
+
+
+def _count_primitive(jaxpr, name: str) -> int:
+  """Equations of primitive ``name`` in ``jaxpr`` and every jaxpr nested in its equations."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == name
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += _count_primitive(sub, name)
+  return count
+
+
+# RMSNorms a block's training gradient applies, from the maths (each norm of each point once):
+# T=1 has norm_att(x) (context and query) and norm_mlp(y) (gate and input under
+# mlp_condition='step'; with 'layer' and the joint split both are norm_mlp(x)), as a Llama
+# block has; each later step adds the query's norm_att(y) (under 'coevolve' also its context)
+# and the MLP's norm_mlp(y).
+@pytest.mark.parametrize("overrides, norms", [
+    (dict(block="llama"), 2),
+    (dict(), 2),
+    (dict(update_mode="autodiff"), 2),
+    (dict(split="joint", mlp_condition="layer"), 2),
+    (dict(num_steps=2), 4),
+    (dict(num_steps=2, context="coevolve"), 4),
+])
+def test_a_block_normalises_each_point_once(overrides, norms):
+  """Where two uses see the same point (the attention's context and query at its first
+  step, the MLP's gate and input), the norm is applied once, so the backward pass
+  differentiates it once: two copies cost a CEM layer 2 RMSNorm backward passes over
+  [batch, seq_len, d_model] more than a Llama layer (equal values either way)."""
+  cfg = model_cfg(**overrides)
+  block = (LlamaBlock if cfg.block == "llama" else CEMBlock)(cfg, rngs=nnx.Rngs(0))
+  aux = DecoderLM(cfg, V, rngs=nnx.Rngs(0)).make_aux(None, B, T)
+  graphdef, state = nnx.split(block)
+
+  def loss(state, x):
+    return jnp.sum(nnx.merge(graphdef, state)(x, aux)[0] ** 2)
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, _x()).jaxpr
+  assert _count_primitive(jaxpr, "rsqrt") == norms
 
 
 CAUSAL_CASES = [

@@ -202,26 +202,38 @@ class CEMBlock(nnx.Module):
       mu0 = cfg.momentum_init
       self.momentum = const_param(jnp.asarray(math.log(mu0 / (1.0 - mu0))), ())
 
-  def _view(self, norm, y):
-    return y if self.cfg.norm_mode == "none" else norm(y)
+  def _view(self, norm, y, views: dict | None = None):
+    """``norm(y)`` (``y`` itself with ``model.norm_mode='none'``). With ``views`` (one dict per
+    call of the block) each norm is applied once to each array: where two uses see the same
+    point (the attention's context and query at its first step, the MLP's gate and input with
+    ``mlp_condition='step'``), the backward pass adds their cotangents and differentiates the
+    norm once instead of twice."""
+    if self.cfg.norm_mode == "none":
+      return y
+    if views is None:
+      return norm(y)
+    key = (id(norm), id(y))
+    if key not in views:
+      views[key] = (y, norm(y))  # y held so that its id names this array for the whole call
+    return views[key][1]
 
-  def _step(self, update_fn, norm, precond, y, context, params, aux, step):
+  def _step(self, update_fn, norm, precond, y, context, params, aux, step, views=None):
     """``P(-∇E)`` w.r.t. the normalised variable (prenorm), through the norm (chain) or y."""
     if self.cfg.norm_mode == "chain":
       g, pullback = jax.vjp(norm, y)
       u = pullback(update_fn(g, context, params, aux))[0]
     else:
-      u = update_fn(self._view(norm, y), context, params, aux)
+      u = update_fn(self._view(norm, y, views), context, params, aux)
     return u if precond is None else precond(u, step)
 
-  def _energy(self, spec, norm, y, context, params, aux):
+  def _energy(self, spec, norm, y, context, params, aux, views=None):
     """The energy summed over the real tokens (``aux.real``): without that, padding would
     enter per-token means and make them depend on the batching. Padding positions are
     evaluated at ``y = context = 0`` with no visible key (and seen by none), then what one
     such token contributes is taken off per padding token: 0 for every built-in energy, a
     constant for a user energy that is not 0 there (per-token terms, as the start-up checks
     require)."""
-    view = self._view(norm, y)
+    view = self._view(norm, y, views)
     if aux.real is None:
       return spec.energy(view, context, params, aux)
     real = aux.real
@@ -242,38 +254,42 @@ class CEMBlock(nnx.Module):
     padding = spec.energy(zero, zero.astype(context.dtype), params, alone)
     return spec.energy(view, context, params, aux) - jnp.sum(~real) * padding
 
-  def _att_delta(self, y, context, aux, t, rec, key, at=None, kv=None):
+  def _att_delta(self, y, context, aux, t, rec, key, at=None, kv=None, views=None):
     """The attention sub-step's residual update at ``at`` (default ``y``; Nesterov: the
     look-ahead point); records E_att at ``y`` when ``rec``. ``kv`` (decoding with the
     standard attention): ``{"cache", "index"}``, whose cache is replaced by the updated one."""
     at = y if at is None else at
     if self.att_spec is None:
-      view = self._view(self.norm_att, at)
+      view = self._view(self.norm_att, at, views)
       return self.attn(view, aux) if kv is None else self._cached_attention(view, aux, kv, t)
     params = self.attn.energy_params(t, self.dtype)
     if rec is not None:
-      rec[f"att_{key}"] = self._energy(self.att_spec, self.norm_att, y, context, params, aux)
+      rec[f"att_{key}"] = self._energy(self.att_spec, self.norm_att, y, context, params, aux,
+                                       views)
     return self._step(self.att_update, self.norm_att, self.precond_att, at, context, params,
-                      aux, t)
+                      aux, t, views)
 
-  def _mlp_delta(self, y, gate, aux, t, rec, key, at=None):
+  def _mlp_delta(self, y, gate, aux, t, rec, key, at=None, views=None):
     """The MLP sub-step's residual update at ``at`` (default ``y``), gate input held fixed."""
     at = y if at is None else at
     if self.mlp_spec is None:
-      return self.mlp(self._view(self.norm_mlp, at))
+      return self.mlp(self._view(self.norm_mlp, at, views))
     params = self.mlp.energy_params(t, self.dtype)
     if rec is not None:
-      rec[f"mlp_{key}"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, params, aux)
+      rec[f"mlp_{key}"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, params, aux,
+                                       views)
     return self._step(self.mlp_update, self.norm_mlp, self.precond_mlp, at, gate, params, aux,
-                      t)
+                      t, views)
 
-  def _energy_after(self, y, att_context, gate, aux, t, rec):
+  def _energy_after(self, y, att_context, gate, aux, t, rec, views):
     if self.att_spec is not None and "att_after" not in rec:
       params = self.attn.energy_params(t, self.dtype)
-      rec["att_after"] = self._energy(self.att_spec, self.norm_att, y, att_context, params, aux)
+      rec["att_after"] = self._energy(self.att_spec, self.norm_att, y, att_context, params, aux,
+                                      views)
     if self.mlp_spec is not None and gate is not None:
       params = self.mlp.energy_params(t, self.dtype)
-      rec["mlp_after"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, params, aux)
+      rec["mlp_after"] = self._energy(self.mlp_spec, self.norm_mlp, y, gate, params, aux,
+                                      views)
 
   def _cached_context(self, new, cache, slot, index):
     """Writes the new positions' context into cache slot ``slot``; returns the full context."""
@@ -332,48 +348,49 @@ class CEMBlock(nnx.Module):
       mu = inner.momentum(self.momentum[...])
       v = jnp.zeros_like(x) if velocity is None else velocity.astype(self.dtype)
     y = x
-    att_context = self._view(self.norm_att, x)
+    views = {}  # each norm of each array once in this call (_view)
+    att_context = self._view(self.norm_att, x, views)
     kv = None
     if cache is not None and self.att_spec is None:  # the standard attention: keys and values
       kv = {"cache": cache, "index": index}
     elif cache is not None:  # decoding: x holds the new tokens, the cache every earlier one
       att_context, cache = self._cached_context(att_context, cache, 0, index)
-    layer_gate = self._view(self.norm_mlp, x)
+    layer_gate = self._view(self.norm_mlp, x, views) if cfg.mlp_condition == "layer" else None
     records = []
     for t in range(steps):
       if cfg.context == "coevolve" and t > 0:
-        att_context = self._view(self.norm_att, y)
+        att_context = self._view(self.norm_att, y, views)
         if cache is not None and kv is None:
           att_context, cache = self._cached_context(att_context, cache, t, index)
       rec = {} if trace else None
       if plain and cfg.split == "joint":
-        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y)
-        delta = self._att_delta(y, att_context, aux, t, rec, "before", kv=kv)
-        y = y + delta + self._mlp_delta(y, gate, aux, t, rec, "before")
+        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y, views)
+        delta = self._att_delta(y, att_context, aux, t, rec, "before", kv=kv, views=views)
+        y = y + delta + self._mlp_delta(y, gate, aux, t, rec, "before", views=views)
       elif plain:
-        y = y + self._att_delta(y, att_context, aux, t, rec, "before", kv=kv)
+        y = y + self._att_delta(y, att_context, aux, t, rec, "before", kv=kv, views=views)
         if trace:
-          self._energy_after(y, att_context, None, aux, t, rec)
-        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y)
-        y = y + self._mlp_delta(y, gate, aux, t, rec, "before")
+          self._energy_after(y, att_context, None, aux, t, rec, views)
+        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y, views)
+        y = y + self._mlp_delta(y, gate, aux, t, rec, "before", views=views)
       elif cfg.split == "joint":  # one inner step on E_att + E_mlp, both at the same point
         z = inner.lookahead(y, v, mu, opt, manifold)
-        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, z)
-        delta = self._att_delta(y, att_context, aux, t, rec, "before", at=z, kv=kv)
-        delta = (delta, self._mlp_delta(y, gate, aux, t, rec, "before", at=z))
+        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, z, views)
+        delta = self._att_delta(y, att_context, aux, t, rec, "before", at=z, kv=kv, views=views)
+        delta = (delta, self._mlp_delta(y, gate, aux, t, rec, "before", at=z, views=views))
         y, v = inner.apply(y, v, delta, mu, opt, manifold)
       else:  # Lie–Trotter: each sub-step is one inner step, sharing the velocity
         z = inner.lookahead(y, v, mu, opt, manifold)
-        delta = self._att_delta(y, att_context, aux, t, rec, "before", at=z, kv=kv)
+        delta = self._att_delta(y, att_context, aux, t, rec, "before", at=z, kv=kv, views=views)
         y, v = inner.apply(y, v, delta, mu, opt, manifold)
         if trace:
-          self._energy_after(y, att_context, None, aux, t, rec)
+          self._energy_after(y, att_context, None, aux, t, rec, views)
         z = inner.lookahead(y, v, mu, opt, manifold)
-        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, z)
-        delta = self._mlp_delta(y, gate, aux, t, rec, "before", at=z)
+        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, z, views)
+        delta = self._mlp_delta(y, gate, aux, t, rec, "before", at=z, views=views)
         y, v = inner.apply(y, v, delta, mu, opt, manifold)
       if trace:
-        self._energy_after(y, att_context, gate, aux, t, rec)
+        self._energy_after(y, att_context, gate, aux, t, rec, views)
         records.append(rec)
     if kv is not None:
       cache = kv["cache"]
