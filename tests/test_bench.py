@@ -484,6 +484,36 @@ def test_analytic_flops_of_the_standard_attention_in_a_cem_block_by_hand():
       2 * d * d + 2 * (4 * d * d + 4 * n * d + 6 * d * f)) + 2 * d * vocab
 
 
+def test_analytic_flops_of_coevolve_diagonal_and_an_explicit_head_width_by_hand():
+  """Terms that the XLA comparisons' bands cannot resolve, counted from the model_stats
+  docstring with small integers: a co-evolving context's keys at every step (2d·H·d_h each, not
+  once), the augmented head's width d̃ (d_h + d, + 1 in the distance form: one column in 41),
+  and an explicit model.head_dim with H·d_h ≠ d (each projection is d·H·d_h, not d²; the
+  XLA tests only build H·d_h = d)."""
+  from cem_jax import model_stats
+  from cem_jax.config import get_default_config
+
+  cfg = get_default_config().model
+  cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.mlp_dim = 32, 2, 8, 64
+  cfg.num_layers, cfg.num_steps = 3, 2
+  d, hd, f, n, vocab = 32, 2 * 8, 64, 40, 100  # hd = H·d_h = 16, half of d
+
+  def flops():
+    return model_stats.flops_per_token(cfg, vocab, n)
+
+  cfg.block = "llama"
+  assert flops() == 3 * (8 * d * hd + 6 * d * f + 4 * n * hd) + 2 * d * vocab
+  cfg.block = "cem"
+  step = 4 * d * hd + 6 * d * f  # W_Q y, W_Qᵀ o and the MLP, at each of the T = 2 steps
+  assert flops() == 3 * (2 * d * hd + 2 * (step + 4 * n * hd)) + 2 * d * vocab
+  cfg.context = "coevolve"  # W_K c again at every step
+  assert flops() == 3 * (2 * 2 * d * hd + 2 * (step + 4 * n * hd)) + 2 * d * vocab
+  cfg.context, cfg.diagonal = "fixed", "per_head"
+  for form, width in (("bilinear", 8 + d), ("distance", 8 + d + 1)):
+    cfg.diagonal_form = form  # scores and values over H heads of width d̃
+    assert flops() == 3 * (2 * d * hd + 2 * (step + 4 * n * 2 * width)) + 2 * d * vocab, form
+
+
 @pytest.mark.parametrize("args,error", [
     (["--variants=llama,gpt"], "--variants=gpt; allowed: one or more of llama, "),
     (["--variants=llama,cem_fused,llama"],

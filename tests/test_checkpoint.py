@@ -7,7 +7,9 @@ and is resumed again; every train loss (logged every step) must match. All runs 
 command line, as a user or a scheduler would restart them.
 """
 
+import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -395,10 +397,12 @@ def test_digests_follow_keep(tmp_path):
 
 
 def test_a_synchronous_save_returns_with_the_step_committed_and_a_saved_step_is_kept(tmp_path):
-  ckpt = Checkpointer(str(tmp_path), async_save=False)
+  ckpt = Checkpointer(str(tmp_path), async_save=False, every_steps=2)
   assert ckpt.save(1, _small_state(1.0), {"step": 1}, force=True)
   assert ckpt.verify(1) == []  # committed, and its digest written, before save returned
   assert not ckpt.save(1, _small_state(2.0), {"step": 1}, force=True)  # already saved
+  # Unforced, only multiples of every_steps are saved (the loop offers every step).
+  assert not ckpt.save(3, _small_state(3.0), {"step": 3}) and ckpt.all_steps() == [1]
   state, _ = ckpt.restore(1, _small_state(0.0))
   np.testing.assert_array_equal(state["w"], np.arange(1000.0))
   ckpt.close()
@@ -417,6 +421,11 @@ def test_read_only_reader_skips_damage_and_touches_nothing(tmp_path):
   np.testing.assert_array_equal(state["w"], np.arange(1000.0))
   reader.close()
   assert sorted(p.name for p in tmp_path.iterdir()) == before
+  # Nor does it make a folder that is not there (so it never claims to have made one).
+  missing = Checkpointer(str(tmp_path / "none"), read_only=True)
+  assert missing.restorable_step() is None and not missing.created
+  missing.close()
+  assert not (tmp_path / "none").exists()
 
 
 def test_a_reader_closed_after_the_run_saved_on_keeps_the_newer_steps_digests(tmp_path):
@@ -470,6 +479,15 @@ def test_optimizer_state_round_trips_to_optax_types(tmp_path):
   grads = jax.tree.map(jnp.ones_like, restored["params"])
   tx.update(grads, restored["opt_state"], restored["params"])  # usable as is
   ckpt.close()
+
+
+def test_a_listing_shows_six_names_and_counts_the_rest():
+  # The mismatch message lists at most six keys of each kind: the count says how many more.
+  from cem_jax.checkpoint import _listing
+
+  names = [f"k{i}" for i in range(9)]
+  assert _listing(names[:6]) == "k0, k1, k2, k3, k4, k5"
+  assert _listing(names) == "k0, k1, k2, k3, k4, k5 (+3 more)"
 
 
 def test_mismatch_names_the_keys(tmp_path):
@@ -634,8 +652,14 @@ def test_verify_reads_a_digest_file_by_file_and_names_each_problem(tmp_path):
   (folder / "empty").write_bytes(b"")
   (folder / "state" / "data").write_bytes(b"0123456789")
   (folder / integrity.COMMIT_MARKER).write_text("done")
+  (folder / "_CHECKPOINT_METADATA").write_text("{}")  # rewritten by the commit: not digested
+  # Only the step's own two are left out: an item's commit marker is its data like any other.
+  (folder / "state" / integrity.COMMIT_MARKER).write_text("item")
   files = integrity.compute_digest(str(folder))
-  assert sorted(files) == ["empty", "state/data"] and files["empty"]["size"] == 0
+  assert files == {
+      "empty": {"size": 0, "sha256": hashlib.sha256(b"").hexdigest()},
+      "state/commit_success.txt": {"size": 4, "sha256": hashlib.sha256(b"item").hexdigest()},
+      "state/data": {"size": 10, "sha256": hashlib.sha256(b"0123456789").hexdigest()}}
 
   def digest(entries):
     (tmp_path / integrity.DIGEST_DIR).mkdir(exist_ok=True)
@@ -649,3 +673,110 @@ def test_verify_reads_a_digest_file_by_file_and_names_each_problem(tmp_path):
   assert problem.endswith("damaged digest ('../x' is outside the step folder)")
   (problem,) = digest({"empty": {**files["empty"], "sha256": "ab" * 31}})
   assert problem.endswith("damaged digest ('empty' has no valid 'sha256' (64 hex digits))")
+  # Every other malformed entry is named too, never a crash nor a pass: a digest naming a file
+  # outside the step (here one that would match) checks nothing of the step.
+  digest_file = tmp_path / integrity.DIGEST_DIR / "5.json"
+  (tmp_path / "outside").write_bytes(b"")
+  for entries, damage in [
+      ({str(tmp_path / "outside"): files["empty"]}, f"'{tmp_path / 'outside'}' is outside the "
+                                                     "step folder"),
+      ({"empty": {**files["empty"], "size": True}}, "'empty' has no valid 'size' (an int >= 0)"),
+      ({"empty": {**files["empty"], "size": -1}}, "'empty' has no valid 'size' (an int >= 0)"),
+      ({"empty": "0 bytes"}, "'empty' has \"0 bytes\", not an object")]:
+    assert digest(entries) == [f"{digest_file}: damaged digest ({damage})"]
+  for text, error in [("{", "JSONDecodeError"), ("{}", "KeyError"), ("[]", "TypeError")]:
+    digest_file.write_text(text)
+    assert integrity.verify(str(tmp_path), 5) == [f"{digest_file}: unreadable ({error})"]
+  digest_file.unlink()
+  assert integrity.verify(str(tmp_path), 5) == [
+      f"{digest_file}: missing (the save did not finish)"]
+  # Each file's problem, in the digest's order: a lost file, a shorter one (its size says it
+  # before its sha256 is read).
+  (folder / "state" / "data").write_bytes(b"0123456789")
+  assert digest(files) == []
+  (folder / "empty").unlink()
+  (folder / "state" / "data").write_bytes(b"012345678")
+  assert integrity.verify(str(tmp_path), 5) == [
+      f"{folder}/empty: missing", f"{folder}/state/data: 9 bytes, digest says 10 (truncated)"]
+  assert integrity.verify(str(tmp_path), 6) == [f"{tmp_path / '6'}: no such folder"]
+  (tmp_path / "6").mkdir()
+  assert integrity.verify(str(tmp_path), 6) == [f"{tmp_path / '6'}: empty folder"]
+
+
+def _hand_made_step(directory: Path, step: int) -> None:
+  """A committed step as integrity sees one (a file, the commit marker, its digest), without
+  Orbax: fast."""
+  from cem_jax import integrity
+
+  (directory / str(step) / "state").mkdir(parents=True)
+  (directory / str(step) / "state" / "data").write_bytes(b"0123456789")
+  (directory / str(step) / integrity.COMMIT_MARKER).write_text("done")
+  integrity.write_digest(str(directory), step)
+
+
+def test_write_digest_hashes_the_newest_temporary_folder_of_its_step(tmp_path):
+  # Before Orbax commits, the step is in a temporary folder, and a killed save of the same
+  # step can have left an older one beside it: the newest (by time, not name) is the save
+  # being finalized. The run's folder may hold glob's metacharacters.
+  from cem_jax import integrity
+
+  directory = tmp_path / "run[1]"
+  older, newer = (directory / f"3{integrity._TMP_SUFFIX}-{n}" for n in (1, 0))
+  for folder, data, mtime in ((older, b"killed", 1_000), (newer, b"final", 2_000)):
+    folder.mkdir(parents=True)
+    (folder / "x").write_bytes(data)
+    os.utime(folder, (mtime, mtime))
+  integrity.write_digest(str(directory), 3)
+  written = json.loads((directory / integrity.DIGEST_DIR / "3.json").read_text())
+  assert written["files"] == {"x": {"size": 5, "sha256": hashlib.sha256(b"final").hexdigest()}}
+  # Where the commit is a marker file there is no temporary folder: the step's own is hashed.
+  _hand_made_step(directory, 4)
+  written = json.loads((directory / integrity.DIGEST_DIR / "4.json").read_text())
+  assert written["files"] == {
+      "state/data": {"size": 10, "sha256": hashlib.sha256(b"0123456789").hexdigest()}}
+
+
+def test_newest_intact_moves_every_newer_damaged_step_and_names_each_first_problem(
+    tmp_path, monkeypatch):
+  # Every damaged step newer than the one restored is moved aside, not only the newest: one
+  # left would be found damaged again at each resume, and its step number never saved again.
+  from jax.experimental import multihost_utils
+
+  from cem_jax import integrity
+
+  for step in (1, 2, 3):
+    _hand_made_step(tmp_path, step)
+  for step in (1, 2, 3):
+    (tmp_path / str(step) / "state" / "data").write_bytes(b"damaged")
+  (tmp_path / "3" / integrity.COMMIT_MARKER).unlink()
+  with pytest.raises(CheckpointError) as e:
+    integrity.newest_intact(str(tmp_path), [1, 2, 3], read_only=False)
+  assert str(e.value).startswith(  # each step's first problem, newest first
+      f"{tmp_path}: no intact checkpoint (step 3: {tmp_path / '3'}/commit_success.txt: "
+      f"missing (the save did not finish); step 2: {tmp_path / '2'}/state/data: 7 bytes, ")
+  (tmp_path / "1" / "state" / "data").write_bytes(b"0123456789")
+  assert integrity.newest_intact(str(tmp_path), [3, 1, 2], read_only=False) == 1
+  assert sorted(os.listdir(tmp_path)) == ["1", "digests", "rejected"]
+  assert os.listdir(tmp_path / "digests") == ["1.json"]
+  assert sorted(p.split(".")[0] for p in os.listdir(tmp_path / "rejected")) == [
+      "2", "2", "3", "3"]  # the steps and their digests
+  assert integrity.newest_intact(str(tmp_path / "none"), [], read_only=False) is None
+  # With several processes: "no step" reaches the others as None, and process 0 joins the
+  # collective even when it fails (the others wait in it), then raises its own error.
+  sent = []
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all",
+                      lambda x: sent.append(int(x)) or -1)
+  assert integrity.newest_intact(str(tmp_path / "none"), [], read_only=False) is None
+
+  def cannot_move(directory, steps):
+    raise OSError("read-only file system")
+
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  monkeypatch.setattr(integrity, "move_aside", cannot_move)
+  _hand_made_step(tmp_path, 2)
+  (tmp_path / "2" / "state" / "data").write_bytes(b"damaged")
+  with pytest.raises(OSError, match="read-only file system"):
+    integrity.newest_intact(str(tmp_path), [1, 2], read_only=False)
+  assert sent == [-1, -2]

@@ -1,5 +1,7 @@
 """files.py: the one atomic write (a reader sees the old file or the new one, nothing else)."""
 
+import errno
+import hashlib
 import os
 
 import pytest
@@ -29,6 +31,48 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_nothing(tmp_path, monkeypa
   assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["a.bin"]
 
 
+def test_the_data_is_on_disk_before_the_rename(tmp_path, monkeypatch):
+  # Renamed before its data is flushed, a power cut can leave the new name on an empty or
+  # partial file (the rename is journaled, the data not yet written): what atomic writes
+  # exist to rule out. The fsync must reach the temporary file, then the rename.
+  events = []
+  real_fsync, real_replace = os.fsync, os.replace
+
+  def fsync(fd):
+    events.append(("fsync", os.fstat(fd).st_ino))
+    real_fsync(fd)
+
+  def replace(src, dst):
+    events.append(("replace", os.stat(src).st_ino, os.fspath(dst)))
+    real_replace(src, dst)
+
+  monkeypatch.setattr(files.os, "fsync", fsync)
+  monkeypatch.setattr(files.os, "replace", replace)
+  files.atomic_write_bytes(tmp_path / "a.bin", b"data")
+  inode = (tmp_path / "a.bin").stat().st_ino
+  assert events == [("fsync", inode), ("replace", inode, os.fspath(tmp_path / "a.bin"))]
+
+
+def test_a_file_that_cannot_be_opened_is_reported_as_itself(tmp_path, monkeypatch):
+  # The clean-up of a temporary file never created must not replace the error that stopped
+  # it (a PermissionError said as FileNotFoundError of a name the user never gave). A
+  # read-only folder refuses nothing to root, as tests may run: the open refuses here.
+  def refuse(name, mode="r", *args, **kwargs):
+    raise PermissionError(errno.EACCES, "Permission denied", name)
+
+  monkeypatch.setattr(files, "open", refuse, raising=False)
+  with pytest.raises(PermissionError):
+    files.atomic_write_bytes(tmp_path / "a.bin", b"x")
+  assert os.listdir(tmp_path) == []
+
+
+def test_text_is_utf8_and_a_relative_path_is_in_the_working_directory(tmp_path, monkeypatch):
+  # A bare file name has no folder part: its folder is the working directory, not "".
+  monkeypatch.chdir(tmp_path)
+  files.atomic_write_text("a.txt", "caf\u00e9 \u2713")
+  assert (tmp_path / "a.txt").read_bytes() == "caf\u00e9 \u2713".encode("utf-8")
+
+
 def test_a_missing_folder_is_an_error_not_created(tmp_path):
   # Each error names the path asked for (not the temporary file beside it).
   target = tmp_path / "no" / "a.bin"
@@ -48,6 +92,8 @@ def test_temporary_of_recognises_the_temporaries_of_both_writers(tmp_path, monke
   real_replace = os.replace
 
   def replace(src, dst):
+    # Beside its target: a rename across file systems is a copy, not atomic.
+    assert os.path.dirname(src) == os.path.dirname(os.fspath(dst)), (src, dst)
     made.append(os.path.basename(src))
     real_replace(src, dst)
 
@@ -62,7 +108,8 @@ def test_temporary_of_recognises_the_temporaries_of_both_writers(tmp_path, monke
   assert (tmp_path / "c.bin").read_bytes() == b"by name"
   assert files.temporary_of(tmp_path / made[0]) == "a.json"
   for name in ["a.json", "a.json.tmp", "a.json.12.0123456789ab.tmp.bak",
-               "a.json.x.0123456789ab.tmp", "a.json.12.0123456789.tmp", ".12.0123456789ab.tmp"]:
+               "a.json.x.0123456789ab.tmp", "a.json.12.0123456789.tmp", ".12.0123456789ab.tmp",
+               "a.json..0123456789ab.tmp"]:
     assert files.temporary_of(name) is None, name
   assert (tmp_path / "b.txt").read_bytes() == b"streamed"
 
@@ -91,8 +138,6 @@ def test_atomic_writer_keeps_the_old_file_on_an_exception(tmp_path):
 
 
 def test_sha256_file_is_the_digest_of_the_whole_file(tmp_path):
-  import hashlib
-
   data = os.urandom(3 * (1 << 20) + 17)  # more than one block, the last one partial
   (tmp_path / "f").write_bytes(data)
   assert files.sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
@@ -108,11 +153,14 @@ def test_atomic_save_figure_writes_the_extension_format_or_nothing(tmp_path):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots()
+  fig, ax = plt.subplots(figsize=(2, 1))
   ax.plot([0, 1], [1, 0])
-  files.atomic_save_figure(fig, tmp_path / "a.png")
+  files.atomic_save_figure(fig, tmp_path / "a.png", dpi=50)
   files.atomic_save_figure(fig, tmp_path / "a.svg")
-  assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  png = (tmp_path / "a.png").read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n"
+  # The dpi asked for: 2 x 1 inches at 50 dots per inch (IHDR's width and height).
+  assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (100, 50)
   assert b"<svg" in (tmp_path / "a.svg").read_bytes()[:500]
   with pytest.raises(ValueError):
     files.atomic_save_figure(fig, tmp_path / "a.nosuchformat")

@@ -428,6 +428,13 @@ def test_the_peak_is_that_of_every_device_and_unknown_if_any_is_unknown(monkeypa
                       (("TPU v6 lite", "TPU v6e"), 918e12)):
     for kind in kinds:
       assert model_stats.peak_flops(types.SimpleNamespace(device_kind=kind)) == peak, kind
+  # Every other listed kind against its data sheet's dense bf16 figure, so that none is the
+  # sparse one or missing (a missing kind silently leaves MFU empty): H100 SXM 989 TFLOP/s
+  # (1979 with 2:4 sparsity), A100 312 at either memory size, TPU v4 275.
+  for kind, peak in (("NVIDIA H100", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
+                     ("NVIDIA A100-SXM4-40GB", 312e12), ("TPU v4", 275e12)):
+    assert model_stats.peak_flops(types.SimpleNamespace(device_kind=kind)) == peak, kind
+  assert model_stats.peak_flops([]) is None  # no devices: no peak, not 0 FLOP/s
 
 
 def test_metrics_jsonl_on_a_fresh_start_and_on_resume(tmp_path, monkeypatch):

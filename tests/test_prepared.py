@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sentencepiece as spm
-from conftest import closed_port, fake_catalog
+from conftest import closed_port, fake_catalog, tiny_config
 
 from cem_jax import files
 from cem_jax.config import get_default_config
@@ -900,6 +900,50 @@ def test_prepare_cli_validates_the_config_first_and_writes_nothing(override, mes
   assert sorted(p.name for p in tmp_path.iterdir()) == before  # no --out folder, nothing else
 
 
+def test_prepare_main_refuses_its_own_flags_and_passes_workers_on(tmp_path, monkeypatch, capsys):
+  # prepare's own checks and output, in this process (each program started above costs
+  # seconds). Importing cem_jax.prepare defines its flags; their values are stand-ins here.
+  import types
+
+  from absl import app
+  from absl import logging as absl_logging
+
+  from cem_jax import cli
+  from cem_jax import prepare as prepare_cli
+
+  config, out, given = tiny_config("llama"), tmp_path / "p", []
+  monkeypatch.setattr(cli, "load_config", lambda: config)
+  monkeypatch.setattr(cli, "quiet_libraries", lambda: None)
+  monkeypatch.setattr(absl_logging, "set_verbosity", lambda level: None)
+  monkeypatch.setattr(prepare_cli, "_OUT", types.SimpleNamespace(value=out))
+  monkeypatch.setattr(shard_writer, "prepare",
+                      lambda data, path, workers=None: (given.append(workers), path)[1])
+  monkeypatch.setattr(prepared.PreparedData, "open_manifest", lambda path, verify=True: {
+      "splits": {"train": {"documents": 2, "bytes": 10, "tokens": 5, "shards": ["a", "b"]}}})
+
+  def run(n, *args):
+    monkeypatch.setattr(prepare_cli, "_WORKERS", types.SimpleNamespace(value=n))
+    prepare_cli.main(["prepare", *args])
+
+  with pytest.raises(app.UsageError, match="^unexpected arguments: extra$"):
+    run(None, "extra")
+  for n, prepared_dir, error in [
+      (0, "", "--workers=0; allowed: an int >= 1"),
+      (None, str(tmp_path), f"data.prepared_dir={str(tmp_path)!r}: prepare writes to --out; "
+                            "leave data.prepared_dir unset here")]:
+    config.data.prepared_dir = prepared_dir
+    with pytest.raises(SystemExit) as e:
+      run(n)
+    assert (e.value.code, capsys.readouterr().err) == (1, f"error: {error}\n")
+  config.data.prepared_dir = ""
+  assert given == []  # nothing prepared for a refused command line
+  run(2)
+  assert given == [2]  # --workers reaches the encoder
+  assert capsys.readouterr().out == (
+      "train: 2 documents, 10 bytes of text, 5 tokens in 2 shards\n"
+      f"prepared {out}; train with --config.data.prepared_dir={out}\n")
+
+
 def test_the_open_files_limit_is_raised_for_the_shards_or_the_hard_limit_named(monkeypatch):
   # Every shard's reader stays open: past ~1,000 shards (~17 GB of text) a soft limit of 1024
   # made the data unreadable, reported as damage.
@@ -936,6 +980,23 @@ def test_processes_other_than_0_open_the_data_process_0_verified_by_sizes(monkey
     monkeypatch.setattr(jax, "process_index", lambda i=index: i)
     workdir.build_data_once(None, "w")
   assert seen == [True, False]
+  # Process 0 failing still joins the collective (the others wait in it) and raises its own
+  # error; the others, told so, stop instead of building the data themselves.
+  sent = []
+
+  def cannot_build(config, workdir, verify=True):
+    raise OSError(f"process {jax.process_index()} built the data")
+
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all",
+                      lambda x: sent.append(int(x)) or 0)
+  monkeypatch.setattr(data_lib, "build_data", cannot_build)
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  with pytest.raises(OSError, match="^process 0 built the data$"):
+    workdir.build_data_once(None, "w")
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  with pytest.raises(ValueError, match="^process 0 could not build the data"):
+    workdir.build_data_once(None, "w")
+  assert sent == [0, 1]
 
 
 def test_prepare_rebuilds_a_shard_damaged_in_place(tmp_path):

@@ -3,6 +3,7 @@
 import csv
 import hashlib
 import json
+import math
 import os
 
 import numpy as np
@@ -24,8 +25,12 @@ def _counts(table, row):
 def test_every_row_builds_at_tiny_scale(table):
   module = tables.load_table(table)
   for row in module.ROWS:
-    counts = tables.parameter_counts(tables.row_config(module, row, "tiny", 0))
+    cfg = tables.row_config(module, row, "tiny", 0)
+    counts = tables.parameter_counts(cfg)
     assert counts["params"] > counts["non_embedding_params"] > 0, row
+    # docs/DESIGN_SPACE.md: the paper tables turn the energy trace off, except design, whose
+    # diagnostic rows read it.
+    assert cfg.eval.energy_trace == (table == "design"), row
 
 
 def test_attention_table_parameter_counts():
@@ -133,6 +138,33 @@ def test_a_table_config_without_a_scale_is_the_tiny_scale():
   assert module.get_config("t1").to_dict() == module.get_config("t1,tiny").to_dict()
   assert (module.get_config("t1").model.d_model, module.get_config("t1").train.batch_size) == (
       D, 16)
+
+
+def test_a_table_arg_names_the_allowed_rows_and_scales():
+  """A typo in ``--config=experiments/paper/TABLE.py:ROW,SCALE`` is one line naming what is
+  allowed, not a KeyError from inside the table file."""
+  from cem_jax import scales
+
+  rows = {"t1": None, "t2": None}
+  assert scales.parse_arg("t2", rows, "design") == ("t2", "tiny")
+  assert scales.parse_arg("t1,gpu", rows, "design") == ("t1", "gpu")
+  with pytest.raises(ValueError, match=r"^experiments/paper/design\.py:t3; allowed rows: "
+                     r"t1, t2$"):
+    scales.parse_arg("t3,gpu", rows, "design")
+  with pytest.raises(ValueError, match=r"^experiments/paper/design\.py:t1,huge; allowed "
+                     r"scales: tiny, gpu, small, paper$"):
+    scales.parse_arg("t1,huge", rows, "design")
+
+
+def test_the_matched_llama_width_is_the_nearest_one_and_at_least_one():
+  """4d² + 3d·f' = target solved by hand at d = 2 (4d² = 16, 3d = 6). The tables' own sizes
+  solve exactly, so only off-grid targets tell the nearest width from a floor or a ceiling."""
+  from cem_jax.scales import matched_llama_mlp_dim
+
+  assert matched_llama_mlp_dim(2, 16 + 6 * 5) == 5
+  assert matched_llama_mlp_dim(2, 16 + 6 * 5 + 2) == 5  # f' = 5.33 (a ceiling says 6)
+  assert matched_llama_mlp_dim(2, 16 + 6 * 5 + 4) == 6  # f' = 5.67 (a floor says 5)
+  assert matched_llama_mlp_dim(2, 10) == 1  # under the attention's 16: no negative width
 
 
 def test_design_diagnostic_rows_change_what_they_say():
@@ -302,6 +334,14 @@ def test_a_damaged_result_is_a_clear_error_not_a_crash(tmp_path, shared_data):
   bad.write_text('{"row": "llama", "eval/lo')  # cut short by hand
   with pytest.raises(ValueError, match=r"seed0/result.json is not valid JSON .*delete it"):
     tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"))
+  # Valid JSON without a result's keys (say, written by another tool): named, not a KeyError.
+  bad.write_text('{"row": "llama", "seed": 0, "eval/loss": 3.0}')
+  with pytest.raises(ValueError, match=r"seed0/result.json lacks eval/bits_per_byte, "
+                     r"tokens_per_sec, config_digest; delete it"):
+    tables._read_result(str(bad))
+  bad.write_text("[]")
+  with pytest.raises(ValueError, match=r"seed0/result.json lacks all; delete it"):
+    tables._read_result(str(bad))
 
 
 def test_a_result_from_another_config_is_not_reused_silently(tmp_path, shared_data):
@@ -488,23 +528,61 @@ def test_the_statistics_of_a_row_and_its_curve_against_numpy(tmp_path):
     for seed in range(3):
       results.append({"row": row, "seed": seed, "eval/loss": float(loss[row][seed]),
                       "eval/bits_per_byte": float(bpb[row][seed]),
-                      "tokens_per_sec": 10.0 * (seed + 1)})
+                      "tokens_per_sec": 10.0 * (seed + 1) ** 2})  # mean 46.7, median 40
       out = tables.run_dir(workdir, "toy", row, seed)
       os.makedirs(out)
       with open(os.path.join(out, "metrics.jsonl"), "w") as f:
-        for step, value in ((5, 4.0 + seed), (10, float(loss[row][seed]))):
+        # step 15: seed 0 diverged (a null loss), the curve is the mean of the others
+        for step, value in ((5, 4.0 + seed), (10, float(loss[row][seed])),
+                            (15, 3.0 + seed if seed else None)):
           f.write(json.dumps({"step": step, "eval/loss": value}) + "\n")
   rows = {r["row"]: r for r in tables.aggregate(module, "tiny", results)}
   delta = loss["cem"] - loss["llama"]
   want = {"eval_loss_mean": loss["cem"].mean(), "eval_loss_std": loss["cem"].std(ddof=1),
           "delta_loss_mean": delta.mean(), "delta_loss_std": delta.std(ddof=1),
           "perplexity": np.exp(loss["cem"].mean()), "bits_per_byte_mean": bpb["cem"].mean(),
-          "bits_per_byte_std": bpb["cem"].std(ddof=1), "tokens_per_sec": 20.0, "seeds": 3}
+          "bits_per_byte_std": bpb["cem"].std(ddof=1), "tokens_per_sec": 140 / 3, "seeds": 3}
   np.testing.assert_allclose([rows["cem"][k] for k in want], list(want.values()), rtol=1e-12)
   assert rows["llama"]["delta_loss_mean"] == rows["llama"]["delta_loss_std"] == 0.0
   curves = tables.eval_curves(workdir, "toy", module, 3)
-  np.testing.assert_allclose(np.array(curves["cem"]), [[5, 5.0], [10, loss["cem"].mean()]],
-                             rtol=1e-12)
+  np.testing.assert_allclose(np.array(curves["cem"]),
+                             [[5, 5.0], [10, loss["cem"].mean()], [15, 4.5]], rtol=1e-12)
+
+
+def _result(row: str, seed: int, loss: float) -> dict:
+  return {"row": row, "seed": seed, "eval/loss": loss, "eval/bits_per_byte": 1.0,
+          "tokens_per_sec": 1.0}
+
+
+def test_a_rows_delta_pairs_only_the_seeds_the_baseline_has(tmp_path):
+  # aggregate's docstring: the paired Δ is over the seeds both rows have. A seed the baseline
+  # lacks is left out (not a KeyError); a row sharing none has no Δ (nan), not a made-up 0.
+  toy = tmp_path / "toy.py"
+  toy.write_text(TOY.replace("FILES", "''"))
+  module = tables.load_table(str(toy))
+  rows = tables.aggregate(module, "tiny", [_result("llama", 0, 3.0), _result("cem", 0, 2.5),
+                                           _result("cem", 1, 1.0)])
+  assert [(r["row"], r["delta_loss_mean"], r["delta_loss_std"], r["seeds"]) for r in rows] == [
+      ("llama", 0.0, 0.0, 1), ("cem", -0.5, 0.0, 2)]
+  _, cem = tables.aggregate(module, "tiny", [_result("llama", 1, 3.0), _result("cem", 0, 2.5)])
+  assert math.isnan(cem["delta_loss_mean"]) and cem["delta_loss_std"] == 0.0
+
+
+def test_the_markdown_rows_units_signs_and_spreads_by_hand(tmp_path):
+  # The committed TABLE.md figures: parameters in millions (10⁶, not 2²⁰), FLOPs in GFLOP
+  # (10⁹), the paired Δ with its sign, "± std" only over several seeds, whole tokens/s.
+  two = {"row": "cem", "params": 1_234_567, "non_embedding_params": 1_000_000,
+         "attention_params": 250_000, "mlp_params": 500_000, "flops_per_token": 2.5e8,
+         "eval_loss_mean": 3.0, "eval_loss_std": 0.1, "delta_loss_mean": -0.05,
+         "delta_loss_std": 0.02, "perplexity": 20.0855, "bits_per_byte_mean": 1.5,
+         "bits_per_byte_std": 0.03, "tokens_per_sec": 1234.4, "seeds": 2}
+  one = {**two, "row": "one", "delta_loss_mean": 0.05, "seeds": 1}
+  paths = tables.write_outputs(str(tmp_path), "t", [two, one], {"cem": [(1, 3.0)]}, "header")
+  assert open(paths[0]).read().splitlines()[4:] == [
+      "| cem | 1.235M | 1.000M | 0.250M | 0.500M | 0.2500 | 3.0000 ± 0.1000 | -0.0500 ± 0.0200 "
+      "| 20.09 | 1.5000 ± 0.0300 | 1234 |",
+      "| one | 1.235M | 1.000M | 0.250M | 0.500M | 0.2500 | 3.0000 | +0.0500 | 20.09 | 1.5000 "
+      "| 1234 |"]
 
 
 def test_a_rows_rate_leaves_out_the_first_log(tmp_path, shared_data, monkeypatch):
@@ -513,15 +591,17 @@ def test_a_rows_rate_leaves_out_the_first_log(tmp_path, shared_data, monkeypatch
   def trained(cfg, out):  # the first log's rate is the warm-up: left out of the median
     os.makedirs(out, exist_ok=True)
     final = {"eval/loss": 3.0, "eval/bits_per_byte": 1.5}
+    # cem logs once (say --steps below train.log_every_steps): that rate is all there is
+    logs = {"llama": ((1, 1.0), (2, 100.0), (3, 90.0)), "cem": ((3, 50.0),)}
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
-      for step, rate in ((1, 1.0), (2, 100.0), (3, 90.0)):
+      for step, rate in logs[cfg.model.block]:
         f.write(json.dumps({"step": step, "train/tokens_per_sec": rate}) + "\n")
       f.write(json.dumps({"step": cfg.train.num_steps, **final}) + "\n")
     return final
 
   monkeypatch.setattr(tables.train, "train_and_evaluate", trained)
-  (result,) = tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"), rows=["llama"])
-  assert result["tokens_per_sec"] == 95.0
+  results = tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"))
+  assert [r["tokens_per_sec"] for r in results] == [95.0, 50.0]
 
 
 def test_row_config_saves_a_set_energy_file_absolute(tmp_path, monkeypatch):
@@ -557,6 +637,12 @@ def test_a_run_predating_a_key_counts_only_with_that_key_at_its_default(tmp_path
   assert tables._same_config(str(tmp_path), tiny_config("llama"))
   assert not tables._same_config(
       str(tmp_path), tiny_config("llama", **{"train.min_learning_rate_ratio": 0.5}))
+  # A key the run had and the defaults no longer have (an option since removed): what it chose
+  # cannot be told to be today's behaviour, so the run does not count.
+  saved = tiny_config("llama").to_dict()
+  saved["train"]["removed_option"] = 1
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  assert not tables._same_config(str(tmp_path), tiny_config("llama"))
 
 
 def test_a_diverged_run_or_damaged_curve_is_one_line_from_the_command(tmp_path, monkeypatch,
@@ -593,3 +679,30 @@ def test_a_diverged_run_or_damaged_curve_is_one_line_from_the_command(tmp_path, 
   with pytest.raises(SystemExit):
     tables.main([])
   assert capsys.readouterr().err == "error: seed0/metrics.jsonl:2 is not valid JSON\n"
+
+
+def test_bad_seeds_steps_or_workdir_are_refused_before_any_run(tmp_path, monkeypatch, capsys):
+  # One line naming the flag and exit status 1 before anything trains (a --seeds=0 table would
+  # be empty; a file as --workdir would end in a bare OS error): tables.main, stand-in flags.
+  from absl import flags
+
+  (tmp_path / "file").write_text("")
+  monkeypatch.setattr(tables, "run_table", lambda *args: pytest.fail("a run started"))
+  for name, value, error in (
+      ("seeds", 0, "--seeds=0; allowed: an integer >= 1"),
+      ("steps", 0, "--steps=0; allowed: an integer >= 1 (or leave it out)"),
+      ("workdir", str(tmp_path / "file"),
+       f"--workdir={tmp_path / 'file'} is a file; give a folder (created if missing)")):
+    fv = flags.FlagValues()
+    for flag, default in (("table", "design"), ("scale", "tiny"), ("rows", None),
+                          ("workdir", str(tmp_path / "out"))):
+      flags.DEFINE_string(flag, default, "", flag_values=fv)
+    flags.DEFINE_integer("seeds", 1, "", flag_values=fv)
+    flags.DEFINE_integer("steps", None, "", flag_values=fv)
+    flags.DEFINE_multi_string("set", [], "", flag_values=fv)
+    fv(["tables"])
+    fv[name].value = value
+    monkeypatch.setattr(flags, "FLAGS", fv)
+    with pytest.raises(SystemExit) as e:
+      tables.main([])
+    assert (e.value.code, capsys.readouterr().err) == (1, f"error: {error}\n"), name

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -66,6 +67,8 @@ def test_inspect_cli_prints_the_summary():
   proc = subprocess.run([sys.executable, "-m", "cem_jax.inspect", "--help"], capture_output=True,
                         text=True, timeout=300)
   assert "--config: Experiment config file" in proc.stdout, proc.stdout[-2000:]
+  # ... and its description is summary's (run as the main module), not the shim's docstring.
+  assert proc.stdout.startswith("Model summary without training: "), proc.stdout[:500]
   assert "--vocab_size: Vocabulary size" in proc.stdout
   assert "--num_devices: Lay the mesh out" in proc.stdout
 
@@ -295,12 +298,29 @@ def test_the_loss_plot_of_a_run_whose_last_eval_is_not_finite_or_that_has_only_e
   assert plot.plot_run(str(tmp_path)) == [str(tmp_path / "plots" / "loss.png")]
   labels = [t.get_text() for t in figures[-1].axes[0].get_legend().get_texts()]
   assert labels == ["eval (last: not finite)"]
+  assert [list(line.get_ydata()) for line in figures[-1].axes[0].lines] == [[2.5]]  # no null
   write_metrics(tmp_path, [{"step": 10, "eval/loss": 2.5}])
   assert plot.plot_run(str(tmp_path)) == [str(tmp_path / "plots" / "loss.png")]
   write_metrics(tmp_path, [{"step": 10, "train/loss": None}, {"step": 10, "eval/loss": None}])
   with pytest.raises(ValueError, match=r"every loss in metrics.jsonl is null \(not finite"):
     plot.plot_run(str(tmp_path))
   assert [list(line.get_ydata()) for line in figures[-1].axes[0].lines] == [[2.5]]
+  # A null train loss is a gap in the train curve too.
+  write_metrics(tmp_path, [{"step": 5, "train/loss": 3.0}, {"step": 6, "train/loss": None},
+                           {"step": 10, "eval/loss": 2.5}])
+  plot.plot_run(str(tmp_path))
+  assert [list(line.get_ydata()) for line in figures[-1].axes[0].lines] == [[3.0], [2.5]]
+
+
+def test_plot_refuses_a_folder_without_metrics_or_without_losses(tmp_path):
+  # The one-line errors of plot_run's docstring, naming the fix, not a bare OSError or the
+  # "every loss is null" message of a run that diverged.
+  with pytest.raises(FileNotFoundError, match=r"no metrics\.jsonl \(train there first\)$"):
+    plot.plot_run(str(tmp_path))
+  write_metrics(tmp_path, [{"step": 0, "params/total": 7}])
+  with pytest.raises(ValueError, match=r"metrics\.jsonl has no losses yet \(the first is logged "
+                     r"after train\.log_every_steps steps\)$"):
+    plot.plot_run(str(tmp_path))
 
 
 def test_the_energy_plot_joins_each_steps_end_to_the_next_steps_start(monkeypatch):
@@ -316,6 +336,8 @@ def test_the_energy_plot_joins_each_steps_end_to_the_next_steps_start(monkeypatc
       "t=1 before", "t=1 after", "t=2 before", "t=2 after"]
   assert [(list(line.get_xdata()), list(line.get_ydata())) for line in mlp.lines] == [
       ([0, 1], [1.0, 0.5])]
+  # A layer is one colour, its dotted jumps too: the jump belongs to the layer it leaves.
+  assert len({line.get_color() for line in att.lines}) == 1
 
 
 def test_the_test_time_report_holds_every_row_as_given(tmp_path):
@@ -389,6 +411,14 @@ def test_preparing_a_workdir_says_whether_it_made_it_and_leaves_nothing_in_it(tm
   with pytest.raises(ValueError, match=r"^--workdir='.*x\\udcffy' is not a UTF-8 path; "):
     prepare_workdir(bad)
   assert sorted(os.listdir(tmp_path)) == ["w"]
+  # A path through a file: the message names the folder that could not be made, and why.
+  (tmp_path / "a_file").write_text("x")
+  nested = tmp_path / "a_file" / "w" / "sub"
+  with pytest.raises(ValueError) as e:
+    prepare_workdir(str(nested))
+  assert str(e.value) == (
+      f"--workdir='{nested}' is not a writable folder (Not a directory: "
+      f"{tmp_path / 'a_file' / 'w'}); choose another --workdir or fix its permissions")
 
 
 def test_a_refused_resume_removes_only_the_data_it_prepared(tmp_path):
@@ -416,6 +446,24 @@ def test_preemption_hands_sigterm_back_when_the_run_ends():
   with Preemption() as preemption:
     assert signal.getsignal(signal.SIGTERM) == preemption._handle
   assert signal.getsignal(signal.SIGTERM) is before and not preemption.requested
+  with Preemption() as preemption:
+    assert signal.getsignal(signal.SIGTERM) == preemption._handle  # else the signal kills pytest
+    signal.raise_signal(signal.SIGTERM)  # the notice: a flag, not the end of the process
+  assert preemption.requested and signal.getsignal(signal.SIGTERM) is before
+  # Outside the main thread signal.signal raises: such a run installs nothing (and starts).
+  seen = []
+
+  def in_a_thread():
+    try:
+      with Preemption() as p:
+        seen.append(p.requested)
+    except ValueError as e:
+      seen.append(e)
+
+  thread = threading.Thread(target=in_a_thread)
+  thread.start()
+  thread.join()
+  assert seen == [False] and signal.getsignal(signal.SIGTERM) is before
 
 
 def test_process_slice_is_the_block_of_rows_this_process_holds():
