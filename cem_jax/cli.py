@@ -162,6 +162,7 @@ class QuietLibraries(logging.logging.Filter):
 def quiet_libraries(level: int = logging.logging.WARNING) -> None:
   """Installs :class:`QuietLibraries` on absl's handler (our own records all pass)."""
   handler = logging.get_absl_handler()
-  # ABSLHandler.handle() forwards to its inner handler without running its own filters.
+  # absl-py 2.5's ABSLHandler.handle() runs its own filters before forwarding; the inner
+  # handler gets the filter too, so that a version forwarding unfiltered stays quiet.
   for h in (handler, handler.python_handler):
     h.addFilter(QuietLibraries(level))
