@@ -124,7 +124,7 @@ def make_gated_energy(potential: str) -> tuple[Callable, Callable]:
     gate = jnp.einsum("btd,df->btf", context, params["g"])
     # η scales the [d_model, mlp_dim] readout, not the [batch, seq_len, mlp_dim] hidden
     # activations: the same product, with its multiply and its gradient's reduction over the
-    # weight instead of every token.
+    # weight instead of every token; η·W is formed in float32 and rounded once.
     wide = jnp.promote_types(params["w"].dtype, jnp.float32)
     readout = (params["w"].astype(wide) * params["eta"].astype(wide)).astype(params["w"].dtype)
     return jnp.einsum("btf,df->btd", act(pre) * gate, readout).astype(y.dtype)

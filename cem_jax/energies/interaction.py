@@ -162,7 +162,8 @@ def fused_update(y: jax.Array, context: jax.Array, params: dict, aux: EnergyAux)
   dt = o.dtype
   # η scales the [d_model, heads, head_dim] output weight, not the [batch, seq_len, heads,
   # head_dim] output: the same product, with its multiply and its gradient's reduction over
-  # the weight instead of every token (rounded once to dt either way).
+  # the weight instead of every token. η·W_Q is formed in float32 and rounded once to dt
+  # (η itself is not rounded to bf16 first).
   wide = jnp.promote_types(dt, jnp.float32)
   w_out = (params["w_q"].astype(wide) * eta.astype(wide)[None, :, None]).astype(dt)
   update = jnp.einsum("bthk,dhk->btd", o, w_out)
@@ -173,7 +174,7 @@ def fused_update(y: jax.Array, context: jax.Array, params: dict, aux: EnergyAux)
                           segment_ids=aux.segment_ids, shape=y.shape[:2])
       y32 = y.astype(jnp.float32)
       agg = agg - (y32 if rows is None else y32 * rows[..., None])[:, :, None, :]
-    update = update + jnp.einsum("bthd,hd->btd", agg * eta[None, None, :, None],
-                                 diag.astype(jnp.float32))
+    update = update + jnp.einsum("bthd,hd->btd", agg,
+                                 diag.astype(jnp.float32) * eta[:, None])  # η on the weight
   # The kernel's output is exactly 0 on a row with no visible key, so is the update there.
   return update.astype(y.dtype)

@@ -206,8 +206,9 @@ class CEMBlock(nnx.Module):
     """``norm(y)`` (``y`` itself with ``model.norm_mode='none'``). With ``views`` (one dict per
     call of the block) each norm is applied once to each array: where two uses see the same
     point (the attention's context and query at its first step, the MLP's gate and input with
-    ``mlp_condition='step'``), the backward pass adds their cotangents and differentiates the
-    norm once instead of twice."""
+    ``mlp_condition='step'``; a Nesterov look-ahead is another point), the backward pass adds
+    their cotangents and differentiates the norm once instead of twice. ``norm_mode='chain'``
+    pulls each update back through its own ``jax.vjp`` of the norm, outside this sharing."""
     if self.cfg.norm_mode == "none":
       return y
     if views is None:
