@@ -80,6 +80,8 @@ def _count_primitive(jaxpr, name: str) -> int:
     (dict(), 2),
     (dict(update_mode="autodiff"), 2),
     (dict(split="joint", mlp_condition="layer"), 2),
+    (dict(inner_optimizer="heavy_ball"), 2),
+    (dict(inner_optimizer="nesterov"), 3),  # its query sits at the look-ahead, not at x
     (dict(num_steps=2), 4),
     (dict(num_steps=2, context="coevolve"), 4),
 ])
