@@ -108,6 +108,35 @@ ENVIRONMENT = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT
                "XLA_PYTHON_CLIENT_ALLOCATOR", "LIBTPU_INIT_ARGS")
 
 
+def train_step_inputs(config, vocab_size: int, abstract: bool = False):
+  """The training step that :func:`bench_one` times, and its inputs.
+
+  Args:
+    config: a full config (``model``, ``train``, ``data.seq_len``).
+    vocab_size: the model's vocabulary.
+    abstract: build the model and optimizer state as shapes only (``nnx.eval_shape``,
+      ``jax.eval_shape``): enough to lower and compile the step, with no memory for them.
+  Returns:
+    ``(model, step, params, opt_state, batch)``: the ``DecoderLM`` (seed 0), the jitted
+    ``step(params, opt_state, batch)`` of :func:`cem_jax.steps.make_train_step`, and a batch
+    of ``train.batch_size`` windows of ``data.seq_len`` random int32 tokens (seed 0), each
+    packing :data:`DOCUMENTS_PER_WINDOW` equal documents.
+  """
+  build = lambda: DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(0))  # noqa: E731
+  model = nnx.eval_shape(build) if abstract else build()
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx, _ = optim.make_optimizer(config.train)
+  opt_state = jax.eval_shape(tx.init, params) if abstract else tx.init(params)
+  step = steps_lib.make_train_step(graphdef, tx,
+                                   loss_block_size=config.train.loss_block_size)
+  b, n = config.train.batch_size, config.data.seq_len
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, vocab_size, (b, n + 1), dtype=np.int32)
+  segment_ids = 1 + np.arange(n + 1, dtype=np.int32) * DOCUMENTS_PER_WINDOW // (n + 1)
+  batch = make_batch(tokens, np.broadcast_to(segment_ids, (b, n + 1)))
+  return model, step, params, opt_state, batch
+
+
 def bench_one(config, vocab_size: int, steps: int, warmup: int,
               profile_dir: str | None = None) -> dict:
   """Compiles and times one training step of ``config``; returns the figures as a dict.
@@ -131,17 +160,8 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
   reported) and ``loss`` (nats/token of the last step; None if not finite: strict JSON has
   no NaN).
   """
-  model = DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(model, nnx.Param)
-  tx, _ = optim.make_optimizer(config.train)
-  opt_state = tx.init(params)
-  step = steps_lib.make_train_step(graphdef, tx,
-                                   loss_block_size=config.train.loss_block_size)
+  model, step, params, opt_state, batch = train_step_inputs(config, vocab_size)
   b, n = config.train.batch_size, config.data.seq_len
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, vocab_size, (b, n + 1), dtype=np.int32)
-  segment_ids = 1 + np.arange(n + 1, dtype=np.int32) * DOCUMENTS_PER_WINDOW // (n + 1)
-  batch = make_batch(tokens, np.broadcast_to(segment_ids, (b, n + 1)))
   t0 = time.perf_counter()
   compiled = step.lower(params, opt_state, batch).compile()
   compile_s = time.perf_counter() - t0

@@ -18,7 +18,7 @@ Measured on 2 CPU cores (jax 0.10.2, 2026-12-04), at seq_len 1024 with 2,048 tok
 |---|---:|---:|
 | cem_fused, η scaling the activations (main at 366cd9f) | 274 | 56.91 |
 | cem_fused, η scaling the output weights (42bc1f4) | 250 | 56.34 |
-| cem_fused, each norm of each point once (the commit after) | 154 | 55.43 |
+| cem_fused, each norm of each point once (fa0fa08) | 154 | 55.43 |
 | llama | 154 | 60.06 |
 """
 
@@ -27,14 +27,7 @@ from __future__ import annotations
 import re
 import sys
 
-import jax
-import numpy as np
-from flax import nnx
-
-from cem_jax import bench, optim
-from cem_jax import steps as steps_lib
-from cem_jax.data import make_batch
-from cem_jax.model import DecoderLM
+from cem_jax import bench
 
 
 def main(variant: str = "cem_fused", seq_len: int = 1024, tokens_per_batch: int = 2048):
@@ -44,14 +37,8 @@ def main(variant: str = "cem_fused", seq_len: int = 1024, tokens_per_batch: int 
   if tokens_per_batch < seq_len:
     raise SystemExit(f"tokens_per_batch={tokens_per_batch} < seq_len={seq_len}: no row fits")
   cfg = bench._model_config(preset, bench.VARIANTS[variant], seq_len, preset["d_model"])
-  model = nnx.eval_shape(lambda: DecoderLM(cfg.model, preset["vocab_size"], rngs=nnx.Rngs(0)))
-  graphdef, params = nnx.split(model, nnx.Param)
-  tx, _ = optim.make_optimizer(cfg.train)
-  opt_state = jax.eval_shape(tx.init, params)
-  step = steps_lib.make_train_step(graphdef, tx, loss_block_size=0)
-  rows = cfg.train.batch_size
-  batch = make_batch(np.zeros((rows, seq_len + 1), np.int32),
-                     np.ones((rows, seq_len + 1), np.int32))
+  _, step, params, opt_state, batch = bench.train_step_inputs(cfg, preset["vocab_size"],
+                                                              abstract=True)
   lowered = step.lower(params, opt_state, batch)
   reductions = 0
   for line in lowered.as_text().splitlines():

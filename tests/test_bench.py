@@ -416,6 +416,17 @@ def test_a_row_times_steps_back_to_back_after_warmup_in_mib_with_a_null_nan_loss
   assert bench.DOCUMENTS_PER_WINDOW == 4 and set(np.unique(segment_ids)) == {1, 2, 3, 4}
 
 
+def test_abstract_step_inputs_hold_no_arrays_and_lower_to_the_concrete_program():
+  # experiments/step_program.py lowers the 125M step on a laptop: shapes only, same program.
+  tiny = dict(bench.PRESETS["tiny"], d_model=32, num_layers=1, mlp_dim=64, tokens_per_batch=64)
+  config = bench._model_config(tiny, bench.VARIANTS["cem_fused"], 32, 32)
+  _, step, params, opt_state, batch = bench.train_step_inputs(config, 64, abstract=True)
+  leaves = jax.tree.leaves((params, opt_state))
+  assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+  _, _, *concrete = bench.train_step_inputs(config, 64)
+  assert step.lower(params, opt_state, batch).as_text() == step.lower(*concrete).as_text()
+
+
 def test_a_row_waits_for_the_device_work_of_the_steps_it_times(monkeypatch):
   # jax dispatches a step and returns at once; the device's 0.5 s of work ends at a wait. A
   # clock read before the steps' work is waited for would time their dispatch (here 0 s).
