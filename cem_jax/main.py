@@ -19,22 +19,6 @@ from ml_collections import config_flags
 
 from cem_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Folder for metrics, config and checkpoints.")
-_DISTRIBUTED = flags.DEFINE_enum(
-    "distributed", "auto", ["auto", "on", "off"],
-    "jax.distributed.initialize: 'auto' when a coordinator is given or SLURM/Open MPI started "
-    "several processes; 'on' always (TPU pods: JAX finds the workers); 'off' never.")
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "HOST:PORT of process 0 (default: $CEM_COORDINATOR_ADDRESS or "
-    "detected by JAX).")
-_NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, "Number of processes (default: $CEM_NUM_PROCESSES or detected).")
-_PROCESS_ID = flags.DEFINE_integer(
-    "process_id", None, "This process's index (default: $CEM_PROCESS_ID or detected).")
-flags.mark_flags_as_required(["config", "workdir"])
-
 
 def main(argv):
   if len(argv) > 1:
@@ -42,16 +26,33 @@ def main(argv):
   # After flag parsing: a bad flag fails before jax loads.
   from cem_jax import distributed, energies, train
 
+  fl = flags.FLAGS
   logging.set_verbosity(logging.INFO)
   cli.quiet_libraries()
   with cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
     # Before anything touches a device: the runtime must know all processes first.
-    distributed.initialize(_DISTRIBUTED.value, _COORDINATOR.value, _NUM_PROCESSES.value,
-                           _PROCESS_ID.value)
+    distributed.initialize(fl.distributed, fl.coordinator_address, fl.num_processes,
+                           fl.process_id)
     config = cli.load_config()
     energies.absolute_paths(config.model)
-    train.train_and_evaluate(config, _WORKDIR.value)
+    train.train_and_evaluate(config, fl.workdir)
 
 
 if __name__ == "__main__":
+  # Flags are defined only when run as a program, so other tools can import the functions.
+  config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
+                                  lock_config=True)
+  flags.DEFINE_string("workdir", None, "Folder for metrics, config and checkpoints.")
+  flags.DEFINE_enum(
+      "distributed", "auto", ["auto", "on", "off"],
+      "jax.distributed.initialize: 'auto' when a coordinator is given or SLURM/Open MPI started "
+      "several processes; 'on' always (TPU pods: JAX finds the workers); 'off' never.")
+  flags.DEFINE_string(
+      "coordinator_address", None, "HOST:PORT of process 0 (default: "
+      "$CEM_COORDINATOR_ADDRESS or detected by JAX).")
+  flags.DEFINE_integer(
+      "num_processes", None, "Number of processes (default: $CEM_NUM_PROCESSES or detected).")
+  flags.DEFINE_integer(
+      "process_id", None, "This process's index (default: $CEM_PROCESS_ID or detected).")
+  flags.mark_flags_as_required(["config", "workdir"])
   app.run(main, flags_parser=cli.parse_flags)

@@ -24,39 +24,49 @@ from ml_collections import config_flags
 
 from cem_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
-                                          lock_config=True)
-_OUT = flags.DEFINE_string("out", None, "Folder of the prepared dataset (created).")
-_WORKERS = flags.DEFINE_integer("workers", None, "Encoding processes (default: the usable "
-                                "CPUs for large corpora, else 1).")
-flags.mark_flags_as_required(["config", "out"])
+
+def run(config, out: str, workers: int | None = None) -> None:
+  """Validates ``config`` as main does, prepares its data into ``out``, prints each split.
+
+  Raises:
+    ValueError: a config main would reject, ``data.prepared_dir`` set, or ``workers`` < 1 (one
+      line naming the field or flag and the value); the source's own errors
+      (:func:`cem_jax.data.shard_writer.prepare`).
+  """
+  from cem_jax import preflight
+  from cem_jax.data import prepared, shard_writer
+
+  # The checks main runs before training: data prepared from a config main rejects (or
+  # from an option it would silently ignore) is a wasted, misleading preparation.
+  preflight.check(config)
+  if config.data.prepared_dir:
+    raise ValueError(f"data.prepared_dir={config.data.prepared_dir!r}: prepare writes to "
+                     "--out; leave data.prepared_dir unset here")
+  if workers is not None and workers < 1:
+    raise ValueError(f"--workers={workers}; allowed: an int >= 1")
+  out = shard_writer.prepare(config.data, out, workers=workers)
+  manifest = prepared.PreparedData.open_manifest(out, verify=False)
+  for split, info in manifest["splits"].items():
+    print(f"{split}: {info['documents']} documents, {info['bytes']} bytes of text, "
+          f"{info['tokens']} tokens in {len(info['shards'])} shards")
+  print(f"prepared {out}; train with --config.data.prepared_dir={out}")
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  from cem_jax import preflight
-  from cem_jax.data import prepared, shard_writer
-
   logging.set_verbosity(logging.INFO)
   cli.quiet_libraries()
   with cli.user_errors():
-    config = cli.load_config()
-    # The checks main runs before training: data prepared from a config main rejects (or
-    # from an option it would silently ignore) is a wasted, misleading preparation.
-    preflight.check(config)
-    if config.data.prepared_dir:
-      raise ValueError(f"data.prepared_dir={config.data.prepared_dir!r}: prepare writes to "
-                       "--out; leave data.prepared_dir unset here")
-    if _WORKERS.value is not None and _WORKERS.value < 1:
-      raise ValueError(f"--workers={_WORKERS.value}; allowed: an int >= 1")
-    out = shard_writer.prepare(config.data, _OUT.value, workers=_WORKERS.value)
-    manifest = prepared.PreparedData.open_manifest(out, verify=False)
-    for split, info in manifest["splits"].items():
-      print(f"{split}: {info['documents']} documents, {info['bytes']} bytes of text, "
-            f"{info['tokens']} tokens in {len(info['shards'])} shards")
-    print(f"prepared {out}; train with --config.data.prepared_dir={out}")
+    run(cli.load_config(), flags.FLAGS.out, flags.FLAGS.workers)
 
 
 if __name__ == "__main__":
+  # Flags are defined only when run as a program, so other tools can import the functions.
+  config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
+                                  lock_config=True)
+  flags.DEFINE_string("out", None, "Folder of the prepared dataset (created).")
+  flags.DEFINE_integer("workers", None, "Encoding processes (default: the usable CPUs for "
+                       "large corpora, else 1).")
+  flags.mark_flags_as_required(["config", "out"])
   app.run(main, flags_parser=cli.parse_flags)

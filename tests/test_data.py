@@ -943,55 +943,34 @@ def test_build_data_on_pydoc(tmp_path):
       np.arange(8), data.train_windows, 3, 0).tolist()
 
 
-_BENCHMARK_CHECKS = """
-import os, sys
-from pathlib import Path
-from cem_jax.data import benchmark
+def test_data_benchmark_writes_its_corpus_atomically_and_reads_manifests_checked(
+    tmp_path, monkeypatch):
+  from cem_jax.data import benchmark
 
-shared, folder = Path(sys.argv[1]), Path(sys.argv[2])
-out = folder / "corpus.txt"
-n = benchmark.make_corpus(shared, out, 1)
-assert 10**6 <= n < 10**6 + 2008 and out.stat().st_size == n, n  # MB, to the line
-first = out.read_bytes()
-lines = first.splitlines()  # every repetition of the 5 lines is shuffled again
-assert len({tuple(lines[i:i + 5]) for i in range(0, len(lines) - 4, 5)}) > 1
-assert os.listdir(folder) == ["corpus.txt"]
-
-def full_disk(fd):
-  raise OSError("disk full")
-
-real_fsync, os.fsync = os.fsync, full_disk
-try:
-  benchmark.make_corpus(shared, out, 1, seed=1)
-  raise AssertionError("the corpus was not flushed to disk before the rename")
-except OSError as e:
-  assert str(e) == "disk full", e
-os.fsync = real_fsync
-assert out.read_bytes() == first and os.listdir(folder) == ["corpus.txt"]
-for run in (benchmark._first_step, benchmark._pipeline):
-  try:
-    run(os.fspath(folder), *([] if run is benchmark._first_step else [2, 8, 1]))
-    raise AssertionError(f"{run.__name__} read a folder without a manifest")
-  except ValueError as e:
-    assert str(e).startswith(f"data.prepared_dir={folder}: no manifest.json"), e
-print("ok")
-"""
-
-
-def test_data_benchmark_writes_its_corpus_atomically_and_reads_manifests_checked(tmp_path):
-  # In a process of its own: the benchmark module defines absl flags when imported.
-  import subprocess
-  import sys
-
-  shared = tmp_path / "shared"
+  shared, folder = tmp_path / "shared", tmp_path / "c"
   shared.mkdir()
+  folder.mkdir()
   (shared / "a.txt").write_text("".join(f"line {i} " + "x" * 2000 + "\n" for i in range(5)))
-  (tmp_path / "c").mkdir()
-  repo = Path(__file__).resolve().parents[1]
-  done = subprocess.run([sys.executable, "-c", _BENCHMARK_CHECKS, os.fspath(shared),
-                         os.fspath(tmp_path / "c")], cwd=repo, capture_output=True, text=True,
-                        env={**os.environ, "PYTHONPATH": os.fspath(repo)}, timeout=300)
-  assert done.returncode == 0 and done.stdout == "ok\n", done.stderr[-3000:]
+  out = folder / "corpus.txt"
+  n = benchmark.make_corpus(shared, out, 1)
+  assert 10**6 <= n < 10**6 + 2008 and out.stat().st_size == n, n  # MB, to the line
+  first = out.read_bytes()
+  lines = first.splitlines()  # every repetition of the 5 lines is shuffled again
+  assert len({tuple(lines[i:i + 5]) for i in range(0, len(lines) - 4, 5)}) > 1
+  assert os.listdir(folder) == ["corpus.txt"]
+
+  def full_disk(fd):
+    raise OSError("disk full")
+
+  with monkeypatch.context() as m:
+    m.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="^disk full$"):  # flushed to disk before the rename
+      benchmark.make_corpus(shared, out, 1, seed=1)
+  assert out.read_bytes() == first and os.listdir(folder) == ["corpus.txt"]
+  for run in (benchmark._first_step, benchmark._pipeline):
+    error = re.escape(f"data.prepared_dir={folder}: no manifest.json")
+    with pytest.raises(ValueError, match=error):
+      run(os.fspath(folder), *([] if run is benchmark._first_step else [2, 8, 1]))
 
 
 def test_data_identity_changes_with_each_split_and_the_tokenizer():

@@ -179,3 +179,20 @@ def test_bench_imports_no_grain_and_training_no_tfds():
   bench, training = out.stdout.split("\n")[:2]
   assert bench == "", f"importing cem_jax.bench loaded: {bench}"
   assert training == "", f"importing the training programs loaded: {training}"
+
+
+def test_importing_a_program_defines_no_flags():
+  # absl flags are global: a program that defined its flags at import would clash with the
+  # next one imported in the same process (cem_jax.main and cem_jax.prepare both take
+  # --config) and would make its functions unusable from a test or a notebook.
+  programs = sorted(name for name, path in _modules().items()
+                    if "app.run(" in open(path).read() and name != f"{PACKAGE}.cli")
+  # Libraries (absl's logging, orbax, grain) define their own at import: only ours count.
+  code = ("import importlib, sys; from absl import flags; "
+          "[importlib.import_module(m) for m in sys.argv[1:]]; "
+          "print(','.join(sorted(f'{m}:{f.name}' for m, fs in "
+          "flags.FLAGS.flags_by_module_dict().items() for f in fs if m.startswith('cem_jax'))))")
+  out = subprocess.run([sys.executable, "-c", code, *programs], cwd=REPO, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": REPO}, check=True)
+  assert len(programs) >= 9, programs
+  assert out.stdout.strip() == "", f"importing {programs} defined flags: {out.stdout.strip()}"

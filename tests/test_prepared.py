@@ -900,44 +900,34 @@ def test_prepare_cli_validates_the_config_first_and_writes_nothing(override, mes
   assert sorted(p.name for p in tmp_path.iterdir()) == before  # no --out folder, nothing else
 
 
-def test_prepare_main_refuses_its_own_flags_and_passes_workers_on(tmp_path, monkeypatch, capsys):
+def test_prepare_refuses_its_own_flags_and_passes_workers_on(tmp_path, monkeypatch, capsys):
   # prepare's own checks and output, in this process (each program started above costs
-  # seconds). Importing cem_jax.prepare defines its flags; their values are stand-ins here.
-  import types
+  # seconds). Importing cem_jax.prepare defines no flags: main's are defined only when it
+  # runs as a program, so this worker's absl flags stay as they were.
+  from absl import app, flags
 
-  from absl import app
-  from absl import logging as absl_logging
-
-  from cem_jax import cli
   from cem_jax import prepare as prepare_cli
 
+  assert "out" not in flags.FLAGS and "workers" not in flags.FLAGS
   config, out, given = tiny_config("llama"), tmp_path / "p", []
-  monkeypatch.setattr(cli, "load_config", lambda: config)
-  monkeypatch.setattr(cli, "quiet_libraries", lambda: None)
-  monkeypatch.setattr(absl_logging, "set_verbosity", lambda level: None)
-  monkeypatch.setattr(prepare_cli, "_OUT", types.SimpleNamespace(value=out))
   monkeypatch.setattr(shard_writer, "prepare",
                       lambda data, path, workers=None: (given.append(workers), path)[1])
   monkeypatch.setattr(prepared.PreparedData, "open_manifest", lambda path, verify=True: {
       "splits": {"train": {"documents": 2, "bytes": 10, "tokens": 5, "shards": ["a", "b"]}}})
 
-  def run(n, *args):
-    monkeypatch.setattr(prepare_cli, "_WORKERS", types.SimpleNamespace(value=n))
-    prepare_cli.main(["prepare", *args])
-
   with pytest.raises(app.UsageError, match="^unexpected arguments: extra$"):
-    run(None, "extra")
+    prepare_cli.main(["prepare", "extra"])
   for n, prepared_dir, error in [
       (0, "", "--workers=0; allowed: an int >= 1"),
       (None, str(tmp_path), f"data.prepared_dir={str(tmp_path)!r}: prepare writes to --out; "
                             "leave data.prepared_dir unset here")]:
     config.data.prepared_dir = prepared_dir
-    with pytest.raises(SystemExit) as e:
-      run(n)
-    assert (e.value.code, capsys.readouterr().err) == (1, f"error: {error}\n")
+    with pytest.raises(ValueError) as e:
+      prepare_cli.run(config, out, n)
+    assert str(e.value) == error
   config.data.prepared_dir = ""
   assert given == []  # nothing prepared for a refused command line
-  run(2)
+  prepare_cli.run(config, out, 2)
   assert given == [2]  # --workers reaches the encoder
   assert capsys.readouterr().out == (
       "train: 2 documents, 10 bytes of text, 5 tokens in 2 shards\n"

@@ -38,18 +38,6 @@ from cem_jax.files import atomic_writer
 
 REPO = Path(__file__).resolve().parents[2]
 
-_MODE = flags.DEFINE_enum("mode", None, ["corpus", "prepare", "pipeline", "first_step"],
-                          "What to measure.")
-_OUT = flags.DEFINE_string("out", None, "corpus: the text file to write; prepare: the folder.")
-_MEGABYTES = flags.DEFINE_integer("megabytes", 100, "corpus: size in MB (10^6 bytes).",
-                                  lower_bound=1)
-_SHARED = flags.DEFINE_string("shared", "../shared/data", "corpus: folder of the source texts.")
-_SEED = flags.DEFINE_integer("seed", 0, "corpus: shuffle seed.")
-_FILES = flags.DEFINE_string("files", None, "prepare: data.files of the corpus.")
-_PREPARED = flags.DEFINE_string("prepared_dir", None, "pipeline/first_step: prepared folder.")
-_BATCH = flags.DEFINE_integer("batch_size", 64, "pipeline: rows per batch.", lower_bound=1)
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "pipeline: tokens per row.", lower_bound=2)
-_STEPS = flags.DEFINE_integer("steps", 200, "pipeline: batches to read.", lower_bound=1)
 
 
 def make_corpus(shared: Path, out: Path, megabytes: int, seed: int = 0) -> int:
@@ -153,24 +141,25 @@ def main(argv):
 
 
 def _main() -> None:
-  if _MODE.value in ("pipeline", "first_step") and not _PREPARED.value:
-    raise ValueError(f"--mode={_MODE.value} needs --prepared_dir=FOLDER (made by --mode=prepare)")
-  if _MODE.value == "corpus":
-    if not _OUT.value:
+  fl = flags.FLAGS
+  if fl.mode in ("pipeline", "first_step") and not fl.prepared_dir:
+    raise ValueError(f"--mode={fl.mode} needs --prepared_dir=FOLDER (made by --mode=prepare)")
+  if fl.mode == "corpus":
+    if not fl.out:
       raise ValueError("--mode=corpus needs --out=FILE")
     start = time.perf_counter()
-    n = make_corpus(Path(_SHARED.value), Path(_OUT.value), _MEGABYTES.value, _SEED.value)
-    print(f"corpus: wrote {n / 1e6:.1f} MB to {_OUT.value} in {time.perf_counter() - start:.1f} s")
-  elif _MODE.value == "prepare":
+    n = make_corpus(Path(fl.shared), Path(fl.out), fl.megabytes, fl.seed)
+    print(f"corpus: wrote {n / 1e6:.1f} MB to {fl.out} in {time.perf_counter() - start:.1f} s")
+  elif fl.mode == "prepare":
     from cem_jax.config import get_default_config
     from cem_jax.data import prepared, shard_writer
 
-    if not (_FILES.value and _OUT.value):
+    if not (fl.files and fl.out):
       raise ValueError("--mode=prepare needs --files and --out")
     config = get_default_config()
-    config.data.files = _FILES.value
+    config.data.files = fl.files
     start = time.perf_counter()
-    out = shard_writer.prepare(config.data, _OUT.value)
+    out = shard_writer.prepare(config.data, fl.out)
     seconds = time.perf_counter() - start
     manifest = prepared.PreparedData.open_manifest(out, verify=False)
     mb = sum(s["bytes"] for s in manifest["splits"].values()) / 1e6
@@ -178,12 +167,25 @@ def _main() -> None:
           f"(tokenizer training, reading, hashing and encoding; {os.cpu_count()} CPUs); "
           f"peak RSS {_peak_rss_gb(resource.RUSAGE_SELF):.2f} GB, of an encoding worker "
           f"{_peak_rss_gb(resource.RUSAGE_CHILDREN):.2f} GB")
-  elif _MODE.value == "pipeline":
-    _pipeline(_PREPARED.value, _BATCH.value, _SEQ_LEN.value, _STEPS.value)
+  elif fl.mode == "pipeline":
+    _pipeline(fl.prepared_dir, fl.batch_size, fl.seq_len, fl.steps)
   else:
-    _first_step(_PREPARED.value)
+    _first_step(fl.prepared_dir)
 
 
 if __name__ == "__main__":
+  # Flags are defined only when run as a program, so tests can import the functions.
+  flags.DEFINE_enum("mode", None, ["corpus", "prepare", "pipeline", "first_step"],
+                    "What to measure.")
+  flags.DEFINE_string("out", None, "corpus: the text file to write; prepare: the folder.")
+  flags.DEFINE_integer("megabytes", 100, "corpus: size in MB (10^6 bytes).",
+                       lower_bound=1)
+  flags.DEFINE_string("shared", "../shared/data", "corpus: folder of the source texts.")
+  flags.DEFINE_integer("seed", 0, "corpus: shuffle seed.")
+  flags.DEFINE_string("files", None, "prepare: data.files of the corpus.")
+  flags.DEFINE_string("prepared_dir", None, "pipeline/first_step: prepared folder.")
+  flags.DEFINE_integer("batch_size", 64, "pipeline: rows per batch.", lower_bound=1)
+  flags.DEFINE_integer("seq_len", 1024, "pipeline: tokens per row.", lower_bound=2)
+  flags.DEFINE_integer("steps", 200, "pipeline: batches to read.", lower_bound=1)
   flags.mark_flag_as_required("mode")
   app.run(main, flags_parser=cli.parse_flags)
