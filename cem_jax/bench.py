@@ -108,7 +108,8 @@ ENVIRONMENT = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT
                "XLA_PYTHON_CLIENT_ALLOCATOR", "LIBTPU_INIT_ARGS")
 
 
-def train_step_inputs(config, vocab_size: int, abstract: bool = False):
+def train_step_inputs(config, vocab_size: int, abstract: bool = False,
+                      platform: str | None = None):
   """The training step that :func:`bench_one` times, and its inputs.
 
   Args:
@@ -116,13 +117,16 @@ def train_step_inputs(config, vocab_size: int, abstract: bool = False):
     vocab_size: the model's vocabulary.
     abstract: build the model and optimizer state as shapes only (``nnx.eval_shape``,
       ``jax.eval_shape``): enough to lower and compile the step, with no memory for them.
+    platform: the platform the model's attention kernel is chosen for (``DecoderLM``): this
+      machine's if None.
   Returns:
     ``(model, step, params, opt_state, batch)``: the ``DecoderLM`` (seed 0), the jitted
     ``step(params, opt_state, batch)`` of :func:`cem_jax.steps.make_train_step`, and a batch
     of ``train.batch_size`` windows of ``data.seq_len`` random int32 tokens (seed 0), each
     packing :data:`DOCUMENTS_PER_WINDOW` equal documents.
   """
-  build = lambda: DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(0))  # noqa: E731
+  build = lambda: DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(0),  # noqa: E731
+                            platform=platform)
   model = nnx.eval_shape(build) if abstract else build()
   graphdef, params = nnx.split(model, nnx.Param)
   tx, _ = optim.make_optimizer(config.train)

@@ -166,6 +166,9 @@ class DecoderLM(nnx.Module):
     rngs: ``nnx.Rngs`` with a ``params`` stream.
     rules: the logical-axis rules (``mesh.rules``, :func:`cem_jax.axes.rules_from_config`);
       they tell a kernel that runs per device (splash) how rows and heads are laid out.
+    platform: the platform the model will run on (``'cpu'``, ``'gpu'``, ``'tpu'``): this
+      machine's ``jax.default_backend()`` if None; another to compile ahead of time for a
+      device this machine lacks (``experiments/step_program.py``'s H200 program).
   The attention kernel (``model.attention_impl``, :mod:`cem_jax.attention`) is resolved here,
   once, and logged in one line with the reason; ``attention_impl`` and ``attention_reason``
   hold it.
@@ -176,7 +179,7 @@ class DecoderLM(nnx.Module):
   """
 
   def __init__(self, cfg: ml_collections.ConfigDict, vocab_size: int, *, rngs: nnx.Rngs,
-               rules=DEFAULT_RULES):
+               rules=DEFAULT_RULES, platform: str | None = None):
     cfg = ml_collections.FrozenConfigDict(cfg)
     # Public and built directly (tests, tools) without config.validate: check the one choice
     # that would otherwise surface as a bare KeyError.
@@ -191,7 +194,7 @@ class DecoderLM(nnx.Module):
     unique = cfg.num_unique_blocks if cfg.num_unique_blocks > 0 else cfg.num_layers
     self.blocks = nnx.List([block_cls(cfg, rngs=rngs) for _ in range(unique)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
-    self.attention_impl, self.attention_reason = resolve_attention(cfg, self.blocks)
+    self.attention_impl, self.attention_reason = resolve_attention(cfg, self.blocks, platform)
     self.attention_partition = attention.partition_of(rules)
     _log_once(f"attention: {self.attention_impl} ({self.attention_reason}); cached "
               "decoding: xla")

@@ -1,4 +1,5 @@
-"""What XLA makes of one bench training step, without running it: reductions, FLOPs, bytes.
+"""What XLA makes of one bench training step, without running it: reductions, FLOPs, bytes,
+and, compiled for an H200 on a machine without one, the GPU kernels.
 
 Lowers ``cem_jax.bench``'s training step of a variant at the gpu125m shapes (12 layers,
 d_model 768, 12 heads, mlp 2048, vocab 32768, bf16) and prints, from the program alone:
@@ -6,11 +7,29 @@ d_model 768, 12 heads, mlp 2048, vocab 32768, bf16) and prints, from the program
 - ``reductions over activations``: ``stablehlo.reduce`` ops of the program as jax writes it
   (before XLA's passes) whose operand has a ``seq_len``-sized dimension; each reads a
   ``[batch, seq_len, ...]`` tensor once more on any backend unless XLA fuses it away;
-- ``flops`` and ``bytes accessed``: XLA's cost analysis of the program compiled for this
-  machine (on a CPU, the CPU's fusion decisions: a proxy for a GPU's, not its figure).
+- target ``cpu`` (default): ``flops`` and ``bytes accessed``, XLA's cost analysis of the
+  program compiled for this machine (the CPU's fusion decisions: a proxy for a GPU's);
+- target ``h200``: the program XLA compiles for an H200 (deviceless ahead-of-time
+  compilation, ``jax.experimental.topologies``), the attention kernel chosen as on the GPU
+  (cuDNN), and a table of its kernels (:func:`gpu_kernels`): matmuls, attention, the other
+  kernels of the forward and backward passes, the update, and the largest kernels.
 
-    python experiments/step_program.py [VARIANT] [SEQ_LEN] [TOKENS_PER_BATCH]
-    python experiments/step_program.py cem_fused 1024 2048      # ~30 s on 2 CPU cores
+    python experiments/step_program.py [VARIANT] [SEQ_LEN] [TOKENS_PER_BATCH] [TARGET]
+    python experiments/step_program.py cem_fused 1024 2048          # ~30 s on 2 CPU cores
+    python experiments/step_program.py llama 1024 16384 h200        # ~20 s; needs the plugin
+
+The ``h200`` target needs jax's CUDA plugin, which a CPU machine can install but not use
+otherwise (~5.5 GB; keep it out of the project's venv)::
+
+    python3 -m venv /tmp/gpuvenv && . /tmp/gpuvenv/bin/activate
+    pip install "jax[cuda12]==$JAX_VERSION" -e . && python experiments/step_program.py ... h200
+
+No GPU runs anything: XLA cannot autotune, so its matmul choices are its defaults, and its
+version is this machine's jax, not the GPU image's. The kernels' bytes are those of their
+results and operands (an operand read only through gathers and slices: what those produce;
+a scatter into an operand in place: its updates), an upper bound on their traffic.
+Neither is a time; they show where a step's memory traffic goes and how a change moves it,
+for the next measurement on the device to confirm.
 
 Measured on 2 CPU cores (jax 0.10.2, 2026-12-04), at seq_len 1024 with 2,048 tokens:
 
@@ -20,38 +39,281 @@ Measured on 2 CPU cores (jax 0.10.2, 2026-12-04), at seq_len 1024 with 2,048 tok
 | cem_fused, η scaling the output weights (42bc1f4) | 250 | 56.34 |
 | cem_fused, each norm of each point once (fa0fa08) | 154 | 55.43 |
 | llama | 154 | 60.06 |
+
+Compiled for an H200 (jax 0.10.2 with jax-cuda12-plugin 0.10.2, 2026-12-04), seq_len 1024,
+16,384 tokens; GB of operands and results, TFLOP of the matmuls (docs/PERFORMANCE.md):
+
+| program | kernels | GB | matmul TFLOP | the loss's kernels over the logits |
+|---|---:|---:|---:|---|
+| llama, loss gathering the target (0102ad8^) | 995 | 70.95 | 10.82 | 9, 22.8 GB |
+| llama, target by a masked sum (0102ad8) | 995 | 60.23 | 10.82 | 6, 12.1 GB |
+| cem_fused, 366cd9f | 1032 | 70.52 | 10.13 | 9 |
+| cem_fused, 0102ad8 | 980 | 57.26 | 10.13 | 6 |
 """
 
 from __future__ import annotations
 
+import collections
+import math
+import os
 import re
 import sys
 
-from cem_jax import bench
+# An H200 (SXM, 141 GB HBM3e) as XLA's GPU compiler sees it: the H100 SXM's figures
+# (openxla's gpu_specs/h100_sxm.txtpb) with the H200's memory size and bandwidth. They steer
+# XLA's fusion heuristics; the cuDNN and CUDA versions are those of the jax-cuda12 wheels.
+H200_TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 150110011392
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 }
+runtime_version { major: 12 minor: 9 }
+device_description_str: "NVIDIA H200"
+"""
+
+TARGETS = ("cpu", "h200")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
+_INSTRUCTION = re.compile(r"^(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z\-]*)\((.*?)\)(, .*)?$")
+# Instructions that launch no kernel of their own.
+_NO_KERNEL = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "iota",
+              "after-all", "partition-id", "replica-id"}
 
 
-def main(variant: str = "cem_fused", seq_len: int = 1024, tokens_per_batch: int = 2048):
+def array_bytes(type_text: str) -> int:
+  """Bytes of every array in an HLO type (``bf16[16,64]{1,0}``, or a tuple of them)."""
+  return sum(_DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+             for dtype, dims in _ARRAY.findall(type_text))
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+  """``{name: instruction lines}`` of an HLO module's text; the entry is ``'ENTRY'``."""
+  out, lines = {}, None
+  for line in hlo_text.splitlines():
+    header = re.match(r"^(ENTRY )?%(\S+) .*\{$", line)
+    if header:
+      lines = out["ENTRY" if header.group(1) else header.group(2)] = []
+    elif line.startswith("}"):
+      lines = None
+    elif lines is not None and line.startswith("  "):
+      lines.append(line.strip())
+  return out
+
+
+def _instructions(lines: list[str]) -> dict[str, tuple[str, str, str, str]]:
+  """``{name: (type, opcode, operands, attributes)}``."""
+  out = {}
+  for line in lines:
+    m = _INSTRUCTION.match(line)
+    if m:
+      out[m.group(1)] = (m.group(2), m.group(3), m.group(4), m.group(5) or "")
+  return out
+
+
+def _matmul_flops(lines: list[str]) -> int:
+  """2 x output size x contracted size, summed over a computation's ``dot`` instructions."""
+  table, flops = _instructions(lines), 0
+  for type_text, opcode, operands, attributes in table.values():
+    if opcode != "dot":
+      continue
+    lhs = table[re.findall(r"%([\w.\-]+)", operands)[0]][0]
+    lhs_dims = [int(d) for d in _ARRAY.search(lhs).group(2).split(",") if d]
+    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", attributes)
+    k = math.prod(lhs_dims[int(i)] for i in contracting.group(1).split(",") if i)
+    out = [int(d) for d in _ARRAY.search(type_text).group(2).split(",") if d]
+    flops += 2 * math.prod(out) * k
+  return flops
+
+
+def _bytes_read(lines: list[str]) -> dict[int, int]:
+  """``{parameter number: bytes}`` for a fused computation's parameters that it reads only
+  in part, through gathers and slices (and bitcasts): the bytes those produce."""
+  table = _instructions(lines)
+  users = collections.defaultdict(list)
+  for name, (_, _, operands, _) in table.items():
+    for operand in re.findall(r"%([\w.\-]+)", operands):
+      users[operand].append(name)
+
+  def partial_read(name):  # bytes read through gathers and slices, or None: all of it
+    total = 0
+    for user in users[name]:
+      opcode = table[user][1]
+      if opcode == "bitcast":
+        part = partial_read(user)
+      elif opcode in ("gather", "slice", "dynamic-slice"):
+        part = array_bytes(table[user][0])
+      else:
+        return None
+      if part is None:
+        return None
+      total += part
+    return total
+
+  out = {}
+  for name, (_, opcode, operands, _) in table.items():
+    if opcode == "parameter" and users[name]:
+      part = partial_read(name)
+      if part is not None:
+        out[int(operands)] = part
+  return out
+
+
+def _in_place_scatter(lines: list[str]) -> tuple[int, int] | None:
+  """``(parameter number, bytes of the updates)`` when a fused computation's result is a
+  scatter into one of its parameters, which XLA updates in place; None otherwise."""
+  table = _instructions(lines)
+  root = next((line for line in lines if line.startswith("ROOT ")), None)
+  m = _INSTRUCTION.match(root) if root else None
+  if not m or m.group(3) != "scatter":
+    return None
+  operand, _, updates = re.findall(r"%([\w.\-]+)", m.group(4))[:3]
+  if table[operand][1] != "parameter":
+    return None
+  return int(table[operand][2]), array_bytes(table[updates][0])
+
+
+def gpu_kernels(hlo_text: str) -> list[dict]:
+  """The kernels the entry computation of a compiled GPU HLO module launches, in order.
+
+  Args:
+    hlo_text: ``compiled.as_text()`` of a program compiled for a GPU.
+  Returns:
+    One dict per instruction of the entry computation that runs a kernel (a fusion, a custom
+    call, or an unfused op; control flow counts once, its body not expanded): ``name``;
+    ``kind``: ``'matmul'`` (a gemm fusion, or a cuBLAS call), ``'attention'`` (a cuDNN
+    attention call), ``'forward'``, ``'backward'`` (ops that jax traced in ``transpose(jvp``,
+    the gradient), ``'update'`` (the rest: the optimizer) or ``'control flow'``; ``bytes``:
+    of its operands and results, whole (an upper bound on its memory traffic); ``flops``: of
+    the matmuls in it (2 per multiply-add); ``op``: jax's name of the op it came from.
+  Raises:
+    ValueError: the text has no entry computation.
+  """
+  computations = _computations(hlo_text)
+  if "ENTRY" not in computations:
+    raise ValueError("no ENTRY computation in the HLO text")
+  entry = _instructions(computations["ENTRY"])
+  out = []
+  for name, (type_text, opcode, operands, attributes) in entry.items():
+    if opcode in _NO_KERNEL:
+      continue
+    op = re.search(r'op_name="([^"]*)"', attributes)
+    op = op.group(1) if op else ""
+    called = re.search(r"calls=%([\w.\-]+)", attributes)
+    target = re.search(r'custom_call_target="([^"]+)"', attributes)
+    flops = _matmul_flops(computations.get(called.group(1), [])) if called else 0
+    if opcode in ("while", "conditional", "call"):
+      kind = "control flow"
+    elif (target and "cudnn$fmha" in target.group(1)):
+      kind = "attention"
+    elif flops or opcode == "dot" or (target and "cublas" in target.group(1)):
+      kind = "matmul"
+    elif "transpose(jvp" in op:
+      kind = "backward"
+    elif "jvp(" in op:
+      kind = "forward"
+    else:
+      kind = "update"
+    names = [n for n in re.findall(r"%([\w.\-]+)", operands) if n in entry]
+    body = computations.get(called.group(1), []) if called else []
+    read, written = _bytes_read(body), array_bytes(type_text)
+    scatter = _in_place_scatter(body)
+    if scatter is not None:  # the result is the operand, updated where the indices say
+      read[scatter[0]], written = scatter[1], scatter[1]
+    size = written + sum(read.get(i, array_bytes(entry[n][0])) for i, n in enumerate(names))
+    out.append({"name": name, "kind": kind, "bytes": size, "flops": flops, "op": op})
+  return out
+
+
+def print_gpu_kernels(kernels: list[dict], largest: int = 8) -> None:
+  """Prints the kernels by kind, then the ``largest`` by bytes."""
+  by_kind = collections.defaultdict(lambda: [0, 0, 0])
+  for k in kernels:
+    row = by_kind[k["kind"]]
+    row[0], row[1], row[2] = row[0] + 1, row[1] + k["bytes"], row[2] + k["flops"]
+  print("| kind | kernels | GB | TFLOP |\n|---|---:|---:|---:|")
+  for kind, (n, size, flops) in sorted(by_kind.items()):
+    print(f"| {kind} | {n} | {size / 1e9:.2f} | {flops / 1e12:.3f} |")
+  print(f"| all | {len(kernels)} | {sum(k['bytes'] for k in kernels) / 1e9:.2f} | "
+        f"{sum(k['flops'] for k in kernels) / 1e12:.3f} |")
+  print(f"\nlargest {largest} kernels by bytes:")
+  for k in sorted(kernels, key=lambda k: -k["bytes"])[:largest]:
+    print(f"  {k['bytes'] / 1e9:6.2f} GB  {k['kind']:9s} {k['name']}  ({k['op']})")
+
+
+def _h200_sharding():
+  import jax
+  from jax.experimental import topologies
+
+  try:
+    devices = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET_CONFIG,
+                                           topology="1x1x1").devices
+  except NotImplementedError:
+    raise SystemExit(f"target h200 needs jax's CUDA plugin (pip install \"jax[cuda12]=="
+                     f"{jax.__version__}\", in a venv of its own); this jax has none") from None
+  return jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("d",)),
+                                    jax.sharding.PartitionSpec())
+
+
+def main(variant: str = "cem_fused", seq_len: int = 1024, tokens_per_batch: int = 2048,
+         target: str = "cpu"):
+  if target not in TARGETS:
+    raise SystemExit(f"target={target!r}; allowed: {', '.join(TARGETS)}")
+  if target == "h200":
+    # The plugin checks the driver's CUDA version when it loads; there is no driver here.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  import jax
+
+  from cem_jax import bench
+
   if variant not in bench.VARIANTS:
     raise SystemExit(f"variant={variant!r}; allowed: {', '.join(bench.VARIANTS)}")
   preset = dict(bench.PRESETS["gpu125m"], tokens_per_batch=tokens_per_batch)
   if tokens_per_batch < seq_len:
     raise SystemExit(f"tokens_per_batch={tokens_per_batch} < seq_len={seq_len}: no row fits")
   cfg = bench._model_config(preset, bench.VARIANTS[variant], seq_len, preset["d_model"])
-  _, step, params, opt_state, batch = bench.train_step_inputs(cfg, preset["vocab_size"],
-                                                              abstract=True)
-  lowered = step.lower(params, opt_state, batch)
+  sharding = _h200_sharding() if target == "h200" else None
+  _, step, params, opt_state, batch = bench.train_step_inputs(
+      cfg, preset["vocab_size"], abstract=True, platform="gpu" if sharding else None)
+  args = (params, opt_state, batch)
+  if sharding is not None:
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        args)
+  lowered = step.lower(*args)
   reductions = 0
   for line in lowered.as_text().splitlines():
     shape = re.search(r"stablehlo\.reduce.*?tensor<([0-9x]+)x[a-z0-9]+>", line)
     if shape and str(seq_len) in shape.group(1).split("x"):
       reductions += 1
-  cost = lowered.compile().cost_analysis()
+  compiled = lowered.compile()
+  print(f"{variant} at seq_len {seq_len}, {tokens_per_batch} tokens, for {target}: "
+        f"{reductions} reductions over activations")
+  if sharding is not None:
+    print_gpu_kernels(gpu_kernels(compiled.as_text()))
+    return
+  cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  print(f"{variant} at seq_len {seq_len}, {tokens_per_batch} tokens: {reductions} reductions "
-        f"over activations, {cost['flops'] / 1e9:.1f} GFLOP, "
-        f"{cost['bytes accessed'] / 1e9:.2f} GB accessed")
+  print(f"{cost['flops'] / 1e9:.1f} GFLOP, {cost['bytes accessed'] / 1e9:.2f} GB accessed")
 
 
 if __name__ == "__main__":
   args = sys.argv[1:]
-  main(*(args[:1] + [int(a) for a in args[1:3]]))
+  main(*(args[:1] + [int(a) for a in args[1:3]] + args[3:4]))

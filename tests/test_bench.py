@@ -3,6 +3,7 @@
 import gzip
 import json
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -351,8 +352,8 @@ def test_every_row_of_a_preset_holds_its_tokens_per_batch(preset):
 class _StandInModel(nnx.Module):
   """What bench_one reads off a model: its parameters and the kernel it chose."""
 
-  def __init__(self, model_cfg, vocab_size, rngs):
-    del model_cfg, vocab_size, rngs
+  def __init__(self, model_cfg, vocab_size, rngs, platform=None):
+    del model_cfg, vocab_size, rngs, platform
     self.w = nnx.Param(jnp.zeros((3,)))
     self.attention_impl, self.attention_reason = "xla", "stand-in"
 
@@ -657,3 +658,91 @@ def test_the_attention_kernel_table_in_performance_md_is_its_json():
                          ("max error", r["max_err_vs_xla"]),
                          ("gradient error", r["grad_rel_err"])):
       _assert_printed(row[column], want, (row["kernel"], row["seq_len"], column))
+
+
+def test_the_step_is_built_for_the_platform_named_not_only_this_machines():
+  # experiments/step_program.py compiles the step for an H200 on a CPU: the model must pick
+  # the GPU's kernel (cuDNN, for bf16 and head_dim 64) although this machine has none.
+  tiny = dict(bench.PRESETS["tiny"], d_model=64, num_layers=1, mlp_dim=64, tokens_per_batch=64)
+  config = bench._model_config(tiny, bench.VARIANTS["cem_fused"], 32, 64)
+  config.model.dtype = "bfloat16"
+  chosen = {platform: bench.train_step_inputs(config, 64, abstract=True,
+                                              platform=platform)[0].attention_impl
+            for platform in (None, "gpu", "tpu")}
+  assert chosen == {None: "xla", "gpu": "cudnn", "tpu": "splash"}, chosen
+
+
+_STEP_PROGRAM = Path(__file__).resolve().parents[1] / "experiments" / "step_program.py"
+
+# A compiled GPU module as XLA prints it, cut down: a gemm fusion (bf16 [64,32] x [32,16] ->
+# f32), a cuDNN attention call, a forward and a backward elementwise fusion, a fusion that
+# reads a slice of its operand, one that scatters into its operand, an update fusion, and
+# instructions that launch nothing.
+_GPU_HLO = """HloModule jit_step, is_scheduled=true
+
+%gemm_fusion_dot.1_computation (parameter_0: bf16[64,32], parameter_1: bf16[32,16]) -> f32[64,16] {
+  %parameter_0 = bf16[64,32]{1,0} parameter(0)
+  %parameter_1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %dot.1 = f32[64,16]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_slice (param_0: f32[64,16], param_1: s32[8]) -> f32[8] {
+  %param_0 = f32[64,16]{1,0} parameter(0)
+  %bitcast.1 = f32[1024]{0} bitcast(%param_0)
+  %slice.1 = f32[8]{0} slice(%bitcast.1), slice={[0:8]}
+  %param_1 = s32[8]{0} parameter(1)
+  %convert.2 = f32[8]{0} convert(%param_1)
+  ROOT %add.1 = f32[8]{0} add(%slice.1, %convert.2)
+}
+
+%fused_scatter (param_0: f32[64,16], param_1: s32[8,2], param_2: f32[8]) -> f32[64,16] {
+  %param_0 = f32[64,16]{1,0} parameter(0)
+  %param_1 = s32[8,2]{1,0} parameter(1)
+  %param_2 = f32[8]{0} parameter(2)
+  ROOT %scatter.1 = f32[64,16]{1,0} scatter(%param_0, %param_1, %param_2), update_window_dims={}, inserted_window_dims={0,1}, scatter_dims_to_operand_dims={0,1}, index_vector_dim=1, to_apply=%add
+}
+
+%fused_exp (param_0: f32[64,16]) -> bf16[64,16] {
+  %param_0 = f32[64,16]{1,0} parameter(0)
+  %exp.1 = f32[64,16]{1,0} exponential(%param_0)
+  ROOT %convert.1 = bf16[64,16]{1,0} convert(%exp.1)
+}
+
+ENTRY %main.9 (a: bf16[64,32], b: bf16[32,16], w: f32[16], ids: s32[8], pairs: s32[8,2]) -> (bf16[64,16], f32[16]) {
+  %a = bf16[64,32]{1,0} parameter(0)
+  %b = bf16[32,16]{1,0} parameter(1)
+  %w = f32[16]{0} parameter(2), metadata={op_name="w"}
+  %gemm_fusion_dot.1 = f32[64,16]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm_fusion_dot.1_computation, metadata={op_name="jit(step)/jvp(btd,df->btf)/dot_general"}
+  %loop_exp_fusion = bf16[64,16]{1,0} fusion(%gemm_fusion_dot.1), kind=kLoop, calls=%fused_exp, metadata={op_name="jit(step)/jvp()/exp"}
+  %ids = s32[8]{0} parameter(3)
+  %picked = f32[8]{0} fusion(%gemm_fusion_dot.1, %ids), kind=kLoop, calls=%fused_slice, metadata={op_name="jit(step)/jvp()/add"}
+  %pairs = s32[8,2]{1,0} parameter(4)
+  %scattered = f32[64,16]{1,0} fusion(%gemm_fusion_dot.1, %pairs, %picked), kind=kInput, calls=%fused_scatter, metadata={op_name="jit(step)/transpose(jvp())/scatter-add"}
+  %attn = (bf16[2,8,4,16]{3,2,1,0}, f32[2,4,8]{2,1,0}, u8[0]{0}) custom-call(%loop_exp_fusion, %loop_exp_fusion), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(step)/jvp()/dot_product_attention"}
+  %gte = bf16[2,8,4,16]{3,2,1,0} get-tuple-element(%attn), index=0
+  %back = bf16[64,16]{1,0} fusion(%gte), kind=kLoop, calls=%fused_exp, metadata={op_name="jit(step)/transpose(jvp())/mul"}
+  %update = f32[16]{0} fusion(%w, %w), kind=kLoop, calls=%fused_exp, metadata={op_name="jit(step)/sub"}
+  ROOT %out = (bf16[64,16]{1,0}, f32[16]{0}) tuple(%back, %update)
+}
+"""  # noqa: E501 (XLA's lines, as printed)
+
+
+def test_gpu_kernels_reads_kinds_bytes_and_matmul_flops_off_a_compiled_module():
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("step_program", _STEP_PROGRAM)
+  program = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(program)
+  assert program.array_bytes("(bf16[2,3]{1,0}, f32[4]{0}, u8[0]{0})") == 2 * 6 + 4 * 4
+  got = [(k["name"], k["kind"], k["bytes"], k["flops"]) for k in program.gpu_kernels(_GPU_HLO)]
+  attention = 2 * 2 * 8 * 4 * 16 + 4 * 2 * 4 * 8 + 2 * (2 * 64 * 16)
+  assert got == [
+      ("gemm_fusion_dot.1", "matmul", 2 * 64 * 32 + 2 * 32 * 16 + 4 * 64 * 16, 2 * 64 * 16 * 32),
+      ("loop_exp_fusion", "forward", 4 * 64 * 16 + 2 * 64 * 16, 0),
+      ("picked", "forward", 4 * 8 + 4 * 8 + 4 * 8, 0),  # reads 8 of the 1024 floats
+      ("scattered", "backward", 4 * 8 + 4 * 8 * 2 + 4 * 8 + 4 * 8, 0),  # updates 8 in place
+      ("attn", "attention", attention, 0),
+      ("back", "backward", 2 * 2 * 8 * 4 * 16 + 2 * 64 * 16, 0),
+      ("update", "update", 3 * 4 * 16, 0)]
+  with pytest.raises(ValueError, match="^no ENTRY computation in the HLO text$"):
+    program.gpu_kernels("HloModule m\n")
