@@ -67,19 +67,28 @@ def target_logit(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """Each position's logit of its target, with an elementwise gradient.
 
   The value is a gather, which reads one entry per position. Its gradient, left to autodiff,
-  is a scatter into zeros: a pass of its own over the float32 logits, which then takes another
-  to reach the output layer's compute dtype. Here it is ``g`` where the vocabulary index is
-  the target, an elementwise expression that XLA fuses into the one pass writing the logits'
-  gradient: the loss's traffic over the logits in the gpu125m step compiled for an H200 fell
-  from ~16 to ~10 GB per 16k tokens (``experiments/step_program.py``).
+  is a scatter into zeros, which kept the softmax's part of the logits' gradient in a float32
+  copy of its own: one more pass over the logits. Here it is ``g`` where the vocabulary index
+  is the target, an elementwise expression that XLA fuses into the one pass writing the
+  logits' gradient: the loss's kernels over the logits in the gpu125m step compiled for an
+  H200 move 12.1 GB per 16k tokens instead of 16.4 (``experiments/step_program.py``,
+  docs/PERFORMANCE.md).
+
+  Reverse mode only (a ``jax.custom_vjp``): ``jax.grad`` and ``jax.vjp`` work, to any order;
+  ``jax.jvp``, ``jax.jacfwd`` and ``jax.hessian`` raise.
 
   Args:
     logits: ``[..., vocab_size]`` float.
-    targets: ``[...]`` int.
+    targets: ``[...]`` int of any width, signed or not.
   Returns:
     ``[...]``, the logits' dtype: ``logits[..., target]``, NaN for a target outside
-    ``[0, vocab_size)`` (negative ones included: no index wraps around).
+    ``[0, vocab_size)`` (negative ones included: no index wraps around), whose gradient is 0.
   """
+  targets = jnp.asarray(targets)
+  # A signed index type that holds vocab_size: in int8 the indices past 127 wrap (a gradient
+  # at two of them) and so does ``where(targets < 0, vocab_size, ...)`` (a finite logit for a
+  # negative target); an unsigned target past 2**31 would wrap to a valid index in the gather.
+  targets = targets.astype(jnp.int64 if targets.dtype.itemsize == 8 else jnp.int32)
   return _target_logit(logits.shape[-1], logits, targets)
 
 

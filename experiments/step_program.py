@@ -43,12 +43,13 @@ Measured on 2 CPU cores (jax 0.10.2, 2026-12-04), at seq_len 1024 with 2,048 tok
 Compiled for an H200 (jax 0.10.2 with jax-cuda12-plugin 0.10.2, 2026-12-04), seq_len 1024,
 16,384 tokens; GB of operands and results, TFLOP of the matmuls (docs/PERFORMANCE.md):
 
-| program | kernels | GB | matmul TFLOP | the loss's kernels over the logits |
-|---|---:|---:|---:|---|
-| llama, loss gathering the target (0102ad8^) | 995 | 70.95 | 10.82 | 9, 22.8 GB |
-| llama, target by a masked sum (0102ad8) | 995 | 60.23 | 10.82 | 6, 12.1 GB |
-| cem_fused, 366cd9f | 1032 | 70.52 | 10.13 | 9 |
-| cem_fused, 0102ad8 | 980 | 57.26 | 10.13 | 6 |
+| program | kernels | GB | matmul TFLOP |
+|---|---:|---:|---:|
+| llama, target's logit gathered by autodiff (de3aef2) | 995 | 62.29 | 10.823 |
+| llama, masked sum (0102ad8) | 995 | 60.16 | 10.823 |
+| llama, gathered with an elementwise gradient (d3b81ad) | 993 | 57.99 | 10.823 |
+| cem_fused, de3aef2 | 980 | 60.53 | 10.128 |
+| cem_fused, d3b81ad | 978 | 56.23 | 10.128 |
 """
 
 from __future__ import annotations
@@ -129,19 +130,24 @@ def _instructions(lines: list[str]) -> dict[str, tuple[str, str, str, str]]:
   return out
 
 
+def _dot_flops(table: dict, type_text: str, operands: str, attributes: str) -> int:
+  """2 x output size x contracted size of a ``dot``, or of a cuBLAS gemm call (its dimension
+  numbers in the backend config; its result a tuple whose first array is the product)."""
+  lhs = table[re.findall(r"%([\w.\-]+)", operands)[0]][0]
+  lhs_dims = [int(d) for d in _ARRAY.search(lhs).group(2).split(",") if d]
+  contracting = re.search(r'lhs_contracting_dim(?:s=\{([0-9,]*)\}|ensions":\[([0-9",]*)\])',
+                          attributes)
+  dims = (contracting.group(1) or contracting.group(2) or "").replace('"', "")
+  k = math.prod(lhs_dims[int(i)] for i in dims.split(",") if i)
+  out = [int(d) for d in _ARRAY.search(type_text).group(2).split(",") if d]
+  return 2 * math.prod(out) * k
+
+
 def _matmul_flops(lines: list[str]) -> int:
   """2 x output size x contracted size, summed over a computation's ``dot`` instructions."""
-  table, flops = _instructions(lines), 0
-  for type_text, opcode, operands, attributes in table.values():
-    if opcode != "dot":
-      continue
-    lhs = table[re.findall(r"%([\w.\-]+)", operands)[0]][0]
-    lhs_dims = [int(d) for d in _ARRAY.search(lhs).group(2).split(",") if d]
-    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", attributes)
-    k = math.prod(lhs_dims[int(i)] for i in contracting.group(1).split(",") if i)
-    out = [int(d) for d in _ARRAY.search(type_text).group(2).split(",") if d]
-    flops += 2 * math.prod(out) * k
-  return flops
+  table = _instructions(lines)
+  return sum(_dot_flops(table, type_text, operands, attributes)
+             for type_text, opcode, operands, attributes in table.values() if opcode == "dot")
 
 
 def _bytes_read(lines: list[str]) -> dict[int, int]:
@@ -157,9 +163,10 @@ def _bytes_read(lines: list[str]) -> dict[int, int]:
     total = 0
     for user in users[name]:
       opcode = table[user][1]
+      first = re.findall(r"%([\w.\-]+)", table[user][2])[0]
       if opcode == "bitcast":
         part = partial_read(user)
-      elif opcode in ("gather", "slice", "dynamic-slice"):
+      elif opcode in ("gather", "slice", "dynamic-slice") and first == name:  # not the indices
         part = array_bytes(table[user][0])
       else:
         return None
@@ -220,6 +227,8 @@ def gpu_kernels(hlo_text: str) -> list[dict]:
     called = re.search(r"calls=%([\w.\-]+)", attributes)
     target = re.search(r'custom_call_target="([^"]+)"', attributes)
     flops = _matmul_flops(computations.get(called.group(1), [])) if called else 0
+    if opcode == "dot" or (target and re.search(r"cublas.*(gemm|matmul)", target.group(1))):
+      flops = _dot_flops(entry, type_text, operands, attributes)
     if opcode in ("while", "conditional", "call"):
       kind = "control flow"
     elif (target and "cudnn$fmha" in target.group(1)):

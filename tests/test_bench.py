@@ -746,3 +746,53 @@ def test_gpu_kernels_reads_kinds_bytes_and_matmul_flops_off_a_compiled_module():
       ("update", "update", 3 * 4 * 16, 0)]
   with pytest.raises(ValueError, match="^no ENTRY computation in the HLO text$"):
     program.gpu_kernels("HloModule m\n")
+
+
+# An index operand is read whole (not as what the slice or gather produces); a cuBLAS gemm
+# call and an unfused dot are matmuls with their FLOPs.
+_GPU_HLO_INDICES_AND_CUBLAS = """HloModule m
+
+%fused_ds (param_0: f32[1024,1024], param_1: s32[]) -> f32[8,1024] {
+  %param_0 = f32[1024,1024]{1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  ROOT %ds = f32[8,1024]{1,0} dynamic-slice(%param_0, %param_1, %c), dynamic_slice_sizes={8,1024}
+}
+
+%fused_gather (param_0: f32[1024,1024], param_1: s32[8,1]) -> f32[8,1024] {
+  %param_0 = f32[1024,1024]{1,0} parameter(0)
+  %param_1 = s32[8,1]{1,0} parameter(1)
+  ROOT %g = f32[8,1024]{1,0} gather(%param_0, %param_1), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,1024}
+}
+
+ENTRY %main (a: f32[1024,1024], i: s32[], ids: s32[8,1], h: bf16[64,768], w: bf16[768,512], x: f32[64,32]) -> f32[8,1024] {
+  %a = f32[1024,1024]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %ids = s32[8,1]{1,0} parameter(2)
+  %h = bf16[64,768]{1,0} parameter(3)
+  %w = bf16[768,512]{1,0} parameter(4)
+  %x = f32[64,32]{1,0} parameter(5)
+  %ds = f32[8,1024]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused_ds, metadata={op_name="jit(step)/jvp()/dynamic_slice"}
+  %gat = f32[8,1024]{1,0} fusion(%a, %ids), kind=kLoop, calls=%fused_gather, metadata={op_name="jit(step)/jvp()/gather"}
+  %gemm = (bf16[64,512]{1,0}, s8[1024]{0}) custom-call(%h, %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/jvp()/dot_general"}, backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %dot = f32[64,64]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={1}, metadata={op_name="jit(step)/jvp()/dot_general"}
+  ROOT %r = f32[8,1024]{1,0} add(%ds, %gat), metadata={op_name="jit(step)/jvp()/add"}
+}
+"""  # noqa: E501 (XLA's lines, as printed)
+
+
+def test_gpu_kernels_reads_index_operands_whole_and_counts_cublas_and_dot_flops():
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("step_program", _STEP_PROGRAM)
+  program = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(program)
+  got = [(k["name"], k["kind"], k["bytes"], k["flops"])
+         for k in program.gpu_kernels(_GPU_HLO_INDICES_AND_CUBLAS)]
+  rows = 4 * 8 * 1024  # what the slice and the gather produce, and read of %a
+  assert got == [
+      ("ds", "forward", rows + rows + 4, 0),  # the start index: 4 bytes, not the slice's
+      ("gat", "forward", rows + rows + 4 * 8, 0),  # the indices: 32 bytes
+      ("gemm", "matmul", 2 * 64 * 512 + 1024 + 2 * 64 * 768 + 2 * 768 * 512, 2 * 64 * 512 * 768),
+      ("dot", "matmul", 4 * 64 * 64 + 2 * 4 * 64 * 32, 2 * 64 * 64 * 32),
+      ("r", "forward", 3 * rows, 0)]

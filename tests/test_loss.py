@@ -78,8 +78,8 @@ def test_a_target_outside_the_vocabulary_makes_the_loss_nan():
 def test_the_logits_gradient_is_elementwise_with_no_scatter():
   # The target's logit is gathered, but its gradient is g where the index is the target, one
   # elementwise expression XLA fuses into the pass that writes the logits' gradient; autodiff
-  # of the gather gives a scatter, a pass of its own over the float32 logits (and another to
-  # cast them: ~6 GB more traffic per 16k tokens at vocab 32k).
+  # of the gather gives a scatter, and the softmax's part of the gradient then takes a
+  # float32 pass of its own (4.3 GB more traffic per 16k tokens at vocab 32k).
   _, _, targets, weights = _inputs()
   logits = np.random.default_rng(2).normal(size=(B, N, V)).astype(np.float32)
   jaxpr = jax.make_jaxpr(jax.grad(
@@ -91,6 +91,26 @@ def test_the_logits_gradient_is_elementwise_with_no_scatter():
   _, pullback = jax.vjp(lambda x: loss.target_logit(x, targets), logits)
   want = g[..., None] * (np.arange(V) == targets[..., None])
   np.testing.assert_array_equal(np.asarray(pullback(g)[0]), want)
+
+
+@pytest.mark.parametrize("dtype, vocab, values", [
+    (np.int8, 300, [0, 5, 127, -1, -100]),  # arange(300, int8) wraps: 0 and 256 both "hit"
+    (np.uint8, 300, [0, 5, 255]),
+    (np.int16, 40000, [0, 32767, -1, -2]),  # where(t < 0, 40000, t) wraps to a valid index
+    (np.uint16, 70000, [0, 5, 65535]),
+    (np.uint32, 11, [0, 10, 11, 2**32 - 1]),  # 2**32 - 1 must not wrap to the last logit
+])
+def test_target_logit_of_narrow_or_unsigned_targets_is_the_one_hot_maths(dtype, vocab, values):
+  logits = np.random.default_rng(4).normal(size=(len(values), vocab)).astype(np.float32)
+  targets = np.array(values).astype(dtype)
+  want, want_grad = np.full(len(values), np.nan, np.float32), np.zeros_like(logits)
+  for i, v in enumerate(values):
+    if 0 <= v < vocab:
+      want[i], want_grad[i, v] = logits[i, v], 1.0
+  value, pullback = jax.vjp(lambda x: loss.target_logit(x, jnp.asarray(targets)), logits)
+  np.testing.assert_array_equal(np.asarray(value), want)
+  np.testing.assert_array_equal(np.asarray(pullback(np.ones(len(values), np.float32))[0]),
+                                want_grad)
 
 
 def test_a_block_size_that_does_not_divide_is_one_line():
