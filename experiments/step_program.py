@@ -21,8 +21,9 @@ d_model 768, 12 heads, mlp 2048, vocab 32768, bf16) and prints, from the program
 The ``h200`` target needs jax's CUDA plugin, which a CPU machine can install but not use
 otherwise (~5.5 GB; keep it out of the project's venv)::
 
+    v=$(python -c 'import jax; print(jax.__version__)')     # in the project's venv: 0.10.2
     python3 -m venv /tmp/gpuvenv && . /tmp/gpuvenv/bin/activate
-    pip install "jax[cuda12]==$JAX_VERSION" -e . && python experiments/step_program.py ... h200
+    pip install -e . "jax[cuda12]==$v" && python experiments/step_program.py llama 1024 16384 h200
 
 No GPU runs anything: XLA cannot autotune, so its matmul choices are its defaults, and its
 version is this machine's jax, not the GPU image's. The kernels' bytes are those of their
