@@ -15,15 +15,18 @@ d_model 768, 12 heads, mlp 2048, vocab 32768, bf16) and prints, from the program
   kernels of the forward and backward passes, the update, and the largest kernels.
 
     python experiments/step_program.py [VARIANT] [SEQ_LEN] [TOKENS_PER_BATCH] [TARGET]
-    python experiments/step_program.py cem_fused 1024 2048          # ~30 s on 2 CPU cores
-    python experiments/step_program.py llama 1024 16384 h200        # ~20 s; needs the plugin
+    python experiments/step_program.py cem_fused 1024 2048          # ~15 s on 2 CPU cores
+    python experiments/step_program.py llama 1024 16384 h200        # ~15 s; needs the plugin
 
 The ``h200`` target needs jax's CUDA plugin, which a CPU machine can install but not use
-otherwise (~5.5 GB; keep it out of the project's venv)::
+otherwise (~6.4 GB, ~2.5 minutes; keep it out of the project's venv). From the repository's
+root, with a venv path of your own::
 
     v=$(python -c 'import jax; print(jax.__version__)')     # in the project's venv: 0.10.2
-    python3 -m venv /tmp/gpuvenv && . /tmp/gpuvenv/bin/activate
+    python3 -m venv ../cem_gpu_venv && . ../cem_gpu_venv/bin/activate
     pip install -e . "jax[cuda12]==$v" && python experiments/step_program.py llama 1024 16384 h200
+
+The last row of each variant in the tables below is the code as it stands.
 
 No GPU runs anything: XLA cannot autotune, so its matmul choices are its defaults, and its
 version is this machine's jax, not the GPU image's. The kernels' bytes are those of their
@@ -39,7 +42,9 @@ Measured on 2 CPU cores (jax 0.10.2, 2026-12-04), at seq_len 1024 with 2,048 tok
 | cem_fused, η scaling the activations (main at 366cd9f) | 274 | 56.91 |
 | cem_fused, η scaling the output weights (42bc1f4) | 250 | 56.34 |
 | cem_fused, each norm of each point once (fa0fa08) | 154 | 55.43 |
-| llama | 154 | 60.06 |
+| llama (fa0fa08) | 154 | 60.06 |
+| cem_fused, the loss's gradient in one pass (d3b81ad) | 154 | 54.36 |
+| llama (d3b81ad) | 154 | 58.99 |
 
 Compiled for an H200 (jax 0.10.2 with jax-cuda12-plugin 0.10.2, 2026-12-04), seq_len 1024,
 16,384 tokens; GB of operands and results, TFLOP of the matmuls (docs/PERFORMANCE.md):
