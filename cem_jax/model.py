@@ -87,6 +87,7 @@ def training_aux(
     seq_len: int,
     attention_impl: str = "xla",
     attention_partition: tuple | None = None,
+    attention_interpret: bool | None = None,
 ) -> EnergyAux:
   """The aux of a ``[batch, seq_len]`` training or eval input: causal mask (documents and
   padding from ``segment_ids``, ``[batch, seq_len]`` int, 0 = padding), positions ``0..``,
@@ -118,6 +119,7 @@ def training_aux(
       strict_causal=cfg.strict_causal,
       attention_impl=impl,
       attention_partition=attention_partition,
+      attention_interpret=attention_interpret,
       energy_block_size=cfg.energy_block_size,
   )
 
@@ -195,6 +197,8 @@ class DecoderLM(nnx.Module):
     self.blocks = nnx.List([block_cls(cfg, rngs=rngs) for _ in range(unique)])
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt)
     self.attention_impl, self.attention_reason = resolve_attention(cfg, self.blocks, platform)
+    # Splash runs interpreted off a TPU; a model built for a TPU elsewhere runs the kernel.
+    self.attention_interpret = None if platform is None else platform != "tpu"
     self.attention_partition = attention.partition_of(rules)
     _log_once(f"attention: {self.attention_impl} ({self.attention_reason}); cached "
               "decoding: xla")
@@ -205,7 +209,7 @@ class DecoderLM(nnx.Module):
   def make_aux(self, segment_ids: jax.Array | None, batch: int, seq_len: int) -> EnergyAux:
     """:func:`training_aux` with this model's kernel and partition."""
     return training_aux(self.cfg, segment_ids, batch, seq_len, self.attention_impl,
-                        self.attention_partition)
+                        self.attention_partition, self.attention_interpret)
 
   def make_decode_aux(self, batch: int, num_new: int, max_len: int, index) -> EnergyAux:
     """:func:`decoding_aux` for this model's config."""

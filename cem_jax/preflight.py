@@ -33,17 +33,17 @@ def check(config: ml_collections.ConfigDict) -> None:
   _attention_kernel(config, platform=None)
 
 
-def check_machine(config: ml_collections.ConfigDict) -> None:
+def check_machine(config: ml_collections.ConfigDict, platform: str | None = None) -> None:
   """What this machine decides, once its devices may be touched (after
   ``jax.distributed.initialize``) and before the data is built, so that a run that cannot
   start trains no tokenizer and writes no shards first: the attention kernel the config asks
-  for on ``jax.default_backend()`` (``cudnn`` off a GPU, ``splash`` off a TPU, a head too wide
-  for this GPU's cuDNN).
+  for on ``platform``, ``jax.default_backend()`` if None (``cudnn`` off a GPU, ``splash`` off
+  a TPU, a head too wide for this GPU's cuDNN).
 
   Raises:
     ValueError: one line naming ``model.attention_impl``, its value and why it cannot run.
   """
-  _attention_kernel(config, platform=jax.default_backend())
+  _attention_kernel(config, platform=jax.default_backend() if platform is None else platform)
 
 
 def _attention_kernel(config: ml_collections.ConfigDict, platform: str | None) -> None:

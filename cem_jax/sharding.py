@@ -40,10 +40,14 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     ValueError: as :func:`cem_jax.axes.mesh_shape` (the mesh sizes do not multiply to the
       number of devices, naming the ``mesh`` fields).
   """
-  devices = jax.devices() if devices is None else devices
+  every = jax.devices()
+  devices = every if devices is None else list(devices)
   shape = mesh_shape(mesh_config, len(devices))
   axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-  if devices is jax.devices() or len(devices) == len(jax.devices()):
+  # The same devices, not only as many: a target's described devices (cem_jax.aot) are not
+  # this machine's.
+  if sorted(d.id for d in devices) == sorted(d.id for d in every) and all(
+      d.platform == every[0].platform for d in devices):
     return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types)
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=axis_types)
 

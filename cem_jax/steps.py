@@ -28,10 +28,11 @@ from cem_jax.optim import applied_updates
 # Model and sharded state
 
 
-def build_model(config, vocab_size: int) -> DecoderLM:
-  """The model of ``config.model`` with ``vocab_size`` tokens, initialised from ``config.seed``."""
+def build_model(config, vocab_size: int, platform: str | None = None) -> DecoderLM:
+  """The model of ``config.model`` with ``vocab_size`` tokens, initialised from ``config.seed``,
+  for ``platform`` (``DecoderLM``'s: this machine's if None)."""
   return DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(params=config.seed),
-                   rules=sharding_lib.rules_from_config(config.mesh))
+                   rules=sharding_lib.rules_from_config(config.mesh), platform=platform)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,19 +82,50 @@ def init_state(config: ml_collections.ConfigDict, vocab_size: int, tx, mesh=None
     ValueError: a mesh that does not fit the devices, or bad ``mesh.rules``.
   """
   mesh = sharding_lib.make_mesh(config.mesh) if mesh is None else mesh
+  graphdef, shardings, abstract_model, make_params, make_opt_state = _state_builders(
+      config, vocab_size, tx, mesh)
+  params = make_params()
+  return graphdef, params, make_opt_state(params), shardings, abstract_model
+
+
+def abstract_state(config: ml_collections.ConfigDict, vocab_size: int, tx, mesh,
+                   platform: str | None = None):
+  """:func:`init_state`'s state as shapes only, each ``jax.ShapeDtypeStruct`` on its sharding:
+  enough to compile the steps for ``mesh``, whose devices need not be this machine's (e.g.
+  a TPU slice's, :mod:`cem_jax.aot`); nothing is allocated.
+
+  Args:
+    config, vocab_size, tx: as :func:`init_state`.
+    mesh: the mesh of the devices the state will live on.
+    platform: the platform the model is built for (:func:`build_model`).
+  Returns:
+    ``(graphdef, params, opt_state, shardings, abstract_model)``, as :func:`init_state`.
+  Raises:
+    ValueError: bad ``mesh.rules``.
+  """
+  graphdef, shardings, abstract_model, make_params, make_opt_state = _state_builders(
+      config, vocab_size, tx, mesh, platform)
+  params = jax.eval_shape(make_params)
+  return graphdef, params, jax.eval_shape(make_opt_state, params), shardings, abstract_model
+
+
+def _state_builders(config, vocab_size: int, tx, mesh, platform: str | None = None):
+  """The graphdef, shardings and abstract model, and the jitted functions that make the
+  params and the optimizer state in their shards (called by :func:`init_state`, traced for
+  shapes only by :func:`abstract_state`)."""
   rules = sharding_lib.rules_from_config(config.mesh)
-  abstract_model = nnx.eval_shape(lambda: build_model(config, vocab_size))
+  abstract_model = nnx.eval_shape(lambda: build_model(config, vocab_size, platform))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   param_sh = sharding_lib.param_shardings(abstract_params, mesh, rules)
-  params = jax.jit(lambda: nnx.state(build_model(config, vocab_size), nnx.Param),
-                   out_shardings=param_sh)()
   opt_sh = sharding_lib.opt_state_shardings(tx, jax.eval_shape(tx.init, abstract_params),
                                             param_sh, mesh)
-  opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
   shardings = StateShardings(mesh=mesh, params=param_sh, opt_state=opt_sh,
                              batch=sharding_lib.batch_sharding(mesh, rules),
                              replicated=sharding_lib.replicated(mesh))
-  return graphdef, params, opt_state, shardings, abstract_model
+  make_params = jax.jit(lambda: nnx.state(build_model(config, vocab_size, platform), nnx.Param),
+                        out_shardings=param_sh)
+  return (graphdef, shardings, abstract_model, make_params,
+          jax.jit(tx.init, out_shardings=opt_sh))
 
 
 

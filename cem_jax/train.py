@@ -239,6 +239,56 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   return run
 
 
+def make_steps(config: ml_collections.ConfigDict, graphdef, tx, shardings, schedule):
+  """The run's jitted ``(train_step, eval_step)`` (:func:`cem_jax.steps.make_train_step`,
+  :func:`cem_jax.steps.make_eval_step`) with the config's non-finite guard, gradient
+  accumulation, loss blocks, eval steps and energy trace."""
+  t = config.train
+  train_step = steps_lib.make_train_step(graphdef, tx, t.max_consecutive_nonfinite, shardings,
+                                         schedule, t.gradient_accumulation_steps,
+                                         t.loss_block_size)
+  eval_num_steps = None if config.eval.num_steps < 0 else config.eval.num_steps
+  trace = config.eval.energy_trace and config.model.block == "cem"
+  eval_step = steps_lib.make_eval_step(graphdef, eval_num_steps, trace, shardings,
+                                       t.loss_block_size)
+  return train_step, eval_step
+
+
+def compile_steps(config: ml_collections.ConfigDict, train_step, eval_step, params, opt_state,
+                  guard, batch_sharding, data_parallel: int, limit_bytes: int | None = None):
+  """Compiles the training and eval steps for the calls to come (they reuse the
+  compilations) and checks that each fits one device (:func:`memory.compile_within_memory`):
+  a step too large is a one-line error before any step runs, and an eval step too large one
+  before hours of training end at the first eval.
+
+  Args:
+    config: the run's config.
+    train_step, eval_step: :func:`make_steps`'s.
+    params, opt_state: the state, arrays or ``jax.ShapeDtypeStruct`` s on their shardings.
+    guard: the non-finite guard (int32 ``[]``, replicated), or its ``ShapeDtypeStruct``.
+    batch_sharding: the batches' sharding.
+    data_parallel: the devices the batch is split over.
+    limit_bytes: a device's memory; None: this machine's device's limit.
+  Returns:
+    ``(train_compiled, eval_compiled)``.
+  Raises:
+    ValueError: one line, a step that does not fit (naming what to change).
+  """
+  seq_len = config.data.seq_len
+  train_compiled = memory.compile_within_memory(
+      train_step, (params, opt_state, _batch_spec(config.train.batch_size, seq_len,
+                                                  batch_sharding), guard, np.int32(0)),
+      config, limit_bytes=limit_bytes, data_parallel=data_parallel)
+  # The optimizer state stays on the device through an eval: counted beside the step.
+  eval_compiled = memory.compile_within_memory(
+      eval_step, (params, _batch_spec(config.eval.batch_size, seq_len, batch_sharding,
+                                      target_bytes=True)),
+      config, what="the eval step", limit_bytes=limit_bytes,
+      advice=memory.eval_advice(config, data_parallel),
+      resident=memory.resident_bytes(opt_state), resident_what="optimizer state")
+  return train_compiled, eval_compiled
+
+
 def _batch_spec(rows: int, seq_len: int, sharding, *, target_bytes: bool = False) -> dict:
   """A global batch of ``[rows, seq_len]`` as ``jax.ShapeDtypeStruct`` s on ``sharding``, with
   the keys and dtypes of ``data.make_batch`` (read from it, so the ahead-of-time compiles
@@ -416,14 +466,8 @@ class _Loop:
 
     cfg_t = config.train
     self.max_bad = cfg_t.max_consecutive_nonfinite
-    self.train_step = steps_lib.make_train_step(run.graphdef, run.tx, self.max_bad,
-                                                run.shardings, run.schedule,
-                                                cfg_t.gradient_accumulation_steps,
-                                                cfg_t.loss_block_size)
-    eval_num_steps = None if config.eval.num_steps < 0 else config.eval.num_steps
-    trace = config.eval.energy_trace and config.model.block == "cem"
-    self.eval_step = steps_lib.make_eval_step(run.graphdef, eval_num_steps, trace,
-                                              run.shardings, cfg_t.loss_block_size)
+    self.train_step, self.eval_step = make_steps(config, run.graphdef, run.tx, run.shardings,
+                                                 run.schedule)
     self.num_steps = cfg_t.num_steps
     self.global_rows = cfg_t.batch_size
     self.tokens_per_step = self.global_rows * config.data.seq_len
@@ -444,19 +488,8 @@ class _Loop:
     # too large is one before hours of training end at the first eval. A finished run
     # (re-run to find its last checkpoint) runs neither: nothing to compile.
     if run.start_step < cfg_t.num_steps:
-      seq_len, batch_sharding = config.data.seq_len, run.shardings.batch
-      data_parallel = data_parallel_devices(config)
-      memory.compile_within_memory(
-          self.train_step, (self.params, self.opt_state,
-                            _batch_spec(cfg_t.batch_size, seq_len, batch_sharding),
-                            self.guard, np.int32(0)),
-          config, data_parallel=data_parallel)
-      # The optimizer state stays on the device through an eval: counted beside the step.
-      memory.compile_within_memory(
-          self.eval_step, (self.params, _batch_spec(config.eval.batch_size, seq_len,
-                                                    batch_sharding, target_bytes=True)),
-          config, what="the eval step", advice=memory.eval_advice(config, data_parallel),
-          resident=memory.resident_bytes(self.opt_state), resident_what="optimizer state")
+      compile_steps(config, self.train_step, self.eval_step, self.params, self.opt_state,
+                    self.guard, run.shardings.batch, data_parallel_devices(config))
     self.last_saved = run.resume
     _log_resume(run, self.resolved)
     self.profiler = StepProfiler(tensorboard_dir(run.workdir), cfg_t.profile_first_step,

@@ -66,39 +66,8 @@ from __future__ import annotations
 
 import collections
 import math
-import os
 import re
 import sys
-
-# An H200 (SXM, 141 GB HBM3e) as XLA's GPU compiler sees it: the H100 SXM's figures
-# (openxla's gpu_specs/h100_sxm.txtpb) with the H200's memory size and bandwidth. They steer
-# XLA's fusion heuristics; the cuDNN and CUDA versions are those of the jax-cuda12 wheels.
-H200_TARGET_CONFIG = """
-gpu_device_info {
-  threads_per_block_limit: 1024
-  threads_per_warp: 32
-  shared_memory_per_block: 49152
-  shared_memory_per_core: 233472
-  threads_per_core_limit: 2048
-  core_count: 132
-  fpus_per_core: 128
-  block_dim_limit_x: 2147483647
-  block_dim_limit_y: 65535
-  block_dim_limit_z: 65535
-  memory_bandwidth: 4800000000000
-  l2_cache_size: 52428800
-  clock_rate_ghz: 1.98
-  device_memory_size: 150110011392
-  shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 }
-  registers_per_core_limit: 65536
-  registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 10 }
-runtime_version { major: 12 minor: 9 }
-device_description_str: "NVIDIA H200"
-"""
 
 TARGETS = ("cpu", "h200")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
@@ -280,14 +249,13 @@ def print_gpu_kernels(kernels: list[dict], largest: int = 8) -> None:
 
 def _h200_sharding():
   import jax
-  from jax.experimental import topologies
+
+  from cem_jax import aot
 
   try:
-    devices = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET_CONFIG,
-                                           topology="1x1x1").devices
-  except NotImplementedError:
-    raise SystemExit(f"target h200 needs jax's CUDA plugin (pip install \"jax[cuda12]=="
-                     f"{jax.__version__}\", in a venv of its own); this jax has none") from None
+    devices = aot.target_devices("h200").devices
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
   return jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("d",)),
                                     jax.sharding.PartitionSpec())
 
@@ -296,9 +264,6 @@ def main(variant: str = "cem_fused", seq_len: int = 1024, tokens_per_batch: int 
          target: str = "cpu"):
   if target not in TARGETS:
     raise SystemExit(f"target={target!r}; allowed: {', '.join(TARGETS)}")
-  if target == "h200":
-    # The plugin checks the driver's CUDA version when it loads; there is no driver here.
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   import jax
 
   from cem_jax import bench, memory

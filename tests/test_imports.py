@@ -133,7 +133,7 @@ STAGES = (
     ("steps", "workdir"),  # 6
     ("train",),  # 7
     ("main", "bench", "evaluate", "sample", "plot", "summary", "inspect", "tables",
-     "prepare"),  # 8: the tools; nothing above imports them
+     "prepare", "aot"),  # 8: the tools; nothing above imports them
 )
 
 

@@ -58,6 +58,8 @@ class EnergyAux:
       ``'splash'`` (resolved by :func:`cem_jax.attention.resolve`, static).
     attention_partition: ``(batch mesh axes, heads mesh axes)`` for a kernel that runs per
       device under ``shard_map`` (splash); None: the default rules' (static).
+    attention_interpret: run splash in Pallas's interpret mode; None: off a TPU (this
+      machine's backend), False when compiling for a TPU from another machine (static).
     energy_block_size: key block of the interaction energy's online log-sum-exp
       (:func:`blockwise_logsumexp`); 0 = dense scores (static).
   """
@@ -74,6 +76,7 @@ class EnergyAux:
   strict_causal: bool = flax.struct.field(pytree_node=False, default=False)
   attention_impl: str = flax.struct.field(pytree_node=False, default="xla")
   attention_partition: tuple | None = flax.struct.field(pytree_node=False, default=None)
+  attention_interpret: bool | None = flax.struct.field(pytree_node=False, default=None)
   energy_block_size: int = flax.struct.field(pytree_node=False, default=0)
 
   @property

@@ -150,12 +150,13 @@ def fused_update(y: jax.Array, context: jax.Array, params: dict, aux: EnergyAux)
   q = q * beta[None, None, :, None]  # per-head inverse temperature, so scale=1
   if aux.is_plain_causal:
     out = attention.dot_product_attention(q, k, k, scale=1.0, implementation=impl,
-                                          is_causal=True, partition=aux.attention_partition)
+                                          is_causal=True, partition=aux.attention_partition,
+                                          interpret=aux.attention_interpret)
   else:
     out = attention.dot_product_attention(
         q, k, k, scale=1.0, implementation=impl, mask=aux.mask, is_causal=aux.is_causal,
         strict_causal=aux.strict_causal, segment_ids=aux.segment_ids,
-        partition=aux.attention_partition)
+        partition=aux.attention_partition, interpret=aux.attention_interpret)
   o = out[..., :head_dim]
   if aux.rope_theta is not None:
     o = apply_rope(o, aux.positions, aux.rope_theta, inverse=True)

@@ -52,12 +52,14 @@ class LlamaAttention(nnx.Module):
     if aux.is_plain_causal:
       o = attention.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                           implementation=aux.attention_impl,
-                                          partition=aux.attention_partition)
+                                          partition=aux.attention_partition,
+                                          interpret=aux.attention_interpret)
     else:
       o = attention.dot_product_attention(
           q, k, v, scale=scale, implementation=aux.attention_impl, mask=aux.mask,
           is_causal=aux.is_causal, strict_causal=aux.strict_causal,
-          segment_ids=aux.segment_ids, partition=aux.attention_partition)
+          segment_ids=aux.segment_ids, partition=aux.attention_partition,
+          interpret=aux.attention_interpret)
     out = jnp.einsum("bthk,hkd->btd", o, self.w_o[...].astype(dt))
     return out if cache is None else (out, cache)
 

@@ -1,0 +1,89 @@
+"""cem_jax.aot: the steps compiled for a target's devices are main's, and their memory check.
+
+The TPU and GPU targets need libtpu or jax's CUDA plugin, which CI does not install: their
+compilation was checked by hand (docs/PERFORMANCE.md). Here the same path runs with this
+machine's CPU as the target, against the start-up compilation of ``cem_jax.train``.
+"""
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+from flax import nnx
+
+from cem_jax import aot, memory, optim, steps, train
+from cem_jax.model import DecoderLM
+
+
+def _cpu_target(memory_bytes: int = 2**40) -> aot.Target:
+  return aot.Target(devices=jax.devices()[:1], platform="cpu", memory_bytes=memory_bytes,
+                    kind=jax.devices()[0].device_kind)
+
+
+def test_the_compiled_steps_need_what_mains_start_up_compilation_needs():
+  # The abstract state (shapes on shardings, nothing allocated) must compile to main's
+  # programs: same memory per device for the training step and the eval step.
+  config = tiny_config("cem")
+  report = aot.compile_for(config, _cpu_target(), vocab_size=300)
+  tx, schedule = optim.make_optimizer(config.train)
+  graphdef, params, opt_state, shardings, _ = steps.init_state(config, 300, tx)
+  train_step, eval_step = train.make_steps(config, graphdef, tx, shardings, schedule)
+  guard = jax.device_put(np.zeros((), np.int32), shardings.replicated)
+  compiled = train.compile_steps(config, train_step, eval_step, params, opt_state, guard,
+                                 shardings.batch, 1)
+  want = [memory.footprint_bytes(c) for c in compiled]
+  assert report["train_bytes"] == want[0] > 0
+  assert report["eval_bytes"] == want[1] + memory.resident_bytes(opt_state)
+  assert (report["devices"], report["mesh"], report["attention"]) == (
+      1, {"data": 1, "fsdp": 1, "tensor": 1}, "xla")
+
+
+def test_a_step_larger_than_the_targets_memory_is_one_line_naming_what_to_change():
+  config = tiny_config("llama")
+  with pytest.raises(ValueError) as e:
+    aot.compile_for(config, _cpu_target(memory_bytes=2**20), vocab_size=300)
+  line = str(e.value)
+  assert "\n" not in line
+  assert line.startswith("the training step needs ") and "the device allows 1.0 MiB" in line
+  assert "train.gradient_accumulation_steps" in line
+
+
+def test_splash_for_a_tpu_elsewhere_is_refused_in_one_line():
+  # Splash builds its mask tables while tracing under jax.set_mesh, which jax cannot do for
+  # devices it only describes: refused before compiling, with the way to check instead.
+  config = tiny_config("cem", **{"data.seq_len": 128})
+  target = aot.Target(devices=jax.devices()[:1], platform="tpu", memory_bytes=2**34,
+                      kind="TPU v5 lite")
+  with pytest.raises(ValueError, match=r"^--target: model.attention_impl='auto' runs splash "
+                     r"attention, .* --config.model.attention_impl=xla"):
+    aot.compile_for(config, target, vocab_size=300)
+
+
+@pytest.mark.parametrize("target, error", [
+    ("h200:0", "--target=h200:0: the GPU count '0'; allowed: an int >= 1"),
+    ("h100:two", "--target=h100:two: the GPU count 'two'; allowed: an int >= 1"),
+    ("a100", "--target=a100; allowed: a TPU slice as libtpu names it (e.g. v5e:16x16), or "
+             "h100, h200[:N]"),
+])
+def test_a_bad_target_is_one_line(target, error):
+  with pytest.raises(ValueError) as e:
+    aot.target_devices(target)
+  assert str(e.value) == error
+
+
+def test_a_target_without_its_plugin_names_the_wheel_to_install():
+  # CI has neither libtpu nor the CUDA plugin.
+  for target, wheel in (("v5e:2x2", "jax[tpu]"), ("h200:8", "jax[cuda12]")):
+    with pytest.raises(ValueError) as e:
+      aot.target_devices(target)
+    assert str(e.value).startswith(f"--target={target} needs {wheel}=={jax.__version__} "
+                                   "installed"), str(e.value)
+
+
+def test_a_model_built_for_a_tpu_elsewhere_runs_splash_as_the_kernel_not_interpreted():
+  config = tiny_config("llama", **{"data.seq_len": 128})
+  interpret = {}
+  for platform in (None, "tpu", "gpu"):
+    model = DecoderLM(config.model, 64, rngs=nnx.Rngs(0), platform=platform)
+    interpret[platform] = model.make_aux(None, 1, 128).attention_interpret
+  assert interpret == {None: None, "tpu": False, "gpu": True}
