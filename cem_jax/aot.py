@@ -107,7 +107,10 @@ def target_devices(target: str) -> Target:
   if not count:
     raise ValueError(f"--target={target}; allowed: a TPU slice as libtpu names it "
                      f"(e.g. v5e:16x16), or {', '.join(GPU_TARGET_CONFIGS)}[:N]")
-  devices = _topology(target, "tpu", topology_name=target)
+  # jax runs a v4 or v5p chip's two TensorCores as one device (megacore); libtpu describes
+  # them as two unless asked (v4:2x2x2: 16 devices of 32 GiB each, for 8 chips of 32 GiB).
+  megacore = {"chip_config_name": "megacore"} if name in ("v4", "v5p") else {}
+  devices = _topology(target, "tpu", topology_name=target, **megacore)
   kind = devices[0].device_kind
   if kind not in TPU_MEMORY_BYTES:
     raise ValueError(f"--target={target}: no memory size known for {kind!r}; known: "
@@ -154,7 +157,7 @@ def compile_for(config, target: Target, vocab_size: int | None = None) -> dict:
   import jax
   import numpy as np
 
-  from cem_jax import memory, optim, preflight, sharding, steps, train
+  from cem_jax import attention, memory, optim, preflight, sharding, steps, train
 
   preflight.check(config)
   preflight.check_machine(config, platform=target.platform)
@@ -167,7 +170,10 @@ def compile_for(config, target: Target, vocab_size: int | None = None) -> dict:
   tx, schedule = optim.make_optimizer(config.train)
   graphdef, params, opt_state, shardings, model = steps.abstract_state(
       config, vocab, tx, mesh, platform=target.platform)
-  if model.attention_impl == "splash" and target.platform != jax.default_backend():
+  kernel = model.attention_impl
+  if config.data.seq_len % attention.SEQ_MULTIPLE.get(kernel, 1):
+    kernel = "xla"  # 'auto' at a length the kernel cannot take: training_aux runs XLA's
+  if kernel == "splash" and target.platform != jax.default_backend():
     # Splash builds its mask tables while the step is traced under jax.set_mesh, and jax
     # cannot make arrays there for devices it only describes.
     raise ValueError(f"--target: model.attention_impl={config.model.attention_impl!r} runs "
@@ -181,7 +187,7 @@ def compile_for(config, target: Target, vocab_size: int | None = None) -> dict:
                                  limit_bytes=target.memory_bytes)
   need = [memory.footprint_bytes(c) for c in compiled]
   return {"devices": len(target.devices), "kind": target.kind, "mesh": dict(mesh.shape),
-          "attention": model.attention_impl, "train_bytes": need[0],
+          "attention": kernel, "train_bytes": need[0],
           "eval_bytes": need[1] + memory.resident_bytes(opt_state),
           "limit_bytes": target.memory_bytes}
 

@@ -44,10 +44,10 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   devices = every if devices is None else list(devices)
   shape = mesh_shape(mesh_config, len(devices))
   axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-  # The same devices, not only as many: a target's described devices (cem_jax.aot) are not
-  # this machine's.
-  if sorted(d.id for d in devices) == sorted(d.id for d in every) and all(
-      d.platform == every[0].platform for d in devices):
+  # The same devices, not only as many, nor as many with the same ids and platform: a
+  # target's described devices (cem_jax.aot) are not this machine's even where their ids and
+  # platform are (a v6e:2x2 target described on a v5e-4 machine, h100:8 on an H200 node).
+  if len(devices) == len(every) and set(devices) == set(every):
     return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types)
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=axis_types)
 

@@ -5,13 +5,18 @@ compilation was checked by hand (docs/PERFORMANCE.md). Here the same path runs w
 machine's CPU as the target, against the start-up compilation of ``cem_jax.train``.
 """
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import subprocess_env, tiny_config
 from flax import nnx
 
-from cem_jax import aot, memory, optim, steps, train
+from cem_jax import aot, memory, optim, sharding, steps, train
 from cem_jax.model import DecoderLM
 
 
@@ -87,3 +92,81 @@ def test_a_model_built_for_a_tpu_elsewhere_runs_splash_as_the_kernel_not_interpr
     model = DecoderLM(config.model, 64, rngs=nnx.Rngs(0), platform=platform)
     interpret[platform] = model.make_aux(None, 1, 128).attention_interpret
   assert interpret == {None: None, "tpu": False, "gpu": True}
+
+
+def test_on_a_mesh_that_splits_the_state_the_steps_need_what_mains_need():
+  # One device cannot tell a sharded abstract state from a replicated one: 8 forced CPU
+  # devices, fsdp and tensor parallel, accumulation and loss blocks (a subprocess: this pytest
+  # process stays single-device).
+  code = textwrap.dedent("""
+      import sys; sys.path.insert(0, sys.argv[1])
+      import jax, numpy as np
+      from conftest import tiny_config
+      from cem_jax import aot, memory, optim, steps, train
+      config = tiny_config("cem", **{"mesh.data": -1, "mesh.fsdp": 2, "mesh.tensor": 2,
+                                     "train.batch_size": 16, "train.loss_block_size": 16,
+                                     "train.gradient_accumulation_steps": 2})
+      target = aot.Target(jax.devices(), "cpu", 2**40, jax.devices()[0].device_kind)
+      r = aot.compile_for(config, target, vocab_size=300)
+      tx, schedule = optim.make_optimizer(config.train)
+      graphdef, params, opt_state, shardings, _ = steps.init_state(config, 300, tx)
+      ts, es = train.make_steps(config, graphdef, tx, shardings, schedule)
+      guard = jax.device_put(np.zeros((), np.int32), shardings.replicated)
+      c = train.compile_steps(config, ts, es, params, opt_state, guard, shardings.batch,
+                              train.data_parallel_devices(config))
+      want = [memory.footprint_bytes(c[0]),
+              memory.footprint_bytes(c[1]) + memory.resident_bytes(opt_state)]
+      assert [r["train_bytes"], r["eval_bytes"]] == want, (r, want)
+      assert r["mesh"] == dict(shardings.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+      print("ok")
+  """)
+  done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)],
+                        env=subprocess_env(8, PYTHONPATH=str(Path(__file__).parents[1])),
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+class _Described:
+  """A device as a target describes it: this machine's id and platform, not this machine's."""
+
+  def __init__(self, kind: str = "cpu", platform: str = "cpu"):
+    self.id, self.platform, self.device_kind = 0, platform, kind
+
+
+def test_a_mesh_of_described_devices_is_theirs_even_with_this_machines_ids():
+  # An h100:8 target described on an 8-GPU node has its ids and platform: jax.make_mesh there
+  # would lay the mesh over the node's own GPUs and compile for them.
+  config = tiny_config("cem")
+  described = [_Described()]
+  assert sharding.make_mesh(config.mesh, described).devices.flat[0] is described[0]
+  assert sharding.make_mesh(config.mesh, jax.devices()).devices.flat[0] is jax.devices()[0]
+
+
+def test_a_gpu_targets_limit_is_the_share_jax_preallocates_of_its_memory(monkeypatch):
+  monkeypatch.setattr(aot, "_topology", lambda *a, **k: [_Described("NVIDIA H200", "gpu")])
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  assert aot.target_devices("h200").memory_bytes == int(0.75 * 150110011392)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+  assert aot.target_devices("h100:2").memory_bytes == int(0.5 * 84978434048)
+
+
+def test_v4_and_v5p_are_described_one_device_per_chip_as_jax_runs_them(monkeypatch):
+  asked = {}
+
+  def topology(target, platform, **kwargs):
+    asked[target] = kwargs.get("chip_config_name")
+    return [_Described("TPU v4", "tpu")]
+
+  monkeypatch.setattr(aot, "_topology", topology)
+  for target in ("v4:2x2x2", "v5p:2x2x2", "v5e:2x2"):
+    aot.target_devices(target)
+  assert asked == {"v4:2x2x2": "megacore", "v5p:2x2x2": "megacore", "v5e:2x2": None}
+
+
+def test_auto_at_a_length_splash_cannot_take_is_compiled_with_xla_for_a_tpu():
+  # training_aux runs XLA's attention under 'auto' at seq_len 64 (splash needs a multiple of
+  # 128): nothing to refuse, and the report names the kernel that runs.
+  config = tiny_config("llama")
+  target = aot.Target(devices=jax.devices()[:1], platform="tpu", memory_bytes=2**34,
+                      kind="TPU v5 lite")
+  assert aot.compile_for(config, target, vocab_size=300)["attention"] == "xla"
