@@ -22,9 +22,9 @@ Scales:
   paper: d_model 768, 12 layers, 12 heads, mlp_dim 2048, seq_len 1024, global batch 256,
          20,000 steps (5.2B tokens; a Chinchilla-style ~40 tokens/parameter budget for
          ~125M), for a TPU pod slice or a multi-GPU node; on one GPU with
-         ``--set=train.gradient_accumulation_steps=16`` (XLA's CPU memory analysis: 46 GiB per
-         step, 694-710 GiB without; 40.5 GiB adding ``--set=train.loss_block_size=128``;
-         docs/REPRODUCING.md).
+         ``--set=train.gradient_accumulation_steps=2`` (compiled for an H200 by
+         ``cem_jax.aot``: 62.3 GiB per step, 105.4 GiB without; XLA's CPU analysis, an upper
+         estimate, gives 694-710 GiB without; docs/REPRODUCING.md).
 gpu, small and paper read ``data.prepared_dir``, ``data.files`` or ``data.tfds_name`` given on
 the command line (``python -m cem_jax.tables --set=data.prepared_dir=DIR``, e.g. a prepared
 dump of a web-text corpus); they default to War and Peace only so that every row builds.
