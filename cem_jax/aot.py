@@ -92,17 +92,24 @@ def target_devices(target: str) -> Target:
   Raises:
     ValueError: one line naming ``--target``: an unknown form, a GPU count < 1, a TPU this
       libtpu does not know or whose memory is not in :data:`TPU_MEMORY_BYTES`, or no libtpu or
-      CUDA plugin installed.
+      CUDA plugin installed; or naming ``XLA_PYTHON_CLIENT_MEM_FRACTION``, not in (0, 1].
   """
   name, _, count = target.partition(":")
   if name in GPU_TARGET_CONFIGS:
     if count and not (count.isdigit() and int(count) >= 1):
       raise ValueError(f"--target={target}: the GPU count {count!r}; allowed: an int >= 1")
+    given = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    try:
+      fraction = float(given)
+    except ValueError:
+      fraction = -1.0
+    if not 0 < fraction <= 1:
+      raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={given!r}; allowed: a number in "
+                       "(0, 1], the share of a GPU's memory jax takes (default 0.75)")
     # The plugin checks the driver's CUDA version when it loads; a CPU machine has no driver.
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     devices = _topology(target, "cuda", topology=f"1x1x{int(count or 1)}",
                         target_config=GPU_TARGET_CONFIGS[name])
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
     return Target(devices, "gpu", int(fraction * _gpu_memory(name)), devices[0].device_kind)
   if not count:
     raise ValueError(f"--target={target}; allowed: a TPU slice as libtpu names it "

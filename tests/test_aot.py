@@ -170,3 +170,12 @@ def test_auto_at_a_length_splash_cannot_take_is_compiled_with_xla_for_a_tpu():
   target = aot.Target(devices=jax.devices()[:1], platform="tpu", memory_bytes=2**34,
                       kind="TPU v5 lite")
   assert aot.compile_for(config, target, vocab_size=300)["attention"] == "xla"
+
+
+@pytest.mark.parametrize("fraction", ["abc", "0", "1.5"])
+def test_a_bad_gpu_memory_fraction_is_one_line_naming_the_variable(monkeypatch, fraction):
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+  with pytest.raises(ValueError) as e:
+    aot.target_devices("h200")
+  assert str(e.value) == (f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction!r}; allowed: a number in "
+                          "(0, 1], the share of a GPU's memory jax takes (default 0.75)")
