@@ -67,10 +67,14 @@ dnn_version_info {{ major: 9 minor: 10 }}
 runtime_version {{ major: 12 minor: 9 }}
 device_description_str: "{name}"
 """
+# Memory per GPU in bytes (what the device reports), the one figure the check and the
+# description share.
+GPU_MEMORY_BYTES = {"h100": 84978434048, "h200": 150110011392}
 GPU_TARGET_CONFIGS = {
-    "h100": _GPU_SPEC.format(bandwidth=3352320000000, memory=84978434048,
+    "h100": _GPU_SPEC.format(bandwidth=3352320000000, memory=GPU_MEMORY_BYTES["h100"],
                              name="NVIDIA H100 80GB HBM3"),
-    "h200": _GPU_SPEC.format(bandwidth=4800000000000, memory=150110011392, name="NVIDIA H200"),
+    "h200": _GPU_SPEC.format(bandwidth=4800000000000, memory=GPU_MEMORY_BYTES["h200"],
+                             name="NVIDIA H200"),
 }
 
 
@@ -110,7 +114,8 @@ def target_devices(target: str) -> Target:
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     devices = _topology(target, "cuda", topology=f"1x1x{int(count or 1)}",
                         target_config=GPU_TARGET_CONFIGS[name])
-    return Target(devices, "gpu", int(fraction * _gpu_memory(name)), devices[0].device_kind)
+    return Target(devices, "gpu", int(fraction * GPU_MEMORY_BYTES[name]),
+                  devices[0].device_kind)
   if not count:
     raise ValueError(f"--target={target}; allowed: a TPU slice as libtpu names it "
                      f"(e.g. v5e:16x16), or {', '.join(GPU_TARGET_CONFIGS)}[:N]")
@@ -123,11 +128,6 @@ def target_devices(target: str) -> Target:
     raise ValueError(f"--target={target}: no memory size known for {kind!r}; known: "
                      f"{', '.join(TPU_MEMORY_BYTES)} (cem_jax.aot.TPU_MEMORY_BYTES)")
   return Target(devices, "tpu", TPU_MEMORY_BYTES[kind], kind)
-
-
-def _gpu_memory(name: str) -> int:
-  spec = GPU_TARGET_CONFIGS[name]
-  return int(spec.split("device_memory_size: ")[1].split()[0])
 
 
 def _topology(target: str, platform: str, **kwargs) -> list:

@@ -242,7 +242,11 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
 def make_steps(config: ml_collections.ConfigDict, graphdef, tx, shardings, schedule):
   """The run's jitted ``(train_step, eval_step)`` (:func:`cem_jax.steps.make_train_step`,
   :func:`cem_jax.steps.make_eval_step`) with the config's non-finite guard, gradient
-  accumulation, loss blocks, eval steps and energy trace."""
+  accumulation, loss blocks, eval steps and energy trace.
+
+  Raises:
+    ValueError: ``train.gradient_accumulation_steps`` not an int >= 1 (one line).
+  """
   t = config.train
   train_step = steps_lib.make_train_step(graphdef, tx, t.max_consecutive_nonfinite, shardings,
                                          schedule, t.gradient_accumulation_steps,
