@@ -36,6 +36,12 @@ elementwise gradient (``loss.target_logit``) instead of autodiff's scatter, so X
 logits' gradient into one pass, in an order of its own: on the same machine the tiny run
 gave eval bits/byte 2.6255 at step 100 and 1.7232 at step 1000, against 2.6309 and 1.7230
 for the code before it, run beside it the same day (de3aef2).
+
+The README's main job (``experiments/tiny.py``, eval bits/byte at step 1000) under version 3,
+by machine and code: 1.7273 on 2026-12-02 and 12-03 (one machine); on an AMD EPYC with
+AVX-512, 1.7237 (2026-12-03), then 1.7240 with the loss as ``log Z - logit[target]``; on an
+AMD EPYC without AVX-512, 1.7250, then 1.7230 after the η and RMSNorm changes, then 1.7232
+with the elementwise gradient of the target's logit (2026-12-04).
 """
 
 NUMERICS_VERSION = 3
