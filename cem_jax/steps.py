@@ -282,9 +282,9 @@ def make_eval_step(graphdef, num_steps: int | None, energy_trace: bool = False,
 
 
 class _UnderMesh:
-  """A jitted step called (and lowered) under ``jax.set_mesh(mesh)``: a kernel that XLA cannot
-  partition (splash attention, a Pallas call) reads the mesh there to run per device in
-  ``shard_map``."""
+  """A jitted step called under ``jax.set_mesh(mesh)`` (and lowered under its abstract mesh): a
+  kernel that XLA cannot partition (splash attention, a Pallas call) reads the mesh there to
+  run per device in ``shard_map``."""
 
   def __init__(self, step, mesh):
     self.step, self.mesh = step, mesh
@@ -295,7 +295,10 @@ class _UnderMesh:
       return self.step(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
-    with jax.set_mesh(self.mesh):
+    # Lowering needs only the mesh's shape. Under the concrete mesh, splash's mask tables
+    # (arrays made while tracing) would go to its devices, which fails for devices jax only
+    # describes (cem_jax.aot compiling for a TPU slice from another machine).
+    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
       return self.step.lower(*args, **kwargs)
 
 

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import subprocess_env, tiny_config
@@ -53,15 +54,24 @@ def test_a_step_larger_than_the_targets_memory_is_one_line_naming_what_to_change
   assert "train.gradient_accumulation_steps" in line
 
 
-def test_splash_for_a_tpu_elsewhere_is_refused_in_one_line():
-  # Splash builds its mask tables while tracing under jax.set_mesh, which jax cannot do for
-  # devices it only describes: refused before compiling, with the way to check instead.
-  config = tiny_config("cem", **{"data.seq_len": 128})
-  target = aot.Target(devices=jax.devices()[:1], platform="tpu", memory_bytes=2**34,
-                      kind="TPU v5 lite")
-  with pytest.raises(ValueError, match=r"^--target: model.attention_impl='auto' runs splash "
-                     r"attention, .* --config.model.attention_impl=xla"):
-    aot.compile_for(config, target, vocab_size=300)
+def test_a_sharded_step_is_lowered_with_no_array_on_the_meshs_devices():
+  # aot compiles for TPU devices jax only describes. Splash makes its mask tables (arrays)
+  # while the step is traced; under the concrete mesh they would go to the mesh's devices,
+  # which fails for described ones, so a step is lowered under the abstract mesh alone.
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  placed = []
+
+  @jax.jit
+  def step(x):
+    with jax.ensure_compile_time_eval():
+      table = jnp.asarray(np.arange(3, dtype=np.int32))
+    placed.append(table.sharding)
+    return x + table.sum()
+
+  steps._UnderMesh(step, mesh).lower(np.zeros(2, np.int32))
+  assert len(placed) == 1 and not isinstance(placed[0], jax.sharding.NamedSharding), placed
+  assert steps._UnderMesh(step, mesh)(np.zeros(2, np.int32)).tolist() == [3, 3]
 
 
 @pytest.mark.parametrize("target, error", [
