@@ -1,8 +1,9 @@
 """cem_jax.aot: the steps compiled for a target's devices are main's, and their memory check.
 
 The TPU and GPU targets need libtpu or jax's CUDA plugin, which CI does not install: their
-compilation was checked by hand (docs/PERFORMANCE.md). Here the same path runs with this
-machine's CPU as the target, against the start-up compilation of ``cem_jax.train``.
+compilation was checked by hand (docs/PERFORMANCE.md; with libtpu installed, the splash test
+below runs instead of skipping). Here the same path runs with this machine's CPU as the
+target, against the start-up compilation of ``cem_jax.train``.
 """
 
 import subprocess
@@ -72,6 +73,27 @@ def test_a_sharded_step_is_lowered_with_no_array_on_the_meshs_devices():
   steps._UnderMesh(step, mesh).lower(np.zeros(2, np.int32))
   assert len(placed) == 1 and not isinstance(placed[0], jax.sharding.NamedSharding), placed
   assert steps._UnderMesh(step, mesh)(np.zeros(2, np.int32)).tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("block", ["llama", "cem"])
+def test_splash_is_compiled_for_a_tpu_slice_described_not_present(monkeypatch, block):
+  # Needs libtpu (jax[tpu]), which CI lacks: run by hand in a venv with it
+  # (docs/PERFORMANCE.md, "Memory per device").
+  try:
+    target = aot.target_devices("v5e:2x2")
+  except ValueError as e:
+    pytest.skip(str(e))
+  compiled = []
+  compile_steps = train.compile_steps
+  monkeypatch.setattr(train, "compile_steps",
+                      lambda *a, **k: compiled.extend(compile_steps(*a, **k)) or compiled)
+  config = tiny_config(block, **{"data.seq_len": 128, "mesh.data": 1, "mesh.fsdp": 2,
+                                 "mesh.tensor": 2})
+  report = aot.compile_for(config, target, vocab_size=300)
+  assert report["attention"] == "splash" and report["devices"] == 4
+  # Per layer, splash's forward kernel, and its dq and dkv kernels in the backward pass.
+  kernels = compiled[0].as_text().count('custom_call_target="tpu_custom_call"')
+  assert kernels == 3 * config.model.num_layers, kernels
 
 
 @pytest.mark.parametrize("target, error", [
