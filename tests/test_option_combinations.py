@@ -2,7 +2,8 @@
 tell a swapped or misplaced term: cached decoding with perturbed norms and beyond the trained
 T, G < L shared blocks, an untied head, a Nesterov block's energy trace, the chain-rule norm with
 a per-step preconditioner (against test_reference's float64 Algorithm 1), the sphere's tangent
-projection off the sphere, and a file energy imported once. (Mutation testing, round 6.)"""
+projection off the sphere, a file energy imported once (Mutation testing, round 6), and cached
+decoding of a strict-causal distance-form model, fused and blockwise autodiff (campaign C)."""
 
 import jax
 import jax.numpy as jnp
@@ -239,3 +240,38 @@ def test_a_file_energy_is_imported_once_and_returns_the_same_function(tmp_path):
   second = energies.get(f"{path}:energy", "attention")  # no 'already registered' error
   assert first.energy is second.energy
   assert energies.get(name, "attention").energy is first.energy
+
+
+# ---- cached decoding with the distance-form diagonal, against the float64 reference ----------
+# Mutations (campaign C): model.py decoding_aux dropping `diagonal_form=cfg.diagonal_form` (the
+# decoding aux then says 'bilinear'; every cached-decoding test ran the default bilinear form,
+# where the two agree), and base.py blockwise_logsumexp sizing its running max and sum by the
+# keys (s) instead of the queries (t) (equal in training; no test decoded with
+# model.energy_block_size > 0). Strict causality: the prefill's first query sees no key, and
+# the distance form's -y term must stay off that row in decoding as in training. Block size 3
+# does not divide the 8-slot cache: the padded key block is exercised too.
+
+@pytest.mark.parametrize("update", [dict(), dict(update_mode="autodiff", energy_block_size=3)],
+                         ids=["fused", "autodiff-blockwise"])
+def test_cached_decoding_with_the_distance_diagonal_matches_the_float64_reference(update):
+  cfg = R.block_cfg(num_layers=2, num_steps=2, diagonal="per_head", diagonal_form="distance",
+                    strict_causal=True, precond="attention", precond_rank=2, **update)
+  vocab, n = 13, R.N
+  model = DecoderLM(cfg, vocab, rngs=nnx.Rngs(0))
+  prm = R.randomize(model, "decode-distance")
+  tokens = R._rng("decode-distance-tokens").integers(0, vocab, (R.B, n))
+  mask = R.ref_mask(None, R.B, n, strict=True)
+  pos = np.broadcast_to(np.arange(n), (R.B, n))
+  x = prm["embedding"][tokens]
+  for layer in range(cfg.num_layers):
+    prefix = f"blocks.{layer}."
+    x = R.ref_block(x, {k[len(prefix):]: v for k, v in prm.items() if k.startswith(prefix)},
+                    cfg, mask, pos)
+  ref = R.ref_rms_norm(x, prm["final_norm.scale"], cfg.norm_eps) @ prm["embedding"].T
+  cache = model.init_cache(R.B, n)
+  got, cache = model(jnp.asarray(tokens[:, :3]), cache=cache, index=0)
+  got = [np.asarray(got)]
+  for i in range(3, n):
+    logits, cache = model(jnp.asarray(tokens[:, i:i + 1]), cache=cache, index=i)
+    got.append(np.asarray(logits))
+  assert R._rel(np.concatenate(got, axis=1), ref) <= 2 * R.TOL
