@@ -18,7 +18,8 @@ one kept kernel:
   (``jax.experimental.pallas.ops.tpu.splash_attention``): causal or strict-causal mask as
   structure, documents as segment ids (no n x n array); sequence length a multiple of 128.
   XLA cannot partition a Pallas call, so over several devices it runs inside
-  ``jax.shard_map`` on the mesh set with ``jax.set_mesh`` (the train and eval steps set it):
+  ``jax.shard_map`` on the mesh in context (``jax.set_mesh``; the train and eval steps set the
+  abstract mesh):
   rows over the mesh axes of the ``batch`` logical axis, heads over those of ``heads``
   (MaxText's layout; ``partition``).
 
@@ -198,7 +199,7 @@ def dot_product_attention(
     interpret: run Pallas kernels in interpret mode; None: off TPU only (so the CPU tests run
       the splash kernel's own code; a model never picks splash off TPU, see :func:`resolve`).
     partition: ``(batch mesh axes, heads mesh axes)`` (:func:`partition_of` of ``mesh.rules``;
-      None: the default rules'). Used by 'splash' under a ``jax.set_mesh`` mesh of more than
+      None: the default rules'). Used by 'splash' under a mesh in context of more than
       one device; an axis that does not divide its dimension is left out (replicated).
   Returns:
     ``[batch, t, heads, head_dim_v]`` in ``q.dtype``; rows with no visible key are exactly 0.

@@ -217,7 +217,8 @@ class DecoderLM(nnx.Module):
 
   def _rows_over_devices(self, x: jax.Array) -> jax.Array:
     """``x`` ``[batch, seq, d_model]`` constrained to rows over the ``batch`` mesh axes (data
-    x fsdp by default), under a mesh set with ``jax.set_mesh`` (the train and eval steps).
+    x fsdp by default), under a mesh in context (``jax.set_mesh``, or the abstract mesh the train
+    and eval steps run under).
 
     Without it XLA may follow the parameters' fsdp sharding into the activations and run every
     token on every device (measured: 8 CPU devices as fsdp=8, the training step's dots were

@@ -151,7 +151,7 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
 
   With ``shardings`` the step is compiled for them (params and optimizer state stay sharded
   as given, the batch is split over its data-parallel axes, the metrics are replicated) and
-  runs under ``jax.set_mesh(shardings.mesh)``; without, for the inputs' own placement (one
+  runs under ``shardings.mesh``'s abstract mesh; without, for the inputs' own placement (one
   device).
 
   ``batch``: ``inputs``, ``targets``, ``segment_ids`` (int32) and ``weights`` (float32), each
@@ -282,22 +282,23 @@ def make_eval_step(graphdef, num_steps: int | None, energy_trace: bool = False,
 
 
 class _UnderMesh:
-  """A jitted step called under ``jax.set_mesh(mesh)`` (and lowered under its abstract mesh): a
-  kernel that XLA cannot partition (splash attention, a Pallas call) reads the mesh there to
-  run per device in ``shard_map``."""
+  """A jitted step called and lowered under ``mesh``'s abstract mesh
+  (``jax.sharding.use_abstract_mesh``): a kernel that XLA cannot partition (splash attention,
+  a Pallas call) reads the mesh there to run per device in ``shard_map``. The abstract mesh,
+  not ``jax.set_mesh``: arrays made while the step is traced (splash's mask tables) then stay
+  on this machine's default device instead of going to the mesh's, which fails for devices
+  jax only describes (``cem_jax.aot``). Called and lowered alike, so the calls reuse the
+  start-up compilation."""
 
   def __init__(self, step, mesh):
     self.step, self.mesh = step, mesh
     functools.update_wrapper(self, step)
 
   def __call__(self, *args, **kwargs):
-    with jax.set_mesh(self.mesh):
+    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
       return self.step(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
-    # Lowering needs only the mesh's shape. Under the concrete mesh, splash's mask tables
-    # (arrays made while tracing) would go to its devices, which fails for devices jax only
-    # describes (cem_jax.aot compiling for a TPU slice from another machine).
     with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
       return self.step.lower(*args, **kwargs)
 
