@@ -7,6 +7,7 @@ reads a workdir, writes metrics or saves checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -288,18 +289,32 @@ class _UnderMesh:
   not ``jax.set_mesh``: arrays made while the step is traced (splash's mask tables) then stay
   on this machine's default device instead of going to the mesh's, which fails for devices
   jax only describes (``cem_jax.aot``). Called and lowered alike, so the calls reuse the
-  start-up compilation."""
+  start-up compilation. A mesh the caller set (``jax.set_mesh``, an abstract mesh of another
+  size) is put aside for the call: its concrete mesh would take those arrays to its devices
+  again, and ``use_abstract_mesh`` refuses to change a mesh's size."""
 
   def __init__(self, step, mesh):
     self.step, self.mesh = step, mesh
     functools.update_wrapper(self, step)
 
+  @contextlib.contextmanager
+  def _under_mesh(self):
+    with contextlib.ExitStack() as stack:
+      try:
+        outer = (jax.sharding.get_mesh(), jax.sharding.get_abstract_mesh())
+      except ValueError:  # inside a jit trace, where no mesh can be set (nor cleared)
+        outer = None
+      if outer is not None and not (outer[0].empty and outer[1].empty):
+        stack.enter_context(jax.set_mesh(None))
+      stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
+      yield
+
   def __call__(self, *args, **kwargs):
-    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+    with self._under_mesh():
       return self.step(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
-    with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+    with self._under_mesh():
       return self.step.lower(*args, **kwargs)
 
 

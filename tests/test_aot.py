@@ -75,6 +75,35 @@ def test_a_sharded_step_is_lowered_with_no_array_on_the_meshs_devices():
   assert steps._UnderMesh(step, mesh)(np.zeros(2, np.int32)).tolist() == [3, 3]
 
 
+def test_a_sharded_step_runs_under_its_own_mesh_whatever_mesh_the_caller_set():
+  # A caller's jax.set_mesh (its concrete mesh would again take the arrays made while tracing
+  # to the mesh's devices) or a mesh in context of another size (use_abstract_mesh refuses
+  # to change the size) does not reach the step: it is lowered and called as without one.
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  placed = []
+
+  @jax.jit
+  def step(x):
+    with jax.ensure_compile_time_eval():
+      table = jnp.asarray(np.arange(3, dtype=np.int32))
+    placed.append((table.sharding, jax.sharding.get_abstract_mesh()))
+    return x + table.sum()
+
+  wrapped = steps._UnderMesh(step, mesh)
+  with jax.set_mesh(mesh):
+    wrapped.lower(np.zeros(2, np.int32))
+    assert jax.sharding.get_mesh() == mesh  # the caller's again after the call
+  other = jax.sharding.AbstractMesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.sharding.use_abstract_mesh(other):
+    assert wrapped(np.zeros(2, np.int32)).tolist() == [3, 3]
+    assert jax.sharding.get_abstract_mesh() == other
+  assert wrapped(np.zeros(2, np.int32)).tolist() == [3, 3]  # and with no mesh set
+  assert len(placed) == 1  # the calls reused the lowered trace
+  assert not isinstance(placed[0][0], jax.sharding.NamedSharding), placed
+  assert placed[0][1] == mesh.abstract_mesh
+
+
 @pytest.mark.parametrize("block", ["llama", "cem"])
 def test_splash_is_compiled_for_a_tpu_slice_described_not_present(monkeypatch, block):
   # Needs libtpu (jax[tpu]), which CI lacks: run by hand in a venv with it
