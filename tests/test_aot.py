@@ -55,30 +55,9 @@ def test_a_step_larger_than_the_targets_memory_is_one_line_naming_what_to_change
   assert "train.gradient_accumulation_steps" in line
 
 
-def test_a_sharded_step_is_lowered_with_no_array_on_the_meshs_devices():
-  # aot compiles for TPU devices jax only describes. Splash makes its mask tables (arrays)
-  # while the step is traced; under the concrete mesh they would go to the mesh's devices,
-  # which fails for described ones, so a step is lowered under the abstract mesh alone.
-  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1],
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  placed = []
-
-  @jax.jit
-  def step(x):
-    with jax.ensure_compile_time_eval():
-      table = jnp.asarray(np.arange(3, dtype=np.int32))
-    placed.append(table.sharding)
-    return x + table.sum()
-
-  steps._UnderMesh(step, mesh).lower(np.zeros(2, np.int32))
-  assert len(placed) == 1 and not isinstance(placed[0], jax.sharding.NamedSharding), placed
-  assert steps._UnderMesh(step, mesh)(np.zeros(2, np.int32)).tolist() == [3, 3]
-
-
-def test_a_sharded_step_runs_under_its_own_mesh_whatever_mesh_the_caller_set():
-  # A caller's jax.set_mesh (its concrete mesh would again take the arrays made while tracing
-  # to the mesh's devices) or a mesh in context of another size (use_abstract_mesh refuses
-  # to change the size) does not reach the step: it is lowered and called as without one.
+def _step_recording_its_tables():
+  """A one-device mesh, and a jitted step that makes an array while traced, as splash makes
+  its mask tables, recording the array's placement and the abstract mesh in context."""
   mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1],
                        axis_types=(jax.sharding.AxisType.Auto,))
   placed = []
@@ -90,6 +69,25 @@ def test_a_sharded_step_runs_under_its_own_mesh_whatever_mesh_the_caller_set():
     placed.append((table.sharding, jax.sharding.get_abstract_mesh()))
     return x + table.sum()
 
+  return mesh, step, placed
+
+
+def test_a_sharded_step_is_lowered_with_no_array_on_the_meshs_devices():
+  # aot compiles for TPU devices jax only describes. Splash makes its mask tables (arrays)
+  # while the step is traced; under the concrete mesh they would go to the mesh's devices,
+  # which fails for described ones, so a step is lowered under the abstract mesh alone.
+  mesh, step, placed = _step_recording_its_tables()
+  steps._UnderMesh(step, mesh).lower(np.zeros(2, np.int32))
+  assert len(placed) == 1 and not isinstance(placed[0][0], jax.sharding.NamedSharding), placed
+  assert placed[0][1] == mesh.abstract_mesh
+  assert steps._UnderMesh(step, mesh)(np.zeros(2, np.int32)).tolist() == [3, 3]
+
+
+def test_a_sharded_step_runs_under_its_own_mesh_whatever_mesh_the_caller_set():
+  # A caller's jax.set_mesh (its concrete mesh would again take the arrays made while tracing
+  # to the mesh's devices) or a mesh in context of another size (use_abstract_mesh refuses
+  # to change the size) does not reach the step: it is lowered and called as without one.
+  mesh, step, placed = _step_recording_its_tables()
   wrapped = steps._UnderMesh(step, mesh)
   with jax.set_mesh(mesh):
     wrapped.lower(np.zeros(2, np.int32))

@@ -76,14 +76,15 @@ def test_cached_decoding_matches_full_forward_at_random_parameters(case):
 # Mutation (round 9): model.py decoding_aux `rope_theta=cfg.rope_theta if cfg.rope else None`
 # -> `cfg.rope_theta` (every cached-decoding test runs with RoPE on, where the two agree).
 
-def test_cached_decoding_without_rope_matches_the_float64_reference():
-  cfg = R.block_cfg(num_layers=2, num_steps=2, rope=False, diagonal="per_head",
-                    precond="attention", precond_rank=2)
+def _cached_decoding_error(cfg, name: str) -> float:
+  """Relative error of a model's logits decoded with the cache (a 3-token prefill, then one
+  token at a time into an ``R.N``-slot cache) against test_reference's float64 Algorithm 1,
+  at parameters and tokens seeded by ``name``."""
   vocab, n = 13, R.N
   model = DecoderLM(cfg, vocab, rngs=nnx.Rngs(0))
-  prm = R.randomize(model, "decode-no-rope")
-  tokens = R._rng("decode-no-rope-tokens").integers(0, vocab, (R.B, n))
-  mask = R.ref_mask(None, R.B, n, strict=False)
+  prm = R.randomize(model, name)
+  tokens = R._rng(name + "-tokens").integers(0, vocab, (R.B, n))
+  mask = R.ref_mask(None, R.B, n, strict=cfg.strict_causal)
   pos = np.broadcast_to(np.arange(n), (R.B, n))
   x = prm["embedding"][tokens]
   for layer in range(cfg.num_layers):
@@ -97,7 +98,13 @@ def test_cached_decoding_without_rope_matches_the_float64_reference():
   for i in range(3, n):
     logits, cache = model(jnp.asarray(tokens[:, i:i + 1]), cache=cache, index=i)
     got.append(np.asarray(logits))
-  assert R._rel(np.concatenate(got, axis=1), ref) <= 2 * R.TOL
+  return R._rel(np.concatenate(got, axis=1), ref)
+
+
+def test_cached_decoding_without_rope_matches_the_float64_reference():
+  cfg = R.block_cfg(num_layers=2, num_steps=2, rope=False, diagonal="per_head",
+                    precond="attention", precond_rank=2)
+  assert _cached_decoding_error(cfg, "decode-no-rope") <= 2 * R.TOL
 
 
 # ---- the energy trace under Nesterov records E at the state y, not at the look-ahead --------
@@ -256,22 +263,4 @@ def test_a_file_energy_is_imported_once_and_returns_the_same_function(tmp_path):
 def test_cached_decoding_with_the_distance_diagonal_matches_the_float64_reference(update):
   cfg = R.block_cfg(num_layers=2, num_steps=2, diagonal="per_head", diagonal_form="distance",
                     strict_causal=True, precond="attention", precond_rank=2, **update)
-  vocab, n = 13, R.N
-  model = DecoderLM(cfg, vocab, rngs=nnx.Rngs(0))
-  prm = R.randomize(model, "decode-distance")
-  tokens = R._rng("decode-distance-tokens").integers(0, vocab, (R.B, n))
-  mask = R.ref_mask(None, R.B, n, strict=True)
-  pos = np.broadcast_to(np.arange(n), (R.B, n))
-  x = prm["embedding"][tokens]
-  for layer in range(cfg.num_layers):
-    prefix = f"blocks.{layer}."
-    x = R.ref_block(x, {k[len(prefix):]: v for k, v in prm.items() if k.startswith(prefix)},
-                    cfg, mask, pos)
-  ref = R.ref_rms_norm(x, prm["final_norm.scale"], cfg.norm_eps) @ prm["embedding"].T
-  cache = model.init_cache(R.B, n)
-  got, cache = model(jnp.asarray(tokens[:, :3]), cache=cache, index=0)
-  got = [np.asarray(got)]
-  for i in range(3, n):
-    logits, cache = model(jnp.asarray(tokens[:, i:i + 1]), cache=cache, index=i)
-    got.append(np.asarray(logits))
-  assert R._rel(np.concatenate(got, axis=1), ref) <= 2 * R.TOL
+  assert _cached_decoding_error(cfg, "decode-distance") <= 2 * R.TOL
