@@ -299,14 +299,12 @@ class _UnderMesh:
 
   @contextlib.contextmanager
   def _under_mesh(self):
-    with contextlib.ExitStack() as stack:
-      try:
-        outer = (jax.sharding.get_mesh(), jax.sharding.get_abstract_mesh())
-      except ValueError:  # inside a jit trace, where no mesh can be set (nor cleared)
-        outer = None
-      if outer is not None and not (outer[0].empty and outer[1].empty):
-        stack.enter_context(jax.set_mesh(None))
-      stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
+    try:
+      outer = not (jax.sharding.get_mesh().empty and jax.sharding.get_abstract_mesh().empty)
+    except ValueError:  # inside a jit trace, where no mesh can be set (nor cleared)
+      outer = False
+    with (jax.set_mesh(None) if outer else contextlib.nullcontext()), \
+        jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
       yield
 
   def __call__(self, *args, **kwargs):
