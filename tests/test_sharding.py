@@ -312,7 +312,7 @@ def test_a_batch_script_outside_srun_is_one_process():
 
 
 MESH_SCRIPT = """
-import json, sys
+import json, re, sys
 import jax, numpy as np
 from flax import nnx
 sys.path.insert(0, {tests!r})
@@ -321,6 +321,22 @@ from cem_jax import data as data_lib, memory, optim, sharding, steps
 
 assert jax.device_count() == 8, jax.devices()
 block = {block!r}
+
+
+def whole_batch_collectives(compiled, rows, seq_len=32):
+  # The collectives of a compiled program with a float result of `rows` rows of `seq_len`
+  # positions: a batch's activations brought whole onto a device, which the rows' split over
+  # data x fsdp exists to avoid.
+  found = []
+  for line in compiled.as_text().splitlines():
+    m = re.search(r"= (.*?) (all-gather|all-to-all|collective-permute|all-reduce|"
+                  r"reduce-scatter)(-start)?\\(", line)
+    if m and (str(rows), str(seq_len)) in re.findall(r"(?:f32|bf16)\\[(\\d+),(\\d+)[,\\]]",
+                                                     m.group(1)):
+      found.append(line.strip()[:120])
+  return found
+
+
 overrides = {{"data.files": {text!r}, "data.seq_len": 32, "data.vocab_size": 512,
              "model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64,
              "model.num_layers": 1, "train.batch_size": 8, "eval.batch_size": 8,
@@ -370,8 +386,9 @@ for shape in [(1, 1, 1)] + {meshes!r}:
   rec["losses"] = losses
   rec["batch_spec"] = str(tuple(batch["inputs"].sharding.spec))
   # The compiled step's memory per device (the calls' own compilation: no second compile).
-  rec["footprint"] = memory.footprint_bytes(
-      step.lower(params, opt_state, batch, guard, np.int32(1)).compile())
+  compiled = step.lower(params, opt_state, batch, guard, np.int32(1)).compile()
+  rec["footprint"] = memory.footprint_bytes(compiled)
+  rec["whole_batch"] = whole_batch_collectives(compiled, 8)
   if shape == (2, 2, 2) and block == "cem":  # gradient accumulation: each device's rows in two,
     # and the logits made 8 positions at a time (train.loss_block_size)
     graphdef, p2, o2, sh, _ = steps.init_state(cfg, vocab, tx, mesh)
@@ -382,8 +399,12 @@ for shape in [(1, 1, 1)] + {meshes!r}:
       batch = sh.global_batch(data.train.batch(s), cfg.train.batch_size)
       p2, o2, m = step2(p2, o2, batch, guard, np.int32(s + 1))
       rec["losses_accumulated"].append(float(m["loss"]))
+    compiled = step2.lower(p2, o2, batch, guard, np.int32(1)).compile()
+    rec["whole_batch"] += whole_batch_collectives(compiled, 4)  # a micro-batch's rows
+  eval_batch = sh.global_batch(next(data.eval_batches(8, *sh.process_slice(8), 1)), 8)
   eval_step = steps.make_eval_step(graphdef, None, False, sh)
   rec["eval"] = steps.eval_loop(eval_step, params, data, cfg, sh)
+  rec["whole_batch"] += whole_batch_collectives(eval_step.lower(params, eval_batch).compile(), 8)
   out["x".join(map(str, shape))] = rec
 print("RESULT " + json.dumps(out))
 """
@@ -420,6 +441,10 @@ def test_every_mesh_gives_the_one_device_losses(block, shared_data, tmp_path):
     assert rec["eval"]["eval/tokens"] == ref["eval"]["eval/tokens"]
     assert rec["init_max_diff"] <= 1e-6, name  # sharded init = the eager model's values
     assert rec["batch_spec"] == "(('data', 'fsdp'), None)"
+    # No device holds the whole batch's activations: the embedding lookup used to give every
+    # device all rows for its share of d_model, and XLA could reach the rows' split from there
+    # only through the whole batch (its "involuntary full rematerialization" on data x fsdp).
+    assert rec["whole_batch"] == [], (name, rec["whole_batch"])
     shape = dict(zip(("data", "fsdp", "tensor"), map(int, name.split("x")), strict=True))
     for path, p in rec["params"].items():
       # Every parameter is sharded as its logical axes and the rules say (tied embedding
