@@ -246,10 +246,17 @@ class DecoderLM(nnx.Module):
     gathers every weight before use, keeps the lookup on each device's own rows. Compiled for
     ``h200:8``, the paper-scale Llama training step's collectives returned 5,525 MiB on a
     2 x 2 x 2 mesh before and 5,273 MiB after; 484 and 376 MiB on 2 x 4 x 1.
+
+    A table outside a trace that is not laid out on a mesh (a model built off the mesh and
+    called op by op under ``jax.set_mesh``) is returned as it is: its ``d_model`` is whole
+    already, and jax refuses to constrain such an array to a mesh ("must be a NamedSharding").
     """
     table = self.embedding[...]
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
+      return table
+    if not isinstance(table, jax.core.Tracer) and not isinstance(
+        getattr(table, "sharding", None), jax.sharding.NamedSharding):
       return table
     return jax.lax.with_sharding_constraint(table, PartitionSpec(PartitionSpec.UNCONSTRAINED, None))
 

@@ -410,6 +410,40 @@ print("RESULT " + json.dumps(out))
 """
 
 
+EAGER_SCRIPT = """
+import sys
+import jax, numpy as np
+sys.path.insert(0, {tests!r})
+from conftest import tiny_config
+from cem_jax import sharding, steps
+
+tokens = np.random.RandomState(0).randint(0, 512, (4, 8)).astype(np.int32)
+for block in ("cem", "llama"):
+  cfg = tiny_config(block, **{{"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64,
+                              "model.num_layers": 1}})
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 2, 2, 1
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices())
+  model = steps.build_model(cfg, 512)  # off the mesh: its parameters on one device
+  want = np.asarray(model(tokens))
+  with jax.set_mesh(mesh):
+    got = np.asarray(model(tokens))
+    cached = np.asarray(model(tokens, cache=model.init_cache(4, 8), index=0)[0])
+  print(block, float(np.max(np.abs(got - want))), float(np.max(np.abs(cached - want))))
+"""
+
+
+def test_a_model_built_off_the_mesh_runs_op_by_op_under_set_mesh():
+  # jax refuses a sharding constraint under jax.set_mesh on an array that is not on the mesh:
+  # the token lookup's gathered table must leave a one-device table (eager calls) alone.
+  proc = subprocess.run([sys.executable, "-c", EAGER_SCRIPT.format(tests=str(REPO / "tests"))],
+                        cwd=REPO, env=_env(4), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [line.split() for line in proc.stdout.splitlines()]
+  assert [r[0] for r in rows] == ["cem", "llama"], proc.stdout
+  for block, full, cached in rows:
+    assert float(full) <= 1e-5 and float(cached) <= 1e-5, (block, full, cached)
+
+
 @pytest.mark.parametrize("block", ["cem", "llama"])
 def test_every_mesh_gives_the_one_device_losses(block, shared_data, tmp_path):
   script = MESH_SCRIPT.format(tests=str(REPO / "tests"), block=block, meshes=MESHES[block],
