@@ -400,7 +400,8 @@ for shape in [(1, 1, 1)] + {meshes!r}:
       p2, o2, m = step2(p2, o2, batch, guard, np.int32(s + 1))
       rec["losses_accumulated"].append(float(m["loss"]))
     compiled = step2.lower(p2, o2, batch, guard, np.int32(1)).compile()
-    rec["whole_batch"] += whole_batch_collectives(compiled, 4)  # a micro-batch's rows
+    for rows in (4, 8):  # a micro-batch's rows, the batch's
+      rec["whole_batch"] += whole_batch_collectives(compiled, rows)
   eval_batch = sh.global_batch(next(data.eval_batches(8, *sh.process_slice(8), 1)), 8)
   eval_step = steps.make_eval_step(graphdef, None, False, sh)
   rec["eval"] = steps.eval_loop(eval_step, params, data, cfg, sh)
