@@ -240,12 +240,15 @@ class DecoderLM(nnx.Module):
 
     FSDP splits the table's ``d_model`` over the fsdp axis, which also splits the rows. A
     lookup into the table as laid out gives every device all rows' embeddings for its share of
-    ``d_model``, and XLA can reach the rows' split from there only by gathering the whole
-    batch's embeddings onto every device (its "involuntary full rematerialization", on every
-    mesh with data and fsdp both > 1). Gathering the table's ``d_model`` first, as FSDP
-    gathers every weight before use, keeps the lookup on each device's own rows. Compiled for
-    ``h200:8``, the paper-scale Llama training step's collectives returned 5,525 MiB on a
-    2 x 2 x 2 mesh before and 5,273 MiB after; 484 and 376 MiB on 2 x 4 x 1.
+    ``d_model``, from which XLA reaches the rows' split badly: it logs an "involuntary full
+    rematerialization" on every mesh with data and fsdp both > 1, and on CPU gathered the whole
+    batch's embeddings onto every device (``tests/test_sharding.py``). Gathering the table's
+    ``d_model`` first, as FSDP gathers every weight before use, keeps the lookup on each
+    device's own rows; the vocabulary stays unconstrained, so a large one split over tensor
+    need not be gathered.
+    Measured (paper-scale Llama training step, compiled ahead of time: docs/PERFORMANCE.md,
+    "Sharded steps"): its collectives return 21% fewer bytes on v5e-16 as 4 x 4 x 1, 15% fewer
+    on an H200:8 as 2 x 4 x 1, 5.5% more (for 1.1 GiB less memory) on v5e-16 as 1 x 16 x 1.
 
     A table outside a trace that is not laid out on a mesh (a model built off the mesh and
     called op by op under ``jax.set_mesh``) is returned as it is: its ``d_model`` is whole

@@ -504,3 +504,69 @@ def test_recursion_report_reads_a_diverged_run_and_names_a_run_without_evals(tmp
   write_metrics(tmp_path / "design" / "t1" / "seed0", [{"step": 10, "train/loss": 3.0}])
   with pytest.raises(ValueError, match=r"design/t1/seed0/metrics\.jsonl has no eval line"):
     report.loss_table(str(tmp_path))
+
+
+def _load_experiment(name: str):
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location(
+      name, Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+# Optimised HLO as XLA's GPU dumps write it: a synchronous all-gather, a combined asynchronous
+# one returning (operands, results), an all-reduce's start (its result), a collective-permute's
+# start, a reduce-scatter at the root of an async computation, and lines that quote an
+# instruction without defining one (metadata, a "from instruction" note).
+_HLO = """HloModule jit_step
+%async_computation (p: f32[8,8]) -> f32[4,8] {
+  ROOT %reduce-scatter.1 = f32[4,8]{1,0} reduce-scatter(f32[8,8]{1,0} %p), dimensions={0}
+}
+ENTRY %main {
+  %all-gather.1 = f32[8,16]{1,0} all-gather(%a), channel_id=1, dimensions={0}
+  %all-gather-start = ((f32[2]{0}, bf16[4,4]{1,0}), (f32[8]{0}, /*index=1*/bf16[16,4]{1,0})) \
+all-gather-start(%b, %c), channel_id=2
+  %all-gather-done = (f32[8]{0}, bf16[16,4]{1,0}) all-gather-done(%all-gather-start)
+  %all-reduce-start = bf16[1024]{0} all-reduce-start(%d), replica_groups=mesh['x'=2] {'x'}
+  %all-reduce-done = bf16[1024]{0} all-reduce-done(%all-reduce-start)
+  ROOT %cp = (f32[3,3]{1,0}, f32[3,3]{1,0}) collective-permute-start(%e), channel_id=5
+  %fusion = f32[8,16]{1,0} fusion(%x), metadata={op_name="%z = f32[99] all-gather(%y)"}
+    from instruction: %all-to-all.7 = f32[999,999]{1,0} all-to-all(%q), dimensions={0}
+}
+"""
+
+
+def test_collectives_counts_each_collective_once_at_its_results():
+  collectives = _load_experiment("collectives").collectives
+  assert collectives(_HLO) == {
+      "all-gather": (2, 8 * 16 * 4 + 8 * 4 + 16 * 4 * 2),  # the start's results, not operands
+      "all-reduce": (1, 1024 * 2),
+      "collective-permute": (1, 3 * 3 * 4),
+      "reduce-scatter": (1, 4 * 8 * 4),
+  }
+
+
+def test_collectives_reads_a_program_jax_compiled_on_four_devices():
+  script = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+sys.path.insert(0, sys.argv[1])
+from collectives import collectives
+mesh = jax.make_mesh((4,), ("d",))
+x = jax.device_put(np.ones((8, 16), np.float32), NamedSharding(mesh, P("d")))
+gather = jax.jit(lambda x: x * 2, out_shardings=NamedSharding(mesh, P()))
+total = jax.jit(lambda x: jnp.sum(x, 0), out_shardings=NamedSharding(mesh, P()))
+print(json.dumps([collectives(f.lower(x).compile().as_text()) for f in (gather, total)]))
+"""
+  from conftest import subprocess_env
+
+  proc = subprocess.run([sys.executable, "-c", script,
+                         str(Path(__file__).resolve().parents[1] / "experiments")],
+                        env=subprocess_env(4), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  gather, total = json.loads(proc.stdout.splitlines()[-1])
+  assert gather == {"all-gather": [1, 8 * 16 * 4]}, gather
+  assert total == {"all-reduce": [1, 16 * 4]}, total
