@@ -80,15 +80,16 @@ def _bytes(shape_text: str) -> int:
   return total
 
 
-def collectives(hlo_text: str) -> dict:
-  """``{kind: (instructions, bytes of their results)}`` of one program's optimised HLO text.
+def results(hlo_text: str) -> list[tuple[str, str]]:
+  """``(kind, result shape text)`` of each collective instruction of one program's optimised
+  HLO text, in order.
 
   An asynchronous all-gather or collective-permute (``-start``) returns ``(operands,
   results)``: its results are the second element. An all-reduce's start returns its result;
   reduce-scatter and all-to-all run asynchronously as calls of a computation whose root is
   the synchronous instruction, counted there. ``-done`` instructions are not counted again.
   """
-  out = {}
+  out = []
   for line in hlo_text.splitlines():
     parsed = _result_and_opcode(line)
     if parsed is None:
@@ -99,6 +100,15 @@ def collectives(hlo_text: str) -> dict:
       continue
     if opcode.endswith("-start") and kind in ("all-gather", "collective-permute"):
       result = _split_top_level(result[1:-1])[-1]
+    out.append((kind, result))
+  return out
+
+
+def collectives(hlo_text: str) -> dict:
+  """``{kind: (instructions, bytes of their results)}`` of one program's optimised HLO text
+  (:func:`results`)."""
+  out = {}
+  for kind, result in results(hlo_text):
     count, total = out.get(kind, (0, 0))
     out[kind] = (count + 1, total + _bytes(result))
   return out

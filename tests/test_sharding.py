@@ -316,6 +316,8 @@ import json, re, sys
 import jax, numpy as np
 from flax import nnx
 sys.path.insert(0, {tests!r})
+sys.path.insert(0, {experiments!r})
+import collectives
 from conftest import subprocess_env, tiny_config
 from cem_jax import data as data_lib, memory, optim, sharding, steps
 
@@ -327,14 +329,8 @@ def whole_batch_collectives(compiled, rows, seq_len=32):
   # The collectives of a compiled program with a float result of `rows` rows of `seq_len`
   # positions: a batch's activations brought whole onto a device, which the rows' split over
   # data x fsdp exists to avoid.
-  found = []
-  for line in compiled.as_text().splitlines():
-    m = re.search(r"= (.*?) (all-gather|all-to-all|collective-permute|all-reduce|"
-                  r"reduce-scatter)(-start)?\\(", line)
-    if m and (str(rows), str(seq_len)) in re.findall(r"(?:f32|bf16)\\[(\\d+),(\\d+)[,\\]]",
-                                                     m.group(1)):
-      found.append(line.strip()[:120])
-  return found
+  return [f"{{kind}} {{result}}" for kind, result in collectives.results(compiled.as_text())
+          if re.search(rf"(f32|bf16)\\[{{rows}},{{seq_len}}[,\\]]", result)]
 
 
 overrides = {{"data.files": {text!r}, "data.seq_len": 32, "data.vocab_size": 512,
@@ -447,7 +443,8 @@ def test_a_model_built_off_the_mesh_runs_op_by_op_under_set_mesh():
 
 @pytest.mark.parametrize("block", ["cem", "llama"])
 def test_every_mesh_gives_the_one_device_losses(block, shared_data, tmp_path):
-  script = MESH_SCRIPT.format(tests=str(REPO / "tests"), block=block, meshes=MESHES[block],
+  script = MESH_SCRIPT.format(tests=str(REPO / "tests"), experiments=str(REPO / "experiments"),
+                              block=block, meshes=MESHES[block],
                               text=str(shared_data / "tinyshakespeare.txt"),
                               workdir=str(tmp_path / "w"))
   proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(8),
