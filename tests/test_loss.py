@@ -6,14 +6,18 @@ The reference is the loss and its gradients written out in float64 NumPy from th
 loss spelled out from the model's logits in ``test_accumulation.py``.
 """
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import tiny_config
+from conftest import subprocess_env, tiny_config
 from flax import nnx
 
 from cem_jax import config as config_lib
@@ -166,6 +170,39 @@ def test_blocks_keep_one_blocks_logits_in_memory():
   need = {b: memory.footprint_bytes(steps.make_eval_step(graphdef, None, loss_block_size=b)
                                     .lower(params, batch).compile()) for b in (0, 32)}
   assert need[32] < 0.9 * need[0], need  # measured: 27.2 MiB vs 33.7 MiB (attention's rest)
+
+
+_ROWS_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+sys.path.insert(0, sys.argv[1])
+from collectives import results
+from cem_jax import loss
+mesh = jax.make_mesh((4,), ("data",))
+rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+grad = jax.jit(jax.value_and_grad(
+    lambda h, w, t, m: loss.blockwise_cross_entropy(h, w, t, m, 8)[0], argnums=(0, 1)),
+    in_shardings=(rows, whole, rows, rows))
+f32, i32 = jnp.float32, jnp.int32
+args = (jax.ShapeDtypeStruct((8, 32, 6), f32), jax.ShapeDtypeStruct((6, 20), f32),
+        jax.ShapeDtypeStruct((8, 32), i32), jax.ShapeDtypeStruct((8, 32), f32))
+print(json.dumps(sorted(set(results(grad.lower(*args).compile().as_text())))))
+"""
+
+
+def test_blocks_run_along_the_sequence_so_rows_stay_on_their_devices():
+  # Rows over 4 devices: each device makes its own rows' blocks, and the only collectives are
+  # the sums over devices of the loss and of the head's gradient. Blocks cut across rows
+  # ([n / b, batch, b] instead of [batch, n / b, b]: the same loss, bit for bit) made XLA
+  # all-gather the whole batch's hidden states, targets and weights onto every device.
+  proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT,
+                         str(Path(__file__).resolve().parents[1] / "experiments")],
+                        env=subprocess_env(4), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  found = json.loads(proc.stdout.splitlines()[-1])
+  assert found and all(kind == "all-reduce" and re.fullmatch(r"f32\[(6,20|20,6)?\]\S*", shape)
+                       for kind, shape in found), found
 
 
 def test_in_bfloat16_the_heads_gradient_is_summed_over_blocks_in_float32():
