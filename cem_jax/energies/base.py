@@ -89,7 +89,8 @@ def masked_logsumexp(scores: jax.Array, mask: jax.Array) -> jax.Array:
   """``log Σ_j exp(scores[..., j])`` over visible ``j``; exactly 0 for a row with none.
 
   Unlike ``jax.nn.logsumexp(where=...)`` this has finite first and second derivatives on an
-  all-masked row (jax#6811: ``grad`` of an all ``-inf`` row is NaN), and unlike a finite
+  all-masked row (jax#6811: ``grad`` of an all ``-inf`` row is NaN; here no NaN arises even in
+  between, so ``jax_debug_nans`` passes), and unlike a finite
   ``-1e9`` fill it never lets a masked entry contribute (CEM_MATH.md section 7).
 
   Args:
