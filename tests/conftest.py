@@ -4,6 +4,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -62,6 +64,16 @@ def subprocess_env(devices: int = 1, **extra: str) -> dict:
            if not f.startswith(_DEVICE_COUNT_FLAG)]
   flags.append(f"{_DEVICE_COUNT_FLAG}={devices}")
   return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags), **extra)
+
+
+def program_json(args: list[str], devices: int, timeout: float = 120, **run_kwargs):
+  """Runs ``python *args`` on ``devices`` forced CPU devices (:func:`subprocess_env`) and
+  returns the JSON its last line of stdout holds; a failed run fails the test with its
+  stderr's tail."""
+  proc = subprocess.run([sys.executable, *args], env=subprocess_env(devices),
+                        capture_output=True, text=True, timeout=timeout, **run_kwargs)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture

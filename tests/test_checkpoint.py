@@ -24,7 +24,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import subprocess_env, tiny_config
+from conftest import program_json, subprocess_env, tiny_config
 from flax import nnx
 
 from cem_jax import optim
@@ -598,12 +598,8 @@ _DEVICES_SCRIPT = textwrap.dedent("""
 def test_restore_on_8_4_and_1_devices_is_bit_identical(tmp_path):
   script = tmp_path / "devices.py"
   script.write_text(_DEVICES_SCRIPT.format(tests=str(REPO / "tests")))
-  results = []
-  for mode, n in (("save", 8), ("restore", 4), ("restore", 1)):
-    proc = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "ckpt")], cwd=REPO,
-                          env=subprocess_env(n), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+  results = [program_json([str(script), mode, str(tmp_path / "ckpt")], n, timeout=300, cwd=REPO)
+             for mode, n in (("save", 8), ("restore", 4), ("restore", 1))]
   assert [r["devices"] for r in results] == [8, 4, 1]
   assert results[0]["sharded_leaves"] > 0 and results[1]["sharded_leaves"] > 0
   assert results[2]["sharded_leaves"] == 0

@@ -6,10 +6,7 @@ The reference is the loss and its gradients written out in float64 NumPy from th
 loss spelled out from the model's logits in ``test_accumulation.py``.
 """
 
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -17,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import subprocess_env, tiny_config
+from conftest import program_json, tiny_config
 from flax import nnx
 
 from cem_jax import config as config_lib
@@ -196,11 +193,8 @@ def test_blocks_run_along_the_sequence_so_rows_stay_on_their_devices():
   # the sums over devices of the loss and of the head's gradient. Blocks cut across rows
   # ([n / b, batch, b] instead of [batch, n / b, b]: the same loss, bit for bit) made XLA
   # all-gather the whole batch's hidden states, targets and weights onto every device.
-  proc = subprocess.run([sys.executable, "-c", _ROWS_SCRIPT,
-                         str(Path(__file__).resolve().parents[1] / "experiments")],
-                        env=subprocess_env(4), capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  found = json.loads(proc.stdout.splitlines()[-1])
+  found = program_json(["-c", _ROWS_SCRIPT, str(Path(__file__).resolve().parents[1] /
+                                                "experiments")], 4)
   assert found and all(kind == "all-reduce" and re.fullmatch(r"f32\[(6,20|20,6)?\]\S*", shape)
                        for kind, shape in found), found
 

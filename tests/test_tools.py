@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from conftest import tiny_config, write_metrics
+from conftest import program_json, tiny_config, write_metrics
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -561,12 +561,7 @@ gather = jax.jit(lambda x: x * 2, out_shardings=NamedSharding(mesh, P()))
 total = jax.jit(lambda x: jnp.sum(x, 0), out_shardings=NamedSharding(mesh, P()))
 print(json.dumps([collectives(f.lower(x).compile().as_text()) for f in (gather, total)]))
 """
-  from conftest import subprocess_env
-
-  proc = subprocess.run([sys.executable, "-c", script,
-                         str(Path(__file__).resolve().parents[1] / "experiments")],
-                        env=subprocess_env(4), capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  gather, total = json.loads(proc.stdout.splitlines()[-1])
+  gather, total = program_json(["-c", script, str(Path(__file__).resolve().parents[1] /
+                                                  "experiments")], 4)
   assert gather == {"all-gather": [1, 8 * 16 * 4]}, gather
   assert total == {"all-reduce": [1, 16 * 4]}, total
