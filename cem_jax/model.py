@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from cem_jax import attention
-from cem_jax.axes import DEFAULT_RULES, augmented_head_dim, dividing_axes
+from cem_jax.axes import DEFAULT_RULES, augmented_head_dim, dividing_axes, mesh_axes_of
 from cem_jax.config import BLOCKS
 from cem_jax.energies import EnergyAux, make_mask
 from cem_jax.layers import DTYPES, CEMBlock, LlamaBlock, RMSNorm
@@ -33,6 +33,23 @@ def _log_once(line: str) -> None:
   if line not in _LOGGED:
     _LOGGED.add(line)
     logging.info("%s", line)
+
+
+def _weight_laid_out(weight: jax.Array, spec) -> jax.Array:
+  """``weight`` constrained to ``spec(mesh shape)`` (a ``PartitionSpec``) under a mesh of
+  several devices in context; as it is otherwise.
+
+  A weight outside a trace on one device (a model built off the mesh and called op by op
+  under ``jax.set_mesh``) is returned as it is too: nothing of it is split, and jax refuses to
+  constrain such an array to a mesh ("must be a NamedSharding").
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return weight
+  # A traced weight has no concrete sharding (getattr gives None): it is constrained.
+  if isinstance(getattr(weight, "sharding", None), jax.sharding.SingleDeviceSharding):
+    return weight
+  return jax.lax.with_sharding_constraint(weight, spec(dict(mesh.shape)))
 
 
 def resolve_attention(cfg, blocks, platform: str | None = None) -> tuple[str, str]:
@@ -200,6 +217,9 @@ class DecoderLM(nnx.Module):
     # Splash runs interpreted off a TPU; a model built for a TPU elsewhere runs the kernel.
     self.attention_interpret = None if platform is None else platform != "tpu"
     self.attention_partition = attention.partition_of(rules)
+    # The vocabulary's mesh axes that do not split the rows: the output layer's only.
+    self.head_vocab_axes = tuple(a for a in mesh_axes_of(dict(rules).get("vocab"))
+                                 if a not in self.attention_partition[0])
     _log_once(f"attention: {self.attention_impl} ({self.attention_reason}); cached "
               "decoding: xla")
     if not cfg.tie_embeddings:
@@ -249,19 +269,9 @@ class DecoderLM(nnx.Module):
     Measured (paper-scale Llama training step, compiled ahead of time: docs/PERFORMANCE.md,
     "Sharded steps"): its collectives return 21% fewer bytes on v5e-16 as 4 x 4 x 1, 15% fewer
     on an H200:8 as 2 x 4 x 1, 5.5% more (for 1.1 GiB less memory) on v5e-16 as 1 x 16 x 1.
-
-    A table outside a trace on one device (a model built off the mesh and called op by op
-    under ``jax.set_mesh``) is returned as it is: its ``d_model`` is whole already, and jax
-    refuses to constrain such an array to a mesh ("must be a NamedSharding").
     """
-    table = self.embedding[...]
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-      return table
-    # A traced table has no concrete sharding (getattr gives None): it is constrained.
-    if isinstance(getattr(table, "sharding", None), jax.sharding.SingleDeviceSharding):
-      return table
-    return jax.lax.with_sharding_constraint(table, PartitionSpec(PartitionSpec.UNCONSTRAINED, None))
+    return _weight_laid_out(self.embedding[...],
+                            lambda _: PartitionSpec(PartitionSpec.UNCONSTRAINED, None))
 
   def layer_blocks(self) -> list:
     """The block each of the ``model.num_layers`` layers runs: ``blocks[l % G]``."""
@@ -351,9 +361,21 @@ class DecoderLM(nnx.Module):
   def output_head(self) -> jax.Array:
     """The output layer's matrix ``[d_model, vocab_size]`` in the compute dtype: the embedding
     transposed (``model.tie_embeddings``) or ``lm_head``. Logits are
-    ``cem_jax.loss.output_logits(hidden, output_head())``."""
+    ``cem_jax.loss.output_logits(hidden, output_head())``.
+
+    Under a mesh its vocabulary is split only over the mesh axes of the rules' ``vocab`` that
+    do not split the rows (``batch``); its ``d_model`` as XLA likes. ``mesh.rules`` may put the
+    vocabulary on fsdp or data, where the rows are: the tied table laid out that way made XLA
+    all-gather the whole batch's hidden states onto every device for the logits
+    (``tests/test_sharding.py``). Those axes are gathered before use instead, as FSDP gathers
+    every weight. Under the default rules (vocabulary over tensor) the programs are unchanged.
+    """
     if self.cfg.tie_embeddings:
-      return self.embedding[...].astype(self.dtype).T
-    return self.lm_head[...].astype(self.dtype)
+      head = self.embedding[...].astype(self.dtype).T
+    else:
+      head = self.lm_head[...].astype(self.dtype)
+    return _weight_laid_out(head, lambda mesh_shape: PartitionSpec(
+        PartitionSpec.UNCONSTRAINED, dividing_axes(self.head_vocab_axes, head.shape[1],
+                                                   mesh_shape)))
 
 

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_env, tiny_config
+from conftest import program_json, subprocess_env, tiny_config
 
 from cem_jax import config as config_lib
 from cem_jax import distributed, sharding
@@ -318,7 +318,7 @@ from flax import nnx
 sys.path.insert(0, {tests!r})
 sys.path.insert(0, {experiments!r})
 import collectives
-from conftest import subprocess_env, tiny_config
+from conftest import program_json, subprocess_env, tiny_config
 from cem_jax import data as data_lib, memory, optim, sharding, steps
 
 assert jax.device_count() == 8, jax.devices()
@@ -501,6 +501,74 @@ def test_every_mesh_gives_the_one_device_losses(block, shared_data, tmp_path):
   matrices = [p for p in both.values() if len(p["shape"]) >= 2 and "embed" in p["logical"]]
   assert matrices and all(p["shards"] >= 2 for p in matrices)
   assert "embedding" in both and both["embedding"]["shards"] == 4  # vocab/tensor x embed/fsdp
+
+
+VOCAB_RULES_SCRIPT = """
+import json, re, sys
+import jax, numpy as np
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+import collectives
+from conftest import tiny_config
+from cem_jax import optim, sharding, steps
+
+rng = np.random.RandomState(0)
+tokens = rng.randint(1, 512, (8, 33)).astype(np.int32)
+local = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+         "segment_ids": np.ones((8, 32), np.int32), "weights": np.ones((8, 32), np.float32),
+         "target_bytes": np.ones((8, 32), np.float32)}
+out = {}
+for block, shape, vocab in [("llama", (1, 2, 4), "fsdp"), ("llama", (2, 2, 2), "data"),
+                            ("cem", (1, 4, 2), "fsdp")]:
+  rules = tuple((name, vocab if name == "vocab" else target)
+                for name, target in sharding.DEFAULT_RULES)
+  cfg = tiny_config(block, **{"data.seq_len": 32, "model.d_model": 32, "model.num_heads": 2,
+                              "model.mlp_dim": 64, "model.num_layers": 1, "train.batch_size": 8,
+                              "train.warmup_steps": 1, "train.learning_rate": 1e-2,
+                              "mesh.rules": rules})
+  tx, _ = optim.make_optimizer(cfg.train)
+  rec = {}
+  for name, mesh_shape in (("one", (1, 1, 1)), ("mesh", shape)):
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_shape
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_shape))])
+    graphdef, params, opt_state, sh, _ = steps.init_state(cfg, 512, tx, mesh)
+    step, evaluate = steps.make_train_step(graphdef, tx, 5, sh), steps.make_eval_step(
+        graphdef, None, False, sh)
+    guard = jax.make_array_from_process_local_data(sh.replicated, np.zeros((), np.int32))
+    batch = sh.global_batch(local, 8)
+    losses = []
+    for s in range(3):
+      params, opt_state, m = step(params, opt_state, batch, guard, np.int32(s + 1))
+      losses.append(float(m["loss"]))
+    # A float [8, 32, ...] result of a collective: the whole batch's rows on a device.
+    whole = [f"{kind} {result}" for program in (
+        step.lower(params, opt_state, batch, guard, np.int32(1)), evaluate.lower(params, batch))
+        for kind, result in collectives.results(program.compile().as_text())
+        if re.search(r"(f32|bf16)\\[8,32[,\\]]", result)]
+    rec[name] = {"losses": losses, "eval": float(evaluate(params, batch)["loss_sum"]),
+                 "whole_batch": whole}
+  out[f"{block} vocab->{vocab} {'x'.join(map(str, shape))}"] = rec
+print(json.dumps(out))
+"""
+
+
+def test_a_vocabulary_rule_on_a_batch_axis_keeps_the_rows_on_their_devices():
+  # mesh.rules may put the vocabulary on an axis that also splits the rows (vocab -> fsdp or
+  # data). The tied output layer then had its vocabulary split where the rows are: XLA
+  # all-gathered the whole batch's hidden states for the logits (f32[8,32,32] on all three
+  # meshes here, with a vocabulary of 512; of 256 XLA's choice happened to be fine); the
+  # losses were still right. The output layer now gathers its vocabulary over the
+  # rows' axes before use, as FSDP gathers every weight.
+  runs = program_json(["-c", VOCAB_RULES_SCRIPT,
+                       str(REPO / "tests"), str(REPO / "experiments")], 8, timeout=600)
+  assert len(runs) == 3, runs
+  for name, rec in runs.items():
+    one, mesh = rec["one"], rec["mesh"]
+    assert mesh["whole_batch"] == [], (name, mesh["whole_batch"])
+    diff = max(abs(a - b) for a, b in zip(mesh["losses"], one["losses"], strict=True))
+    # The eval loss is summed over the batch's 256 tokens (~1.6e3 nats).
+    assert diff <= 1e-5 and abs(mesh["eval"] - one["eval"]) <= 1e-6 * one["eval"], (name, rec)
+    assert one["losses"][-1] < one["losses"][0], (name, one["losses"])
 
 
 # ---------------------------------------------------------------------------------------------
