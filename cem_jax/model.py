@@ -217,9 +217,11 @@ class DecoderLM(nnx.Module):
     # Splash runs interpreted off a TPU; a model built for a TPU elsewhere runs the kernel.
     self.attention_interpret = None if platform is None else platform != "tpu"
     self.attention_partition = attention.partition_of(rules)
-    # The vocabulary's mesh axes that do not split the rows: the output layer's only.
-    self.head_vocab_axes = tuple(a for a in mesh_axes_of(dict(rules).get("vocab"))
-                                 if a not in self.attention_partition[0])
+    # Where the vocabulary of the lookup's table and of the output layer is split: the
+    # rule's mesh axes that do not split the rows (batch), all of them if their product divides
+    # the vocabulary, else none (dividing_axes).
+    self.vocab_axes = tuple(a for a in mesh_axes_of(dict(rules).get("vocab"))
+                            if a not in self.attention_partition[0])
     _log_once(f"attention: {self.attention_impl} ({self.attention_reason}); cached "
               "decoding: xla")
     if not cfg.tie_embeddings:
@@ -255,8 +257,9 @@ class DecoderLM(nnx.Module):
     return jax.lax.with_sharding_constraint(x, PartitionSpec(rows, *([None] * (x.ndim - 1))))
 
   def _table_for_lookup(self) -> jax.Array:
-    """The embedding ``[vocab_size, d_model]`` with ``d_model`` whole on every device (the
-    vocabulary split as XLA likes), under a mesh in context, for the token lookup.
+    """The embedding ``[vocab_size, d_model]`` with ``d_model`` whole on every device and the
+    vocabulary split over :attr:`vocab_axes` (tensor by default), under a mesh in context, for
+    the token lookup.
 
     FSDP splits the table's ``d_model`` over the fsdp axis, which also splits the rows. A
     lookup into the table as laid out gives every device all rows' embeddings for its share of
@@ -264,14 +267,17 @@ class DecoderLM(nnx.Module):
     rematerialization" on every mesh with data and fsdp both > 1, and on CPU gathered the whole
     batch's embeddings onto every device (``tests/test_sharding.py``). Gathering the table's
     ``d_model`` first, as FSDP gathers every weight before use, keeps the lookup on each
-    device's own rows; the vocabulary stays unconstrained, so a large one split over tensor
-    need not be gathered.
+    device's own rows; the vocabulary stays split over tensor, so a large one need not be
+    gathered. Not over an axis that also splits the rows, where ``mesh.rules`` puts it there
+    (``vocab`` on fsdp or data): a lookup into a table so split made XLA sum the whole batch's
+    embeddings over every device (``vocab`` on ``('fsdp', 'tensor')``, 1 x 4 x 2).
     Measured (paper-scale Llama training step, compiled ahead of time: docs/PERFORMANCE.md,
     "Sharded steps"): its collectives return 21% fewer bytes on v5e-16 as 4 x 4 x 1, 15% fewer
     on an H200:8 as 2 x 4 x 1, 5.5% more (for 1.1 GiB less memory) on v5e-16 as 1 x 16 x 1.
     """
-    return _weight_laid_out(self.embedding[...],
-                            lambda _: PartitionSpec(PartitionSpec.UNCONSTRAINED, None))
+    table = self.embedding[...]
+    return _weight_laid_out(table, lambda mesh_shape: PartitionSpec(
+        dividing_axes(self.vocab_axes, table.shape[0], mesh_shape), None))
 
   def layer_blocks(self) -> list:
     """The block each of the ``model.num_layers`` layers runs: ``blocks[l % G]``."""
@@ -363,19 +369,21 @@ class DecoderLM(nnx.Module):
     transposed (``model.tie_embeddings``) or ``lm_head``. Logits are
     ``cem_jax.loss.output_logits(hidden, output_head())``.
 
-    Under a mesh its vocabulary is split only over the mesh axes of the rules' ``vocab`` that
-    do not split the rows (``batch``); its ``d_model`` as XLA likes. ``mesh.rules`` may put the
-    vocabulary on fsdp or data, where the rows are: the tied table laid out that way made XLA
-    all-gather the whole batch's hidden states onto every device for the logits
-    (``tests/test_sharding.py``). Those axes are gathered before use instead, as FSDP gathers
-    every weight. Under the default rules (vocabulary over tensor) the programs are unchanged.
+    Under a mesh its vocabulary is split over :attr:`vocab_axes`: the mesh axes of the rules'
+    ``vocab`` that do not split the rows (``batch``), if their product divides it (else it is
+    whole); its ``d_model`` as XLA likes. ``mesh.rules`` may put the vocabulary on fsdp or
+    data, where the rows are: an output layer laid out that way made XLA all-gather the whole
+    batch's hidden states onto every device for the logits (``tests/test_sharding.py``).
+    Those axes are gathered before use instead, as FSDP gathers every weight, also where the
+    rows are not split (decoding one sequence). Under the default rules (vocabulary over
+    tensor) the programs are unchanged.
     """
     if self.cfg.tie_embeddings:
       head = self.embedding[...].astype(self.dtype).T
     else:
       head = self.lm_head[...].astype(self.dtype)
     return _weight_laid_out(head, lambda mesh_shape: PartitionSpec(
-        PartitionSpec.UNCONSTRAINED, dividing_axes(self.head_vocab_axes, head.shape[1],
+        PartitionSpec.UNCONSTRAINED, dividing_axes(self.vocab_axes, head.shape[1],
                                                    mesh_shape)))
 
 

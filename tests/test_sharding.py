@@ -518,14 +518,19 @@ local = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
          "segment_ids": np.ones((8, 32), np.int32), "weights": np.ones((8, 32), np.float32),
          "target_bytes": np.ones((8, 32), np.float32)}
 out = {}
-for block, shape, vocab in [("llama", (1, 2, 4), "fsdp"), ("llama", (2, 2, 2), "data"),
-                            ("cem", (1, 4, 2), "fsdp")]:
-  rules = tuple((name, vocab if name == "vocab" else target)
-                for name, target in sharding.DEFAULT_RULES)
+# (block, mesh, tied output layer, rules other than the defaults)
+cases = [("llama", (1, 2, 4), True, {"vocab": "fsdp"}),
+         ("llama", (2, 2, 2), True, {"vocab": "data"}),
+         ("cem", (1, 4, 2), True, {"vocab": "fsdp"}),
+         ("llama", (1, 4, 2), True, {"vocab": ("fsdp", "tensor")}),
+         ("llama", (1, 2, 4), False, {"vocab": "fsdp", "embed": None}),
+         ("llama", (2, 2, 2), True, {})]
+for block, shape, tied, changed in cases:
+  rules = tuple((name, changed.get(name, target)) for name, target in sharding.DEFAULT_RULES)
   cfg = tiny_config(block, **{"data.seq_len": 32, "model.d_model": 32, "model.num_heads": 2,
                               "model.mlp_dim": 64, "model.num_layers": 1, "train.batch_size": 8,
                               "train.warmup_steps": 1, "train.learning_rate": 1e-2,
-                              "mesh.rules": rules})
+                              "model.tie_embeddings": tied, "mesh.rules": rules})
   tx, _ = optim.make_optimizer(cfg.train)
   rec = {}
   for name, mesh_shape in (("one", (1, 1, 1)), ("mesh", shape)):
@@ -540,14 +545,17 @@ for block, shape, vocab in [("llama", (1, 2, 4), "fsdp"), ("llama", (2, 2, 2), "
     for s in range(3):
       params, opt_state, m = step(params, opt_state, batch, guard, np.int32(s + 1))
       losses.append(float(m["loss"]))
-    # A float [8, 32, ...] result of a collective: the whole batch's rows on a device.
-    whole = [f"{kind} {result}" for program in (
+    found = [(kind, result) for program in (
         step.lower(params, opt_state, batch, guard, np.int32(1)), evaluate.lower(params, batch))
-        for kind, result in collectives.results(program.compile().as_text())
-        if re.search(r"(f32|bf16)\\[8,32[,\\]]", result)]
+        for kind, result in collectives.results(program.compile().as_text())]
+    # A float [8, 32, ...] result: the whole batch's rows on a device; a float [512, 32] or
+    # [32, 512]: the whole vocabulary's embedding or output layer on a device.
     rec[name] = {"losses": losses, "eval": float(evaluate(params, batch)["loss_sum"]),
-                 "whole_batch": whole}
-  out[f"{block} vocab->{vocab} {'x'.join(map(str, shape))}"] = rec
+                 "whole_batch": [f"{k} {r}" for k, r in found
+                                 if re.search(r"(f32|bf16)\\[8,32[,\\]]", r)],
+                 "whole_vocabulary": [f"{k} {r}" for k, r in found
+                                      if re.search(r"(f32|bf16)\\[(512,32|32,512)\\]", r)]}
+  out[f"{block} {'tied' if tied else 'untied'} {changed} {'x'.join(map(str, shape))}"] = rec
 print(json.dumps(out))
 """
 
@@ -558,13 +566,18 @@ def test_a_vocabulary_rule_on_a_batch_axis_keeps_the_rows_on_their_devices():
   # all-gathered the whole batch's hidden states for the logits (f32[8,32,32] on all three
   # meshes here, with a vocabulary of 512; of 256 XLA's choice happened to be fine); the
   # losses were still right. The output layer now gathers its vocabulary over the
-  # rows' axes before use, as FSDP gathers every weight.
+  # rows' axes before use, as FSDP gathers every weight. With vocab on ('fsdp', 'tensor') on
+  # 1 x 4 x 2 the token lookup into the table so split summed the whole batch's embeddings over
+  # all 8 devices (all-reduce f32[8,32,32], in the training and the eval step); the lookup's
+  # table is now split likewise only over the vocabulary's axes that do not split the rows.
   runs = program_json(["-c", VOCAB_RULES_SCRIPT,
                        str(REPO / "tests"), str(REPO / "experiments")], 8, timeout=600)
-  assert len(runs) == 3, runs
+  assert len(runs) == 6, runs
   for name, rec in runs.items():
     one, mesh = rec["one"], rec["mesh"]
     assert mesh["whole_batch"] == [], (name, mesh["whole_batch"])
+    if name.endswith("{} 2x2x2"):  # the default rules: the vocabulary stays split over tensor
+      assert mesh["whole_vocabulary"] == [], (name, mesh["whole_vocabulary"])
     diff = max(abs(a - b) for a, b in zip(mesh["losses"], one["losses"], strict=True))
     # The eval loss is summed over the batch's 256 tokens (~1.6e3 nats).
     assert diff <= 1e-5 and abs(mesh["eval"] - one["eval"]) <= 1e-6 * one["eval"], (name, rec)
