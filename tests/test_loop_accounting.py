@@ -661,3 +661,47 @@ def test_the_kernel_summary_is_per_device_and_odd_events_are_one_value_error(tmp
     _write_trace(tmp_path / name, _gpu_trace() + [event])
     with pytest.raises(ValueError, match=r"perfetto_trace.json.gz: " + message):
       profiling.kernel_summary(str(tmp_path / name), steps=1)
+
+
+def test_the_first_rate_after_a_resume_counts_only_the_steps_run_since_the_resume(
+    tmp_path, monkeypatch):
+  # A clock that only training moves (1 s a step). A run checkpointed at step 2 and resumed to
+  # step 4 has run 2 steps in the 2 s of its first log interval: 1 step/s, batch x seq_len
+  # tokens/s, not the 4 steps since step 0 (a rate twice the real one).
+  now = [0.0]
+  real_step = steps.make_train_step
+
+  def make_train_step(*args, **kwargs):
+    step = real_step(*args, **kwargs)
+
+    def one_second(*a):
+      now[0] += 1.0
+      return step(*a)
+    one_second.lower = step.lower
+    return one_second
+
+  monkeypatch.setattr(train, "_clock", lambda: now[0])
+  monkeypatch.setattr(steps, "make_train_step", make_train_step)
+  workdir = str(tmp_path / "w")
+  for num_steps in (2, 4):
+    cfg = tiny_config("llama", **{"model.num_layers": 1, "train.num_steps": num_steps,
+                                  "train.log_every_steps": 2, "train.eval_every_steps": 100,
+                                  "eval.max_batches": 1})
+    train.train_and_evaluate(cfg, workdir)
+  lines = [m for m in read_metrics(workdir) if "train/loss" in m]
+  assert [(m["step"], m["train/tokens_per_sec"]) for m in lines] == [
+      (2, 8 * 64.0), (4, 8 * 64.0)]
+
+
+def test_the_epochs_warning_starts_at_exactly_two_passes(caplog):
+  # "from EPOCHS_WARNING passes on": 30 steps x 8 rows over 120 windows is 2.0 passes, warned;
+  # over 121 windows (1.98 passes) not. Counted by hand: 240 / 120 = 2, 240 / 121 < 2.
+  cfg = tiny_config("llama")
+  for windows, warned in ((120, True), (121, False)):
+    caplog.clear()
+    passes = train.epochs(cfg, windows)
+    assert passes == 240 / windows
+    with caplog.at_level(logging.WARNING):
+      train._log_schedule(cfg.train, windows, passes, True)
+    assert any("passes over the" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records) == warned, windows

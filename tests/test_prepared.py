@@ -1237,3 +1237,24 @@ def test_prepare_starts_one_worker_per_usable_cpu_by_default(tmp_path, monkeypat
   assert (tmp_path / "large" / prepared.MANIFEST).is_file()
   shard_writer.prepare(config.data, tmp_path / "two", shard_chars=20_000)
   assert started == [3, 2]  # no more workers than shards
+
+
+def test_the_manifest_counts_characters_and_utf8_bytes_of_each_split_apart(tmp_path):
+  # Text with 2- and 3-byte characters, so characters and bytes differ; counted by hand from
+  # the split the rule makes (interleave_split of the files' text), per split and in total.
+  lines = "".join(f"caf\u00e9 {i} \u6f22\u5b57 na\u00efve r\u00e9sum\u00e9.\n" for i in range(400))
+  paths = []
+  for i, doc in enumerate([lines, _text(300, "x")]):
+    paths.append(tmp_path / f"{i}.txt")
+    paths[-1].write_text(doc, encoding="utf-8")
+  config = _config(files=",".join(os.fspath(p) for p in paths), vocab_size=300)
+  out = shard_writer.prepare(config.data, tmp_path / "prep", shard_chars=5_000)
+  manifest = json.loads((out / "manifest.json").read_text())
+  train, validation = text_lib.interleave_split(read_documents(paths),
+                                                config.data.validation_fraction)
+  for split, docs in (("train", train), ("validation", validation)):
+    info = manifest["splits"][split]
+    assert info["characters"] == sum(len(d) for d in docs), split
+    assert info["bytes"] == sum(len(d.encode("utf-8")) for d in docs), split
+    assert info["documents"] == len(docs), split
+    assert info["bytes"] > info["characters"], split  # the test text is not ASCII
