@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -74,6 +75,18 @@ def program_json(args: list[str], devices: int, timeout: float = 120, **run_kwar
                         capture_output=True, text=True, timeout=timeout, **run_kwargs)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def float_collectives(hlo_text: str, *dims: int) -> list[str]:
+  """``'kind result'`` of each collective in a compiled program's HLO text whose result is a
+  float array with a shape starting with ``dims``: e.g. ``(8, 32)``, a batch's 8 rows of 32
+  positions brought whole onto a device. Parsed by ``experiments/collectives.py``."""
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+  import collectives
+
+  shape = re.compile(r"(f32|bf16)\[" + ",".join(map(str, dims)) + r"[,\]]")
+  return [f"{kind} {result}" for kind, result in collectives.results(hlo_text)
+          if shape.search(result)]
 
 
 @pytest.fixture

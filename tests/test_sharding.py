@@ -312,13 +312,11 @@ def test_a_batch_script_outside_srun_is_one_process():
 
 
 MESH_SCRIPT = """
-import json, re, sys
+import json, sys
 import jax, numpy as np
 from flax import nnx
 sys.path.insert(0, {tests!r})
-sys.path.insert(0, {experiments!r})
-import collectives
-from conftest import program_json, subprocess_env, tiny_config
+from conftest import float_collectives, subprocess_env, tiny_config
 from cem_jax import data as data_lib, memory, optim, sharding, steps
 
 assert jax.device_count() == 8, jax.devices()
@@ -329,8 +327,7 @@ def whole_batch_collectives(compiled, rows, seq_len=32):
   # The collectives of a compiled program with a float result of `rows` rows of `seq_len`
   # positions: a batch's activations brought whole onto a device, which the rows' split over
   # data x fsdp exists to avoid.
-  return [f"{{kind}} {{result}}" for kind, result in collectives.results(compiled.as_text())
-          if re.search(rf"(f32|bf16)\\[{{rows}},{{seq_len}}[,\\]]", result)]
+  return float_collectives(compiled.as_text(), rows, seq_len)
 
 
 overrides = {{"data.files": {text!r}, "data.seq_len": 32, "data.vocab_size": 512,
@@ -443,8 +440,7 @@ def test_a_model_built_off_the_mesh_runs_op_by_op_under_set_mesh():
 
 @pytest.mark.parametrize("block", ["cem", "llama"])
 def test_every_mesh_gives_the_one_device_losses(block, shared_data, tmp_path):
-  script = MESH_SCRIPT.format(tests=str(REPO / "tests"), experiments=str(REPO / "experiments"),
-                              block=block, meshes=MESHES[block],
+  script = MESH_SCRIPT.format(tests=str(REPO / "tests"), block=block, meshes=MESHES[block],
                               text=str(shared_data / "tinyshakespeare.txt"),
                               workdir=str(tmp_path / "w"))
   proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(8),
@@ -504,12 +500,10 @@ def test_every_mesh_gives_the_one_device_losses(block, shared_data, tmp_path):
 
 
 VOCAB_RULES_SCRIPT = """
-import json, re, sys
+import json, sys
 import jax, numpy as np
 sys.path.insert(0, sys.argv[1])
-sys.path.insert(0, sys.argv[2])
-import collectives
-from conftest import tiny_config
+from conftest import float_collectives, tiny_config
 from cem_jax import optim, sharding, steps
 
 rng = np.random.RandomState(0)
@@ -545,16 +539,14 @@ for block, shape, tied, changed in cases:
     for s in range(3):
       params, opt_state, m = step(params, opt_state, batch, guard, np.int32(s + 1))
       losses.append(float(m["loss"]))
-    found = [(kind, result) for program in (
-        step.lower(params, opt_state, batch, guard, np.int32(1)), evaluate.lower(params, batch))
-        for kind, result in collectives.results(program.compile().as_text())]
+    texts = [program.compile().as_text() for program in (
+        step.lower(params, opt_state, batch, guard, np.int32(1)), evaluate.lower(params, batch))]
     # A float [8, 32, ...] result: the whole batch's rows on a device; a float [512, 32] or
     # [32, 512]: the whole vocabulary's embedding or output layer on a device.
     rec[name] = {"losses": losses, "eval": float(evaluate(params, batch)["loss_sum"]),
-                 "whole_batch": [f"{k} {r}" for k, r in found
-                                 if re.search(r"(f32|bf16)\\[8,32[,\\]]", r)],
-                 "whole_vocabulary": [f"{k} {r}" for k, r in found
-                                      if re.search(r"(f32|bf16)\\[(512,32|32,512)\\]", r)]}
+                 "whole_batch": [c for t in texts for c in float_collectives(t, 8, 32)],
+                 "whole_vocabulary": [c for t in texts for dims in ((512, 32), (32, 512))
+                                      for c in float_collectives(t, *dims)]}
   out[f"{block} {'tied' if tied else 'untied'} {changed} {'x'.join(map(str, shape))}"] = rec
 print(json.dumps(out))
 """
@@ -570,8 +562,7 @@ def test_a_vocabulary_rule_on_a_batch_axis_keeps_the_rows_on_their_devices():
   # 1 x 4 x 2 the token lookup into the table so split summed the whole batch's embeddings over
   # all 8 devices (all-reduce f32[8,32,32], in the training and the eval step); the lookup's
   # table is now split likewise only over the vocabulary's axes that do not split the rows.
-  runs = program_json(["-c", VOCAB_RULES_SCRIPT,
-                       str(REPO / "tests"), str(REPO / "experiments")], 8, timeout=600)
+  runs = program_json(["-c", VOCAB_RULES_SCRIPT, str(REPO / "tests")], 8, timeout=600)
   assert len(runs) == 6, runs
   for name, rec in runs.items():
     one, mesh = rec["one"], rec["mesh"]
