@@ -1,7 +1,8 @@
 """The CEM design space on the built-in corpus (CEM_MATH.md §1, §3, §4): one arg per variant.
 
 Commands (1000 steps each: ~10 min on 2 idle CPU cores, ~15 min for t2, more when other jobs
-share them; ``--config.train.num_steps=300`` for a quick look; eval lines carry energy
+share them; for a quick look, as in the README, add
+``--config.train.num_steps=100 --config.train.eval_every_steps=50``; eval lines carry energy
 traces)::
 
     python -m cem_jax.main --config=experiments/design.py:diagonal --workdir=/tmp/diag
