@@ -238,3 +238,39 @@ def test_a_bad_gpu_memory_fraction_is_one_line_naming_the_variable(monkeypatch, 
     aot.target_devices("h200")
   assert str(e.value) == (f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction!r}; allowed: a number in "
                           "(0, 1], the share of a GPU's memory jax takes (default 0.75)")
+
+
+def test_a_gpu_target_is_described_with_its_count_of_gpus_in_one_node(monkeypatch):
+  # h200:8 is 8 GPUs of one node (1x1x8), the XLA description of that GPU; h100 alone is one.
+  asked = {}
+
+  def topology(target, platform, **kwargs):
+    asked[target] = (platform, kwargs["topology"], 'device_description_str: "NVIDIA H200"'
+                     in kwargs["target_config"])
+    return [_Described("NVIDIA H200", "gpu")]
+
+  monkeypatch.setattr(aot, "_topology", topology)
+  for target in ("h200:8", "h100"):
+    aot.target_devices(target)
+  assert asked == {"h200:8": ("cuda", "1x1x8", True), "h100": ("cuda", "1x1x1", False)}
+
+
+@pytest.mark.parametrize("kind, gib", [("TPU v4", 32), ("TPU v5 lite", 16), ("TPU v5", 95),
+                                       ("TPU v5p", 95), ("TPU v6 lite", 32)])
+def test_a_tpu_targets_limit_is_its_chips_hbm_and_an_unlisted_chip_is_one_line(
+    monkeypatch, kind, gib):
+  # Google Cloud's figures per chip: v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB of HBM.
+  monkeypatch.setattr(aot, "_topology", lambda *a, **k: [_Described(kind, "tpu")])
+  assert aot.target_devices("v9:2x2").memory_bytes == gib * 2**30
+  monkeypatch.setattr(aot, "_topology", lambda *a, **k: [_Described("TPU v9", "tpu")])
+  with pytest.raises(ValueError) as e:
+    aot.target_devices("v9:2x2")
+  assert str(e.value) == ("--target=v9:2x2: no memory size known for 'TPU v9'; known: TPU v4, "
+                          "TPU v5 lite, TPU v5, TPU v5p, TPU v6 lite "
+                          "(cem_jax.aot.TPU_MEMORY_BYTES)")
+
+
+def test_a_vocabulary_of_no_tokens_is_refused_before_anything_compiles():
+  with pytest.raises(ValueError) as e:
+    aot.compile_for(tiny_config("llama"), _cpu_target(), vocab_size=0)
+  assert str(e.value) == "--vocab_size=0; allowed: an int >= 1"

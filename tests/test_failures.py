@@ -1055,3 +1055,29 @@ def test_a_key_the_checkpoint_predates_is_compared_at_its_default(caplog):
   assert [r.getMessage() for r in caplog.records if "from the checkpoint's" in r.getMessage()
           ] == ["computed differently from the checkpoint's run (the same numbers up to float "
                 "rounding): train.loss_block_size: 0 -> 16"]
+
+
+def test_the_accumulation_advice_goes_up_to_one_row_per_microbatch():
+  # batch 8 on one device, 4 microbatches: 5, 6 and 7 do not divide 8 rows; 8 (one row each)
+  # does. On 8 devices nothing is left to suggest.
+  cfg = tiny_config("llama", **{"train.gradient_accumulation_steps": 4})
+  assert memory._what_to_change(cfg, 1).startswith(
+      "raise train.gradient_accumulation_steps=4 to 8 (the same batch in smaller pieces), ")
+  assert "gradient_accumulation_steps" not in memory._what_to_change(cfg, 8)
+
+
+def test_an_out_of_memory_error_is_quoted_by_its_first_line(monkeypatch):
+  # XLA's out-of-memory errors (TPU compiles) list the allocations over many lines.
+  class Failing:
+    def lower(self, *args):
+      return self
+
+    def compile(self):
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: 9.5G of 8G hbm\n  alloc 1: 4G\n")
+
+  monkeypatch.setattr(memory, "_is_out_of_memory", lambda e: True)  # Python's code: UNKNOWN
+  with pytest.raises(ValueError) as e:
+    memory.compile_within_memory(Failing(), (), tiny_config("llama"))
+  assert str(e.value).startswith("the training step does not fit in device memory (XLA: "
+                                 "RESOURCE_EXHAUSTED: 9.5G of 8G hbm): raise ")
+  assert "\n" not in str(e.value)

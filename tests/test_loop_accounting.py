@@ -705,3 +705,40 @@ def test_the_epochs_warning_starts_at_exactly_two_passes(caplog):
       train._log_schedule(cfg.train, windows, passes, True)
     assert any("passes over the" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records) == warned, windows
+
+
+def test_a_window_that_never_opened_stops_no_trace(monkeypatch):
+  # The loop closes the profiler at the end of every run (and on an error): a run without a
+  # window, or one that ends before its window, must not stop a trace the user runs around the
+  # training (nor log that it could not write one).
+  stops = []
+  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: stops.append("stopped"))
+  for profiler in (StepProfiler("/tmp/unused", first=1, num_steps=0, start_step=0),
+                   StepProfiler("/tmp/unused", first=5, num_steps=2, start_step=0)):
+    profiler.stop(3)
+  assert stops == []
+
+
+def test_a_one_step_window_logs_the_kernel_summary_of_its_step(tmp_path, monkeypatch, caplog):
+  # Window 4..4 stopped after step 4: one step traced, the whole trace's times over 1 step
+  # (twice the figures of the 2-step window above; 6 device kernels).
+  monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: None)
+  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: _write_trace(tmp_path, _gpu_trace()))
+  window = StepProfiler(str(tmp_path), first=4, num_steps=1, start_step=0)
+  window.start()
+  with caplog.at_level(logging.INFO):
+    window.stop(4)
+  assert ("profile: device time per step, ms: attention 0.050, matmul 0.100, collective "
+          "0.020, copy 0.010, other 0.080; busy 0.230 of a 0.540 span, 6 kernels") in caplog.text
+
+
+def test_the_span_ends_with_the_kernel_that_ends_last_not_the_one_that_starts_last(tmp_path):
+  from cem_jax import profiling
+
+  # Two streams: a long GEMM from 10 to 510 µs; the kernel that starts last ends at 250.
+  _write_trace(tmp_path, _process(2, "/device:GPU:0", {20: "Stream #13(Compute)",
+                                                       21: "Stream #14(Compute)"}) + [
+      _kernel(2, 20, "loop_fusion", 0, 100), _kernel(2, 21, "nvjet_gemm", 10, 500),
+      _kernel(2, 20, "loop_fusion", 200, 50)])
+  got = profiling.kernel_summary(str(tmp_path), steps=1)
+  assert got["ms_per_step"]["span"] == 0.51 and got["ms_per_step"]["busy"] == 0.51

@@ -393,3 +393,20 @@ def test_retract_keeps_a_zero_vector_zero():
   np.testing.assert_array_equal(got[0], 0.0)
   np.testing.assert_allclose(np.linalg.norm(got[1]), 2.0, rtol=1e-6)
   np.testing.assert_allclose(got[1], np.asarray(z[1]) * 2.0 / np.linalg.norm(z[1]), rtol=1e-6)
+
+
+def test_the_tangent_projection_measures_the_norm_and_gd_sums_the_updates_in_order():
+  """inner.project_tangent off the sphere (‖y‖² measured, not d_model): ⟨y, P_y(u)⟩ = 0,
+  against float64 NumPy; inner.apply's gd step with the joint split's two updates is
+  ``(y + u_1) + u_2``."""
+  rng = np.random.default_rng(0)
+  y, u, u2 = (rng.normal(size=(3, 8)) for _ in range(3))
+  y[0] *= 3.0  # far from radius √8
+  got = np.asarray(inner.project_tangent(jnp.asarray(y, jnp.float32),
+                                         jnp.asarray(u, jnp.float32)), np.float64)
+  np.testing.assert_allclose(got, _np_tangent(y, u), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.sum(got * y, -1), 0.0, atol=1e-4)
+  f32 = [jnp.asarray(a, jnp.float32) for a in (y, u, u2)]
+  got, v = inner.apply(f32[0], None, (f32[1], f32[2]), None, "gd", "euclidean")
+  assert v is None
+  np.testing.assert_array_equal(np.asarray(got), np.asarray((f32[0] + f32[1]) + f32[2]))

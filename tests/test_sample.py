@@ -109,9 +109,9 @@ def test_temperature_sampling_is_seeded_and_validates_length():
     sample.generate(graphdef, params, prompt, 0)
 
 
-def test_sample_takes_a_prompt_and_new_tokens_up_to_seq_len_and_no_more(monkeypatch, capsys):
-  # cem_jax.sample's main on a stand-in run (seq_len 8, a 3-token prompt): 5 new tokens fill the
-  # trained context exactly and are allowed; 6 are refused, naming the 5 that are.
+def _stand_in_run(monkeypatch, tokenizer):
+  """cem_jax.sample's flags in a FlagValues of their own (defaults: greedy, 5 new tokens) and
+  a stand-in run of seq_len 8; its ``generate`` records its keyword arguments."""
   from types import SimpleNamespace
 
   from absl import flags
@@ -129,16 +129,32 @@ def test_sample_takes_a_prompt_and_new_tokens_up_to_seq_len_and_no_more(monkeypa
   flags.DEFINE_bool("no_cache", False, "", flag_values=fv)
   fv(["sample", "--verbosity=0"])  # given: main leaves the logging level alone
   monkeypatch.setattr(flags, "FLAGS", fv)
-  tokenizer = SimpleNamespace(vocab_size=V, encode=lambda text: [1, 2, 3],
-                              decode=lambda ids: "+" * len(ids))
   config = tiny_config(**{"data.seq_len": 8})
   def load_run(workdir, attention_impl):
     assert (workdir, attention_impl) == ("w", "xla")  # the flags, passed on
     return config, SimpleNamespace(tokenizer=tokenizer), None, None, 7
 
   monkeypatch.setattr(evaluate, "load_run", load_run)
-  monkeypatch.setattr(sample, "generate",
-                      lambda graphdef, params, prompt, n, **kw: np.zeros((1, n), np.int32))
+  calls = []
+
+  def generate(graphdef, params, prompt, n, **kw):
+    calls.append(kw)
+    return np.zeros((1, n), np.int32)
+
+  monkeypatch.setattr(sample, "generate", generate)
+  return fv, calls
+
+
+def test_sample_takes_a_prompt_and_new_tokens_up_to_seq_len_and_no_more(monkeypatch, capsys):
+  # cem_jax.sample's main on a stand-in run (seq_len 8, a 3-token prompt): 5 new tokens fill the
+  # trained context exactly and are allowed; 6 are refused, naming the 5 that are.
+  from types import SimpleNamespace
+
+  from cem_jax import evaluate
+
+  tokenizer = SimpleNamespace(vocab_size=V, encode=lambda text: [1, 2, 3],
+                              decode=lambda ids: "+" * len(ids))
+  fv, _ = _stand_in_run(monkeypatch, tokenizer)
   sample.main([])
   assert capsys.readouterr().out == "abc+++++\n"
   fv.max_new_tokens = 6
@@ -162,6 +178,56 @@ def test_sample_takes_a_prompt_and_new_tokens_up_to_seq_len_and_no_more(monkeypa
   assert capsys.readouterr().err == (
       "error: --prompt='\\udcff\\udcfe abc' is not UTF-8 text (at character 0); give it in "
       "UTF-8\n")
+
+
+def test_sample_refuses_flags_out_of_range_and_passes_the_rest_on(monkeypatch, capsys):
+  # One line and exit status 1 for each flag out of its range; in range, the values reach
+  # generate: top_k up to the vocabulary (V), the seed as the key, --no_cache as use_cache.
+  from types import SimpleNamespace
+
+  tokenizer = SimpleNamespace(vocab_size=V, encode=lambda text: [1, 2, 3],
+                              decode=lambda ids: "+" * len(ids))
+  fv, calls = _stand_in_run(monkeypatch, tokenizer)
+
+  def run(**values):
+    base = dict(temperature=0.5, top_k=V, top_p=1.0, seed=7, no_cache=True, max_new_tokens=5)
+    for name, value in {**base, **values}.items():
+      setattr(fv, name, value)
+    try:
+      sample.main([])
+    except SystemExit as e:
+      assert e.code == 1
+      return capsys.readouterr().err
+    return capsys.readouterr().out
+
+  assert run() == "abc+++++\n"
+  (kw,) = calls
+  assert {k: kw[k] for k in ("temperature", "top_k", "top_p", "use_cache")} == {
+      "temperature": 0.5, "top_k": V, "top_p": 1.0, "use_cache": False}
+  np.testing.assert_array_equal(kw["rng"], jax.random.PRNGKey(7))
+  assert run(top_k=V + 1) == (f"error: --top_k={V + 1}; allowed: 0 (off) or 1..{V} (the "
+                              "vocabulary)\n")
+  for top_p in (1.5, 0.0):
+    assert run(top_p=top_p) == f"error: --top_p={top_p}; allowed: 0 < top_p <= 1\n"
+  assert run(temperature=0.0, top_k=0, top_p=0.9) == (
+      "error: --top_k=0 --top_p=0.9 have no effect with --temperature=0 (greedy); leave them at "
+      "0 and 1\n")
+  assert run(max_new_tokens=0) == "error: --max_new_tokens=0; allowed: >= 1\n"
+  monkeypatch.setattr(tokenizer, "encode", lambda text: [])
+  assert run() == "error: --prompt='abc' encodes to no tokens; give some text\n"
+  assert len(calls) == 1  # nothing refused reached generate
+
+
+def test_greedy_takes_the_lower_id_of_tied_logits_whatever_the_key():
+  logits = jnp.asarray([[1.0, 4.0, 4.0, 0.0]])
+  keys = jax.random.split(jax.random.PRNGKey(0), 32)
+  assert {int(sample._choose(logits, k, 0.0, 0, 1.0)[0]) for k in keys} == {1}
+
+
+def test_generate_refuses_a_prompt_of_no_tokens():
+  with pytest.raises(ValueError, match=r"^prompt must be \[batch, prompt_len >= 1\], got shape "
+                                       r"\(1, 0\)$"):
+    sample.generate(None, None, np.zeros((1, 0), np.int32), 4)
 
 
 def _kept_reference(logits, top_k, top_p):
@@ -189,6 +255,7 @@ def _kept_reference(logits, top_k, top_p):
     ([0.0, 0.0, 0.0, 0.0], 0, 0.51),
     ([2.0, 1.0, 1.0, 1.0, -3.0], 3, 0.6),
     ([2.0, 1.0, 1.0, 1.0, -3.0], 0, 0.6),
+    ([0.0, 0.0, 0.0, 0.0], 2, 0.5),  # top-p of the top-k tokens' own distribution: 0.5 each
 ])
 def test_filters_keep_exactly_the_defined_tokens_under_ties(logits, top_k, top_p):
   out = sample.filter_logits(jnp.asarray([logits], jnp.float32), 1.0, top_k, top_p)

@@ -816,3 +816,46 @@ def test_every_parameter_names_the_axes_of_its_own_dimensions(overrides):
         named += 1
         assert size == sizes[axis], (path, axes, shape)
   assert named > 10
+
+
+def test_open_mpi_and_flags_over_the_environment_one_value_at_a_time():
+  # mpirun sets OMPI_COMM_WORLD_SIZE (also inside a one-task srun step); JAX detects the rest.
+  ompi = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"}
+  assert distributed.cluster_processes(ompi) == 4
+  assert distributed.resolve("auto", environ=ompi) == {}
+  assert distributed.cluster_processes(
+      {**ompi, "SLURM_NTASKS": "1", "SLURM_STEP_NODELIST": "gpu01"}) == 4
+  assert distributed.resolve("auto", environ={"OMPI_COMM_WORLD_SIZE": "1"}) is None
+  # A flag wins over its CEM_* variable; the others still come from the environment.
+  env = {"CEM_COORDINATOR_ADDRESS": "127.0.0.1:5", "CEM_NUM_PROCESSES": "2",
+         "CEM_PROCESS_ID": "1"}
+  assert distributed.resolve("auto", "h:9", 4, 3, environ=env) == {
+      "coordinator_address": "h:9", "num_processes": 4, "process_id": 3}
+  assert distributed.resolve("auto", process_id=0, environ=env) == {
+      "coordinator_address": "127.0.0.1:5", "num_processes": 2, "process_id": 0}
+  assert distributed.resolve("auto", num_processes=4, environ=env)["num_processes"] == 4
+  with pytest.raises(ValueError, match=r"^--distributed='yes'; allowed: auto, on, off$"):
+    distributed.resolve("yes", environ={})
+
+
+def test_initialize_calls_jax_when_resolve_says_so_and_the_barrier_needs_two_processes(
+    monkeypatch):
+  import jax
+  from jax.experimental import multihost_utils
+
+  for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", distributed.ENV_ADDRESS,
+              distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
+    monkeypatch.delenv(key, raising=False)
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+  assert distributed.initialize("auto") is False and calls == []
+  # 'on' with nothing given: JAX detects everything (a TPU pod), called with no arguments.
+  assert distributed.initialize("on") is True and calls == [{}]
+  assert distributed.initialize("auto", "h:1", 2, 1) is True
+  assert calls[-1] == {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}
+  barriers = []
+  monkeypatch.setattr(multihost_utils, "sync_global_devices", barriers.append)
+  for count, name in ((1, "one"), (2, "two")):
+    monkeypatch.setattr(jax, "process_count", lambda count=count: count)
+    distributed.sync_processes(name)
+  assert barriers == ["two"]
