@@ -736,6 +736,46 @@ def _set(m, keys, value):
     pytest.param(_edit_shard("train", 0, 1024, 1), 300,
                  r": inconsistent prepared data: train-00000\.array_record holds \d+ records, "
                  r"manifest\.json says", id="shard-records"),
+    # Each rule of the manifest's own check, before any shard is opened. The records of a
+    # shard follow from its tokens (1024 a record, the last one partial): the reader's index
+    # arithmetic relies on it, so a count off by one is refused here, not read.
+    pytest.param(_edit_shard("train", 0, 0, 1), 300,
+                 r"/manifest\.json: damaged manifest: splits\.train\.shards\[0\] "
+                 r"\(train-00000\.array_record\) has \d+ tokens in \d+ records of 1024",
+                 id="records-not-from-tokens"),
+    pytest.param(lambda m: _set(m, ["splits", "train", "shards", 0], {
+                     **m["splits"]["train"]["shards"][0], "tokens": -5, "records": 0}), 300,
+                 r"/manifest\.json: damaged manifest: splits\.train\.shards\[0\] "
+                 r"\(train-00000\.array_record\) has -5 tokens in 0 records", id="tokens<0"),
+    pytest.param(lambda m: _set(m, ["splits"], []), 300,
+                 r"/manifest\.json: damaged manifest: splits is \[\], not an object",
+                 id="splits-list"),
+    pytest.param(lambda m: _set(m, ["splits", "train", "shards"], {}), 300,
+                 r"/manifest\.json: damaged manifest: splits\.train\.shards is \{\}, not a list",
+                 id="shards-object"),
+    pytest.param(lambda m: _set(m, ["splits", "train", "shards"], []), 300,
+                 r"/manifest\.json: damaged manifest: splits\.train\.shards is empty",
+                 id="shards-empty"),
+    pytest.param(lambda m: _set(m, ["splits", "train", "shards", 1, "file"],
+                                "train-00000.array_record"), 300,
+                 r"/manifest\.json: damaged manifest: splits\.train\.shards\[1\]\.file is "
+                 r"'train-00000\.array_record', prepare writes 'train-00001\.array_record'",
+                 id="shard-file"),
+    pytest.param(lambda m: _set(m, ["splits", "train", "shards", 0, "records"], True), 300,
+                 r"/manifest\.json: damaged manifest: splits\.train\.shards\[0\]\.records is "
+                 r"true, not an integer", id="records-bool"),
+    pytest.param(lambda m: _set(m, ["splits", "validation", "fields"], ["tokens"]), 300,
+                 r"/manifest\.json: damaged manifest: splits\.validation\.fields is \['tokens'\], "
+                 r"prepare writes \['tokens', 'bytes'\]", id="validation-fields"),
+    pytest.param(lambda m: _set(m, ["tokenizer", "file"], "other.model"), 300,
+                 r"/manifest\.json: damaged manifest: tokenizer\.file is 'other\.model', prepare "
+                 r"writes 'tokenizer\.model'", id="tokenizer-file"),
+    pytest.param(lambda m: _set(m, ["tokenizer", "vocab_size"], 0), 300,
+                 r"/manifest\.json: damaged manifest: tokenizer\.vocab_size is 0, not >= 1",
+                 id="vocab-size-0"),
+    pytest.param(lambda m: _set(m, ["sources", "files", 0, "path"], 7), 300,
+                 r"/manifest\.json: damaged manifest: sources\.files\[0\]\.path is 7, not a "
+                 r"string", id="source-path"),
 ])
 def test_a_hand_edited_manifest_is_a_one_line_error_naming_the_folder(
     edit, vocab, message, prepared_300, tmp_path):
