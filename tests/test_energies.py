@@ -244,6 +244,31 @@ def test_registry_lookup_and_errors():
     updates.resolve_update(energies.EnergySpec("u", "mlp", lambda *a: 0.0), "fused")
 
 
+def test_a_user_energy_path_or_name_that_cannot_serve_is_one_line(tmp_path):
+  # The config's value names the field, the file and what is missing; a name taken or a kind
+  # that is no slot is refused at registration; a closed form is used only where it is callable.
+  missing = tmp_path / "nope.py"
+  with pytest.raises(ValueError, match=rf"^model\.attention_energy='{missing}:e': file "
+                                       rf"{missing} does not exist$"):
+    energies.get(f"{missing}:e", "attention", "model.attention_energy")
+  user = tmp_path / "user.py"
+  user.write_text("energy = 3\ndef quad(y, context, params, aux):\n  return (y * y).sum()\n"
+                  "quad_fused_update = 'not a function'\n")
+  with pytest.raises(ValueError, match=rf"^model\.mlp_energy='{user}:energy': module "
+                                       rf"'{user}' has no function 'energy'$"):
+    energies.get(f"{user}:energy", "mlp", "model.mlp_energy")
+  spec = energies.get(f"{user}:quad", "mlp", "model.mlp_energy")
+  assert spec.fused_update is None and float(spec.energy(jnp.ones(3), None, {}, None)) == 3.0
+  with pytest.raises(ValueError, match=r"^model\.update_mode='closed'; allowed: fused, "
+                                       r"autodiff, auto$"):
+    updates.resolve_update(spec, "closed", "model.update_mode")
+  with pytest.raises(ValueError, match=r"^energy name 'softmax' is already registered$"):
+    energies.register("softmax", "attention", lambda *a: 0.0)
+  with pytest.raises(ValueError, match=r"^energy kind='ffn'; allowed: attention, mlp$"):
+    energies.register("test_unused_name", "ffn", lambda *a: 0.0)
+  assert "test_unused_name" not in energies.names()
+
+
 def test_start_up_relative_error_of_a_zero_reference_is_zero_or_infinite():
   # An update that is exactly 0 (an energy that ignores y) matches a zero closed form: 0, not
   # 0/0 = NaN, which the check would refuse; any other closed form is infinitely wrong.

@@ -642,6 +642,23 @@ def test_out_that_is_a_file_is_a_one_line_error_naming_the_flag(tmp_path):
   assert afile.read_text() == "x"
 
 
+def test_out_holding_other_files_is_refused_and_left_as_it_was(tmp_path):
+  # A folder of the user's own (no manifest, no prepare.json, no shard): nothing is written
+  # into it or removed from it.
+  corpus, out = tmp_path / "c.txt", tmp_path / "mine"
+  corpus.write_text(_text(200))
+  out.mkdir()
+  (out / "notes.txt").write_text("keep")
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  with pytest.raises(ValueError, match=rf"^--out={out} is not empty and holds no prepared "
+                                       r"dataset; choose an empty or new folder$"):
+    shard_writer.prepare(config.data, out)
+  assert [p.name for p in out.iterdir()] == ["notes.txt"]
+  assert (out / "notes.txt").read_text() == "keep"
+  with pytest.raises(ValueError, match=r"^data\.files=' , ' names no file glob$"):
+    text_lib.resolve_files(" , ")
+
+
 @pytest.fixture(scope="module")
 def prepared_300(tmp_path_factory) -> Path:
   root = tmp_path_factory.mktemp("prepared_300")
