@@ -13,7 +13,9 @@ d_model 768, 12 heads, mlp 2048, vocab 32768, bf16) and prints, from the program
   compilation, ``jax.experimental.topologies``), the attention kernel chosen as on the GPU
   (cuDNN), XLA's memory for the step (what ``bench`` reports as ``peak_memory_mb``), and a
   table of its kernels (:func:`gpu_kernels`): matmuls, attention, the other kernels of the
-  forward and backward passes, the update, and the largest kernels.
+  forward and backward passes, the update, and the largest kernels; then one middle layer's
+  kernels each way (:func:`one_layer`) and the count of kernels under 1 MB by kind (each
+  costs a launch whatever its size).
 
     python experiments/step_program.py [VARIANT] [SEQ_LEN] [TOKENS_PER_BATCH] [TARGET]
     python experiments/step_program.py cem_fused 1024 2048          # ~15 s on 2 CPU cores
@@ -247,6 +249,35 @@ def print_gpu_kernels(kernels: list[dict], largest: int = 8) -> None:
     print(f"  {k['bytes'] / 1e9:6.2f} GB  {k['kind']:9s} {k['name']}  ({k['op']})")
 
 
+def one_layer(kernels: list[dict], layer: int) -> dict[str, list[dict]]:
+  """One layer's worth of kernels of each pass, as :func:`gpu_kernels` lists them.
+
+  Forward: from layer ``layer``'s attention call up to layer ``layer + 1``'s (its output
+  projection and MLP, the next layer's norm and projections). Backward: the gradient of the
+  same ops, between the two layers' attention backward calls (the backward pass runs the
+  layers in reverse: of the program's ``2 L`` attention calls, the ``L + j``-th is layer
+  ``L - 1 - j``'s backward). Kernels the scheduler runs inside a range count there, e.g. the
+  optimizer's reductions of a gradient as soon as it exists.
+
+  Args:
+    kernels: ``gpu_kernels`` of a step of ``L`` layers, one attention call each way.
+    layer: 0 .. L - 2 (the last layer has no next attention call to end it).
+  Returns:
+    ``{"forward": [...], "backward": [...]}``.
+  Raises:
+    ValueError: the attention calls are not two per layer, or ``layer`` is out of range.
+  """
+  calls = [i for i, k in enumerate(kernels) if k["kind"] == "attention"]
+  if not calls or len(calls) % 2:
+    raise ValueError(f"{len(calls)} attention calls; expected two per layer")
+  num_layers = len(calls) // 2
+  if not 0 <= layer < num_layers - 1:
+    raise ValueError(f"layer={layer}; allowed: 0..{num_layers - 2}")
+  back = num_layers + (num_layers - 1 - layer)
+  return {"forward": kernels[calls[layer]:calls[layer + 1]],
+          "backward": kernels[calls[back - 1]:calls[back]]}
+
+
 def _h200_sharding():
   import jax
 
@@ -293,7 +324,15 @@ def main(variant: str = "cem_fused", seq_len: int = 1024, tokens_per_batch: int 
   if sharding is not None:
     # The figure bench reports as peak_memory_mb, here without the device.
     print(f"XLA memory: {memory.footprint_bytes(compiled) / 2**30:.2f} GiB")
-    print_gpu_kernels(gpu_kernels(compiled.as_text()))
+    kernels = gpu_kernels(compiled.as_text())
+    print_gpu_kernels(kernels)
+    layer = cfg.model.num_layers // 2
+    for part, ks in one_layer(kernels, layer).items():
+      print(f"layer {layer}'s {part} pass: {len(ks)} kernels, "
+            f"{sum(k['bytes'] for k in ks) / 1e9:.2f} GB")
+    small = collections.Counter(k["kind"] for k in kernels if k["bytes"] < 1e6)
+    print(f"kernels under 1 MB: {sum(small.values())} ("
+          + ", ".join(f"{kind} {n}" for kind, n in sorted(small.items())) + ")")
     return
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost

@@ -796,3 +796,24 @@ def test_gpu_kernels_reads_index_operands_whole_and_counts_cublas_and_dot_flops(
       ("gemm", "matmul", 2 * 64 * 512 + 1024 + 2 * 64 * 768 + 2 * 768 * 512, 2 * 64 * 512 * 768),
       ("dot", "matmul", 4 * 64 * 64 + 2 * 4 * 64 * 32, 2 * 64 * 64 * 32),
       ("r", "forward", 3 * rows, 0)]
+
+
+def test_one_layer_takes_the_kernels_between_two_layers_attention_calls_each_way():
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("step_program", _STEP_PROGRAM)
+  program = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(program)
+  # 3 layers: forward attention calls a0 a1 a2, then the backward's in reverse: b2 b1 b0.
+  names = ["embed", "a0", "f0", "a1", "f1", "a2", "f2", "loss",
+           "b2", "g2", "b1", "g1", "b0", "g0", "update"]
+  kernels = [{"name": n, "kind": "attention" if n[0] in "ab" and n[1:].isdigit() else "other",
+              "bytes": 1} for n in names]
+  got = {part: [k["name"] for k in ks] for part, ks in program.one_layer(kernels, 1).items()}
+  assert got == {"forward": ["a1", "f1"], "backward": ["b2", "g2"]}
+  got = {part: [k["name"] for k in ks] for part, ks in program.one_layer(kernels, 0).items()}
+  assert got == {"forward": ["a0", "f0"], "backward": ["b1", "g1"]}
+  with pytest.raises(ValueError, match=r"^layer=2; allowed: 0\.\.1$"):
+    program.one_layer(kernels, 2)
+  with pytest.raises(ValueError, match=r"^5 attention calls; expected two per layer$"):
+    program.one_layer(kernels[:-3], 0)
