@@ -542,16 +542,23 @@ def test_the_kernel_summary_of_several_devices_is_per_device(tmp_path):
   assert got["devices"] == 2 and got["kernels_per_step"] == 3.5
 
 
-def test_a_training_trace_logs_its_kernel_summary(tmp_path, monkeypatch, caplog):
-  # The window's 2 steps (4..5) divide the trace's times.
+@pytest.mark.parametrize("num_steps, line", [
+    # The window's 2 steps (4..5) divide the trace's times.
+    (2, "attention 0.025, matmul 0.050, collective 0.010, copy 0.005, other 0.040; busy 0.115 "
+        "of a 0.270 span, 3 kernels"),
+    # Window 4..4 stopped after step 4: one step traced, the whole trace's times over 1 step
+    # (twice the figures of the 2-step window; 6 device kernels).
+    (1, "attention 0.050, matmul 0.100, collective 0.020, copy 0.010, other 0.080; busy 0.230 "
+        "of a 0.540 span, 6 kernels"),
+])
+def test_a_training_trace_logs_its_kernel_summary(num_steps, line, tmp_path, monkeypatch, caplog):
   monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: None)
   monkeypatch.setattr(jax.profiler, "stop_trace", lambda: _write_trace(tmp_path, _gpu_trace()))
-  window = StepProfiler(str(tmp_path), first=4, num_steps=2, start_step=0)
+  window = StepProfiler(str(tmp_path), first=4, num_steps=num_steps, start_step=0)
   window.start()
   with caplog.at_level(logging.INFO):
-    window.stop(5)
-  assert ("profile: device time per step, ms: attention 0.025, matmul 0.050, collective "
-          "0.010, copy 0.005, other 0.040; busy 0.115 of a 0.270 span, 3 kernels") in caplog.text
+    window.stop(3 + num_steps)
+  assert f"profile: device time per step, ms: {line}" in caplog.text
 
 
 def _gpu_trace():
@@ -717,19 +724,6 @@ def test_a_window_that_never_opened_stops_no_trace(monkeypatch):
                    StepProfiler("/tmp/unused", first=5, num_steps=2, start_step=0)):
     profiler.stop(3)
   assert stops == []
-
-
-def test_a_one_step_window_logs_the_kernel_summary_of_its_step(tmp_path, monkeypatch, caplog):
-  # Window 4..4 stopped after step 4: one step traced, the whole trace's times over 1 step
-  # (twice the figures of the 2-step window above; 6 device kernels).
-  monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: None)
-  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: _write_trace(tmp_path, _gpu_trace()))
-  window = StepProfiler(str(tmp_path), first=4, num_steps=1, start_step=0)
-  window.start()
-  with caplog.at_level(logging.INFO):
-    window.stop(4)
-  assert ("profile: device time per step, ms: attention 0.050, matmul 0.100, collective "
-          "0.020, copy 0.010, other 0.080; busy 0.230 of a 0.540 span, 6 kernels") in caplog.text
 
 
 def test_the_span_ends_with_the_kernel_that_ends_last_not_the_one_that_starts_last(tmp_path):
