@@ -1018,22 +1018,49 @@ def test_docstrings_are_read_from_the_standard_library_only(tmp_path, monkeypatc
   assert "json" in files
 
 
+def _normalising_tokenizer(path: Path, **settings):
+  """A tokenizer of SentencePiece's default settings (which normalise the text), trained on a
+  short text and loaded as a given ``data.tokenizer``."""
+  writer = io.BytesIO()
+  settings = {"vocab_size": 40, **settings}
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(["hello world, a small text\n"] * 20), model_writer=writer,
+      hard_vocab_limit=False, minloglevel=2, pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+      **settings)
+  path.write_bytes(writer.getvalue())
+  size = spm.SentencePieceProcessor(model_file=os.fspath(path)).get_piece_size()
+  return tokenizer_lib.load_tokenizer(path, size)
+
+
 def test_a_normalising_tokenizer_still_counts_every_byte_of_the_text(tmp_path):
   # SentencePiece's defaults drop leading, trailing and repeated spaces: the dropped bytes still
   # count (bits per byte divides by the text's bytes), for the id next to them.
-  writer = io.BytesIO()
-  spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(["hello world, a small text\n"] * 20), model_writer=writer,
-      vocab_size=40, hard_vocab_limit=False, minloglevel=2, pad_id=0, eos_id=1, unk_id=2,
-      bos_id=-1)
-  path = tmp_path / "default.model"
-  path.write_bytes(writer.getvalue())
-  size = spm.SentencePieceProcessor(model_file=os.fspath(path)).get_piece_size()
-  tok = tokenizer_lib.load_tokenizer(path, size)
+  tok = _normalising_tokenizer(tmp_path / "default.model")
   for text in ["   hello  world  ", "  é hello", "hello"]:
     ids, nbytes = tok.encode_with_bytes(text)
     assert nbytes.sum() == len(text.encode("utf-8")), text
     assert len(ids) == len(nbytes) and (nbytes >= 0).all()
+
+
+def test_a_literal_meta_space_in_normalised_text_is_three_bytes_between_its_parts(tmp_path):
+  # A literal '▁' (U+2581, 3 UTF-8 bytes) is encoded as its three byte pieces between the
+  # encodings of the text around it; where normalisation drops bytes (the repeated spaces here),
+  # each id's bytes come from the offsets, and the parts' offsets start after the '▁' bytes.
+  # 256 byte pieces besides the text's own.
+  tok = _normalising_tokenizer(tmp_path / "bytes.model", byte_fallback=True, vocab_size=300)
+  parts = ["hello    world", "a    small", "text"]
+  ids, nbytes = tok.encode_with_bytes("\u2581".join(parts))
+  assert int(tok.token_bytes[ids].sum()) != len("\u2581".join(parts).encode())  # normalised
+  want_ids, want_bytes = [], []
+  for i, part in enumerate(parts):
+    if i:
+      want_ids += [tok._sp.piece_to_id(f"<0x{b:02X}>") for b in "\u2581".encode()]
+      want_bytes += [1, 1, 1]
+    part_ids, part_bytes = tok.encode_with_bytes(part)
+    want_ids += part_ids.tolist()
+    want_bytes += part_bytes.tolist()
+  assert ids.tolist() == want_ids
+  assert nbytes.tolist() == want_bytes
 
 
 @pytest.mark.parametrize("args,error", [
