@@ -425,6 +425,33 @@ def with_defaults(saved: ml_collections.ConfigDict | dict) -> dict:
   return {**flat(get_default_config()), **flat(saved)}
 
 
+def run_changes(saved: ml_collections.ConfigDict | dict,
+                now: ml_collections.ConfigDict | dict) -> list[str]:
+  """The keys in which two configs train different runs, as ``"key: old -> new"`` strings,
+  sorted (empty: the same run); ``saved`` is a run's ``config.json`` (a nested dict), ``now``
+  the config it would be trained or resumed with.
+
+  Left out: :data:`COMPUTE_ONLY` and :data:`OBSERVE_ONLY`; a key ``saved`` predates compares
+  at its default (new options default to the old behaviour); ``data.files`` compares by file
+  name (the same corpus seen from another checkout or machine). A key only ``saved`` has
+  (removed since) differs.
+  """
+  ignored = COMPUTE_ONLY + OBSERVE_ONLY
+
+  def of_run(config) -> dict:
+    out = {k: v for k, v in flat(config).items() if k not in ignored}
+    if out.get("data.files"):
+      out["data.files"] = ",".join(os.path.basename(p) for p in out["data.files"].split(","))
+    return out
+
+  old, new = of_run(saved), of_run(now)
+  default = of_run(get_default_config())
+  old = {**{k: default[k] for k in new if k in default and k not in old}, **old}
+  missing = "(none)"
+  return [f"{k}: {old.get(k, missing)!r} -> {new.get(k, missing)!r}"
+          for k in sorted(set(old) | set(new)) if old.get(k, missing) != new.get(k, missing)]
+
+
 def model_changes(saved: ml_collections.ConfigDict | dict,
                   now: ml_collections.ConfigDict | dict) -> list[str]:
   """The ``model.*`` keys that define the model and differ between two configs, as

@@ -4,10 +4,10 @@
 
 Loads the newest checkpoint with the config saved in it (the trained T included), the run's
 prepared data and tokenizer, then evaluates the validation split with every CEM layer running
-``T_eval`` steps. Writes ``DIR/test_time_steps.{md,json,png}``: perplexity, bits per byte and
-the final energy (the sum over layers of the attention + MLP energy after the last step, mean
-per token) per ``T_eval``. Steps beyond the trained T reuse the last step's parameters
-(per-step step sizes or preconditioners).
+``T_eval`` steps. Writes ``DIR/test_time_steps.{md,json,png}``: perplexity, bits per byte, the
+held-out tokens scored and the final energy (the sum over layers of the attention + MLP energy
+after the last step, mean per token) per ``T_eval``. Steps beyond the trained T reuse the last
+step's parameters (per-step step sizes or preconditioners).
 """
 
 from __future__ import annotations
@@ -147,7 +147,8 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
   """Evaluates ``workdir``'s model for each ``T_eval`` in ``steps``; returns one row each.
 
   Row keys: ``T_eval``, ``eval/loss`` (nats/token), ``eval/perplexity``,
-  ``eval/bits_per_byte``, ``final_energy`` (after the last step, summed over layers and over
+  ``eval/bits_per_byte``, ``eval/tokens`` (held-out tokens scored: ``max_batches`` -1 scores
+  the whole split), ``final_energy`` (after the last step, summed over layers and over
   the CEM sub-layers the model has, mean per token; None when it has none), ``step`` (the
   checkpoint's training step) and ``T_trained`` (the ``model.num_steps`` the checkpoint was
   trained with, from the config saved in it).
@@ -179,7 +180,7 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
     rows.append({"T_eval": t_eval, "step": step, "T_trained": config.model.num_steps,
                  "final_energy": final_energy(metrics),
                  **{k: metrics[k] for k in ("eval/loss", "eval/perplexity",
-                                            "eval/bits_per_byte")}})
+                                            "eval/bits_per_byte", "eval/tokens")}})
   return rows
 
 
@@ -194,7 +195,7 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
   atomic_write_json(base + ".json", rows)
   lines = [
       f"Test-time steps for a model trained with T = {trained_steps} "
-      f"(checkpoint step {rows[0]['step']}).",
+      f"(checkpoint step {rows[0]['step']}; {rows[0]['eval/tokens']:,} held-out tokens a row).",
       "",
       "| T_eval | eval loss (nats) | perplexity | bits/byte | final energy (Σ layers, per token) |",
       "|---:|---:|---:|---:|---:|",
@@ -245,9 +246,9 @@ def main(argv):
       steps = [int(s) for s in fl.num_steps]
     except ValueError:
       steps = []
-    if not steps or min(steps) < 1:
+    if not steps or min(steps) < 1 or len(set(steps)) < len(steps):
       raise ValueError(f"--num_steps={','.join(fl.num_steps)}; allowed: comma-separated "
-                       "integers >= 1")
+                       "integers >= 1, each at most once")
     if fl.max_batches < 1 and fl.max_batches != -1:
       raise ValueError(f"--max_batches={fl.max_batches}; allowed: -1 (all) or an int >= 1")
     rows = test_time_steps(fl.workdir, steps, fl.max_batches, fl.attention_impl)

@@ -45,8 +45,9 @@ from absl import app, flags, logging
 from flax import nnx
 from tqdm import tqdm
 
-from cem_jax import cli, energies, model_stats, preflight, train
+from cem_jax import cli, energies, errors, model_stats, preflight, train
 from cem_jax import config as config_lib
+from cem_jax import workdir as workdir_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import sources
 from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text
@@ -66,7 +67,8 @@ def load_table(table: str):
   """Imports a table config module by name (``experiments/paper/NAME.py``) or by path.
 
   Raises:
-    ValueError: no such table file, or it lacks ``ROWS``/``get_config``.
+    ValueError: no such table file, its code raises (one line naming the file), or it lacks
+      ``ROWS``/``get_config``.
   """
   path = table if table.endswith(".py") else os.path.join(PAPER_DIR, f"{table}.py")
   if not os.path.isfile(path):
@@ -79,6 +81,8 @@ def load_table(table: str):
     spec.loader.exec_module(module)
   except SyntaxError as e:
     raise ValueError(f"--table={table!r}: {path}:{e.lineno}: {e.msg}") from None
+  except Exception as e:  # the user's file: any exception is its message to the user
+    raise ValueError(f"--table={table!r}: {path}: {errors.one_line(e)}") from None
   if not hasattr(module, "ROWS") or not hasattr(module, "get_config"):
     raise ValueError(f"--table={table!r}: {path} must define ROWS and get_config(arg)")
   return module
@@ -124,8 +128,19 @@ def row_config(module, row: str, scale: str, seed: int, steps: int | None = None
                overrides: dict | None = None):
   """The resolved config of one run: the row at ``scale`` with ``seed`` (init and data order)
   and ``overrides`` (``{"data.prepared_dir": DIR}``, from :func:`parse_overrides`) applied
-  after the row's own edits."""
-  c = module.get_config(f"{row},{scale}")
+  after the row's own edits.
+
+  Raises:
+    ValueError: the table's ``get_config`` raises (another exception: one line naming the
+      file).
+  """
+  try:
+    c = module.get_config(f"{row},{scale}")
+  except ValueError:  # the table's own one-line message (scales.parse_arg's)
+    raise
+  except Exception as e:  # the user's file: any other exception is its message to the user
+    raise ValueError(f"{module.__file__}: get_config({row + ',' + scale!r}) raised "
+                     f"{errors.one_line(e)}") from None
   for key, value in (overrides or {}).items():
     group, _, name = key.rpartition(".")
     (c[group] if group else c)[name] = value
@@ -201,31 +216,17 @@ def _other_source(result: dict, config) -> str | None:
 
 
 def _same_config(run: str, config) -> bool:
-  """True when ``run/config.json`` is ``config`` up to keys added to the defaults since that
-  run (which must hold their default values: new options default to the old behaviour), to
-  the folder of ``data.files`` (compared by file name, so that runs trained in another
-  checkout, e.g. the committed ``results/tiny``, count) and to
-  :data:`cem_jax.config.COMPUTE_ONLY` (the kernel, remat, gradient accumulation) and
-  :data:`cem_jax.config.OBSERVE_ONLY` (profiling)."""
-  path = os.path.join(run, "config.json")
-  if not os.path.exists(path):
-    return False
-  def flat(d: dict) -> dict:
-    ignored = config_lib.COMPUTE_ONLY + config_lib.OBSERVE_ONLY
-    out = {k: v for k, v in config_lib.flat(d).items() if k not in ignored}
-    if out.get("data.files"):  # by name: the same corpus seen from another checkout/machine
-      out["data.files"] = ",".join(os.path.basename(p) for p in out["data.files"].split(","))
-    return out
-
-  with open(path) as f:
-    saved = flat(json.load(f))
-  now, default = flat(config), flat(get_default_config())
-  return set(saved) <= set(now) and all(
-      saved[k] == v if k in saved else default.get(k) == v for k, v in now.items())
+  """True when ``run/config.json`` is ``config`` as a training run
+  (:func:`cem_jax.workdir.config_changes`: up to keys added to the defaults since that run, the
+  folder of ``data.files``, so that runs trained in another checkout, e.g. the committed
+  ``results/tiny``, count, and :data:`cem_jax.config.COMPUTE_ONLY` and
+  :data:`cem_jax.config.OBSERVE_ONLY`)."""
+  return workdir_lib.config_changes(run, config) == []
 
 
 def _read_result(path: str, digest: str | None = None, config=None) -> dict:
-  """A finished run's ``result.json``, checked: valid JSON with :data:`RESULT_KEYS`, and
+  """A finished run's ``result.json``, checked: valid JSON with :data:`RESULT_KEYS` (numbers
+  where the table computes with them), and
   trained with ``config`` (digest ``digest``, else the run's ``config.json``) when given.
 
   Raises:
@@ -240,6 +241,14 @@ def _read_result(path: str, digest: str | None = None, config=None) -> dict:
   missing = [k for k in RESULT_KEYS if k not in result] if isinstance(result, dict) else ["all"]
   if missing:
     raise ValueError(f"{path} lacks {', '.join(missing)}; delete it to train that run again")
+  number = lambda v: isinstance(v, int | float) and not isinstance(v, bool)
+  wrong = [f"{k}={result[k]!r}" for k in ("eval/loss", "eval/bits_per_byte", "tokens_per_sec")
+           if not number(result[k])]
+  wrong += [f"seed={result['seed']!r}"] if type(result["seed"]) is not int else []
+  wrong += [f"row={result['row']!r}"] if not isinstance(result["row"], str) else []
+  if wrong:  # else a TypeError deep in the table's statistics
+    raise ValueError(f"{path} has {', '.join(wrong)}; allowed: a string row, an integer seed "
+                     "and numbers; delete it to train that run again")
   trained = os.path.normpath(os.path.join(os.path.dirname(path),
                                           result.get("reused_from", ".")))
   if digest is not None and result["config_digest"] != digest and not (
@@ -299,10 +308,17 @@ def check_runs(module, scale: str, seeds: int, steps: int | None = None,
   in one line at start-up, not after the rows before it have trained.
 
   Raises:
-    ValueError: a run's config is invalid (prefixed with the row), or an override sets a key
+    ValueError: a run's config is invalid (prefixed with the row); an override sets a key the
+      runner sets itself (``seed`` and ``data.shuffle_seed`` from the seed, ``train.num_steps``
+      with ``steps``: the override would be ignored); or an override sets a key
       in which the rows differ (``--set=train.learning_rate`` would turn ``t2_lr_half`` into
       ``t2_fixed``), naming the override and a row.
   """
+  runner = {"seed": "--seeds (run S has seed S)", "data.shuffle_seed": "--seeds (run S has "
+            "seed S)", **({"train.num_steps": f"--steps={steps}"} if steps is not None else {})}
+  for key in sorted(overrides or {}):
+    if key in runner:  # row_config sets it after the overrides: the --set would be ignored
+      raise ValueError(f"--set={key}=... is set for every run by {runner[key]}; leave it out")
   own = {row: config_lib.flat(row_config(module, row, scale, 0, steps)) for row in module.ROWS}
   for key in sorted(overrides or {}):
     values = {row: json.dumps(flat.get(key)) for row, flat in own.items()}
@@ -358,6 +374,7 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
                    "(cem_jax/version.py): moved to %s, training again", table, row, seed,
                    version, NUMERICS_VERSION, stale)
       os.replace(out, stale)
+    workdir_lib.check_same_run(out, cfg)  # an unfinished run: resumed only as this config
     source = _finished_run(workdir, digest, cfg)
     if source is not None:
       logging.info("table %s: row %s seed %d reuses %s (same config)", table, row, seed, source)
@@ -389,7 +406,11 @@ def finished_results(module, table: str, scale: str, seeds: int, workdir: str,
   """The results of every (row, seed) of the table already finished in ``workdir`` with the
   config this command would give it, under the current numerics version, in table order;
   runs trained otherwise (or not at all) are left out. ``--rows`` trains a subset but the
-  table shows every row that has such runs."""
+  table shows every row that has such runs.
+
+  Raises:
+    ValueError: a ``result.json`` is damaged (as :func:`_read_result`: one line naming it).
+  """
   out = []
   for row in module.ROWS:
     for seed in range(seeds):
@@ -397,9 +418,10 @@ def finished_results(module, table: str, scale: str, seeds: int, workdir: str,
       if not os.path.exists(path):
         continue
       cfg = row_config(module, row, scale, seed, steps, overrides)
+      _read_result(path)  # damage is an error here too, not a row silently left out
       try:
         result = _read_result(path, config_digest(cfg), cfg)
-      except ValueError:
+      except ValueError:  # trained with another config or on other text
         continue
       if numerics_version(result) == NUMERICS_VERSION:
         out.append(result)
@@ -510,12 +532,16 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
 
 
 def eval_curves(workdir: str, table: str, module, seeds: int,
-                rows: list[str] | None = None) -> dict:
-  """``{row: [(step, mean eval loss over seeds), ...]}`` from the runs' metrics."""
+                rows: list[str] | None = None, runs: set | None = None) -> dict:
+  """``{row: [(step, mean eval loss over seeds), ...]}`` from the runs' metrics; ``runs``: only
+  those ``(row, seed)`` pairs, the finished runs the table's figures are of (None: every seed
+  below ``seeds`` with a ``metrics.jsonl``, unfinished or trained otherwise as it may be)."""
   curves = {}
   for row in rows or module.ROWS:
     by_step: dict[int, list[float]] = {}
     for seed in range(seeds):
+      if runs is not None and (row, seed) not in runs:
+        continue
       path = run_dir(workdir, table, row, seed)
       if os.path.exists(os.path.join(path, "metrics.jsonl")):
         for m in read_metrics(path):
@@ -584,10 +610,12 @@ def main(argv):
     command = command_line(fl.table, fl.scale, fl.seeds, fl.workdir, fl.steps, rows, fl.set)
     header = (f"Table {name}, scale {fl.scale}, {fl.seeds} seed(s), written {when} ({device}); "
               f"command: {command}")
-    # Inside: a damaged metrics line of a finished run is a one-line ValueError too.
-    paths = write_outputs(fl.workdir, name, table_rows,
-                          eval_curves(fl.workdir, name, module, fl.seeds,
-                                      [r["row"] for r in table_rows]), header)
+    # Inside: a damaged metrics line of a finished run is a one-line ValueError too. The
+    # curves are of the runs in the table only (not an unfinished seed, or one trained with
+    # another config, in a row's folder).
+    curves = eval_curves(fl.workdir, name, module, fl.seeds, [r["row"] for r in table_rows],
+                         {(r["row"], r["seed"]) for r in results})
+    paths = write_outputs(fl.workdir, name, table_rows, curves, header)
   print(open(paths[0]).read())
   print("\n".join(paths))
 

@@ -128,7 +128,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     ``eval/best_bits_per_byte``, ``eval/best_step``); ``{}`` if preempted before any eval.
 
   Raises:
-    ValueError: invalid config, data, devices, workdir or checkpoint (one line naming the
+    ValueError: another run training in ``workdir`` (:func:`cem_jax.workdir.exclusive`);
+      invalid config, data, devices, workdir or checkpoint (one line naming the
       field/file, the value and the fix; :class:`cem_jax.checkpoint.CheckpointError` for
       checkpoints that are all damaged or do not fit the model); a checkpoint trained on other
       data or as another model (a ``model.*`` key changed, other than
@@ -137,22 +138,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     FloatingPointError: ``train.max_consecutive_nonfinite`` consecutive non-finite steps (or
       non-finite parameters at a save); nothing from those steps is saved.
   """
-  run = _start_up(config, workdir)
-  try:
-    loop = _Loop(run)
-  except BaseException:
-    _undo_start(run.ckpt, workdir, run.created)
-    raise
-  try:
-    with workdir_lib.Preemption() as preemption:
-      for step in range(run.start_step, loop.num_steps):
-        if loop.step(step, preemption):
-          break
-  except BaseException:
-    loop.abort()
-    raise
-  loop.close()
-  return loop.last_eval
+  with contextlib.ExitStack() as held:  # the workdir, for this run alone until it returns
+    run = _start_up(config, workdir, held)
+    try:
+      loop = _Loop(run)
+    except BaseException:
+      _undo_start(run.ckpt, workdir, run.created)
+      raise
+    try:
+      with workdir_lib.Preemption() as preemption:
+        for step in range(run.start_step, loop.num_steps):
+          if loop.step(step, preemption):
+            break
+    except BaseException:
+      loop.abort()
+      raise
+    loop.close()
+    return loop.last_eval
 
 
 @dataclasses.dataclass
@@ -184,7 +186,8 @@ class Run:
   energies: dict = dataclasses.field(default_factory=dict)
 
 
-def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
+def _start_up(config: ml_collections.ConfigDict, workdir: str,
+              held: contextlib.ExitStack) -> Run:
   """Validates ``config`` and the devices, prepares ``workdir``, checks the newest intact
   checkpoint's numerics version and model (before anything is built: a refused resume costs
   seconds, not a data build and a model's initialisation), builds the data, the optimizer and
@@ -192,6 +195,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
 
   Nothing is written to ``workdir`` but the data it prepares (removed again if the checkpoint
   refuses them); if anything fails and ``workdir`` did not exist before, it is removed again.
+  ``workdir`` is held for this run (:func:`cem_jax.workdir.exclusive`) until ``held`` closes.
 
   Raises:
     ValueError: as :func:`train_and_evaluate`.
@@ -201,7 +205,8 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
   preflight.check_machine(config)
   data_lib.require_shuffle()
   created = workdir_lib.prepare_workdir(workdir)
-  held = workdir_lib.prepared_folders(workdir)
+  held.enter_context(workdir_lib.exclusive(workdir))  # kept by the caller until the run ends
+  prepared = workdir_lib.prepared_folders(workdir)
   ckpt = None
   try:
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
@@ -226,7 +231,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str) -> Run:
       try:
         data_lib.check_same_data(saved.get("data"), data.identity, ckpt.step_dir(resume))
       except ValueError:
-        workdir_lib.remove_prepared_since(workdir, held)
+        workdir_lib.remove_prepared_since(workdir, prepared)
         raise
       # The target is the freshly initialised state on the current devices: the restore takes
       # its structure (optax's state types) and shardings, whatever the saving run used.

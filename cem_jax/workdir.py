@@ -1,10 +1,15 @@
-"""What the loop needs around it: a writable workdir, the data built once across processes
-(and removed again if a resume refuses them), the last eval read back from ``metrics.jsonl``,
-and SIGTERM as a flag. Nothing here builds a model or runs a step.
+"""What the loop needs around it: a writable workdir held by one run at a time, the data built
+once across processes (and removed again if a resume refuses them), the last eval read back
+from ``metrics.jsonl``, and SIGTERM as a flag; for the tools that resume or skip runs by their
+folder, whether a folder holds a run of another config. Nothing here builds a model or runs a
+step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import os
 import shutil
 import signal
@@ -14,7 +19,9 @@ import threading
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 
+from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax.metrics import read_metrics
 
@@ -98,6 +105,81 @@ def prepare_workdir(workdir: str) -> bool:
         f"{e.filename or workdir}); choose another --workdir or fix its permissions"
     ) from None
   return created
+
+
+@contextlib.contextmanager
+def exclusive(workdir: str):
+  """Holds ``workdir`` for one training run while the block runs: an exclusive ``flock`` on
+  the folder itself (no lock file is left behind), taken by process 0 only (the processes of
+  one run share the folder), released when the block ends or the process dies (also
+  ``kill -9``). Two runs in one folder would each append to ``metrics.jsonl`` and save over
+  the other's checkpoints, and both exit 0. A filesystem without ``flock`` (some network
+  mounts) holds no lock, with a warning; neither does Windows.
+
+  Raises:
+    ValueError: another process holds ``workdir`` (one line naming it and the fix).
+  """
+  if jax.process_index() != 0 or os.name != "posix":
+    yield
+    return
+  import fcntl  # POSIX only
+
+  fd = os.open(workdir, os.O_RDONLY)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        logging.warning("--workdir=%s cannot be locked (%s): a second run started in it "
+                        "would not be refused", workdir, e.strerror or e)
+      else:
+        raise ValueError(f"--workdir={workdir!r} is in use: another run is training in it "
+                         "(a second main, tables or sweep on the same folder); wait for it "
+                         "to end, or choose another --workdir") from None
+    yield
+  finally:
+    os.close(fd)
+
+
+def config_changes(workdir: str, config: ml_collections.ConfigDict) -> list[str] | None:
+  """How the run in ``workdir`` (its ``config.json``) differs from ``config`` as a training
+  run, as :func:`cem_jax.config.run_changes` says; None when it has no ``config.json``.
+
+  Raises:
+    ValueError: ``config.json`` is not valid JSON (one line naming it).
+  """
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON ({e}); delete that run to train it again"
+                     ) from None
+  return config_lib.run_changes(saved, config)
+
+
+def check_same_run(workdir: str, config: ml_collections.ConfigDict) -> None:
+  """Refuses a run folder that holds a checkpoint of a run started with a config other than
+  ``config`` (:func:`config_changes`), for the tools that resume or skip runs by their folder
+  (``tables``, ``launch/sweep.py``): resumed, it would continue the other run's schedule and
+  settings as this config's (``main`` only logs such changes); skipped as finished, it would
+  stand for a run it is not. A folder with no checkpoint yet starts over and is not refused.
+
+  Raises:
+    ValueError: one line naming the folder, the keys that differ and the fix.
+  """
+  checkpoints = os.path.join(workdir, "checkpoints")
+  if not (os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints))):
+    return
+  changes = config_changes(workdir, config)
+  if changes:
+    shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3
+                                      else "")
+    raise ValueError(f"{workdir} holds a run started with another config ({shown}); it is "
+                     "not this run and resuming it would mix the two: use the command that "
+                     "started it, a new --workdir, or delete that run to train it again")
 
 
 class Preemption:

@@ -18,7 +18,10 @@ copied once, before the first run).
 
 A run is finished, and skipped, when ``WORKDIR/NAME/metrics.jsonl`` has its final eval line
 (``step`` == ``train.num_steps``) and ``WORKDIR/NAME/checkpoints/<train.num_steps>`` exists.
-An unfinished run resumes from its checkpoint. (On a pod, a ``WORKDIR`` not visible here cannot
+An unfinished run resumes from its checkpoint. A run folder holding a checkpoint of a run
+started with another config (its ``config.json``: another file arg, override or ``EXTRA``
+flag; ``cem_jax.workdir.check_same_run``) is a one-line error, neither skipped nor resumed as
+a mix of the two. (On a pod, a ``WORKDIR`` not visible here cannot
 be checked: finished runs then start, find their final checkpoint and stop.) ``--dry_run``
 prints, per run, ``skip NAME (finished)`` or the exact command. Exit status: 0 if every run
 finished, else 1 (failed runs are listed).
@@ -47,14 +50,29 @@ def load_config_module(spec: str):
     raise SystemExit(f"error: --config={spec!r}: no such file {path!r}")
   if REPO not in sys.path:
     sys.path.insert(0, REPO)  # experiment files import cem_jax.config
+  from cem_jax.errors import one_line
+
   module_spec = importlib.util.spec_from_file_location("sweep_config", path)
   module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
+  try:
+    module_spec.loader.exec_module(module)
+  except Exception as e:  # noqa: BLE001 - the user's file: one line, not our traceback
+    raise SystemExit(f"error: --config={spec!r}: {path}: {one_line(e)}") from None
   return module, (arg or None)
 
 
 def _call(fn, arg):
-  return fn() if arg is None else fn(arg)
+  """``fn()`` or ``fn(arg)``, a function of the config file (``get_config``, ``get_sweep``).
+
+  Raises:
+    SystemExit: what it raised, in one line naming the function.
+  """
+  from cem_jax.errors import one_line
+
+  try:
+    return fn() if arg is None else fn(arg)
+  except Exception as e:  # noqa: BLE001 - the user's file: one line, not our traceback
+    raise SystemExit(f"error: {fn.__name__}() raised {one_line(e)}") from None
 
 
 def format_value(value) -> str:
@@ -81,10 +99,7 @@ def expand(module, arg) -> list[tuple[str, dict]]:
   if not hasattr(module, "get_sweep"):
     raise SystemExit("error: the config file has no get_sweep(); define one returning a list "
                      "of override dicts, e.g. [{'train.learning_rate': 1e-3}, ...]")
-  try:
-    entries = _call(module.get_sweep, arg)
-  except Exception as e:  # noqa: BLE001 - the user's file: one line, not our traceback
-    raise SystemExit(f"error: get_sweep() raised {type(e).__name__}: {e}") from None
+  entries = _call(module.get_sweep, arg)
   if not isinstance(entries, (list, tuple)) or not entries:
     raise SystemExit(f"error: get_sweep() returned {entries!r}; allowed: a non-empty list of "
                      "dicts of 'group.key': value overrides")
@@ -129,6 +144,40 @@ def is_finished(run_dir: str, steps: int) -> bool:
     return metrics.has_final_eval(run_dir, steps)
   except (OSError, ValueError) as e:  # a damaged metrics.jsonl: the run needs a look
     raise SystemExit(f"error: run {run_dir!r}: {e}") from e
+
+
+def check_same_run(spec: str, run_dir: str, overrides: dict, extra: list[str]) -> None:
+  """Refuses ``run_dir`` when it holds a checkpoint of a run started with a config other than
+  the one this sweep gives it (``cem_jax.workdir.check_same_run``): the file's config, its
+  overrides and ``EXTRA``'s ``--config.KEY=VALUE`` flags, parsed by ``main``'s own parser. A
+  finished run of another config is then not skipped as this one, nor an unfinished one
+  resumed as a mix of the two. Flags that do not parse are left to ``main`` to report.
+
+  Raises:
+    SystemExit: one line naming the run folder, the keys that differ and the fix.
+  """
+  if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+    return  # nothing to resume or skip: spares the parse
+  from absl import flags
+  from ml_collections import config_flags
+
+  from cem_jax import energies, workdir
+
+  argv = ["sweep", *(a for a in main_args(spec, run_dir, overrides, extra)
+                     if a.startswith(("--config=", "--config.")))]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=values, lock_config=True,
+                                  sys_argv=argv)
+  try:
+    values(argv)
+    config = values.config
+    energies.absolute_paths(config.model)
+  except Exception:  # noqa: BLE001 - main parses the same flags and reports them in one line
+    return
+  try:
+    workdir.check_same_run(run_dir, config)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
 
 
 def main_args(config: str, run_dir: str, overrides: dict, extra: list[str]) -> list[str]:
@@ -186,6 +235,7 @@ def main(argv: list[str]) -> int:
   for name, overrides in runs:
     run_dir = os.path.join(args.workdir, name)
     steps = num_steps(module, arg, overrides, extra)
+    check_same_run(args.config, run_dir, overrides, extra)
     if is_finished(run_dir, steps):
       print(f"skip {name} (finished: step {steps})", flush=True)
       continue

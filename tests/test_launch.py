@@ -441,6 +441,39 @@ def test_sweep_dry_run_skips_finished_runs(tmp_path):
   assert not proc.stdout.startswith("skip")
 
 
+def test_sweep_refuses_a_run_folder_started_with_another_config(tmp_path):
+  # A finished run of another config (another file arg, an override after --) was skipped as
+  # this sweep's run, and an unfinished one resumed as a mix of the two: main only logs the
+  # changes (and refuses another model only on a resume, never on a skip).
+  from cem_jax.config import get_default_config
+
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_CONFIG)
+  work = tmp_path / "sw"
+  run = work / "train.learning_rate=0.001"
+  _finish(run, 10)
+  trained = get_default_config()
+  trained.train.num_steps, trained.train.learning_rate = 10, 1e-3  # sweep_cfg.py:b's run
+  (run / "config.json").write_text(trained.to_json())
+  launch = lambda spec, *extra: _launch("sweep.py", f"--config={spec}", f"--workdir={work}",
+                                        "--dry_run", "--", *extra)
+  proc = launch(f"{cfg}:b", "--config.model.remat=full")  # computed differently: the same run
+  assert proc.returncode == 0 and proc.stdout.splitlines()[0] == (
+      "skip train.learning_rate=0.001 (finished: step 10)"), proc.stderr
+  fix = ("it is not this run and resuming it would mix the two: use the command that started "
+         "it, a new --workdir, or delete that run to train it again")
+  for spec, extra, change in (
+      (cfg, [], "train.num_steps: 10 -> 40"),  # the file's other arg
+      (f"{cfg}:b", ["--config.model.d_model=64", "--config.train.learning_rate=1e-2"],
+       "model.d_model: 128 -> 64; train.learning_rate: 0.001 -> 0.01")):
+    proc = launch(spec, *extra)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip() == (f"error: {run} holds a run started with another config "
+                                   f"({change}); {fix}")
+  (run / "checkpoints" / "10").rmdir()  # no checkpoint: main starts the run over, no mix
+  assert launch(cfg).returncode == 0
+
+
 def test_sweep_on_a_pod_and_through_the_local_launcher(tmp_path):
   cfg = tmp_path / "sweep_cfg.py"
   cfg.write_text(SWEEP_CONFIG)
@@ -470,6 +503,18 @@ def test_sweep_errors_are_one_line(tmp_path):
   proc = _launch("sweep.py", f"--config={cfg}", "--workdir=/tmp/x", "--dry_run")
   assert proc.stderr.strip() == ("error: get_sweep() has two runs named "
                                  "'train.learning_rate=0.001'; give one a 'name'")
+  # The file's own code or its get_config raising (a missing import, a bad ARG): one line
+  # naming the file or the function, not the sweep's traceback.
+  cfg.write_text("import no_such_module_here\n")
+  proc = _launch("sweep.py", f"--config={cfg}", "--workdir=/tmp/x", "--dry_run")
+  assert proc.returncode == 1 and proc.stderr.strip() == (
+      f"error: --config='{cfg}': {cfg}: ModuleNotFoundError: No module named "
+      "'no_such_module_here'")
+  proc = _launch("sweep.py", "--config=experiments/lr_sweep.py:bogus", "--workdir=/tmp/x",
+                 "--dry_run")
+  assert proc.returncode == 1 and proc.stderr.strip() == (
+      "error: get_config() raised ValueError: experiments/lr_sweep.py:bogus; allowed args: "
+      "full, short")
 
 
 @pytest.mark.parametrize("args,message", [

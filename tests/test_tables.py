@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import tiny_config, write_metrics
 
 from cem_jax import tables
 from cem_jax.version import NUMERICS_VERSION
@@ -202,6 +202,22 @@ def test_every_run_is_checked_before_any_trains():
                                                      "data.files": ""})
 
 
+@pytest.mark.parametrize("key, value, steps, by", [
+    ("seed", 7, None, "--seeds (run S has seed S)"),
+    ("data.shuffle_seed", 9, 20, "--seeds (run S has seed S)"),
+    ("train.num_steps", 50, 20, "--steps=20"),
+])
+def test_a_set_key_that_the_runner_sets_itself_is_refused_not_ignored(key, value, steps, by):
+  # row_config sets the seeds (and --steps the length) after the --set values: the run, and the
+  # table's header command, would say 7 where every run was trained with its own seed.
+  module = tables.load_table("attention")
+  with pytest.raises(ValueError) as e:
+    tables.check_runs(module, "tiny", 1, steps, overrides={key: value})
+  assert str(e.value) == f"--set={key}=... is set for every run by {by}; leave it out"
+  if key == "train.num_steps":  # without --steps, --set is how a table's length changes
+    tables.check_runs(module, "tiny", 1, overrides={key: value})
+
+
 TOY = '''
 from cem_jax.config import get_default_config
 
@@ -327,6 +343,23 @@ def test_unknown_table_is_a_clear_error():
     tables.load_table("nope")
 
 
+def test_a_table_file_whose_code_raises_is_one_line_naming_it(tmp_path):
+  # --table=PATH is the user's file: an import it lacks, or a bug in its get_config, was a
+  # traceback (only a SyntaxError was one line).
+  path = tmp_path / "mine.py"
+  path.write_text("import no_such_module_here\n")
+  with pytest.raises(ValueError) as e:
+    tables.load_table(str(path))
+  assert str(e.value) == (f"--table='{path}': {path}: ModuleNotFoundError: No module named "
+                          "'no_such_module_here'")
+  path.write_text('ROWS = {"a": None}\n\ndef get_config(arg):\n  return undefined_name\n')
+  module = tables.load_table(str(path))
+  with pytest.raises(ValueError) as e:
+    tables.check_runs(module, "tiny", 1)
+  assert str(e.value) == (f"{path}: get_config('a,tiny') raised NameError: name "
+                          "'undefined_name' is not defined")
+
+
 def test_a_damaged_result_is_a_clear_error_not_a_crash(tmp_path, shared_data):
   module = _toy_table(tmp_path, shared_data)
   bad = tmp_path / "out" / "toy" / "llama" / "seed0" / "result.json"
@@ -342,6 +375,15 @@ def test_a_damaged_result_is_a_clear_error_not_a_crash(tmp_path, shared_data):
   bad.write_text("[]")
   with pytest.raises(ValueError, match=r"seed0/result.json lacks all; delete it"):
     tables._read_result(str(bad))
+  # Every key there but of another type (edited by hand): named, not a TypeError in the mean.
+  bad.write_text(json.dumps({"row": "llama", "seed": "0", "eval/loss": "3.0",
+                             "eval/bits_per_byte": None, "tokens_per_sec": True,
+                             "config_digest": "x"}))
+  with pytest.raises(ValueError) as e:
+    tables._read_result(str(bad))
+  assert str(e.value) == (
+      f"{bad} has eval/loss='3.0', eval/bits_per_byte=None, tokens_per_sec=True, seed='0'; "
+      "allowed: a string row, an integer seed and numbers; delete it to train that run again")
 
 
 def test_a_result_from_another_config_is_not_reused_silently(tmp_path, shared_data):
@@ -354,6 +396,40 @@ def test_a_result_from_another_config_is_not_reused_silently(tmp_path, shared_da
                                "numerics_version": NUMERICS_VERSION}))
   with pytest.raises(ValueError, match=r"seed0/result.json was trained with another config"):
     tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"))
+
+
+def test_an_unfinished_run_from_another_config_is_refused_not_resumed_as_a_mix(tmp_path,
+                                                                              shared_data,
+                                                                              monkeypatch):
+  # A row killed with --steps=60 (checkpoint at step 20), rerun with --steps=30: resuming would
+  # continue a 60-step schedule as a 30-step one and record it as the 30-step run's result.
+  module = _toy_table(tmp_path, shared_data)
+  workdir = tmp_path / "out"
+  run = workdir / "toy" / "llama" / "seed0"
+  (run / "checkpoints" / "20").mkdir(parents=True)
+  started = tables.row_config(module, "llama", "tiny", 0, steps=60)
+  (run / "config.json").write_text(started.to_json())
+  trained = []
+  monkeypatch.setattr(tables.train, "train_and_evaluate", lambda cfg, out: trained.append(out))
+  with pytest.raises(ValueError) as e:
+    tables.run_table(module, "toy", "tiny", 1, str(workdir), steps=30, rows=["llama"])
+  assert str(e.value).startswith(
+      f"{run} holds a run started with another config (")
+  assert "train.num_steps: 60 -> 30" in str(e.value) and "\n" not in str(e.value)
+  assert str(e.value).endswith("use the command that started it, a new --workdir, or delete "
+                               "that run to train it again")
+  assert trained == [] and not (run / "result.json").exists()
+  # Only the remaining steps would differ in a run differing in a compute-only key: resumed.
+  computed = tables.row_config(module, "llama", "tiny", 0, steps=30)
+  computed.train.gradient_accumulation_steps = 2
+  (run / "config.json").write_text(computed.to_json())
+  assert tables.run_table(module, "toy", "tiny", 1, str(workdir), steps=30,
+                          rows=["llama"]) is None  # the stand-in wrote no final eval
+  # Killed before its first checkpoint, the run starts over: nothing would be mixed.
+  (run / "config.json").write_text(started.to_json())
+  (run / "checkpoints" / "20").rmdir()
+  tables.run_table(module, "toy", "tiny", 1, str(workdir), steps=30, rows=["llama"])
+  assert trained == [str(run), str(run)]
 
 
 def test_a_result_on_other_text_under_the_same_file_name_is_not_reused(tmp_path):
@@ -512,6 +588,13 @@ def test_the_table_of_finished_runs_leaves_out_older_numerics_and_pairs_by_seed(
   # the first row is the baseline, paired by seed: cem seed 0 against llama seed 0 only
   assert [(r["row"], r["delta_loss_mean"], r["seeds"]) for r in rows] == [
       ("llama", 0.0, 2), ("cem", -0.5, 1)]
+  # A damaged result (the table of --rows=llama reads cem's too): one line, as when the runs
+  # are trained, not the row left out of the table without a word.
+  damaged = os.path.join(tables.run_dir(workdir, "toy", "cem", 0), "result.json")
+  with open(damaged, "w") as f:
+    f.write('{"row": "cem", "eval/lo')
+  with pytest.raises(ValueError, match=r"seed0/result.json is not valid JSON .*; delete it"):
+    tables.finished_results(module, "toy", "tiny", 2, workdir)
 
 
 def test_the_statistics_of_a_row_and_its_curve_against_numpy(tmp_path):
@@ -679,6 +762,42 @@ def test_a_diverged_run_or_damaged_curve_is_one_line_from_the_command(tmp_path, 
   with pytest.raises(SystemExit):
     tables.main([])
   assert capsys.readouterr().err == "error: seed0/metrics.jsonl:2 is not valid JSON\n"
+
+
+def test_the_tables_curves_are_of_the_runs_in_the_table_only(tmp_path, monkeypatch, capsys):
+  # A row's seed 1 killed mid-run (no result.json) is not in the table's figures: its curve
+  # must not be averaged into the row's plotted mean either (tables.main, stand-in flags).
+  from absl import flags
+
+  toy = tmp_path / "toy.py"
+  toy.write_text(TOY.replace("FILES", "''"))
+  workdir = tmp_path / "out"
+  for seed, loss in ((0, 3.0), (1, 9.0)):
+    (workdir / "toy" / "llama" / f"seed{seed}").mkdir(parents=True)
+    write_metrics(workdir / "toy" / "llama" / f"seed{seed}",
+                  [{"step": 5, "eval/loss": loss, "eval/bits_per_byte": 1.0}])
+  result = {"row": "llama", "seed": 0, "eval/loss": 3.0, "eval/bits_per_byte": 1.0,
+            "tokens_per_sec": 1.0, "config_digest": "x", "numerics_version": NUMERICS_VERSION}
+  fv = flags.FlagValues()
+  for name, default in (("table", str(toy)), ("scale", "tiny"), ("workdir", str(workdir)),
+                        ("rows", None)):
+    flags.DEFINE_string(name, default, "", flag_values=fv)
+  flags.DEFINE_integer("seeds", 2, "", flag_values=fv)
+  flags.DEFINE_integer("steps", None, "", flag_values=fv)
+  flags.DEFINE_multi_string("set", [], "", flag_values=fv)
+  fv(["tables"])
+  monkeypatch.setattr(flags, "FLAGS", fv)
+  monkeypatch.setattr(tables, "run_table", lambda *args: [result])
+  drawn = []
+
+  def write_outputs(workdir, table, rows, curves, header):
+    drawn.append(curves)
+    (tmp_path / "toy.md").write_text(header)
+    return [str(tmp_path / "toy.md")]
+
+  monkeypatch.setattr(tables, "write_outputs", write_outputs)
+  tables.main([])
+  assert drawn == [{"llama": [(5, 3.0)]}]  # not (5, 6.0), the mean with the killed seed
 
 
 def test_bad_seeds_steps_or_workdir_are_refused_before_any_run(tmp_path, monkeypatch, capsys):

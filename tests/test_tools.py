@@ -18,6 +18,7 @@ from cem_jax import summary as summary_lib
 from cem_jax.model import DecoderLM, count_params
 from cem_jax.workdir import (
   Preemption,
+  exclusive,
   last_eval_in,
   prepare_workdir,
   prepared_folders,
@@ -344,13 +345,15 @@ def test_the_test_time_report_holds_every_row_as_given(tmp_path):
   from cem_jax import evaluate
 
   rows = [{"T_eval": 1, "step": 30, "T_trained": 2, "final_energy": -1.5, "eval/loss": 2.0,
-           "eval/perplexity": 7.389056, "eval/bits_per_byte": 0.9},
+           "eval/perplexity": 7.389056, "eval/bits_per_byte": 0.9, "eval/tokens": 12345},
           {"T_eval": 4, "step": 30, "T_trained": 2, "final_energy": None, "eval/loss": 1.5,
-           "eval/perplexity": 4.481689, "eval/bits_per_byte": 0.8}]
+           "eval/perplexity": 4.481689, "eval/bits_per_byte": 0.8, "eval/tokens": 12345}]
   paths = evaluate.write_report(str(tmp_path), rows, trained_steps=2)
   assert paths == [str(tmp_path / f"test_time_steps{ext}") for ext in (".md", ".json", ".png")]
+  # The tokens scored: a quick look (--max_batches=2) is not taken for the whole split's figures.
   assert (tmp_path / "test_time_steps.md").read_text().splitlines() == [
-      "Test-time steps for a model trained with T = 2 (checkpoint step 30).",
+      "Test-time steps for a model trained with T = 2 (checkpoint step 30; 12,345 held-out "
+      "tokens a row).",
       "",
       "| T_eval | eval loss (nats) | perplexity | bits/byte | final energy (Σ layers, per token) |",
       "|---:|---:|---:|---:|---:|",
@@ -381,13 +384,14 @@ def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
 
   def eval_loop(t, params, data, config):
     seen.append((t, config.eval.max_batches))
-    return {"eval/loss": float(t), "eval/perplexity": 1.0, "eval/bits_per_byte": 0.5}
+    return {"eval/loss": float(t), "eval/perplexity": 1.0, "eval/bits_per_byte": 0.5,
+            "eval/tokens": 64 * t}
 
   monkeypatch.setattr(steps_lib, "eval_loop", eval_loop)
   rows = evaluate.test_time_steps("w", [1, 3], max_batches=2, attention_impl="xla")
   assert seen == [(1, 2), (3, 2)]
-  assert [(r["T_eval"], r["eval/loss"], r["step"], r["T_trained"]) for r in rows] == [
-      (1, 1.0, 30, 2), (3, 3.0, 30, 2)]
+  assert [(r["T_eval"], r["eval/loss"], r["step"], r["T_trained"], r["eval/tokens"])
+          for r in rows] == [(1, 1.0, 30, 2, 64), (3, 3.0, 30, 2, 192)]
 
 
 def test_last_eval_in_is_the_final_eval_line(tmp_path):
@@ -419,6 +423,40 @@ def test_preparing_a_workdir_says_whether_it_made_it_and_leaves_nothing_in_it(tm
   assert str(e.value) == (
       f"--workdir='{nested}' is not a writable folder (Not a directory: "
       f"{tmp_path / 'a_file' / 'w'}); choose another --workdir or fix its permissions")
+
+
+def test_a_workdir_trains_one_run_at_a_time_and_a_killed_holder_frees_it(tmp_path):
+  # Two runs in one folder (a second main, or two tables commands reaching the same row) each
+  # appended to metrics.jsonl and saved over the other's checkpoints, and both exited 0.
+  from cem_jax import train
+
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  busy = (f"--workdir='{workdir}' is in use: another run is training in it (a second main, "
+          "tables or sweep on the same folder); wait for it to end, or choose another --workdir")
+  with exclusive(str(workdir)):
+    with pytest.raises(ValueError) as e, exclusive(str(workdir)):
+      pass
+    assert str(e.value) == busy
+    with pytest.raises(ValueError) as e:  # refused before it reads or writes anything
+      train.train_and_evaluate(tiny_config(), str(workdir))
+    assert str(e.value) == busy and os.listdir(workdir) == []
+  with exclusive(str(workdir)):  # released at the end of the block, and no lock file left
+    assert os.listdir(workdir) == []
+  # A holder killed with SIGKILL leaves no stale lock behind.
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys, time; from cem_jax.workdir import exclusive\n"
+       f"with exclusive({str(workdir)!r}):\n  print('held', flush=True); time.sleep(60)"],
+      stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(ValueError, match="is in use"), exclusive(str(workdir)):
+      pass
+  finally:
+    holder.kill()
+    holder.wait()
+  with exclusive(str(workdir)):
+    pass
 
 
 def test_a_refused_resume_removes_only_the_data_it_prepared(tmp_path):
