@@ -126,6 +126,15 @@ def test_a_batch_the_microbatches_do_not_divide_is_one_line():
     config_lib.validate(tiny_config("cem", **{"train.gradient_accumulation_steps": 0}))
 
 
+@pytest.mark.parametrize("k", [0, -2, True, 1.5, 2.0])
+def test_the_train_step_refuses_an_accumulation_count_that_is_not_an_int_of_at_least_one(k):
+  # A direct caller need not have run config.validate: 0 would divide the rows by zero when
+  # the step is traced, far from the value that caused it.
+  with pytest.raises(ValueError) as e:
+    steps.make_train_step(None, None, gradient_accumulation_steps=k)
+  assert str(e.value) == f"train.gradient_accumulation_steps={k!r}; allowed: an int >= 1"
+
+
 def test_the_loop_trains_with_the_configured_accumulation_and_loss_blocks(tmp_path,
                                                                          monkeypatch):
   # The loop passes the keys to its (sharded) steps; the sharded step's losses equal one pass

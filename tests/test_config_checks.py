@@ -185,6 +185,10 @@ def test_flat_config_equals_the_json_it_is_saved_as():
     ("model.precond_rank", 65, r"^model.precond_rank=65 exceeds model.d_model=64; allowed: 0..64$"),
     ("model.d_model", 66, r"^model.d_model=66 is not divisible by model.num_heads=4; change one "),
     ("model.head_dim", 7, r"^model.head_dim=7 must be even with model.rope=True$"),
+    # more blocks than layers: the range, not "does not divide" (tiny_config: 2 layers)
+    ("model.num_unique_blocks", 4, r"^model.num_unique_blocks=4; allowed: -1 \(= "
+     r"model.num_layers\) or an int in 1..2 \(model.num_layers\)$"),
+    ("model.num_unique_blocks", 0, r"^model.num_unique_blocks=0; allowed: -1 "),
 ])
 def test_values_that_were_silently_defaulted_or_failed_late_are_refused(field, value, message):
   """head_dim 0 or -7 used to mean "the default" (only -1 is documented); a negative seed

@@ -114,6 +114,14 @@ def test_the_split_cut_counts_the_separators_and_splits_no_document_at_a_documen
   assert split_documents(["ab", "cd\nef"], 0.5) == (["ab"], ["cd\nef"])
 
 
+def test_a_cut_that_falls_on_a_line_start_stays_there():
+  # 16 characters, fraction 0.3125 (exact in binary): the cut, 16 * 0.6875 = 11, is the first
+  # character of "xy", a line start, so it is not moved on to the start of the next line.
+  assert split_documents(["abcdefghij\nxy\nz\n"], 0.3125) == (["abcdefghij\n"], ["xy\nz\n"])
+  # One character earlier, inside the line "abcdefghij\n": moved to the start of "xy" too.
+  assert split_documents(["abcdefghij\nxy\nz\n"], 0.375) == (["abcdefghij\n"], ["xy\nz\n"])
+
+
 def test_pydoc_source(tmp_path):
   splits = text_splits(_config().data)
   topics = builtin.pydoc_topics()

@@ -364,6 +364,11 @@ zero, noeta, causal_n, summed, nanned = quad, quad, quad, quad, quad
 eta_swapped, beta_swapped = quad, quad
 
 
+def nan_when_decoding(y, context, params, aux):  # finite while training, NaN against a cache
+  bad = jnp.nan if context.shape[1] > y.shape[1] else 0.0
+  return quad(y, context, params, aux) + bad * jnp.sum(y)
+
+
 def zero_fused_update(y, context, params, aux):
   return jnp.zeros_like(y)
 
@@ -752,6 +757,18 @@ def test_energy_whose_update_is_not_finite_is_refused_at_start_up(tmp_path, slot
   # Without empty rows (no documents, no strict causality), masking by a product is finite.
   if slot == "attention" and extra:
     preflight.check(_user_config(tmp_path, attention_energy=name, document_mask=False))
+
+
+def test_an_update_not_finite_only_in_cached_decoding_is_refused_as_not_finite(tmp_path):
+  """Finite in every training layout, NaN for new tokens against a longer cache: the refusal
+  says the update is not finite there, not that decoding departs from training (a NaN
+  relative error would read as a layout mismatch and point at the masks)."""
+  message = _refusal(_user_config(tmp_path, attention_energy="nan_when_decoding"))
+  assert message.startswith(
+      f"model.attention_energy='{tmp_path}/user_fused.py:nan_when_decoding': its update "
+      "(jax.grad of the energy) is not finite (NaN or inf) on random float32 new tokens "
+      "against a longer cache, as in cached decoding (python -m cem_jax.sample); the update "
+      "must be finite"), message
 
 
 def test_a_fused_update_whose_energy_has_no_finite_gradient_is_refused_as_uncheckable(tmp_path):

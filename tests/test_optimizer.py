@@ -101,12 +101,13 @@ def test_the_first_update_moves_the_weights_by_the_first_rate():
 
 def test_after_a_skipped_update_the_logged_rate_is_the_applied_one():
   params, opt_state, step = _setup(_cfg(max_consecutive_nonfinite=2))
-  logged, guard = [], np.int32(0)
+  logged, guard, counts = [], np.int32(0), []
   for i in range(6):
     params, opt_state, m = step(params, opt_state, _batch(i, nan=(i == 1)), guard,
                                 np.int32(i + 1))
     logged.append(float(m["learning_rate"]))
     guard = m["nonfinite_guard"]
+    counts.append((int(m["nonfinite_total"]), int(m["nonfinite_consecutive"])))
   assert int(m["nonfinite_total"]) == 1
   # updates 1, 3, 4, 5, 6 were applied as the 1st..5th: update 3 used the 2nd rate, not the 3rd
   expected = [_expected_lr(1), _expected_lr(2), _expected_lr(2), _expected_lr(3),
@@ -119,7 +120,11 @@ def test_after_a_skipped_update_the_logged_rate_is_the_applied_one():
   for i in range(6, 9):
     params, opt_state, m = step(params, opt_state, _batch(i, nan=True), guard, np.int32(i + 1))
     guard = m["nonfinite_guard"]
+    counts.append((int(m["nonfinite_total"]), int(m["nonfinite_consecutive"])))
   assert int(guard) == 8
+  # Per update (total skipped so far, skipped in a row): a finite update ends the run of
+  # failures, not the total.
+  assert counts == [(0, 0), (1, 1), (1, 0), (1, 0), (1, 0), (1, 0), (2, 1), (3, 2), (4, 3)]
 
 
 def test_three_updates_equal_adamw_with_clipping_in_float64():

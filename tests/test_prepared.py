@@ -479,6 +479,30 @@ def test_a_rerun_never_keeps_shards_encoded_by_another_tokenizer(tmp_path):
   assert data.tokenizer.decode(tokens[0]) == "".join(train)
 
 
+def test_a_rerun_whose_tokenizer_trains_differently_encodes_every_shard_again(tmp_path,
+                                                                               monkeypatch):
+  # prepare.json lost and tokenizer.model damaged: the re-run trains the tokenizer again, and a
+  # SentencePiece of another version may train another one from the same text. Shards whose
+  # text is unchanged were encoded by the old tokenizer: kept, they would decode to other text.
+  from cem_jax.data import tokenizer as tokenizer_lib
+
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(1000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  out = shard_writer.prepare(config.data, tmp_path / "p", shard_chars=20_000)
+  other = tokenizer_lib.train_model([_text(400, "x")], 300)
+  (out / shard_writer.PROGRESS).unlink()
+  (out / "tokenizer.model").write_bytes(b"damaged")
+  monkeypatch.setattr(tokenizer_lib, "train_model", lambda docs, vocab_size, model_type: other)
+  shard_writer.prepare(config.data, out, shard_chars=20_000)
+  data = prepared.PreparedData.open(out)
+  assert (out / "tokenizer.model").read_bytes() == other
+  train, _ = text_lib.interleave_split(read_documents([corpus]), 0.1)
+  stream = data.streams["train"]
+  tokens, _, _ = stream.read(np.array([0]), stream.num_tokens, 0)
+  assert data.tokenizer.decode(tokens[0]) == "".join(train)
+
+
 def _inline_pool(started=None, eager=False):
   """A stand-in for ``multiprocessing``'s pool that encodes in this process (no process
   starts): records each pool's size in ``started``; ``eager`` takes every job before the

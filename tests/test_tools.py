@@ -394,6 +394,85 @@ def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
           for r in rows] == [(1, 1.0, 30, 2, 64), (3, 3.0, 30, 2, 192)]
 
 
+@pytest.mark.parametrize("counts", [[0], [2, 0], [-1, 3]])
+def test_a_test_time_step_count_below_one_is_refused_before_the_run_is_loaded(monkeypatch,
+                                                                              counts):
+  # T_eval = 0 would evaluate a model whose CEM layers run no step; the refusal must come
+  # before the seconds of loading a checkpoint and its data.
+  from cem_jax import evaluate
+
+  def load_run(*args, **kwargs):
+    raise AssertionError("the run was loaded before its step counts were checked")
+
+  monkeypatch.setattr(evaluate, "load_run", load_run)
+  bad = next(t for t in counts if t < 1)
+  with pytest.raises(ValueError) as e:
+    evaluate.test_time_steps("w", counts)
+  assert str(e.value) == f"--num_steps={bad}; allowed: integers >= 1"
+
+
+def test_a_run_whose_chosen_step_keeps_vanishing_is_tried_three_times_then_its_error_raised(
+    tmp_path, monkeypatch):
+  # A run still training may prune the step load_run chose while it builds the data: it
+  # chooses again, twice, then reports the last error as it is (not a crash of its own).
+  from cem_jax import checkpoint, evaluate
+
+  class Pruned:  # every step it names is gone by the time it is read
+    def __init__(self, directory, **kwargs):
+      self.directory = directory
+
+    def restorable_step(self):
+      return 7
+
+    def step_dir(self, step):
+      return os.path.join(self.directory, str(step))
+
+    def close(self):
+      pass
+
+  calls = []
+
+  def build_from(ckpt, step, *args):
+    calls.append(step)
+    raise FileNotFoundError(f"{ckpt.step_dir(step)}: pruned while read")
+
+  (tmp_path / "config.json").write_text("{}")
+  monkeypatch.setattr(checkpoint, "Checkpointer", Pruned)
+  monkeypatch.setattr(evaluate, "_build_from", build_from)
+  with pytest.raises(FileNotFoundError, match=r"/checkpoints/7: pruned while read$"):
+    evaluate.load_run(str(tmp_path))
+  assert calls == [7, 7, 7]
+
+
+@pytest.mark.parametrize("in_checkpoint", [True, False])
+def test_a_saved_config_with_fields_unknown_here_is_refused_naming_them_and_where(
+    tmp_path, in_checkpoint):
+  # A run of a newer cem_jax: its unknown fields would otherwise be added to the config and the
+  # model built without them, silently another model.
+  from cem_jax import evaluate
+
+  saved = {"model": {"d_model": 32, "new_width": 3}, "train": {"new_rate": 0.1}}
+  config_json = tmp_path / "config.json"
+  config_json.write_text(json.dumps(saved))
+
+  class Saved:
+    def read_meta(self, step):
+      return {"config": saved} if in_checkpoint else {}
+
+    def step_dir(self, step):
+      return str(tmp_path / "checkpoints" / str(step))
+
+  def require(config):
+    raise AssertionError("the unknown fields reached the config")
+
+  where = f"checkpoint {tmp_path}/checkpoints/4" if in_checkpoint else str(config_json)
+  with pytest.raises(ValueError) as e:
+    evaluate._build_from(Saved(), 4, str(config_json), str(tmp_path), require)
+  assert str(e.value) == (f"{where}: config fields model.new_width, train.new_rate are unknown "
+                          "to this version of cem_jax; evaluate it with the version that "
+                          "trained it")
+
+
 def test_last_eval_in_is_the_final_eval_line(tmp_path):
   # What a re-run of a finished run returns: its last eval, not its first.
   assert last_eval_in(str(tmp_path)) == {}
