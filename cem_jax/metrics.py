@@ -97,7 +97,8 @@ def read_metrics(workdir: str) -> list[dict]:
   is skipped.
 
   Raises:
-    ValueError: an earlier line is not a JSON object with an integer ``step`` (one line naming
+    ValueError: an earlier line is not a JSON object (``NaN`` and ``Infinity`` are not JSON)
+      with an integer ``step`` (one line naming
       the file, the line number and its text).
   """
   lines, _ = _parse_metrics(os.path.join(workdir, "metrics.jsonl"))
@@ -114,6 +115,12 @@ def has_final_eval(workdir: str, num_steps: int) -> bool:
   if not os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
     return False
   return any(m["step"] == num_steps and "eval/loss" in m for m in read_metrics(workdir))
+
+
+def _not_json(name: str):
+  # Python's json reads NaN and Infinity, which no other parser does; the writer writes null
+  # for them, so one in the file is damage, not a value to plot.
+  raise ValueError(f"{name} is not JSON; a non-finite value is written as null")
 
 
 def _parse_metrics(path: str) -> tuple[list[tuple[str, dict]], str | None]:
@@ -142,8 +149,8 @@ def _parse_metrics(path: str) -> tuple[list[tuple[str, dict]], str | None]:
     if not text.strip():
       continue
     try:
-      line = json.loads(text)
-    except json.JSONDecodeError as e:
+      line = json.loads(text, parse_constant=_not_json)
+    except ValueError as e:  # json.JSONDecodeError, or _not_json's
       if last:
         return out, text
       raise ValueError(f"{path}:{i + 1} is not valid JSON ({e}): {text[:80]!r}; every line "

@@ -82,9 +82,11 @@ def plot_run(workdir: str) -> list[str]:
 
   Raises:
     FileNotFoundError: ``workdir/metrics.jsonl`` does not exist.
-    ValueError: it holds no losses yet, none that is finite, or a damaged line before the
-      last.
+    ValueError: ``workdir`` is a file; ``metrics.jsonl`` holds no losses yet, none that is
+      finite, or a damaged line before the last.
   """
+  if os.path.isfile(workdir):  # else "no metrics.jsonl" would send the user to train there
+    raise ValueError(f"--workdir={workdir} is a file; give a run's folder (holds metrics.jsonl)")
   if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
     raise FileNotFoundError(f"--workdir={workdir}: no metrics.jsonl (train there first)")
   metrics = read_metrics(workdir)

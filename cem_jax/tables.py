@@ -535,7 +535,12 @@ def eval_curves(workdir: str, table: str, module, seeds: int,
                 rows: list[str] | None = None, runs: set | None = None) -> dict:
   """``{row: [(step, mean eval loss over seeds), ...]}`` from the runs' metrics; ``runs``: only
   those ``(row, seed)`` pairs, the finished runs the table's figures are of (None: every seed
-  below ``seeds`` with a ``metrics.jsonl``, unfinished or trained otherwise as it may be)."""
+  below ``seeds`` with a ``metrics.jsonl``, unfinished or trained otherwise as it may be).
+
+  Raises:
+    ValueError: a damaged line in a ``metrics.jsonl`` (:func:`cem_jax.metrics.read_metrics`);
+      a run of ``runs`` whose ``metrics.jsonl`` is missing or holds no finite eval loss.
+  """
   curves = {}
   for row in rows or module.ROWS:
     by_step: dict[int, list[float]] = {}
@@ -543,10 +548,15 @@ def eval_curves(workdir: str, table: str, module, seeds: int,
       if runs is not None and (row, seed) not in runs:
         continue
       path = run_dir(workdir, table, row, seed)
-      if os.path.exists(os.path.join(path, "metrics.jsonl")):
-        for m in read_metrics(path):
-          if m.get("eval/loss") is not None:  # None: non-finite (written as null)
-            by_step.setdefault(m["step"], []).append(m["eval/loss"])
+      metrics = read_metrics(path) if os.path.exists(os.path.join(path, "metrics.jsonl")) else []
+      # None: non-finite (written as null)
+      losses = [(m["step"], m["eval/loss"]) for m in metrics if m.get("eval/loss") is not None]
+      for step, loss in losses:
+        by_step.setdefault(step, []).append(loss)
+      if runs is not None and not losses:  # else its row's curve would lack it, unsaid
+        raise ValueError(f"{os.path.join(path, 'metrics.jsonl')} has no eval loss, but the "
+                         "table shows that run (its result.json); restore it, or delete the "
+                         "run to train it again")
     curves[row] = [(s, statistics.fmean(v)) for s, v in sorted(by_step.items())]
   return curves
 

@@ -800,6 +800,29 @@ def test_the_tables_curves_are_of_the_runs_in_the_table_only(tmp_path, monkeypat
   assert drawn == [{"llama": [(5, 3.0)]}]  # not (5, 6.0), the mean with the killed seed
 
 
+def test_a_run_of_the_table_without_an_eval_loss_in_its_metrics_is_one_line(tmp_path):
+  # A finished run (result.json) whose metrics.jsonl is gone, empty or all null: its row's
+  # plotted mean would silently leave it out; a run not in the table is left out as before.
+  toy = tmp_path / "toy.py"
+  toy.write_text(TOY.replace("FILES", "''"))
+  module = tables.load_table(str(toy))
+  workdir = str(tmp_path / "out")
+  run = tmp_path / "out" / "toy" / "llama" / "seed0"
+  run.mkdir(parents=True)
+  message = (f"{run / 'metrics.jsonl'} has no eval loss, but the table shows that run (its "
+             "result.json); restore it, or delete the run to train it again")
+  for lines in (None, [], [{"step": 5, "train/loss": 3.0}, {"step": 5, "eval/loss": None}]):
+    if lines is not None:
+      write_metrics(run, lines)
+    with pytest.raises(ValueError) as e:
+      tables.eval_curves(workdir, "toy", module, 1, ["llama"], {("llama", 0)})
+    assert str(e.value) == message
+    assert tables.eval_curves(workdir, "toy", module, 1, ["llama"], set()) == {"llama": []}
+  write_metrics(run, [{"step": 5, "eval/loss": 3.0}])
+  assert tables.eval_curves(workdir, "toy", module, 1, ["llama"], {("llama", 0)}) == {
+      "llama": [(5, 3.0)]}
+
+
 def test_bad_seeds_steps_or_workdir_are_refused_before_any_run(tmp_path, monkeypatch, capsys):
   # One line naming the flag and exit status 1 before anything trains (a --seeds=0 table would
   # be empty; a file as --workdir would end in a bare OS error): tables.main, stand-in flags.

@@ -318,6 +318,11 @@ def test_plot_refuses_a_folder_without_metrics_or_without_losses(tmp_path):
   # "every loss is null" message of a run that diverged.
   with pytest.raises(FileNotFoundError, match=r"no metrics\.jsonl \(train there first\)$"):
     plot.plot_run(str(tmp_path))
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(ValueError) as e:
+    plot.plot_run(str(tmp_path / "a_file"))
+  assert str(e.value) == (f"--workdir={tmp_path / 'a_file'} is a file; give a run's folder "
+                          "(holds metrics.jsonl)")
   write_metrics(tmp_path, [{"step": 0, "params/total": 7}])
   with pytest.raises(ValueError, match=r"metrics\.jsonl has no losses yet \(the first is logged "
                      r"after train\.log_every_steps steps\)$"):

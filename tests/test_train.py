@@ -226,7 +226,13 @@ def test_resume_drops_a_cut_short_last_line_with_a_warning(tmp_path, caplog):
 @pytest.mark.parametrize("damage, error", [
     ('{"step": 2, "tr\n', r"metrics\.jsonl:2 is not valid JSON \(.*\): '\{\"step\": 2, \"tr'; "),
     ('{"train/loss": 2.0}\n', r"metrics\.jsonl:2 is not a JSON object with an integer \"step\": "),
-], ids=["not JSON", "no step"])
+    # Python's json reads NaN, no other parser does; the writer writes null (plot drew an empty
+    # figure of NaN losses, and its legend "last: nan").
+    ('{"step": 2, "train/loss": NaN}\n', r"metrics\.jsonl:2 is not valid JSON \(NaN is not "
+     r"JSON; a non-finite value is written as null\): "),
+    ('{"step": 2, "train/loss": -Infinity}\n', r"metrics\.jsonl:2 is not valid JSON "
+     r"\(-Infinity is not JSON"),
+], ids=["not JSON", "no step", "NaN", "-Infinity"])
 def test_resume_refuses_a_damaged_line_before_the_last_as_read_metrics_does(
     tmp_path, damage, error):
   from cem_jax.metrics import MetricsWriter
