@@ -9,8 +9,10 @@ finished run is skipped (its ``result.json`` exists), an interrupted one resumes
 checkpoint, and a run whose resolved config equals a finished run of another table under the
 same ``WORKDIR`` (e.g. the Llama baseline shared by the attention, mlp and end_to_end tables)
 reuses that run's result and metrics instead of training again (``reused_from`` in its
-``result.json``). A run is reused only when trained on the same text (``data_source`` in its
-``result.json``: the files' sha256, not their paths; :func:`source_record`) and under the current
+``result.json``; an unfinished run in the row's folder is then moved aside to
+``seedN.partial``, so that ``evaluate`` there does not load its partial step). A run is
+reused only when trained on the same text (``data_source`` in its ``result.json``: the files'
+sha256, not their paths; :func:`source_record`) and under the current
 :data:`cem_jax.version.NUMERICS_VERSION` (``numerics_version`` in its ``result.json``; none =
 1; unfinished: its first metrics line's): an older one in the row's own folder, finished or
 not (``main`` refuses to resume it) and whatever its config, is moved aside to
@@ -378,6 +380,13 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
     source = _finished_run(workdir, digest, cfg)
     if source is not None:
       logging.info("table %s: row %s seed %d reuses %s (same config)", table, row, seed, source)
+      if os.path.isdir(os.path.join(out, "checkpoints")):
+        # A killed run of this config: evaluate or sample in the row's folder would load its
+        # partial step as the reused result's model. Kept aside, not deleted.
+        partial = _free_name(f"{out}.partial")
+        logging.info("table %s: row %s seed %d: its unfinished run moved to %s", table, row,
+                     seed, partial)
+        os.replace(out, partial)
       os.makedirs(out, exist_ok=True)
       shutil.copyfile(os.path.join(source, "metrics.jsonl"), os.path.join(out, "metrics.jsonl"))
       result = {**_read_result(os.path.join(source, "result.json"), digest, cfg), "row": row,

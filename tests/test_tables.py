@@ -291,8 +291,15 @@ def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data,
   assert len(tables.run_table(module, "toy", "tiny", 1, workdir)) == 2
   assert "table toy: rows llama, cem have a finished seed 1 in " in caplog.text
   assert "give --seeds=2 or more to include it" in caplog.text
-  # another table with the same rows reuses the finished runs (same resolved config)
+  # another table with the same rows reuses the finished runs (same resolved config); a killed
+  # run of the same config in a row's folder is moved aside (evaluate there would load it)
+  partial = tables.run_dir(workdir, "toy_again", "llama", 0)
+  os.makedirs(os.path.join(partial, "checkpoints", "1"))
+  with open(os.path.join(partial, "config.json"), "w") as f:
+    f.write(tables.row_config(module, "llama", "tiny", 0).to_json())
   other = tables.run_table(module, "toy_again", "tiny", 2, workdir)
+  assert sorted(os.listdir(partial)) == ["metrics.jsonl", "result.json"]
+  assert sorted(os.listdir(partial + ".partial")) == ["checkpoints", "config.json"]
   assert [{k: v for k, v in r.items() if k != "reused_from"} for r in other] == results
   assert all(r["reused_from"] == os.path.join("..", "..", "..", "toy", r["row"], f"seed{r['seed']}")
              for r in other)
