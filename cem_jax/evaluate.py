@@ -13,13 +13,12 @@ step's parameters (per-step step sizes or preconditioners).
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 from absl import app, flags, logging
 
 from cem_jax import cli
-from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text
+from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
 
 
 def load_run(workdir: str, require=None, attention_impl: str | None = None):
@@ -85,12 +84,7 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
   where = f"checkpoint {ckpt.step_dir(step)}"
   if saved is None:  # saved before checkpoints held their config
     where = config_json
-    try:
-      with open(config_json) as f:
-        saved = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{config_json} is not valid JSON ({e}); restore it from the run's "
-                       "command") from None
+    saved = read_json(config_json, "restore it from the run's command")
   config = config_lib.get_default_config()
   unknown = sorted(set(config_lib.flat(saved)) - set(config_lib.flat(config)))
   if unknown:

@@ -4,7 +4,8 @@ The data goes to a temporary file in the same folder (so the rename stays on one
 is flushed to disk, and is renamed over ``path`` (``os.replace``, atomic on POSIX and Windows).
 A failed write removes its temporary file and leaves ``path`` as it was; a killed one leaves
 it, and :func:`temporary_of` recognises it. :func:`atomic_path` does the same for a writer
-that opens the file by name. :func:`sha256_file` hashes a file of any size.
+that opens the file by name. :func:`sha256_file` hashes a file of any size; :func:`read_json`
+reads back what the writers wrote, a damaged file as one line.
 """
 
 from __future__ import annotations
@@ -124,6 +125,21 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     except FileNotFoundError:
       pass
     raise
+
+
+def read_json(path: str | os.PathLike, fix: str):
+  """The JSON value in ``path`` (a run's ``config.json`` or ``result.json``).
+
+  Raises:
+    ValueError: it is not valid UTF-8 JSON: one line naming ``path``, the parser's reason and
+      ``fix`` (what the user can do about it).
+    OSError: it cannot be opened (e.g. FileNotFoundError).
+  """
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+    raise ValueError(f"{os.fspath(path)} is not valid JSON ({e}); {fix}") from None
 
 
 def sha256_file(path: str | os.PathLike) -> str:

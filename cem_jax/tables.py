@@ -52,7 +52,7 @@ from cem_jax import config as config_lib
 from cem_jax import workdir as workdir_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import sources
-from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text
+from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
 from cem_jax.metrics import has_final_eval, read_metrics
 from cem_jax.model import DecoderLM
 from cem_jax.version import NUMERICS_VERSION
@@ -234,12 +234,7 @@ def _read_result(path: str, digest: str | None = None, config=None) -> dict:
   Raises:
     ValueError: one line naming the file and what to do.
   """
-  try:
-    with open(path) as f:
-      result = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path} is not valid JSON ({e}); delete it to train that run again"
-                     ) from None
+  result = read_json(path, "delete it to train that run again")
   missing = [k for k in RESULT_KEYS if k not in result] if isinstance(result, dict) else ["all"]
   if missing:
     raise ValueError(f"{path} lacks {', '.join(missing)}; delete it to train that run again")

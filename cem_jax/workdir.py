@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import shutil
 import signal
@@ -23,6 +22,7 @@ from absl import logging
 
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
+from cem_jax.files import read_json
 from cem_jax.metrics import read_metrics
 
 
@@ -151,13 +151,7 @@ def config_changes(workdir: str, config: ml_collections.ConfigDict) -> list[str]
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     return None
-  try:
-    with open(path) as f:
-      saved = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path} is not valid JSON ({e}); delete that run to train it again"
-                     ) from None
-  return config_lib.run_changes(saved, config)
+  return config_lib.run_changes(read_json(path, "delete that run to train it again"), config)
 
 
 def check_same_run(workdir: str, config: ml_collections.ConfigDict) -> None:

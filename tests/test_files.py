@@ -166,3 +166,19 @@ def test_atomic_save_figure_writes_the_extension_format_or_nothing(tmp_path):
     files.atomic_save_figure(fig, tmp_path / "a.nosuchformat")
   plt.close(fig)
   assert sorted(os.listdir(tmp_path)) == ["a.png", "a.svg"]
+
+
+def test_read_json_reads_what_the_writer_wrote_and_names_a_damaged_file_in_one_line(tmp_path):
+  path = tmp_path / "result.json"
+  files.atomic_write_json(path, {"eval/loss": 3.5, "row": "ü"})
+  assert files.read_json(path, "delete it") == {"eval/loss": 3.5, "row": "ü"}
+  for damage, reason in ((b'{"eval/lo', "Unterminated string"),
+                         (b'{"row": "\xff"}', "can't decode byte 0xff")):
+    path.write_bytes(damage)  # cut short by a kill of an older writer, or overwritten
+    with pytest.raises(ValueError) as e:
+      files.read_json(path, "delete it to train that run again")
+    message = str(e.value)
+    assert message.startswith(f"{path} is not valid JSON (") and reason in message
+    assert message.endswith("); delete it to train that run again") and "\n" not in message
+  with pytest.raises(FileNotFoundError):
+    files.read_json(tmp_path / "missing.json", "x")

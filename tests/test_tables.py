@@ -735,21 +735,30 @@ def test_a_run_predating_a_key_counts_only_with_that_key_at_its_default(tmp_path
   assert not tables._same_config(str(tmp_path), tiny_config("llama"))
 
 
+def _table_flags(monkeypatch, out, table="design", seeds=1, **values):
+  """tables.main's flags as a stand-in FlagValues (its own are defined only when it runs as a
+  program): ``--table``, ``--workdir`` (``out``), ``--seeds``, the rest at their defaults, then
+  ``values`` set on them."""
+  from absl import flags
+
+  fv = flags.FlagValues()
+  for name, default in (("table", table), ("scale", "tiny"), ("workdir", str(out)),
+                        ("rows", None)):
+    flags.DEFINE_string(name, default, "", flag_values=fv)
+  flags.DEFINE_integer("seeds", seeds, "", flag_values=fv)
+  flags.DEFINE_integer("steps", None, "", flag_values=fv)
+  flags.DEFINE_multi_string("set", [], "", flag_values=fv)
+  fv(["tables"])
+  for name, value in values.items():
+    fv[name].value = value
+  monkeypatch.setattr(flags, "FLAGS", fv)
+
+
 def test_a_diverged_run_or_damaged_curve_is_one_line_from_the_command(tmp_path, monkeypatch,
                                                                       capsys):
   # tables.main on stand-ins: a run that diverges (FloatingPointError, as train raises it) and
   # a damaged metrics line met while drawing the curves end in one line, exit status 1.
-  from absl import flags
-
-  fv = flags.FlagValues()
-  for name, default in (("table", "design"), ("scale", "tiny"), ("workdir", str(tmp_path)),
-                        ("rows", None)):
-    flags.DEFINE_string(name, default, "", flag_values=fv)
-  flags.DEFINE_integer("seeds", 1, "", flag_values=fv)
-  flags.DEFINE_integer("steps", None, "", flag_values=fv)
-  flags.DEFINE_multi_string("set", [], "", flag_values=fv)
-  fv(["tables"])
-  monkeypatch.setattr(flags, "FLAGS", fv)
+  _table_flags(monkeypatch, tmp_path)
 
   def diverge(*args):
     raise FloatingPointError("train/loss is not finite at step 3 of row t1")
@@ -774,8 +783,6 @@ def test_a_diverged_run_or_damaged_curve_is_one_line_from_the_command(tmp_path, 
 def test_the_tables_curves_are_of_the_runs_in_the_table_only(tmp_path, monkeypatch, capsys):
   # A row's seed 1 killed mid-run (no result.json) is not in the table's figures: its curve
   # must not be averaged into the row's plotted mean either (tables.main, stand-in flags).
-  from absl import flags
-
   toy = tmp_path / "toy.py"
   toy.write_text(TOY.replace("FILES", "''"))
   workdir = tmp_path / "out"
@@ -785,15 +792,7 @@ def test_the_tables_curves_are_of_the_runs_in_the_table_only(tmp_path, monkeypat
                   [{"step": 5, "eval/loss": loss, "eval/bits_per_byte": 1.0}])
   result = {"row": "llama", "seed": 0, "eval/loss": 3.0, "eval/bits_per_byte": 1.0,
             "tokens_per_sec": 1.0, "config_digest": "x", "numerics_version": NUMERICS_VERSION}
-  fv = flags.FlagValues()
-  for name, default in (("table", str(toy)), ("scale", "tiny"), ("workdir", str(workdir)),
-                        ("rows", None)):
-    flags.DEFINE_string(name, default, "", flag_values=fv)
-  flags.DEFINE_integer("seeds", 2, "", flag_values=fv)
-  flags.DEFINE_integer("steps", None, "", flag_values=fv)
-  flags.DEFINE_multi_string("set", [], "", flag_values=fv)
-  fv(["tables"])
-  monkeypatch.setattr(flags, "FLAGS", fv)
+  _table_flags(monkeypatch, workdir, table=str(toy), seeds=2)
   monkeypatch.setattr(tables, "run_table", lambda *args: [result])
   drawn = []
 
@@ -833,8 +832,6 @@ def test_a_run_of_the_table_without_an_eval_loss_in_its_metrics_is_one_line(tmp_
 def test_bad_seeds_steps_or_workdir_are_refused_before_any_run(tmp_path, monkeypatch, capsys):
   # One line naming the flag and exit status 1 before anything trains (a --seeds=0 table would
   # be empty; a file as --workdir would end in a bare OS error): tables.main, stand-in flags.
-  from absl import flags
-
   (tmp_path / "file").write_text("")
   monkeypatch.setattr(tables, "run_table", lambda *args: pytest.fail("a run started"))
   for name, value, error in (
@@ -842,16 +839,7 @@ def test_bad_seeds_steps_or_workdir_are_refused_before_any_run(tmp_path, monkeyp
       ("steps", 0, "--steps=0; allowed: an integer >= 1 (or leave it out)"),
       ("workdir", str(tmp_path / "file"),
        f"--workdir={tmp_path / 'file'} is a file; give a folder (created if missing)")):
-    fv = flags.FlagValues()
-    for flag, default in (("table", "design"), ("scale", "tiny"), ("rows", None),
-                          ("workdir", str(tmp_path / "out"))):
-      flags.DEFINE_string(flag, default, "", flag_values=fv)
-    flags.DEFINE_integer("seeds", 1, "", flag_values=fv)
-    flags.DEFINE_integer("steps", None, "", flag_values=fv)
-    flags.DEFINE_multi_string("set", [], "", flag_values=fv)
-    fv(["tables"])
-    fv[name].value = value
-    monkeypatch.setattr(flags, "FLAGS", fv)
+    _table_flags(monkeypatch, tmp_path / "out", **{name: value})
     with pytest.raises(SystemExit) as e:
       tables.main([])
     assert (e.value.code, capsys.readouterr().err) == (1, f"error: {error}\n"), name
