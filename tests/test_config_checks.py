@@ -309,3 +309,13 @@ def test_an_explicit_head_dim_is_used_however_small(head_dim):
   config_lib.validate(cfg)
   assert axes.head_dim_of(cfg.model) == head_dim
   assert axes.head_dim_of(tiny_config("cem").model) == 64 // 4
+
+
+def test_run_changes_compares_each_data_file_by_its_file_name():
+  # The same files from another checkout or machine are the same run; another first file is
+  # another run, even with the same last file.
+  saved = tiny_config(**{"data.files": "/old/x.txt,/old/y.txt"}).to_dict()
+  assert config_lib.run_changes(saved, tiny_config(**{"data.files": "/new/x.txt,/new/y.txt"})
+                                ) == []
+  assert config_lib.run_changes(saved, tiny_config(**{"data.files": "/old/z.txt,/old/y.txt"})
+                                ) == ["data.files: 'x.txt,y.txt' -> 'z.txt,y.txt'"]

@@ -3,6 +3,9 @@
 import errno
 import hashlib
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +185,15 @@ def test_read_json_reads_what_the_writer_wrote_and_names_a_damaged_file_in_one_l
     assert message.endswith("); delete it to train that run again") and "\n" not in message
   with pytest.raises(FileNotFoundError):
     files.read_json(tmp_path / "missing.json", "x")
+
+
+def test_read_json_reads_utf8_under_any_locale(tmp_path):
+  # JSON is UTF-8; a result.json edited by hand holds "ü" as its two bytes. Read with the
+  # locale's encoding (a C or a Windows locale) it would be a decode error or mojibake.
+  path = tmp_path / "result.json"
+  path.write_bytes('{"row": "ü"}'.encode())
+  env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+  code = f"from cem_jax import files; print(ascii(files.read_json({str(path)!r}, 'x')))"
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        cwd=Path(files.__file__).parents[1])
+  assert (proc.returncode, proc.stdout) == (0, "{'row': '\\xfc'}\n"), proc.stderr

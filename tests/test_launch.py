@@ -474,6 +474,41 @@ def test_sweep_refuses_a_run_folder_started_with_another_config(tmp_path):
   assert launch(cfg).returncode == 0
 
 
+def test_sweep_takes_a_relative_energy_file_for_the_absolute_one_main_saved(tmp_path):
+  # main saves an energy file's path made absolute; the same relative path on the sweep's
+  # command line is the same run (skipped as finished), not refused as another config.
+  from cem_jax.config import get_default_config
+
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_CONFIG)
+  work = tmp_path / "sw"
+  run = work / "train.learning_rate=0.001"
+  _finish(run, 10)
+  energy = tmp_path / "my_energy.py"
+  trained = get_default_config()
+  trained.train.num_steps, trained.train.learning_rate = 10, 1e-3  # sweep_cfg.py:b's run
+  trained.model.attention_energy = f"{energy}:energy"
+  (run / "config.json").write_text(trained.to_json())
+  relative = os.path.relpath(energy, REPO)  # the sweep, as main, runs in the repository
+  proc = _launch("sweep.py", f"--config={cfg}:b", f"--workdir={work}", "--dry_run", "--",
+                 f"--config.model.attention_energy={relative}:energy")
+  assert proc.returncode == 0 and proc.stdout.splitlines()[0] == (
+      "skip train.learning_rate=0.001 (finished: step 10)"), proc.stderr
+
+
+def test_sweep_leaves_a_flag_it_cannot_parse_to_main_not_a_traceback_of_its_own(tmp_path):
+  # An unknown key after -- (a typo) is main's to report, in one line, when the run starts;
+  # the sweep's check of the folder must not end in a traceback on it.
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_CONFIG)
+  work = tmp_path / "sw"
+  _finish(work / "train.learning_rate=0.001", 10)
+  proc = _launch("sweep.py", f"--config={cfg}:b", f"--workdir={work}", "--dry_run", "--",
+                 "--config.model.no_such_key=1")
+  assert proc.returncode == 0 and proc.stdout.splitlines()[0] == (
+      "skip train.learning_rate=0.001 (finished: step 10)"), proc.stderr
+
+
 def test_sweep_on_a_pod_and_through_the_local_launcher(tmp_path):
   cfg = tmp_path / "sweep_cfg.py"
   cfg.write_text(SWEEP_CONFIG)

@@ -367,6 +367,16 @@ def test_a_table_file_whose_code_raises_is_one_line_naming_it(tmp_path):
                           "'undefined_name' is not defined")
 
 
+def test_a_tables_own_value_error_is_its_message_unwrapped():
+  # get_config's ValueError is already one line for the user (scales.parse_arg's, naming what
+  # is allowed); only another exception, a bug in the file, is wrapped with the file's name.
+  module = tables.load_table("attention")
+  with pytest.raises(ValueError) as e:
+    tables.row_config(module, "llama_mha", "huge", 0)
+  assert str(e.value) == ("experiments/paper/attention.py:llama_mha,huge; allowed scales: "
+                          "tiny, gpu, small, paper")
+
+
 def test_a_damaged_result_is_a_clear_error_not_a_crash(tmp_path, shared_data):
   module = _toy_table(tmp_path, shared_data)
   bad = tmp_path / "out" / "toy" / "llama" / "seed0" / "result.json"
@@ -391,6 +401,23 @@ def test_a_damaged_result_is_a_clear_error_not_a_crash(tmp_path, shared_data):
   assert str(e.value) == (
       f"{bad} has eval/loss='3.0', eval/bits_per_byte=None, tokens_per_sec=True, seed='0'; "
       "allowed: a string row, an integer seed and numbers; delete it to train that run again")
+
+
+def test_a_result_with_integer_numbers_is_read_and_a_bool_seed_or_a_number_row_refused(
+    tmp_path):
+  # An integer is a number (a result rounded or written by hand); True is not a seed (it would
+  # pair with seed 1), nor 3 a row (it would match no row of the table).
+  path = tmp_path / "result.json"
+  good = {"row": "llama", "seed": 0, "eval/loss": 3, "eval/bits_per_byte": 1.5,
+          "tokens_per_sec": 1000, "config_digest": "x"}
+  path.write_text(json.dumps(good))
+  assert tables._read_result(str(path)) == good
+  for bad, shown in (({"seed": True}, "seed=True"), ({"row": 3}, "row=3")):
+    path.write_text(json.dumps({**good, **bad}))
+    with pytest.raises(ValueError) as e:
+      tables._read_result(str(path))
+    assert str(e.value) == (f"{path} has {shown}; allowed: a string row, an integer seed and "
+                            "numbers; delete it to train that run again")
 
 
 def test_a_result_from_another_config_is_not_reused_silently(tmp_path, shared_data):
@@ -437,6 +464,39 @@ def test_an_unfinished_run_from_another_config_is_refused_not_resumed_as_a_mix(t
   (run / "checkpoints" / "20").rmdir()
   tables.run_table(module, "toy", "tiny", 1, str(workdir), steps=30, rows=["llama"])
   assert trained == [str(run), str(run)]
+
+
+def test_reusing_a_run_moves_the_rows_unfinished_run_beside_one_moved_aside_before(
+    tmp_path, monkeypatch):
+  # The row's folder holds a killed run of this config and seed0.partial one from an earlier
+  # reuse: both are kept (seed0.partial.2), and the folder holds the reused result only.
+  toy = tmp_path / "toy.py"
+  toy.write_text(TOY.replace("FILES", "''"))
+  module = tables.load_table(str(toy))
+  workdir = tmp_path / "out"
+  cfg = tables.row_config(module, "llama", "tiny", 0)
+  finished = workdir / "toy" / "llama" / "seed0"
+  finished.mkdir(parents=True)
+  (finished / "config.json").write_text(cfg.to_json())
+  write_metrics(finished, [{"step": cfg.train.num_steps, "eval/loss": 3.0}])
+  (finished / "result.json").write_text(json.dumps({
+      "row": "llama", "seed": 0, "eval/loss": 3.0, "eval/bits_per_byte": 1.5,
+      "tokens_per_sec": 1.0, "config_digest": tables.config_digest(cfg),
+      "numerics_version": NUMERICS_VERSION}))
+  row = workdir / "again" / "llama" / "seed0"
+  for folder in (row.parent / "seed0.partial", row):
+    (folder / "checkpoints" / "1").mkdir(parents=True)
+    (folder / "config.json").write_text(cfg.to_json())
+  (row.parent / "seed0.partial" / "earlier").write_text("")
+  monkeypatch.setattr(tables.train, "train_and_evaluate",
+                      lambda *args: pytest.fail("a reusable run was trained"))
+  [result] = tables.run_table(module, "again", "tiny", 1, str(workdir), rows=["llama"])
+  assert result["reused_from"] == os.path.join("..", "..", "..", "toy", "llama", "seed0")
+  assert sorted(os.listdir(row.parent)) == ["seed0", "seed0.partial", "seed0.partial.2"]
+  assert sorted(os.listdir(row)) == ["metrics.jsonl", "result.json"]
+  assert sorted(os.listdir(row.parent / "seed0.partial")) == [
+      "checkpoints", "config.json", "earlier"]
+  assert sorted(os.listdir(row.parent / "seed0.partial.2")) == ["checkpoints", "config.json"]
 
 
 def test_a_result_on_other_text_under_the_same_file_name_is_not_reused(tmp_path):
@@ -532,10 +592,13 @@ def test_a_run_from_older_numerics_is_retrained_not_reused(tmp_path, shared_data
   now = json.loads((reused / "result.json").read_text())
   assert now["numerics_version"] == NUMERICS_VERSION and now["config_digest"] != "v1 digest"
   # an unfinished run of an older version (no result.json; its first metrics line says the
-  # version): its resume would be refused, so it is moved aside (here a finished run of the
-  # same config is reused in its place)
+  # version): its resume would be refused, so it is moved aside whatever its config, not
+  # refused as another config's run (here a finished run of the same config is reused in its
+  # place)
   unfinished = workdir / "toy_third" / "cem" / "seed0"
-  unfinished.mkdir(parents=True)
+  (unfinished / "checkpoints" / "3").mkdir(parents=True)
+  (unfinished / "config.json").write_text(
+      tables.row_config(module, "cem", "tiny", 0, steps=60).to_json())
   (unfinished / "metrics.jsonl").write_text(
       json.dumps({"step": 0, "numerics_version": NUMERICS_VERSION - 1}) + "\n")
   stale = workdir / "toy_third" / "cem" / f"seed0.numerics_v{NUMERICS_VERSION - 1}"
@@ -827,6 +890,8 @@ def test_a_run_of_the_table_without_an_eval_loss_in_its_metrics_is_one_line(tmp_
   write_metrics(run, [{"step": 5, "eval/loss": 3.0}])
   assert tables.eval_curves(workdir, "toy", module, 1, ["llama"], {("llama", 0)}) == {
       "llama": [(5, 3.0)]}
+  # Without runs: every seed with a metrics.jsonl (seed 1 never started: left out, no error).
+  assert tables.eval_curves(workdir, "toy", module, 2, ["llama"]) == {"llama": [(5, 3.0)]}
 
 
 def test_bad_seeds_steps_or_workdir_are_refused_before_any_run(tmp_path, monkeypatch, capsys):

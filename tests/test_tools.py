@@ -1,5 +1,6 @@
 """Inspection and sharding rules: counts equal the built model; specs follow the rules."""
 
+import errno
 import json
 import os
 import subprocess
@@ -478,6 +479,28 @@ def test_a_saved_config_with_fields_unknown_here_is_refused_naming_them_and_wher
                           "trained it")
 
 
+def test_a_damaged_config_json_of_a_run_without_a_config_in_its_checkpoint_is_one_line(
+    tmp_path):
+  # Runs saved before checkpoints held their config are built from config.json: damaged, it is
+  # named with what to do (its command wrote it), not a traceback of the JSON parser.
+  from cem_jax import evaluate
+
+  config_json = tmp_path / "config.json"
+  config_json.write_text('{"model": {"d_mod')
+
+  class Saved:
+    def read_meta(self, step):
+      return {}
+
+    def step_dir(self, step):
+      return str(tmp_path / "checkpoints" / str(step))
+
+  with pytest.raises(ValueError) as e:
+    evaluate._build_from(Saved(), 4, str(config_json), str(tmp_path))
+  assert str(e.value).startswith(f"{config_json} is not valid JSON (")
+  assert str(e.value).endswith("); restore it from the run's command")
+
+
 def test_last_eval_in_is_the_final_eval_line(tmp_path):
   # What a re-run of a finished run returns: its last eval, not its first.
   assert last_eval_in(str(tmp_path)) == {}
@@ -541,6 +564,128 @@ def test_a_workdir_trains_one_run_at_a_time_and_a_killed_holder_frees_it(tmp_pat
     holder.wait()
   with exclusive(str(workdir)):
     pass
+
+
+def test_the_workdir_is_held_for_the_whole_run_not_only_its_start_up(tmp_path, monkeypatch):
+  # The lock guards the run's appends to metrics.jsonl and its checkpoint saves: let go after
+  # the start-up checks, a second run could start in the folder while this one trains.
+  from types import SimpleNamespace
+
+  from cem_jax import train
+
+  workdir = str(tmp_path / "w")
+  # Stand-ins for the data, the model and the loop: only where the lock is held is under test.
+  vocab = SimpleNamespace(tokenizer=SimpleNamespace(vocab_size=8))
+  monkeypatch.setattr(train.workdir_lib, "build_data_once", lambda config, workdir: vocab)
+  monkeypatch.setattr(train.steps_lib, "init_state", lambda *args: (None,) * 5)
+  refused = []
+
+  def second_run(when):
+    with pytest.raises(ValueError, match="is in use"), exclusive(workdir):
+      pass
+    refused.append(when)
+
+  class Loop:
+    num_steps, last_eval = 2, {"eval/loss": 1.0}
+
+    def __init__(self, run):
+      self.run = run
+      second_run("built")
+
+    def step(self, step, preemption):
+      second_run(f"step {step}")
+      return False
+
+    def close(self):
+      second_run("close")
+      self.run.ckpt.close()
+
+    def abort(self):
+      self.run.ckpt.close()
+
+  monkeypatch.setattr(train, "_Loop", Loop)
+  assert train.train_and_evaluate(tiny_config(), workdir) == {"eval/loss": 1.0}
+  assert refused == ["built", "step 0", "step 1", "close"]
+  with exclusive(workdir):  # let go when the run returns
+    pass
+
+  def diverge(self, step, preemption):
+    raise FloatingPointError("train/loss is not finite")
+
+  monkeypatch.setattr(Loop, "step", diverge)
+  with pytest.raises(FloatingPointError) as e:
+    train.train_and_evaluate(tiny_config(), workdir)
+  # Let go when the run fails, too, while its error (whose traceback holds the run's frames)
+  # is still being reported: a caller may start the next run in the folder.
+  assert e.value is not None
+  with exclusive(workdir):
+    pass
+
+
+def test_only_process_0_holds_the_workdir_for_its_run(tmp_path, monkeypatch):
+  # The processes of one run share its folder: process 1 taking the lock too would find it
+  # held by its own process 0 (on one host) and refuse its own run.
+  from cem_jax import workdir as workdir_lib
+
+  with exclusive(str(tmp_path)):
+    monkeypatch.setattr(workdir_lib.jax, "process_index", lambda: 1)
+    with exclusive(str(tmp_path)):
+      entered = True
+  assert entered
+
+
+@pytest.mark.parametrize("code, busy", [
+    (errno.EWOULDBLOCK, True),  # (= EAGAIN) another process holds it
+    (errno.EACCES, True),  # what flock emulated with fcntl locks says for a held lock
+    (errno.ENOLCK, False),  # a network mount without locks
+    (errno.EOPNOTSUPP, False),
+])
+def test_a_held_workdir_is_refused_and_one_that_cannot_be_locked_trains_with_a_warning(
+    tmp_path, monkeypatch, caplog, code, busy):
+  # A filesystem without flock must not stop every run on it; a held lock must stop the second.
+  import fcntl
+
+  def flock(fd, operation):
+    raise OSError(code, os.strerror(code))
+
+  monkeypatch.setattr(fcntl, "flock", flock)
+  entered = []
+  if busy:
+    with pytest.raises(ValueError, match=r"is in use: another run is training in it"):
+      with exclusive(str(tmp_path)):
+        entered.append(True)
+  else:
+    with exclusive(str(tmp_path)):
+      entered.append(True)
+    assert (f"--workdir={tmp_path} cannot be locked ({os.strerror(code)}): a second run "
+            "started in it would not be refused") in caplog.text
+  assert entered == ([] if busy else [True])
+
+
+def test_a_run_folder_of_another_config_names_three_changes_and_counts_the_rest(tmp_path):
+  # The message names the keys that differ, sorted; past three it counts the rest, so that a
+  # folder of a very different run is still one readable line.
+  from cem_jax.workdir import check_same_run
+
+  (tmp_path / "checkpoints" / "10").mkdir(parents=True)
+  (tmp_path / "config.json").write_text(tiny_config().to_json())
+  fix = ("; it is not this run and resuming it would mix the two: use the command that started "
+         "it, a new --workdir, or delete that run to train it again")
+  three = {"model.d_model": 32, "train.batch_size": 4, "train.num_steps": 40}
+  for changed, shown in (
+      (three, "model.d_model: 64 -> 32; train.batch_size: 8 -> 4; train.num_steps: 30 -> 40"),
+      ({**three, "seed": 3, "train.warmup_steps": 7},
+       "model.d_model: 64 -> 32; seed: 0 -> 3; train.batch_size: 8 -> 4; and 2 more")):
+    with pytest.raises(ValueError) as e:
+      check_same_run(str(tmp_path), tiny_config(**changed))
+    assert str(e.value) == f"{tmp_path} holds a run started with another config ({shown}){fix}"
+  check_same_run(str(tmp_path), tiny_config(**{"model.remat": "full"}))  # computed otherwise
+  # A damaged config.json: one line naming it, not a traceback of the JSON parser.
+  (tmp_path / "config.json").write_text('{"model": {"d_mod')
+  with pytest.raises(ValueError) as e:
+    check_same_run(str(tmp_path), tiny_config())
+  assert str(e.value).startswith(f"{tmp_path / 'config.json'} is not valid JSON (")
+  assert str(e.value).endswith("); delete that run to train it again")
 
 
 def test_a_refused_resume_removes_only_the_data_it_prepared(tmp_path):
