@@ -66,13 +66,14 @@ def dry_run_lines(command: list[str], num_processes: int, devices_per_process: i
   return lines
 
 
-def _die_with_parent() -> None:
-  """In the child, before exec: on Linux, get SIGKILL if the launcher itself is killed, so no
-  process is left waiting for its peers until JAX's initialization timeout."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+  """In the child, before exec (``preexec_fn``): on Linux, get ``sig`` if the launcher itself
+  is killed. SIGKILL here, so no process is left waiting for its peers until JAX's
+  initialization timeout; ``launch/sweep.py`` asks for SIGTERM (its run saves and stops)."""
   if sys.platform.startswith("linux"):
     import ctypes
 
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    ctypes.CDLL(None).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
 
 
 def _pump(stream, prefix: str) -> None:
@@ -127,7 +128,7 @@ def run(command: list[str], num_processes: int, devices_per_process: int, port: 
       # Own session: stopping a process also stops whatever it started, and nothing else.
       procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=_die_with_parent))
+                                    preexec_fn=die_with_parent))
     for i, p in enumerate(procs):  # after all forks: preexec_fn and threads do not mix
       t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] "), daemon=True)
       t.start()

@@ -25,6 +25,11 @@ a mix of the two. (On a pod, a ``WORKDIR`` not visible here cannot
 be checked: finished runs then start, find their final checkpoint and stop.) ``--dry_run``
 prints, per run, ``skip NAME (finished)`` or the exact command. Exit status: 0 if every run
 finished, else 1 (failed runs are listed).
+
+SIGTERM or SIGINT to the sweep is passed on to the run training (``main`` saves at its next
+step boundary on SIGTERM), and the sweep stops after it with status 128 + the signal; the
+same command resumes. If the sweep itself is killed (``kill -9``), its run gets SIGTERM (on
+Linux), so no run trains on without it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import importlib.util
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -185,6 +191,35 @@ def main_args(config: str, run_dir: str, overrides: dict, extra: list[str]) -> l
           *(f"--config.{k}={format_value(v)}" for k, v in overrides.items()), *extra]
 
 
+def run_one(cmd: list[str], env: dict) -> tuple[int, int | None]:
+  """Runs one run's command to its end, passing SIGTERM and SIGINT on to it; the run gets
+  SIGTERM if the sweep dies (``launch/local.py``'s ``die_with_parent``).
+
+  Returns:
+    ``(exit status, the signal the sweep got while it ran, or None)``.
+  """
+  spec = importlib.util.spec_from_file_location("launch_local", os.path.join(LAUNCH,
+                                                                             "local.py"))
+  local = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(local)
+  got = []
+  # Its own session: a terminal's Ctrl-C reaches the run once, passed on by the sweep.
+  proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                          preexec_fn=lambda: local.die_with_parent(signal.SIGTERM))
+
+  def forward(signum, frame):
+    del frame
+    got.append(signum)
+    proc.send_signal(signum)
+
+  previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    return proc.wait(), (got[0] if got else None)
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
 def run_command(args: argparse.Namespace, mains: list[str], first: bool) -> list[str]:
   """The command that trains one run with the chosen launcher."""
   if args.launcher == "tpu_pod":
@@ -247,7 +282,11 @@ def main(argv: list[str]) -> int:
     # Paths stay relative to the caller's folder; cem_jax imports even when not pip-installed.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))
-    code = subprocess.run(cmd, env=env).returncode
+    code, got = run_one(cmd, env)
+    if got is not None:
+      print(f"launch/sweep.py: got signal {got}; run {name} stopped with exit status {code}, "
+            "the sweep with it: run the same command to resume", file=sys.stderr)
+      return 128 + got
     if code:
       print(f"launch/sweep.py: run {name} failed with exit status {code}", file=sys.stderr)
       failed.append(name)

@@ -681,8 +681,8 @@ def test_sweep_copies_the_code_with_its_first_launched_run_and_fails_if_any_run_
   work = tmp_path / "sw"
   _finish(work / "train.learning_rate=0.001", 40)  # the sweep's first run: skipped
   ran, codes = [], iter([-9, 0])  # the first launched run is killed by SIGKILL
-  monkeypatch.setattr(sweep.subprocess, "run", lambda cmd, env: ran.append((cmd, env)) or
-                      subprocess.CompletedProcess(cmd, next(codes)))
+  monkeypatch.setattr(sweep, "run_one", lambda cmd, env: ran.append((cmd, env)) or
+                      (next(codes), None))
   monkeypatch.setenv("PYTHONPATH", "/elsewhere")
   status = sweep.main([f"--config={cfg}", f"--workdir={work}", "--launcher=tpu_pod", "--tpu=t",
                        "--zone=z", "--project=p"])
@@ -694,3 +694,70 @@ def test_sweep_copies_the_code_with_its_first_launched_run_and_fails_if_any_run_
                                           ["--tpu=t", "--zone=z", "--project=p", "--no_sync"]]
   # cem_jax imports in the runs even when it is not pip-installed.
   assert {env["PYTHONPATH"] for _, env in ran} == {f"{REPO}{os.pathsep}/elsewhere"}
+
+
+# A stand-in run: records the signal that stops it (main saves on SIGTERM and exits 0).
+_SIGNALLED_RUN = """
+import os, signal, sys, time
+run = sys.argv[1].split("=", 1)[1]
+os.makedirs(run, exist_ok=True)
+def stop(signum, frame):
+  with open(os.path.join(run, "stopped"), "a") as f:
+    f.write(f"{signum}\\n")
+  sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+open(os.path.join(run, "started"), "w").close()
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_a_signal_to_the_sweep_reaches_its_run_once_and_stops_the_sweep(tmp_path, sig):
+  # Before, a sweep stopped with kill (or killed with -9) left its run training without it, and
+  # a rerun trained a second copy beside it; Ctrl-C must reach the run once, not twice.
+  import signal
+
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_CONFIG)
+  work = tmp_path / "sw"
+  run = [sys.executable, "-c", _SIGNALLED_RUN]
+  wrapper = (  # launch/sweep.py with the stand-in as each run's command
+      "import importlib.util, sys\n"
+      f"spec = importlib.util.spec_from_file_location('sweep', {str(REPO / 'launch')!r} + "
+      "'/sweep.py')\n"
+      "sweep = importlib.util.module_from_spec(spec); spec.loader.exec_module(sweep)\n"
+      f"sweep.run_command = lambda args, mains, first: {run!r} + [mains[1]]\n"
+      f"sys.exit(sweep.main(['--config={cfg}', '--workdir={work}']))\n")
+  # Its own process group, as a shell gives a command: Ctrl-C signals the whole group.
+  proc = subprocess.Popen([sys.executable, "-c", wrapper], stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+  first = work / "train.learning_rate=0.001"
+  try:
+    for _ in range(300):
+      if (first / "started").exists():
+        break
+      time.sleep(0.1)
+    assert (first / "started").exists(), proc.stderr.read() if proc.poll() is not None else ""
+    if sig == "SIGINT":  # Ctrl-C: the terminal signals the foreground group
+      os.killpg(proc.pid, signal.SIGINT)
+    else:
+      proc.send_signal(getattr(signal, sig))
+    code = proc.wait(timeout=30)
+  finally:
+    proc.kill()
+  for _ in range(100):  # after a SIGKILL, the run gets SIGTERM from the kernel, a moment later
+    if (first / "stopped").exists():
+      break
+    time.sleep(0.1)
+  expected = signal.SIGTERM if sig == "SIGKILL" else getattr(signal, sig)
+  assert (first / "stopped").read_text() == f"{int(expected)}\n"  # once
+  assert sorted(p.name for p in work.iterdir()) == [first.name]  # no later run started
+  if sig == "SIGKILL":
+    assert code == -signal.SIGKILL
+  else:
+    assert code == 128 + getattr(signal, sig)
+    assert proc.stderr.read().splitlines()[-1] == (
+        f"launch/sweep.py: got signal {int(expected)}; run {first.name} stopped with exit "
+        "status 0, the sweep with it: run the same command to resume")
