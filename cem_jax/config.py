@@ -444,9 +444,7 @@ def run_changes(saved: ml_collections.ConfigDict | dict,
       out["data.files"] = ",".join(os.path.basename(p) for p in out["data.files"].split(","))
     return out
 
-  old, new = of_run(saved), of_run(now)
-  default = of_run(get_default_config())
-  old = {**{k: default[k] for k in new if k in default and k not in old}, **old}
+  old, new = of_run(with_defaults(saved)), of_run(now)
   missing = "(none)"
   return [f"{k}: {old.get(k, missing)!r} -> {new.get(k, missing)!r}"
           for k in sorted(set(old) | set(new)) if old.get(k, missing) != new.get(k, missing)]

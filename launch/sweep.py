@@ -35,6 +35,7 @@ Linux), so no run trains on without it.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import re
@@ -191,6 +192,15 @@ def main_args(config: str, run_dir: str, overrides: dict, extra: list[str]) -> l
           *(f"--config.{k}={format_value(v)}" for k, v in overrides.items()), *extra]
 
 
+@functools.cache
+def _local():
+  """``launch/local.py`` as a module (a script beside this one, not a package)."""
+  spec = importlib.util.spec_from_file_location("launch_local", os.path.join(LAUNCH, "local.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def run_one(cmd: list[str], env: dict) -> tuple[int, int | None]:
   """Runs one run's command to its end, passing SIGTERM and SIGINT on to it; the run gets
   SIGTERM if the sweep dies (``launch/local.py``'s ``die_with_parent``).
@@ -198,14 +208,11 @@ def run_one(cmd: list[str], env: dict) -> tuple[int, int | None]:
   Returns:
     ``(exit status, the signal the sweep got while it ran, or None)``.
   """
-  spec = importlib.util.spec_from_file_location("launch_local", os.path.join(LAUNCH,
-                                                                             "local.py"))
-  local = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(local)
   got = []
   # Its own session: a terminal's Ctrl-C reaches the run once, passed on by the sweep.
   proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                          preexec_fn=lambda: local.die_with_parent(signal.SIGTERM))
+                          preexec_fn=functools.partial(_local().die_with_parent,
+                                                       signal.SIGTERM))
 
   def forward(signum, frame):
     del frame

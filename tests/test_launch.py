@@ -441,10 +441,10 @@ def test_sweep_dry_run_skips_finished_runs(tmp_path):
   assert not proc.stdout.startswith("skip")
 
 
-def test_sweep_refuses_a_run_folder_started_with_another_config(tmp_path):
-  # A finished run of another config (another file arg, an override after --) was skipped as
-  # this sweep's run, and an unfinished one resumed as a mix of the two: main only logs the
-  # changes (and refuses another model only on a resume, never on a skip).
+def _finished_b_run(tmp_path, **model) -> tuple[Path, Path, Path]:
+  """``sweep_cfg.py`` (SWEEP_CONFIG) and, in ``sw/``, its first run finished as
+  ``sweep_cfg.py:b`` trains it (10 steps, learning rate 1e-3, ``model`` keys set), with the
+  ``config.json`` main writes; returns ``(config file, workdir, run folder)``."""
   from cem_jax.config import get_default_config
 
   cfg = tmp_path / "sweep_cfg.py"
@@ -453,8 +453,18 @@ def test_sweep_refuses_a_run_folder_started_with_another_config(tmp_path):
   run = work / "train.learning_rate=0.001"
   _finish(run, 10)
   trained = get_default_config()
-  trained.train.num_steps, trained.train.learning_rate = 10, 1e-3  # sweep_cfg.py:b's run
+  trained.train.num_steps, trained.train.learning_rate = 10, 1e-3
+  for key, value in model.items():
+    trained.model[key] = value
   (run / "config.json").write_text(trained.to_json())
+  return cfg, work, run
+
+
+def test_sweep_refuses_a_run_folder_started_with_another_config(tmp_path):
+  # A finished run of another config (another file arg, an override after --) was skipped as
+  # this sweep's run, and an unfinished one resumed as a mix of the two: main only logs the
+  # changes (and refuses another model only on a resume, never on a skip).
+  cfg, work, run = _finished_b_run(tmp_path)
   launch = lambda spec, *extra: _launch("sweep.py", f"--config={spec}", f"--workdir={work}",
                                         "--dry_run", "--", *extra)
   proc = launch(f"{cfg}:b", "--config.model.remat=full")  # computed differently: the same run
@@ -477,18 +487,8 @@ def test_sweep_refuses_a_run_folder_started_with_another_config(tmp_path):
 def test_sweep_takes_a_relative_energy_file_for_the_absolute_one_main_saved(tmp_path):
   # main saves an energy file's path made absolute; the same relative path on the sweep's
   # command line is the same run (skipped as finished), not refused as another config.
-  from cem_jax.config import get_default_config
-
-  cfg = tmp_path / "sweep_cfg.py"
-  cfg.write_text(SWEEP_CONFIG)
-  work = tmp_path / "sw"
-  run = work / "train.learning_rate=0.001"
-  _finish(run, 10)
   energy = tmp_path / "my_energy.py"
-  trained = get_default_config()
-  trained.train.num_steps, trained.train.learning_rate = 10, 1e-3  # sweep_cfg.py:b's run
-  trained.model.attention_energy = f"{energy}:energy"
-  (run / "config.json").write_text(trained.to_json())
+  cfg, work, _ = _finished_b_run(tmp_path, attention_energy=f"{energy}:energy")
   relative = os.path.relpath(energy, REPO)  # the sweep, as main, runs in the repository
   proc = _launch("sweep.py", f"--config={cfg}:b", f"--workdir={work}", "--dry_run", "--",
                  f"--config.model.attention_energy={relative}:energy")
