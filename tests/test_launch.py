@@ -701,14 +701,19 @@ _SIGNALLED_RUN = """
 import os, signal, sys, time
 run = sys.argv[1].split("=", 1)[1]
 os.makedirs(run, exist_ok=True)
+got = []
 def stop(signum, frame):
+  got.append(signum)
   with open(os.path.join(run, "stopped"), "a") as f:
     f.write(f"{signum}\\n")
-  sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGINT, stop)
 open(os.path.join(run, "started"), "w").close()
-time.sleep(60)
+deadline = time.time() + 60
+while not got and time.time() < deadline:
+  time.sleep(0.05)
+time.sleep(0.5)  # a second delivery, if one was sent, is written down before "exited" says done
+open(os.path.join(run, "exited"), "w").close()
 """
 
 
@@ -747,8 +752,10 @@ def test_a_signal_to_the_sweep_reaches_its_run_once_and_stops_the_sweep(tmp_path
     code = proc.wait(timeout=30)
   finally:
     proc.kill()
-  for _ in range(100):  # after a SIGKILL, the run gets SIGTERM from the kernel, a moment later
-    if (first / "stopped").exists():
+  # After a SIGKILL the run gets SIGTERM from the kernel a moment later; "stopped" is only read
+  # once the run says it is done writing (reading on its mere existence raced the write in CI).
+  for _ in range(150):
+    if (first / "exited").exists():
       break
     time.sleep(0.1)
   expected = signal.SIGTERM if sig == "SIGKILL" else getattr(signal, sig)
