@@ -91,12 +91,15 @@ def test_local_stops_all_processes_when_one_fails(tmp_path):
   code = f"""
 import os, signal, sys, time
 i = int(os.environ["CEM_PROCESS_ID"])
-open(os.path.join({str(tmp_path)!r}, f"pid{{i}}"), "w").write(str(os.getpid()))
-if i == 1:
-  time.sleep(1)
-  sys.exit(3)
-if i == 2:
+if i == 2:  # before its pid is written, so the SIGTERM always finds it ignoring
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
+pid = os.path.join({str(tmp_path)!r}, f"pid{{i}}")
+open(pid + ".tmp", "w").write(str(os.getpid()))
+os.replace(pid + ".tmp", pid)  # present means written whole
+if i == 1:  # fails once the others have written their pids, however slowly they start
+  while not all(os.path.exists(os.path.join({str(tmp_path)!r}, f"pid{{j}}")) for j in (0, 2)):
+    time.sleep(0.05)
+  sys.exit(3)
 time.sleep(120)
 """
   start = time.monotonic()
@@ -156,19 +159,20 @@ def test_local_passes_the_callers_environment_on(monkeypatch):
 def test_local_stopped_by_sigterm_stops_its_processes_and_exits_128_plus_15(tmp_path):
   import signal
 
-  code = (f"import os, time; open(os.path.join({str(tmp_path)!r}, "
-          "os.environ['CEM_PROCESS_ID']), 'w').write(str(os.getpid())); time.sleep(120)")
+  code = (f"import os, time; p = os.path.join({str(tmp_path)!r}, os.environ['CEM_PROCESS_ID']); "
+          "open(p + '.tmp', 'w').write(str(os.getpid())); os.replace(p + '.tmp', p); "
+          "time.sleep(120)")
   launcher = subprocess.Popen([sys.executable, "launch/local.py", "--num_processes=2",
                                "--kill_grace_s=1", "--", sys.executable, "-c", code], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   deadline = time.monotonic() + 60
-  while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+  # Each pid file is written whole under a temporary name and renamed, so present means complete.
+  while len(list(tmp_path.glob("[0-9]"))) < 2 and time.monotonic() < deadline:
     time.sleep(0.1)
-  time.sleep(0.2)  # both pid files written in full
   launcher.send_signal(signal.SIGTERM)
   assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
   assert b"got signal 15; stopping all processes" in launcher.stderr.read()
-  for f in tmp_path.iterdir():
+  for f in tmp_path.glob("[0-9]"):
     with pytest.raises(ProcessLookupError):
       os.kill(int(f.read_text()), 0)
 
