@@ -246,18 +246,27 @@ def _read_result(path: str, digest: str | None = None, config=None) -> dict:
   if wrong:  # else a TypeError deep in the table's statistics
     raise ValueError(f"{path} has {', '.join(wrong)}; allowed: a string row, an integer seed "
                      "and numbers; delete it to train that run again")
+  otherwise = _trained_otherwise(path, result, digest, config)
+  if otherwise:
+    raise ValueError(otherwise)
+  return result
+
+
+def _trained_otherwise(path: str, result: dict, digest: str | None, config) -> str | None:
+  """Why the run of ``result`` (read from ``path``) is not one of ``config`` (digest
+  ``digest``), as one line naming the file and what to do; None when it is (or when neither
+  is given)."""
   trained = os.path.normpath(os.path.join(os.path.dirname(path),
                                           result.get("reused_from", ".")))
   if digest is not None and result["config_digest"] != digest and not (
       config is not None and _same_config(trained, config)):
-    raise ValueError(f"{path} was trained with another config (e.g. another --steps or "
-                     "--scale, or an edited table file); use a new --workdir, or delete that "
-                     "run to train it again")
+    return (f"{path} was trained with another config (e.g. another --steps or --scale, or an "
+            "edited table file); use a new --workdir, or delete that run to train it again")
   other = _other_source(result, config) if config is not None else None
   if other:
-    raise ValueError(f"{path} was trained on other text ({other}); use a new --workdir, or "
-                     "delete that run to train it again")
-  return result
+    return (f"{path} was trained on other text ({other}); use a new --workdir, or delete that "
+            "run to train it again")
+  return None
 
 
 def numerics_version(result: dict) -> int:
@@ -422,10 +431,8 @@ def finished_results(module, table: str, scale: str, seeds: int, workdir: str,
       if not os.path.exists(path):
         continue
       cfg = row_config(module, row, scale, seed, steps, overrides)
-      _read_result(path)  # damage is an error here too, not a row silently left out
-      try:
-        result = _read_result(path, config_digest(cfg), cfg)
-      except ValueError:  # trained with another config or on other text
+      result = _read_result(path)  # damage is an error here too, not a row silently left out
+      if _trained_otherwise(path, result, config_digest(cfg), cfg):
         continue
       if numerics_version(result) == NUMERICS_VERSION:
         out.append(result)
