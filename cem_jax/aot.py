@@ -170,9 +170,7 @@ def compile_for(config, target: Target, vocab_size: int | None = None) -> dict:
   preflight.check_machine(config, platform=target.platform)
   sizes = sharding.check_config(config, len(target.devices))
   data_parallel = sharding.data_parallel_size(config.mesh, sizes)
-  vocab = config.data.vocab_size if vocab_size is None else vocab_size
-  if vocab < 1:
-    raise ValueError(f"--vocab_size={vocab}; allowed: an int >= 1")
+  vocab = cli.vocab_size(config, vocab_size)
   mesh = sharding.make_mesh(config.mesh, target.devices)
   tx, schedule = optim.make_optimizer(config.train)
   graphdef, params, opt_state, shardings, model = steps.abstract_state(

@@ -166,3 +166,16 @@ def quiet_libraries(level: int = logging.logging.WARNING) -> None:
   # handler gets the filter too, so that a version forwarding unfiltered stays quiet.
   for h in (handler, handler.python_handler):
     h.addFilter(QuietLibraries(level))
+
+
+def vocab_size(config, flag: int | None) -> int:
+  """The vocabulary size a tool that builds no tokenizer sizes the model with: ``--vocab_size``
+  (``flag``) when given, else ``config.data.vocab_size``.
+
+  Raises:
+    ValueError: the result is < 1, one line naming ``--vocab_size``.
+  """
+  vocab = config.data.vocab_size if flag is None else flag
+  if vocab < 1:
+    raise ValueError(f"--vocab_size={vocab}; allowed: an int >= 1")
+  return vocab

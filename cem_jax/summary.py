@@ -39,9 +39,7 @@ def summary(config, vocab_size: int | None = None, devices=None,
       devices.
   """
   preflight.check(config)
-  vocab = config.data.vocab_size if vocab_size is None else vocab_size
-  if vocab < 1:
-    raise ValueError(f"--vocab_size={vocab}; allowed: an int >= 1")
+  vocab = cli.vocab_size(config, vocab_size)
   if num_devices is not None and num_devices < 1:
     raise ValueError(f"--num_devices={num_devices}; allowed: an int >= 1 (default: this "
                      "machine's devices)")
