@@ -336,6 +336,44 @@ def test_a_row_that_fails_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatc
   assert [(v[2:], n) for v, _, n in table] == [
       ("llama", "64"), ("cem_fused", "64"), ("llama", "128"), ("cem_fused", "128"),
       ("llama", "64"), ("cem_fused", "64")]
+  # A failed row keeps every column of the header, so that markdown reads it as a table row.
+  lines = [line for line in printed.splitlines() if line.startswith("|")]
+  assert {line.count("|") for line in lines} == {14}, lines
+
+
+def test_document_mask_overrides_the_preset_but_not_a_variant_that_sets_its_own(monkeypatch,
+                                                                              capsys):
+  import types
+
+  def fake_bench_one(config, vocab_size, steps, warmup, profile_dir=None):
+    return {"attention": "xla", "step_ms": 1.0, "params": 1, "compile_s": 1.0,
+            "tokens_per_s": 1.0, "flops_per_token": 1.0, "mfu": None, "peak_memory_mb": None}
+
+  monkeypatch.setattr(bench, "bench_one", fake_bench_one)
+  rows = bench.run("tiny", ["llama", "llama_docs"], document_mask=False)  # the preset's: True
+  assert {(r["variant"], r["document_mask"]) for r in rows} == {("llama", False),
+                                                                ("llama_docs", True)}
+  # --document_mask=false reaches run() as False, =true as True, none as None (the preset's).
+  given = []
+  monkeypatch.setattr(bench, "run", lambda *args: given.append(args[3]))
+  for flag in ("false", "true", None):
+    fl = types.SimpleNamespace(preset="tiny", variants=["llama"], out=None, profile_dir=None,
+                               document_mask=flag, attention_impl=None, loss_block_size=0)
+    monkeypatch.setattr(bench, "flags", types.SimpleNamespace(FLAGS=fl))
+    bench.main(["bench"])
+  assert given == [False, True, None]
+  # A sweep with failed rows ends with exit status 1 and one line, after the others' figures.
+
+  def failed(*args):
+    raise bench.RowsFailed("1 of 3 rows failed: llama at seq_len 64, d_model 64: OOM")
+
+  monkeypatch.setattr(bench, "run", failed)
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
+    bench.main(["bench"])
+  assert e.value.code == 1
+  assert capsys.readouterr().err == (
+      "error: 1 of 3 rows failed: llama at seq_len 64, d_model 64: OOM\n")
 
 
 # ---- the figures of a row and the table's ratios ---------------------------------------------
@@ -470,10 +508,15 @@ def _row(variant: str, seq_len: int, step_ms: float) -> dict:
 def test_the_ratios_are_each_row_step_time_over_llama_and_cem_fused_at_its_shape():
   rows = [_row("llama", 64, 10.0), _row("cem_fused", 64, 30.0), _row("cem_autodiff", 64, 60.0),
           _row("llama", 128, 40.0), _row("cem_autodiff", 128, 80.0)]
+  rows[0].update(mfu=0.123, peak_memory_mb=512.4)
   cells = {}
   for line in bench.format_table(rows).splitlines()[2:]:
     c = [x.strip() for x in line.split("|")[1:-1]]
     cells[c[0], c[2]] = c[-2:]  # (variant, seq_len): [x llama, x cem_fused]
+    if (c[0], c[2]) == ("llama", "64"):
+      assert c[9:11] == ["12.3%", "512"]  # MFU in percent, peak memory in MiB
+    elif c[0] == "cem_fused":
+      assert c[9:11] == ["n/a", "n/a"]  # not known: said, not 0
   assert cells["cem_autodiff", "64"] == ["6.00", "2.00"]  # slower than llama reads > 1
   assert cells["cem_fused", "64"] == ["3.00", "1.00"]
   assert cells["cem_autodiff", "128"] == ["2.00", ""]  # no cem_fused row at seq_len 128

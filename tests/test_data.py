@@ -129,6 +129,10 @@ def test_pydoc_source(tmp_path):
   assert splits.source.startswith("builtin: pydoc")
   assert "".join(splits.train) + "".join(splits.validation) == "".join(topics)
   assert splits.characters == len("".join(topics))
+  # In sorted-key order, the order the byte 4-gram reference of the README reads them in.
+  from pydoc_data import topics as pydoc_data
+  assert (topics[0], topics[-1]) == (pydoc_data.topics[min(pydoc_data.topics)],
+                                     pydoc_data.topics[max(pydoc_data.topics)])
   assert "\n\n".join(topics).endswith("\n\n".join(splits.validation))
   frac = sum(map(len, splits.validation)) / sum(map(len, topics))
   assert 0.09 < frac < 0.11
@@ -156,7 +160,9 @@ def test_docstrings_of_a_file_are_one_document_joined_by_blank_lines(tmp_path, m
   path = tmp_path / "m.py"
   path.write_text('"""Module m."""\n\nclass A:\n  """Class A."""\n\n  def f(self):\n'
                   '    """Method f.\n\n    More."""\n\n\ndef g():\n  pass\n')
-  monkeypatch.setattr(builtin, "_module_files", lambda: [("m", path)])
+  bare = tmp_path / "n.py"  # no docstring at all: no document, not an empty one
+  bare.write_text("def h():\n  return 1\n")
+  monkeypatch.setattr(builtin, "_module_files", lambda: [("m", path), ("n", bare)])
   assert builtin.stdlib_docstrings() == ["Module m.\n\nClass A.\n\nMethod f.\n\nMore."]
 
 
@@ -172,6 +178,35 @@ def test_the_builtin_source_is_identified_by_the_python_that_ships_it(monkeypatc
   after = sources.source_identity(config)
   assert after != before
   assert shard_writer.fingerprint(config, after) != shard_writer.fingerprint(config, before)
+
+
+def test_the_source_identity_of_each_kind_is_what_its_docstring_says(tmp_path):
+  # Taken without reading the text: an unknown built-in name is refused here, not identified as
+  # nothing; the split of local files is part of their identity.
+  from cem_jax.data import sources
+
+  path = _write(tmp_path / "a.txt", "alpha\n").resolve()
+  assert sources.source_identity(_config(files=os.fspath(path), validation_fraction=0.25).data) == {
+      "kind": "files", "validation_fraction": 0.25,
+      "files": [{"path": os.fspath(path), "size": 6,
+                 "sha256": hashlib.sha256(b"alpha\n").hexdigest()}]}
+  catalog = _config(tfds_name="lm1b", tfds_data_dir="/d", tfds_text_key="body",
+                    tfds_train_split="train[:9]", tfds_eval_split="test").data
+  assert sources.source_identity(catalog) == {
+      "kind": "tfds", "name": "lm1b", "data_dir": "/d", "text_key": "body",
+      "train_split": "train[:9]", "eval_split": "test"}
+  with pytest.raises(ValueError, match=r"^data\.builtin='nope' is not one of "):
+    sources.source_identity(_config(builtin="nope").data)
+
+
+def test_a_files_source_names_its_first_five_files(tmp_path):
+  names = [f"{c}.txt" for c in "abcdef"]
+  for name in names:
+    _write(tmp_path / name, f"text of {name}\n" * 20)
+  five = text_splits(_config(files=",".join(os.fspath(tmp_path / n) for n in names[:5])).data)
+  assert five.source == "files: 5 (a.txt, b.txt, c.txt, d.txt, e.txt)"
+  six = text_splits(_config(files=os.fspath(tmp_path / "*.txt")).data)
+  assert six.source == "files: 6 (a.txt, b.txt, c.txt, d.txt, e.txt, ...)"
 
 
 def test_file_decoding_normalises_bom_and_line_ends(tmp_path):
@@ -959,11 +994,13 @@ def test_data_benchmark_writes_its_corpus_atomically_and_reads_manifests_checked
   shared.mkdir()
   folder.mkdir()
   (shared / "a.txt").write_text("".join(f"line {i} " + "x" * 2000 + "\n" for i in range(5)))
+  (shared / "b.txt").write_text("\n  \n\t\n")  # blank lines are no text: left out
   out = folder / "corpus.txt"
   n = benchmark.make_corpus(shared, out, 1)
   assert 10**6 <= n < 10**6 + 2008 and out.stat().st_size == n, n  # MB, to the line
   first = out.read_bytes()
   lines = first.splitlines()  # every repetition of the 5 lines is shuffled again
+  assert all(line.startswith(b"line ") for line in lines)
   assert len({tuple(lines[i:i + 5]) for i in range(0, len(lines) - 4, 5)}) > 1
   assert os.listdir(folder) == ["corpus.txt"]
 
@@ -979,6 +1016,29 @@ def test_data_benchmark_writes_its_corpus_atomically_and_reads_manifests_checked
     error = re.escape(f"data.prepared_dir={folder}: no manifest.json")
     with pytest.raises(ValueError, match=error):
       run(os.fspath(folder), *([] if run is benchmark._first_step else [2, 8, 1]))
+
+
+def test_data_benchmark_first_step_fails_with_the_runs_status_and_counts_rss_in_gb(
+    tmp_path, monkeypatch, capsys):
+  import resource
+  import subprocess
+  import sys
+
+  from cem_jax.data import benchmark, prepared
+
+  monkeypatch.setattr(prepared.PreparedData, "open_manifest", staticmethod(
+      lambda directory, verify=True: {"tokenizer": {"vocab_size": 300},
+                                      "config": {"validation_fraction": 0.1}}))
+  popen = subprocess.Popen
+  failing = [sys.executable, "-c", "import sys; sys.stderr.write('boom\\n'); sys.exit(3)"]
+  monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kwargs: popen(failing, **kwargs))
+  with pytest.raises(RuntimeError, match=r"^the 5-step run failed \(exit 3\): "):
+    benchmark._first_step(os.fspath(tmp_path))
+  assert capsys.readouterr().err == "boom\n"  # the run's last words
+  # Linux counts ru_maxrss in KiB: 2,000,000 KiB are 2.048 GB.
+  monkeypatch.setattr(resource, "getrusage",
+                      lambda who: types.SimpleNamespace(ru_maxrss=2_000_000))
+  assert benchmark._peak_rss_gb(resource.RUSAGE_SELF) == pytest.approx(2.048)
 
 
 def test_data_identity_changes_with_each_split_and_the_tokenizer():
@@ -1073,6 +1133,10 @@ def test_a_literal_meta_space_in_normalised_text_is_three_bytes_between_its_part
 
 @pytest.mark.parametrize("args,error", [
     (["--mode=pipeline"], "--mode=pipeline needs --prepared_dir=FOLDER (made by --mode=prepare)"),
+    (["--mode=first_step"], "--mode=first_step needs --prepared_dir=FOLDER (made by "
+                            "--mode=prepare)"),
+    (["--mode=corpus"], "--mode=corpus needs --out=FILE"),
+    (["--mode=prepare", "--files={tmp}/*.txt"], "--mode=prepare needs --files and --out"),
     (["--mode=corpus", "--out={tmp}/c.txt", "--shared={tmp}"], "--shared={tmp} holds no *.txt "
                                                                 "file"),
     (["--mode=pipeline", "--prepared_dir={tmp}", "--batch_size=0"],

@@ -240,6 +240,13 @@ def test_registry_lookup_and_errors():
     energies.get("silu", "attention")
   with pytest.raises(ValueError, match="cannot import module"):
     energies.get("no_such_module_xyz:energy", "attention")
+  # The "allowed:" of an unknown name lists the energies of its own slot only.
+  for kind, own, other in [("mlp", set(energies.POTENTIALS), {"softmax"}),
+                           ("attention", {"softmax"}, set(energies.POTENTIALS))]:
+    with pytest.raises(ValueError, match="allowed: ") as e:
+      energies.get("nope", kind)
+    allowed = set(str(e.value).split("allowed: ")[1].split(", or a ")[0].split(", "))
+    assert own <= allowed and not other & allowed, str(e.value)
   with pytest.raises(ValueError, match="has no closed-form update"):
     updates.resolve_update(energies.EnergySpec("u", "mlp", lambda *a: 0.0), "fused")
 
@@ -893,17 +900,23 @@ def _minus_y_edited(y, context, params, aux):  # the same closed form, edited
   return -1.0 * y
 
 
+def _half_square_edited(y, context, params, aux):  # the same energy, edited
+  return 0.5 * jnp.sum(y ** 2)
+
+
 def test_a_user_energy_digest_pins_its_closed_form_too():
-  # Resuming after an edit of the closed form alone must be refused like an edit of the energy.
-  names = {"one": _minus_y, "edited": _minus_y_edited, "none": None}
+  # Resuming after an edit of the closed form alone must be refused like an edit of the energy,
+  # and an edit of the energy alone like one of its closed form.
+  names = {"one": (_half_square, _minus_y), "edited": (_half_square, _minus_y_edited),
+           "none": (_half_square, None), "energy_edited": (_half_square_edited, _minus_y)}
   try:
-    for name, fused in names.items():
-      energies.register(f"digest_{name}", "mlp", _half_square, fused)
+    for name, (energy, fused) in names.items():
+      energies.register(f"digest_{name}", "mlp", energy, fused)
     digests = {n: energies.source_digest(f"digest_{n}", "mlp") for n in names}
   finally:
     for name in names:
       energies.registry._REGISTRY.pop(f"digest_{name}", None)
-  assert len(set(digests.values())) == 3 and all(digests.values()), digests
+  assert len(set(digests.values())) == 4 and all(digests.values()), digests
 
 
 def test_a_name_is_registered_once_and_a_failed_import_is_retried(tmp_path):
@@ -931,3 +944,8 @@ def test_absolute_name_makes_only_relative_file_paths_absolute(tmp_path, monkeyp
   assert energies.absolute_name("my/e.py:energy") == f"{tmp_path}/my/e.py:energy"
   for unchanged in ("/abs/e.py:energy", "softmax", "silu", "pkg.module:energy"):
     assert energies.absolute_name(unchanged) == unchanged
+  # Both slots: evaluate, sample and tables reload an mlp energy file from the saved config too.
+  model = {"attention_energy": "a.py:energy", "mlp_energy": "m/g.py:gate"}
+  energies.absolute_paths(model)
+  assert model == {"attention_energy": f"{tmp_path}/a.py:energy",
+                   "mlp_energy": f"{tmp_path}/m/g.py:gate"}

@@ -688,6 +688,42 @@ def test_cli_unwritable_workdir(tmp_path):
   assert (tmp_path / "a_file").read_text() == "not a folder"
 
 
+def test_main_passes_its_flags_on_and_reports_a_diverged_run_in_one_line(tmp_path, monkeypatch,
+                                                                         capsys):
+  # main itself, in this process (a program started per case costs seconds): importing it
+  # defines no flags, so its FLAGS, the distributed start and the training are stand-ins.
+  from absl import app
+
+  from cem_jax import distributed
+  from cem_jax import main as main_lib
+
+  with pytest.raises(app.UsageError, match="^unexpected arguments: extra$"):
+    main_lib.main(["main", "extra"])
+  workdir = os.fspath(tmp_path / "w")
+  given = types.SimpleNamespace(distributed="on", coordinator_address="host:1234",
+                                num_processes=3, process_id=2, workdir=workdir)
+  monkeypatch.setattr(main_lib, "flags", types.SimpleNamespace(FLAGS=given))
+  monkeypatch.setattr(main_lib.logging, "set_verbosity", lambda level: None)
+  monkeypatch.setattr(cli, "quiet_libraries", lambda: None)
+  calls = []
+  monkeypatch.setattr(distributed, "initialize", lambda *args: calls.append(args))
+  config = tiny_config("llama")
+  config.model.attention_energy = "my/e.py:energy"  # relative: saved absolute
+  monkeypatch.setattr(cli, "load_config", lambda: config)
+
+  def diverge(cfg, where):
+    calls.append((cfg.model.attention_energy, where))
+    raise FloatingPointError("non-finite loss or gradient in 3 consecutive steps")
+
+  monkeypatch.setattr(train, "train_and_evaluate", diverge)
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(SystemExit) as e:
+    main_lib.main(["main"])
+  assert e.value.code == 1
+  assert capsys.readouterr().err == "error: non-finite loss or gradient in 3 consecutive steps\n"
+  assert calls == [("on", "host:1234", 3, 2), (f"{tmp_path}/my/e.py:energy", workdir)]
+
+
 def test_cli_batch_not_divisible_by_data_parallel_devices(tmp_path):
   (tmp_path / "cfg.py").write_text(CONFIG_FILE)
   workdir = tmp_path / "w"

@@ -115,6 +115,29 @@ time.sleep(120)
       os.kill(pid, 0)
 
 
+def test_local_stops_the_others_with_sigterm_first_so_they_can_save(tmp_path):
+  # cem_jax.main saves a checkpoint on SIGTERM: the others must get it before any SIGKILL.
+  code = f"""
+import os, signal, sys, time
+d = {str(tmp_path)!r}
+if os.environ["CEM_PROCESS_ID"] == "0":
+  def stop(signum, frame):
+    open(os.path.join(d, "got"), "w").write(str(signum))
+    sys.exit(0)
+  signal.signal(signal.SIGTERM, stop)
+  open(os.path.join(d, "ready.tmp"), "w").close()
+  os.replace(os.path.join(d, "ready.tmp"), os.path.join(d, "ready"))
+  time.sleep(120)
+while not os.path.exists(os.path.join(d, "ready")):
+  time.sleep(0.05)
+sys.exit(3)
+"""
+  proc = _launch("local.py", "--num_processes=2", "--kill_grace_s=30", "--",
+                 sys.executable, "-c", code)
+  assert proc.returncode == 3, proc.stderr
+  assert (tmp_path / "got").read_text() == "15"
+
+
 def test_local_reports_a_killed_process_as_128_plus_signal():
   code = ("import os, signal, time\n"
           "if os.environ['CEM_PROCESS_ID'] == '0': os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -175,6 +198,15 @@ def test_local_stopped_by_sigterm_stops_its_processes_and_exits_128_plus_15(tmp_
   for f in tmp_path.glob("[0-9]"):
     with pytest.raises(ProcessLookupError):
       os.kill(int(f.read_text()), 0)
+
+
+def test_local_dry_run_without_a_port_names_one_free_port_for_all_processes():
+  proc = _launch("local.py", "--num_processes=2", "--dry_run", "--", "python", "x.py")
+  assert proc.returncode == 0, proc.stderr
+  ports = {dict(w.split("=", 1) for w in shlex.split(line) if "=" in w)[
+      "CEM_COORDINATOR_ADDRESS"].split(":")[1] for line in proc.stdout.splitlines()}
+  (port,) = ports  # port 0 would be no address a process could reach
+  assert 0 < int(port) < 65536
 
 
 def test_local_dry_run_line_gives_the_shell_the_callers_xla_flags_as_one_word(monkeypatch):
@@ -284,6 +316,22 @@ def test_tpu_pod_packs_the_working_tree(tmp_path):
   names = tarfile.open(tmp_path / "src.tar.gz").getnames()
   assert n == len(names) and "cem_jax/train.py" in names and "setup.cfg" in names
   assert not any("__pycache__" in x or x.startswith(".git/") for x in names)
+
+
+def test_tpu_pod_packs_untracked_files_but_not_ignored_or_deleted_ones(tmp_path):
+  import tarfile
+
+  repo = tmp_path / "repo"
+  repo.mkdir()
+  for name, text in [("tracked.py", "a"), ("gone.py", "b"), ("new.py", "c"), ("out.log", "d"),
+                     (".gitignore", "*.log\n")]:
+    (repo / name).write_text(text)
+  subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+  subprocess.run(["git", "add", "tracked.py", "gone.py", ".gitignore"], cwd=repo, check=True)
+  (repo / "gone.py").unlink()  # tracked, deleted in the working tree: nothing to copy
+  n = _script("tpu_pod").pack(str(tmp_path / "src.tar.gz"), repo=str(repo))
+  names = sorted(tarfile.open(tmp_path / "src.tar.gz").getnames())
+  assert (n, names) == (3, [".gitignore", "new.py", "tracked.py"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -750,6 +750,10 @@ def _set(m, keys, value):
 
 @pytest.mark.parametrize("edit,vocab,message", [
     pytest.param(lambda m: [], 300, r"/manifest\.json: damaged manifest: it is \[\]", id="list"),
+    # Records of another length are another format: the reader's offsets assume 1024 tokens.
+    pytest.param(lambda m: _set(m, ["record_tokens"], 2048), 300,
+                 r"/manifest\.json: format 1 with 2048-token records; this version reads "
+                 r"format 1 with 1024;", id="record-tokens"),
     pytest.param(lambda m: _set(m, ["tokenizer"], None), 300,
                  r"/manifest\.json: damaged manifest: tokenizer is missing", id="no-tokenizer"),
     pytest.param(lambda m: _set(m, ["splits", "train", "shards", 0, "size"], "9"), 300,
@@ -1028,11 +1032,12 @@ def test_the_open_files_limit_is_raised_for_the_shards_or_the_hard_limit_named(m
     monkeypatch.setattr(resource, "getrlimit", lambda kind, s=soft, h=hard: (s, h))
     prepared.allow_open_files(3000, Path("/d"))
     assert calls == want, (soft, hard)
-  monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, 2048))
-  with pytest.raises(ValueError, match=r"^/d: 3000 shards stay open while reading, but this "
-                                       r"process may open 2048 files \(hard limit\); raise it "
-                                       r"\(ulimit -Hn 3256\)"):
-    prepared.allow_open_files(3000, Path("/d"))
+  for hard in (2048, 3100):  # 3100 holds the shards, not the other files beside them
+    monkeypatch.setattr(resource, "getrlimit", lambda kind, h=hard: (1024, h))
+    with pytest.raises(ValueError, match=rf"^/d: 3000 shards stay open while reading, but this "
+                                         rf"process may open {hard} files \(hard limit\); raise "
+                                         r"it \(ulimit -Hn 3256\)"):
+      prepared.allow_open_files(3000, Path("/d"))
 
 
 def test_processes_other_than_0_open_the_data_process_0_verified_by_sizes(monkeypatch):
@@ -1151,12 +1156,22 @@ def test_a_shard_of_whole_records_counts_them_as_arrayrecord_does(prepared_300, 
   shard_writer._init_worker((prepared_300 / "tokenizer.model").read_bytes())
   for docs, records in ((prepared.RECORD_TOKENS, 1), (prepared.RECORD_TOKENS + 1, 2)):
     out = tmp_path / str(docs)
-    out.mkdir()
+    shutil.copytree(prepared_300, out)
     task = {"split": "train", "index": 0, "pieces": [""] * docs, "ends": [True] * docs}
     meta = shard_writer._encode_and_write((task, os.fspath(out), "<u2", "0" * 64))
     reader = array_record_module.ArrayRecordReader(os.fspath(out / meta["file"]))
     assert (meta["tokens"], meta["records"], reader.num_records()) == (docs, records, records)
     reader.close()
+    # The reader takes that shard as its train split: a last record that is full is no damage.
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["splits"]["train"]["tokens"] = docs
+    manifest["splits"]["train"]["shards"] = [{k: meta[k] for k in ("file", "tokens", "records",
+                                                                   "size", "sha256")}]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    data = prepared.PreparedData.open(out)
+    tokens, _, valid = data.streams["train"].read(np.array([docs - 3, docs - 1]), 3, -1)
+    eos = data.tokenizer.eos_id
+    assert tokens.tolist() == [[eos] * 3, [eos, -1, -1]] and valid.tolist() == [3, 1]
 
 
 @pytest.mark.parametrize("vocab,dtype", [(8, "<u2"), (65_535, "<u2"), (65_536, "<u2"),
@@ -1203,6 +1218,11 @@ def test_a_prepared_dir_must_have_the_tokenizer_of_the_config(prepared_300, tmp_
                                        r"prepared with 'a trained tokenizer'"):
     prepared.check_fits(manifest, _config(vocab_size=300, tokenizer=os.fspath(other)).data,
                         prepared_300)
+  # A folder prepared with a given tokenizer: the config's model type trains nothing, so any fits.
+  manifest["tokenizer"]["trained_here"] = False
+  manifest["config"]["tokenizer"] = os.fspath(same)
+  prepared.check_fits(manifest, _config(vocab_size=300, tokenizer_model_type="unigram").data,
+                      prepared_300)
 
 
 def test_another_valid_tokenizer_in_a_prepared_folder_is_damage(prepared_300, tmp_path):
