@@ -208,20 +208,28 @@ def run_one(cmd: list[str], env: dict) -> tuple[int, int | None]:
   Returns:
     ``(exit status, the signal the sweep got while it ran, or None)``.
   """
-  got = []
-  # Its own session: a terminal's Ctrl-C reaches the run once, passed on by the sweep.
-  proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                          preexec_fn=functools.partial(_local().die_with_parent,
-                                                       signal.SIGTERM))
+  got, run, early = [], [], []
 
   def forward(signum, frame):
     del frame
     got.append(signum)
-    proc.send_signal(signum)
+    if run:
+      run[0].send_signal(signum)
+    else:  # the run is not started yet: passed on once it is
+      early.append(signum)
 
+  # Installed before the run starts: a signal between its start and here ended the sweep
+  # (SIGTERM) or raised KeyboardInterrupt in it (SIGINT) instead of reaching the run.
   previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
-    return proc.wait(), (got[0] if got else None)
+    # Its own session: a terminal's Ctrl-C reaches the run once, passed on by the sweep.
+    run.append(subprocess.Popen(cmd, env=env, start_new_session=True,
+                                preexec_fn=functools.partial(_local().die_with_parent,
+                                                             signal.SIGTERM)))
+    # A signal handled from here on goes to the run from forward itself, not into early.
+    for signum in early:
+      run[0].send_signal(signum)
+    return run[0].wait(), (got[0] if got else None)
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)

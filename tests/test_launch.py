@@ -760,7 +760,9 @@ def stop(signum, frame):
     f.write(f"{signum}\\n")
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGINT, stop)
-open(os.path.join(run, "started"), "w").close()
+with open(os.path.join(run, "started.tmp"), "w") as f:  # its group: whom a Ctrl-C reaches
+  f.write(str(os.getpgid(0)))
+os.replace(os.path.join(run, "started.tmp"), os.path.join(run, "started"))
 deadline = time.time() + 60
 while not got and time.time() < deadline:
   time.sleep(0.05)
@@ -797,6 +799,9 @@ def test_a_signal_to_the_sweep_reaches_its_run_once_and_stops_the_sweep(tmp_path
         break
       time.sleep(0.1)
     assert (first / "started").exists(), proc.stderr.read() if proc.poll() is not None else ""
+    # Not in the sweep's group: the terminal's Ctrl-C reaches the run only through the sweep.
+    # Checked here, as two SIGINTs sent close together may arrive as one.
+    assert int((first / "started").read_text()) != proc.pid
     if sig == "SIGINT":  # Ctrl-C: the terminal signals the foreground group
       os.killpg(proc.pid, signal.SIGINT)
     else:
@@ -820,3 +825,26 @@ def test_a_signal_to_the_sweep_reaches_its_run_once_and_stops_the_sweep(tmp_path
     assert proc.stderr.read().splitlines()[-1] == (
         f"launch/sweep.py: got signal {int(expected)}; run {first.name} stopped with exit "
         "status 0, the sweep with it: run the same command to resume")
+
+
+def test_a_signal_as_the_run_starts_reaches_it(monkeypatch):
+  # A signal between the run's start and the sweep's handler ended the sweep itself (SIGTERM's
+  # default action; SIGINT raised KeyboardInterrupt) instead of reaching the run.
+  import signal
+
+  sweep = _script("sweep")
+  real = subprocess.Popen
+
+  def started_then_signalled(*args, **kwargs):
+    proc = real(*args, **kwargs)
+    signal.raise_signal(signal.SIGTERM)
+    return proc
+
+  monkeypatch.setattr(sweep.subprocess, "Popen", started_then_signalled)
+  outside = []  # where a SIGTERM the sweep does not take goes, instead of ending pytest
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: outside.append(signum))
+  try:
+    got = sweep.run_one([sys.executable, "-c", "import time; time.sleep(10)"], dict(os.environ))
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert got == (-signal.SIGTERM, signal.SIGTERM) and outside == []
