@@ -568,6 +568,11 @@ def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path, caplog, 
   assert read_metrics(str(workdir)) == before and checkpoint.is_dir()
   # The file as it was, moved; how the same model is computed (the kernel, the memory
   # policy) and what only initialisation reads (the restore replaces it) may change.
+  # The profiler stands in: the window is what is under test here, and jax's own stop_trace
+  # has crashed a CPU process once, which in this process would take the pytest worker down
+  # (test_train traces for real, in a process of its own).
+  monkeypatch.setattr(jax.profiler, "start_trace", lambda *args, **kwargs: None)
+  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
   with caplog.at_level(logging.INFO):
     train.train_and_evaluate(cfg(4, moved, **{"model.remat": "full", "model.init_std": 0.01,
                                               "model.eta_init": 0.5,
