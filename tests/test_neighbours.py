@@ -359,6 +359,7 @@ def test_neighbours_table_rows_build_with_the_expected_parameter_counts():
   shared = counts["cem_shared"]["non_embedding_params"]
   assert counts["hyperset"]["non_embedding_params"] == shared
   assert counts["energy_transformer"]["non_embedding_params"] == shared
+  assert counts["cem_shared_joint"]["non_embedding_params"] == shared
   final_norm = 128
   assert shared - final_norm == (cem - final_norm) // layers  # one block instead of four
   assert abs(counts["llama_matched"]["non_embedding_params"] / cem - 1) <= 0.02

@@ -12,6 +12,9 @@ Rows:
   llama_matched:      Llama with CEM's per-layer parameters (end_to_end's ``llama_matched``).
   cem_shared:         CEM with one block shared by all layers: the shared-depth control for
                       hyperset and energy_transformer (same parameters as they have).
+  cem_shared_joint:   cem_shared with the joint step (``model.split='joint'``): one step on
+                      attention + MLP energy, as energy_transformer takes, with CEM's SiLU
+                      potential; separates the split from the potential in the shared rows.
 The neighbour rows are the configs of ``experiments/neighbours.py`` (``get_config``).
 Measured at tiny scale: see results/tiny/neighbours.md and docs/REPRODUCING.md.
 """
@@ -50,8 +53,13 @@ def _cem_shared(c):
   c.model.num_unique_blocks = 1
 
 
+def _cem_shared_joint(c):
+  _cem_shared(c)
+  c.model.split = "joint"
+
+
 ROWS = {"cem": _cem, **_NEIGHBOURS.VARIANTS, "llama_matched": _llama_matched,
-        "cem_shared": _cem_shared}
+        "cem_shared": _cem_shared, "cem_shared_joint": _cem_shared_joint}
 
 
 def get_config(arg: str = "cem"):
