@@ -234,6 +234,12 @@ def test_registry_lookup_and_errors():
   assert not set(energies.POTENTIALS) & set(energies.names("attention"))
   with pytest.raises(ValueError, match="model.mlp_energy='nope' is not a registered mlp"):
     energies.get("nope", "mlp", "model.mlp_energy")
+  # evaluate, sample and tables reload a run in a fresh process: a name registered from Python
+  # in the training process is unknown there, and the error says why and what to use instead.
+  with pytest.raises(ValueError, match=r"exists only in the process that registered it: a run "
+                                       r"trained with one is reloaded by naming its "
+                                       r"'file\.py:function'\)$"):
+    energies.get("nope", "attention", "model.attention_energy")
   with pytest.raises(ValueError, match="'softmax' is an attention energy, not an mlp energy$"):
     energies.get("softmax", "mlp")
   with pytest.raises(ValueError, match="'silu' is an mlp energy, not an attention energy$"):

@@ -151,6 +151,8 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
     raise ValueError(
         f"{field}={name!r} is not a registered {kind} energy; allowed: "
         f"{', '.join(names(kind))}, or a 'package.module:function' or 'path/to/file.py:function'"
+        " (a name from cem_jax.energies.register exists only in the process that registered "
+        "it: a run trained with one is reloaded by naming its 'file.py:function')"
     )
   if spec.kind != kind:
     raise ValueError(f"{field}={name!r} is {_A[spec.kind]} energy, not {_A[kind]} energy")
