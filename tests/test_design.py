@@ -187,6 +187,11 @@ def test_readme_swap_an_energy_example_runs_as_written(shared_data, tmp_path):
   code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
   assert len(code.strip().splitlines()) <= 15
   (tmp_path / "my_energy.py").write_text(code)
+  # Saved in the repository root as the README says, the file is under `ruff check .`.
+  lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--config",
+                         os.path.join(REPO, "pyproject.toml"), str(tmp_path / "my_energy.py")],
+                        capture_output=True, text=True)
+  assert lint.returncode == 0, lint.stdout[-2000:]
   command = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
   args = command.split()[3:]  # after 'python -m cem_jax.main'
   assert args[0] == "--config=experiments/tiny.py" and "my_energy.py:energy" in args[-1]
