@@ -17,7 +17,8 @@ History:
      epoch]).permutation``, a whole epoch in memory and not promised stable across numpy
      versions); ``eval.max_batches`` reads windows spread evenly over the held-out split (it
      read the first ones). Models, losses and the golden numbers are unchanged; the tables
-     under ``results/`` were trained under version 2. A checkpoint of another version is
+     under ``results/`` were then version 2 (``results/tiny/`` was retrained under version 3
+     on 2026-12-03; docs/REPRODUCING.md). A checkpoint of another version is
      not resumed (``train._check_same_numerics``).
 
 Not bumped for a change of float rounding alone, the kind that already moves a run's last
