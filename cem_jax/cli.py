@@ -38,6 +38,29 @@ def user_errors(*also: type[BaseException]):
     _fail(str(e))
 
 
+def _no_interrupt_traceback(kind, value, tb) -> None:
+  if not issubclass(kind, KeyboardInterrupt):
+    sys.__excepthook__(kind, value, tb)
+
+
+@contextlib.contextmanager
+def interrupted(what_now: str):
+  """Ctrl-C (SIGINT, a KeyboardInterrupt) as one line, ``interrupted (Ctrl-C): WHAT_NOW``, on
+  stderr instead of a traceback through jax's internals that reads like a crash.
+
+  The KeyboardInterrupt still propagates, so the process ends as Python ends it on Ctrl-C
+  (cleanup and atexit first, then death by SIGINT: status 130 in a shell, -2 to
+  ``subprocess``) and launchers and sweeps see the same status as before. Only the traceback
+  of a KeyboardInterrupt is dropped (``sys.excepthook``); any other exception keeps its own.
+  """
+  try:
+    yield
+  except KeyboardInterrupt:
+    print(f"interrupted (Ctrl-C): {what_now}", file=sys.stderr)
+    sys.excepthook = _no_interrupt_traceback
+    raise
+
+
 def _one_line(e: BaseException) -> str:
   lines = [line.strip() for line in str(e).splitlines() if line.strip()]
   return lines[-1] if lines else type(e).__name__

@@ -29,7 +29,9 @@ def main(argv):
   fl = flags.FLAGS
   logging.set_verbosity(logging.INFO)
   cli.quiet_libraries()
-  with cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
+  with cli.interrupted("stopped at once (no save of its own); the same command resumes "
+                       "from the newest checkpoint in --workdir (checkpoint.every_steps)"), \
+       cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
     # Before anything touches a device: the runtime must know all processes first.
     distributed.initialize(fl.distributed, fl.coordinator_address, fl.num_processes,
                            fl.process_id)

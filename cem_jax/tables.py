@@ -606,7 +606,10 @@ def main(argv):
   del argv
   cli.quiet_libraries()
   fl = flags.FLAGS
-  with cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
+  with cli.interrupted("the run in training stopped at once (no save of its own); the same "
+                       "command skips the finished runs and resumes it from its newest "
+                       "checkpoint"), \
+       cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
     module = load_table(fl.table)
     name = os.path.basename(fl.table)[:-3] if fl.table.endswith(".py") else fl.table
     if fl.seeds < 1:

@@ -627,7 +627,9 @@ class _Loop:
     meta = {"step": done, "data_position": done, "seed": self.run.config.seed,
             "config": self.resolved, "numerics_version": NUMERICS_VERSION,
             "data": self.run.data.identity, "energies": self.run.energies}
-    if self.run.ckpt.save(done, state, meta, force=force):
+    with workdir_lib.interrupt_held():
+      saved = self.run.ckpt.save(done, state, meta, force=force)
+    if saved:
       self.last_saved = done
 
   def abort(self) -> None:

@@ -1,8 +1,8 @@
 """What the loop needs around it: a writable workdir held by one run at a time, the data built
 once across processes (and removed again if a resume refuses them), the last eval read back
-from ``metrics.jsonl``, and SIGTERM as a flag; for the tools that resume or skip runs by their
-folder, whether a folder holds a run of another config. Nothing here builds a model or runs a
-step.
+from ``metrics.jsonl``, SIGTERM as a flag and Ctrl-C held back where it must wait; for the
+tools that resume or skip runs by their folder, whether a folder holds a run of another
+config. Nothing here builds a model or runs a step.
 """
 
 from __future__ import annotations
@@ -200,6 +200,38 @@ class Preemption:
   def __exit__(self, *exc):
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
+
+
+@contextlib.contextmanager
+def interrupt_held():
+  """Holds Ctrl-C (SIGINT) back until the block ends, then delivers it to the handler it had
+  (Python's: a KeyboardInterrupt), for a block that must not be cut in two.
+
+  The block: starting an asynchronous checkpoint save. Interrupted there, Orbax is left half
+  way through starting its writer threads, and one of them then fails with a traceback while
+  the run stops. A second Ctrl-C while one is held is a KeyboardInterrupt at once: the way out
+  of a block that hangs (a save waiting for a process that died). A block that raises drops
+  the held signal: its own exception already stops the run. Outside the main thread (where
+  signal handlers cannot be set) it holds nothing.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  got = []
+
+  def hold(signum, frame):
+    del frame
+    if got:
+      raise KeyboardInterrupt
+    got.append(signum)
+
+  previous = signal.signal(signal.SIGINT, hold)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+  if got:
+    signal.raise_signal(signal.SIGINT)
 
 
 def last_eval_in(workdir: str) -> dict:

@@ -2,8 +2,9 @@
 
 The scripted "done when" check of issue 4 is ``test_resume_after_kill_term_and_damage_is_exact``:
 one uninterrupted 40-step run against one run that is SIGKILLed at step >= 20, resumed and
-SIGTERMed at step >= 30, resumed to the end, then has a byte of its newest checkpoint flipped
-and is resumed again; every train loss (logged every step) must match. All runs go through the
+stopped by Ctrl-C (SIGINT) at step >= 25, resumed and SIGTERMed at step >= 30, resumed to the
+end, then has a byte of its newest checkpoint flipped and is resumed again; every train loss
+(logged every step) must match. All runs go through the
 command line, as a user or a scheduler would restart them.
 """
 
@@ -133,7 +134,15 @@ def test_resume_after_kill_term_and_damage_is_exact(run_setup, tmp_path):
   killed_at = _max_metric_step(run_dir)
   assert 20 <= killed_at < 40
 
-  # 2. Same command: resumes; SIGTERM at step >= 30 saves at the next step boundary, exits 0.
+  # 2. Same command: resumes; Ctrl-C (SIGINT) at step >= 25 stops it at once with one line
+  # and no traceback, ending by SIGINT as Python does (what the launchers and sweeps see).
+  ctrl_c = _start_and_signal(_cli(config, run_dir), env, run_dir, 25, signal.SIGINT)
+  assert ctrl_c.returncode == -signal.SIGINT, ctrl_c.stderr[-3000:]
+  assert "resumed from" in ctrl_c.stderr
+  assert "interrupted (Ctrl-C): stopped at once" in ctrl_c.stderr
+  assert "Traceback" not in ctrl_c.stderr, ctrl_c.stderr[-3000:]
+
+  # 3. Same command: resumes; SIGTERM at step >= 30 saves at the next step boundary, exits 0.
   termed = _start_and_signal(_cli(config, run_dir), env, run_dir, 30, signal.SIGTERM)
   assert termed.returncode == 0, termed.stderr[-3000:]
   assert "resumed from" in termed.stderr
@@ -144,7 +153,7 @@ def test_resume_after_kill_term_and_damage_is_exact(run_setup, tmp_path):
   assert ckpt.latest_step() == stopped_at and ckpt.verify(stopped_at) == []  # no step lost
   ckpt.close()
 
-  # 3. Same command: runs to the end.
+  # 4. Same command: runs to the end.
   finished = subprocess.run(_cli(config, run_dir), cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=300)
   assert finished.returncode == 0, finished.stderr[-3000:]
@@ -156,7 +165,7 @@ def test_resume_after_kill_term_and_damage_is_exact(run_setup, tmp_path):
   delta_kill_term = max(abs(after_kill[s] - ref[s]) for s in ref)
   assert delta_kill_term <= 1e-6, delta_kill_term
 
-  # 4. A flipped byte in the newest step (40): reported, step 35 used, still exact.
+  # 5. A flipped byte in the newest step (40): reported, step 35 used, still exact.
   files = sorted((run_dir / "checkpoints" / "40" / "state").rglob("ocdbt.process_0/d/*"),
                  key=lambda p: p.stat().st_size)
   _flip_byte(files[-1])

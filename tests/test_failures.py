@@ -12,8 +12,10 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import textwrap
 import time
 import types
 from pathlib import Path
@@ -293,6 +295,26 @@ def test_user_errors_reports_bad_input_on_one_line_and_keeps_bugs(capsys):
     with pytest.raises(type(bug)):
       with cli.user_errors(*also):
         raise bug
+
+
+def test_ctrl_c_is_one_line_and_still_ends_the_process_by_sigint():
+  # The exit status stays Python's for Ctrl-C (death by SIGINT after cleanup): launch/sweep.py
+  # and launch/local.py read it. Only the KeyboardInterrupt's traceback goes.
+  code = textwrap.dedent("""
+      import atexit, sys
+      from cem_jax import cli
+      atexit.register(lambda: print("cleanup ran", file=sys.stderr))
+      with cli.interrupted("what to do now"):
+        raise KeyboardInterrupt
+  """)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == -signal.SIGINT
+  assert proc.stderr == "interrupted (Ctrl-C): what to do now\ncleanup ran\n"
+  bug = subprocess.run([sys.executable, "-c", code.replace("raise KeyboardInterrupt",
+                                                           "raise RuntimeError('a bug')")],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert bug.returncode == 1 and "Traceback" in bug.stderr and "interrupted" not in bug.stderr
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from cem_jax.model import DecoderLM, count_params
 from cem_jax.workdir import (
   Preemption,
   exclusive,
+  interrupt_held,
   last_eval_in,
   prepare_workdir,
   prepared_folders,
@@ -731,6 +732,47 @@ def test_preemption_hands_sigterm_back_when_the_run_ends():
   thread.start()
   thread.join()
   assert seen == [False] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_interrupt_held_delivers_ctrl_c_after_the_block_and_a_second_one_at_once():
+  import signal
+
+  got, before = [], signal.getsignal(signal.SIGINT)
+  signal.signal(signal.SIGINT, lambda signum, frame: got.append("handler"))  # not pytest's
+  try:
+    with interrupt_held():
+      signal.raise_signal(signal.SIGINT)
+      got.append("block ran on")
+    assert got == ["block ran on", "handler"]  # after the block, to the handler it had
+    got.clear()
+    with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: the way out of a hung block
+      with interrupt_held():
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        got.append("block ran on")
+    assert got == []
+    signal.raise_signal(signal.SIGINT)
+    assert got == ["handler"]  # handed back after a KeyboardInterrupt too
+    got.clear()
+    with pytest.raises(RuntimeError, match="the block's own"):
+      with interrupt_held():
+        signal.raise_signal(signal.SIGINT)
+        raise RuntimeError("the block's own")
+    assert got == []  # the block's exception already stops the run
+    signal.raise_signal(signal.SIGINT)
+    assert got == ["handler"]  # and the handler is back
+    seen = []
+
+    def in_a_thread():  # signal.signal would raise there: nothing is held
+      with interrupt_held():
+        seen.append(signal.getsignal(signal.SIGINT))
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert seen == [signal.getsignal(signal.SIGINT)]
+  finally:
+    signal.signal(signal.SIGINT, before)
 
 
 def test_process_slice_is_the_block_of_rows_this_process_holds():
