@@ -573,6 +573,18 @@ def per_row(y, context, params, aux):  # one energy per batch row: [batch], not 
   return -0.5 * jnp.sum(y * y, axis=(1, 2))
 
 
+def diag_quad(y, context, params, aux):  # quad plus the diagonal's bilinear term, squared
+  s = -2.0 * quad(y, context, params, aux)
+  cross = jnp.einsum("btd,hd,bsd->bhts", y, params["diag"], context)
+  n = jnp.maximum(aux.mask.sum(-1), 1)[:, None, :]
+  t = jnp.sum(jnp.where(aux.mask[:, None], cross, 0.0) ** 2, -1) / n
+  return -0.5 * (s + jnp.sum(params["eta"][:, None] * t))
+
+
+def diag_quad_fused_update(y, context, params, aux):  # forgets the diagonal's term
+  return quad_fused_update(y, context, params, aux)
+
+
 def tril(y, context, params, aux):  # builds its own mask of y's length
   q, k = _qk(y, context, params)
   s = jnp.einsum("bthk,bshk->bhts", q, k)
@@ -654,6 +666,13 @@ def test_wrong_user_fused_update_is_refused_at_start_up(tmp_path, name):
   with cfg.unlocked():
     cfg.model.update_mode = "autodiff"  # the closed form is then never called
   preflight.check(cfg)
+
+
+def test_user_fused_update_wrong_only_in_its_diagonal_term_is_refused(tmp_path):
+  """The start-up check draws a nonzero diagonal (of either sign): with the layer's initial
+  d = 0 a closed form that forgets the diagonal's term would pass it."""
+  message = _refusal(_user_config(tmp_path, attention_energy="diag_quad", diagonal="per_head"))
+  assert "diag_quad_fused_update is not -jax.grad(energy) w.r.t. y" in message, message
 
 
 def test_user_fused_update_wrong_only_in_cached_decoding_is_refused(tmp_path):

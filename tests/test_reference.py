@@ -419,6 +419,24 @@ def test_precondition_matches_dense_reference():
     assert _rel(got, ref_precondition(v, p, low_rank, eps)) <= TOL
 
 
+def test_preconditioner_diagonal_of_a_bfloat16_update_is_computed_in_float32():
+  """``softplus(p) + eps`` comes from the float32 ``p`` in float32 and is rounded to bfloat16
+  once, then multiplies the bf16 update: each entry is within 2 bf16 ulps of the float64
+  reference at the same (bf16) update (measured 1.35). With softplus evaluated in bfloat16
+  it is off by 3.0."""
+  rng = _rng("precondition-bf16")
+  d, eps = 256, 1e-3
+  v = jnp.asarray(rng.standard_normal((64, d)), jnp.bfloat16)
+  p = jnp.asarray(2.0 * rng.standard_normal(d), jnp.float32)
+  got = updates.precondition(v, p, None, eps)
+  assert got.dtype == jnp.bfloat16
+  ref = ref_precondition(np.asarray(v.astype(jnp.float32), np.float64), np.asarray(p, np.float64),
+                         None, eps)
+  ulp = 2.0 ** (np.floor(np.log2(np.abs(ref))) - 7)  # bfloat16: 8 significant bits
+  err = np.abs(np.asarray(got.astype(jnp.float32), np.float64) - ref) / ulp
+  assert err.max() <= 2.0, err.max()
+
+
 def test_rms_norm_of_bfloat16_input_is_computed_in_float32_and_rounded_once():
   """RMSNorm upcasts to float32 and rounds to bfloat16 once, at the end: every output lies
   within half a bfloat16 ulp (plus float32 noise) of the float64 reference at the same
@@ -462,6 +480,7 @@ def _random_value(name, shape, rng):
       "diag": lambda: 0.4 * noise,
       "p": lambda: 0.6 * noise,  # raw preconditioner diagonal
       "u": lambda: 0.3 * noise,
+      "momentum": lambda: 0.5 + noise,  # raw: mu = sigmoid, around 0.6
       "w_q": lambda: 0.35 * noise,
       "w_k": lambda: 0.35 * noise,
       "w": lambda: 0.35 * noise,
@@ -585,8 +604,9 @@ def test_llama_block_matches_reference_and_with_rope_is_not_the_tied_cem_step():
                              rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("padding", ["none", "left and inside"])
-def test_energy_trace_matches_reference(padding):
+@pytest.mark.parametrize("padding,context", [("none", "fixed"), ("left and inside", "fixed"),
+                                             ("none", "coevolve")])
+def test_energy_trace_matches_reference(padding, context):
   """The energy trace (``trace=True``) against the reference, sub-step by sub-step, T = 2,
   Lie–Trotter: ``att_after`` is E_att right after the attention sub-step (before the MLP's),
   ``mlp_before``/``mlp_after`` E_mlp with the step's gate held fixed, each summed over tokens.
@@ -594,8 +614,11 @@ def test_energy_trace_matches_reference(padding):
   With padding (``aux.real``) and ``model.document_mask=False``, the updates see every token
   through the causal mask, the trace sums over the real tokens only: a real query sees no
   padding key. Packing pads only at a window's tail, where causality alone hides padding, so
-  padding before real tokens is the case that tells (a caller's own ``segment_ids``)."""
-  cfg = block_cfg(num_steps=2, rope=False)  # no RoPE: a faster reference
+  padding before real tokens is the case that tells (a caller's own ``segment_ids``).
+
+  With ``model.context='coevolve'`` each step's energies (``att_after`` included) are taken
+  against that step's context, ``norm_att`` of the state the step starts from."""
+  cfg = block_cfg(num_steps=2, rope=False, context=context)  # no RoPE: a faster reference
   block = CEMBlock(cfg, rngs=nnx.Rngs(0))
   prm = randomize(block, "trace")
   x = _rng("trace-x").standard_normal((B, N, D))
@@ -631,6 +654,8 @@ def test_energy_trace_matches_reference(padding):
   context, y = rms("norm_att", x), x
   assert len(trace) == 2
   for t, rec in enumerate(trace):
+    if cfg.context == "coevolve" and t > 0:
+      context = rms("norm_att", y)
     want = {"att_before": att_energy(y, context, t)}
     y = y + att(y, context, t)[1]
     want["att_after"] = att_energy(y, context, t)
@@ -641,3 +666,133 @@ def test_energy_trace_matches_reference(padding):
     assert set(rec) == set(want)
     for key, value in want.items():
       assert abs(float(rec[key]) - value) <= 2 * TOL * abs(value), (t, key, float(rec[key]), value)
+
+
+@pytest.mark.parametrize("split", ["lie_trotter", "joint"])
+def test_nesterov_block_and_its_trace_match_reference(split):
+  """A pre-norm block with ``inner_optimizer='nesterov'`` (T = 2, an incoming velocity) against
+  the float64 reference of ``cem_jax/inner.py``'s rule: each sub-step's update is evaluated at
+  the look-ahead ``z = y + μ v`` (query ``norm_att(z)``; the MLP's gate and input
+  ``norm_mlp(z)``), ``v ← μ v + u``, ``y ← y + v``; the joint split makes one such step with
+  both updates at one ``z``. The trace records each energy at ``y`` (before and after the
+  sub-step), not at the look-ahead. tests/test_neighbours.py checks the rules without a norm
+  (quadratic energies); here the norms and the built-in energies are on."""
+  cfg = block_cfg(num_steps=2, rope=False, inner_optimizer="nesterov", split=split)
+  block = CEMBlock(cfg, rngs=nnx.Rngs(0))
+  prm = randomize(block, f"nesterov-{split}")
+  rng = _rng(f"nesterov-x-{split}")
+  x, v0 = rng.standard_normal((B, N, D)), 0.3 * rng.standard_normal((B, N, D))
+  aux = training_aux(cfg, None, B, N)
+  got, trace, v_got = jax.jit(lambda a, b: block(a, aux, trace=True, velocity=b))(
+      jnp.asarray(x, jnp.float32), jnp.asarray(v0, jnp.float32))
+  mask, pos = ref_mask(None, B, N, False), np.broadcast_to(np.arange(N), (B, N))
+  eps, beta = cfg.norm_eps, np.full(H, (D // H) ** -0.5)
+  mu = 1.0 / (1.0 + math.exp(-prm["momentum"]))
+
+  def rms(name, v):
+    return ref_rms_norm(v, prm[f"{name}.scale"], eps)
+
+  def att(y, ctx, t):  # (energy, update) at y
+    return ref_attention(rms("norm_att", y), ctx, prm["attn.w_q"], prm["attn.w_k"],
+                         softplus(prm["attn.eta"][0]), beta, None, "bilinear", mask, pos, pos,
+                         None)
+
+  def mlp(y, gate):
+    return ref_mlp(rms("norm_mlp", y), gate, prm["mlp.w"], prm["mlp.g"],
+                   softplus(prm["mlp.eta"][0]), cfg.mlp_energy)
+
+  context, y, v = rms("norm_att", x), x, v0
+  assert len(trace) == 2
+  for rec in trace:
+    want = {"att_before": att(y, context, 0)[0]}
+    z = y + mu * v
+    if split == "joint":
+      gate = rms("norm_mlp", z)
+      want["mlp_before"] = mlp(y, gate)[0]
+      v = mu * v + att(z, context, 0)[1] + mlp(z, gate)[1]
+      y = y + v
+    else:
+      v = mu * v + att(z, context, 0)[1]
+      y = y + v
+      want["att_after"] = att(y, context, 0)[0]
+      z = y + mu * v
+      gate = rms("norm_mlp", z)
+      want["mlp_before"] = mlp(y, gate)[0]
+      v = mu * v + mlp(z, gate)[1]
+      y = y + v
+    want["att_after"] = want.get("att_after", att(y, context, 0)[0])
+    want["mlp_after"] = mlp(y, gate)[0]
+    assert set(rec) == set(want)
+    for key, value in want.items():
+      assert abs(float(rec[key]) - value) <= 2 * TOL * abs(value), (key, float(rec[key]), value)
+  assert _rel(np.asarray(got, np.float64) - x, y - x) <= 2 * TOL
+  assert _rel(v_got, v) <= 2 * TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# bfloat16: the step size η scales the output weights, formed in float32 and rounded once.
+
+
+def _bf16_round(a):
+  """``a`` rounded to bfloat16, back as float64 NumPy (inputs both sides start from)."""
+  return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("case", ["attention", "attention-diagonal", "mlp"])
+def test_bf16_step_size_gradients_match_reference(case):
+  """Training differentiates the fused update w.r.t. η. With bf16 compute, η·W (the attention's
+  ``W_Qᵀ`` per head, the MLP's ``Wᵀ``) is formed in float32 and rounded once, and the
+  diagonal's η·d stays float32, so η's gradient is a float32 sum over the weights. Against the
+  float64 reference ``∂/∂η_k Σ cot·u = Σ cot·u_k`` at the same bf16 inputs (a cotangent along
+  the update, so the sum is coherent and its rounding averages out) it is off by 1.2e-3,
+  2.9e-4 (a diagonal with small W_Q, W_K: the diagonal's term dominates) and 8.6e-5 (MLP);
+  with η·W or η·d formed in bf16 (η cast to bf16, the product's gradient summed in bf16) by
+  1.6e-2, 9.6e-3 and 1.4e-2. Rounding η alone to bf16 before the float32 product moves values by one
+  more bf16 rounding of η, the order of the rounding of η·W itself: not measurable here, nor
+  a loss. (With a diagonal the augmented head runs in float32, W_Q's η included.)"""
+  rng = _rng(f"bf16-eta-gradient-{case}")
+  d, h, dh, f = 64, 4, 16, 96
+  y, c = (_bf16_round(rng.standard_normal((B, N, d))) for _ in range(2))
+  noise = rng.standard_normal((B, N, d))
+  mask, pos = ref_mask(None, B, N, strict=False), np.broadcast_to(np.arange(N), (B, N))
+  if case == "mlp":
+    params = {"w": _bf16_round(rng.standard_normal((d, f)) / 8),
+              "g": _bf16_round(rng.standard_normal((d, f)) / 8),
+              "eta": np.float64(np.float32(0.77))}
+    name, kind, aux, tol = "silu", "mlp", None, 2e-3
+
+    def ref_update(eta):
+      return ref_mlp(y, c, params["w"], params["g"], eta, "silu")[1]
+  else:
+    scale = 8 if case == "attention" else 32
+    params = {"w_q": _bf16_round(rng.standard_normal((d, h, dh)) / scale),
+              "w_k": _bf16_round(rng.standard_normal((d, h, dh)) / scale),
+              "eta": np.float32(rng.uniform(0.5, 1.5, h)).astype(np.float64),
+              "beta": np.float32(rng.uniform(0.2, 0.4, h)).astype(np.float64)}
+    if case == "attention-diagonal":
+      params["diag"] = _bf16_round(0.5 * rng.standard_normal((h, d)))
+    name, kind, tol = "softmax", "attention", 5e-3 if case == "attention" else 3e-3
+    aux = energies.EnergyAux(mask=jnp.asarray(mask), positions=jnp.asarray(pos, jnp.int32),
+                             rope_theta=100.0, is_plain_causal=True, is_causal=True)
+
+    def ref_update(eta):
+      return ref_attention(y, c, params["w_q"], params["w_k"], eta, params["beta"],
+                           params.get("diag"), "bilinear", mask, pos, pos, 100.0)[1]
+
+  ref_u = ref_update(params["eta"])
+  cot = jnp.asarray(ref_u / np.std(ref_u) + 0.5 * noise, jnp.float32)
+  lib = {k: jnp.asarray(v, jnp.float32 if k in ("eta", "beta") else jnp.bfloat16)
+         for k, v in params.items()}  # weights in bf16, as a bf16 layer passes them
+  fused = energies.get(name, kind).fused_update
+  ybf, cbf = jnp.asarray(y, jnp.bfloat16), jnp.asarray(c, jnp.bfloat16)
+
+  def loss(eta):
+    return jnp.sum(fused(ybf, cbf, {**lib, "eta": eta}, aux).astype(jnp.float32) * cot)
+
+  got = jax.grad(loss)(lib["eta"])
+  cot = np.asarray(cot, np.float64)
+  if kind == "mlp":
+    want = np.sum(cot * ref_update(1.0))
+  else:
+    want = np.array([np.sum(cot * ref_update(np.eye(h)[k])) for k in range(h)])
+  assert _rel(got, want) <= tol, _rel(got, want)
