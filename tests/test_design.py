@@ -358,3 +358,18 @@ def test_learned_beta_starts_at_one_over_sqrt_head_dim(head_dim):
   fixed = CEMBlock(fixed_cfg, rngs=nnx.Rngs(0))
   aux, x = _aux(fixed_cfg), _x(6)
   np.testing.assert_allclose(learned(x, aux)[0], fixed(x, aux)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_readme_and_design_space_list_every_field_of_energy_aux():
+  # A user energy reads aux; a field the docs leave out is one a user cannot know about.
+  import dataclasses
+
+  fields = {f.name for f in dataclasses.fields(energies.EnergyAux)}
+  readme = open(os.path.join(REPO, "README.md")).read()
+  table = readme[readme.index("**`aux`**"):]
+  table = table[:table.index("\n\n", table.index("| field |"))]
+  design = open(os.path.join(REPO, "docs", "DESIGN_SPACE.md")).read()
+  design = design[design.index("**`aux`**"):design.index("**Closed form.**")]
+  for doc, text in [("README.md", table), ("docs/DESIGN_SPACE.md", design)]:
+    missing = sorted(f for f in fields if f"`{f}`" not in text)
+    assert not missing, f"{doc} does not list EnergyAux fields {missing}"
