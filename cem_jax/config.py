@@ -70,6 +70,10 @@ def get_default_config() -> ml_collections.ConfigDict:
   m.dtype = "float32"  # compute dtype
   m.param_dtype = "float32"
   m.init_std = 0.02
+  # Multiplies the looked-up input embedding (not the tied output layer). Gemma uses
+  # sqrt(d_model); with a block reused across layers it keeps the first layer's pre-norm updates
+  # from burying the token's identity (docs/REPRODUCING.md, neighbours).
+  m.embed_scale = 1.0
   # CEM options (CEM_MATH.md sections 1-5).
   m.cem_attention = True  # False: the standard untied attention inside a CEM block (controls)
   m.cem_mlp = True  # False: the standard SwiGLU inside a CEM block (controls)
@@ -245,6 +249,7 @@ _RANGES = {
     "model.rope_theta": (0.0, False, None, False),
     "model.norm_eps": (0.0, False, None, False),
     "model.init_std": (0.0, False, None, False),
+    "model.embed_scale": (0.0, False, None, False),
     # float32 softplus keeps eta (and its gradient) alive in this range; below ~1e-38 it
     # underflows to a dead 0, and a step 1000x the gradient is no descent step.
     "model.eta_init": (1e-6, True, 1e3, True),

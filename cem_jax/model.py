@@ -172,6 +172,8 @@ class DecoderLM(nnx.Module):
 
   Parameters: ``embedding`` ``[vocab_size, d_model]``; ``blocks``; ``final_norm``; and,
   unless ``model.tie_embeddings``, ``lm_head`` ``[d_model, vocab_size]``.
+  A token enters as its embedding row times ``model.embed_scale`` (1 by default; Gemma's
+  ``sqrt(d_model)``); the output layer (the embedding transposed when tied) is not scaled.
 
   Shared depth: ``blocks`` holds ``G = model.num_unique_blocks`` blocks (-1: one per layer)
   and layer ``l`` of ``model.num_layers`` runs ``blocks[l % G]`` (Universal-Transformer /
@@ -334,8 +336,10 @@ class DecoderLM(nnx.Module):
       # [copies, batch, max_len, d_model].
       max_len = jax.tree.leaves(cache[0])[0].shape[-3 if self.cfg.block == "llama" else -2]
       aux = self.make_decode_aux(b, t, max_len, index)
-    x = self._rows_over_devices(
-        jnp.take(self._table_for_lookup(), tokens, axis=0).astype(self.dtype))
+    x = jnp.take(self._table_for_lookup(), tokens, axis=0).astype(self.dtype)
+    if self.cfg.embed_scale != 1.0:  # at 1.0 the program is the one before the option existed
+      x = x * jnp.asarray(self.cfg.embed_scale, self.dtype)
+    x = self._rows_over_devices(x)
 
     momentum = self.cfg.block == "cem" and self.cfg.inner_optimizer != "gd"
 

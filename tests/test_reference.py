@@ -555,18 +555,20 @@ def test_cem_block_matches_reference(case):
     assert _rel(np.asarray(got, np.float64) - x, ref - x) <= 2 * TOL, mode
 
 
-def test_decoder_lm_matches_reference():
-  """Embedding -> two CEM layers (T=2) -> final RMSNorm -> tied LM head, with packed documents."""
+@pytest.mark.parametrize("embed_scale", [1.0, 3.0])
+def test_decoder_lm_matches_reference(embed_scale):
+  """Embedding (times ``embed_scale``) -> two CEM layers (T=2) -> final RMSNorm -> tied LM
+  head, unscaled, with packed documents."""
   vocab = 13
   cfg = block_cfg(num_layers=2, num_steps=2, diagonal="per_head", precond="both",
-                  precond_rank=2, context="coevolve")
+                  precond_rank=2, context="coevolve", embed_scale=embed_scale)
   model = DecoderLM(cfg, vocab, rngs=nnx.Rngs(0))
   prm = randomize(model, "decoder")
   tokens = _rng("decoder-tokens").integers(0, vocab, (B, N))
   logits = model(jnp.asarray(tokens), jnp.asarray(SEGMENTS))
   mask = ref_mask(SEGMENTS, B, N, strict=False)
   pos = np.broadcast_to(np.arange(N), (B, N))
-  x = prm["embedding"][tokens]
+  x = embed_scale * prm["embedding"][tokens]
   for layer in range(cfg.num_layers):
     prefix = f"blocks.{layer}."
     x = ref_block(x, {k[len(prefix):]: v for k, v in prm.items() if k.startswith(prefix)}, cfg,
