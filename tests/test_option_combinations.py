@@ -53,7 +53,7 @@ def test_two_unique_blocks_over_four_layers_cycle_in_order(block):
 # Mutation: llama.py LlamaBlock cached branch `norm_mlp(h)` -> `norm_att(h)` (the sample tests
 # decode at initial parameters, where both RMSNorm scales are 1 and such swaps are invisible).
 
-@pytest.mark.parametrize("case", [dict(block="llama"),
+@pytest.mark.parametrize("case", [dict(block="llama", embed_scale=2.0),
                                   dict(block="cem", num_steps=2, context="coevolve",
                                        diagonal="per_head", precond="both", precond_rank=2,
                                        learn_beta=True, eta_per_step=True)],
