@@ -360,6 +360,9 @@ def test_neighbours_table_rows_build_with_the_expected_parameter_counts():
   assert counts["hyperset"]["non_embedding_params"] == shared
   assert counts["energy_transformer"]["non_embedding_params"] == shared
   assert counts["cem_shared_joint"]["non_embedding_params"] == shared
+  assert counts["cem_shared_scaled"]["non_embedding_params"] == shared  # a factor, no parameter
+  scaled = tables.row_config(module, "cem_shared_scaled", "tiny", 0).model
+  assert scaled.embed_scale == math.sqrt(128) and scaled.split == "lie_trotter"
   final_norm = 128
   assert shared - final_norm == (cem - final_norm) // layers  # one block instead of four
   assert abs(counts["llama_matched"]["non_embedding_params"] / cem - 1) <= 0.02

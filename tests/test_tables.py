@@ -908,3 +908,67 @@ def test_bad_seeds_steps_or_workdir_are_refused_before_any_run(tmp_path, monkeyp
     with pytest.raises(SystemExit) as e:
       tables.main([])
     assert (e.value.code, capsys.readouterr().err) == (1, f"error: {error}\n"), name
+
+
+def _md_tables(text: str) -> list[list[list[str]]]:
+  """Every markdown table in ``text``: a list of rows of cells, the separator row left out."""
+  found, rows = [], []
+  for line in text.splitlines() + [""]:
+    if line.startswith("|"):
+      cells = [c.strip() for c in line.strip().strip("|").split("|")]
+      if not all(set(c) <= set("-:") for c in cells):
+        rows.append(cells)
+    elif rows:
+      found.append(rows)
+      rows = []
+  return found
+
+
+def _numbers(cell: str) -> list[float]:
+  """``"−0.079 ± 0.123"`` -> ``[-0.079, 0.123]``; ``"2.168"`` -> ``[2.168]``."""
+  return [float(part) for part in cell.replace("−", "-").split("±")]
+
+
+def test_reproducing_md_quotes_the_committed_tables():
+  """Each table section of docs/REPRODUCING.md (``### TABLE (`results/tiny/TABLE.md`...``)
+  opens with a summary of that table, typed by hand: every row it lists must be in the
+  committed table with the same parameter counts and FLOPs and the same eval loss, Δ and bits
+  per byte to the 3 decimals it quotes."""
+  import re
+  from pathlib import Path
+
+  root = Path(__file__).resolve().parents[1]
+  doc = (root / "docs" / "REPRODUCING.md").read_text()
+  sections = re.findall(r"^### (\w+) \(`(results/tiny/\w+\.md)`[^\n]*\n(.*?)(?=^### |\Z)", doc,
+                        re.M | re.S)
+  assert {name for name, _, _ in sections} >= {"attention", "mlp", "end_to_end", "design",
+                                               "neighbours"}
+  column = {"non-emb. params": "non-emb.", "attention params": "attention",
+            "MLP params": "MLP", "GFLOP/token": "GFLOP/token", "eval loss": "eval loss",
+            "bits/byte": "bits/byte"}
+  checked = 0
+  for name, path, body in sections:
+    quoted = _md_tables(body)[0]
+    committed = _md_tables((root / path).read_text())[0]
+    heads = committed[0]
+    rows = {r[0]: dict(zip(heads, r, strict=True)) for r in committed[1:]}
+    for row in quoted[1:]:
+      where = f"docs/REPRODUCING.md, {name}, row {row[0]}"
+      assert row[0] in rows, f"{where}: not in {path}"
+      got = rows[row[0]]
+      for head, cell in zip(quoted[0], row, strict=True):
+        if head == "row":
+          continue
+        if head.startswith("Δ vs "):
+          base = head.split()[2]
+          want = got[f"Δ loss vs {base} (paired)"]
+        else:
+          want = got[column[head]]
+        if head in ("non-emb. params", "attention params", "MLP params", "GFLOP/token"):
+          assert cell == want, f"{where}, {head}: {cell} quoted, {want} in {path}"
+        else:  # 3 decimals quoted of the table's 4; a mean alone, or a mean ± std
+          pairs = list(zip(_numbers(cell), _numbers(want), strict=False))
+          assert all(abs(a - b) <= 6e-4 for a, b in pairs), (
+              f"{where}, {head}: {cell} quoted, {want} in {path}")
+        checked += 1
+  assert checked >= 100  # every section's table was read

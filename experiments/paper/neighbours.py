@@ -15,11 +15,15 @@ Rows:
   cem_shared_joint:   cem_shared with the joint step (``model.split='joint'``): one step on
                       attention + MLP energy, as energy_transformer takes, with CEM's SiLU
                       potential; separates the split from the potential in the shared rows.
+  cem_shared_scaled:  cem_shared with the input embedding times sqrt(d_model)
+                      (``model.embed_scale``, Gemma's): the first layer's updates no longer
+                      bury the token (experiments/collapse.py), so the Lie–Trotter split trains.
 The neighbour rows are the configs of ``experiments/neighbours.py`` (``get_config``).
 Measured at tiny scale: see results/tiny/neighbours.md and docs/REPRODUCING.md.
 """
 
 import importlib.util
+import math
 import os
 
 from cem_jax import scales
@@ -58,8 +62,14 @@ def _cem_shared_joint(c):
   c.model.split = "joint"
 
 
+def _cem_shared_scaled(c):
+  _cem_shared(c)
+  c.model.embed_scale = math.sqrt(c.model.d_model)
+
+
 ROWS = {"cem": _cem, **_NEIGHBOURS.VARIANTS, "llama_matched": _llama_matched,
-        "cem_shared": _cem_shared, "cem_shared_joint": _cem_shared_joint}
+        "cem_shared": _cem_shared, "cem_shared_joint": _cem_shared_joint,
+        "cem_shared_scaled": _cem_shared_scaled}
 
 
 def get_config(arg: str = "cem"):
