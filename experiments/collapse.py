@@ -22,7 +22,9 @@ The attention and MLP updates are split for CEM blocks with one step of plain gr
 on pre-normed points (``model.num_steps=1``, ``inner_optimizer='gd'``, ``manifold='euclidean'``,
 ``norm_mode='prenorm'``, no preconditioner), either split; their sum is checked against the
 block's own output (an AssertionError if it is off by more than 1e-4 of it). Every other block
-gets the layer's whole update.
+gets the layer's whole update (a momentum block's velocity carried across layers, as in the
+model). A run trained with bfloat16 compute is evaluated in float32 (said on the first line);
+a checkpoint that fails its digest is named and skipped.
 
 What it showed (docs/REPRODUCING.md, neighbours): every CEM row first collapses onto one vector
 (eval loss at the unigram level, 5.83 nats on War and Peace's 1,024 pieces), and with a block
@@ -100,9 +102,15 @@ def layer_report(model, batch) -> dict:
   e = jnp.take(model.embedding[...], inputs, axis=0).astype(model.dtype) * scale
   x, layers = e, []
   split = _splittable(model.cfg)
+  # A momentum block (inner_optimizer heavy_ball/nesterov) carries its velocity across layers,
+  # as DecoderLM does; restarting it at 0 in every layer would report another network.
+  momentum = model.cfg.block == "cem" and model.cfg.inner_optimizer != "gd"
+  velocity = jnp.zeros_like(x) if momentum else None
   for block in model.layer_blocks():
-    out = block(x, aux)
+    out = block(x, aux, velocity=velocity) if momentum else block(x, aux)
     y = out[0]
+    if momentum:
+      velocity = out[-1]
     norm = jnp.linalg.norm(x)
     if split:
       att, mlp = _sub_steps(block, x, aux)
@@ -158,6 +166,13 @@ def main(argv):
   with cli.user_errors():
     config, data, graphdef, params, newest = load_run(workdir)
     batch = next(iter(data.eval_batches(BATCH_ROWS)))
+    if config.model.dtype != "float32":
+      # The split check (1e-4) is float32's: bfloat16 rounding alone misses it by ~1e-2.
+      print(f"{workdir}: trained with model.dtype={config.model.dtype!r}; computed here in "
+            "float32 (its float32 parameters)")
+      config.model.dtype = "float32"
+      graphdef = nnx.split(steps_lib.build_model(config, data.tokenizer.vocab_size),
+                           nnx.Param)[0]
     print(f"{workdir}: {config.model.block} block, {config.model.num_layers} layers over "
           f"{len(nnx.merge(graphdef, params).blocks)} unique blocks, split "
           f"{config.model.split}; {BATCH_ROWS} held-out windows; predicting the unigram "
@@ -169,6 +184,10 @@ def main(argv):
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False, read_only=True)
     try:
       for step in ckpt.all_steps():
+        damaged = [] if step == newest else ckpt.verify(step)
+        if damaged:  # restored anyway, it gave wrong numbers or NaN without a word
+          print(f"step {step:6d}  damaged, skipped: {damaged[0]}", flush=True)
+          continue
         restored = params if step == newest else ckpt.restore(
             step, {"params": template, "opt_state": tx.init(template)})[0]["params"]
         print(_line(step, layer_report(nnx.merge(graphdef, restored), batch)), flush=True)

@@ -208,6 +208,28 @@ def test_untied_head_reads_lm_head_not_the_embedding(block):
   assert np.max(np.abs(hidden @ np.asarray(model.embedding[...], np.float64).T - want)) > 1e-2
 
 
+# ---- embed_scale: the input embedding only, every block --------------------------------------
+# Mutations: model.py applying model.embed_scale only for CEM blocks, also to an untied lm_head,
+# or truncated to an int (test_reference's decoder case is tied CEM at 3.0, the cached decoding
+# case compares a Llama model with itself).
+
+@pytest.mark.parametrize("block", ["cem", "llama"])
+def test_embed_scale_is_the_embedding_table_scaled_under_an_untied_head(block):
+  scale = 2.5
+  cfg = model_cfg(block=block, num_layers=2, tie_embeddings=False)
+  model = DecoderLM(cfg, V, rngs=nnx.Rngs(11))
+  _perturb(model, 4)
+  scaled = DecoderLM(model_cfg(block=block, num_layers=2, tie_embeddings=False,
+                               embed_scale=scale), V, rngs=nnx.Rngs(11))
+  nnx.update(scaled, nnx.state(model, nnx.Param))
+  tokens = _tokens(10)
+  model.embedding[...] = model.embedding[...] * scale  # the head (lm_head) is untouched
+  want = np.asarray(model(tokens))
+  np.testing.assert_allclose(np.asarray(scaled(tokens)), want, rtol=1e-5, atol=1e-5)
+  model.embedding[...] = model.embedding[...] / scale
+  assert np.max(np.abs(np.asarray(model(tokens)) - want)) > 1e-2  # the scale shows
+
+
 # ---- project_tangent measures ‖y‖² (documented) ----------------------------------------------
 # Mutation: inner.py project_tangent dividing by d_model instead of the measured ‖y‖² (inside the
 # model y is always on the sphere, where the two agree to float32 rounding: this pins the

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from conftest import program_json, tiny_config, write_metrics
+from conftest import program_json, subprocess_env, tiny_config, write_metrics
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -920,3 +920,57 @@ def test_collapse_measures_match_numpy_and_the_split_updates_add_up_to_the_block
       collapse.layer_report(DecoderLM(tiny_config().model, 40, rngs=nnx.Rngs(3)), batch)
   finally:
     collapse._sub_steps = real_split
+
+
+def test_collapse_report_is_the_models_own_forward_with_momentum():
+  """experiments/collapse.py follows DecoderLM layer by layer: with a momentum block the
+  velocity is carried across layers (restarted at 0 in each layer, the layers after the first
+  were another network), so its loss is the model's own on the batch."""
+  import numpy as np
+
+  collapse = _load_experiment("collapse")
+  rng = np.random.default_rng(7)
+  tokens = rng.integers(1, 40, (2, 8))
+  batch = {"inputs": tokens, "targets": np.roll(tokens, -1, 1),
+           "segment_ids": np.array([[1] * 5 + [2] * 3, [1] * 6 + [0] * 2]),
+           "weights": np.array([[1.0] * 7 + [0.0], [1.0] * 5 + [0.0] * 3])}
+  for optimizer in ("heavy_ball", "nesterov"):
+    cfg = tiny_config(**{"model.inner_optimizer": optimizer, "model.num_layers": 3}).model
+    cfg.d_model, cfg.num_heads, cfg.mlp_dim, cfg.init_std = 16, 2, 32, 0.3
+    model = DecoderLM(cfg, 40, rngs=nnx.Rngs(3))
+    logits = np.asarray(model(jax.numpy.asarray(tokens),
+                              jax.numpy.asarray(batch["segment_ids"])), np.float64)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+    want = (nll * batch["weights"]).sum() / batch["weights"].sum()
+    got = collapse.layer_report(model, batch)["loss"]
+    assert abs(got - want) <= 1e-5 * want, (optimizer, got, want)
+
+
+def test_collapse_reads_a_bfloat16_run_and_skips_a_damaged_checkpoint(tmp_path):
+  """experiments/collapse.py on a bfloat16-compute run (its float32 split check computed in
+  float32, not an AssertionError) whose older checkpoint is damaged: that step is named and
+  skipped (restored, it gave wrong numbers or NaN without a word), the others reported."""
+  from cem_jax import train
+
+  workdir = tmp_path / "run"
+  train.train_and_evaluate(tiny_config(**{
+      "model.dtype": "bfloat16", "train.num_steps": 4, "checkpoint.every_steps": 2,
+      "train.eval_every_steps": 4, "eval.max_batches": 1}), str(workdir))
+  files = sorted((workdir / "checkpoints" / "2").rglob("ocdbt.process_0/d/*"),
+                 key=lambda p: p.stat().st_size)
+  for path in files[-3:]:  # the largest: parameters and optimizer moments
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+  root = Path(__file__).resolve().parents[1]
+  proc = subprocess.run([sys.executable, str(root / "experiments" / "collapse.py"),
+                         f"--workdir={workdir}"], env=subprocess_env(), capture_output=True,
+                        text=True, timeout=300, cwd=root)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()
+  assert "computed here in float32" in lines[0], lines
+  assert [line.split()[1] for line in lines if line.startswith("step")] == ["0", "2", "4"]
+  assert "damaged, skipped" in next(line for line in lines if line.startswith("step      2"))
+  assert "loss" in next(line for line in lines if line.startswith("step      4"))
