@@ -8,7 +8,8 @@ For the initialisation (step 0, rebuilt from the run's seed) and every checkpoin
 ``WORKDIR/checkpoints``, on the first 16 windows of the held-out split, it prints one line:
 
 - ``loss``: cross-entropy of the next token, nats per token, and, once, what predicting the
-  unigram frequencies of the training targets scores on the same tokens (the plateau's level);
+  unigram frequencies of the training targets (of the first 1,000 steps at most) scores on
+  the same tokens (the plateau's level);
 - ``collapse``: the mean cosine between the final residuals of two positions of a window (1:
   every position carries the same vector; the token's identity is gone);
 - ``|h|/|e|``: the final residual's norm over the input embeddings' (``model.embed_scale``
@@ -44,6 +45,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 BATCH_ROWS = 16
+UNIGRAM_STEPS = 1000  # the unigram frequencies are counted over at most this many batches
 
 
 def constant_share(update):
@@ -173,10 +175,12 @@ def main(argv):
       config.model.dtype = "float32"
       graphdef = nnx.split(steps_lib.build_model(config, data.tokenizer.vocab_size),
                            nnx.Param)[0]
+    split = f", split {config.model.split}" if config.model.block == "cem" else ""
+    steps = min(config.train.num_steps, UNIGRAM_STEPS)
     print(f"{workdir}: {config.model.block} block, {config.model.num_layers} layers over "
-          f"{len(nnx.merge(graphdef, params).blocks)} unique blocks, split "
-          f"{config.model.split}; {BATCH_ROWS} held-out windows; predicting the unigram "
-          f"frequencies scores {unigram_loss(data, config.train.num_steps, batch):.3f}")
+          f"{len(nnx.merge(graphdef, params).blocks)} unique blocks{split}; {BATCH_ROWS} "
+          "held-out windows; predicting the unigram frequencies (of the training targets of "
+          f"steps 0-{steps - 1}) scores {unigram_loss(data, steps, batch):.3f}")
     init = steps_lib.build_model(config, data.tokenizer.vocab_size)
     print(_line(0, layer_report(init, batch)))
     _, template = nnx.split(init, nnx.Param)
