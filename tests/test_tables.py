@@ -930,7 +930,7 @@ def _numbers(cell: str) -> list[float]:
 
 
 def test_reproducing_md_quotes_the_committed_tables():
-  """Each table section of docs/REPRODUCING.md (``### TABLE (`results/tiny/TABLE.md`...``)
+  """Each table section of docs/REPRODUCING.md (``### NAME (`results/SCALE/TABLE.md`...``)
   opens with a summary of that table, typed by hand: every row it lists must be in the
   committed table with the same parameter counts and FLOPs and the same eval loss, Δ and bits
   per byte to the 3 decimals it quotes."""
@@ -939,7 +939,7 @@ def test_reproducing_md_quotes_the_committed_tables():
 
   root = Path(__file__).resolve().parents[1]
   doc = (root / "docs" / "REPRODUCING.md").read_text()
-  sections = re.findall(r"^### (\w+) \(`(results/tiny/\w+\.md)`[^\n]*\n(.*?)(?=^### |\Z)", doc,
+  sections = re.findall(r"^### (\w+) \(`(results/\w+/\w+\.md)`[^\n]*\n(.*?)(?=^### |\Z)", doc,
                         re.M | re.S)
   assert {name for name, _, _ in sections} >= {"attention", "mlp", "end_to_end", "design",
                                                "neighbours"}
