@@ -258,6 +258,15 @@ class DecoderLM(nnx.Module):
       return x
     return jax.lax.with_sharding_constraint(x, PartitionSpec(rows, *([None] * (x.ndim - 1))))
 
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """The blocks' input: ``tokens`` ``[batch, seq_len]`` int ids -> their embedding rows times
+    ``model.embed_scale``, ``[batch, seq_len, d_model]`` in the compute dtype, rows over the
+    batch mesh axes under a mesh."""
+    x = jnp.take(self._table_for_lookup(), tokens, axis=0).astype(self.dtype)
+    if self.cfg.embed_scale != 1.0:  # at 1.0 the program is the one before the option existed
+      x = x * jnp.asarray(self.cfg.embed_scale, self.dtype)
+    return self._rows_over_devices(x)
+
   def _table_for_lookup(self) -> jax.Array:
     """The embedding ``[vocab_size, d_model]`` with ``d_model`` whole on every device and the
     vocabulary split over :attr:`vocab_axes` (tensor by default), under a mesh in context, for
@@ -336,10 +345,7 @@ class DecoderLM(nnx.Module):
       # [copies, batch, max_len, d_model].
       max_len = jax.tree.leaves(cache[0])[0].shape[-3 if self.cfg.block == "llama" else -2]
       aux = self.make_decode_aux(b, t, max_len, index)
-    x = jnp.take(self._table_for_lookup(), tokens, axis=0).astype(self.dtype)
-    if self.cfg.embed_scale != 1.0:  # at 1.0 the program is the one before the option existed
-      x = x * jnp.asarray(self.cfg.embed_scale, self.dtype)
-    x = self._rows_over_devices(x)
+    x = self.embed(tokens)
 
     momentum = self.cfg.block == "cem" and self.cfg.inner_optimizer != "gd"
 

@@ -100,8 +100,7 @@ def layer_report(model, batch) -> dict:
   inputs, segments = jnp.asarray(batch["inputs"]), jnp.asarray(batch["segment_ids"])
   aux = model.make_aux(segments if model.cfg.document_mask else None, *inputs.shape)
   aux = aux.replace(real=segments > 0)
-  scale = model.cfg.embed_scale
-  e = jnp.take(model.embedding[...], inputs, axis=0).astype(model.dtype) * scale
+  e = model.embed(inputs)
   x, layers = e, []
   split = _splittable(model.cfg)
   # A momentum block (inner_optimizer heavy_ball/nesterov) carries its velocity across layers,
