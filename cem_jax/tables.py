@@ -317,15 +317,16 @@ def check_runs(module, scale: str, seeds: int, steps: int | None = None,
     ValueError: a run's config is invalid (prefixed with the row); an override sets a key the
       runner sets itself (``seed`` and ``data.shuffle_seed`` from the seed, ``train.num_steps``
       with ``steps``: the override would be ignored); or an override sets a key
-      in which the rows differ (``--set=train.learning_rate`` would turn ``t2_lr_half`` into
-      ``t2_fixed``), naming the override and a row.
+      in which the rows run differ (``rows``, default all: ``--set=train.learning_rate``
+      would turn ``t2_lr_half`` into ``t2_fixed``), naming the override and a row.
   """
   runner = {"seed": "--seeds (run S has seed S)", "data.shuffle_seed": "--seeds (run S has "
             "seed S)", **({"train.num_steps": f"--steps={steps}"} if steps is not None else {})}
   for key in sorted(overrides or {}):
     if key in runner:  # row_config sets it after the overrides: the --set would be ignored
       raise ValueError(f"--set={key}=... is set for every run by {runner[key]}; leave it out")
-  own = {row: config_lib.flat(row_config(module, row, scale, 0, steps)) for row in module.ROWS}
+  own = {row: config_lib.flat(row_config(module, row, scale, 0, steps))
+         for row in rows or module.ROWS}
   for key in sorted(overrides or {}):
     values = {row: json.dumps(flat.get(key)) for row, flat in own.items()}
     if len(set(values.values())) > 1:  # the rows differ in this key: it is what they compare

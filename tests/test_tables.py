@@ -195,6 +195,17 @@ def test_every_run_is_checked_before_any_trains():
   with pytest.raises(ValueError, match=r"--set=train.learning_rate=\.\.\. overrides what the "
                      r"rows set themselves \(row 't2_lr_half': train.learning_rate=0.0015\)"):
     tables.check_runs(design, "tiny", 1, overrides={"train.learning_rate": 1e-3})
+  # only the rows that run are compared: one table's rows retrained with a key they share
+  neighbours = tables.load_table("neighbours")
+  scale = {"model.embed_scale": 11.3}
+  with pytest.raises(ValueError, match=r"\(row 'cem_shared_scaled': model.embed_scale=11.31"):
+    tables.check_runs(neighbours, "tiny", 1, overrides=scale)
+  with pytest.raises(ValueError, match=r"\(row 'cem_shared_scaled': model.embed_scale=11.31"):
+    tables.check_runs(neighbours, "tiny", 1, rows=["cem", "cem_shared", "cem_shared_scaled"],
+                      overrides=scale)
+  tables.check_runs(neighbours, "tiny", 1, rows=["cem", "cem_shared"], overrides=scale)
+  tables.check_runs(design, "tiny", 1, rows=["t1", "t2_fixed"],
+                    overrides={"train.learning_rate": 1e-3})
   # valid for the CEM rows, refused for the Llama ones: one line before anything trains
   with pytest.raises(ValueError, match=r"^row 'llama': model.eta_init=0.5 applies to CEM"):
     tables.check_runs(end_to_end, "gpu", 1, overrides={"model.eta_init": 0.5})
