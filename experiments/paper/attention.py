@@ -15,6 +15,9 @@ nats/token (mean), then the difference to llama_mha paired by seed (mean ± spre
   cem_tied        3.955   +0.046 ± 0.227
   cem_tied_diag   3.953   +0.044 ± 0.239
   llama_matched   3.674   −0.235 ± 0.227
+With the input embedding times sqrt(d_model) (``--set=model.embed_scale=11.313708498984761
+--workdir=results/tiny_scaled``; the early plateau gone; docs/REPRODUCING.md, attention_scaled):
+tied 0.16 behind llama_mha in every seed, llama_matched level with it (+0.005 ± 0.033).
 """
 
 from cem_jax import scales

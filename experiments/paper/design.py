@@ -43,6 +43,10 @@ split helps both T in every seed, by ~0.1 (T = 1 seed 1 by 0.66: its control sat
 plateau); at equal η and under the joint split T = 2 still trails T = 1 by +0.06 in every
 seed, as under version 2. Version 2's "half the learning rate helps" did not hold on the new
 data order; the preconditioners stay undecided.)
+With the input embedding times sqrt(d_model) (``--set=model.embed_scale=11.313708498984761
+--workdir=results/tiny_scaled``; the early plateau gone; docs/REPRODUCING.md, design_scaled):
+t2_fixed ahead of t1 in every seed (−0.064 ± 0.025), the diagonal preconditioner too, by less
+(−0.040 ± 0.026).
 """
 
 from cem_jax import scales

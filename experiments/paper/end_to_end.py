@@ -15,6 +15,9 @@ nats/token (mean), then the difference to llama paired by seed (mean ± spread):
   cem             4.124   +0.215 ± 0.373
   cem_full        4.629   +0.721 ± 0.109
   llama_matched   4.356   +0.448 ± 0.262
+With the input embedding times sqrt(d_model) (``--set=model.embed_scale=11.313708498984761
+--workdir=results/tiny_scaled``; the early plateau gone; docs/REPRODUCING.md,
+end_to_end_scaled): cem 0.20 behind llama and 0.16 behind llama_matched in every seed.
 """
 
 from cem_jax import scales

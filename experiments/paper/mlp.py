@@ -14,6 +14,10 @@ Measured at tiny scale (2026-12-03, numerics version 3, 3 seeds, 400 steps on Wa
   cem_tied        4.494   +0.585 ± 0.333
   swiglu_matched  4.076   +0.167 ± 0.072
   cem_widened     4.277   +0.368 ± 0.187
+With the input embedding times sqrt(d_model) (``--set=model.embed_scale=11.313708498984761
+--workdir=results/tiny_scaled``; the early plateau gone; docs/REPRODUCING.md, mlp_scaled):
+cem_tied nearly level with swiglu (+0.021 ± 0.023, behind in every seed) with a third fewer MLP
+parameters.
 """
 
 from cem_jax import scales

@@ -20,6 +20,10 @@ Rows:
                       bury the token (experiments/collapse.py), so the Lie–Trotter split trains.
 The neighbour rows are the configs of ``experiments/neighbours.py`` (``get_config``).
 Measured at tiny scale: see results/tiny/neighbours.md and docs/REPRODUCING.md.
+With the input embedding times sqrt(d_model) (``--set=model.embed_scale=11.313708498984761
+--workdir=results/tiny_scaled``; the early plateau gone; docs/REPRODUCING.md,
+neighbours_scaled): yuriiformer ahead of cem in every seed (−0.043 ± 0.014); energy_transformer
+level with cem (+0.018 ± 0.034).
 """
 
 import importlib.util
