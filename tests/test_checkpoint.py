@@ -114,10 +114,15 @@ def _start_and_signal(cmd, env, workdir: Path, at_step: int, sig) -> subprocess.
         _max_metric_step(workdir) >= at_step
         or (workdir / "checkpoints" / str(at_step)).is_dir()):
       proc.send_signal(sig)
+      sent = True
       break
     time.sleep(0.005)
+  else:
+    sent = False
   out, err = proc.communicate(timeout=300)
-  return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+  done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+  done.signalled = sent  # False: the run ended before the poll saw the step
+  return done
 
 
 def _flip_byte(path: Path) -> None:
@@ -143,6 +148,8 @@ def test_resume_after_kill_term_and_damage_is_exact(run_setup, tmp_path):
   # Step 21, not later: a step takes ~35 ms here, and a signal meant for step 25 once came
   # only after the run had finished, the test's polling starved of CPU by the other worker.
   ctrl_c = _start_and_signal(_cli(config, run_dir), env, run_dir, 21, signal.SIGINT)
+  if not ctrl_c.signalled and ctrl_c.returncode == 0:  # a harness miss, not the code's failure
+    pytest.skip("the resumed run finished before the poll saw step 21 (seen on fast idle cores)")
   assert ctrl_c.returncode == -signal.SIGINT, ctrl_c.stderr[-3000:]
   assert "resumed from" in ctrl_c.stderr
   assert "interrupted (Ctrl-C): stopped at once" in ctrl_c.stderr
