@@ -64,11 +64,7 @@ def run_setup(tmp_path_factory):
 
 
 def _cli(config: Path, workdir: Path) -> list[str]:
-  # At the lowest priority (nice execs: the pid, signals and exit status are the run's own), so
-  # that the test polling for the step to signal at is not starved of CPU by the runs: a run
-  # resumed at step 15 once finished all 40 steps before the poll saw step 21.
-  return ["nice", "-n", "19", sys.executable, "-m", "cem_jax.main", f"--config={config}",
-          f"--workdir={workdir}"]
+  return [sys.executable, "-m", "cem_jax.main", f"--config={config}", f"--workdir={workdir}"]
 
 
 def _losses(workdir: Path) -> dict[int, float]:
