@@ -164,7 +164,7 @@ def compile_for(config, target: Target, vocab_size: int | None = None) -> dict:
   import jax
   import numpy as np
 
-  from cem_jax import attention, memory, optim, preflight, sharding, steps, train
+  from cem_jax import memory, optim, preflight, sharding, steps, train
 
   preflight.check(config)
   preflight.check_machine(config, platform=target.platform)
@@ -175,9 +175,7 @@ def compile_for(config, target: Target, vocab_size: int | None = None) -> dict:
   tx, schedule = optim.make_optimizer(config.train)
   graphdef, params, opt_state, shardings, model = steps.abstract_state(
       config, vocab, tx, mesh, platform=target.platform)
-  kernel = model.attention_impl
-  if config.data.seq_len % attention.SEQ_MULTIPLE.get(kernel, 1):
-    kernel = "xla"  # 'auto' at a length the kernel cannot take: training_aux runs XLA's
+  kernel, _ = model.kernel_at(config.data.seq_len)
   train_step, eval_step = train.make_steps(config, graphdef, tx, shardings, schedule)
   guard = jax.ShapeDtypeStruct((), np.int32, sharding=shardings.replicated)
   compiled = train.compile_steps(config, train_step, eval_step, params, opt_state, guard,

@@ -153,7 +153,8 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
   (:func:`cem_jax.profiling.kernel_summary`), or ``kernels_error``: why not (a CPU has no
   device process in its trace).
 
-  Keys: ``attention`` and ``attention_reason`` (the kernel the model used), ``params``,
+  Keys: ``attention`` and ``attention_reason`` (the kernel its step runs at this seq_len:
+  ``DecoderLM.kernel_at``), ``params``,
   ``compile_s`` (seconds), ``step_ms`` (milliseconds: the mean of ``steps`` steps run back to
   back, waited for once, as the training loop dispatches them; after ``warmup`` steps and
   ``steps`` steps each waited for), ``step_ms_synced`` (the median of those ``steps`` waited
@@ -202,9 +203,10 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
   fpt = flops_per_token(config.model, vocab_size, n)
   achieved = 3 * fpt * b * n / step_s
   peak = peak_flops()
+  kernel, reason = model.kernel_at(n)
   return {
-      "attention": model.attention_impl,
-      "attention_reason": model.attention_reason,
+      "attention": kernel,
+      "attention_reason": reason,
       "params": count_params(model),
       "compile_s": compile_s,
       "step_ms": 1e3 * step_s,

@@ -97,6 +97,31 @@ def check_kernel_is_called(cfg, fused: bool) -> None:
         "model.energy_block_size)")
 
 
+def kernel_at(requested: str, kernel: str, seq_len: int) -> tuple[str, str | None]:
+  """The kernel a model runs at one sequence length: the one it resolved, or XLA's under
+  'auto' where that kernel cannot take ``seq_len`` (``attention.SEQ_MULTIPLE``: splash a
+  multiple of 128, cuDNN an even length). The one rule for the training and eval steps,
+  ``aot`` and ``bench`` alike.
+
+  Args:
+    requested: ``model.attention_impl`` as configured (``'auto'`` or an explicit name).
+    kernel: the model's resolved kernel (``DecoderLM.attention_impl``).
+    seq_len: the sequence length of the step's input, in tokens.
+  Returns:
+    ``(kernel, None)`` where ``kernel`` takes ``seq_len``; ``('xla', why)`` under 'auto'
+    where it does not, ``why`` one line.
+  Raises:
+    ValueError: an explicit kernel at a ``seq_len`` it cannot take (one line).
+  """
+  multiple = attention.SEQ_MULTIPLE.get(kernel)
+  if not multiple or seq_len % multiple == 0:
+    return kernel, None
+  if requested != "auto":
+    raise ValueError(f"model.attention_impl={kernel!r} cannot run: seq_len={seq_len} must "
+                     f"be a multiple of {multiple}")
+  return "xla", f"auto: {kernel} needs a multiple of {multiple}"
+
+
 def training_aux(
     cfg: ml_collections.ConfigDict,
     segment_ids: jax.Array | None,
@@ -116,15 +141,9 @@ def training_aux(
       the kernel becomes 'xla', logged once).
   """
   positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
-  impl = attention_impl
-  multiple = attention.SEQ_MULTIPLE.get(impl)
-  if multiple and seq_len % multiple:
-    if cfg.attention_impl != "auto":
-      raise ValueError(f"model.attention_impl={impl!r} cannot run: seq_len={seq_len} must "
-                       f"be a multiple of {multiple}")
-    _log_once(f"attention: xla at seq_len={seq_len} (auto: {impl} needs a multiple of "
-              f"{multiple})")
-    impl = "xla"
+  impl, why = kernel_at(cfg.attention_impl, attention_impl, seq_len)
+  if why is not None:
+    _log_once(f"attention: xla at seq_len={seq_len} ({why})")
   return EnergyAux(
       mask=make_mask(segment_ids, seq_len, batch, strict=cfg.strict_causal),
       positions=positions,
@@ -229,6 +248,12 @@ class DecoderLM(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = param(rngs, (cfg.d_model, vocab_size), cfg.init_std,
                            ("embed", "vocab"), pdt)
+
+  def kernel_at(self, seq_len: int) -> tuple[str, str]:
+    """``(kernel, reason)``: the attention kernel this model's steps run at ``seq_len``
+    (:func:`kernel_at`) and why. Raises ValueError as :func:`kernel_at` does."""
+    kernel, why = kernel_at(self.cfg.attention_impl, self.attention_impl, seq_len)
+    return kernel, self.attention_reason if why is None else why
 
   def make_aux(self, segment_ids: jax.Array | None, batch: int, seq_len: int) -> EnergyAux:
     """:func:`training_aux` with this model's kernel and partition."""

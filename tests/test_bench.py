@@ -395,6 +395,10 @@ class _StandInModel(nnx.Module):
     self.w = nnx.Param(jnp.zeros((3,)))
     self.attention_impl, self.attention_reason = "xla", "stand-in"
 
+  def kernel_at(self, seq_len):
+    del seq_len
+    return self.attention_impl, self.attention_reason
+
 
 def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(monkeypatch):
   # The figures' arithmetic, on a stand-in model and step (nothing real to build or compile)
@@ -713,6 +717,28 @@ def test_the_step_is_built_for_the_platform_named_not_only_this_machines():
                                               platform=platform)[0].attention_impl
             for platform in (None, "gpu", "tpu")}
   assert chosen == {None: "xla", "gpu": "cudnn", "tpu": "splash"}, chosen
+
+
+def test_a_row_names_the_kernel_its_step_runs_not_the_one_the_model_chose(monkeypatch):
+  # A model built for a GPU picks cuDNN; at an odd seq_len 'auto' runs XLA's attention in its
+  # steps (cuDNN needs an even length), and the row must say XLA. XLA's kernel compiles here.
+  tiny = dict(bench.PRESETS["tiny"], d_model=64, num_layers=1, mlp_dim=64, tokens_per_batch=66)
+  config = bench._model_config(tiny, bench.VARIANTS["cem_fused"], 33, 64)
+  config.model.dtype = "bfloat16"
+  inputs = bench.train_step_inputs
+  monkeypatch.setattr(bench, "train_step_inputs",
+                      lambda c, v: inputs(c, v, platform="gpu"))
+  r = bench.bench_one(config, 64, steps=1, warmup=0)
+  assert r["attention"] == "xla", r["attention"]
+  assert r["attention_reason"] == "auto: cudnn needs a multiple of 2", r["attention_reason"]
+  config.data.seq_len, config.train.batch_size = 32, 2
+  model = inputs(config, 64, abstract=True, platform="gpu")[0]
+  assert model.kernel_at(32) == ("cudnn", model.attention_reason)
+  config.model.attention_impl = "cudnn"
+  model = inputs(config, 64, abstract=True, platform="gpu")[0]
+  with pytest.raises(ValueError, match=r"^model.attention_impl='cudnn' cannot run: seq_len=33 "
+                     r"must be a multiple of 2$"):
+    model.kernel_at(33)
 
 
 _STEP_PROGRAM = Path(__file__).resolve().parents[1] / "experiments" / "step_program.py"
