@@ -66,14 +66,32 @@ def dry_run_lines(command: list[str], num_processes: int, devices_per_process: i
   return lines
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-  """In the child, before exec (``preexec_fn``): on Linux, get ``sig`` if the launcher itself
-  is killed. SIGKILL here, so no process is left waiting for its peers until JAX's
-  initialization timeout; ``launch/sweep.py`` asks for SIGTERM (its run saves and stops)."""
-  if sys.platform.startswith("linux"):
-    import ctypes
+# The child's first program: it asks the kernel for the signal (argv[1]) on its parent's death,
+# makes up for a parent (argv[2]) already gone, and becomes the command (exec: the same pid).
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "sig, parent, command = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]\n"
+    "ctypes.CDLL(None).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG\n"
+    "if os.getppid() != parent:\n"
+    "  os.kill(os.getpid(), sig)\n"
+    "try:\n"
+    "  os.execvp(command[0], command)\n"
+    "except OSError as e:\n"
+    "  sys.exit(f'launch: cannot run {command[0]!r}: {e.strerror}')\n")
 
-    ctypes.CDLL(None).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
+
+def dying_with_parent(command: list[str], sig: int = signal.SIGKILL) -> list[str]:
+  """``command`` as started so that on Linux it gets ``sig`` if the launcher itself dies
+  (``PR_SET_PDEATHSIG``, kept across exec; elsewhere ``command`` unchanged). SIGKILL by default,
+  so no process is left waiting for its peers until JAX's initialization timeout;
+  ``launch/sweep.py`` asks for SIGTERM (its run saves and stops).
+
+  Not Popen's ``preexec_fn``: that runs Python in a fork of the launcher, which may be
+  multithreaded (the sweep imports jax), and a fork of threads may deadlock in the child.
+  """
+  if not sys.platform.startswith("linux"):
+    return list(command)
+  return [sys.executable, "-c", _DIE_WITH_PARENT, str(int(sig)), str(os.getpid()), *command]
 
 
 def _pump(stream, prefix: str) -> None:
@@ -126,10 +144,10 @@ def run(command: list[str], num_processes: int, devices_per_process: int, port: 
     for i in range(num_processes):
       env = dict(os.environ, **process_env(i, num_processes, devices_per_process, port, platform))
       # Own session: stopping a process also stops whatever it started, and nothing else.
-      procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=die_with_parent))
-    for i, p in enumerate(procs):  # after all forks: preexec_fn and threads do not mix
+      procs.append(subprocess.Popen(dying_with_parent(command), env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True))
+    for i, p in enumerate(procs):
       t = threading.Thread(target=_pump, args=(p.stdout, f"[{i}] "), daemon=True)
       t.start()
       pumps.append(t)

@@ -203,7 +203,7 @@ def _local():
 
 def run_one(cmd: list[str], env: dict) -> tuple[int, int | None]:
   """Runs one run's command to its end, passing SIGTERM and SIGINT on to it; the run gets
-  SIGTERM if the sweep dies (``launch/local.py``'s ``die_with_parent``).
+  SIGTERM if the sweep dies (``launch/local.py``'s ``dying_with_parent``).
 
   Returns:
     ``(exit status, the signal the sweep got while it ran, or None)``.
@@ -223,9 +223,8 @@ def run_one(cmd: list[str], env: dict) -> tuple[int, int | None]:
   previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
     # Its own session: a terminal's Ctrl-C reaches the run once, passed on by the sweep.
-    run.append(subprocess.Popen(cmd, env=env, start_new_session=True,
-                                preexec_fn=functools.partial(_local().die_with_parent,
-                                                             signal.SIGTERM)))
+    run.append(subprocess.Popen(_local().dying_with_parent(cmd, signal.SIGTERM), env=env,
+                                start_new_session=True))
     # A signal handled from here on goes to the run from forward itself, not into early.
     for signum in early:
       run[0].send_signal(signum)

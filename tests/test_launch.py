@@ -147,6 +147,30 @@ def test_local_reports_a_killed_process_as_128_plus_signal():
   assert proc.returncode == 128 + 9
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_process_whose_launcher_is_already_gone_gets_the_signal_and_runs_nothing(tmp_path):
+  # The parent-death signal only fires for a death after it is set: a launcher gone before
+  # then (the child's parent is another process by the time it asks) must stop it the same way.
+  import signal
+
+  marker = tmp_path / "ran"
+  cmd = _script("local").dying_with_parent(["touch", str(marker)], signal.SIGTERM)
+  assert cmd[-2:] == ["touch", str(marker)]
+  assert subprocess.run(cmd).returncode == 0 and marker.exists()  # its parent is this process
+  marker.unlink()
+  cmd[cmd.index(str(os.getpid()))] = "1"  # a parent it does not have
+  assert subprocess.run(cmd).returncode == -signal.SIGTERM and not marker.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_command_that_cannot_run_is_one_line_from_the_started_process(tmp_path):
+  missing = str(tmp_path / "no_such_program")
+  got = subprocess.run(_script("local").dying_with_parent([missing]), capture_output=True,
+                       text=True)
+  assert got.returncode == 1
+  assert got.stderr == f"launch: cannot run {missing!r}: No such file or directory\n"
+
+
 def test_local_needs_a_command_and_helps_without_one():
   proc = _launch("local.py", "--num_processes=2")
   assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
