@@ -118,7 +118,7 @@ def kernel_at(requested: str, kernel: str, seq_len: int) -> tuple[str, str | Non
     return kernel, None
   if requested != "auto":
     raise ValueError(f"model.attention_impl={kernel!r} cannot run: seq_len={seq_len} must "
-                     f"be a multiple of {multiple}")
+                     f"be a multiple of {multiple} (use 'auto', which runs XLA there, or 'xla')")
   return "xla", f"auto: {kernel} needs a multiple of {multiple}"
 
 

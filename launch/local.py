@@ -68,12 +68,16 @@ def dry_run_lines(command: list[str], num_processes: int, devices_per_process: i
 
 # The child's first program: it asks the kernel for the signal (argv[1]) on its parent's death,
 # makes up for a parent (argv[2]) already gone, and becomes the command (exec: the same pid).
+# Python's start ignores SIGPIPE and SIGXFSZ, and exec keeps an ignored signal: they are set
+# back to default first, as Popen's restore_signals did for the command before.
 _DIE_WITH_PARENT = (
-    "import ctypes, os, sys\n"
+    "import ctypes, os, signal, sys\n"
     "sig, parent, command = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]\n"
     "ctypes.CDLL(None).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG\n"
     "if os.getppid() != parent:\n"
     "  os.kill(os.getpid(), sig)\n"
+    "signal.signal(signal.SIGPIPE, signal.SIG_DFL)\n"
+    "signal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
     "try:\n"
     "  os.execvp(command[0], command)\n"
     "except OSError as e:\n"

@@ -391,7 +391,8 @@ def test_a_kernel_at_a_length_it_cannot_take_fails_if_asked_for_and_is_xla_under
 
   cfg = tiny_config("llama", **{"model.attention_impl": impl}).model
   with pytest.raises(ValueError, match=rf"^model.attention_impl='{impl}' cannot run: "
-                                       rf"seq_len={bad} must be a multiple of {multiple}$"):
+                                       rf"seq_len={bad} must be a multiple of {multiple} "
+                                       r"\(use 'auto', which runs XLA there, or 'xla'\)$"):
     model_lib.training_aux(cfg, None, 2, bad, impl)
   assert model_lib.training_aux(cfg, None, 2, good, impl).attention_impl == impl
   cfg.attention_impl = "auto"

@@ -737,7 +737,7 @@ def test_a_row_names_the_kernel_its_step_runs_not_the_one_the_model_chose(monkey
   config.model.attention_impl = "cudnn"
   model = inputs(config, 64, abstract=True, platform="gpu")[0]
   with pytest.raises(ValueError, match=r"^model.attention_impl='cudnn' cannot run: seq_len=33 "
-                     r"must be a multiple of 2$"):
+                     r"must be a multiple of 2 \(use 'auto', which runs XLA there, or 'xla'\)$"):
     model.kernel_at(33)
 
 

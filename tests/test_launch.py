@@ -158,7 +158,7 @@ def test_a_process_whose_launcher_is_already_gone_gets_the_signal_and_runs_nothi
   assert cmd[-2:] == ["touch", str(marker)]
   assert subprocess.run(cmd).returncode == 0 and marker.exists()  # its parent is this process
   marker.unlink()
-  cmd[cmd.index(str(os.getpid()))] = "1"  # a parent it does not have
+  cmd[cmd.index(str(os.getpid()))] = str(os.getpid() + 1)  # a parent it does not have
   assert subprocess.run(cmd).returncode == -signal.SIGTERM and not marker.exists()
 
 
@@ -169,6 +169,54 @@ def test_a_command_that_cannot_run_is_one_line_from_the_started_process(tmp_path
                        text=True)
   assert got.returncode == 1
   assert got.stderr == f"launch: cannot run {missing!r}: No such file or directory\n"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_started_command_gets_the_signal_dispositions_popen_gives_it():
+  # Python's start ignores SIGPIPE and SIGXFSZ and exec keeps an ignored signal: through the
+  # wrapper, a shell pipeline's writer got EPIPE ("Broken pipe") instead of SIGPIPE.
+  probe = ["grep", "^SigIgn", "/proc/self/status"]
+  direct = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
+  wrapped = subprocess.run(_script("local").dying_with_parent(probe), capture_output=True,
+                           text=True, check=True).stdout
+  assert wrapped == direct
+
+
+def _gone(pid: int) -> bool:
+  """No process ``pid``, or only its zombie (an orphan waits for whoever adopted it)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+  except FileNotFoundError:
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_local_killed_with_sigkill_takes_its_processes_with_it(tmp_path):
+  # Nothing of the launcher runs after SIGKILL: the kernel must stop its processes, else they
+  # wait for their peers until JAX's initialization timeout.
+  import signal
+
+  code = (f"import os, time; p = os.path.join({str(tmp_path)!r}, os.environ['CEM_PROCESS_ID']); "
+          "open(p + '.tmp', 'w').write(str(os.getpid())); os.replace(p + '.tmp', p); "
+          "time.sleep(120)")
+  launcher = subprocess.Popen([sys.executable, "launch/local.py", "--num_processes=2", "--",
+                               sys.executable, "-c", code], cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.monotonic() + 60
+  while len(list(tmp_path.glob("[0-9]"))) < 2 and time.monotonic() < deadline:
+    time.sleep(0.1)
+  pids = [int(f.read_text()) for f in tmp_path.glob("[0-9]")]
+  assert len(pids) == 2
+  launcher.send_signal(signal.SIGKILL)
+  launcher.wait(timeout=30)
+  deadline = time.monotonic() + 30
+  while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  left = [p for p in pids if not _gone(p)]
+  for p in left:
+    os.kill(p, signal.SIGKILL)
+  assert not left
 
 
 def test_local_needs_a_command_and_helps_without_one():
