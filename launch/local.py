@@ -92,6 +92,9 @@ def dying_with_parent(command: list[str], sig: int = signal.SIGKILL) -> list[str
 
   Not Popen's ``preexec_fn``: that runs Python in a fork of the launcher, which may be
   multithreaded (the sweep imports jax), and a fork of threads may deadlock in the child.
+  A multithreaded launcher's death may deliver ``sig`` more than once (the kernel sends it
+  each time the child passes from one exiting thread to the next): the command must take it
+  as a flag, as ``cem_jax.main`` does with SIGTERM.
   """
   if not sys.platform.startswith("linux"):
     return list(command)

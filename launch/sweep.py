@@ -201,6 +201,11 @@ def _local():
   return module
 
 
+def _ended(code: int) -> str:
+  """A run's Popen return code in words: a negative one is the signal that ended it."""
+  return f"signal {-code}" if code < 0 else f"exit status {code}"
+
+
 def run_one(cmd: list[str], env: dict) -> tuple[int, int | None]:
   """Runs one run's command to its end, passing SIGTERM and SIGINT on to it; the run gets
   SIGTERM if the sweep dies (``launch/local.py``'s ``dying_with_parent``).
@@ -298,11 +303,11 @@ def main(argv: list[str]) -> int:
         p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))
     code, got = run_one(cmd, env)
     if got is not None:
-      print(f"launch/sweep.py: got signal {got}; run {name} stopped with exit status {code}, "
+      print(f"launch/sweep.py: got signal {got}; run {name} stopped with {_ended(code)}, "
             "the sweep with it: run the same command to resume", file=sys.stderr)
       return 128 + got
     if code:
-      print(f"launch/sweep.py: run {name} failed with exit status {code}", file=sys.stderr)
+      print(f"launch/sweep.py: run {name} failed with {_ended(code)}", file=sys.stderr)
       failed.append(name)
   if failed:
     print(f"launch/sweep.py: {len(failed)} of {len(runs)} runs failed: {', '.join(failed)}",
