@@ -12,7 +12,9 @@ reuses that run's result and metrics instead of training again (``reused_from`` 
 ``result.json``; an unfinished run in the row's folder is then moved aside to
 ``seedN.partial``, so that ``evaluate`` there does not load its partial step). A run is
 reused only when trained on the same text (``data_source`` in its ``result.json``: the files'
-sha256, not their paths; :func:`source_record`) and under the current
+sha256, not their paths; :func:`source_record`), with the same user energies
+(``energy_digests``: an energy whose function, or a constant or helper it reads, was edited
+since is another run; :func:`cem_jax.energies.source_digest`), and under the current
 :data:`cem_jax.version.NUMERICS_VERSION` (``numerics_version`` in its ``result.json``; none =
 1; unfinished: its first metrics line's): an older one in the row's own folder, finished or
 not (``main`` refuses to resume it) and whatever its config, is moved aside to
@@ -217,6 +219,19 @@ def _other_source(result: dict, config) -> str | None:
   return f"{saved.get('kind')} {saved.get('name', '')}, now {now['kind']} {now.get('name', '')}"
 
 
+def _other_energies(result: dict, config) -> str | None:
+  """Which user energies of ``config`` (:func:`cem_jax.train.energy_digests`) differ from those
+  ``result`` was trained with, or None: an energy edited since (its function, or a constant
+  or helper it reads) has the same config. A result without a record (written before
+  ``energy_digests`` existed) is judged by its config alone."""
+  saved = result.get("energy_digests")
+  if saved is None:
+    return None
+  now = train.energy_digests(config, result.get("energy_digest_version"))
+  changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+  return ", ".join(changed) or None
+
+
 def _same_config(run: str, config) -> bool:
   """True when ``run/config.json`` is ``config`` as a training run
   (:func:`cem_jax.workdir.config_changes`: up to keys added to the defaults since that run, the
@@ -266,6 +281,11 @@ def _trained_otherwise(path: str, result: dict, digest: str | None, config) -> s
   if other:
     return (f"{path} was trained on other text ({other}); use a new --workdir, or delete that "
             "run to train it again")
+  other = _other_energies(result, config) if config is not None else None
+  if other:
+    return (f"{path} was trained with another version of {other} (the energy's source, or a "
+            "constant or helper it reads, changed since); use a new --workdir, or delete that "
+            "run to train it again")
   return None
 
 
@@ -303,7 +323,7 @@ def _finished_run(workdir: str, digest: str, config) -> str | None:
     result = _read_result(path)
     if "reused_from" not in result and numerics_version(result) == NUMERICS_VERSION and (
         result["config_digest"] == digest or _same_config(os.path.dirname(path), config)
-    ) and not _other_source(result, config):
+    ) and not _other_source(result, config) and not _other_energies(result, config):
       return os.path.dirname(path)
   return None
 
@@ -398,6 +418,7 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
                 "reused_from": os.path.relpath(source, out)}
     else:
       logging.info("table %s: row %s seed %d -> %s", table, row, seed, out)
+      trained_with = train.energy_digests(cfg)  # before training: the file may change meanwhile
       final = train.train_and_evaluate(cfg, out)
       if not has_final_eval(out, cfg.train.num_steps):
         # Preempted (SIGTERM): the run saved a checkpoint and returned early. Writing its
@@ -409,6 +430,8 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
                if "train/tokens_per_sec" in m]
       result = {"row": row, "seed": seed, **final, "config_digest": digest,
                 "numerics_version": NUMERICS_VERSION, "data_source": source_record(cfg),
+                "energy_digests": trained_with,
+                "energy_digest_version": energies.DIGEST_VERSION,
                 "tokens_per_sec": statistics.median(rates[1:] or rates)}
     _write_json(result_path, result)
     results.append(result)

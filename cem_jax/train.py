@@ -201,6 +201,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
     ValueError: as :func:`train_and_evaluate`.
   """
   preflight.check(config)
+  _warn_unreloadable(config)
   data_parallel_devices(config)
   preflight.check_machine(config)
   data_lib.require_shuffle()
@@ -308,17 +309,36 @@ def _batch_spec(rows: int, seq_len: int, sharding, *, target_bytes: bool = False
           for key, value in probe.items()}
 
 
-def energy_digests(config: ml_collections.ConfigDict) -> dict[str, str]:
+def energy_digests(config: ml_collections.ConfigDict,
+                   version: int | None = None) -> dict[str, str]:
   """``{config field: source sha256}`` of the user energies a CEM model uses
-  (:func:`cem_jax.energies.source_digest`; built-ins have none), as checkpoints record them."""
+  (:func:`cem_jax.energies.source_digest` of digest ``version``, default the current
+  ``energies.DIGEST_VERSION``; built-ins have none), as checkpoints and ``tables``' results
+  record them."""
   m = config.model
   if m.block != "cem":
     return {}
   slots = [("attention", m.cem_attention), ("mlp", m.cem_mlp)]
+  version = energies.DIGEST_VERSION if version is None else version
   found = {f"model.{kind}_energy": energies.source_digest(m[f"{kind}_energy"], kind,
-                                                           f"model.{kind}_energy")
+                                                           f"model.{kind}_energy", version)
            for kind, used in slots if used}
   return {k: v for k, v in found.items() if v is not None}
+
+
+def _warn_unreloadable(config: ml_collections.ConfigDict) -> None:
+  """Says, once at start-up, that a run whose energy is a name registered in this process
+  (:func:`cem_jax.energies.register`) cannot be reloaded: ``evaluate``, ``sample`` and
+  ``tables`` start a fresh process, where the name is unknown."""
+  m = config.model
+  if m.block != "cem":
+    return
+  for kind, used in (("attention", m.cem_attention), ("mlp", m.cem_mlp)):
+    name = m[f"{kind}_energy"]
+    if used and ":" not in name and not energies.get(name, kind).builtin:
+      logging.warning("model.%s_energy=%r is a name registered in this process: evaluate, "
+                      "sample and tables cannot reload this run; name the energy by its "
+                      "'file.py:function' to reload it", kind, name)
 
 
 def _check_same_numerics(saved: dict, checkpoint: str) -> None:
@@ -347,7 +367,8 @@ def _check_same_model(saved: dict, config: ml_collections.ConfigDict, energies_n
   before checkpoints held one, not checked) is compared by
   :func:`cem_jax.config.model_changes` (what may change: ``config.RESUME_MAY_CHANGE``), its
   ``energies`` with ``energies_now`` (:func:`energy_digests` of ``config``: a user energy's
-  function edited since).
+  function, or a constant or helper it reads, edited since; a checkpoint saved before
+  ``energy_digest_version`` 2 is compared by its function's source alone).
 
   Raises:
     ValueError: one line naming the checkpoint and every changed ``model.*`` key or file.
@@ -355,6 +376,8 @@ def _check_same_model(saved: dict, config: ml_collections.ConfigDict, energies_n
   changes = [] if saved.get("config") is None else config_lib.model_changes(saved["config"],
                                                                              config)
   now = energies_now
+  if saved.get("energies") and saved.get("energy_digest_version", 1) != energies.DIGEST_VERSION:
+    now = energy_digests(config, saved.get("energy_digest_version", 1))
   changes += [f"{k}: its source changed (sha256 {v[:12]} -> {now[k][:12]})"
               for k, v in sorted(saved.get("energies", {}).items())
               if k in now and now[k] != v]
@@ -626,7 +649,8 @@ class _Loop:
       )
     meta = {"step": done, "data_position": done, "seed": self.run.config.seed,
             "config": self.resolved, "numerics_version": NUMERICS_VERSION,
-            "data": self.run.data.identity, "energies": self.run.energies}
+            "data": self.run.data.identity, "energies": self.run.energies,
+            "energy_digest_version": energies.DIGEST_VERSION}
     with workdir_lib.interrupt_held():
       saved = self.run.ckpt.save(done, state, meta, force=force)
     if saved:

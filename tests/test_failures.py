@@ -631,6 +631,143 @@ class _CallableEnergy:
     return energies.interaction_energy(y, context, params, aux)
 
 
+DIGESTED = """
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TAU = {tau}
+WEIGHTS = np.array([1.0, {w}])
+UNUSED = {unused}
+
+
+def _helper(x):
+  return x * TAU  # {comment}
+
+
+def energy(y, context, params, aux):
+  return jnp.sum(_helper(y) ** 2) * WEIGHTS.sum()  # {note}
+
+
+def other(y, context, params, aux):  # reads none of the constants
+  return jnp.sum(y ** 2)
+
+
+def _make(scale):
+  def made(y, context, params, aux):
+    return scale * jnp.sum(y ** 2)
+  return made
+
+
+made = _make({scale})
+scaled = functools.partial(lambda y, context, params, aux, s: s * jnp.sum(y), s={scale})
+
+
+@jax.custom_jvp
+def _smooth(x):
+  return jnp.sum(x ** 2)
+
+
+@_smooth.defjvp
+def _smooth_jvp(primals, tangents):
+  (x,), (t,) = primals, tangents
+  return _smooth(x), jnp.sum({rule} * x * t)
+
+
+def ruled(y, context, params, aux):
+  return _smooth(y)
+"""
+
+
+def test_source_digest_pins_the_constants_helpers_and_rules_an_energy_reads(tmp_path):
+  # Resuming after TAU = 2.0 became 0.25 trained another energy without a word: the digest
+  # held the function's source alone. Each module is a new file: a path imports once.
+  base = {"tau": "2.0", "w": "3.0", "unused": "1", "comment": "a", "scale": "2.0",
+          "rule": "2.0", "note": "a"}
+  names = ("energy", "other", "made", "scaled", "ruled")
+
+  def digests(version=energies.DIGEST_VERSION, **edit):
+    path = tmp_path / f"e{len(list(tmp_path.iterdir()))}.py"
+    path.write_text(DIGESTED.format(**{**base, **edit}))
+    return {n: energies.source_digest(f"{path}:{n}", "attention", version=version)
+            for n in names}
+
+  first = digests()
+  assert first == digests() and len(set(first.values())) == len(names)
+  changed = lambda **edit: {n for n, d in digests(**edit).items() if d != first[n]}  # noqa: E731
+  assert changed(tau="0.25") == {"energy"}  # a constant read by a helper it calls
+  assert changed(w="4.0") == {"energy"}  # a NumPy array it reads
+  assert changed(comment="b") == changed(note="b") == {"energy"}  # the helper's, its source
+  assert changed(scale="3.0") == {"made", "scaled"}  # a closure cell, a partial's keyword
+  assert changed(rule="3.0") == {"ruled"}  # a custom_jvp's rule
+  assert changed(unused="2") == set()  # what no energy reads
+  # Version 1 (checkpoints saved before the constants counted) pins the source alone.
+  v1 = digests(version=1)
+  assert v1 == digests(version=1, tau="0.25") != first
+  with pytest.raises(ValueError, match=r"^energy digest version=3; allowed: 1, 2$"):
+    energies.source_digest(f"{tmp_path / 'e0.py'}:energy", "attention", version=3)
+
+
+def test_a_checkpoint_of_the_first_digest_version_resumes_unless_the_function_changed(
+    tmp_path):
+  # Checkpoints saved before version 2 hold source-only digests: compared as such, the same
+  # function resumes (its constants unchecked, as then); an edited one is still refused.
+  # (A function reading no constant or helper has the same digest in both versions.)
+  fields = {"w": "3.0", "unused": "1", "comment": "a", "scale": "2.0", "rule": "2.0"}
+
+  def config(name, tau="2.0", note="a"):
+    path = tmp_path / f"{name}.py"
+    path.write_text(DIGESTED.format(**{**fields, "tau": tau, "note": note}))
+    return tiny_config("cem", **{"model.attention_energy": f"{path}:energy"})
+
+  cfg = config("e")
+  old = {"energies": train.energy_digests(cfg, 1)}
+  assert old["energies"] != train.energy_digests(cfg)
+  for saved in (old, {**old, "energy_digest_version": 1}):
+    train._check_same_model(saved, cfg, train.energy_digests(cfg), "ck")
+  tau = config("tau", tau="0.25")  # not seen by a version-1 digest
+  train._check_same_model(old, tau, train.energy_digests(tau), "ck")
+  edited = config("edited", note="b")
+  with pytest.raises(ValueError, match=r"^checkpoint ck is another model \(model.attention_"
+                                       r"energy: its source changed \(sha256 "):
+    train._check_same_model(old, edited, train.energy_digests(edited), "ck")
+  # A version-2 checkpoint is compared by version 2: the edited constant is refused.
+  new = {"energies": train.energy_digests(cfg), "energy_digest_version": 2}
+  train._check_same_model(new, cfg, train.energy_digests(cfg), "ck")
+  with pytest.raises(ValueError, match=r"^checkpoint ck is another model \(model.attention_"
+                                       r"energy: its source changed \(sha256 "):
+    train._check_same_model(new, tau, train.energy_digests(tau), "ck")
+
+
+def test_training_with_a_registered_name_says_the_run_cannot_be_reloaded(tmp_path, caplog):
+  # evaluate, sample and tables reload a run in a fresh process, where the name is unknown:
+  # said when training starts, not found out at the first evaluate.
+  path = tmp_path / "e.py"
+  path.write_text(USER_ENERGY.format(scale="1.0"))
+  energies.register("test_reload_name", "attention", _scaled_energy)
+  try:
+    for name, warned in (("test_reload_name", True), ("softmax", False),
+                         (f"{path}:energy", False)):
+      caplog.clear()
+      with caplog.at_level(logging.WARNING):
+        train._warn_unreloadable(tiny_config("cem", **{"model.attention_energy": name}))
+      said = [r.getMessage() for r in caplog.records]
+      assert said == ([f"model.attention_energy='{name}' is a name registered in this process: "
+                       "evaluate, sample and tables cannot reload this run; name the energy by "
+                       "its 'file.py:function' to reload it"] if warned else []), name
+    # The slot not in use is not looked at (a Llama, or cem_attention=False).
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      train._warn_unreloadable(tiny_config("cem", **{"model.attention_energy":
+                                                     "test_reload_name",
+                                                     "model.cem_attention": False}))
+    assert not caplog.records
+  finally:
+    energies.registry._REGISTRY.pop("test_reload_name", None)
+
+
 def test_source_digest_pins_wrapped_energies_and_says_when_it_cannot(caplog):
   import functools
   namespace = {}
@@ -655,8 +792,10 @@ def test_source_digest_pins_wrapped_energies_and_says_when_it_cannot(caplog):
   assert digests["exec"] is None and "keeps no source" in caplog.text
   pinned = {k: v for k, v in digests.items() if k != "exec"}
   assert all(pinned.values())
-  # The wrapped function's own source: the same for the three wrappers of _scaled_energy.
-  assert pinned["partial"] == pinned["custom_jvp"] == pinned["jit"] != pinned["object"]
+  # The wrapped function's own source: the same for two wrappers of _scaled_energy; the
+  # partial's scale=2.0 is part of the energy.
+  assert pinned["custom_jvp"] == pinned["jit"] != pinned["object"]
+  assert pinned["partial"] != pinned["jit"]
   assert energies.source_digest("softmax", "attention") is None  # built-in: pinned by tests
 
 

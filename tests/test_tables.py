@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config, write_metrics
 
-from cem_jax import tables
+from cem_jax import energies, tables, train
 from cem_jax.version import NUMERICS_VERSION
 
 D, L, F, H = 128, 4, 512, 4  # the tiny scale
@@ -263,6 +263,9 @@ def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data,
   results = tables.run_table(module, "toy", "tiny", 2, workdir)
   assert sorted((r["row"], r["seed"]) for r in results) == [
       ("cem", 0), ("cem", 1), ("llama", 0), ("llama", 1)]
+  # Built-in energies only: the record is empty (a user energy's is tested below).
+  assert all(r["energy_digests"] == {} and r["energy_digest_version"] == energies.DIGEST_VERSION
+             for r in results)
   rows = tables.aggregate(module, "tiny", results)
   paths = tables.write_outputs(workdir, "toy", rows,
                                tables.eval_curves(workdir, "toy", module, 2), "toy table")
@@ -541,6 +544,41 @@ def test_a_result_on_other_text_under_the_same_file_name_is_not_reused(tmp_path)
   # The same text in another folder is the same data.
   tables._read_result(str(run / "result.json"), "another digest", now["c"])
   assert tables._finished_run(str(tmp_path / "w"), "another digest", now["c"]) == str(run)
+
+
+def test_a_result_of_an_energy_edited_since_is_not_reused(tmp_path, monkeypatch):
+  # A row's energy file edited between two table commands (a constant the energy reads, here)
+  # has the same config: without the record, the second command printed the old numbers.
+  energy = tmp_path / "mine.py"
+  source = ("import jax.numpy as jnp\nTAU = {}\n\n\ndef energy(y, context, params, aux):\n"
+            "  return TAU * jnp.sum(y ** 2)\n")
+  energy.write_text(source.format("2.0"))
+  trained = tiny_config("cem", **{"model.attention_energy": f"{energy}:energy"})
+  run = tmp_path / "w" / "toy" / "cem" / "seed0"
+  run.mkdir(parents=True)
+  (run / "config.json").write_text(trained.to_json())
+  result = {"row": "cem", "seed": 0, "eval/loss": 3.0, "eval/bits_per_byte": 1.5,
+            "tokens_per_sec": 1.0, "config_digest": tables.config_digest(trained),
+            "numerics_version": NUMERICS_VERSION}
+  (run / "result.json").write_text(json.dumps(result))
+  path, digest = str(run / "result.json"), tables.config_digest(trained)
+  now = tiny_config("cem", **{"model.attention_energy": f"{energy}:energy"})
+  # Without a record (a run from before it): judged by its config.
+  tables._read_result(path, digest, now)
+  result["energy_digests"] = train.energy_digests(trained)
+  result["energy_digest_version"] = energies.DIGEST_VERSION
+  (run / "result.json").write_text(json.dumps(result))
+  tables._read_result(path, digest, now)
+  assert tables._finished_run(str(tmp_path / "w"), digest, now) == str(run)
+  # The file edited, as a new process would import it (a path is imported once a process).
+  module_globals = energies.get(f"{energy}:energy", "attention").energy.__globals__
+  monkeypatch.setitem(module_globals, "TAU", 0.25)
+  with pytest.raises(ValueError, match=(
+      r"seed0/result.json was trained with another version of model.attention_energy \(the "
+      r"energy's source, or a constant or helper it reads, changed since\); use a new "
+      r"--workdir, or delete that run to train it again$")):
+    tables._read_result(path, digest, now)
+  assert tables._finished_run(str(tmp_path / "w"), digest, now) is None
 
 
 def test_a_run_from_older_numerics_is_retrained_not_reused(tmp_path, shared_data, monkeypatch,

@@ -1,8 +1,9 @@
 """Energies as pure functions ``E(y, context, params, aux) -> scalar`` (no Flax, no state).
 
-See :mod:`cem_jax.energies.base` for the signature and shapes, :mod:`.interaction` for the
-log-sum-exp attention energy (and :func:`blockwise_logsumexp`, its online form for long
-sequences), :mod:`.elementwise` for the gated MLP energy and its potentials,
+See :mod:`cem_jax.energies.base` for the signature and shapes and the helpers a user energy
+builds on (:func:`masked_logsumexp`, finite on rows that see no key, and
+:func:`blockwise_logsumexp`, its online form for long sequences), :mod:`.interaction` for the
+log-sum-exp attention energy, :mod:`.elementwise` for the gated MLP energy and its potentials,
 and :mod:`.registry` for looking energies up by name.
 """
 
@@ -11,6 +12,7 @@ from cem_jax.energies.elementwise import POTENTIALS, make_gated_energy, phi_silu
 from cem_jax.energies.interaction import fused_update as interaction_fused_update
 from cem_jax.energies.interaction import interaction_energy
 from cem_jax.energies.registry import (
+    DIGEST_VERSION,
     EnergySpec,
     absolute_name,
     absolute_paths,
@@ -22,6 +24,7 @@ from cem_jax.energies.registry import (
 from cem_jax.energies.rope import apply_rope
 
 __all__ = [
+    "DIGEST_VERSION",
     "EnergyAux",
     "EnergySpec",
     "POTENTIALS",
