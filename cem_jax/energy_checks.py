@@ -17,7 +17,8 @@ blocks before anything is compiled for training:
   row's last document's update must not change with the documents before it; an energy that
   builds its own mask or RoPE positions, ignores ``aux.mask``, looks ahead or crosses
   documents fails; so does an update that is not finite (NaN or inf) in either layout, padding
-  and rows that see no key included.
+  and rows that see no key included, an energy whose value is not finite there, and an
+  energy whose update ignores a configured diagonal (``params['diag']``).
 Built-ins (``EnergySpec.builtin``) skip the numerical checks: tests/test_energies.py verifies
 them.
 """
@@ -54,8 +55,9 @@ FUSED_RTOL = 1e-3
 _DECODING = "as in cached decoding (python -m cem_jax.sample)"
 _PER_TOKEN_HINT = ("an MLP energy must be a sum of per-token terms (token i's gate input is "
                    "context[:, i], its own state)")
-_MASK_HINT = ("build masks from aux.mask (not jnp.tril of y's length) and RoPE angles from "
-              "aux.positions (y) and aux.context_positions (context)")
+_MASK_HINT = ("build masks from aux.mask (not jnp.tril of y's length), reduce over keys only "
+              "where it is True (no mean or norm over the whole context or the batch), and "
+              "take RoPE angles from aux.positions (y) and aux.context_positions (context)")
 
 
 def _float32_note(m) -> str:
@@ -80,8 +82,9 @@ def validate_energies(config) -> None:
       update that fails, or returns the wrong shape or dtype, in either layout; a user's fused
       update whose maximum relative error against ``-jax.grad(energy)`` exceeds
       :data:`FUSED_RTOL` (or whose reference gradient is not finite); a user's energy whose
-      update in the cached-decoding layout departs from the training layout's by more, or is
-      not finite in either layout.
+      update in the cached-decoding layout departs from the training layout's by more, or
+      whose update or value is not finite in either layout, or whose update does not change
+      with ``params['diag']`` under ``model.diagonal``.
   """
   m = config.model
   slots = []
@@ -195,6 +198,10 @@ def _evaluate_shape(field, spec, fn, what, y, context, shapes, aux, decoding):
     return jax.eval_shape(lambda y_, c_, p_: fn(y_, c_, p_, aux), y, context, shapes)
   except Exception as e:  # the user's function failed on valid shapes: say whose it is
     hint = f"; {_MASK_HINT}" if decoding else ""
+    if isinstance(e, KeyError):  # e.g. an attention energy named in the MLP slot
+      hint = (f"; {field}'s params have the keys {', '.join(sorted(shapes))} (an attention "
+              "energy gets w_q, w_k, eta, beta and diag when configured; an MLP energy w, g, "
+              "eta)")
     raise ValueError(f"{field}={spec.name!r}{what} failed on {_where(y, context, aux, decoding)}"
                      f": {one_line(e)}{hint}") from e
 
@@ -373,13 +380,19 @@ def _causal_values(field, spec, kind, m, shapes, update):
   seq = cache - 1
   segment_ids = _segment_ids(batch, seq)
 
+  # Each returns the update and the energy's value (what train.energy_trace logs): one compile.
   @jax.jit
   def train(y, context, params, segment_ids):
-    return update(y, context, params, training_aux(m, segment_ids, batch, seq))
+    aux = training_aux(m, segment_ids, batch, seq)
+    return update(y, context, params, aux), spec.energy(y, context, params, aux)
 
   @jax.jit
   def decode(y, context, params):
-    return update(y, context, params, decoding_aux(m, batch, new, cache, index))
+    aux = decoding_aux(m, batch, new, cache, index)
+    return update(y, context, params, aux), spec.energy(y, context, params, aux)
+
+  def values(out):
+    return tuple(np.asarray(a, np.float64) for a in out)
 
   def refuse(what: str, rel: float) -> ValueError:
     return ValueError(f"{field}={spec.name!r}: its update {what}: max relative error "
@@ -398,10 +411,10 @@ def _causal_values(field, spec, kind, m, shapes, update):
     try:
       # One document, as decoding sees it (segment ids when training has them: one compile).
       one = jnp.ones((batch, seq), jnp.int32) if m.document_mask else None
-      trained = np.asarray(train(y, context, params, one), np.float64)
+      trained, e_trained = values(train(y, context, params, one))
       want = trained[:, rows]
-      got = np.asarray(decode(y[:, rows], cached if kind == "attention" else context[:, rows],
-                              params), np.float64)
+      got, e_got = values(decode(y[:, rows], cached if kind == "attention" else context[:, rows],
+                                 params))
       # What must not move when the rest changes: each row's last document, or without
       # documents, row 0 when row 1 changes (rows are independent examples).
       if m.document_mask:
@@ -409,18 +422,39 @@ def _causal_values(field, spec, kind, m, shapes, update):
       else:
         keep, seg = np.arange(batch)[:, None] == np.zeros((1, seq), int), None
       change = jnp.asarray(~keep[:, :, None])
-      before = np.asarray(train(y, context, params, seg), np.float64)
-      after = np.asarray(train(jnp.where(change, other[:, :seq], y),
-                               jnp.where(change, -other[:, :seq], context), params, seg),
-                         np.float64)
+      before, e_before = values(train(y, context, params, seg))
+      after, e_after = values(train(jnp.where(change, other[:, :seq], y),
+                                    jnp.where(change, -other[:, :seq], context), params, seg))
+      # A configured diagonal the energy never reads: its parameters would train for nothing.
+      diag_moved = "diag" not in params or not np.array_equal(before, values(train(
+          y, context, {**params, **_random_params({"diag": shapes["diag"]}, rng)}, seg))[0])
     except Exception as e:  # the shape checks ran this code already: rare
       raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
                        f"{_float32_note(m)}: {one_line(e)}") from e
     # A NaN or inf update is no layout mismatch: say what it is (the comparisons below would
     # call it one, or, on rows they do not compare (padding), let it train to a NaN loss).
-    for values, segments in ((trained, None), (before, seg), (after, seg), (got, None)):
-      if not np.all(np.isfinite(values)):
-        raise _not_finite(field, spec, kind, m, update, values, segments, values is got)
+    for found, segments in ((trained, None), (before, seg), (after, seg), (got, None)):
+      if not np.all(np.isfinite(found)):
+        raise _not_finite(field, spec, kind, m, update, found, segments, found is got)
+    layouts = ((e_trained, "inputs"), (e_before, "documents"), (e_after, "documents"),
+               (e_got, "cache"))
+    for energy, layout in layouts:
+      if not np.isfinite(energy):
+        where = {"cache": f"new tokens against a longer cache, {_DECODING}",
+                 "inputs": "[batch, seq_len, d_model] inputs"}.get(layout, (
+                     "[batch, seq_len, d_model] inputs with documents and padding"
+                     if m.document_mask else "[batch, seq_len, d_model] inputs"))
+        raise ValueError(
+            f"{field}={spec.name!r}: the energy's value is {energy} on random float32 {where}"
+            f"{_float32_note(m)}, though its update is finite; an energy must be finite "
+            "(train.energy_trace logs it): on rows that see no key use "
+            "cem_jax.energies.masked_logsumexp (exactly 0 there), not jax.nn.logsumexp of "
+            "scores masked with -inf")
+  if not diag_moved:
+    raise ValueError(
+        f"model.diagonal={m.diagonal!r} has no effect on {field}={spec.name!r}: its update "
+        "does not change with params['diag'] ([num_heads, d_model]); read it in the energy "
+        "or set model.diagonal='none'")
   rel = _relative_error(got, want)
   if not rel <= FUSED_RTOL:  # also NaN
     raise refuse(f"of {new} new tokens at positions {index}.. against a {cache}-slot cache, "

@@ -2,7 +2,10 @@
 (or ``python -m cem_jax.summary``; ``cem_jax/inspect.py`` is a shim kept for that command).
 
 Prints every parameter (path, shape, count, logical axes, sharding on the configured mesh),
-the totals (all, non-embedding, attention, MLP) and the analytic FLOPs per token. The model
+the totals (all, non-embedding, attention, MLP), the analytic FLOPs per token and, for a CEM
+block, each energy and how its update is computed. It runs the start-up checks first
+(:func:`cem_jax.preflight.check`: a user energy's causality, finiteness and closed form), so
+it is the quick way to check an energy without training. The model
 is built abstractly (``nnx.eval_shape``): nothing is allocated, so a 125M config inspects in
 seconds on a laptop. ``--vocab_size`` stands in for the tokenizer's size (default:
 ``data.vocab_size``); ``--num_devices=N`` lays the mesh out for N devices (an abstract mesh:
@@ -17,14 +20,15 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from cem_jax import axes, cli, model_stats, preflight, sharding
+from cem_jax import axes, cli, energies, model_stats, preflight, sharding, updates
 from cem_jax.model import DecoderLM
 
 
 def summary(config, vocab_size: int | None = None, devices=None,
             num_devices: int | None = None) -> dict:
   """Returns ``{'rows': [...], 'totals': {...}, 'flops_per_token': {...}, 'mesh': shape,
-  'num_layers': L, 'unique_blocks': G}`` (G < L: shared depth, layer l runs block l % G).
+  'num_layers': L, 'unique_blocks': G, 'energies': [...]}`` (G < L: shared depth, layer l
+  runs block l % G; ``energies``: :func:`_energies`).
   ``flops_per_token``: ``forward`` (analytic, :mod:`cem_jax.model_stats`) and ``train``
   (3× forward) FLOPs per token.
 
@@ -76,7 +80,23 @@ def summary(config, vocab_size: int | None = None, devices=None,
   forward = model_stats.flops_per_token(config.model, vocab, config.data.seq_len)
   return {"rows": rows, "totals": totals, "mesh": dict(mesh.shape),
           "num_layers": config.model.num_layers, "unique_blocks": len(model.blocks),
-          "flops_per_token": {"forward": forward, "train": 3 * forward}}
+          "flops_per_token": {"forward": forward, "train": 3 * forward},
+          "energies": _energies(config.model)}
+
+
+def _energies(m) -> list[dict]:
+  """The CEM slots' energies (``field``, ``name``, ``update``: 'closed form' or 'jax.grad',
+  ``builtin``), as the model resolves them; [] for a Llama block."""
+  if m.block != "cem":
+    return []
+  out = []
+  for kind, used in (("attention", m.cem_attention), ("mlp", m.cem_mlp)):
+    if used:
+      spec = energies.get(m[f"{kind}_energy"], kind, f"model.{kind}_energy")
+      fused = updates.resolve_update(spec, m.update_mode) is spec.fused_update
+      out.append({"field": f"model.{kind}_energy", "name": spec.name, "builtin": spec.builtin,
+                  "update": "closed form" if fused else "jax.grad"})
+  return out
 
 
 def format_summary(s: dict) -> str:
@@ -98,6 +118,13 @@ def format_summary(s: dict) -> str:
       f"FLOPs per token: {s['flops_per_token']['forward'] / 1e6:.2f} M forward, "
       f"{s['flops_per_token']['train'] / 1e6:.2f} M per training token",
   ]
+  for e in s["energies"]:
+    checked = ("built-in, verified by tests/test_energies.py" if e["builtin"] else
+               "a user energy: the start-up checks passed")
+    lines.append(f"{e['field']}={e['name']!r}: update by {e['update']} ({checked})")
+  if any(not e["builtin"] for e in s["energies"]):
+    lines.append("(FLOPs count the built-in energies' operations: a user energy's own cost "
+                 "is not modelled)")
   return "\n".join(lines)
 
 

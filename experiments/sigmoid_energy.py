@@ -25,10 +25,12 @@ def energy(y, context, params, aux):
   """Softplus interaction energy; shapes as every energy (``cem_jax.energies.base``).
 
   Args:
-    y, context: ``[batch, seq_len, d_model]``.
+    y: ``[batch, seq_len, d_model]``; context: ``[batch, context_len, d_model]`` (the whole
+      cache in cached decoding).
     params: ``w_q``, ``w_k`` ``[d_model, num_heads, head_dim]``, ``eta``, ``beta``
       ``[num_heads]``.
-    aux: ``aux.mask`` ``[batch, seq_len, seq_len]``, ``aux.positions``, ``aux.rope_theta``.
+    aux: ``aux.mask`` ``[batch, seq_len, context_len]``, ``aux.positions``,
+      ``aux.context_positions``, ``aux.rope_theta``.
   Returns:
     ``[]`` float32, summed over batch, positions and heads.
   """

@@ -237,7 +237,8 @@ def test_registry_lookup_and_errors():
   # evaluate, sample and tables reload a run in a fresh process: a name registered from Python
   # in the training process is unknown there, and the error says why and what to use instead.
   with pytest.raises(ValueError, match=r"exists only in the process that registered it: a run "
-                                       r"trained with one is reloaded by naming its "
+                                       r"that evaluate, sample or tables reload must be "
+                                       r"trained with the energy named by its "
                                        r"'file\.py:function'\)$"):
     energies.get("nope", "attention", "model.attention_energy")
   with pytest.raises(ValueError, match="'softmax' is an attention energy, not an mlp energy$"):
@@ -335,7 +336,7 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import spence
 
-from cem_jax.energies import apply_rope, blockwise_logsumexp
+from cem_jax.energies import apply_rope, blockwise_logsumexp, interaction_energy
 
 
 def _qk(y, context, params):
@@ -375,6 +376,16 @@ def quad_fused_update(y, context, params, aux):
 
 zero, noeta, causal_n, summed, nanned = quad, quad, quad, quad, quad
 eta_swapped, beta_swapped = quad, quad
+
+
+def inf_on_empty_rows(y, context, params, aux):  # the update finite, the value +inf
+  s, _ = _scores(y, context, params, aux)
+  lse = jax.nn.logsumexp(jnp.where(aux.mask[:, None], s, -jnp.inf), axis=-1)
+  return -jnp.sum(params["eta"][:, None] * lse)
+
+
+def softmax_copy(y, context, params, aux):  # the built-in energy under a user's name
+  return interaction_energy(y, context, params, aux)
 
 
 def nan_when_decoding(y, context, params, aux):  # finite while training, NaN against a cache
@@ -538,13 +549,13 @@ def cumsum_exact_fused_update(y, context, params, aux):
   return -jax.grad(gate_cumsum)(y, context, params, aux)
 
 
-def _lse(y, context, params, mask, block_size):  # block_size 0: all keys in one block
+def _lse(y, context, params, mask, block_size):  # block_size 0: the dense scores
   q, k = _qk(y, context, params)
-  lse = blockwise_logsumexp(q, k, mask, block_size or k.shape[1], params["beta"])
+  lse = blockwise_logsumexp(q, k, mask, block_size, params["beta"])
   return -jnp.sum(params["eta"][None, :, None] * lse)
 
 
-def lse_blocks(y, context, params, aux):  # reads aux.energy_block_size (all keys when 0)
+def lse_blocks(y, context, params, aux):  # reads aux.energy_block_size (dense when 0)
   return _lse(y, context, params, aux.mask, aux.energy_block_size)
 
 
@@ -789,6 +800,45 @@ def test_energy_whose_update_is_not_finite_is_refused_at_start_up(tmp_path, slot
   # Without empty rows (no documents, no strict causality), masking by a product is finite.
   if slot == "attention" and extra:
     preflight.check(_user_config(tmp_path, attention_energy=name, document_mask=False))
+
+
+@pytest.mark.parametrize("extra,where", [
+    ({}, "[batch, seq_len, d_model] inputs with documents and padding"),
+    ({"document_mask": False, "strict_causal": True}, "[batch, seq_len, d_model] inputs")])
+def test_an_energy_whose_value_is_not_finite_is_refused_at_start_up(tmp_path, extra, where):
+  """jax.nn.logsumexp of -inf-masked scores: a finite update (jnp.where keeps the gradient
+  of empty rows 0) but a +inf energy on rows that see no key, which train.energy_trace logged
+  as a missing value without a word."""
+  message = _refusal(_user_config(tmp_path, attention_energy="inf_on_empty_rows", **extra))
+  assert message.startswith(
+      f"model.attention_energy='{tmp_path}/user_fused.py:inf_on_empty_rows': the energy's "
+      f"value is inf on random float32 {where}, though its update is finite; an energy must "
+      "be finite (train.energy_trace logs it): on rows that see no key use "
+      "cem_jax.energies.masked_logsumexp"), message
+  # Every row sees a key: finite, accepted.
+  preflight.check(_user_config(tmp_path, attention_energy="inf_on_empty_rows",
+                               document_mask=False))
+
+
+@pytest.mark.parametrize("diagonal", ["per_head", "shared"])
+def test_a_diagonal_the_energy_never_reads_is_refused_at_start_up(tmp_path, diagonal):
+  """model.diagonal adds params['diag'] to the attention slot: an energy that ignores it
+  trained the diagonal's parameters for nothing, silently (as energy_block_size was)."""
+  message = _refusal(_user_config(tmp_path, attention_energy="quad", diagonal=diagonal))
+  assert message == (
+      f"model.diagonal='{diagonal}' has no effect on model.attention_energy='{tmp_path}/"
+      "user_fused.py:quad': its update does not change with params['diag'] ([num_heads, "
+      "d_model]); read it in the energy or set model.diagonal='none'")
+  preflight.check(_user_config(tmp_path, attention_energy="softmax_copy", diagonal=diagonal))
+
+
+def test_an_energy_in_the_wrong_slot_names_the_slots_parameters(tmp_path):
+  message = _refusal(_user_config(tmp_path, mlp_energy="quad"))
+  assert message == (
+      f"model.mlp_energy='{tmp_path}/user_fused.py:quad' failed on [batch, seq_len, d_model] "
+      "inputs: KeyError: 'w_q'; model.mlp_energy's params have the keys eta, g, w (an "
+      "attention energy gets w_q, w_k, eta, beta and diag when configured; an MLP energy w, "
+      "g, eta)")
 
 
 def test_an_update_not_finite_only_in_cached_decoding_is_refused_as_not_finite(tmp_path):

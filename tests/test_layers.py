@@ -369,3 +369,20 @@ def test_per_step_attention_eta_beyond_t_is_the_last_steps():
   for step, used in [(0, 0), (1, 1), (2, 1), (3, 1), (5, 1)]:
     np.testing.assert_allclose(np.asarray(attn.energy_params(step, jnp.float32)["eta"]),
                                np.logaddexp(0.0, raw[used]), rtol=1e-6)
+
+
+def test_the_aux_positions_a_user_energy_reads_are_absolute_token_positions():
+  # The built-ins see only i - j (RoPE), so shifting every position passed every other test;
+  # EnergyAux.positions is public, and a user energy may read absolute positions.
+  from cem_jax.model import decoding_aux, training_aux
+  cfg = get_default_config().model
+  segment_ids = jnp.asarray([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1]], jnp.int32)
+  for ids in (None, segment_ids):
+    aux = training_aux(cfg, ids, 2, 6)
+    np.testing.assert_array_equal(np.asarray(aux.positions), np.tile(np.arange(6), (2, 1)))
+    np.testing.assert_array_equal(np.asarray(aux.context_positions), np.asarray(aux.positions))
+  aux = decoding_aux(cfg, 2, 3, 8, 4)  # 3 new tokens at positions 4, 5, 6 of an 8-slot cache
+  np.testing.assert_array_equal(np.broadcast_to(np.asarray(aux.positions), (2, 3)),
+                                np.tile([4, 5, 6], (2, 1)))
+  np.testing.assert_array_equal(np.broadcast_to(np.asarray(aux.context_positions), (2, 8)),
+                                np.tile(np.arange(8), (2, 1)))

@@ -76,6 +76,33 @@ def test_inspect_cli_prints_the_summary():
   assert "--num_devices: Lay the mesh out" in proc.stdout
 
 
+def test_inspect_names_each_energy_and_its_update(tmp_path):
+  # A newcomer checks an energy with inspect: it runs the start-up checks, and says which
+  # update each slot uses and that the FLOPs are the built-ins'.
+  path = tmp_path / "mine.py"
+  path.write_text("import jax.numpy as jnp\n\n\ndef energy(y, context, params, aux):\n"
+                  "  return 0.5 * jnp.sum(y ** 2)\n")
+  cases = [({}, ["model.attention_energy='softmax': update by closed form (built-in, "
+                 "verified by tests/test_energies.py)",
+                 "model.mlp_energy='silu': update by closed form (built-in, verified by "
+                 "tests/test_energies.py)"]),
+           ({"model.update_mode": "autodiff", "model.cem_attention": False},
+            ["model.mlp_energy='silu': update by jax.grad (built-in, verified by "
+             "tests/test_energies.py)"]),
+           ({"model.mlp_energy": f"{path}:energy"},
+            ["model.attention_energy='softmax': update by closed form (built-in, verified by "
+             "tests/test_energies.py)",
+             f"model.mlp_energy='{path}:energy': update by jax.grad (a user energy: the "
+             "start-up checks passed)",
+             "(FLOPs count the built-in energies' operations: a user energy's own cost is not "
+             "modelled)"])]
+  for overrides, want in cases:
+    lines = summary_lib.format_summary(summary_lib.summary(tiny_config("cem", **overrides),
+                                                           300)).splitlines()
+    assert lines[lines.index(next(x for x in lines if x.startswith("FLOPs"))) + 1:] == want
+  assert summary_lib.summary(tiny_config("llama"), 300)["energies"] == []
+
+
 def test_inspect_rows_and_text_name_axes_sharding_blocks_and_flops():
   s = summary_lib.summary(tiny_config("llama"), vocab_size=300)
   rows = {r["path"]: r for r in s["rows"]}

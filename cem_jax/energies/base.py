@@ -127,25 +127,30 @@ def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask: jax.Array, block_size:
       (``preferred_element_type``) whatever its dtype.
     k: ``[batch, s, heads, e]``, same dtype as ``q``.
     mask: ``[batch, t, s]`` bool, True where query ``i`` sees key ``j``.
-    block_size: keys per block (>= 1; at most ``s`` is used); ``s`` is padded with invisible
-      keys to a multiple.
+    block_size: keys per block (>= 1; at most ``s`` is used; ``s`` is padded with invisible
+      keys to a multiple), or 0 for the dense ``[batch, heads, t, s]`` scores at once
+      (``model.energy_block_size``'s default: an energy passes ``aux.energy_block_size`` on
+      and follows the setting).
     scale: a float or ``[heads]`` float32 inverse temperature, applied to the float32 scores.
   Returns:
     ``[batch, heads, t]`` float32.
   Raises:
-    ValueError: ``block_size`` < 1.
+    ValueError: ``block_size`` < 0.
   """
-  if block_size < 1:
-    raise ValueError(f"block_size={block_size}; allowed: an int >= 1")
+  if block_size < 0:
+    raise ValueError(f"block_size={block_size}; allowed: 0 (dense scores) or an int >= 1")
   b, t, h, e = q.shape
   s = k.shape[1]
+  scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (h,))[None, :, None, None]
+  if block_size == 0:
+    scores = jnp.einsum("bthe,bshe->bhts", q, k, preferred_element_type=jnp.float32)
+    return masked_logsumexp(scores * scale, mask[:, None])
   block_size = min(block_size, s)  # never pad a short sequence up to one long block
   nb = -(-s // block_size)
   pad = nb * block_size - s
   if pad:
     k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
     mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
-  scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (h,))[None, :, None, None]
   k_blocks = jnp.moveaxis(k.reshape(b, nb, block_size, h, e), 1, 0)
   m_blocks = jnp.moveaxis(mask.reshape(b, t, nb, block_size), 2, 0)
 
