@@ -198,7 +198,9 @@ def _evaluate_shape(field, spec, fn, what, y, context, shapes, aux, decoding):
     return jax.eval_shape(lambda y_, c_, p_: fn(y_, c_, p_, aux), y, context, shapes)
   except Exception as e:  # the user's function failed on valid shapes: say whose it is
     hint = f"; {_MASK_HINT}" if decoding else ""
-    if isinstance(e, KeyError):  # e.g. an attention energy named in the MLP slot
+    slot_keys = {"w_q", "w_k", "eta", "beta", "diag", "w", "g"}
+    if isinstance(e, KeyError) and e.args and e.args[0] in slot_keys - set(shapes):
+      # e.g. an attention energy named in the MLP slot, or 'diag' without model.diagonal
       hint = (f"; {field}'s params have the keys {', '.join(sorted(shapes))} (an attention "
               "energy gets w_q, w_k, eta, beta and diag when configured; an MLP energy w, g, "
               "eta)")

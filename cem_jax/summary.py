@@ -118,6 +118,8 @@ def format_summary(s: dict) -> str:
       f"FLOPs per token: {s['flops_per_token']['forward'] / 1e6:.2f} M forward, "
       f"{s['flops_per_token']['train'] / 1e6:.2f} M per training token",
   ]
+  if not s["energies"]:
+    lines.append("energies: none (no CEM sub-layer)")
   for e in s["energies"]:
     checked = ("built-in, verified by tests/test_energies.py" if e["builtin"] else
                "a user energy: the start-up checks passed")

@@ -261,6 +261,10 @@ def _read_result(path: str, digest: str | None = None, config=None) -> dict:
   if wrong:  # else a TypeError deep in the table's statistics
     raise ValueError(f"{path} has {', '.join(wrong)}; allowed: a string row, an integer seed "
                      "and numbers; delete it to train that run again")
+  digests = result.get("energy_digests", {})
+  if not (isinstance(digests, dict) and all(isinstance(v, str) for v in digests.values())):
+    raise ValueError(f"{path} has energy_digests={digests!r}; allowed: an object of strings; "
+                     "delete it to train that run again")
   otherwise = _trained_otherwise(path, result, digest, config)
   if otherwise:
     raise ValueError(otherwise)
@@ -418,7 +422,7 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
                 "reused_from": os.path.relpath(source, out)}
     else:
       logging.info("table %s: row %s seed %d -> %s", table, row, seed, out)
-      trained_with = train.energy_digests(cfg)  # before training: the file may change meanwhile
+      trained_with = train.energy_digests(cfg)
       final = train.train_and_evaluate(cfg, out)
       if not has_final_eval(out, cfg.train.num_steps):
         # Preempted (SIGTERM): the run saved a checkpoint and returned early. Writing its

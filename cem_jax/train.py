@@ -376,8 +376,13 @@ def _check_same_model(saved: dict, config: ml_collections.ConfigDict, energies_n
   changes = [] if saved.get("config") is None else config_lib.model_changes(saved["config"],
                                                                              config)
   now = energies_now
-  if saved.get("energies") and saved.get("energy_digest_version", 1) != energies.DIGEST_VERSION:
-    now = energy_digests(config, saved.get("energy_digest_version", 1))
+  version = saved.get("energy_digest_version", 1)
+  if saved.get("energies") and version != energies.DIGEST_VERSION:
+    if version not in (1, energies.DIGEST_VERSION):
+      raise ValueError(f"checkpoint {checkpoint} records energy digests of version {version!r}, "
+                       f"this code knows 1 and {energies.DIGEST_VERSION}: resume it with the "
+                       "code that saved it")
+    now = energy_digests(config, version)
   changes += [f"{k}: its source changed (sha256 {v[:12]} -> {now[k][:12]})"
               for k, v in sorted(saved.get("energies", {}).items())
               if k in now and now[k] != v]

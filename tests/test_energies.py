@@ -384,6 +384,10 @@ def inf_on_empty_rows(y, context, params, aux):  # the update finite, the value 
   return -jnp.sum(params["eta"][:, None] * lse)
 
 
+def own_key_error(y, context, params, aux):  # a KeyError of the energy's own
+  return {"bilinear": 1.0}["distance"] * quad(y, context, params, aux)
+
+
 def softmax_copy(y, context, params, aux):  # the built-in energy under a user's name
   return interaction_energy(y, context, params, aux)
 
@@ -833,6 +837,9 @@ def test_a_diagonal_the_energy_never_reads_is_refused_at_start_up(tmp_path, diag
 
 
 def test_an_energy_in_the_wrong_slot_names_the_slots_parameters(tmp_path):
+  # Only a key of the other slot's params gets the hint: the energy's own KeyError is its own.
+  message = _refusal(_user_config(tmp_path, attention_energy="own_key_error"))
+  assert message.endswith("failed on [batch, seq_len, d_model] inputs: KeyError: 'distance'")
   message = _refusal(_user_config(tmp_path, mlp_energy="quad"))
   assert message == (
       f"model.mlp_energy='{tmp_path}/user_fused.py:quad' failed on [batch, seq_len, d_model] "

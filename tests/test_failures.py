@@ -710,6 +710,108 @@ def test_source_digest_pins_the_constants_helpers_and_rules_an_energy_reads(tmp_
     energies.source_digest(f"{tmp_path / 'e0.py'}:energy", "attention", version=3)
 
 
+READS = """
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MEMO = {{}}  # filled when traced: not an edit
+KEY = jax.random.key({key})
+SCALE = {scale_value}
+NAMES = np.array(["a", {name!r}], dtype=object)
+LOOP = [1]
+LOOP.append(LOOP)
+
+
+def _sq(x):
+  return x ** {power}
+
+
+ACTS = {{"sq": _sq}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hp:
+  tau: float = 1.0
+
+
+HP = Hp(tau={tau})
+WORDS = frozenset({{"alpha", "beta", "gamma"}})  # iterated in another order by each process
+
+
+FACTOR = {factor}
+
+
+class Energy:
+  def __call__(self, y, context, params, aux):
+    return FACTOR * jnp.sum(y ** 2)
+
+
+class Anything:
+  def __getattr__(self, name):  # answers every attribute
+    return self
+
+
+ANY = Anything()
+
+
+def _base(y, context, params, aux, phi, scale, helper):
+  return scale * jnp.sum(phi(helper(y)))
+
+
+def energy(y, context, params, aux):
+  MEMO[y.shape] = MEMO.get(y.shape, 0) + 1
+  noise = jax.random.normal(KEY, y.shape[-1:])
+  return jnp.sum(ACTS["sq"](y) * HP.tau * SCALE) + 0.0 * jnp.sum(noise) + 0 * len(NAMES) + (
+      0 * len(LOOP)) + 0 * (ANY is None) + 0 * len(WORDS)
+
+
+called = Energy()
+mixed = functools.partial(_base, phi=jnp.tanh, scale={scale}, helper=_sq)
+"""
+
+
+def test_what_an_energy_reads_through_containers_objects_and_partials_is_pinned(tmp_path):
+  # An adversarial review's cases: each edit below went unnoticed, or the digest crashed
+  # (a PRNG key), recursed without end (a list holding itself, an object answering every
+  # attribute) or changed with nothing edited (a memo that tracing fills).
+  base = {"key": "0", "scale": "2.0", "scale_value": "np.float64(2.0)", "name": "b",
+          "power": "2", "tau": "2.0", "factor": "1.0"}
+  names = ("energy", "called", "mixed")
+
+  def digests(traced=False, **edit):
+    path = tmp_path / f"r{len(list(tmp_path.iterdir()))}.py"
+    path.write_text(READS.format(**{**base, **edit}))
+    if traced:  # as preflight and training do before a tables run records the digest
+      y = jnp.ones((1, 3, 4))
+      energies.get(f"{path}:energy", "attention").energy(y, y, {}, None)  # fills MEMO
+    return {n: energies.source_digest(f"{path}:{n}", "attention") for n in names}
+
+  first = digests()
+  assert first == digests(traced=True) and all(first.values())
+  changed = lambda **edit: {n for n, d in digests(**edit).items() if d != first[n]}  # noqa: E731
+  assert changed(key="1") == {"energy"}  # a PRNG key, by its key data
+  assert changed(name="c") == {"energy"}  # an object array, by its elements
+  assert changed(power="3") == {"energy", "mixed"}  # a helper in a dict; a partial's helper
+  assert changed(tau="3.0") == {"energy"}  # a frozen dataclass's field
+  assert changed(factor="2.0") == {"called"}  # a callable object's __call__
+  assert changed(scale_value="np.float64(3.0)") == {"energy"}  # a NumPy scalar
+  assert changed(scale="3.0") == {"mixed"}  # a partial's number
+  # A NumPy scalar counts by value, as a 0-d array (its repr changed with NumPy 2).
+  assert changed(scale_value="np.array(2.0)") == set()
+  # Another process (another hash seed: a set's order) gives the same digests.
+  path = tmp_path / "r0.py"
+  proc = subprocess.run(
+      [sys.executable, "-c", "from cem_jax import energies; print([energies.source_digest("
+       f"'{path}:' + n, 'attention') for n in {names!r}])"],
+      capture_output=True, text=True, timeout=300, env=subprocess_env(PYTHONHASHSEED="7"))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.strip().splitlines()[-1] == repr([first[n] for n in names])
+
+
 def test_a_checkpoint_of_the_first_digest_version_resumes_unless_the_function_changed(
     tmp_path):
   # Checkpoints saved before version 2 hold source-only digests: compared as such, the same
@@ -739,6 +841,12 @@ def test_a_checkpoint_of_the_first_digest_version_resumes_unless_the_function_ch
   with pytest.raises(ValueError, match=r"^checkpoint ck is another model \(model.attention_"
                                        r"energy: its source changed \(sha256 "):
     train._check_same_model(new, tau, train.energy_digests(tau), "ck")
+  # A checkpoint of newer code (a digest version this code does not know): said, naming it.
+  with pytest.raises(ValueError, match=r"^checkpoint ck records energy digests of version 3, "
+                                       r"this code knows 1 and 2: resume it with the code that "
+                                       r"saved it$"):
+    train._check_same_model({**new, "energy_digest_version": 3}, cfg,
+                            train.energy_digests(cfg), "ck")
 
 
 def test_training_with_a_registered_name_says_the_run_cannot_be_reloaded(tmp_path, caplog):
@@ -773,6 +881,7 @@ def test_source_digest_pins_wrapped_energies_and_says_when_it_cannot(caplog):
   namespace = {}
   exec("def no_file(y, context, params, aux):\n  return 0.0 * y.sum()", namespace)  # noqa: S102
   wrapped = {
+      "plain": _scaled_energy,
       "partial": functools.partial(_scaled_energy, scale=2.0),
       "custom_jvp": jax.custom_jvp(_scaled_energy),
       "jit": jax.jit(_scaled_energy),
@@ -792,10 +901,10 @@ def test_source_digest_pins_wrapped_energies_and_says_when_it_cannot(caplog):
   assert digests["exec"] is None and "keeps no source" in caplog.text
   pinned = {k: v for k, v in digests.items() if k != "exec"}
   assert all(pinned.values())
-  # The wrapped function's own source: the same for two wrappers of _scaled_energy; the
-  # partial's scale=2.0 is part of the energy.
-  assert pinned["custom_jvp"] == pinned["jit"] != pinned["object"]
-  assert pinned["partial"] != pinned["jit"]
+  # jax.jit computes the function it wraps: the same digest; the partial's scale=2.0 and the
+  # custom_jvp's rules (none here) are part of the energy; so is the object's class.
+  assert pinned["jit"] == pinned["plain"]
+  assert len({pinned[k] for k in ("plain", "partial", "custom_jvp", "object", "lambda")}) == 5
   assert energies.source_digest("softmax", "attention") is None  # built-in: pinned by tests
 
 

@@ -415,6 +415,15 @@ def test_a_damaged_result_is_a_clear_error_not_a_crash(tmp_path, shared_data):
   assert str(e.value) == (
       f"{bad} has eval/loss='3.0', eval/bits_per_byte=None, tokens_per_sec=True, seed='0'; "
       "allowed: a string row, an integer seed and numbers; delete it to train that run again")
+  # The energy record edited by hand: named, not an AttributeError when it is compared.
+  for digests in (["x"], {"model.attention_energy": 1}):
+    bad.write_text(json.dumps({"row": "llama", "seed": 0, "eval/loss": 3.0,
+                               "eval/bits_per_byte": 1.5, "tokens_per_sec": 1.0,
+                               "config_digest": "x", "energy_digests": digests}))
+    with pytest.raises(ValueError) as e:
+      tables._read_result(str(bad))
+    assert str(e.value) == (f"{bad} has energy_digests={digests!r}; allowed: an object of "
+                            "strings; delete it to train that run again")
 
 
 def test_a_result_with_integer_numbers_is_read_and_a_bool_seed_or_a_number_row_refused(
@@ -570,9 +579,11 @@ def test_a_result_of_an_energy_edited_since_is_not_reused(tmp_path, monkeypatch)
   (run / "result.json").write_text(json.dumps(result))
   tables._read_result(path, digest, now)
   assert tables._finished_run(str(tmp_path / "w"), digest, now) == str(run)
-  # The file edited, as a new process would import it (a path is imported once a process).
+  # The file edited, as a new process would import it (a path is imported, and what its
+  # energy reads is pinned, once a process).
   module_globals = energies.get(f"{energy}:energy", "attention").energy.__globals__
   monkeypatch.setitem(module_globals, "TAU", 0.25)
+  monkeypatch.setattr(energies.digest, "_PINNED", {})
   with pytest.raises(ValueError, match=(
       r"seed0/result.json was trained with another version of model.attention_energy \(the "
       r"energy's source, or a constant or helper it reads, changed since\); use a new "

@@ -114,7 +114,8 @@ def test_inspect_rows_and_text_name_axes_sharding_blocks_and_flops():
   assert "blocks: 2 unique, 2 layers" in lines
   # L(8d² + 6df + 4nd) + 2dV = 235,008 forward FLOPs a token (d=64, f=128, n=64, L=2, V=300);
   # a training token 3x that: 705,024.
-  assert lines[-1] == "FLOPs per token: 0.24 M forward, 0.71 M per training token"
+  assert lines[-2:] == ["FLOPs per token: 0.24 M forward, 0.71 M per training token",
+                        "energies: none (no CEM sub-layer)"]
   shared = summary_lib.summary(tiny_config("llama", **{"model.num_unique_blocks": 1}), 300)
   assert "blocks: 1 unique, 2 layers (layer l runs block l % 1)" in (
       summary_lib.format_summary(shared).splitlines())

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import os
 import sys
 from collections.abc import Callable
 
-import jax
-import numpy as np
 from absl import logging
 
-from cem_jax.energies import elementwise, interaction
+from cem_jax.energies import digest, elementwise, interaction
+from cem_jax.energies.digest import DIGEST_VERSION
 
 KINDS = ("attention", "mlp")
 # Errors name a kind with its article; both are read with a vowel sound ("an em-el-pee").
@@ -70,6 +67,9 @@ def _register(name, kind, energy, fused_update, *, builtin: bool) -> EnergySpec:
   if name in _REGISTRY:
     raise ValueError(f"energy name {name!r} is already registered")
   spec = EnergySpec(name, kind, energy, fused_update, builtin)
+  if not builtin:  # what it reads, before anything traces it (cem_jax.energies.digest)
+    digest.pin(energy)
+    digest.pin(fused_update)
   _REGISTRY[name] = spec
   return spec
 
@@ -148,7 +148,10 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
     if not callable(fn):
       raise ValueError(f"{field}={name!r}: module {module_name!r} has no function {fn_name!r}")
     fused = getattr(module, f"{fn_name}_fused_update", None)
-    return EnergySpec(name, kind, fn, fused if callable(fused) else None)
+    fused = fused if callable(fused) else None
+    digest.pin(fn)  # what it reads, before anything traces it (cem_jax.energies.digest)
+    digest.pin(fused)
+    return EnergySpec(name, kind, fn, fused)
   spec = _REGISTRY.get(name)
   if spec is None:
     raise ValueError(
@@ -163,132 +166,14 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
   return spec
 
 
-def _source_of(fn) -> str | None:
-  """The source text of a function, through ``functools.partial``, decorators that keep
-  ``__wrapped__``, ``jax.custom_jvp``/``custom_vjp`` and ``jax.jit`` wrappers and callable
-  objects (their class); None where Python keeps none (``exec``, a notebook cell, C code).
-  What checkpoints saved before :data:`DIGEST_VERSION` 2 pinned (:func:`source_digest`)."""
-  for _ in range(16):  # wrappers of wrappers, but never an endless chain
-    inner = getattr(fn, "func", None) or getattr(fn, "fun", None)  # partial, custom_jvp
-    inner = inner or getattr(fn, "__wrapped__", None)  # functools.wraps, jax.jit
-    if inner is None or inner is fn:
-      break
-    fn = inner
-  if not (inspect.isfunction(fn) or inspect.ismethod(fn)) and callable(fn):
-    fn = type(fn)
-  try:
-    return inspect.getsource(fn)
-  except (OSError, TypeError):
-    return None
-
-
-# 1: the source of the energy and its closed form; 2: also the partial arguments, defaults,
-# closure cells, jvp/vjp rules, and the module-level constants and helper functions of the
-# same module that they read (an edited ``TAU = 2.0`` is another energy).
-DIGEST_VERSION = 2
-_PLAIN = (bool, int, float, complex, str, bytes, type(None))
-
-
-def _value_text(value) -> str | None:
-  """A stable text of a value an energy reads: a number, string, NumPy or jax array, or a
-  tuple, list, set or dict of them; None for anything else (modules, classes, objects)."""
-  if isinstance(value, _PLAIN):
-    return f"{type(value).__name__}:{value!r}"
-  if isinstance(value, np.ndarray | np.generic | jax.Array):
-    a = np.asarray(value)
-    return f"array:{a.dtype}:{a.shape}:{hashlib.sha256(a.tobytes()).hexdigest()}"
-  if isinstance(value, tuple | list | set | frozenset):
-    items = [_value_text(v) for v in value]
-    if None in items:
-      return None
-    items = sorted(items) if isinstance(value, set | frozenset) else items
-    return f"{type(value).__name__}:[{', '.join(items)}]"
-  if isinstance(value, dict):
-    items = [(_value_text(k), _value_text(v)) for k, v in value.items()]
-    if any(None in kv for kv in items):
-      return None
-    return f"dict:{{{', '.join(sorted(f'{k}: {v}' for k, v in items))}}}"
-  return None
-
-
-def _names_read(code) -> list[str]:
-  """The global (and attribute) names ``code`` and the functions, lambdas and comprehensions
-  defined in it read, in order, once each."""
-  names = list(code.co_names)
-  for const in code.co_consts:
-    if inspect.iscode(const):
-      names += _names_read(const)
-  return list(dict.fromkeys(names))
-
-
-def _dependency_texts(fn, module: str | None, seen: set) -> list[str] | None:
-  """Texts that pin what ``fn`` computes (:data:`DIGEST_VERSION` 2): its source; through
-  ``functools.partial`` (and its arguments), ``__wrapped__`` (``jax.jit``, ``functools.wraps``),
-  ``jax.custom_jvp``/``custom_vjp`` (and their rules) and callable objects (their class and
-  plain attributes); its defaults and closure cells; the module-level constants it reads
-  and, recursively, the functions of module ``module`` (None: ``fn``'s own) it calls. None
-  when Python keeps no source of ``fn`` (``exec``, a notebook cell). Functions of other
-  modules (jax, NumPy, a helper file) are not followed: an upgrade of jax must not refuse a
-  resume, and a helper file's edit is not caught."""
-  if id(fn) in seen:
-    return []
-  seen.add(id(fn))
-  texts = []
-  if isinstance(fn, functools.partial):
-    texts.append(f"partial:{_value_text(fn.args)}:{_value_text(fn.keywords)}")
-    return _joined(texts, _dependency_texts(fn.func, module, seen))
-  parts = [getattr(fn, a, None) for a in ("fun", "jvp", "fwd", "bwd")]  # jax.custom_*
-  if parts[0] is not None and not inspect.isfunction(fn):
-    rules = [_dependency_texts(p, module, seen) for p in parts if callable(p)]
-    return None if None in rules else [t for r in rules for t in r]
-  wrapped = getattr(fn, "__wrapped__", None)
-  if wrapped is not None and wrapped is not fn:
-    return _dependency_texts(wrapped, module, seen)
-  if inspect.ismethod(fn):
-    fn = fn.__func__
-  if not (inspect.isfunction(fn) or inspect.isclass(fn)):  # an object: its class, plain fields
-    fields = sorted(getattr(fn, "__dict__", {}).items())
-    texts += [f"{k}={_value_text(v)}" for k, v in fields if _value_text(v) is not None]
-    fn = type(fn)
-  try:
-    texts.append(inspect.getsource(fn))
-  except (OSError, TypeError):
-    return None
-  if not inspect.isfunction(fn):
-    return texts
-  module = module or fn.__module__
-  cells = [c.cell_contents for c in fn.__closure__ or () if _cell_filled(c)]
-  values = [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values(), *cells]
-  values += [fn.__globals__[n] for n in _names_read(fn.__code__) if n in fn.__globals__]
-  for value in values:
-    text = _value_text(value)
-    if text is not None:
-      texts.append(text)
-    elif callable(value) and getattr(value, "__module__", None) == module:
-      more = _dependency_texts(value, module, seen)
-      texts += more or []
-  return texts
-
-
-def _cell_filled(cell) -> bool:
-  try:
-    cell.cell_contents  # noqa: B018
-  except ValueError:  # a closure variable not assigned yet
-    return False
-  return True
-
-
-def _joined(texts: list[str], more: list[str] | None) -> list[str] | None:
-  return None if more is None else texts + more
-
-
 def source_digest(name: str, kind: str, field: str = "energy", version: int = DIGEST_VERSION
                   ) -> str | None:
   """sha256 of what pins energy ``name``'s function and its closed form: their source, and
   (``version`` 2, the default) the arguments, defaults, closure cells, module-level
-  constants and same-module helper functions they read (:func:`_dependency_texts`; not the
-  whole file: a config file that registers an energy may change its other settings, and one
-  file may hold several energies). None for a built-in energy (cem_jax's own code, pinned by
+  constants and same-module helpers they read (:func:`cem_jax.energies.digest.texts`, taken
+  when the energy was first looked up in this process; not the whole file: a config file that
+  registers an energy may change its other settings, and one file may hold several
+  energies). None for a built-in energy (cem_jax's own code, pinned by
   its tests and ``NUMERICS_VERSION``) and for a function whose source Python does not keep
   (``exec``, a notebook cell; logged).
 
@@ -299,29 +184,20 @@ def source_digest(name: str, kind: str, field: str = "energy", version: int = DI
   Raises:
     ValueError: as :func:`get`; ``version`` not 1 or 2.
   """
-  if version not in (1, DIGEST_VERSION):
-    raise ValueError(f"energy digest version={version!r}; allowed: 1, {DIGEST_VERSION}")
   spec = get(name, kind, field)
   if spec.builtin:
     return None
-  digest = hashlib.sha256()
+  found = hashlib.sha256()
   for fn in (spec.energy, spec.fused_update):
     if fn is None:
       continue
-    if version == 1:
-      source = _source_of(fn)
-      texts = None if source is None else [source]
-    else:
-      texts = _dependency_texts(fn, None, set())
-    if texts is None:
+    pinned = digest.texts(fn, version)
+    if pinned is None:
       logging.warning("%s=%r: Python keeps no source of %r; a resumed run cannot check that "
                       "it is the function the checkpoint was trained with", field, name, fn)
       return None
-    if version == 1:
-      digest.update(hashlib.sha256(texts[0].encode()).digest())
-    else:
-      digest.update(hashlib.sha256("\0".join(texts).encode()).digest())
-  return digest.hexdigest()
+    found.update(hashlib.sha256("\0".join(pinned).encode()).digest())
+  return found.hexdigest()
 
 
 _register("softmax", "attention", interaction.interaction_energy, interaction.fused_update,
