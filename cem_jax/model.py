@@ -73,7 +73,8 @@ def resolve_attention(cfg, blocks, platform: str | None = None) -> tuple[str, st
     check_kernel_is_called(cfg, fused)
     if not fused:
       return "xla", ("no attention kernel: the CEM update is jax.grad of the energy "
-                     f"(model.energy_block_size={cfg.energy_block_size})")
+                     f"{block.att_spec.name!r} (model.update_mode={cfg.update_mode!r}, "
+                     f"model.energy_block_size={cfg.energy_block_size})")
   return attention.resolve(cfg.attention_impl, platform=platform, dtype=cfg.dtype,
                            head_dim=head_dim_of(cfg), augmented_head_dim=augmented_head_dim(cfg))
 

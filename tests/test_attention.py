@@ -366,6 +366,16 @@ def test_rows_with_no_visible_key_are_zero_when_the_kernel_leaves_them_nan(monke
   assert np.all(np.asarray(out)[0, 4:] == 0.0)
 
 
+def test_an_autodiff_cem_update_says_it_calls_no_kernel_and_whose_gradient_it_is():
+  from cem_jax.model import resolve_attention
+
+  cfg = tiny_config("cem", **{"model.update_mode": "autodiff", "model.dtype": "bfloat16"})
+  blocks = DecoderLM(cfg.model, 64, rngs=nnx.Rngs(0)).blocks
+  assert resolve_attention(cfg.model, blocks, platform="gpu") == (
+      "xla", "no attention kernel: the CEM update is jax.grad of the energy 'softmax' "
+      "(model.update_mode='autodiff', model.energy_block_size=0)")
+
+
 def test_the_model_picks_splash_on_tpu_and_lays_it_out_by_the_mesh_rules():
   from cem_jax.model import resolve_attention
   from cem_jax.steps import build_model
