@@ -123,6 +123,51 @@ def validate_energies(config) -> None:
       _causal_values(field, spec, kind, m, numeric, update)
 
 
+def energy_digests(config, version: int | None = None) -> dict[str, str]:
+  """``{config field: sha256}`` of the user energies a CEM model uses
+  (:func:`cem_jax.energies.source_digest` of digest ``version``, default the current
+  ``energies.DIGEST_VERSION``; built-ins have none), as checkpoints and ``tables``' results
+  record them.
+
+  Raises:
+    ValueError: an unknown energy name or digest version.
+  """
+  m = config.model
+  if m.block != "cem":
+    return {}
+  slots = [("attention", m.cem_attention), ("mlp", m.cem_mlp)]
+  version = energies.DIGEST_VERSION if version is None else version
+  found = {f"model.{kind}_energy": energies.source_digest(m[f"{kind}_energy"], kind,
+                                                           f"model.{kind}_energy", version)
+           for kind, used in slots if used}
+  return {k: v for k, v in found.items() if v is not None}
+
+
+def changed_energies(saved: dict, config, now: dict | None, checkpoint: str) -> list[str]:
+  """The user energies of ``config`` edited since checkpoint ``checkpoint`` was saved (its
+  function or closed form, or a constant or helper they read), one
+  ``"model.X_energy: its source, or a constant or helper it reads, changed (sha256 a -> b)"``
+  each. ``saved``: the checkpoint's metadata (``energies``, ``energy_digest_version``; one
+  saved before version 2 is compared by its functions' source alone); ``now``: this
+  process's :func:`energy_digests` of ``config`` (None: computed here).
+
+  Raises:
+    ValueError: the checkpoint records a digest version this code does not know.
+  """
+  recorded = saved.get("energies") or {}
+  version = saved.get("energy_digest_version", 1)
+  if not recorded:
+    return []
+  if version not in (1, energies.DIGEST_VERSION):
+    raise ValueError(f"checkpoint {checkpoint} records energy digests of version {version!r}, "
+                     f"this code knows 1 and {energies.DIGEST_VERSION}: load it with the code "
+                     "that saved it")
+  if now is None or version != energies.DIGEST_VERSION:
+    now = energy_digests(config, version)
+  return [f"{k}: its source, or a constant or helper it reads, changed (sha256 {v[:12]} -> "
+          f"{now[k][:12]})" for k, v in sorted(recorded.items()) if k in now and now[k] != v]
+
+
 def _fn_name(fn) -> str:
   return getattr(fn, "__name__", type(fn).__name__)
 
@@ -382,7 +427,7 @@ def _causal_values(field, spec, kind, m, shapes, update):
   seq = cache - 1
   segment_ids = _segment_ids(batch, seq)
 
-  # Each returns the update and the energy's value (what train.energy_trace logs): one compile.
+  # Each returns the update and the energy's value (what eval.energy_trace logs): one compile.
   @jax.jit
   def train(y, context, params, segment_ids):
     aux = training_aux(m, segment_ids, batch, seq)
@@ -449,7 +494,7 @@ def _causal_values(field, spec, kind, m, shapes, update):
         raise ValueError(
             f"{field}={spec.name!r}: the energy's value is {energy} on random float32 {where}"
             f"{_float32_note(m)}, though its update is finite; an energy must be finite "
-            "(train.energy_trace logs it): on rows that see no key use "
+            "(eval.energy_trace logs it): on rows that see no key use "
             "cem_jax.energies.masked_logsumexp (exactly 0 there), not jax.nn.logsumexp of "
             "scores masked with -inf")
   if not diag_moved:

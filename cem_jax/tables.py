@@ -49,7 +49,7 @@ from absl import app, flags, logging
 from flax import nnx
 from tqdm import tqdm
 
-from cem_jax import cli, energies, errors, model_stats, preflight, train
+from cem_jax import cli, energies, energy_checks, errors, model_stats, preflight, train
 from cem_jax import config as config_lib
 from cem_jax import workdir as workdir_lib
 from cem_jax.config import get_default_config
@@ -220,14 +220,14 @@ def _other_source(result: dict, config) -> str | None:
 
 
 def _other_energies(result: dict, config) -> str | None:
-  """Which user energies of ``config`` (:func:`cem_jax.train.energy_digests`) differ from those
-  ``result`` was trained with, or None: an energy edited since (its function, or a constant
-  or helper it reads) has the same config. A result without a record (written before
+  """Which user energies of ``config`` (:func:`cem_jax.energy_checks.energy_digests`) differ
+  from those ``result`` was trained with, or None: an energy edited since (its function, or a
+  constant or helper it reads) has the same config. A result without a record (written before
   ``energy_digests`` existed) is judged by its config alone."""
   saved = result.get("energy_digests")
   if saved is None:
     return None
-  now = train.energy_digests(config, result.get("energy_digest_version"))
+  now = energy_checks.energy_digests(config, result.get("energy_digest_version"))
   changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
   return ", ".join(changed) or None
 
@@ -422,7 +422,7 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
                 "reused_from": os.path.relpath(source, out)}
     else:
       logging.info("table %s: row %s seed %d -> %s", table, row, seed, out)
-      trained_with = train.energy_digests(cfg)
+      trained_with = energy_checks.energy_digests(cfg)
       final = train.train_and_evaluate(cfg, out)
       if not has_final_eval(out, cfg.train.num_steps):
         # Preempted (SIGTERM): the run saved a checkpoint and returned early. Writing its

@@ -29,7 +29,7 @@ from absl import logging
 
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
-from cem_jax import energies, memory, preflight
+from cem_jax import energies, energy_checks, memory, preflight
 from cem_jax import sharding as sharding_lib
 from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
@@ -165,7 +165,8 @@ class Run:
   ``resume`` is the restored checkpoint's step (None for a fresh start) and ``meta`` its
   metadata; ``start_step`` the first step to run (0 or ``resume``); ``created`` whether this
   start created ``workdir`` (removed again if the start fails); ``energies`` the user
-  energies' source digests (:func:`energy_digests`), saved with every checkpoint.
+  energies' source digests (:func:`cem_jax.energy_checks.energy_digests`), saved with
+  every checkpoint.
   """
 
   config: ml_collections.ConfigDict
@@ -214,7 +215,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
                         every_steps=config.checkpoint.every_steps,
                         async_save=config.checkpoint.async_save)
     resume = ckpt.restorable_step()
-    energies_now = energy_digests(config)
+    energies_now = energy_checks.energy_digests(config)
     if resume is not None:
       # Checked before the data and the model are built: a refusal would otherwise come after
       # reading or preparing the data (minutes at corpus scale) and initialising, for nothing.
@@ -309,36 +310,21 @@ def _batch_spec(rows: int, seq_len: int, sharding, *, target_bytes: bool = False
           for key, value in probe.items()}
 
 
-def energy_digests(config: ml_collections.ConfigDict,
-                   version: int | None = None) -> dict[str, str]:
-  """``{config field: source sha256}`` of the user energies a CEM model uses
-  (:func:`cem_jax.energies.source_digest` of digest ``version``, default the current
-  ``energies.DIGEST_VERSION``; built-ins have none), as checkpoints and ``tables``' results
-  record them."""
-  m = config.model
-  if m.block != "cem":
-    return {}
-  slots = [("attention", m.cem_attention), ("mlp", m.cem_mlp)]
-  version = energies.DIGEST_VERSION if version is None else version
-  found = {f"model.{kind}_energy": energies.source_digest(m[f"{kind}_energy"], kind,
-                                                           f"model.{kind}_energy", version)
-           for kind, used in slots if used}
-  return {k: v for k, v in found.items() if v is not None}
-
-
 def _warn_unreloadable(config: ml_collections.ConfigDict) -> None:
   """Says, once at start-up, that a run whose energy is a name registered in this process
-  (:func:`cem_jax.energies.register`) cannot be reloaded: ``evaluate``, ``sample`` and
-  ``tables`` start a fresh process, where the name is unknown."""
+  (:func:`cem_jax.energies.register`) cannot be reloaded: ``evaluate`` and ``sample`` start
+  a fresh process, where the name is unknown (``tables`` too, unless its table file registers
+  the name)."""
   m = config.model
   if m.block != "cem":
     return
   for kind, used in (("attention", m.cem_attention), ("mlp", m.cem_mlp)):
     name = m[f"{kind}_energy"]
     if used and ":" not in name and not energies.get(name, kind).builtin:
-      logging.warning("model.%s_energy=%r is a name registered in this process: evaluate, "
-                      "sample and tables cannot reload this run; name the energy by its "
-                      "'file.py:function' to reload it", kind, name)
+      logging.warning("model.%s_energy=%r is a name registered in this process: evaluate "
+                      "and sample cannot reload this run (tables only through a table file "
+                      "that registers it); name the energy by its 'file.py:function' to "
+                      "reload it", kind, name)
 
 
 def _check_same_numerics(saved: dict, checkpoint: str) -> None:
@@ -366,26 +352,14 @@ def _check_same_model(saved: dict, config: ml_collections.ConfigDict, energies_n
   would mix two models. ``saved``: the checkpoint's metadata; its ``config`` (absent: saved
   before checkpoints held one, not checked) is compared by
   :func:`cem_jax.config.model_changes` (what may change: ``config.RESUME_MAY_CHANGE``), its
-  ``energies`` with ``energies_now`` (:func:`energy_digests` of ``config``: a user energy's
-  function, or a constant or helper it reads, edited since; a checkpoint saved before
-  ``energy_digest_version`` 2 is compared by its function's source alone).
+  ``energies`` with ``energies_now`` (:func:`cem_jax.energy_checks.changed_energies`).
 
   Raises:
     ValueError: one line naming the checkpoint and every changed ``model.*`` key or file.
   """
   changes = [] if saved.get("config") is None else config_lib.model_changes(saved["config"],
                                                                              config)
-  now = energies_now
-  version = saved.get("energy_digest_version", 1)
-  if saved.get("energies") and version != energies.DIGEST_VERSION:
-    if version not in (1, energies.DIGEST_VERSION):
-      raise ValueError(f"checkpoint {checkpoint} records energy digests of version {version!r}, "
-                       f"this code knows 1 and {energies.DIGEST_VERSION}: resume it with the "
-                       "code that saved it")
-    now = energy_digests(config, version)
-  changes += [f"{k}: its source changed (sha256 {v[:12]} -> {now[k][:12]})"
-              for k, v in sorted(saved.get("energies", {}).items())
-              if k in now and now[k] != v]
+  changes += energy_checks.changed_energies(saved, config, energies_now, checkpoint)
   if changes:
     raise ValueError(f"checkpoint {checkpoint} is another model ({', '.join(changes)}): "
                      "resume with the model it was trained as, or train in a new --workdir")

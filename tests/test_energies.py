@@ -811,13 +811,13 @@ def test_energy_whose_update_is_not_finite_is_refused_at_start_up(tmp_path, slot
     ({"document_mask": False, "strict_causal": True}, "[batch, seq_len, d_model] inputs")])
 def test_an_energy_whose_value_is_not_finite_is_refused_at_start_up(tmp_path, extra, where):
   """jax.nn.logsumexp of -inf-masked scores: a finite update (jnp.where keeps the gradient
-  of empty rows 0) but a +inf energy on rows that see no key, which train.energy_trace logged
+  of empty rows 0) but a +inf energy on rows that see no key, which eval.energy_trace logged
   as a missing value without a word."""
   message = _refusal(_user_config(tmp_path, attention_energy="inf_on_empty_rows", **extra))
   assert message.startswith(
       f"model.attention_energy='{tmp_path}/user_fused.py:inf_on_empty_rows': the energy's "
       f"value is inf on random float32 {where}, though its update is finite; an energy must "
-      "be finite (train.energy_trace logs it): on rows that see no key use "
+      "be finite (eval.energy_trace logs it): on rows that see no key use "
       "cem_jax.energies.masked_logsumexp"), message
   # Every row sees a key: finite, accepted.
   preflight.check(_user_config(tmp_path, attention_energy="inf_on_empty_rows",

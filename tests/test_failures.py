@@ -29,7 +29,18 @@ from conftest import quadrature_phi_silu, subprocess_env, tiny_config
 from flax import nnx
 from ml_collections import config_flags
 
-from cem_jax import cli, energies, errors, evaluate, memory, optim, preflight, steps, train
+from cem_jax import (
+    cli,
+    energies,
+    energy_checks,
+    errors,
+    evaluate,
+    memory,
+    optim,
+    preflight,
+    steps,
+    train,
+)
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax.checkpoint import Checkpointer
@@ -577,6 +588,9 @@ def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path, caplog, 
   before = read_metrics(str(workdir))
   checkpoint = workdir / "checkpoints" / "2"
   first.write_text(USER_ENERGY.format(scale="2.0"))  # the same path, another function
+  # As a new process would meet it: imported and pinned again (once a process each).
+  monkeypatch.delitem(sys.modules, energies.get(f"{first}:energy", "attention").energy.__module__)
+  monkeypatch.setattr(energies.digest, "_PINNED", {})
   with monkeypatch.context() as m, pytest.raises(ValueError) as e:
     m.setattr(train.workdir_lib, "build_data_once", _refused_before_the_data_is_built)
     train.train_and_evaluate(cfg(4, first, **{"model.strict_causal": True,
@@ -584,7 +598,8 @@ def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path, caplog, 
   message = str(e.value)
   assert message.startswith(f"checkpoint {checkpoint} is another model (model.mlp_energy: "
                             "'silu' -> 'relu2', model.strict_causal: False -> True, "
-                            "model.attention_energy: its source changed (sha256 ")
+                            "model.attention_energy: its source, or a constant or helper it "
+                            "reads, changed (sha256 ")
   assert message.endswith("): resume with the model it was trained as, or train in a new "
                           "--workdir") and "\n" not in message
   assert read_metrics(str(workdir)) == before and checkpoint.is_dir()
@@ -825,28 +840,53 @@ def test_a_checkpoint_of_the_first_digest_version_resumes_unless_the_function_ch
     return tiny_config("cem", **{"model.attention_energy": f"{path}:energy"})
 
   cfg = config("e")
-  old = {"energies": train.energy_digests(cfg, 1)}
-  assert old["energies"] != train.energy_digests(cfg)
+  old = {"energies": energy_checks.energy_digests(cfg, 1)}
+  assert old["energies"] != energy_checks.energy_digests(cfg)
   for saved in (old, {**old, "energy_digest_version": 1}):
-    train._check_same_model(saved, cfg, train.energy_digests(cfg), "ck")
+    train._check_same_model(saved, cfg, energy_checks.energy_digests(cfg), "ck")
   tau = config("tau", tau="0.25")  # not seen by a version-1 digest
-  train._check_same_model(old, tau, train.energy_digests(tau), "ck")
+  train._check_same_model(old, tau, energy_checks.energy_digests(tau), "ck")
   edited = config("edited", note="b")
   with pytest.raises(ValueError, match=r"^checkpoint ck is another model \(model.attention_"
-                                       r"energy: its source changed \(sha256 "):
-    train._check_same_model(old, edited, train.energy_digests(edited), "ck")
+                                       r"energy: its source, or a constant or helper it reads, "
+                                       r"changed \(sha256 "):
+    train._check_same_model(old, edited, energy_checks.energy_digests(edited), "ck")
   # A version-2 checkpoint is compared by version 2: the edited constant is refused.
-  new = {"energies": train.energy_digests(cfg), "energy_digest_version": 2}
-  train._check_same_model(new, cfg, train.energy_digests(cfg), "ck")
+  new = {"energies": energy_checks.energy_digests(cfg), "energy_digest_version": 2}
+  train._check_same_model(new, cfg, energy_checks.energy_digests(cfg), "ck")
   with pytest.raises(ValueError, match=r"^checkpoint ck is another model \(model.attention_"
-                                       r"energy: its source changed \(sha256 "):
-    train._check_same_model(new, tau, train.energy_digests(tau), "ck")
+                                       r"energy: its source, or a constant or helper it reads, "
+                                       r"changed \(sha256 "):
+    train._check_same_model(new, tau, energy_checks.energy_digests(tau), "ck")
   # A checkpoint of newer code (a digest version this code does not know): said, naming it.
   with pytest.raises(ValueError, match=r"^checkpoint ck records energy digests of version 3, "
-                                       r"this code knows 1 and 2: resume it with the code that "
+                                       r"this code knows 1 and 2: load it with the code that "
                                        r"saved it$"):
     train._check_same_model({**new, "energy_digest_version": 3}, cfg,
-                            train.energy_digests(cfg), "ck")
+                            energy_checks.energy_digests(cfg), "ck")
+
+
+def test_evaluating_a_run_whose_energy_was_edited_since_is_refused(tmp_path, monkeypatch):
+  # evaluate and sample loaded the checkpoint's parameters under the edited energy without a
+  # word: numbers of a model nobody trained.
+  path = tmp_path / "e.py"
+  path.write_text(USER_ENERGY.format(scale="1.0"))
+  workdir = tmp_path / "w"
+  train.train_and_evaluate(tiny_config("cem", **{
+      "model.num_layers": 1, "model.attention_energy": f"{path}:energy",
+      "train.num_steps": 2, "checkpoint.every_steps": 2, "train.eval_every_steps": 2}),
+      str(workdir))
+  assert evaluate.load_run(str(workdir))[-1] == 2  # unedited: loads
+  path.write_text(USER_ENERGY.format(scale="2.0"))
+  # As a new process would meet it: imported and pinned again (once a process each).
+  monkeypatch.delitem(sys.modules, energies.get(f"{path}:energy", "attention").energy.__module__)
+  monkeypatch.setattr(energies.digest, "_PINNED", {})
+  checkpoint = re.escape(str(workdir / "checkpoints" / "2"))
+  with pytest.raises(ValueError, match=(
+      rf"^checkpoint {checkpoint} was trained with another version of its energy \(model\."
+      r"attention_energy: its source, or a constant or helper it reads, changed \(sha256 "
+      r"[0-9a-f]{12} -> [0-9a-f]{12}\)\): load it with the energy it was trained with$")):
+    evaluate.load_run(str(workdir))
 
 
 def test_training_with_a_registered_name_says_the_run_cannot_be_reloaded(tmp_path, caplog):
@@ -863,8 +903,9 @@ def test_training_with_a_registered_name_says_the_run_cannot_be_reloaded(tmp_pat
         train._warn_unreloadable(tiny_config("cem", **{"model.attention_energy": name}))
       said = [r.getMessage() for r in caplog.records]
       assert said == ([f"model.attention_energy='{name}' is a name registered in this process: "
-                       "evaluate, sample and tables cannot reload this run; name the energy by "
-                       "its 'file.py:function' to reload it"] if warned else []), name
+                       "evaluate and sample cannot reload this run (tables only through a table "
+                       "file that registers it); name the energy by its 'file.py:function' to "
+                       "reload it"] if warned else []), name
     # The slot not in use is not looked at (a Llama, or cem_attention=False).
     caplog.clear()
     with caplog.at_level(logging.WARNING):
