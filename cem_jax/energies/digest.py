@@ -150,7 +150,8 @@ def _texts_of(value, module, seen: set, depth: int) -> list[str]:
   owner = (value.__func__ if inspect.ismethod(value) else value
            if inspect.isfunction(value) or inspect.isclass(value) else type(value))
   if getattr(owner, "__module__", None) != module:  # another module's: by name only
-    return [f"ref:{getattr(value, '__name__', type(value).__name__)}"]
+    name = getattr(value, "__name__", None)  # a str, unless __getattr__ answers anything
+    return [f"ref:{name if isinstance(name, str) else type(value).__name__}"]
   if inspect.ismethod(value):
     return follow(value.__func__) + follow(value.__self__)
   if inspect.isclass(value):
