@@ -19,7 +19,8 @@ With the input embedding times sqrt(d_model) (``--set=model.embed_scale=11.31370
 --workdir=results/tiny_scaled``; the early plateau gone; docs/REPRODUCING.md,
 end_to_end_scaled): cem 0.20 behind llama and 0.16 behind llama_matched in every seed.
 Trained 1600 steps instead (``--set=train.num_steps=1600 --rows=llama,cem,llama_matched
---seeds=2``, end_to_end_1600): cem still 0.18 ± 0.02 behind llama, 0.13 behind llama_matched.
+--seeds=3``, end_to_end_1600): cem still 0.18 ± 0.01 behind llama, 0.13 behind llama_matched,
+in every seed.
 """
 
 from cem_jax import scales
