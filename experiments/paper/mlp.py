@@ -18,8 +18,9 @@ With the input embedding times sqrt(d_model) (``--set=model.embed_scale=11.31370
 --workdir=results/tiny_scaled``; the early plateau gone; docs/REPRODUCING.md, mlp_scaled):
 cem_tied nearly level with swiglu (+0.021 ± 0.023, behind in every seed) with a third fewer MLP
 parameters. Trained 1600 steps instead (``--set=train.num_steps=1600
---rows=swiglu,cem_tied,swiglu_matched --seeds=2 --workdir=results/tiny_scaled_1600``,
-mlp_1600): cem_tied still +0.038 ± 0.003 behind swiglu, ~0.04 at every eval from step 800.
+--rows=swiglu,cem_tied,swiglu_matched --seeds=3 --workdir=results/tiny_scaled_1600``,
+mlp_1600): cem_tied still +0.031 ± 0.012 behind swiglu in every seed, 0.01-0.04 at every eval
+from step 800.
 """
 
 from cem_jax import scales
