@@ -19,8 +19,8 @@ With the input embedding times sqrt(d_model) (``--set=model.embed_scale=11.31370
 --workdir=results/tiny_scaled``; the early plateau gone; docs/REPRODUCING.md, attention_scaled):
 tied 0.16 behind llama_mha in every seed, llama_matched level with it (+0.005 ± 0.033).
 Trained 1600 steps instead (``--set=train.num_steps=1600 --rows=llama_mha,cem_tied,llama_matched
---seeds=2 --workdir=results/tiny_scaled_1600``, attention_1600): tied +0.134 ± 0.044 behind
-llama_mha, narrowing slowly after step 400; llama_matched +0.027 ± 0.013.
+--seeds=3 --workdir=results/tiny_scaled_1600``, attention_1600): tied +0.123 ± 0.036 behind
+llama_mha in every seed, narrowing slowly after step 400; llama_matched +0.020 ± 0.015.
 """
 
 from cem_jax import scales
