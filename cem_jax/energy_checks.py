@@ -143,29 +143,31 @@ def energy_digests(config, version: int | None = None) -> dict[str, str]:
   return {k: v for k, v in found.items() if v is not None}
 
 
-def changed_energies(saved: dict, config, now: dict | None, checkpoint: str) -> list[str]:
-  """The user energies of ``config`` edited since checkpoint ``checkpoint`` was saved (its
-  function or closed form, or a constant or helper they read), one
+def changed_energies(recorded: dict | None, version: int, config, now: dict | None,
+                     where: str) -> list[str]:
+  """The user energies of ``config`` edited since a run recorded their digests (its function
+  or closed form, or a constant or helper they read), one
   ``"model.X_energy: its source, or a constant or helper it reads, changed (sha256 a -> b)"``
-  each. ``saved``: the checkpoint's metadata (``energies``, ``energy_digest_version``; one
-  saved before version 2 is compared by its functions' source alone); ``now``: this
-  process's :func:`energy_digests` of ``config`` (None: computed here).
+  each. ``recorded``: the run's ``{config field: sha256}`` (None or empty: saved before
+  digests were recorded, judged by its config alone); ``version``: the digest version it was
+  taken with (1 compares the functions' source alone); ``now``: this process's
+  :func:`energy_digests` of ``config`` (None: computed here); ``where``: the checkpoint or file
+  that holds the record, for the error.
 
   Raises:
-    ValueError: the checkpoint records a digest version this code does not know.
+    ValueError: ``where`` records a digest version this code does not know.
   """
-  recorded = saved.get("energies") or {}
-  version = saved.get("energy_digest_version", 1)
   if not recorded:
     return []
   if version not in (1, energies.DIGEST_VERSION):
-    raise ValueError(f"checkpoint {checkpoint} records energy digests of version {version!r}, "
-                     f"this code knows 1 and {energies.DIGEST_VERSION}: load it with the code "
-                     "that saved it")
+    raise ValueError(f"{where} records energy digests of version {version!r}, this code knows "
+                     f"1 and {energies.DIGEST_VERSION}: load it with the code that saved it")
   if now is None or version != energies.DIGEST_VERSION:
     now = energy_digests(config, version)
-  return [f"{k}: its source, or a constant or helper it reads, changed (sha256 {v[:12]} -> "
-          f"{now[k][:12]})" for k, v in sorted(recorded.items()) if k in now and now[k] != v]
+  short = lambda digest: "none" if digest is None else digest[:12]
+  return [f"{k}: its source, or a constant or helper it reads, changed (sha256 "
+          f"{short(recorded.get(k))} -> {short(now.get(k))})"
+          for k in sorted(set(recorded) | set(now)) if recorded.get(k) != now.get(k)]
 
 
 def _fn_name(fn) -> str:

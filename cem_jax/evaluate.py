@@ -96,7 +96,9 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
   if attention_impl is not None:
     config.model.attention_impl = attention_impl
   preflight.check(config)
-  changed = energy_checks.changed_energies(meta, config, None, ckpt.step_dir(step))
+  changed = energy_checks.changed_energies(meta.get("energies"),
+                                           meta.get("energy_digest_version", 1), config, None,
+                                           f"checkpoint {ckpt.step_dir(step)}")
   if changed:  # the same parameters under another energy: numbers of a model never trained
     raise ValueError(f"{where} was trained with another version of its energy "
                      f"({', '.join(changed)}): load it with the energy it was trained with")

@@ -219,17 +219,13 @@ def _other_source(result: dict, config) -> str | None:
   return f"{saved.get('kind')} {saved.get('name', '')}, now {now['kind']} {now.get('name', '')}"
 
 
-def _other_energies(result: dict, config) -> str | None:
-  """Which user energies of ``config`` (:func:`cem_jax.energy_checks.energy_digests`) differ
-  from those ``result`` was trained with, or None: an energy edited since (its function, or a
-  constant or helper it reads) has the same config. A result without a record (written before
-  ``energy_digests`` existed) is judged by its config alone."""
-  saved = result.get("energy_digests")
-  if saved is None:
-    return None
-  now = energy_checks.energy_digests(config, result.get("energy_digest_version"))
-  changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
-  return ", ".join(changed) or None
+def _edited_energies(path: str, result: dict, config) -> list[str]:
+  """The user energies of ``config`` edited since the run of ``result`` (read from ``path``)
+  was trained (:func:`cem_jax.energy_checks.changed_energies`); a result written before
+  ``energy_digests`` existed is judged by its config alone."""
+  return energy_checks.changed_energies(
+      result.get("energy_digests"), result.get("energy_digest_version", energies.DIGEST_VERSION),
+      config, None, path)
 
 
 def _same_config(run: str, config) -> bool:
@@ -285,11 +281,10 @@ def _trained_otherwise(path: str, result: dict, digest: str | None, config) -> s
   if other:
     return (f"{path} was trained on other text ({other}); use a new --workdir, or delete that "
             "run to train it again")
-  other = _other_energies(result, config) if config is not None else None
-  if other:
-    return (f"{path} was trained with another version of {other} (the energy's source, or a "
-            "constant or helper it reads, changed since); use a new --workdir, or delete that "
-            "run to train it again")
+  changed = _edited_energies(path, result, config) if config is not None else None
+  if changed:
+    return (f"{path} was trained with another version of its energy ({', '.join(changed)}); "
+            "use a new --workdir, or delete that run to train it again")
   return None
 
 
@@ -327,7 +322,7 @@ def _finished_run(workdir: str, digest: str, config) -> str | None:
     result = _read_result(path)
     if "reused_from" not in result and numerics_version(result) == NUMERICS_VERSION and (
         result["config_digest"] == digest or _same_config(os.path.dirname(path), config)
-    ) and not _other_source(result, config) and not _other_energies(result, config):
+    ) and not _other_source(result, config) and not _edited_energies(path, result, config):
       return os.path.dirname(path)
   return None
 

@@ -359,7 +359,9 @@ def _check_same_model(saved: dict, config: ml_collections.ConfigDict, energies_n
   """
   changes = [] if saved.get("config") is None else config_lib.model_changes(saved["config"],
                                                                              config)
-  changes += energy_checks.changed_energies(saved, config, energies_now, checkpoint)
+  changes += energy_checks.changed_energies(saved.get("energies"),
+                                            saved.get("energy_digest_version", 1), config,
+                                            energies_now, f"checkpoint {checkpoint}")
   if changes:
     raise ValueError(f"checkpoint {checkpoint} is another model ({', '.join(changes)}): "
                      "resume with the model it was trained as, or train in a new --workdir")

@@ -585,11 +585,18 @@ def test_a_result_of_an_energy_edited_since_is_not_reused(tmp_path, monkeypatch)
   monkeypatch.setitem(module_globals, "TAU", 0.25)
   monkeypatch.setattr(energies.digest, "_PINNED", {})
   with pytest.raises(ValueError, match=(
-      r"seed0/result.json was trained with another version of model.attention_energy \(the "
-      r"energy's source, or a constant or helper it reads, changed since\); use a new "
-      r"--workdir, or delete that run to train it again$")):
+      r"seed0/result.json was trained with another version of its energy \(model.attention_"
+      r"energy: its source, or a constant or helper it reads, changed \(sha256 [0-9a-f]{12} -> "
+      r"[0-9a-f]{12}\)\); use a new --workdir, or delete that run to train it again$")):
     tables._read_result(path, digest, now)
   assert tables._finished_run(str(tmp_path / "w"), digest, now) is None
+  # A result of newer code (a digest version this code does not know): said, naming the file.
+  result["energy_digest_version"] = energies.DIGEST_VERSION + 1
+  (run / "result.json").write_text(json.dumps(result))
+  with pytest.raises(ValueError, match=(
+      rf"seed0/result.json records energy digests of version {energies.DIGEST_VERSION + 1}, "
+      rf"this code knows 1 and {energies.DIGEST_VERSION}: load it with the code that saved it$")):
+    tables._read_result(path, digest, now)
 
 
 def test_a_run_from_older_numerics_is_retrained_not_reused(tmp_path, shared_data, monkeypatch,
