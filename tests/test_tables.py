@@ -522,6 +522,20 @@ def test_reusing_a_run_moves_the_rows_unfinished_run_beside_one_moved_aside_befo
   assert sorted(os.listdir(row.parent / "seed0.partial.2")) == ["checkpoints", "config.json"]
 
 
+def _write_finished_run(workdir, row: str, config):
+  """``workdir/toy/row/seed0`` with ``config.json`` and a ``result.json`` of ``config`` that
+  records neither its text nor its energies (as runs from before those records); returns the
+  folder and the result."""
+  run = workdir / "toy" / row / "seed0"
+  run.mkdir(parents=True)
+  (run / "config.json").write_text(config.to_json())
+  result = {"row": row, "seed": 0, "eval/loss": 3.0, "eval/bits_per_byte": 1.5,
+            "tokens_per_sec": 1.0, "config_digest": tables.config_digest(config),
+            "numerics_version": NUMERICS_VERSION}
+  (run / "result.json").write_text(json.dumps(result))
+  return run, result
+
+
 def test_a_result_on_other_text_under_the_same_file_name_is_not_reused(tmp_path):
   # Two corpora named corpus.txt: the config names data.files by file name (so that runs
   # trained in another checkout count); the record of what was read tells them apart.
@@ -530,13 +544,7 @@ def test_a_result_on_other_text_under_the_same_file_name_is_not_reused(tmp_path)
     (tmp_path / name).mkdir()
     (tmp_path / name / "corpus.txt").write_text(text)
   trained = tiny_config("llama", **{"data.files": str(tmp_path / "a" / "corpus.txt")})
-  run = tmp_path / "w" / "toy" / "llama" / "seed0"
-  run.mkdir(parents=True)
-  (run / "config.json").write_text(trained.to_json())
-  result = {"row": "llama", "seed": 0, "eval/loss": 3.0, "eval/bits_per_byte": 1.5,
-            "tokens_per_sec": 1.0, "config_digest": tables.config_digest(trained),
-            "numerics_version": NUMERICS_VERSION}
-  (run / "result.json").write_text(json.dumps(result))
+  run, result = _write_finished_run(tmp_path / "w", "llama", trained)
   assert tables.source_record(trained)["files"] == [
       {"path": "corpus.txt", "size": 850,
        "sha256": hashlib.sha256(("the first corpus\n" * 50).encode()).hexdigest()}]
@@ -563,13 +571,7 @@ def test_a_result_of_an_energy_edited_since_is_not_reused(tmp_path, monkeypatch)
             "  return TAU * jnp.sum(y ** 2)\n")
   energy.write_text(source.format("2.0"))
   trained = tiny_config("cem", **{"model.attention_energy": f"{energy}:energy"})
-  run = tmp_path / "w" / "toy" / "cem" / "seed0"
-  run.mkdir(parents=True)
-  (run / "config.json").write_text(trained.to_json())
-  result = {"row": "cem", "seed": 0, "eval/loss": 3.0, "eval/bits_per_byte": 1.5,
-            "tokens_per_sec": 1.0, "config_digest": tables.config_digest(trained),
-            "numerics_version": NUMERICS_VERSION}
-  (run / "result.json").write_text(json.dumps(result))
+  run, result = _write_finished_run(tmp_path / "w", "cem", trained)
   path, digest = str(run / "result.json"), tables.config_digest(trained)
   now = tiny_config("cem", **{"model.attention_energy": f"{energy}:energy"})
   # Without a record (a run from before it): judged by its config.
