@@ -75,6 +75,10 @@ def _run_config_file(spec: str):
   path, _, arg = spec.partition(":")
   try:
     module_spec = importlib.util.spec_from_file_location("cem_jax_cli_config", path)
+    if module_spec is None:  # not a .py file, e.g. a run's config.json
+      return None, (f"--{CONFIG_FLAG}={spec}: not a Python file; allowed: a .py file whose "
+                    "get_config() returns the config (e.g. experiments/tiny.py), optionally "
+                    "with :ARG for get_config(ARG)")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module.get_config(*([arg] if arg else [])), None
@@ -114,12 +118,41 @@ def _unknown_override(config, argv) -> str | None:
   return None
 
 
+# Field types whose overrides absl parses, each with what a value must be. bool first: a bool is
+# an int too.
+_OVERRIDE_PARSERS = ((bool, "true or false", flags.BooleanParser()),
+                     (int, "an integer", flags.IntegerParser()),
+                     (float, "a number", flags.FloatParser()))
+
+
+def _unparsable_override(config, argv) -> str | None:
+  """The first ``--config.KEY=VALUE`` whose VALUE is not of KEY's type in ``config`` (a bool,
+  int or float field), as one line saying what is allowed (None when every value parses)."""
+  for arg in argv[1:]:
+    if not arg.startswith(f"--{CONFIG_FLAG}.") or "=" not in arg:
+      continue
+    name, value = arg.split("=", 1)
+    field = config
+    for part in name[len(CONFIG_FLAG) + 3:].split("."):
+      field = field[part] if hasattr(field, "keys") and part in field.keys() else None
+    for kind, allowed, parser in _OVERRIDE_PARSERS:
+      if type(field) is kind:
+        try:
+          parser.parse(value)
+        except ValueError:
+          return f"{name}={value}; allowed: {allowed} (the config has {field!r})"
+        break
+  return None
+
+
 def parse_flags(argv):
   """absl flag parsing with one-line errors; pass as ``app.run(main, flags_parser=...)``.
 
   Covers: a bad flag value (absl's own message, first line), a ``--config`` file that is
-  missing or whose code or ``get_config`` raises (its message, naming the file), and a
-  misspelt ``--config.KEY`` override (the field that does not exist and the closest one).
+  missing, not a ``.py`` file, or whose code or ``get_config`` raises (its message, naming the
+  file), a ``--config.KEY=VALUE`` whose value is not of the field's type (what is allowed),
+  and a misspelt ``--config.KEY`` override (the field that does not exist and the closest
+  one).
   The causes are found by checking the values (running the config file, looking the keys
   up), not by reading the libraries' message texts.
   """
@@ -129,7 +162,10 @@ def parse_flags(argv):
   except flags.Error as e:
     # ml_collections loads the file while parsing each --config: run the files by themselves to
     # learn whether one fails and why (None: they load, the error is another flag's).
-    _fail(_run_config_files(given)[1] or str(e).splitlines()[0])
+    config, cause = _run_config_files(given)
+    if config is not None:
+      cause = _unparsable_override(config, argv)
+    _fail(cause or str(e).splitlines()[0])
   except Exception:
     # ml_collections lets what the config file's get_config raises (a NameError, an
     # ImportError, a SyntaxError...) escape unwrapped, and a missing file surfaces as an

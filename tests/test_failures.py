@@ -186,6 +186,38 @@ def test_a_misspelt_override_is_named_wherever_it_stands_on_the_command_line():
       "fields")  # nothing close to suggest
 
 
+def test_an_override_of_the_wrong_type_says_what_is_allowed():
+  # absl's own words were Python's: "invalid literal for int() with base 10: 'abc'", or a
+  # tuple for a bool.
+  config = config_lib.get_default_config()
+  cases = {"--config.train.num_steps=abc": "an integer (the config has 1000)",
+           "--config.train.num_steps=10.5": "an integer (the config has 1000)",
+           "--config.model.num_heads=": f"an integer (the config has {config.model.num_heads})",
+           "--config.train.learning_rate=fast":
+               f"a number (the config has {config.train.learning_rate!r})",
+           "--config.model.rope=maybe": "true or false (the config has True)"}
+  for arg, allowed in cases.items():
+    argv = ["main.py", "--config=c.py", "--config.seed=3", arg, "--config.train.num_steps=5"]
+    assert cli._unparsable_override(config, argv) == f"{arg}; allowed: {allowed}"
+  for arg in ("--config.train.num_steps=7", "--config.train.learning_rate=3",
+              "--config.model.rope=false", "--config.data.files=abc", "--config.trian.x=1"):
+    assert cli._unparsable_override(config, ["main.py", arg]) is None, arg
+
+
+def test_a_config_that_is_not_a_python_file_is_one_line(tmp_path):
+  # A run's config.json as --config: ml_collections finds no loader for it, and the message
+  # was "'NoneType' object has no attribute 'loader'".
+  path = tmp_path / "config.json"
+  path.write_text(config_lib.get_default_config().to_json())
+  proc = _run_cli([f"--config={path}", f"--workdir={tmp_path / 'w'}",
+                   "--config.train.num_steps=abc"])
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [
+      f"error: --config={path}: not a Python file; allowed: a .py file whose get_config() "
+      "returns the config (e.g. experiments/tiny.py), optionally with :ARG for get_config(ARG)"]
+  _assert_nothing_left(tmp_path / "w")
+
+
 def test_library_info_records_are_dropped_and_ours_and_their_warnings_kept():
   rec = lambda path, level: logging.LogRecord("x", level, path, 1, "m", None, None)  # noqa: E731
   quiet = cli.QuietLibraries(logging.WARNING)
