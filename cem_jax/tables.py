@@ -53,7 +53,7 @@ from cem_jax import cli, energies, energy_checks, errors, model_stats, preflight
 from cem_jax import config as config_lib
 from cem_jax import workdir as workdir_lib
 from cem_jax.config import get_default_config
-from cem_jax.data import sources
+from cem_jax.data import pipeline, prepared, sources
 from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
 from cem_jax.metrics import has_final_eval, read_metrics
 from cem_jax.model import DecoderLM
@@ -186,7 +186,11 @@ RESULT_KEYS = ("row", "seed", "eval/loss", "eval/bits_per_byte", "tokens_per_sec
 
 @functools.lru_cache(maxsize=16)
 def _source_record(data_json: str) -> dict:
-  identity = sources.source_identity(ml_collections.ConfigDict(json.loads(data_json)))
+  data = ml_collections.ConfigDict(json.loads(data_json))
+  if data.prepared_dir:  # trained on these tokens, whatever data.files names (check_fits)
+    manifest = prepared.PreparedData.open_manifest(data.prepared_dir, verify=False)
+    return {"kind": "prepared", **pipeline.data_identity(manifest)}
+  identity = sources.source_identity(data)
   if identity["kind"] == "files":  # by content, not by where the files lie
     identity["files"] = [{**f, "path": os.path.basename(f["path"])} for f in identity["files"]]
   identity.pop("data_dir", None)  # a TFDS catalog's local folder
@@ -194,13 +198,16 @@ def _source_record(data_json: str) -> dict:
 
 
 def source_record(config) -> dict:
-  """What identifies the text a run of ``config`` trains on, wherever it lies: for
-  ``data.files`` each file's name, size and sha256; for a TFDS or built-in corpus its name,
-  splits and (built-in) Python version (:func:`cem_jax.data.sources.source_identity`, the
-  files hashed once per command). Recorded as ``data_source`` in a run's ``result.json``.
+  """What identifies the text a run of ``config`` trains on, wherever it lies: for a
+  ``data.prepared_dir`` its tokenizer's and token streams' sha256 (as the manifest records
+  them: :func:`cem_jax.data.pipeline.data_identity`); else for ``data.files`` each file's name,
+  size and sha256; for a TFDS or built-in corpus its name, splits and (built-in) Python
+  version (:func:`cem_jax.data.sources.source_identity`, the files hashed once per command).
+  Recorded as ``data_source`` in a run's ``result.json``.
 
   Raises:
-    ValueError: a ``data.files`` glob that matches no file.
+    ValueError: a ``data.files`` glob that matches no file; a ``data.prepared_dir`` without a
+      manifest (:class:`cem_jax.data.prepared.BadPreparedData`: a damaged one).
   """
   return _source_record(json.dumps(config.data.to_dict(), sort_keys=True))
 
@@ -216,6 +223,10 @@ def _other_source(result: dict, config) -> str | None:
   if saved.get("kind") == now["kind"] == "files":
     return (f"data.files with sha256 {[f['sha256'][:12] for f in saved['files']]}, now "
             f"{[f['sha256'][:12] for f in now['files']]}")
+  if saved.get("kind") == now["kind"] == "prepared":
+    return ("data.prepared_dir with " + ", ".join(
+        f"{k} {str(saved.get(k))[:12]} -> {v[:12]}" for k, v in now.items()
+        if k != "kind" and saved.get(k) != v))
   return f"{saved.get('kind')} {saved.get('name', '')}, now {now['kind']} {now.get('name', '')}"
 
 

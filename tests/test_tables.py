@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -561,6 +562,48 @@ def test_a_result_on_other_text_under_the_same_file_name_is_not_reused(tmp_path)
   # The same text in another folder is the same data.
   tables._read_result(str(run / "result.json"), "another digest", now["c"])
   assert tables._finished_run(str(tmp_path / "w"), "another digest", now["c"]) == str(run)
+
+
+def test_a_result_on_other_prepared_tokens_in_the_same_folder_is_not_reused(tmp_path):
+  # A run trained from data.prepared_dir recorded the built-in corpus (the config's unused
+  # data.builtin) as its text: the folder prepared again from another text, a second command
+  # reused the old numbers.
+  from cem_jax.data import shard_writer
+
+  texts = {name: "".join(f"{name} line {i}: " + " ".join(str(i * j % 97) for j in range(9))
+                         + ".\n" for i in range(400)) for name in ("first", "second")}
+  for name, text in texts.items():
+    (tmp_path / f"{name}.txt").write_text(text)
+  folder = tmp_path / "prepared"
+
+  def prepare(name):
+    shutil.rmtree(folder, ignore_errors=True)
+    config = tiny_config("llama", **{"data.files": str(tmp_path / f"{name}.txt")})
+    shard_writer.prepare(config.data, folder)
+
+  prepare("first")
+  trained = tiny_config("llama", **{"data.prepared_dir": str(folder)})
+  run, result = _write_finished_run(tmp_path / "w", "llama", trained)
+  result["data_source"] = tables.source_record(trained)
+  (run / "result.json").write_text(json.dumps(result))
+  manifest = json.loads((folder / "manifest.json").read_text())
+  assert result["data_source"] == {
+      "kind": "prepared", "tokenizer_sha256": manifest["tokenizer"]["sha256"],
+      "train_sha256": hashlib.sha256("\n".join(
+          s["sha256"] for s in manifest["splits"]["train"]["shards"]).encode()).hexdigest(),
+      "validation_sha256": hashlib.sha256("\n".join(
+          s["sha256"] for s in manifest["splits"]["validation"]["shards"]).encode()).hexdigest()}
+  path, digest = str(run / "result.json"), tables.config_digest(trained)
+  tables._read_result(path, digest, trained)
+  assert tables._finished_run(str(tmp_path / "w"), digest, trained) == str(run)
+  prepare("second")
+  tables._source_record.cache_clear()  # a new command
+  with pytest.raises(ValueError, match=(
+      r"seed0/result.json was trained on other text \(data.prepared_dir with tokenizer_sha256 "
+      r"[0-9a-f]{12} -> [0-9a-f]{12}, train_sha256 [0-9a-f]{12} -> [0-9a-f]{12}, "
+      r"validation_sha256 [0-9a-f]{12} -> [0-9a-f]{12}\); use a new --workdir")):
+    tables._read_result(path, digest, trained)
+  assert tables._finished_run(str(tmp_path / "w"), digest, trained) is None
 
 
 def test_a_result_of_an_energy_edited_since_is_not_reused(tmp_path, monkeypatch):
