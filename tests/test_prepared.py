@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import hashlib
 import json
 import os
 import re
@@ -865,6 +866,26 @@ def test_prepared_dir_must_fit_the_config(tmp_path):
       build_data(_config(**{**base, field: value}), tmp_path / "wd")
   with pytest.raises(ValueError, match=r"no manifest\.json"):
     build_data(_config(prepared_dir=os.fspath(tmp_path / "nothing")), tmp_path / "wd")
+
+
+def test_prepared_dir_refuses_a_named_file_edited_since(tmp_path):
+  # The same path with other contents trained on the old tokens without a word.
+  corpus = tmp_path / "c.txt"
+  text = _text(2000)
+  corpus.write_text(text)
+  out = shard_writer.prepare(_config(files=os.fspath(corpus), vocab_size=300).data, tmp_path / "p")
+  config = _config(prepared_dir=os.fspath(out), files=os.fspath(corpus), vocab_size=300)
+  build_data(config, tmp_path / "wd")
+  then = f"{len(text)} bytes, sha256 {hashlib.sha256(text.encode()).hexdigest()[:12]}"
+  for edited in (text + "one more line.\n", text.replace("alpha", "omega")):  # the same size too
+    corpus.write_text(edited)
+    now = f"{len(edited)} bytes, sha256 {hashlib.sha256(edited.encode()).hexdigest()[:12]}"
+    with pytest.raises(ValueError, match=(
+        rf"^data\.files: {re.escape(os.fspath(corpus))} changed since data\.prepared_dir="
+        rf"{re.escape(os.fspath(out))} was prepared from it \({then}; now {now}\); prepare "
+        r"again, or leave data\.files empty to train on the prepared tokens$")):
+      build_data(config, tmp_path / "wd")
+  build_data(_config(prepared_dir=os.fspath(out), vocab_size=300), tmp_path / "wd")
 
 
 def test_workdir_preparation_is_reused_and_follows_edits(tmp_path):

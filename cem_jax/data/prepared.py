@@ -432,8 +432,9 @@ def allow_open_files(shards: int, directory: Path) -> None:
 def check_fits(manifest: dict, data_config, directory: Path) -> None:
   """Checks that a prepared manifest fits the ``data`` config: equal ``vocab_size``, the same
   given tokenizer (by sha256), and the same source where the config names one (``data.files``
-  or ``data.tfds_name`` left empty take the prepared dataset's; a catalog's splits and text
-  feature must match; ``validation_fraction`` and
+  or ``data.tfds_name`` left empty take the prepared dataset's; given ``data.files`` must be
+  the same paths with the same contents, by size and sha256, ~1 s/GB; a catalog's splits and
+  text feature must match; ``validation_fraction`` and
   the trained tokenizer's model type must match). ``seq_len`` and ``shuffle_seed`` do not
   matter: windows are cut when read.
 
@@ -463,6 +464,15 @@ def check_fits(manifest: dict, data_config, directory: Path) -> None:
     theirs = [f["path"] for f in manifest["sources"].get("files", [])]
     if ours != theirs:
       raise mismatch("files", d.files, saved["files"] or f"a {kind} source")
+    # The same paths with other contents (a file edited since) would train on the old tokens.
+    for record in manifest["sources"]["files"]:
+      path, then = record["path"], (record.get("size"), record.get("sha256"))
+      now = (os.path.getsize(path), sha256_file(path))
+      if now != then:
+        raise ValueError(f"data.files: {path} changed since {where} was prepared from it "
+                         f"({then[0]} bytes, sha256 {str(then[1])[:12]}; now {now[0]} bytes, "
+                         f"sha256 {now[1][:12]}); prepare again, or leave data.files empty to "
+                         "train on the prepared tokens")
   if d.tfds_name and d.tfds_name != saved["tfds_name"]:
     raise mismatch("tfds_name", d.tfds_name, saved["tfds_name"] or f"a {kind} source")
   if d.tfds_name:  # the splits and the feature are the catalog source's data too
