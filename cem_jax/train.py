@@ -195,7 +195,8 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
   the sharded state, checks the checkpoint's data and restores it.
 
   Nothing is written to ``workdir`` but the data it prepares (removed again if the checkpoint
-  refuses them); if anything fails and ``workdir`` did not exist before, it is removed again.
+  refuses them); if anything fails and ``workdir`` did not exist before, it is removed again
+  but for the prepared tokens in ``WORKDIR/data`` (:func:`_undo_start`).
   ``workdir`` is held for this run (:func:`cem_jax.workdir.exclusive`) until ``held`` closes.
 
   Raises:
@@ -369,8 +370,12 @@ def _check_same_model(saved: dict, config: ml_collections.ConfigDict, energies_n
 
 def _undo_start(ckpt: Checkpointer | None, workdir: str, created: bool) -> None:
   """After a failed start: closes ``ckpt``, removes its folder if this start created it (the
-  start opens it before building the data) and ``workdir`` if this start created it, so no
-  failed start looks like a run. The caller re-raises the error that caused it."""
+  start opens it before building the data) and, if this start created ``workdir``, all of it
+  but the tokens prepared in ``WORKDIR/data``, so no failed start looks like a run. The tokens
+  are kept because they are valid whatever failed (a prepare removes what it cannot finish
+  itself) and the next start of this workdir reuses them: at corpus scale a failure after the
+  data (a seq_len too long, a step too large, Ctrl-C while compiling) would otherwise cost the
+  whole tokenization again. The caller re-raises the error that caused it."""
   try:
     if ckpt is not None:
       ckpt.close()
@@ -379,7 +384,17 @@ def _undo_start(ckpt: Checkpointer | None, workdir: str, created: bool) -> None:
           os.rmdir(ckpt.directory)
   finally:  # a close that fails too must not leave the new workdir behind
     if created:
-      shutil.rmtree(workdir, ignore_errors=True)
+      data = os.path.join(workdir, "data")
+      if os.path.isdir(data) and os.listdir(data):
+        for name in set(os.listdir(workdir)) - {"data"}:
+          path = os.path.join(workdir, name)
+          if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+          else:
+            with contextlib.suppress(OSError):
+              os.remove(path)
+      else:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _log_resume(run: Run, resolved: dict) -> None:

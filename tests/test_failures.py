@@ -77,9 +77,16 @@ def _last_line(proc) -> str:
   return proc.stderr.strip().splitlines()[-1]
 
 
-def _assert_nothing_left(workdir: Path, existed: bool = False) -> None:
-  if not existed:
+def _assert_nothing_left(workdir: Path, existed: bool = False, prepared: bool = False) -> None:
+  """No run in ``workdir``: a new one removed, but for the tokens its start prepared
+  (``prepared``: kept for the next start, finished)."""
+  if not existed and not prepared:
     assert not workdir.exists(), sorted(os.listdir(workdir))
+    return
+  if not existed:
+    assert sorted(os.listdir(workdir)) == ["data"]
+    (folder,) = (workdir / "data").iterdir()
+    assert (folder / "manifest.json").is_file()
     return
   for name in ("config.json", "metrics.jsonl", "checkpoints"):
     assert not (workdir / name).exists(), name
@@ -130,8 +137,7 @@ def test_config_typos_and_wrong_types_fail_at_parse_time(tmp_path, arg, field):
 
 @pytest.mark.parametrize("arg, expected", [
     ("--config.train.batch_size=eight",
-     "error: flag --config.train.batch_size=eight: invalid literal for int() with base 10: "
-     "'eight'"),
+     "error: --config.train.batch_size=eight; allowed: an integer (the config has 16)"),
     ("--config.train.batchsize=8",
      "error: --config.train.batchsize: the config has no field 'batchsize'; did you mean "
      "'batch_size'?"),
@@ -399,7 +405,7 @@ def test_bad_data_is_one_line_and_leaves_no_run(name, existed, texts, tmp_path):
   with pytest.raises(error, match=pattern) as e:
     train.train_and_evaluate(tiny_config("llama", **overrides), str(workdir))
   assert "\n" not in str(e.value)
-  _assert_nothing_left(workdir, existed)
+  _assert_nothing_left(workdir, existed, prepared=name == "seq_len too long")
 
 
 @pytest.mark.parametrize("existed", [False, True], ids=["new workdir", "existing workdir"])
@@ -420,7 +426,7 @@ def test_a_start_failing_after_start_up_closes_the_checkpoints_and_leaves_no_run
   with pytest.raises(OSError, match="No space left on device"):
     train.train_and_evaluate(tiny_config("llama", **{"train.num_steps": 2}), str(workdir))
   assert len(closed) == 1
-  assert workdir.is_dir() == existed
+  _assert_nothing_left(workdir, existed, prepared=True)
 
 
 def test_a_failed_start_leaves_no_orbax_thread_behind_to_fail(tmp_path, monkeypatch):
