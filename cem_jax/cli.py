@@ -131,8 +131,8 @@ def _unknown_override(config, argv) -> str | None:
       if not hasattr(node, "keys"):
         return f"{name}: the config has no field {part!r}; {path} is a value, not a group"
       if part not in node.keys():
-        close = difflib.get_close_matches(part, list(node.keys()), n=1)
-        hint = (f"did you mean {close[0]!r}?" if close
+        close = closest(part, node.keys())
+        hint = (f"did you mean {' or '.join(map(repr, close))}?" if close
                 else "see cem_jax/config.py for the fields")
         return f"{name}: the config has no field {part!r}; {hint}"
       node, path = node[part], f"{path}.{part}"
@@ -146,6 +146,34 @@ _OVERRIDE_PARSERS = ((bool, "true or false", flags.BooleanParser()),
                      (float, "a number", flags.FloatParser()))
 
 
+def parse_value(name: str, text: str, current):
+  """``text`` as a value of the type of ``current`` (a config field's value): bools, ints and
+  floats as absl parses a ``--config.KEY=VALUE`` override (bools: true/false, t/f, 1/0, any
+  case); anything else as the text itself.
+
+  Raises:
+    ValueError: ``"{name}={text}; allowed: an integer"`` (or a number, true or false).
+  """
+  for kind, allowed, parser in _OVERRIDE_PARSERS:
+    if type(current) is kind:
+      try:
+        return parser.parse(text)
+      except ValueError:
+        raise ValueError(f"{name}={text}; allowed: {allowed}") from None
+  return text
+
+
+def closest(name: str, options) -> list[str]:
+  """Up to 3 of ``options`` a misspelt ``name`` most likely meant: those whose words'
+  initials it is (``lr``: ``learning_rate``), then those it begins (``batch``:
+  ``batch_size``), then difflib's close matches."""
+  options = list(options)
+  initials = [o for o in options if "_" in o and "".join(w[:1] for w in o.split("_")) == name]
+  begun = [o for o in options if o.startswith(name) and o != name] if len(name) >= 3 else []
+  found = initials + begun + difflib.get_close_matches(name, options, n=3)
+  return list(dict.fromkeys(found))[:3]
+
+
 def _unparsable_override(config, argv) -> str | None:
   """The first ``--config.KEY=VALUE`` whose VALUE is not of KEY's type in ``config`` (a bool,
   int or float field), as one line saying what is allowed (None when every value parses)."""
@@ -156,13 +184,10 @@ def _unparsable_override(config, argv) -> str | None:
     field = config
     for part in name[len(CONFIG_FLAG) + 3:].split("."):
       field = field[part] if hasattr(field, "keys") and part in field.keys() else None
-    for kind, allowed, parser in _OVERRIDE_PARSERS:
-      if type(field) is kind:
-        try:
-          parser.parse(value)
-        except ValueError:
-          return f"{name}={value}; allowed: {allowed} (the config has {field!r})"
-        break
+    try:
+      parse_value(name, value, field)
+    except ValueError as e:
+      return str(e)
   return None
 
 

@@ -28,7 +28,6 @@ training tokens/s; the plot has one eval-loss curve per row (mean over seeds).
 from __future__ import annotations
 
 import csv
-import difflib
 import functools
 import glob
 import hashlib
@@ -107,24 +106,17 @@ def parse_overrides(pairs: list[str]) -> dict:
     if not sep:
       raise ValueError(f"--set={pair!r}; allowed: KEY=VALUE, e.g. --set=data.prepared_dir=DIR")
     if key not in default:
-      close = difflib.get_close_matches(key, default, n=3)
+      group, _, leaf = key.rpartition(".")
+      leaves = [k.rpartition(".")[2] for k in default if k.rpartition(".")[0] == group]
+      close = ([f"{group}.{k}" for k in cli.closest(leaf, leaves)] if leaves
+               else cli.closest(key, default))
       raise ValueError(f"--set={pair!r}: no config key {key!r}"
                        + (f"; did you mean {', '.join(close)}?" if close else ""))
     current = default[key]
     if not isinstance(current, (bool, int, float, str)):
       raise ValueError(f"--set={pair!r}: {key} is a {type(current).__name__}; --set takes "
                        "numbers, booleans and strings only (edit the table file instead)")
-    try:
-      if isinstance(current, bool):
-        if text.lower() not in ("true", "false", "1", "0"):
-          raise ValueError
-        value = text.lower() in ("true", "1")
-      else:
-        value = type(current)(text)
-    except ValueError:
-      kind = {bool: "true or false", int: "an integer", float: "a number"}[type(current)]
-      raise ValueError(f"--set={pair!r}: {key} takes {kind}, got {text!r}") from None
-    out[key] = value
+    out[key] = cli.parse_value(f"--set={key}", text, current)
   return out
 
 
@@ -385,6 +377,7 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
     FloatingPointError: as :func:`cem_jax.train.train_and_evaluate`.
   """
   check_runs(module, scale, seeds, steps, rows, overrides)
+  os.makedirs(workdir, exist_ok=True)  # after the checks: a refused command leaves no folder
   more = [row for row in (rows or module.ROWS)
           if os.path.exists(os.path.join(run_dir(workdir, table, row, seeds), "result.json"))]
   if more:  # e.g. --seeds=2 over a table made with 3: the table would drop finished seeds
@@ -654,7 +647,6 @@ def main(argv):
     overrides = parse_overrides(fl.set)
     if os.path.exists(fl.workdir) and not os.path.isdir(fl.workdir):
       raise ValueError(f"--workdir={fl.workdir} is a file; give a folder (created if missing)")
-    os.makedirs(fl.workdir, exist_ok=True)
     results = run_table(module, name, fl.scale, fl.seeds, fl.workdir, fl.steps, rows,
                         overrides)
     if results is None:  # preempted: the table is written when every run has finished

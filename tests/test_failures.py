@@ -137,7 +137,7 @@ def test_config_typos_and_wrong_types_fail_at_parse_time(tmp_path, arg, field):
 
 @pytest.mark.parametrize("arg, expected", [
     ("--config.train.batch_size=eight",
-     "error: --config.train.batch_size=eight; allowed: an integer (the config has 16)"),
+     "error: --config.train.batch_size=eight; allowed: an integer"),
     ("--config.train.batchsize=8",
      "error: --config.train.batchsize: the config has no field 'batchsize'; did you mean "
      "'batch_size'?"),
@@ -187,6 +187,10 @@ def test_a_misspelt_override_is_named_wherever_it_stands_on_the_command_line():
         "--config.trian.num_steps: the config has no field 'trian'; did you mean 'train'?")
   assert cli._unknown_override(config, ["main.py", "--config.seed.x=1"]) == (
       "--config.seed.x: the config has no field 'x'; config.seed is a value, not a group")
+  assert cli._unknown_override(config, ["main.py", "--config.train.lr=1"]) == (
+      "--config.train.lr: the config has no field 'lr'; did you mean 'learning_rate'?")
+  assert cli._unknown_override(config, ["main.py", "--config.train.batch=1"]) == (
+      "--config.train.batch: the config has no field 'batch'; did you mean 'batch_size'?")
   assert cli._unknown_override(config, ["main.py", "--config.train.qqqq=1"]) == (
       "--config.train.qqqq: the config has no field 'qqqq'; see cem_jax/config.py for the "
       "fields")  # nothing close to suggest
@@ -196,12 +200,11 @@ def test_an_override_of_the_wrong_type_says_what_is_allowed():
   # absl's own words were Python's: "invalid literal for int() with base 10: 'abc'", or a
   # tuple for a bool.
   config = config_lib.get_default_config()
-  cases = {"--config.train.num_steps=abc": "an integer (the config has 1000)",
-           "--config.train.num_steps=10.5": "an integer (the config has 1000)",
-           "--config.model.num_heads=": f"an integer (the config has {config.model.num_heads})",
-           "--config.train.learning_rate=fast":
-               f"a number (the config has {config.train.learning_rate!r})",
-           "--config.model.rope=maybe": "true or false (the config has True)"}
+  cases = {"--config.train.num_steps=abc": "an integer",
+           "--config.train.num_steps=10.5": "an integer",
+           "--config.model.num_heads=": "an integer",
+           "--config.train.learning_rate=fast": "a number",
+           "--config.model.rope=maybe": "true or false"}
   for arg, allowed in cases.items():
     argv = ["main.py", "--config=c.py", "--config.seed=3", arg, "--config.train.num_steps=5"]
     assert cli._unparsable_override(config, argv) == f"{arg}; allowed: {allowed}"

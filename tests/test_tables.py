@@ -102,8 +102,12 @@ def test_overrides_parse_to_the_keys_type_and_bad_ones_are_one_line_errors():
   for pair, message in [("data.prepared_dir", r"allowed: KEY=VALUE"),
                         ("data.prepard_dir=/d", r"no config key 'data.prepard_dir'; did you "
                                                 r"mean data.prepared_dir"),
-                        ("train.num_steps=1.5", r"train.num_steps takes an integer, got '1.5'"),
-                        ("model.rope=maybe", r"model.rope takes true or false"),
+                        ("train.lr=1e-3", r"no config key 'train.lr'; did you mean "
+                                          r"train.learning_rate\?$"),
+                        ("train.num_steps=1.5", r"^--set=train.num_steps=1.5; allowed: an "
+                                                r"integer$"),
+                        ("model.rope=maybe", r"^--set=model.rope=maybe; allowed: true or "
+                                             r"false$"),
                         ("mesh.rules=abc", r"mesh.rules is a list; --set takes numbers")]:
     with pytest.raises(ValueError, match=message):
       tables.parse_overrides([pair])
@@ -219,13 +223,19 @@ def test_every_run_is_checked_before_any_trains():
     ("data.shuffle_seed", 9, 20, "--seeds (run S has seed S)"),
     ("train.num_steps", 50, 20, "--steps=20"),
 ])
-def test_a_set_key_that_the_runner_sets_itself_is_refused_not_ignored(key, value, steps, by):
+def test_a_set_key_that_the_runner_sets_itself_is_refused_not_ignored(key, value, steps, by,
+                                                                     tmp_path):
   # row_config sets the seeds (and --steps the length) after the --set values: the run, and the
   # table's header command, would say 7 where every run was trained with its own seed.
   module = tables.load_table("attention")
   with pytest.raises(ValueError) as e:
     tables.check_runs(module, "tiny", 1, steps, overrides={key: value})
   assert str(e.value) == f"--set={key}=... is set for every run by {by}; leave it out"
+  # Refused before the --workdir is made: no empty folder left behind.
+  with pytest.raises(ValueError, match="leave it out$"):
+    tables.run_table(module, "attention", "tiny", 1, str(tmp_path / "w"), steps,
+                     overrides={key: value})
+  assert not (tmp_path / "w").exists()
   if key == "train.num_steps":  # without --steps, --set is how a table's length changes
     tables.check_runs(module, "tiny", 1, overrides={key: value})
 
