@@ -251,6 +251,10 @@ def _evaluate_shape(field, spec, fn, what, y, context, shapes, aux, decoding):
       hint = (f"; {field}'s params have the keys {', '.join(sorted(shapes))} (an attention "
               "energy gets w_q, w_k, eta, beta and diag when configured; an MLP energy w, g, "
               "eta)")
+    elif isinstance(e, KeyError) and e.args and e.args[0] not in shapes:  # e.g. params["w_v"]
+      # Not known to be a params lookup (any dict raises the same), hence the "if".
+      hint = (f"; if {e.args[0]!r} is meant as a key of params: {field}'s params have the "
+              f"keys {', '.join(sorted(shapes))}")
     raise ValueError(f"{field}={spec.name!r}{what} failed on {_where(y, context, aux, decoding)}"
                      f": {one_line(e)}{hint}") from e
 
@@ -507,8 +511,9 @@ def _causal_values(field, spec, kind, m, shapes, update):
   rel = _relative_error(got, want)
   if not rel <= FUSED_RTOL:  # also NaN
     raise refuse(f"of {new} new tokens at positions {index}.. against a {cache}-slot cache, "
-                 f"{_DECODING}, differs from the training-layout update of the same tokens",
-                 rel)
+                 f"{_DECODING}, differs from the training-layout update of the same tokens "
+                 "(it reads tokens after its own, or a mask, length or positions not taken "
+                 "from aux)", rel)
   rel = _relative_error(after[keep], before[keep])
   if not rel <= FUSED_RTOL:
     raise refuse("of a row's last document changes when the tokens of the documents (or "

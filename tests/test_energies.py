@@ -780,7 +780,8 @@ def test_energy_that_decodes_differently_from_training_is_refused(tmp_path, slot
   assert message.startswith(
       f"model.{slot}_energy='{tmp_path}/user_fused.py:{name}': its update of 2 new tokens at "
       "positions 3.. against a 8-slot cache, as in cached decoding (python -m cem_jax.sample), "
-      "differs from the training-layout update of the same tokens: max relative error ")
+      "differs from the training-layout update of the same tokens (it reads tokens after its "
+      "own, or a mask, length or positions not taken from aux): max relative error ")
   assert ("build masks from aux.mask" if slot == "attention" else "per-token terms") in message
 
 
@@ -837,9 +838,12 @@ def test_a_diagonal_the_energy_never_reads_is_refused_at_start_up(tmp_path, diag
 
 
 def test_an_energy_in_the_wrong_slot_names_the_slots_parameters(tmp_path):
-  # Only a key of the other slot's params gets the hint: the energy's own KeyError is its own.
+  # A key of the other slot's params gets the slot hint; any other key (maybe of the energy's
+  # own dict) the keys params has.
   message = _refusal(_user_config(tmp_path, attention_energy="own_key_error"))
-  assert message.endswith("failed on [batch, seq_len, d_model] inputs: KeyError: 'distance'")
+  assert message.endswith("failed on [batch, seq_len, d_model] inputs: KeyError: 'distance'; "
+                          "if 'distance' is meant as a key of params: model.attention_energy's "
+                          "params have the keys beta, eta, w_k, w_q")
   message = _refusal(_user_config(tmp_path, mlp_energy="quad"))
   assert message == (
       f"model.mlp_energy='{tmp_path}/user_fused.py:quad' failed on [batch, seq_len, d_model] "
