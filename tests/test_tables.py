@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config, write_metrics
 
-from cem_jax import energies, energy_checks, tables
+from cem_jax import energies, energy_checks, model_stats, tables
 from cem_jax.version import NUMERICS_VERSION
 
 D, L, F, H = 128, 4, 512, 4  # the tiny scale
@@ -858,6 +858,15 @@ def test_the_markdown_rows_units_signs_and_spreads_by_hand(tmp_path):
       "| 20.09 | 1.5000 ± 0.0300 | 1234 |",
       "| one | 1.235M | 1.000M | 0.250M | 0.500M | 0.2500 | 3.0000 | +0.0500 | 20.09 | 1.5000 "
       "| 1234 |"]
+  # A row with a user energy: its FLOPs are not known, said under the table.
+  mine = {**one, "row": "mine", "flops_per_token": None}
+  paths = tables.write_outputs(str(tmp_path), "t", [two, mine], {"cem": [(1, 3.0)]}, "header")
+  assert open(paths[0]).read().splitlines()[5:] == [
+      "| mine | 1.235M | 1.000M | 0.250M | 0.500M | – | 3.0000 | +0.0500 | 20.09 | 1.5000 "
+      "| 1234 |", "",
+      "GFLOP/token –: a row with a user energy, whose own operations the analytic count "
+      "(cem_jax.model_stats) does not model."]
+  assert open(paths[1]).read().splitlines()[2].split(",")[5] == ""
 
 
 def test_a_rows_rate_leaves_out_the_first_log(tmp_path, shared_data, monkeypatch):
@@ -888,6 +897,21 @@ def test_row_config_saves_a_set_energy_file_absolute(tmp_path, monkeypatch):
                           overrides={"model.mlp_energy": "my.py:gate"})
   assert cfg.model.mlp_energy == f"{tmp_path}/my.py:gate"
   assert cfg.model.attention_energy == "softmax"
+
+
+def test_a_row_with_a_user_energy_has_no_flops_figure(tmp_path):
+  # The analytic count is of the built-in energies: a user energy's row showed the built-in's.
+  (tmp_path / "my.py").write_text("import jax.numpy as jnp\n\n\ndef gate(y, context, params, "
+                                  "aux):\n  return jnp.sum(y * y) * params['eta']\n")
+  module = tables.load_table("mlp")
+  overrides = {"model.mlp_energy": f"{tmp_path}/my.py:gate"}
+  rows = tables.aggregate(module, "tiny", [_result("cem_tied", 0, 3.0)], rows=["cem_tied"],
+                          overrides=overrides)
+  assert rows[0]["flops_per_token"] is None
+  (row,) = tables.aggregate(module, "tiny", [_result("cem_tied", 0, 3.0)], rows=["cem_tied"])
+  cfg = tables.row_config(module, "cem_tied", "tiny", 0)
+  assert row["flops_per_token"] == model_stats.flops_per_token(cfg.model, cfg.data.vocab_size,
+                                                               cfg.data.seq_len) > 0
 
 
 def test_a_finished_run_counts_for_a_row_that_only_computes_it_differently(tmp_path):
