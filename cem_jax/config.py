@@ -424,6 +424,23 @@ def _model_identity(values: dict) -> dict:
   return out
 
 
+def from_saved(saved: dict, where: str) -> ml_collections.ConfigDict:
+  """The config a run was trained with, from its saved form (a checkpoint's or
+  ``config.json``'s nested dict, named ``where`` in errors): the defaults updated with it, so
+  the keys it predates keep their defaults (the old behaviour).
+
+  Raises:
+    ValueError: ``saved`` has fields this version of cem_jax does not know (one line).
+  """
+  config = get_default_config()
+  unknown = sorted(set(flat(saved)) - set(flat(config)))
+  if unknown:
+    raise ValueError(f"{where}: config fields {', '.join(unknown)} are unknown to this "
+                     "version of cem_jax; use the version that trained it")
+  config.update(saved)
+  return config
+
+
 def with_defaults(saved: ml_collections.ConfigDict | dict) -> dict:
   """A saved config (a checkpoint's or ``config.json``'s) as a flat dict (:func:`flat`), the
   keys it predates at their defaults: a new key's default keeps the old behaviour."""

@@ -87,12 +87,7 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
   if saved is None:  # saved before checkpoints held their config
     where = config_json
     saved = read_json(config_json, "restore it from the run's command")
-  config = config_lib.get_default_config()
-  unknown = sorted(set(config_lib.flat(saved)) - set(config_lib.flat(config)))
-  if unknown:
-    raise ValueError(f"{where}: config fields {', '.join(unknown)} are unknown to this "
-                     "version of cem_jax; evaluate it with the version that trained it")
-  config.update(saved)
+  config = config_lib.from_saved(saved, where)
   if attention_impl is not None:
     config.model.attention_impl = attention_impl
   preflight.check(config)

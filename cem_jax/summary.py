@@ -10,9 +10,13 @@ is built abstractly (``nnx.eval_shape``): nothing is allocated, so a 125M config
 seconds on a laptop. ``--vocab_size`` stands in for the tokenizer's size (default:
 ``data.vocab_size``); ``--num_devices=N`` lays the mesh out for N devices (an abstract mesh:
 a pod's sharding can be read on a laptop), checked as ``main`` would check it on N devices.
+``--workdir=DIR`` inspects a trained run's model, from its ``config.json``, instead of
+``--config``.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import ml_collections
@@ -21,6 +25,8 @@ from flax import nnx
 from ml_collections import config_flags
 
 from cem_jax import axes, cli, energies, model_stats, preflight, sharding, updates
+from cem_jax import config as config_lib
+from cem_jax.files import read_json
 from cem_jax.model import DecoderLM
 
 
@@ -130,21 +136,41 @@ def format_summary(s: dict) -> str:
   return "\n".join(lines)
 
 
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config of the run in ``workdir``, from its ``config.json``
+  (:func:`cem_jax.config.from_saved`).
+
+  Raises:
+    ValueError: no readable ``config.json`` there, or one with fields this version does not
+      know (one line naming the file).
+  """
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"--workdir={workdir}: no config.json (not a run's folder, or its start "
+                     "failed); give the folder main trained in")
+  return config_lib.from_saved(read_json(path, "restore it from the run's command"), path)
+
+
 def main(argv):
   del argv
+  fl = flags.FLAGS
   with cli.user_errors():
-    print(format_summary(summary(cli.load_config(), flags.FLAGS.vocab_size,
-                                 num_devices=flags.FLAGS.num_devices)))
+    if (fl.config is None) == (fl.workdir is None):
+      raise ValueError("give one of --config=FILE.py (a config to inspect) or --workdir=DIR (a "
+                       "trained run's config.json)")
+    config = cli.load_config() if fl.workdir is None else run_config(fl.workdir)
+    print(format_summary(summary(config, fl.vocab_size, num_devices=fl.num_devices)))
 
 
 def run() -> None:
   """The command line: defines the flags and runs :func:`main`."""
   config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
                                   lock_config=True)
+  flags.DEFINE_string("workdir", None, "A trained run's folder: inspect the config in its "
+                      "config.json instead of --config.")
   flags.DEFINE_integer("vocab_size", None, "Vocabulary size (default: data.vocab_size).")
   flags.DEFINE_integer("num_devices", None, "Lay the mesh out for this many devices (default: "
                        "this machine's), e.g. a TPU pod's, without them.")
-  flags.mark_flag_as_required("config")
   app.run(main, flags_parser=cli.parse_flags)
 
 

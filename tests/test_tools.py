@@ -14,6 +14,7 @@ from conftest import program_json, subprocess_env, tiny_config, write_metrics
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from cem_jax import config as config_lib
 from cem_jax import plot, preflight, sharding
 from cem_jax import summary as summary_lib
 from cem_jax.model import DecoderLM, count_params
@@ -74,6 +75,39 @@ def test_inspect_cli_prints_the_summary():
   assert proc.stdout.startswith("Model summary without training: "), proc.stdout[:500]
   assert "--vocab_size: Vocabulary size" in proc.stdout
   assert "--num_devices: Lay the mesh out" in proc.stdout
+
+
+def test_inspect_a_trained_run_from_its_config_json(tmp_path):
+  # A newcomer's `inspect --workdir=RUN` was "Unknown command line flag 'workdir'", and a run's
+  # config.json as --config a Python error.
+  run = tmp_path / "run"
+  run.mkdir()
+  saved = tiny_config("llama", **{"model.num_layers": 3})
+  (run / "config.json").write_text(saved.to_json())
+  config = summary_lib.run_config(str(run))
+  assert config.model.num_layers == 3 and config_lib.flat(config) == config_lib.flat(saved)
+  proc = subprocess.run([sys.executable, "-m", "cem_jax.inspect", f"--workdir={run}",
+                         "--vocab_size=300"], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  totals = summary_lib.summary(saved, 300)["totals"]
+  assert f"parameters: {totals['params']:,} total" in proc.stdout
+  assert "blocks: 3 unique, 3 layers" in proc.stdout
+  # A key the run predates keeps its default; one this version does not know is refused.
+  (run / "config.json").write_text(json.dumps({**saved.to_dict(), "extra": 1}))
+  with pytest.raises(ValueError, match=rf"^{run}/config.json: config fields extra are unknown "
+                                       r"to this version of cem_jax; use the version that "
+                                       r"trained it$"):
+    summary_lib.run_config(str(run))
+  with pytest.raises(ValueError, match=rf"^--workdir={tmp_path}: no config.json \(not a run's "
+                                       r"folder, or its start failed\)"):
+    summary_lib.run_config(str(tmp_path))
+  for args in ([], [f"--workdir={run}", "--config=experiments/tiny.py"]):
+    proc = subprocess.run([sys.executable, "-m", "cem_jax.inspect", *args], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: give one of --config=FILE.py (a config to inspect) or --workdir=DIR (a trained "
+        "run's config.json)")
 
 
 def test_inspect_names_each_energy_and_its_update(tmp_path):
