@@ -4,6 +4,7 @@ held-out split, exact bytes, interrupted and damaged preparations, fit to the co
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 import hashlib
 import json
@@ -682,6 +683,100 @@ def test_out_holding_other_files_is_refused_and_left_as_it_was(tmp_path):
   assert (out / "notes.txt").read_text() == "keep"
   with pytest.raises(ValueError, match=r"^data\.files=' , ' names no file glob$"):
     text_lib.resolve_files(" , ")
+
+
+def _fingerprint(config) -> str:
+  return shard_writer.fingerprint(config.data,
+                                  shard_writer.sources.source_identity(config.data))
+
+
+@contextlib.contextmanager
+def _locked(folder: Path):
+  """``folder`` flock'ed as another process's prepare holds it (flock locks of two opens
+  exclude each other in one process too)."""
+  import fcntl  # POSIX only
+
+  fd = os.open(folder, os.O_RDONLY)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    yield
+  finally:
+    os.close(fd)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="flock is POSIX")
+def test_a_second_prepare_in_a_folder_being_prepared_is_refused(tmp_path, monkeypatch):
+  # Two prepares of other configs in one folder each wrote over the other's shards and both
+  # reported their own dataset: the second one started while the first is at work is refused.
+  a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+  a.write_text(_text(2000, "a"))
+  b.write_text(_text(2000, "b"))
+  config_a = _config(files=os.fspath(a), vocab_size=300)
+  config_b = _config(files=os.fspath(b), vocab_size=300)
+  out = tmp_path / "p"
+  in_use = (rf"^--out={re.escape(os.fspath(out))} is in use: another process is preparing data "
+            r"in it \(a second prepare, or a main preparing its data\); wait for it to end and "
+            r"run again \(with the same config and text the run again has nothing left to do\)$")
+  original, refused = shard_writer._prepare, []
+
+  def second_prepare_meanwhile(*args):
+    if not refused:  # once: let through, the second prepare would come back here
+      refused.append("tried")
+      with pytest.raises(ValueError, match=in_use):
+        shard_writer.prepare(config_b.data, out)
+    return original(*args)
+
+  monkeypatch.setattr(shard_writer, "_prepare", second_prepare_meanwhile)
+  shard_writer.prepare(config_a.data, out)
+  monkeypatch.undo()
+  assert len(refused) == 1
+  assert prepared.PreparedData.open(out).manifest["fingerprint"] == _fingerprint(config_a)
+  # Held before anything is read or written: a folder held by another process is left as it is.
+  fresh = tmp_path / "fresh"
+  fresh.mkdir()
+  with _locked(fresh), pytest.raises(ValueError, match=in_use.replace(
+      re.escape(os.fspath(out)), re.escape(os.fspath(fresh)))):
+    shard_writer.prepare(config_b.data, fresh)
+  assert not any(fresh.iterdir())
+  # Opened just before the prepare holding it failed and removed the folder it made: the lock
+  # then taken is on a folder that is gone.
+  gone, real_open = tmp_path / "gone", os.open
+
+  def open_then_removed(path, *args, **kwargs):
+    fd = real_open(path, *args, **kwargs)
+    if Path(path) == gone:
+      os.rmdir(gone)
+    return fd
+
+  monkeypatch.setattr(os, "open", open_then_removed)
+  with pytest.raises(ValueError, match=in_use.replace(re.escape(os.fspath(out)),
+                                                      re.escape(os.fspath(gone)))):
+    shard_writer.prepare(config_b.data, gone)
+  monkeypatch.undo()
+  assert not gone.exists()
+  # main's own folder, WORKDIR/data/<fingerprint>, is named without prepare's flag.
+  folder = tmp_path / "wd" / "data" / _fingerprint(config_b)
+  folder.mkdir(parents=True)
+  with _locked(folder), pytest.raises(ValueError, match=rf"^{re.escape(os.fspath(folder))} is "
+                                                       r"in use: another process"):
+    build_data(config_b, tmp_path / "wd")
+  # Released, the same folders prepare as usual.
+  assert shard_writer.prepare(config_b.data, fresh) == fresh
+  assert build_data(config_b, tmp_path / "wd").train_tokens > 0
+
+
+def test_workdir_folder_holding_other_files_names_the_folder_not_a_flag(tmp_path):
+  # main has no --out: its own folder is named as it is, and the fix is to remove it.
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(200))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  folder = tmp_path / "wd" / "data" / _fingerprint(config)
+  folder.mkdir(parents=True)
+  (folder / "notes.txt").write_text("x")
+  with pytest.raises(ValueError) as info:
+    build_data(config, tmp_path / "wd")
+  assert str(info.value) == (f"{folder} is not empty and holds no prepared dataset; remove it "
+                             "and start again: it is prepared anew")
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ first shard gives way to a prepare of other input, so neither blocks the re-run.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -319,16 +320,70 @@ def _write_progress(out_dir: Path, fp: str, tokenizer_sha256: str | None = None)
   _write_json(out_dir / PROGRESS, progress)
 
 
-def _claim(out_dir: Path, fp: str) -> bool:
-  """Makes ``out_dir`` the folder of fingerprint ``fp``: new, empty, already ``fp``'s, or left by
-  a prepare of other input that failed or was killed before its first shard (nothing in it is
-  worth keeping). A damaged or lost ``prepare.json`` beside an intact manifest of ``fp`` is
-  written again. Returns whether ``prepare.json`` was written now (the folder claimed afresh).
+def _named(out_dir: Path, flag: str) -> str:
+  return f"{flag}={os.fspath(out_dir)}" if flag else os.fspath(out_dir)
+
+
+def _fix(flag: str, fix: str) -> str:
+  # A folder main chose (WORKDIR/data/<fingerprint>) is main's to fill: the user's fix is to
+  # remove it, not to choose another.
+  return fix if flag else "remove it and start again: it is prepared anew"
+
+
+@contextlib.contextmanager
+def _exclusive(out_dir: Path, flag: str):
+  """Holds ``out_dir`` for one prepare while the block runs: an exclusive ``flock`` on the
+  folder itself, as :func:`cem_jax.workdir.exclusive` holds a workdir (released when the block
+  ends or the process dies, also ``kill -9``). Two prepares of other configs in one folder
+  would each write shards over the other's and both report their own dataset. A filesystem
+  without ``flock`` (some network mounts) holds no lock, with a warning; neither does Windows.
 
   Raises:
-    ValueError: ``out_dir`` cannot be created, holds another dataset, holds shards beside a
-      damaged ``prepare.json`` and no intact manifest, or is not empty and holds no prepared
-      dataset.
+    ValueError: another process holds ``out_dir``, or removed it while this one waited for it
+      (one line naming the folder and the fix).
+  """
+  if os.name != "posix":
+    yield
+    return
+  import fcntl  # POSIX only
+
+  fd = os.open(out_dir, os.O_RDONLY)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      try:
+        # A prepare that failed before its first shard removes the folder it made: the lock
+        # then held is on a folder that is gone.
+        held = os.path.samestat(os.fstat(fd), os.stat(out_dir))
+      except FileNotFoundError:
+        held = False
+      if not held:
+        raise BlockingIOError(errno.EWOULDBLOCK, "removed")
+    except OSError as e:
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        logging.getLogger(__name__).warning(
+            "%s cannot be locked (%s): a second prepare started in it would not be refused",
+            _named(out_dir, flag), e.strerror or e)
+      else:
+        raise ValueError(
+            f"{_named(out_dir, flag)} is in use: another process is preparing data in it (a "
+            "second prepare, or a main preparing its data); wait for it to end and run again "
+            "(with the same config and text the run again has nothing left to do)") from None
+    yield
+  finally:
+    os.close(fd)
+
+
+def _claim(out_dir: Path, fp: str, flag: str) -> bool:
+  """Makes the existing folder ``out_dir`` the folder of fingerprint ``fp``: empty, already
+  ``fp``'s, or left by a prepare of other input that failed or was killed before its first
+  shard (nothing in it is worth keeping). A damaged or lost ``prepare.json`` beside an intact
+  manifest of ``fp`` is written again. Returns whether ``prepare.json`` was written now (the
+  folder claimed afresh). ``flag``: as ``prepare``'s.
+
+  Raises:
+    ValueError: ``out_dir`` holds another dataset, holds shards beside a damaged
+      ``prepare.json`` and no intact manifest, or is not empty and holds no prepared dataset.
   """
   progress = out_dir / PROGRESS
   previous = _saved_field(progress, "fingerprint")
@@ -344,31 +399,25 @@ def _claim(out_dir: Path, fp: str) -> bool:
     if _holds_data(out_dir):
       if previous is None:
         raise ValueError(
-            f"--out={os.fspath(out_dir)}: {os.fspath(progress)} is damaged (not a JSON object "
+            f"{_named(out_dir, flag)}: {os.fspath(progress)} is damaged (not a JSON object "
             "with a fingerprint) and no intact manifest tells which dataset this is; "
-            "choose another folder or delete it")
+            f"{_fix(flag, 'choose another folder or delete it')}")
       raise ValueError(
-          f"--out={os.fspath(out_dir)} holds another dataset (fingerprint {previous}, this "
-          f"config and text: {fp}); choose another folder or delete it")
+          f"{_named(out_dir, flag)} holds another dataset (fingerprint {previous}, this "
+          f"config and text: {fp}); {_fix(flag, 'choose another folder or delete it')}")
     logging.getLogger(__name__).info(
         "%s holds no shard of the dataset %s: preparing %s there instead", out_dir, previous, fp)
     # Its tokenizer was trained on other input: it must not be reused.
     _remove_leftovers(out_dir, progress=True, tokenizer=True)
-  elif out_dir.is_dir() and any(out_dir.iterdir()):
-    raise ValueError(f"--out={os.fspath(out_dir)} is not empty and holds no prepared dataset; "
-                     "choose an empty or new folder")
-  else:
-    try:
-      out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-      raise ValueError(f"--out={os.fspath(out_dir)}: cannot create the folder ({e.strerror}); "
-                       "choose a folder that can be created") from None
+  elif any(out_dir.iterdir()):
+    raise ValueError(f"{_named(out_dir, flag)} is not empty and holds no prepared dataset; "
+                     f"{_fix(flag, 'choose an empty or new folder')}")
   _write_progress(out_dir, fp)
   return True
 
 
 def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD_CHARS,
-            workers: int | None = None) -> Path:
+            workers: int | None = None, flag: str = "--out") -> Path:
   """Prepares the data of ``data_config`` in ``out_dir`` (see the module docstring).
 
   A prepare that fails before its first shard removes what it wrote (so a re-run with fixed
@@ -385,46 +434,56 @@ def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD
       per ``shard_chars`` of text, for corpora of at least ``POOL_MIN_CHARS`` characters (and
       catalog datasets, whose size is not known beforehand), else this process alone. Each
       holds one shard's text and tokens, about 100 MB.
+    flag: how errors name ``out_dir``: ``--out=DIR`` (prepare's command line), or, with
+      ``flag=""``, the folder alone with its removal as the fix (main's
+      ``WORKDIR/data/<fingerprint>``, a folder the user did not name).
 
   Returns:
     ``out_dir`` as a Path.
 
   Raises:
     ValueError: bad config values or input (one line naming the field or file), or
-      ``out_dir`` is a file, cannot be created, holds another dataset, or is not empty and
-      holds no prepared dataset.
+      ``out_dir`` is a file, cannot be created, holds another dataset, is not empty and
+      holds no prepared dataset, or another process is preparing data in it.
     ConnectionError: a TFDS catalog dataset is not prepared and there is no network.
     FileNotFoundError: ``data.tokenizer`` names no file.
   """
   log = logging.getLogger(__name__)
   out_dir = Path(os.path.expanduser(os.fspath(out_dir)))
   if out_dir.exists() and not out_dir.is_dir():
-    raise ValueError(f"--out={os.fspath(out_dir)} is a file; choose a new or empty folder")
+    raise ValueError(f"{_named(out_dir, flag)} is a file; "
+                     f"{_fix(flag, 'choose a new or empty folder')}")
   identity = sources.source_identity(data_config)
   fp = fingerprint(data_config, identity)
   manifest_path = out_dir / MANIFEST
   made_dir = not out_dir.exists()
-  made_progress = _claim(out_dir, fp)
-  if manifest_path.is_file():
-    try:
-      PreparedData.open(out_dir)
-      log.info("prepared data in %s is complete and intact: nothing to do", out_dir)
-      return out_dir
-    except ValueError as e:
-      log.warning("%s; preparing the damaged part again", e)
-      manifest_path.unlink()
-  made_tokenizer = not (out_dir / TOKENIZER).exists()
   try:
-    return _prepare(data_config, out_dir, identity, fp, shard_chars, workers)
-  except Exception:
-    # Failed (bad input, a full disk) before its first shard: what it wrote would only block
-    # the re-run with fixed input (another fingerprint). Interrupts are not failures: like a
-    # kill they leave the work (a trained tokenizer) to the next run.
-    if not _holds_data(out_dir):
-      _remove_leftovers(out_dir, progress=made_progress, tokenizer=made_tokenizer)
-      if made_dir and not any(out_dir.iterdir()):
-        out_dir.rmdir()
-    raise
+    out_dir.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"{_named(out_dir, flag)}: cannot create the folder ({e.strerror}); "
+                     f"{_fix(flag, 'choose a folder that can be created')}") from None
+  with _exclusive(out_dir, flag):
+    made_progress = _claim(out_dir, fp, flag)
+    if manifest_path.is_file():
+      try:
+        PreparedData.open(out_dir)
+        log.info("prepared data in %s is complete and intact: nothing to do", out_dir)
+        return out_dir
+      except ValueError as e:
+        log.warning("%s; preparing the damaged part again", e)
+        manifest_path.unlink()
+    made_tokenizer = not (out_dir / TOKENIZER).exists()
+    try:
+      return _prepare(data_config, out_dir, identity, fp, shard_chars, workers)
+    except Exception:
+      # Failed (bad input, a full disk) before its first shard: what it wrote would only block
+      # the re-run with fixed input (another fingerprint). Interrupts are not failures: like a
+      # kill they leave the work (a trained tokenizer) to the next run.
+      if not _holds_data(out_dir):
+        _remove_leftovers(out_dir, progress=made_progress, tokenizer=made_tokenizer)
+        if made_dir and not any(out_dir.iterdir()):
+          out_dir.rmdir()
+      raise
 
 
 def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: int,
@@ -531,5 +590,5 @@ def prepared_for(data_config, workdir: str | os.PathLike) -> Path:
   identity = sources.source_identity(data_config)
   out = Path(workdir) / "data" / fingerprint(data_config, identity)
   if not (out / MANIFEST).is_file():
-    prepare(data_config, out)
+    prepare(data_config, out, flag="")
   return out
