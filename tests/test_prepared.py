@@ -11,9 +11,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -513,7 +515,9 @@ def _inline_pool(started=None, eager=False):
     def __init__(self, size, initializer, initargs):
       if started is not None:
         started.append(size)
-      initializer(*initargs)
+      # Not the pool's initializer: it ties a worker process's life to its parent's, and here
+      # the worker is this process.
+      shard_writer._init_worker(initargs[0])
 
     def __enter__(self):
       return self
@@ -763,6 +767,68 @@ def test_a_second_prepare_in_a_folder_being_prepared_is_refused(tmp_path, monkey
   # Released, the same folders prepare as usual.
   assert shard_writer.prepare(config_b.data, fresh) == fresh
   assert build_data(config_b, tmp_path / "wd").train_tokens > 0
+
+
+_SLOW_SHARD = """
+import os, pathlib, time
+def write(job):
+  pathlib.Path({pids!r}, str(os.getpid())).touch()
+  time.sleep(60)
+"""
+
+_PREPARE_WITH_SLOW_WORKERS = """
+import sys
+sys.path[:0] = ["tests", sys.argv[3]]
+import slow_shard
+from cem_jax.data import shard_writer
+from test_prepared import _config
+shard_writer._encode_and_write = slow_shard.write
+shard_writer.prepare(_config(files=sys.argv[1], vocab_size=300).data, sys.argv[2],
+                     shard_chars=20_000, workers=2)
+"""
+
+
+def _alive(pid: int) -> bool:
+  try:
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):
+    return False
+  return state not in ("Z", "X")  # a zombie is dead, only not reaped by its new parent
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_kill_9_of_prepare_ends_its_workers(tmp_path):
+  # Workers that outlived a killed prepare went on writing shards into the folder, whose lock
+  # died with it. Here each worker sleeps in its first shard: alive 60 s unless it dies with
+  # its parent.
+  corpus, pids = tmp_path / "c.txt", tmp_path / "pids"
+  corpus.write_text(_text(3000))
+  pids.mkdir()
+  (tmp_path / "slow_shard.py").write_text(_SLOW_SHARD.format(pids=os.fspath(pids)))
+  proc = subprocess.Popen(
+      [sys.executable, "-c", _PREPARE_WITH_SLOW_WORKERS, os.fspath(corpus),
+       os.fspath(tmp_path / "p"), os.fspath(tmp_path)], cwd=REPO,
+      env={**os.environ, "PYTHONPATH": os.fspath(REPO)}, stderr=subprocess.PIPE)
+  workers = []
+  try:
+    deadline = time.monotonic() + 120
+    while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
+      time.sleep(0.1)
+      workers = [int(p.name) for p in pids.iterdir()]
+    assert len(workers) == 2, proc.stderr.read().decode()[-2000:] if proc.poll() else workers
+    assert all(map(_alive, workers))
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert not any(map(_alive, workers))
+  finally:
+    proc.kill()
+    proc.wait()
+    for pid in workers:
+      with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def test_workdir_folder_holding_other_files_names_the_folder_not_a_flag(tmp_path):

@@ -16,6 +16,7 @@ first shard gives way to a prepare of other input, so neither blocks the re-run.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import json
@@ -23,6 +24,8 @@ import logging
 import multiprocessing
 import os
 import re
+import signal
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -202,6 +205,27 @@ _worker_tokenizer: tokenizer_lib.Tokenizer | None = None
 def _init_worker(model: bytes) -> None:
   global _worker_tokenizer
   _worker_tokenizer = tokenizer_lib.Tokenizer(model)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _init_pool_worker(model: bytes, parent: int) -> None:
+  """``_init_worker`` in a pool's worker process, which dies with ``parent`` (Linux).
+
+  A worker outliving a killed prepare (``kill -9`` ends the parent only) would go on writing
+  shards into a folder whose lock died with the parent: into a re-run's work, or another
+  config's. Elsewhere the workers still end once their current shard is written.
+  """
+  if sys.platform.startswith("linux"):
+    try:
+      libc = ctypes.CDLL(None, use_errno=True)
+      libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+      pass
+    if os.getppid() != parent:  # died before the signal was asked for
+      os.kill(os.getpid(), signal.SIGKILL)
+  _init_worker(model)
 
 
 def _encode_and_write(job: tuple[dict, str, str, str]) -> dict:
@@ -522,7 +546,7 @@ def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: i
     if workers > 1:
       # spawn, not fork: the caller may already run JAX's threads.
       pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(
-          workers, initializer=_init_worker, initargs=(model,)))
+          workers, initializer=_init_pool_worker, initargs=(model, os.getpid())))
       done = pool.imap(_encode_and_write, jobs())
     else:
       _init_worker(model)
