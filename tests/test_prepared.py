@@ -831,6 +831,29 @@ def test_kill_9_of_prepare_ends_its_workers(tmp_path):
         os.kill(pid, signal.SIGKILL)
 
 
+def test_workdir_folder_of_another_fingerprint_is_refused(tmp_path):
+  # WORKDIR/data/<fingerprint> copied (or moved) there by hand holds another text: trained
+  # from, it would pass for the text data.files names.
+  a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+  a.write_text(_text(2000, "a"))
+  b.write_text(_text(2000, "b"))
+  config_a = _config(files=os.fspath(a), vocab_size=300)
+  config_b = _config(files=os.fspath(b), vocab_size=300)
+  fp_a, fp_b = _fingerprint(config_a), _fingerprint(config_b)
+  assert fp_a != fp_b
+  build_data(config_a, tmp_path / "wd")
+  folder = tmp_path / "wd" / "data" / fp_b
+  shutil.copytree(tmp_path / "wd" / "data" / fp_a, folder)
+  with pytest.raises(ValueError) as info:
+    build_data(config_b, tmp_path / "wd")
+  assert str(info.value) == (f"{folder} holds another dataset (fingerprint {fp_a}, this config "
+                             f"and text: {fp_b}): it was not prepared here; remove it and start "
+                             "again: it is prepared anew")
+  shutil.rmtree(folder)
+  data = build_data(config_b, tmp_path / "wd")
+  assert "bline" in data.tokenizer.decode(data.train.batch(0)["inputs"].ravel())
+
+
 def test_workdir_folder_holding_other_files_names_the_folder_not_a_flag(tmp_path):
   # main has no --out: its own folder is named as it is, and the fix is to remove it.
   corpus = tmp_path / "c.txt"

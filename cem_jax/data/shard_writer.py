@@ -607,12 +607,26 @@ def prepared_for(data_config, workdir: str | os.PathLike) -> Path:
   another tokenizer setting gets a new fingerprint, so it is prepared again).
 
   Raises:
-    As ``prepare``.
+    As ``prepare``; ValueError also when ``WORKDIR/data/<fingerprint>`` holds a manifest of
+    another fingerprint (one line naming the folder, both fingerprints and the fix).
   """
   if data_config.prepared_dir:
     return Path(os.path.expanduser(data_config.prepared_dir))
   identity = sources.source_identity(data_config)
-  out = Path(workdir) / "data" / fingerprint(data_config, identity)
+  fp = fingerprint(data_config, identity)
+  out = Path(workdir) / "data" / fp
   if not (out / MANIFEST).is_file():
     prepare(data_config, out, flag="")
+  # The folder's name is the only link between the config and its data: one copied or moved
+  # there by hand would train on its own text as this config's. An unreadable manifest is
+  # left to PreparedData.open, which names the damage.
+  try:
+    saved = json.loads((out / MANIFEST).read_text())
+  except (OSError, ValueError):
+    return out
+  theirs = saved.get("fingerprint") if isinstance(saved, dict) else None
+  if isinstance(saved, dict) and theirs != fp:
+    raise ValueError(f"{out} holds another dataset (fingerprint {theirs}, this config and "
+                     f"text: {fp}): it was not prepared here; remove it and start again: it "
+                     "is prepared anew")
   return out
