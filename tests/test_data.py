@@ -559,6 +559,11 @@ def test_tokenizer_errors(tmp_path):
   missing = tmp_path / "nope.model"
   with pytest.raises(FileNotFoundError, match=r"data\.tokenizer='.*nope\.model': no such file"):
     build_data(_config(tokenizer=os.fspath(missing)), tmp_path / "wd")
+  # A folder is there, but is not a model file: "no such file" would send the user looking.
+  with pytest.raises(ValueError) as info:
+    build_data(_config(tokenizer=os.fspath(tmp_path)), tmp_path / "wd")
+  assert str(info.value) == (f"data.tokenizer={os.fspath(tmp_path)!r} is a folder; give a "
+                             "SentencePiece .model file, or data.tokenizer='' to train one")
 
 
 def test_tokenizer_vocab_too_small_is_found_before_training(monkeypatch):

@@ -289,10 +289,13 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Tokenizer:
 
   Raises:
     FileNotFoundError: the file does not exist (one line naming ``data.tokenizer``).
-    ValueError: its vocabulary size differs from ``vocab_size``, it has no EOS piece, or it is
-      not a SentencePiece model.
+    ValueError: it is a folder, its vocabulary size differs from ``vocab_size``, it has no EOS
+      piece, or it is not a SentencePiece model.
   """
   path = Path(os.path.expanduser(os.fspath(path)))
+  if path.is_dir():
+    raise ValueError(f"data.tokenizer={os.fspath(path)!r} is a folder; give a SentencePiece "
+                     ".model file, or data.tokenizer='' to train one")
   if not path.is_file():
     raise FileNotFoundError(f"data.tokenizer={os.fspath(path)!r}: no such file; give a "
                             "SentencePiece .model file, or data.tokenizer='' to train one")
