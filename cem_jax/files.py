@@ -5,7 +5,8 @@ is flushed to disk, and is renamed over ``path`` (``os.replace``, atomic on POSI
 A failed write removes its temporary file and leaves ``path`` as it was; a killed one leaves
 it, and :func:`temporary_of` recognises it. :func:`atomic_path` does the same for a writer
 that opens the file by name. :func:`sha256_file` hashes a file of any size; :func:`read_json`
-reads back what the writers wrote, a damaged file as one line.
+reads back what the writers wrote, a damaged file as one line; :func:`hold_folder` keeps a
+folder for one process (a training run's workdir, a prepare's output).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import errno
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import uuid
@@ -153,3 +155,43 @@ def sha256_file(path: str | os.PathLike) -> str:
     while block := f.read(1 << 20):
       h.update(block)
   return h.hexdigest()
+
+
+@contextlib.contextmanager
+def hold_folder(path: str | os.PathLike, in_use: str, name: str, what: str):
+  """Holds the existing folder ``path`` for this process while the block runs: an exclusive
+  ``flock`` on the folder itself (no lock file is left behind), released when the block ends
+  or the process dies (also ``kill -9``). A filesystem without ``flock`` (some network mounts)
+  holds no lock, with a warning naming ``name`` (e.g. ``--workdir=DIR``) and ``what`` would not
+  be refused (e.g. ``a second run``); neither does Windows.
+
+  Raises:
+    ValueError: ``in_use``, when another process holds the folder, or removed it while this
+      one waited for it (a start that failed removes the folder it made, and a lock then taken
+      is on a folder that is gone).
+  """
+  if os.name != "posix":
+    yield
+    return
+  import fcntl  # POSIX only
+
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      try:
+        held = os.path.samestat(os.fstat(fd), os.stat(path))
+      except FileNotFoundError:
+        held = False
+      if not held:
+        raise BlockingIOError(errno.EWOULDBLOCK, "removed")
+    except OSError as e:
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        logging.getLogger(__name__).warning(
+            "%s cannot be locked (%s): %s started in it would not be refused", name,
+            e.strerror or e, what)
+      else:
+        raise ValueError(in_use) from None
+    yield
+  finally:
+    os.close(fd)

@@ -8,7 +8,6 @@ config. Nothing here builds a model or runs a step.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 import signal
@@ -18,11 +17,10 @@ import threading
 import jax
 import ml_collections
 import numpy as np
-from absl import logging
 
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
-from cem_jax.files import read_json
+from cem_jax.files import hold_folder, read_json
 from cem_jax.metrics import read_metrics
 
 
@@ -119,26 +117,13 @@ def exclusive(workdir: str):
   Raises:
     ValueError: another process holds ``workdir`` (one line naming it and the fix).
   """
-  if jax.process_index() != 0 or os.name != "posix":
+  if jax.process_index() != 0:
     yield
     return
-  import fcntl  # POSIX only
-
-  fd = os.open(workdir, os.O_RDONLY)
-  try:
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-        logging.warning("--workdir=%s cannot be locked (%s): a second run started in it "
-                        "would not be refused", workdir, e.strerror or e)
-      else:
-        raise ValueError(f"--workdir={workdir!r} is in use: another run is training in it "
-                         "(a second main, tables or sweep on the same folder); wait for it "
-                         "to end, or choose another --workdir") from None
+  with hold_folder(workdir, f"--workdir={workdir!r} is in use: another run is training in it "
+                   "(a second main, tables or sweep on the same folder); wait for it to end, or "
+                   "choose another --workdir", f"--workdir={workdir}", "a second run"):
     yield
-  finally:
-    os.close(fd)
 
 
 def config_changes(workdir: str, config: ml_collections.ConfigDict) -> list[str] | None:

@@ -538,8 +538,7 @@ def test_a_saved_config_with_fields_unknown_here_is_refused_naming_them_and_wher
   with pytest.raises(ValueError) as e:
     evaluate._build_from(Saved(), 4, str(config_json), str(tmp_path), require)
   assert str(e.value) == (f"{where}: config fields model.new_width, train.new_rate are unknown "
-                          "to this version of cem_jax; evaluate it with the version that "
-                          "trained it")
+                          "to this version of cem_jax; use the version that trained it")
 
 
 def test_a_damaged_config_json_of_a_run_without_a_config_in_its_checkpoint_is_one_line(

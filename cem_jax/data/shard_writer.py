@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import hashlib
 import json
 import logging
@@ -51,6 +50,7 @@ from cem_jax.files import (
     atomic_path,
     atomic_write_bytes,
     atomic_write_json,
+    hold_folder,
     sha256_file,
     temporary_of,
 )
@@ -354,48 +354,20 @@ def _fix(flag: str, fix: str) -> str:
   return fix if flag else "remove it and start again: it is prepared anew"
 
 
-@contextlib.contextmanager
 def _exclusive(out_dir: Path, flag: str):
-  """Holds ``out_dir`` for one prepare while the block runs: an exclusive ``flock`` on the
-  folder itself, as :func:`cem_jax.workdir.exclusive` holds a workdir (released when the block
-  ends or the process dies, also ``kill -9``). Two prepares of other configs in one folder
-  would each write shards over the other's and both report their own dataset. A filesystem
-  without ``flock`` (some network mounts) holds no lock, with a warning; neither does Windows.
+  """Holds ``out_dir`` for one prepare (:func:`cem_jax.files.hold_folder`): two prepares of
+  other configs in one folder would each write shards over the other's and both report their
+  own dataset.
 
   Raises:
     ValueError: another process holds ``out_dir``, or removed it while this one waited for it
       (one line naming the folder and the fix).
   """
-  if os.name != "posix":
-    yield
-    return
-  import fcntl  # POSIX only
-
-  fd = os.open(out_dir, os.O_RDONLY)
-  try:
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      try:
-        # A prepare that failed before its first shard removes the folder it made: the lock
-        # then held is on a folder that is gone.
-        held = os.path.samestat(os.fstat(fd), os.stat(out_dir))
-      except FileNotFoundError:
-        held = False
-      if not held:
-        raise BlockingIOError(errno.EWOULDBLOCK, "removed")
-    except OSError as e:
-      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-        logging.getLogger(__name__).warning(
-            "%s cannot be locked (%s): a second prepare started in it would not be refused",
-            _named(out_dir, flag), e.strerror or e)
-      else:
-        raise ValueError(
-            f"{_named(out_dir, flag)} is in use: another process is preparing data in it (a "
-            "second prepare, or a main preparing its data); wait for it to end and run again "
-            "(with the same config and text the run again has nothing left to do)") from None
-    yield
-  finally:
-    os.close(fd)
+  return hold_folder(
+      out_dir, f"{_named(out_dir, flag)} is in use: another process is preparing data in it (a "
+      "second prepare, or a main preparing its data); wait for it to end and run again (with "
+      "the same config and text the run again has nothing left to do)",
+      _named(out_dir, flag), "a second prepare")
 
 
 def _claim(out_dir: Path, fp: str, flag: str) -> bool:
