@@ -1319,7 +1319,7 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
       "model.remat='full' (now 'none'), set train.loss_block_size=32 (now 0; the logits of "
       "32 positions at a time), shard over more devices (mesh.fsdp=1), or lower "
       "data.seq_len=64 or train.batch_size=8")
-  assert not fresh.exists()
+  _assert_nothing_left(fresh, prepared=True)  # but for the tokens: a smaller step reuses them
   # The eval step too, at start-up, not at the first eval after hours of training.
   monkeypatch.setattr(memory, "compile_within_memory", against(0, -1))
   with pytest.raises(ValueError) as e:
@@ -1330,7 +1330,7 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
       f"optimizer state held beside it), the device allows {step - 1} bytes: lower "
       "eval.batch_size=16 to 8, set train.loss_block_size=32 (now 0; the logits of 32 "
       "positions at a time), or shard over more devices (mesh.fsdp=1)")
-  assert not fresh.exists()
+  _assert_nothing_left(fresh, prepared=True)
   # Without a limit given, the device's own is read (none on CPU: nothing refused).
   monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: 1)
   with pytest.raises(ValueError, match=r"^the training step needs .* allows 0\.0 MiB: "):
