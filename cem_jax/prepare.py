@@ -57,7 +57,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.INFO)
   cli.quiet_libraries()
-  with cli.user_errors():
+  with cli.interrupted("stopped at once; the same command finishes what is missing, keeping "
+                       "the shards already written"), cli.user_errors():
     run(cli.load_config(), flags.FLAGS.out, flags.FLAGS.workers)
 
 

@@ -770,14 +770,18 @@ def test_a_second_prepare_in_a_folder_being_prepared_is_refused(tmp_path, monkey
 
 
 _SLOW_SHARD = """
-import os, pathlib, time
+import os, pathlib, signal, time
 def write(job):
-  pathlib.Path({pids!r}, str(os.getpid())).touch()
+  ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+  mine = pathlib.Path({pids!r}, str(os.getpid()))
+  mine.with_name("." + mine.name).write_text(str(ignored))
+  os.replace(mine.with_name("." + mine.name), mine)  # listed whole or not at all
   time.sleep(60)
 """
 
 _PREPARE_WITH_SLOW_WORKERS = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
 sys.path[:0] = ["tests", sys.argv[3]]
 import slow_shard
 from cem_jax.data import shard_writer
@@ -814,9 +818,12 @@ def test_kill_9_of_prepare_ends_its_workers(tmp_path):
     deadline = time.monotonic() + 120
     while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
       time.sleep(0.1)
-      workers = [int(p.name) for p in pids.iterdir()]
+      workers = [int(p.name) for p in pids.iterdir() if p.name.isdigit()]
     assert len(workers) == 2, proc.stderr.read().decode()[-2000:] if proc.poll() else workers
     assert all(map(_alive, workers))
+    # A terminal's Ctrl-C reaches the whole process group: the workers leave it to the parent
+    # (each printed a KeyboardInterrupt traceback).
+    assert [(pids / str(pid)).read_text() for pid in workers] == ["True", "True"]
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 10

@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -208,6 +209,22 @@ def _init_worker(model: bytes) -> None:
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+  """SIGINT ignored while the block starts processes, which then keep it ignored. A terminal's
+  Ctrl-C goes to the whole process group: each worker printed a KeyboardInterrupt traceback
+  before the parent's one line. The parent alone handles it; leaving the pool's block
+  terminates the workers. Only the main thread may set a handler: elsewhere a no-op."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
 
 
 def _init_pool_worker(model: bytes, parent: int) -> None:
@@ -517,8 +534,9 @@ def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: i
             disable=None, leave=False) as bar, contextlib.ExitStack() as stack:
     if workers > 1:
       # spawn, not fork: the caller may already run JAX's threads.
-      pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(
-          workers, initializer=_init_pool_worker, initargs=(model, os.getpid())))
+      with _sigint_ignored():
+        pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(
+            workers, initializer=_init_pool_worker, initargs=(model, os.getpid())))
       done = pool.imap(_encode_and_write, jobs())
     else:
       _init_worker(model)
