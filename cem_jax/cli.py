@@ -119,15 +119,25 @@ def _run_config_files(given: list[str]):
   return config, None
 
 
+def _overrides(argv):
+  """``(name as given, KEY, VALUE or None, negated)`` of each ``--config.KEY[=VALUE]`` in
+  ``argv``, in every spelling absl reads: one dash or two, and ``--noconfig.KEY`` (a bool set
+  false)."""
+  for arg in argv[1:]:
+    body = arg[2:] if arg.startswith("--") else arg[1:] if arg.startswith("-") else ""
+    name, sep, value = body.partition("=")
+    negated = name.startswith(f"no{CONFIG_FLAG}.")
+    name = name[2:] if negated else name
+    if name.startswith(f"{CONFIG_FLAG}."):
+      yield arg.partition("=")[0], name[len(CONFIG_FLAG) + 1:], value if sep else None, negated
+
+
 def _unknown_override(config, argv) -> str | None:
   """The first ``--config.KEY=VALUE`` whose KEY is not a field of ``config``, as one line with
   the closest field name (None when every KEY exists)."""
-  for arg in argv[1:]:
-    if not arg.startswith(f"--{CONFIG_FLAG}."):
-      continue
-    name = arg.split("=", 1)[0]
+  for name, key, _, _ in _overrides(argv):
     node, path = config, CONFIG_FLAG
-    for part in name[len(CONFIG_FLAG) + 3:].split("."):
+    for part in key.split("."):
       if not hasattr(node, "keys"):
         return f"{name}: the config has no field {part!r}; {path} is a value, not a group"
       if part not in node.keys():
@@ -176,18 +186,21 @@ def closest(name: str, options) -> list[str]:
 
 def _unparsable_override(config, argv) -> str | None:
   """The first ``--config.KEY=VALUE`` whose VALUE is not of KEY's type in ``config`` (a bool,
-  int or float field), as one line saying what is allowed (None when every value parses)."""
-  for arg in argv[1:]:
-    if not arg.startswith(f"--{CONFIG_FLAG}.") or "=" not in arg:
-      continue
-    name, value = arg.split("=", 1)
+  int or float field), or ``--noconfig.KEY`` of a field that is not a bool or with a value,
+  as one line saying what is allowed (None when every value parses)."""
+  for name, key, value, negated in _overrides(argv):
     field = config
-    for part in name[len(CONFIG_FLAG) + 3:].split("."):
+    for part in key.split("."):
       field = field[part] if hasattr(field, "keys") and part in field.keys() else None
-    try:
-      parse_value(name, value, field)
-    except ValueError as e:
-      return str(e)
+    if negated and (value is not None or type(field) is not bool):
+      return (f"{name}{'' if value is None else '=' + value}; allowed: --no{CONFIG_FLAG}.KEY "
+              f"alone, for a field that is true or false (--{CONFIG_FLAG}.{key}=VALUE sets "
+              "any field)")
+    if value is not None:
+      try:
+        parse_value(name, value, field)
+      except ValueError as e:
+        return str(e)
   return None
 
 
@@ -202,7 +215,8 @@ def parse_flags(argv):
   The causes are found by checking the values (running the config file, looking the keys
   up), not by reading the libraries' message texts.
   """
-  given = [a for a in argv[1:] if a.startswith(f"--{CONFIG_FLAG}=")]
+  given = [a for a in argv[1:] if a.lstrip("-").startswith(f"{CONFIG_FLAG}=")
+           and len(a) - len(a.lstrip("-")) in (1, 2)]
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
@@ -210,7 +224,7 @@ def parse_flags(argv):
     # learn whether one fails and why (None: they load, the error is another flag's).
     config, cause = _run_config_files(given)
     if config is not None:
-      cause = _unparsable_override(config, argv)
+      cause = _unknown_override(config, argv) or _unparsable_override(config, argv)
     _fail(cause or str(e).splitlines()[0])
   except Exception:
     # ml_collections lets what the config file's get_config raises (a NameError, an
@@ -219,7 +233,7 @@ def parse_flags(argv):
     # lookup, so a missing field is an AttributeError or KeyError.
     config, cause = _run_config_files(given)
     if config is not None:
-      cause = _unknown_override(config, argv)
+      cause = _unknown_override(config, argv) or _unparsable_override(config, argv)
     if cause is None:
       raise  # neither the file nor a misspelt field: a bug, keep the traceback
     _fail(cause)

@@ -187,10 +187,16 @@ def test_a_misspelt_override_is_named_wherever_it_stands_on_the_command_line():
         "--config.trian.num_steps: the config has no field 'trian'; did you mean 'train'?")
   assert cli._unknown_override(config, ["main.py", "--config.seed.x=1"]) == (
       "--config.seed.x: the config has no field 'x'; config.seed is a value, not a group")
+  for arg in ("-config.model.rop=1", "--noconfig.model.rop"):  # absl's other spellings
+    assert cli._unknown_override(config, ["main.py", arg]) == (
+        f"{arg.split('=')[0]}: the config has no field 'rop'; did you mean 'rope' or "
+        "'rope_theta'?")
   assert cli._unknown_override(config, ["main.py", "--config.train.lr=1"]) == (
       "--config.train.lr: the config has no field 'lr'; did you mean 'learning_rate'?")
   assert cli._unknown_override(config, ["main.py", "--config.train.batch=1"]) == (
       "--config.train.batch: the config has no field 'batch'; did you mean 'batch_size'?")
+  assert cli._unknown_override(config, ["main.py", "--config.train.warm=1"]) == (  # no difflib
+      "--config.train.warm: the config has no field 'warm'; did you mean 'warmup_steps'?")
   assert cli._unknown_override(config, ["main.py", "--config.train.qqqq=1"]) == (
       "--config.train.qqqq: the config has no field 'qqqq'; see cem_jax/config.py for the "
       "fields")  # nothing close to suggest
@@ -209,8 +215,17 @@ def test_an_override_of_the_wrong_type_says_what_is_allowed():
     argv = ["main.py", "--config=c.py", "--config.seed=3", arg, "--config.train.num_steps=5"]
     assert cli._unparsable_override(config, argv) == f"{arg}; allowed: {allowed}"
   for arg in ("--config.train.num_steps=7", "--config.train.learning_rate=3",
-              "--config.model.rope=false", "--config.data.files=abc", "--config.trian.x=1"):
+              "--config.model.rope=false", "--config.data.files=abc", "--config.trian.x=1",
+              "--noconfig.model.rope", "-config.seed=2", "--config.data.files=a=b"):
     assert cli._unparsable_override(config, ["main.py", arg]) is None, arg
+  # absl's other spellings: one dash, and --noconfig.KEY for a bool (which takes no value).
+  assert cli._unparsable_override(config, ["main.py", "-config.train.num_steps=abc"]) == (
+      "-config.train.num_steps=abc; allowed: an integer")
+  for arg in ("--noconfig.model.rope=1", "--noconfig.train.num_steps"):
+    key = arg.split("=")[0][len("--noconfig."):]
+    assert cli._unparsable_override(config, ["main.py", arg]) == (
+        f"{arg}; allowed: --noconfig.KEY alone, for a field that is true or false "
+        f"(--config.{key}=VALUE sets any field)")
 
 
 def test_a_config_that_is_not_a_python_file_is_one_line(tmp_path):
@@ -365,15 +380,18 @@ def test_ctrl_c_is_one_line_and_still_ends_the_process_by_sigint():
       kept = Torn()
       atexit.register(lambda: print("cleanup ran", file=sys.stderr))
       with cli.interrupted("what to do now"):
+        print("written before")  # buffered (a pipe): flushed, though teardown is skipped
         try:
           raise KeyboardInterrupt
         finally:
           print("finally ran", file=sys.stderr)
   """)
+  buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                        text=True, timeout=120)
+                        text=True, timeout=120, env=buffered)
   assert proc.returncode == -signal.SIGINT
   assert proc.stderr == "finally ran\ninterrupted (Ctrl-C): what to do now\ncleanup ran\n"
+  assert proc.stdout == "written before\n"
   bug = subprocess.run([sys.executable, "-c", code.replace("raise KeyboardInterrupt",
                                                            "raise RuntimeError('a bug')")],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
