@@ -1077,6 +1077,14 @@ def test_prepared_dir_refuses_a_named_file_edited_since(tmp_path):
         r"again, or leave data\.files empty to train on the prepared tokens$")):
       build_data(config, tmp_path / "wd")
   build_data(_config(prepared_dir=os.fspath(out), vocab_size=300), tmp_path / "wd")
+  # A process whose peer verified the files (verify=False) compares their sizes only: a read
+  # of the whole corpus per host at every start otherwise.
+  manifest = prepared.PreparedData.open_manifest(out)
+  prepared.check_fits(manifest, config.data, out, verify=False)  # same size, other text
+  corpus.write_text(text + "one more line.\n")
+  with pytest.raises(ValueError, match=r"changed since .*\(\d+ bytes, sha256 [0-9a-f]{12}; now "
+                                       r"\d+ bytes, sha256 [0-9a-f]{12}\)"):
+    prepared.check_fits(manifest, config.data, out, verify=False)
 
 
 def test_workdir_preparation_is_reused_and_follows_edits(tmp_path):
