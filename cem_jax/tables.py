@@ -336,7 +336,8 @@ def check_runs(module, scale: str, seeds: int, steps: int | None = None,
   in one line at start-up, not after the rows before it have trained.
 
   Raises:
-    ValueError: a run's config is invalid (prefixed with the row); an override sets a key the
+    ValueError: a run's config is invalid, or its text cannot be found
+      (:func:`source_record`; prefixed with the row); an override sets a key the
       runner sets itself (``seed`` and ``data.shuffle_seed`` from the seed, ``train.num_steps``
       with ``steps``: the override would be ignored); or an override sets a key
       in which the rows run differ (``rows``, default all: ``--set=train.learning_rate``
@@ -358,7 +359,9 @@ def check_runs(module, scale: str, seeds: int, steps: int | None = None,
   for row in rows or module.ROWS:
     for seed in range(seeds):
       try:
-        preflight.check(row_config(module, row, scale, seed, steps, overrides))
+        cfg = row_config(module, row, scale, seed, steps, overrides)
+        preflight.check(cfg)
+        source_record(cfg)  # e.g. a data.prepared_dir without a manifest (cached: read once)
       except ValueError as e:
         raise ValueError(f"row {row!r}: {e}") from None
 

@@ -214,8 +214,10 @@ def test_every_run_is_checked_before_any_trains():
   # valid for the CEM rows, refused for the Llama ones: one line before anything trains
   with pytest.raises(ValueError, match=r"^row 'llama': model.eta_init=0.5 applies to CEM"):
     tables.check_runs(end_to_end, "gpu", 1, overrides={"model.eta_init": 0.5})
-  tables.check_runs(end_to_end, "gpu", 1, overrides={"data.prepared_dir": "/d",
-                                                     "data.files": ""})
+  # valid overrides, checked as far as the data: the folder is not there
+  with pytest.raises(ValueError, match=r"^row 'llama': data.prepared_dir=/d: no manifest.json"):
+    tables.check_runs(end_to_end, "gpu", 1, overrides={"data.prepared_dir": "/d",
+                                                       "data.files": ""})
 
 
 @pytest.mark.parametrize("key, value, steps, by", [
@@ -231,6 +233,12 @@ def test_a_set_key_that_the_runner_sets_itself_is_refused_not_ignored(key, value
   with pytest.raises(ValueError) as e:
     tables.check_runs(module, "tiny", 1, steps, overrides={key: value})
   assert str(e.value) == f"--set={key}=... is set for every run by {by}; leave it out"
+  # A data.prepared_dir that is not there: refused before any folder is made.
+  with pytest.raises(ValueError, match=r"^row 'llama_mha': data.prepared_dir=.*/nothing: no "
+                                       r"manifest.json"):
+    tables.run_table(module, "attention", "tiny", 1, str(tmp_path / "w"), steps,
+                     overrides={"data.prepared_dir": str(tmp_path / "nothing")})
+  assert not (tmp_path / "w").exists()
   # Refused before the --workdir is made: no empty folder left behind.
   with pytest.raises(ValueError, match="leave it out$"):
     tables.run_table(module, "attention", "tiny", 1, str(tmp_path / "w"), steps,
