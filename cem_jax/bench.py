@@ -29,13 +29,13 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from cem_jax import cli, errors, memory, optim, preflight, profiling
+from cem_jax import cli, energies, errors, memory, optim, preflight, profiling
 from cem_jax import steps as steps_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import make_batch
 from cem_jax.files import atomic_write_json
 from cem_jax.model import DecoderLM
-from cem_jax.model_stats import count_params, flops_per_token, peak_flops
+from cem_jax.model_stats import count_params, flops_per_token, gflop_text, peak_flops
 
 VARIANTS = {
     "llama": dict(block="llama"),
@@ -161,9 +161,10 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
   for one by one: the host's dispatch of each step included; ``step_ms`` before 2026-12-04),
   ``tokens_per_s``, ``flops_per_token`` (analytic forward FLOPs), ``tflops_per_s`` (3× forward
   per token, in 10¹² FLOP/s), ``mfu`` (a fraction of the device's ``model_stats.PEAK_FLOPS``; None
-  when unknown), ``peak_memory_mb`` (MiB, 2²⁰ bytes, of XLA's memory analysis; None when not
-  reported) and ``loss`` (nats/token of the last step; None if not finite: strict JSON has
-  no NaN).
+  when unknown; the three None for a model with a user energy, whose operations are not
+  modelled: :func:`cem_jax.energies.only_builtins`), ``peak_memory_mb`` (MiB, 2²⁰ bytes, of
+  XLA's memory analysis; None when not reported) and ``loss`` (nats/token of the last step;
+  None if not finite: strict JSON has no NaN).
   """
   model, step, params, opt_state, batch = train_step_inputs(config, vocab_size)
   b, n = config.train.batch_size, config.data.seq_len
@@ -200,8 +201,10 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
       kernels = profiling.kernel_summary(profile_dir, PROFILE_STEPS)
     except Exception as e:  # noqa: BLE001 - an aid: e.g. a CPU has no device process; the row
       kernels_error = str(e) if isinstance(e, ValueError) else errors.one_line(e)  # keeps on
-  fpt = flops_per_token(config.model, vocab_size, n)
-  achieved = 3 * fpt * b * n / step_s
+  # A user energy's own operations are not modelled: no FLOPs, TFLOP/s or MFU for its model.
+  fpt = flops_per_token(config.model, vocab_size, n) if energies.only_builtins(
+      config.model) else None
+  achieved = 3 * fpt * b * n / step_s if fpt is not None else None
   peak = peak_flops()
   kernel, reason = model.kernel_at(n)
   return {
@@ -213,8 +216,8 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
       "step_ms_synced": 1e3 * statistics.median(synced),
       "tokens_per_s": b * n / step_s,
       "flops_per_token": fpt,
-      "tflops_per_s": achieved / 1e12,
-      "mfu": achieved / peak if peak else None,
+      "tflops_per_s": achieved / 1e12 if achieved is not None else None,
+      "mfu": achieved / peak if peak and achieved is not None else None,
       "peak_memory_mb": (lambda m: m / 2**20 if m else None)(memory.footprint_bytes(compiled)),
       "loss": (lambda x: x if np.isfinite(x) else None)(float(metrics["loss"])),  # JSON
       **({"profile": profile_dir} if profile_dir else {}),
@@ -331,7 +334,7 @@ def format_table(rows: list[dict]) -> str:
         f"| {r['variant']} | {r['attention']} | {r['seq_len']} | {r['d_model']} | "
         f"{r['params'] / 1e6:.2f}M | "
         f"{r['compile_s']:.1f} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
-        f"{r['flops_per_token'] / 1e9:.4f} | {mfu} | {mem} | {ratio('llama')} | "
+        f"{gflop_text(r['flops_per_token'])} | {mfu} | {mem} | {ratio('llama')} | "
         f"{ratio('cem_fused')} |")
   return "\n".join(lines)
 

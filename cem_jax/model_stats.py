@@ -122,3 +122,9 @@ def flops_per_token(model_cfg, vocab_size: int, seq_len: int) -> float:
   else:  # the standard attention sub-layer (its own Q, K, V, O) at every step
     keys, attention_step = 0, 8 * d * h * dh + 4 * n * h * dh
   return L * (keys + t * (attention_step + 6 * d * f)) + head
+
+
+def gflop_text(flops: float | None) -> str:
+  """A FLOP count as tables print it: GFLOP (10⁹) to 4 decimals, ``n/a`` for None (a model
+  whose count is not known: a user energy's operations are not modelled)."""
+  return "n/a" if flops is None else f"{flops / 1e9:.4f}"

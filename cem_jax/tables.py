@@ -501,7 +501,7 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
         "row": row,
         **parameter_counts(cfg),
         # model_stats counts the built-in energies' operations: a user energy's are unknown.
-        "flops_per_token": None if energy_checks.energy_digests(cfg) else
+        "flops_per_token": None if not energies.only_builtins(cfg.model) else
                            model_stats.flops_per_token(cfg.model, cfg.data.vocab_size,
                                                        cfg.data.seq_len),
         "eval_loss_mean": mean_loss,
@@ -515,10 +515,6 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
         "seeds": len(runs),
     })
   return rows
-
-
-def _gflop(flops: float | None) -> str:
-  return "–" if flops is None else f"{flops / 1e9:.4f}"
 
 
 def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, header: str) -> list:
@@ -550,15 +546,15 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
     lines.append(
         f"| {r['row']} | {r['params'] / 1e6:.3f}M | {r['non_embedding_params'] / 1e6:.3f}M | "
         f"{r['attention_params'] / 1e6:.3f}M | {r['mlp_params'] / 1e6:.3f}M | "
-        f"{_gflop(r['flops_per_token'])} | "
+        f"{model_stats.gflop_text(r['flops_per_token'])} | "
         f"{spread(r['eval_loss_mean'], r['eval_loss_std'], r['seeds'], '.4f')} | "
         f"{spread(r['delta_loss_mean'], r['delta_loss_std'], r['seeds'], '+.4f')} | "
         f"{r['perplexity']:.2f} | "
         f"{spread(r['bits_per_byte_mean'], r['bits_per_byte_std'], r['seeds'], '.4f')} | "
         f"{r['tokens_per_sec']:.0f} |")
   if any(r["flops_per_token"] is None for r in rows):
-    lines += ["", "GFLOP/token –: a row with a user energy, whose own operations the analytic "
-              "count (cem_jax.model_stats) does not model."]
+    lines += ["", "GFLOP/token n/a: a row with a user energy, whose own operations the "
+              "analytic count (cem_jax.model_stats) does not model."]
   text = "\n".join(lines) + "\n"
   undated = lambda t: re.sub(r"\bwritten \d{4}-\d{2}-\d{2}\b", "written", t, count=1)
   try:

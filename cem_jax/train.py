@@ -500,10 +500,15 @@ class _Loop:
     self.global_rows = cfg_t.batch_size
     self.tokens_per_step = self.global_rows * config.data.seq_len
     # Model FLOPs of one training step (3x forward) over the devices' peak: train/mfu, where
-    # the device's peak is known (model_stats.PEAK_FLOPS; never on a CPU).
+    # the device's peak is known (model_stats.PEAK_FLOPS; never on a CPU) and the FLOPs are
+    # (not with a user energy, whose operations are not modelled: no MFU rather than a wrong
+    # one).
     self.flops_per_step = 3 * self.tokens_per_step * flops_per_token(
         config.model, run.data.tokenizer.vocab_size, config.data.seq_len)
     self.peak_flops = peak_flops(jax.devices())  # every process's devices: the global batch
+    if self.peak_flops and not energies.only_builtins(config.model):
+      logging.info("train/mfu is not logged: a user energy's FLOPs are not modelled")
+      self.peak_flops = None
     self.block, self.blocks = run.shardings.process_slice(self.global_rows)
     logging.info("mesh %s over %d devices of %d processes; process %d reads rows block %d of "
                  "%d of every global batch", dict(run.shardings.mesh.shape),

@@ -400,7 +400,8 @@ class _StandInModel(nnx.Module):
     return self.attention_impl, self.attention_reason
 
 
-def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(monkeypatch):
+def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(monkeypatch,
+                                                                               tmp_path):
   # The figures' arithmetic, on a stand-in model and step (nothing real to build or compile)
   # and a clock that advances 0.5 s a reading: every step takes 0.5 s.
   tiny = dict(bench.PRESETS["tiny"], d_model=32, num_layers=1, mlp_dim=64, tokens_per_batch=64)
@@ -424,6 +425,16 @@ def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(m
   # A training step is forward + backward: 3x the forward FLOPs of each of the 64 tokens.
   assert r["tflops_per_s"] == pytest.approx(3 * 57344 * 64 / 0.5 / 1e12)
   assert r["mfu"] == pytest.approx(3 * 57344 * 64 / 0.5 / 1e9)
+  # A user energy's operations are not modelled: no FLOPs, TFLOP/s or MFU, rather than the
+  # built-in's.
+  (tmp_path / "mine.py").write_text("import jax.numpy as jnp\n\n\ndef gate(y, context, params, "
+                                    "aux):\n  return jnp.sum(y * y) * params['eta']\n")
+  config = bench._model_config(tiny, bench.VARIANTS["cem_fused"], 32, 32)
+  config.model.mlp_energy = f"{tmp_path}/mine.py:gate"
+  r = bench.bench_one(config, 512, steps=3, warmup=1)
+  assert (r["flops_per_token"], r["tflops_per_s"], r["mfu"]) == (None, None, None)
+  assert "| n/a | n/a |" in bench.format_table([{**r, "variant": "mine", "seq_len": 32,
+                                                  "d_model": 32}])
 
 
 def test_a_row_times_steps_back_to_back_after_warmup_in_mib_with_a_null_nan_loss(monkeypatch):

@@ -622,6 +622,22 @@ def _refusal(cfg) -> str:
   return str(err.value)
 
 
+def test_a_model_counts_as_built_in_only_where_every_energy_it_uses_is(tmp_path):
+  # What FLOPs and MFU (tables, bench, train/mfu) are known for: a user energy's operations
+  # are not modelled.
+  assert energies.only_builtins(tiny_config("llama").model)
+  assert energies.only_builtins(tiny_config("cem", **{"model.mlp_energy": "relu2"}).model)
+  for slot in ("attention", "mlp"):
+    cfg = _user_config(tmp_path, **{f"{slot}_energy": "quad" if slot == "attention" else
+                                    "gate_cumsum"})
+    assert not energies.only_builtins(cfg.model), slot
+    cfg.model[f"cem_{slot}"] = False  # that sub-layer is Llama's: its energy unused
+    assert energies.only_builtins(cfg.model), slot
+  cfg = _user_config(tmp_path, attention_energy="quad")
+  cfg.model.block = "llama"
+  assert energies.only_builtins(cfg.model)
+
+
 def test_builtin_energies_are_flagged_and_user_ones_are_not(tmp_path):
   assert energies.get("softmax", "attention").builtin
   assert all(energies.get(n, "mlp").builtin for n in energies.POTENTIALS)

@@ -870,9 +870,9 @@ def test_the_markdown_rows_units_signs_and_spreads_by_hand(tmp_path):
   mine = {**one, "row": "mine", "flops_per_token": None}
   paths = tables.write_outputs(str(tmp_path), "t", [two, mine], {"cem": [(1, 3.0)]}, "header")
   assert open(paths[0]).read().splitlines()[5:] == [
-      "| mine | 1.235M | 1.000M | 0.250M | 0.500M | – | 3.0000 | +0.0500 | 20.09 | 1.5000 "
+      "| mine | 1.235M | 1.000M | 0.250M | 0.500M | n/a | 3.0000 | +0.0500 | 20.09 | 1.5000 "
       "| 1234 |", "",
-      "GFLOP/token –: a row with a user energy, whose own operations the analytic count "
+      "GFLOP/token n/a: a row with a user energy, whose own operations the analytic count "
       "(cem_jax.model_stats) does not model."]
   assert open(paths[1]).read().splitlines()[2].split(",")[5] == ""
 

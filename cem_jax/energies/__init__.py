@@ -18,6 +18,7 @@ from cem_jax.energies.registry import (
     absolute_paths,
     get,
     names,
+    only_builtins,
     register,
     source_digest,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "make_mask",
     "masked_logsumexp",
     "names",
+    "only_builtins",
     "phi_silu",
     "register",
     "source_digest",

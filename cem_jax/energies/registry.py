@@ -166,6 +166,23 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
   return spec
 
 
+def only_builtins(model_config) -> bool:
+  """True when every energy a model of ``model_config`` uses is a built-in (a Llama block
+  uses none): the energies whose operations :func:`cem_jax.model_stats.flops_per_token`
+  counts. A user energy's own operations are not modelled, so FLOPs and MFU of its model are
+  not known.
+
+  Raises:
+    ValueError: an unknown energy name (as :func:`get`).
+  """
+  m = model_config
+  if m.block != "cem":
+    return True
+  slots = [("attention", m.cem_attention), ("mlp", m.cem_mlp)]
+  return all(get(m[f"{kind}_energy"], kind, f"model.{kind}_energy").builtin
+             for kind, used in slots if used)
+
+
 def source_digest(name: str, kind: str, field: str = "energy", version: int = DIGEST_VERSION
                   ) -> str | None:
   """sha256 of what pins energy ``name``'s function and its closed form: their source, and
