@@ -104,6 +104,8 @@ def test_overrides_parse_to_the_keys_type_and_bad_ones_are_one_line_errors():
                                                 r"mean data.prepared_dir"),
                         ("train.lr=1e-3", r"no config key 'train.lr'; did you mean "
                                           r"train.learning_rate\?$"),
+                        ("lr=1e-3", r"no config key 'lr'; did you mean train.learning_rate\?$"),
+                        ("model.warmup_steps=3", r"did you mean train.warmup_steps, "),
                         ("train.num_steps=1.5", r"^--set=train.num_steps=1.5; allowed: an "
                                                 r"integer$"),
                         ("model.rope=maybe", r"^--set=model.rope=maybe; allowed: true or "
