@@ -8,6 +8,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -1087,7 +1088,7 @@ def test_prepared_dir_refuses_a_named_file_edited_since(tmp_path):
     prepared.check_fits(manifest, config.data, out, verify=False)
 
 
-def test_workdir_preparation_is_reused_and_follows_edits(tmp_path):
+def test_workdir_preparation_is_reused_and_follows_edits(tmp_path, caplog):
   corpus = tmp_path / "c.txt"
   corpus.write_text(_text(2000))
   config = _config(files=os.fspath(corpus), vocab_size=300)
@@ -1098,8 +1099,12 @@ def test_workdir_preparation_is_reused_and_follows_edits(tmp_path):
   assert {p: p.stat().st_mtime_ns for p in first.iterdir()} == mtimes
   edited = _text(2100)
   corpus.write_text(edited)
-  build_data(config, tmp_path / "wd")
+  with caplog.at_level(logging.INFO):
+    build_data(config, tmp_path / "wd")
   assert len(list((tmp_path / "wd" / "data").iterdir())) == 2
+  # The folder of the text before the edit stays, and is named once at each start.
+  assert (f"{tmp_path / 'wd' / 'data'} also holds 1 prepared dataset(s) this config does not "
+          f"read ({first.name}: of an earlier text or tokenizer setting)") in caplog.text
   corpus.write_text(edited.replace("alpha", "omega"))  # other text, the same size
   assert corpus.stat().st_size == len(edited)
   data = build_data(config, tmp_path / "wd")

@@ -619,4 +619,13 @@ def prepared_for(data_config, workdir: str | os.PathLike) -> Path:
     raise ValueError(f"{out} holds another dataset (fingerprint {theirs}, this config and "
                      f"text: {fp}): it was not prepared here; remove it and start again: it "
                      "is prepared anew")
+  # Left by an earlier text or tokenizer setting (an edit before the first checkpoint, a
+  # failed start fixed by another setting): nothing removes them, and at corpus scale they
+  # are gigabytes.
+  others = sorted(p.name for p in out.parent.iterdir() if p.is_dir() and p.name != fp)
+  if others:
+    logging.getLogger(__name__).info(
+        "%s also holds %d prepared dataset(s) this config does not read (%s: of an earlier "
+        "text or tokenizer setting); remove them to free the space, unless you go back to it",
+        out.parent, len(others), ", ".join(others))
   return out
