@@ -557,6 +557,14 @@ def _write_finished_run(workdir, row: str, config):
   return run, result
 
 
+def _assert_not_reused(run, digest: str, config, message: str) -> None:
+  """The finished run in ``run`` (``WORKDIR/toy/ROW/seed0``) is refused for ``config``:
+  reading its result names why (``message``, a pattern), and no finished run is found."""
+  with pytest.raises(ValueError, match=message):
+    tables._read_result(str(run / "result.json"), digest, config)
+  assert tables._finished_run(str(run.parents[2]), digest, config) is None
+
+
 def test_a_result_on_other_text_under_the_same_file_name_is_not_reused(tmp_path):
   # Two corpora named corpus.txt: the config names data.files by file name (so that runs
   # trained in another checkout count); the record of what was read tells them apart.
@@ -575,10 +583,8 @@ def test_a_result_on_other_text_under_the_same_file_name_is_not_reused(tmp_path)
   tables._read_result(str(run / "result.json"), "another digest", now["b"])
   result["data_source"] = tables.source_record(trained)
   (run / "result.json").write_text(json.dumps(result))
-  with pytest.raises(ValueError, match=r"seed0/result.json was trained on other text \(data.files "
-                                       r"with sha256 \['[0-9a-f]{12}'\], now \['"):
-    tables._read_result(str(run / "result.json"), "another digest", now["b"])
-  assert tables._finished_run(str(tmp_path / "w"), "another digest", now["b"]) is None
+  _assert_not_reused(run, "another digest", now["b"], r"seed0/result.json was trained on other "
+                     r"text \(data.files with sha256 \['[0-9a-f]{12}'\], now \['")
   # The same text in another folder is the same data.
   tables._read_result(str(run / "result.json"), "another digest", now["c"])
   assert tables._finished_run(str(tmp_path / "w"), "another digest", now["c"]) == str(run)
@@ -618,12 +624,10 @@ def test_a_result_on_other_prepared_tokens_in_the_same_folder_is_not_reused(tmp_
   assert tables._finished_run(str(tmp_path / "w"), digest, trained) == str(run)
   prepare("second")
   tables._source_record.cache_clear()  # a new command
-  with pytest.raises(ValueError, match=(
+  _assert_not_reused(run, digest, trained, (
       r"seed0/result.json was trained on other text \(data.prepared_dir with tokenizer_sha256 "
       r"[0-9a-f]{12} -> [0-9a-f]{12}, train_sha256 [0-9a-f]{12} -> [0-9a-f]{12}, "
-      r"validation_sha256 [0-9a-f]{12} -> [0-9a-f]{12}\); use a new --workdir")):
-    tables._read_result(path, digest, trained)
-  assert tables._finished_run(str(tmp_path / "w"), digest, trained) is None
+      r"validation_sha256 [0-9a-f]{12} -> [0-9a-f]{12}\); use a new --workdir"))
 
 
 def test_a_result_of_an_energy_edited_since_is_not_reused(tmp_path, monkeypatch):
@@ -649,12 +653,10 @@ def test_a_result_of_an_energy_edited_since_is_not_reused(tmp_path, monkeypatch)
   module_globals = energies.get(f"{energy}:energy", "attention").energy.__globals__
   monkeypatch.setitem(module_globals, "TAU", 0.25)
   monkeypatch.setattr(energies.digest, "_PINNED", {})
-  with pytest.raises(ValueError, match=(
+  _assert_not_reused(run, digest, now, (
       r"seed0/result.json was trained with another version of its energy \(model.attention_"
       r"energy: its source, or a constant or helper it reads, changed \(sha256 [0-9a-f]{12} -> "
-      r"[0-9a-f]{12}\)\); use a new --workdir, or delete that run to train it again$")):
-    tables._read_result(path, digest, now)
-  assert tables._finished_run(str(tmp_path / "w"), digest, now) is None
+      r"[0-9a-f]{12}\)\); use a new --workdir, or delete that run to train it again$"))
   # A result of newer code (a digest version this code does not know): said, naming the file.
   result["energy_digest_version"] = energies.DIGEST_VERSION + 1
   (run / "result.json").write_text(json.dumps(result))
