@@ -368,6 +368,18 @@ def _check_same_model(saved: dict, config: ml_collections.ConfigDict, energies_n
                      "resume with the model it was trained as, or train in a new --workdir")
 
 
+def _mfu_peak(config: ml_collections.ConfigDict) -> float | None:
+  """The peak FLOP/s that ``train/mfu`` divides by: every process's devices' (the global
+  batch's; :func:`cem_jax.model_stats.peak_flops`), None where it is not known (a CPU) or the
+  model's FLOPs are not (a user energy: :func:`cem_jax.energies.only_builtins`), so that no
+  MFU is logged rather than a wrong one."""
+  peak = peak_flops(jax.devices())
+  if peak and not energies.only_builtins(config.model):
+    logging.info("train/mfu is not logged: a user energy's FLOPs are not modelled")
+    return None
+  return peak
+
+
 def _undo_start(ckpt: Checkpointer | None, workdir: str, created: bool) -> None:
   """After a failed start: closes ``ckpt``, removes its folder if this start created it (the
   start opens it before building the data) and, if this start created ``workdir``, all of it
@@ -505,10 +517,7 @@ class _Loop:
     # one).
     self.flops_per_step = 3 * self.tokens_per_step * flops_per_token(
         config.model, run.data.tokenizer.vocab_size, config.data.seq_len)
-    self.peak_flops = peak_flops(jax.devices())  # every process's devices: the global batch
-    if self.peak_flops and not energies.only_builtins(config.model):
-      logging.info("train/mfu is not logged: a user energy's FLOPs are not modelled")
-      self.peak_flops = None
+    self.peak_flops = _mfu_peak(config)
     self.block, self.blocks = run.shardings.process_slice(self.global_rows)
     logging.info("mesh %s over %d devices of %d processes; process %d reads rows block %d of "
                  "%d of every global batch", dict(run.shardings.mesh.shape),

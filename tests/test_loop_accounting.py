@@ -202,6 +202,19 @@ def test_the_rate_leaves_out_evals_and_saves_and_mfu_is_the_model_flops_over_the
   # Without a known peak (a CPU) there is no train/mfu: test_train.py's command-line run.
 
 
+def test_no_mfu_for_a_model_whose_flops_are_not_modelled(tmp_path, monkeypatch):
+  # A user energy's operations are not in model_stats' count: its MFU would be the built-in's.
+  monkeypatch.setattr(train, "peak_flops", lambda devices: 1e9 * len(devices))
+  assert train._mfu_peak(tiny_config("cem")) == 1e9 * jax.device_count()
+  assert train._mfu_peak(tiny_config("llama")) == 1e9 * jax.device_count()
+  (tmp_path / "mine.py").write_text("import jax.numpy as jnp\n\n\ndef gate(y, context, params, "
+                                    "aux):\n  return jnp.sum(y * y) * params['eta']\n")
+  assert train._mfu_peak(tiny_config("cem", **{
+      "model.mlp_energy": f"{tmp_path}/mine.py:gate"})) is None
+  monkeypatch.setattr(train, "peak_flops", lambda devices: None)  # a CPU
+  assert train._mfu_peak(tiny_config("cem")) is None
+
+
 def test_the_rate_of_every_log_line_is_the_steps_of_its_own_interval(tmp_path, monkeypatch):
   # A clock that only training moves: each step takes exactly 1 s, each eval 1000 s (off the
   # clock), reading it takes none. Every log line's interval is then log_every_steps seconds
