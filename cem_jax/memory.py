@@ -5,7 +5,8 @@ A training config too large for the accelerator (``data.seq_len``, ``train.batch
 ``model.d_model``...) used to end in XLA's out-of-memory traceback at the first step, or at
 compile time on TPU. :func:`compile_within_memory` compiles the step ahead of time, logs its
 footprint per device and, where the backend reports the device's limit (GPU, TPU; not CPU),
-refuses a step that needs more with one line naming the config values to change. The
+refuses a step that needs more with one line naming the config values to change; on a CPU it
+warns where the step needs more than the host has free. The
 compiled program is the one the first call uses (jax shares the compilation between
 ``lower(...).compile()`` and the call), so the check costs no second compile.
 """
@@ -49,6 +50,19 @@ def footprint_bytes(compiled) -> int | None:
     return None
   return int(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
              - mem.alias_size_in_bytes)
+
+
+def host_available_bytes() -> int | None:
+  """The memory this machine has free for new allocations without swapping, in bytes (Linux's
+  ``MemAvailable``); None where it is not reported."""
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024  # kB
+  except (OSError, ValueError, IndexError):
+    pass
+  return None
 
 
 def resident_bytes(tree) -> int:
@@ -131,7 +145,9 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
     config: the run's config, for the fields the error names.
     what: the program's name in the log line and the error.
     limit_bytes: the device's limit in bytes; None (default) reads :func:`device_limit_bytes`
-      (none on CPU: nothing is checked, the footprint is only logged).
+      (none on CPU: nothing is refused; the footprint of all this process's devices is
+      compared with the host's free memory, :func:`host_available_bytes`, and a warning
+      logged where it is larger).
     data_parallel: the devices the batch is split over (which gradient accumulation steps
       the error may suggest: each device's rows must split into whole microbatches).
     advice: what the error says to change; None (default): the training step's (gradient
@@ -169,4 +185,20 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
     needs, allows = _sizes(need, limit)
     raise ValueError(f"{what} needs {needs} per device (XLA memory analysis{held}), the "
                      f"device allows {allows}: {advice}")
+  if limit is None and jax.local_devices()[0].platform == "cpu":
+    # CPU devices share the host's memory, which no allocator limits.
+    _warn_over_host_memory(what, need * jax.local_device_count(), advice)
   return compiled
+
+
+def _warn_over_host_memory(what: str, need: int, advice: str) -> None:
+  """Warns when ``need`` bytes (a program's footprint on every CPU device of this process)
+  exceed what the host has free: such a run is killed by the kernel (exit status 137, no
+  message) at its first step rather than refused. A warning, not an error: free memory moves
+  with the other processes, and XLA's analysis of a CPU program is a lower bound."""
+  free = host_available_bytes()
+  if free is not None and need > free:
+    needs, has = _sizes(need, free)
+    logging.warning("%s needs %s on this host's CPU devices (XLA memory analysis), more than "
+                    "the %s it has free (MemAvailable): it may be killed for memory (exit "
+                    "status 137) without a message; %s", what, needs, has, advice)

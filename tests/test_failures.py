@@ -1355,6 +1355,27 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
     real(*need["the training step", "call"])
 
 
+def test_a_cpu_step_larger_than_the_host_has_free_is_warned_about(monkeypatch, caplog):
+  # A CPU reports no device limit: a step over the host's free memory was killed by the kernel
+  # (exit status 137) at its first step with no word.
+  from cem_jax import memory
+
+  assert memory.host_available_bytes() > 0  # Linux's MemAvailable
+  double = jax.jit(lambda x: x * 2)
+  x = jnp.ones((4096,), jnp.float32)
+  need = memory.footprint_bytes(double.lower(x).compile()) * jax.local_device_count()
+  for free, warned in ((need - 1, True), (need, False), (None, False)):
+    monkeypatch.setattr(memory, "host_available_bytes", lambda free=free: free)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      memory.compile_within_memory(double, (x,), tiny_config("llama"), advice="lower it")
+    expected = (f"the training step needs {need} bytes on this host's CPU devices (XLA memory "
+                f"analysis), more than the {need - 1} bytes it has free (MemAvailable): it may "
+                "be killed for memory (exit status 137) without a message; lower it")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == (
+        [expected] if warned else []), free
+
+
 def test_xla_out_of_memory_at_compile_time_is_one_line_and_other_errors_pass():
   # TPU runs out of memory while compiling: XLA's status code, not its wording, is matched. A
   # real one: this CPU cannot allocate 2^50 bytes (refused before anything is allocated).
