@@ -132,18 +132,33 @@ def _overrides(argv):
       yield arg.partition("=")[0], name[len(CONFIG_FLAG) + 1:], value if sep else None, negated
 
 
+def _flat_keys(node, prefix: str = "") -> list[str]:
+  """The dotted keys of the values (not the groups) of a nested config."""
+  out = []
+  for k in node.keys():
+    out += (_flat_keys(node[k], f"{prefix}{k}.") if hasattr(node[k], "keys")
+            else [f"{prefix}{k}"])
+  return out
+
+
 def _unknown_override(config, argv) -> str | None:
   """The first ``--config.KEY=VALUE`` whose KEY is not a field of ``config``, as one line with
-  the closest field name (None when every KEY exists)."""
+  the closest group or field (:func:`closest_keys`; None when every KEY exists)."""
   for name, key, _, _ in _overrides(argv):
     node, path = config, CONFIG_FLAG
-    for part in key.split("."):
+    parts = key.split(".")
+    for i, part in enumerate(parts):
       if not hasattr(node, "keys"):
         return f"{name}: the config has no field {part!r}; {path} is a value, not a group"
       if part not in node.keys():
-        close = closest(part, node.keys())
-        hint = (f"did you mean {' or '.join(map(repr, close))}?" if close
-                else "see cem_jax/config.py for the fields")
+        groups = [k for k in node.keys() if hasattr(node[k], "keys")]
+        close_groups = closest(part, groups) if i < len(parts) - 1 else []
+        if close_groups:  # --config.trian.num_steps
+          hint = f"did you mean {' or '.join(map(repr, close_groups))}?"
+        else:
+          close = closest_keys(key, _flat_keys(config))
+          hint = (f"did you mean {' or '.join(f'--{CONFIG_FLAG}.{k}' for k in close)}?"
+                  if close else "see cem_jax/config.py for the fields")
         return f"{name}: the config has no field {part!r}; {hint}"
       node, path = node[part], f"{path}.{part}"
   return None
@@ -182,6 +197,22 @@ def closest(name: str, options) -> list[str]:
   begun = [o for o in options if o.startswith(name) and o != name] if len(name) >= 3 else []
   found = initials + begun + difflib.get_close_matches(name, options, n=3)
   return list(dict.fromkeys(found))[:3]
+
+
+def closest_keys(key: str, keys) -> list[str]:
+  """Up to 3 of the dotted ``keys`` a misspelt dotted ``key`` most likely meant: the field of
+  that name in another group (``model.warmup_steps``: ``train.warmup_steps``), then the
+  :func:`closest` fields of its own group (``train.lr``: ``train.learning_rate``), else of any
+  group (``lr``: ``train.learning_rate``)."""
+  keys = list(keys)
+  group, _, leaf = key.rpartition(".")
+  leaves = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == group]
+  close = ([k for k in keys if k.rpartition(".")[2] == leaf]
+           + [f"{group}.{k}" if group else k for k in closest(leaf, leaves)])[:3]
+  if not close:
+    by_leaf = {k.rpartition(".")[2]: k for k in keys}
+    close = [by_leaf[k] for k in closest(leaf, by_leaf)]
+  return close
 
 
 def _unparsable_override(config, argv) -> str | None:

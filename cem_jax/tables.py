@@ -106,14 +106,7 @@ def parse_overrides(pairs: list[str]) -> dict:
     if not sep:
       raise ValueError(f"--set={pair!r}; allowed: KEY=VALUE, e.g. --set=data.prepared_dir=DIR")
     if key not in default:
-      group, _, leaf = key.rpartition(".")
-      leaves = [k.rpartition(".")[2] for k in default if k.rpartition(".")[0] == group]
-      # The field in another group first (--set=model.warmup_steps=3: train.warmup_steps).
-      close = ([k for k in default if k.rpartition(".")[2] == leaf]
-               + [f"{group}.{k}" for k in cli.closest(leaf, leaves)])[:3]
-      if not close:  # the group left out (--set=lr=1)
-        by_leaf = {k.rpartition(".")[2]: k for k in default}
-        close = [by_leaf[k] for k in cli.closest(leaf, by_leaf)] or cli.closest(key, default)
+      close = cli.closest_keys(key, default)
       raise ValueError(f"--set={pair!r}: no config key {key!r}"
                        + (f"; did you mean {', '.join(close)}?" if close else ""))
     current = default[key]

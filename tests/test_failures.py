@@ -140,7 +140,7 @@ def test_config_typos_and_wrong_types_fail_at_parse_time(tmp_path, arg, field):
      "error: --config.train.batch_size=eight; allowed: an integer"),
     ("--config.train.batchsize=8",
      "error: --config.train.batchsize: the config has no field 'batchsize'; did you mean "
-     "'batch_size'?"),
+     "--config.train.batch_size?"),
     ("--config=experiments/nope.py",
      "error: --config=experiments/nope.py: cannot load it ([Errno 2] No such file or directory: "
      "'experiments/nope.py'); paths are relative to the working directory"),
@@ -189,14 +189,23 @@ def test_a_misspelt_override_is_named_wherever_it_stands_on_the_command_line():
       "--config.seed.x: the config has no field 'x'; config.seed is a value, not a group")
   for arg in ("-config.model.rop=1", "--noconfig.model.rop"):  # absl's other spellings
     assert cli._unknown_override(config, ["main.py", arg]) == (
-        f"{arg.split('=')[0]}: the config has no field 'rop'; did you mean 'rope' or "
-        "'rope_theta'?")
+        f"{arg.split('=')[0]}: the config has no field 'rop'; did you mean "
+        "--config.model.rope or --config.model.rope_theta?")
   assert cli._unknown_override(config, ["main.py", "--config.train.lr=1"]) == (
-      "--config.train.lr: the config has no field 'lr'; did you mean 'learning_rate'?")
+      "--config.train.lr: the config has no field 'lr'; did you mean "
+      "--config.train.learning_rate?")
   assert cli._unknown_override(config, ["main.py", "--config.train.batch=1"]) == (
-      "--config.train.batch: the config has no field 'batch'; did you mean 'batch_size'?")
+      "--config.train.batch: the config has no field 'batch'; did you mean "
+      "--config.train.batch_size?")
   assert cli._unknown_override(config, ["main.py", "--config.train.warm=1"]) == (  # no difflib
-      "--config.train.warm: the config has no field 'warm'; did you mean 'warmup_steps'?")
+      "--config.train.warm: the config has no field 'warm'; did you mean "
+      "--config.train.warmup_steps?")
+  # The field in another group, or without its group, as tables --set suggests it.
+  assert cli._unknown_override(config, ["main.py", "--config.model.warmup_steps=1"]) == (
+      "--config.model.warmup_steps: the config has no field 'warmup_steps'; did you mean "
+      "--config.train.warmup_steps or --config.model.num_steps or --config.model.norm_eps?")
+  assert cli._unknown_override(config, ["main.py", "--config.lr=1"]) == (
+      "--config.lr: the config has no field 'lr'; did you mean --config.train.learning_rate?")
   assert cli._unknown_override(config, ["main.py", "--config.train.qqqq=1"]) == (
       "--config.train.qqqq: the config has no field 'qqqq'; see cem_jax/config.py for the "
       "fields")  # nothing close to suggest
