@@ -6,7 +6,8 @@ A training config too large for the accelerator (``data.seq_len``, ``train.batch
 compile time on TPU. :func:`compile_within_memory` compiles the step ahead of time, logs its
 footprint per device and, where the backend reports the device's limit (GPU, TPU; not CPU),
 refuses a step that needs more with one line naming the config values to change; on a CPU it
-warns where the step needs more than the host has free. The
+refuses one that needs more than the host's memory and swap, and warns where it needs more
+than the host has free. The
 compiled program is the one the first call uses (jax shares the compilation between
 ``lower(...).compile()`` and the call), so the check costs no second compile.
 """
@@ -52,17 +53,30 @@ def footprint_bytes(compiled) -> int | None:
              - mem.alias_size_in_bytes)
 
 
-def host_available_bytes() -> int | None:
-  """The memory this machine has free for new allocations without swapping, in bytes (Linux's
-  ``MemAvailable``); None where it is not reported."""
+def _meminfo(*fields: str) -> int | None:
+  """The sum of Linux's ``/proc/meminfo`` ``fields``, in bytes; None where one is missing."""
+  found = {}
   try:
     with open("/proc/meminfo", encoding="ascii") as f:
       for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024  # kB
+        name, _, rest = line.partition(":")
+        if name in fields:
+          found[name] = int(rest.split()[0]) * 1024  # kB
   except (OSError, ValueError, IndexError):
-    pass
-  return None
+    return None
+  return sum(found.values()) if len(found) == len(fields) else None
+
+
+def host_available_bytes() -> int | None:
+  """The memory this machine has free for new allocations without swapping, in bytes (Linux's
+  ``MemAvailable``); None where it is not reported."""
+  return _meminfo("MemAvailable")
+
+
+def host_total_bytes() -> int | None:
+  """All the memory this machine could give a process, in bytes: its RAM and swap (Linux's
+  ``MemTotal`` + ``SwapTotal``); None where it is not reported."""
+  return _meminfo("MemTotal", "SwapTotal")
 
 
 def resident_bytes(tree) -> int:
@@ -145,9 +159,9 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
     config: the run's config, for the fields the error names.
     what: the program's name in the log line and the error.
     limit_bytes: the device's limit in bytes; None (default) reads :func:`device_limit_bytes`
-      (none on CPU: nothing is refused; the footprint of all this process's devices is
-      compared with the host's free memory, :func:`host_available_bytes`, and a warning
-      logged where it is larger).
+      (none on CPU: the footprint of all this process's devices is compared with the host's
+      memory and swap, :func:`host_total_bytes`, refused beyond it, and with its free memory,
+      :func:`host_available_bytes`, with a warning beyond that).
     data_parallel: the devices the batch is split over (which gradient accumulation steps
       the error may suggest: each device's rows must split into whole microbatches).
     advice: what the error says to change; None (default): the training step's (gradient
@@ -159,9 +173,9 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
   Returns:
     The compiled program (``jax.stages.Compiled``).
   Raises:
-    ValueError: one line, when XLA's memory analysis of the program exceeds the limit, or
-      when XLA itself runs out of memory compiling it, naming the footprint, the limit and the
-      config values to change.
+    ValueError: one line, when XLA's memory analysis of the program exceeds the limit (on a
+      CPU the host's memory and swap), or when XLA itself runs out of memory compiling it,
+      naming the footprint, the limit and the config values to change.
   """
   limit = device_limit_bytes() if limit_bytes is None else limit_bytes
   if advice is None:
@@ -187,15 +201,25 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
                      f"device allows {allows}: {advice}")
   if limit is None and jax.local_devices()[0].platform == "cpu":
     # CPU devices share the host's memory, which no allocator limits.
-    _warn_over_host_memory(what, need * jax.local_device_count(), advice)
+    _check_host_memory(what, need * jax.local_device_count(), advice)
   return compiled
 
 
-def _warn_over_host_memory(what: str, need: int, advice: str) -> None:
-  """Warns when ``need`` bytes (a program's footprint on every CPU device of this process)
-  exceed what the host has free: such a run is killed by the kernel (exit status 137, no
-  message) at its first step rather than refused. A warning, not an error: free memory moves
-  with the other processes, and XLA's analysis of a CPU program is a lower bound."""
+def _check_host_memory(what: str, need: int, advice: str) -> None:
+  """Refuses ``need`` bytes (a program's footprint on every CPU device of this process) beyond
+  the host's RAM and swap, and warns beyond what it has free: such a run failed at its first
+  step with XLA's traceback, or was killed by the kernel (exit status 137) without a message.
+  Only a warning below the total: free memory moves with the other processes, and XLA's
+  analysis of a CPU program is a lower bound.
+
+  Raises:
+    ValueError: more than the host's RAM and swap (one line naming what to change).
+  """
+  total = host_total_bytes()
+  if total is not None and need > total:
+    needs, has = _sizes(need, total)
+    raise ValueError(f"{what} needs {needs} on this host's CPU devices (XLA memory analysis), "
+                     f"more than its {has} of memory and swap: {advice}")
   free = host_available_bytes()
   if free is not None and need > free:
     needs, has = _sizes(need, free)

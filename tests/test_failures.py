@@ -1364,15 +1364,24 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
     real(*need["the training step", "call"])
 
 
-def test_a_cpu_step_larger_than_the_host_has_free_is_warned_about(monkeypatch, caplog):
+def test_a_cpu_step_larger_than_the_host_is_refused_and_than_it_has_free_warned_about(
+    monkeypatch, caplog):
   # A CPU reports no device limit: a step over the host's free memory was killed by the kernel
   # (exit status 137) at its first step with no word.
   from cem_jax import memory
 
-  assert memory.host_available_bytes() > 0  # Linux's MemAvailable
+  assert 0 < memory.host_available_bytes() <= memory.host_total_bytes()  # Linux's meminfo
   double = jax.jit(lambda x: x * 2)
   x = jnp.ones((4096,), jnp.float32)
   need = memory.footprint_bytes(double.lower(x).compile()) * jax.local_device_count()
+  # More than the host's memory and swap: refused, as a GPU's limit (it ended in XLA's
+  # traceback at the first step, e.g. 3352 GiB for seq_len 32768).
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: need - 1)
+  with pytest.raises(ValueError, match=(
+      rf"^the training step needs {need} bytes on this host's CPU devices \(XLA memory "
+      rf"analysis\), more than its {need - 1} bytes of memory and swap: lower it$")):
+    memory.compile_within_memory(double, (x,), tiny_config("llama"), advice="lower it")
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: None)
   for free, warned in ((need - 1, True), (need, False), (None, False)):
     monkeypatch.setattr(memory, "host_available_bytes", lambda free=free: free)
     caplog.clear()
