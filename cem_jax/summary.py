@@ -24,7 +24,7 @@ from absl import app, flags
 from flax import nnx
 from ml_collections import config_flags
 
-from cem_jax import axes, cli, energies, model_stats, preflight, sharding, updates
+from cem_jax import axes, cli, energies, energy_checks, model_stats, preflight, sharding, updates
 from cem_jax import config as config_lib
 from cem_jax.files import read_json
 from cem_jax.model import DecoderLM
@@ -83,10 +83,13 @@ def summary(config, vocab_size: int | None = None, devices=None,
   counts = model_stats.parameter_counts(model)
   totals = {"params": counts["params"], "non_embedding": counts["non_embedding_params"],
             "attention": counts["attention_params"], "mlp": counts["mlp_params"]}
-  forward = model_stats.flops_per_token(config.model, vocab, config.data.seq_len)
+  # None for a user energy's model: its own operations are not modelled.
+  forward = (model_stats.flops_per_token(config.model, vocab, config.data.seq_len)
+             if energies.only_builtins(config.model) else None)
   return {"rows": rows, "totals": totals, "mesh": dict(mesh.shape),
           "num_layers": config.model.num_layers, "unique_blocks": len(model.blocks),
-          "flops_per_token": {"forward": forward, "train": 3 * forward},
+          "flops_per_token": {"forward": forward,
+                              "train": None if forward is None else 3 * forward},
           "energies": _energies(config.model)}
 
 
@@ -121,6 +124,8 @@ def format_summary(s: dict) -> str:
          if s["unique_blocks"] < s["num_layers"] else ""),
       f"parameters: {t['params']:,} total, {t['non_embedding']:,} non-embedding, "
       f"{t['attention']:,} attention, {t['mlp']:,} MLP",
+      "FLOPs per token: n/a (a user energy's own operations are not modelled)"
+      if s["flops_per_token"]["forward"] is None else
       f"FLOPs per token: {s['flops_per_token']['forward'] / 1e6:.2f} M forward, "
       f"{s['flops_per_token']['train'] / 1e6:.2f} M per training token",
   ]
@@ -130,9 +135,6 @@ def format_summary(s: dict) -> str:
     checked = ("built-in, verified by tests/test_energies.py" if e["builtin"] else
                "a user energy: the start-up checks passed")
     lines.append(f"{e['field']}={e['name']!r}: update by {e['update']} ({checked})")
-  if any(not e["builtin"] for e in s["energies"]):
-    lines.append("(FLOPs count the built-in energies' operations: a user energy's own cost "
-                 "is not modelled)")
   return "\n".join(lines)
 
 
@@ -151,6 +153,36 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
   return config_lib.from_saved(read_json(path, "restore it from the run's command"), path)
 
 
+def check_energies_unedited(workdir: str, config: ml_collections.ConfigDict) -> None:
+  """Refuses to describe the run in ``workdir`` as ``config`` when a user energy was edited
+  since its newest intact checkpoint was saved (its function or closed form, or a constant or
+  helper they read: :func:`cem_jax.energy_checks.changed_energies`), as ``sample`` and
+  ``evaluate`` refuse to load it. Nothing is checked without a checkpoint.
+
+  Raises:
+    ValueError: one line naming the checkpoint and the energies.
+  """
+  from cem_jax.checkpoint import Checkpointer
+
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return
+  ckpt = Checkpointer(directory, async_save=False, read_only=True)  # a run may be training
+  try:
+    step = ckpt.restorable_step()
+    meta = ckpt.read_meta(step) if step is not None else {}
+  finally:
+    ckpt.close()
+  where = f"checkpoint {ckpt.step_dir(step)}" if step is not None else directory
+  changed = energy_checks.changed_energies(meta.get("energies"),
+                                           meta.get("energy_digest_version", 1), config, None,
+                                           where)
+  if changed:
+    raise ValueError(f"{where} was trained with another version of its energy "
+                     f"({', '.join(changed)}): the summary would describe a model never "
+                     "trained; restore the energy it was trained with")
+
+
 def main(argv):
   del argv
   fl = flags.FLAGS
@@ -158,7 +190,11 @@ def main(argv):
     if (fl.config is None) == (fl.workdir is None):
       raise ValueError("give one of --config=FILE.py (a config to inspect) or --workdir=DIR (a "
                        "trained run's config.json)")
-    config = cli.load_config() if fl.workdir is None else run_config(fl.workdir)
+    if fl.workdir is None:
+      config = cli.load_config()
+    else:
+      config = run_config(fl.workdir)
+      check_energies_unedited(fl.workdir, config)
     print(format_summary(summary(config, fl.vocab_size, num_devices=fl.num_devices)))
 
 

@@ -39,6 +39,7 @@ from cem_jax import (
     optim,
     preflight,
     steps,
+    summary,
     train,
 )
 from cem_jax import config as config_lib
@@ -956,6 +957,7 @@ def test_evaluating_a_run_whose_energy_was_edited_since_is_refused(tmp_path, mon
       "train.num_steps": 2, "checkpoint.every_steps": 2, "train.eval_every_steps": 2}),
       str(workdir))
   assert evaluate.load_run(str(workdir))[-1] == 2  # unedited: loads
+  summary.check_energies_unedited(str(workdir), summary.run_config(str(workdir)))
   path.write_text(USER_ENERGY.format(scale="2.0"))
   # As a new process would meet it: imported and pinned again (once a process each).
   monkeypatch.delitem(sys.modules, energies.get(f"{path}:energy", "attention").energy.__module__)
@@ -966,6 +968,12 @@ def test_evaluating_a_run_whose_energy_was_edited_since_is_refused(tmp_path, mon
       r"attention_energy: its source, or a constant or helper it reads, changed \(sha256 "
       r"[0-9a-f]{12} -> [0-9a-f]{12}\)\): load it with the energy it was trained with$")):
     evaluate.load_run(str(workdir))
+  # inspect --workdir too: its summary would describe a model never trained.
+  with pytest.raises(ValueError, match=(
+      rf"^checkpoint {checkpoint} was trained with another version of its energy \(model\."
+      r"attention_energy: .*\): the summary would describe a model never trained; restore the "
+      r"energy it was trained with$")):
+    summary.check_energies_unedited(str(workdir), summary.run_config(str(workdir)))
 
 
 def test_training_with_a_registered_name_says_the_run_cannot_be_reloaded(tmp_path, caplog):

@@ -112,7 +112,7 @@ def test_inspect_a_trained_run_from_its_config_json(tmp_path):
 
 def test_inspect_names_each_energy_and_its_update(tmp_path):
   # A newcomer checks an energy with inspect: it runs the start-up checks, and says which
-  # update each slot uses and that the FLOPs are the built-ins'.
+  # update each slot uses, and no FLOPs where a user energy's are not known.
   path = tmp_path / "mine.py"
   path.write_text("import jax.numpy as jnp\n\n\ndef energy(y, context, params, aux):\n"
                   "  return 0.5 * jnp.sum(y ** 2)\n")
@@ -127,13 +127,15 @@ def test_inspect_names_each_energy_and_its_update(tmp_path):
             ["model.attention_energy='softmax': update by closed form (built-in, verified by "
              "tests/test_energies.py)",
              f"model.mlp_energy='{path}:energy': update by jax.grad (a user energy: the "
-             "start-up checks passed)",
-             "(FLOPs count the built-in energies' operations: a user energy's own cost is not "
-             "modelled)"])]
+             "start-up checks passed)"])]
   for overrides, want in cases:
     lines = summary_lib.format_summary(summary_lib.summary(tiny_config("cem", **overrides),
                                                            300)).splitlines()
-    assert lines[lines.index(next(x for x in lines if x.startswith("FLOPs"))) + 1:] == want
+    flops = next(x for x in lines if x.startswith("FLOPs"))
+    assert lines[lines.index(flops) + 1:] == want
+    # The analytic count is of the built-in energies: none for a user energy's model.
+    assert (flops == "FLOPs per token: n/a (a user energy's own operations are not modelled)"
+            ) == ("model.mlp_energy" in overrides), flops
   assert summary_lib.summary(tiny_config("llama"), 300)["energies"] == []
 
 
