@@ -510,10 +510,10 @@ def _causal_values(field, spec, kind, m, shapes, update):
         "or set model.diagonal='none'")
   rel = _relative_error(got, want)
   if not rel <= FUSED_RTOL:  # also NaN
-    raise refuse(f"of {new} new tokens at positions {index}.. against a {cache}-slot cache, "
-                 f"{_DECODING}, differs from the training-layout update of the same tokens "
-                 "(it reads tokens after its own, or a mask, length or positions not taken "
-                 "from aux)", rel)
+    raise refuse(f"reads tokens after its own, or a mask, length or positions not taken from "
+                 f"aux: for {new} new tokens at positions {index}.. against a {cache}-slot "
+                 f"cache, {_DECODING}, it differs from the training-layout update of the same "
+                 "tokens", rel)
   rel = _relative_error(after[keep], before[keep])
   if not rel <= FUSED_RTOL:
     raise refuse("of a row's last document changes when the tokens of the documents (or "

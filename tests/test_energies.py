@@ -794,10 +794,10 @@ def test_energy_that_decodes_differently_from_training_is_refused(tmp_path, slot
   energy also trained on the future)."""
   message = _refusal(_user_config(tmp_path, **{f"{slot}_energy": name}, **extra))
   assert message.startswith(
-      f"model.{slot}_energy='{tmp_path}/user_fused.py:{name}': its update of 2 new tokens at "
+      f"model.{slot}_energy='{tmp_path}/user_fused.py:{name}': its update reads tokens after "
+      "its own, or a mask, length or positions not taken from aux: for 2 new tokens at "
       "positions 3.. against a 8-slot cache, as in cached decoding (python -m cem_jax.sample), "
-      "differs from the training-layout update of the same tokens (it reads tokens after its "
-      "own, or a mask, length or positions not taken from aux): max relative error ")
+      "it differs from the training-layout update of the same tokens: max relative error ")
   assert ("build masks from aux.mask" if slot == "attention" else "per-token terms") in message
 
 
