@@ -77,6 +77,17 @@ def test_inspect_cli_prints_the_summary():
   assert "--num_devices: Lay the mesh out" in proc.stdout
 
 
+def test_a_tool_run_as_a_script_says_to_run_it_as_a_module():
+  # python cem_jax/main.py puts cem_jax/ first on sys.path, where the inspect shim hid Python's
+  # inspect: "cannot import name 'CO_GENERATOR' from 'inspect'".
+  proc = subprocess.run([sys.executable, "cem_jax/main.py", "--help"], capture_output=True,
+                        text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+  assert proc.returncode == 1
+  assert ("cem_jax/inspect.py was imported as Python's inspect, because a cem_jax file was run "
+          "as a script (python cem_jax/main.py); run it as a module: python -m cem_jax.main"
+          ) in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
+
+
 def test_inspect_a_trained_run_from_its_config_json(tmp_path):
   # A newcomer's `inspect --workdir=RUN` was "Unknown command line flag 'workdir'", and a run's
   # config.json as --config a Python error.
