@@ -287,8 +287,11 @@ def load_config(name: str = "config"):
   except OSError as e:
     cause = e.__cause__ if e.__cause__ is not None else e
     detail = [line.strip() for line in str(cause).splitlines() if line.strip()][-1]
-    raise ValueError(f"--{name}={holder.config_filename}: cannot load it ({detail}); paths "
-                     "are relative to the working directory") from None
+    path = holder.config_filename.partition(":")[0]
+    hint = (f"did you mean {path}.py? " if not path.endswith(".py")
+            and os.path.isfile(f"{path}.py") else "")
+    raise ValueError(f"--{name}={holder.config_filename}: cannot load it ({detail}); {hint}"
+                     "paths are relative to the working directory") from None
   if not isinstance(config, ml_collections.ConfigDict):
     raise ValueError(f"--{name}={holder.config_filename}: get_config() returned a "
                      f"{type(config).__name__}; allowed: an ml_collections.ConfigDict (e.g. "

@@ -145,6 +145,10 @@ def test_config_typos_and_wrong_types_fail_at_parse_time(tmp_path, arg, field):
     ("--config=experiments/nope.py",
      "error: --config=experiments/nope.py: cannot load it ([Errno 2] No such file or directory: "
      "'experiments/nope.py'); paths are relative to the working directory"),
+    ("--config=experiments/tiny:llama",  # the .py left out
+     "error: --config=experiments/tiny:llama: cannot load it ([Errno 2] No such file or "
+     "directory: 'experiments/tiny'); did you mean experiments/tiny.py? paths are relative to "
+     "the working directory"),
     ("--config=experiments/tiny.py:gpt",
      "error: experiments/tiny.py:gpt; allowed args: cem, llama"),
 ])
