@@ -904,7 +904,8 @@ def test_a_fused_update_of_an_energy_whose_gradient_is_zero_is_refused(tmp_path)
 def test_an_energy_with_an_exact_closed_form_is_checked_for_causality_too(tmp_path):
   message = _refusal(_user_config(tmp_path, mlp_energy="cumsum_exact"))
   assert message.startswith(
-      f"model.mlp_energy='{tmp_path}/user_fused.py:cumsum_exact': its update of 2 new tokens at "
+      f"model.mlp_energy='{tmp_path}/user_fused.py:cumsum_exact': its update reads tokens after "
+      "its own, or a mask, length or positions not taken from aux: for 2 new tokens at "
       "positions 3.. against a 8-slot cache")
 
 
