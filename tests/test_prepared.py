@@ -765,6 +765,13 @@ def test_a_second_prepare_in_a_folder_being_prepared_is_refused(tmp_path, monkey
   with _locked(folder), pytest.raises(ValueError, match=rf"^{re.escape(os.fspath(folder))} is "
                                                        r"in use: another process"):
     build_data(config_b, tmp_path / "wd")
+  # A run reading it as data.prepared_dir meanwhile is told to wait, not to prepare again.
+  with _locked(fresh), pytest.raises(ValueError, match=(
+      rf"^data.prepared_dir={re.escape(os.fspath(fresh))}: no manifest.json yet: another "
+      r"process is preparing it; wait for it to end$")):
+    build_data(_config(prepared_dir=os.fspath(fresh), vocab_size=300), tmp_path / "wd2")
+  with pytest.raises(ValueError, match=r"no manifest.json \(not a prepared dataset"):
+    build_data(_config(prepared_dir=os.fspath(fresh), vocab_size=300), tmp_path / "wd2")
   # Released, the same folders prepare as usual.
   assert shard_writer.prepare(config_b.data, fresh) == fresh
   assert build_data(config_b, tmp_path / "wd").train_tokens > 0

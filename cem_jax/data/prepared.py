@@ -38,7 +38,7 @@ from array_record.python import array_record_data_source, array_record_module
 
 from cem_jax.data import packing, sources
 from cem_jax.data import tokenizer as tokenizer_lib
-from cem_jax.files import sha256_file
+from cem_jax.files import hold_folder, sha256_file
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "validation")
@@ -348,6 +348,9 @@ class PreparedData:
     directory = Path(os.path.expanduser(os.fspath(directory)))
     path = directory / MANIFEST
     if not path.is_file():
+      if _being_prepared(directory):
+        raise ValueError(f"data.prepared_dir={os.fspath(directory)}: no {MANIFEST} yet: "
+                         "another process is preparing it; wait for it to end")
       raise ValueError(
           f"data.prepared_dir={os.fspath(directory)}: no {MANIFEST} (not a prepared dataset, "
           "or its prepare did not finish); run python -m cem_jax.prepare --out=DIR again")
@@ -427,6 +430,18 @@ def allow_open_files(shards: int, directory: Path) -> None:
     raise ValueError(f"{directory}: {shards} shards stay open while reading, but this process "
                      f"may open {hard} files (hard limit); raise it (ulimit -Hn {need})")
   resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def _being_prepared(directory: Path) -> bool:
+  """Whether another process holds ``directory`` (a prepare writing it:
+  :func:`cem_jax.files.hold_folder`)."""
+  if not directory.is_dir():
+    return False
+  try:
+    with hold_folder(directory, "held", os.fspath(directory), "a prepare"):
+      return False
+  except ValueError:
+    return True
 
 
 def check_fits(manifest: dict, data_config, directory: Path, verify: bool = True) -> None:
