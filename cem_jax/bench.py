@@ -29,13 +29,13 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from cem_jax import cli, energies, errors, memory, optim, preflight, profiling
+from cem_jax import cli, errors, memory, optim, preflight, profiling
 from cem_jax import steps as steps_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import make_batch
 from cem_jax.files import atomic_write_json
-from cem_jax.model import DecoderLM
-from cem_jax.model_stats import count_params, flops_per_token, gflop_text, peak_flops
+from cem_jax.model import DecoderLM, known_flops_per_token
+from cem_jax.model_stats import count_params, gflop_text, peak_flops
 
 VARIANTS = {
     "llama": dict(block="llama"),
@@ -162,7 +162,7 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
   ``tokens_per_s``, ``flops_per_token`` (analytic forward FLOPs), ``tflops_per_s`` (3× forward
   per token, in 10¹² FLOP/s), ``mfu`` (a fraction of the device's ``model_stats.PEAK_FLOPS``; None
   when unknown; the three None for a model with a user energy, whose operations are not
-  modelled: :func:`cem_jax.energies.only_builtins`), ``peak_memory_mb`` (MiB, 2²⁰ bytes, of
+  modelled: :func:`cem_jax.model.known_flops_per_token`), ``peak_memory_mb`` (MiB, 2²⁰ bytes, of
   XLA's memory analysis; None when not reported) and ``loss`` (nats/token of the last step;
   None if not finite: strict JSON has no NaN).
   """
@@ -201,9 +201,7 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
       kernels = profiling.kernel_summary(profile_dir, PROFILE_STEPS)
     except Exception as e:  # noqa: BLE001 - an aid: e.g. a CPU has no device process; the row
       kernels_error = str(e) if isinstance(e, ValueError) else errors.one_line(e)  # keeps on
-  # A user energy's own operations are not modelled: no FLOPs, TFLOP/s or MFU for its model.
-  fpt = flops_per_token(config.model, vocab_size, n) if energies.only_builtins(
-      config.model) else None
+  fpt = known_flops_per_token(config.model, vocab_size, n)  # None: no TFLOP/s or MFU either
   achieved = 3 * fpt * b * n / step_s if fpt is not None else None
   peak = peak_flops()
   kernel, reason = model.kernel_at(n)

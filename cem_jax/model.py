@@ -9,7 +9,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from cem_jax import attention
+from cem_jax import attention, energies, model_stats
 from cem_jax.axes import DEFAULT_RULES, augmented_head_dim, dividing_axes, mesh_axes_of
 from cem_jax.config import BLOCKS
 from cem_jax.energies import EnergyAux, make_mask
@@ -50,6 +50,20 @@ def _weight_laid_out(weight: jax.Array, spec) -> jax.Array:
   if isinstance(getattr(weight, "sharding", None), jax.sharding.SingleDeviceSharding):
     return weight
   return jax.lax.with_sharding_constraint(weight, spec(dict(mesh.shape)))
+
+
+def known_flops_per_token(model_config, vocab_size: int, seq_len: int) -> float | None:
+  """Forward FLOPs per token of a model of ``model_config`` (:func:`cem_jax.model_stats.
+  flops_per_token`, the analytic count of the built-in energies), or None where its energies
+  are not all built-in (:func:`cem_jax.energies.only_builtins`): a user energy's own
+  operations are not modelled, and the built-ins' figure would pass for its.
+
+  Raises:
+    ValueError: an unknown energy name.
+  """
+  if not energies.only_builtins(model_config):
+    return None
+  return model_stats.flops_per_token(model_config, vocab_size, seq_len)
 
 
 def resolve_attention(cfg, blocks, platform: str | None = None) -> tuple[str, str]:

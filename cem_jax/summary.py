@@ -27,7 +27,7 @@ from ml_collections import config_flags
 from cem_jax import axes, cli, energies, energy_checks, model_stats, preflight, sharding, updates
 from cem_jax import config as config_lib
 from cem_jax.files import read_json
-from cem_jax.model import DecoderLM
+from cem_jax.model import DecoderLM, known_flops_per_token
 
 
 def summary(config, vocab_size: int | None = None, devices=None,
@@ -83,9 +83,7 @@ def summary(config, vocab_size: int | None = None, devices=None,
   counts = model_stats.parameter_counts(model)
   totals = {"params": counts["params"], "non_embedding": counts["non_embedding_params"],
             "attention": counts["attention_params"], "mlp": counts["mlp_params"]}
-  # None for a user energy's model: its own operations are not modelled.
-  forward = (model_stats.flops_per_token(config.model, vocab, config.data.seq_len)
-             if energies.only_builtins(config.model) else None)
+  forward = known_flops_per_token(config.model, vocab, config.data.seq_len)
   return {"rows": rows, "totals": totals, "mesh": dict(mesh.shape),
           "num_layers": config.model.num_layers, "unique_blocks": len(model.blocks),
           "flops_per_token": {"forward": forward,

@@ -55,7 +55,7 @@ from cem_jax.config import get_default_config
 from cem_jax.data import pipeline, prepared, sources
 from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
 from cem_jax.metrics import has_final_eval, read_metrics
-from cem_jax.model import DecoderLM
+from cem_jax.model import DecoderLM, known_flops_per_token
 from cem_jax.version import NUMERICS_VERSION
 
 PAPER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -479,8 +479,8 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
   ``tokens_per_sec`` the mean over seeds of each run's median logged rate (the first log
   left out as warm-up: the step is compiled before the clock starts, but the first steps
   still start the data reads and allocate buffers); ``flops_per_token``
-  analytic forward FLOPs (:func:`cem_jax.model_stats.flops_per_token`), None for a row with a
-  user energy, whose own operations are not modelled.
+  analytic forward FLOPs (:func:`cem_jax.model.known_flops_per_token`: None for a row with a
+  user energy, whose own operations are not modelled).
   """
   names = [r for r in (rows or module.ROWS) if any(x["row"] == r for x in results)]
   rows = []
@@ -497,10 +497,8 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
     rows.append({
         "row": row,
         **parameter_counts(cfg),
-        # model_stats counts the built-in energies' operations: a user energy's are unknown.
-        "flops_per_token": None if not energies.only_builtins(cfg.model) else
-                           model_stats.flops_per_token(cfg.model, cfg.data.vocab_size,
-                                                       cfg.data.seq_len),
+        "flops_per_token": known_flops_per_token(cfg.model, cfg.data.vocab_size,
+                                                 cfg.data.seq_len),
         "eval_loss_mean": mean_loss,
         "eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
         "delta_loss_mean": statistics.fmean(deltas) if deltas else math.nan,

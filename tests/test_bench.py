@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from cem_jax import bench
+from cem_jax import bench, model_stats
 from cem_jax.model import DecoderLM
 
 
@@ -29,7 +29,7 @@ def test_analytic_flops_match_xla_cost_analysis(variant):
   n, vocab = 128, 512
   cfg = bench._model_config(preset, bench.VARIANTS[variant], n, 256)
   xla_per_token = _xla_flops_per_token(cfg.model, vocab, n)
-  analytic = bench.flops_per_token(cfg.model, vocab, n)
+  analytic = model_stats.flops_per_token(cfg.model, vocab, n)
   assert abs(analytic / xla_per_token - 1.0) <= 0.10, (analytic, xla_per_token)
 
 
@@ -46,7 +46,7 @@ def test_analytic_flops_match_xla_for_the_tables_block_options(overrides):
   n, vocab = 128, 64
   cfg = bench._model_config(preset, overrides, n, 256)
   xla_per_token = _xla_flops_per_token(cfg.model, vocab, n)
-  analytic = bench.flops_per_token(cfg.model, vocab, n)
+  analytic = model_stats.flops_per_token(cfg.model, vocab, n)
   assert abs(analytic / xla_per_token - 1.0) <= 0.10, (analytic, xla_per_token)
 
 
@@ -69,7 +69,7 @@ def test_analytic_flops_terms_match_xla_one_size_at_a_time(overrides):
 
   def both(n, vocab, num_steps):
     cfg = bench._model_config(preset, dict(overrides, num_steps=num_steps), n, 256).model
-    return bench.flops_per_token(cfg, vocab, n), _xla_flops_per_token(cfg, vocab, n)
+    return model_stats.flops_per_token(cfg, vocab, n), _xla_flops_per_token(cfg, vocab, n)
 
   analytic0, xla0 = both(**base)
   for change in changes:
@@ -176,7 +176,7 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
     assert r["attention"] == "xla"
     assert ("jax.grad" if r["variant"] == "cem_autodiff" else "cpu") in r["attention_reason"]
     assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["compile_s"] > 0
-    assert r["flops_per_token"] == bench.flops_per_token(
+    assert r["flops_per_token"] == model_stats.flops_per_token(
         bench._model_config(tiny, bench.VARIANTS[r["variant"]], 32, 32).model, 512, 32)
   saved = json.load(open(out))
   assert saved["preset"] == "tiny" and len(saved["rows"]) == 3 and saved["complete"] is True
@@ -547,10 +547,10 @@ def test_analytic_flops_of_the_standard_attention_in_a_cem_block_by_hand():
   cfg.d_model, cfg.num_heads, cfg.mlp_dim, cfg.num_layers, cfg.num_steps = 32, 2, 64, 3, 2
   d, f, n, vocab = 32, 64, 40, 100
   cfg.cem_attention = False
-  assert bench.flops_per_token(cfg, vocab, n) == 3 * 2 * (8 * d * d + 4 * n * d + 6 * d * f) + (
-      2 * d * vocab)
+  assert model_stats.flops_per_token(cfg, vocab, n) == (
+      3 * 2 * (8 * d * d + 4 * n * d + 6 * d * f) + 2 * d * vocab)
   cfg.cem_attention = True
-  assert bench.flops_per_token(cfg, vocab, n) == 3 * (
+  assert model_stats.flops_per_token(cfg, vocab, n) == 3 * (
       2 * d * d + 2 * (4 * d * d + 4 * n * d + 6 * d * f)) + 2 * d * vocab
 
 
