@@ -133,7 +133,8 @@ def _overrides(argv):
 
 
 def _flat_keys(node, prefix: str = "") -> list[str]:
-  """The dotted keys of the values (not the groups) of a nested config."""
+  """The dotted keys of the values (not the groups) of a nested config (``config.flat``'s
+  keys, which this stage-0 module may not import)."""
   out = []
   for k in node.keys():
     out += (_flat_keys(node[k], f"{prefix}{k}.") if hasattr(node[k], "keys")
