@@ -291,7 +291,7 @@ def run(preset: str, variants: list[str], out: str | None = None,
                    else None)
       row.update(bench_one(cfg, p["vocab_size"], p["steps"], p["warmup"], trace_dir))
     except Exception as e:  # noqa: BLE001 - recorded in the row; the sweep measures the rest
-      row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+      row["error"] = errors.one_line(e)[:300]
     row["wall_s"] = time.perf_counter() - t0  # the row's whole cost: plan a time-limited call
     rows.append(row)
     print(json.dumps(row), flush=True)

@@ -18,6 +18,8 @@ import sys
 import ml_collections
 from absl import flags, logging
 
+from cem_jax import errors
+
 CONFIG_FLAG = "config"
 
 
@@ -82,11 +84,6 @@ def _die_by_sigint() -> None:
   os.kill(os.getpid(), signal.SIGINT)
 
 
-def _one_line(e: BaseException) -> str:
-  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-  return lines[-1] if lines else type(e).__name__
-
-
 def _run_config_file(spec: str):
   """Runs the config file ``FILE[:ARG]`` by itself, as ml_collections does.
 
@@ -104,7 +101,7 @@ def _run_config_file(spec: str):
     module_spec.loader.exec_module(module)
     return module.get_config(*([arg] if arg else [])), None
   except Exception as e:  # the user's file: any exception is its message to the user
-    message = _one_line(e)
+    message = errors.last_line(e)
     return None, (message if path in message else f"--{CONFIG_FLAG}={spec}: {message}")
 
 
@@ -257,7 +254,7 @@ def parse_flags(argv):
     config, cause = _run_config_files(given)
     if config is not None:
       cause = _unknown_override(config, argv) or _unparsable_override(config, argv)
-    _fail(cause or str(e).splitlines()[0])
+    _fail(cause or errors.first_line(e))
   except Exception:
     # ml_collections lets what the config file's get_config raises (a NameError, an
     # ImportError, a SyntaxError...) escape unwrapped, and a missing file surfaces as an
@@ -287,7 +284,7 @@ def load_config(name: str = "config"):
     config.get("model")
   except OSError as e:
     cause = e.__cause__ if e.__cause__ is not None else e
-    detail = [line.strip() for line in str(cause).splitlines() if line.strip()][-1]
+    detail = errors.last_line(cause)
     path = holder.config_filename.partition(":")[0]
     hint = (f"did you mean {path}.py? " if not path.endswith(".py")
             and os.path.isfile(f"{path}.py") else "")

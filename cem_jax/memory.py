@@ -20,6 +20,8 @@ import jax
 import ml_collections
 from absl import logging
 
+from cem_jax import errors
+
 GIB = 2**30
 
 # The absl status code XLA gives every out-of-memory error (compile time on TPU, run time on
@@ -185,8 +187,8 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
   except jax.errors.JaxRuntimeError as e:
     if not _is_out_of_memory(e):
       raise
-    first = str(e).splitlines()[0][:200]
-    raise ValueError(f"{what} does not fit in device memory (XLA: {first}): {advice}") from e
+    raise ValueError(f"{what} does not fit in device memory (XLA: {errors.first_line(e)[:200]}): "
+                     f"{advice}") from e
   need = footprint_bytes(compiled)
   if need is None:
     return compiled

@@ -287,8 +287,8 @@ def test_quiet_libraries_filters_what_absl_writes(monkeypatch):
 def test_one_line_of_a_cause_and_a_bug_keeps_its_traceback(monkeypatch, capsys):
   # A config file's exception can span lines (a chained message, a note): its last line says
   # what went wrong; one without a message is named by its type.
-  assert cli._one_line(ValueError("while loading:\n\n  x must be > 0  \n")) == "x must be > 0"
-  assert cli._one_line(KeyError()) == "KeyError"
+  assert errors.last_line(ValueError("while loading:\n\n  x must be > 0  \n")) == "x must be > 0"
+  assert errors.last_line(KeyError()) == "KeyError"
   # Neither a config file nor a misspelt field failed: a bug, shown with its traceback.
   def bug(argv):
     raise RuntimeError("a bug")
@@ -350,15 +350,20 @@ def test_tool_flags_are_checked_before_the_run_is_loaded(tmp_path, tool, args, e
   assert proc.stderr.strip().splitlines() == [expected]
 
 
-@pytest.mark.parametrize("message, want", [
-    ("RESOURCE_EXHAUSTED: 2 GiB\n  at op 7\n", "ValueError: RESOURCE_EXHAUSTED: 2 GiB"),
-    ("\n   \n  first real line  \nsecond", "ValueError: first real line"),
-    ("", "ValueError"),
-    (" \n\t\n", "ValueError"),
+@pytest.mark.parametrize("message, want, first, last", [
+    ("RESOURCE_EXHAUSTED: 2 GiB\n  at op 7\n", "ValueError: RESOURCE_EXHAUSTED: 2 GiB",
+     "RESOURCE_EXHAUSTED: 2 GiB", "at op 7"),
+    ("\n   \n  first real line  \nsecond\n \n", "ValueError: first real line", "first real line",
+     "second"),
+    ("", "ValueError", "ValueError", "ValueError"),
+    (" \n\t\n", "ValueError", "ValueError", "ValueError"),
 ])
-def test_an_exception_is_quoted_as_its_type_and_first_non_blank_line(message, want):
-  """What every log line and start-up error quotes of a library's many-line error."""
+def test_an_exception_is_quoted_as_its_type_and_first_non_blank_line(message, want, first, last):
+  """What every log line and start-up error quotes of a library's many-line error; an empty
+  message (which `str(e).splitlines()[0]` would turn into an IndexError) gives the type."""
   assert errors.one_line(ValueError(message)) == want
+  assert errors.first_line(ValueError(message)) == first
+  assert errors.last_line(ValueError(message)) == last
 
 
 def test_user_errors_reports_bad_input_on_one_line_and_keeps_bugs(capsys):

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from array_record.python import array_record_data_source, array_record_module
 
+from cem_jax import errors
 from cem_jax.data import packing, sources
 from cem_jax.data import tokenizer as tokenizer_lib
 from cem_jax.files import hold_folder, sha256_file
@@ -408,8 +409,8 @@ class PreparedData:
     try:
       return cls(directory, manifest)
     except RuntimeError as e:  # array_record/sentencepiece reading a file that is not theirs
-      first = str(e).splitlines()[0]
-      raise BadPreparedData(f"{directory}: damaged prepared data: {first}") from None
+      raise BadPreparedData(
+          f"{directory}: damaged prepared data: {errors.first_line(e)}") from None
 
 OPEN_FILES_BESIDE_SHARDS = 256  # checkpoints, logs, sockets, jax's own files
 

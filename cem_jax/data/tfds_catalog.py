@@ -106,7 +106,9 @@ class CatalogTexts:
       yield text_lib.normalize_newlines(value)
 
 
-def _one_line(error: Exception) -> str:
+def _joined(error: Exception) -> str:
+  # TFDS's split and preparation errors run on after their first line with what they read
+  # (the slice, the bounds): all of it, on one line.
   return " ".join(str(error).split()) or type(error).__name__
 
 
@@ -133,7 +135,7 @@ def _read_texts(name: str, split: str, data_dir: Path, text_key: str, download: 
     if download and not builder.is_prepared():
       builder.download_and_prepare(file_format=tfds.core.FileFormat.ARRAY_RECORD)
   except ValueError as e:
-    raise ValueError(f"data.tfds_name={name!r} in {data_dir}: {_one_line(e)}") from None
+    raise ValueError(f"data.tfds_name={name!r} in {data_dir}: {_joined(e)}") from None
   if not builder.is_prepared():
     raise ValueError(f"data.tfds_name={name!r}: version {builder.version} is not prepared in "
                      f"{data_dir}; prepare it (file_format='array_record') or set "
@@ -155,7 +157,7 @@ def _read_texts(name: str, split: str, data_dir: Path, text_key: str, download: 
   except (ValueError, NotImplementedError) as e:  # the slice: its syntax, its bounds, or
     # a slice TFDS does not take ("all[:50%]")
     raise ValueError(f"{field}={split!r} is not a valid split of {name!r}: "
-                     f"{_one_line(e)}") from None
+                     f"{_joined(e)}") from None
   if size == 0:
     raise ValueError(f"{field}={split!r}: split of {name!r} is empty")
   example = source[0]

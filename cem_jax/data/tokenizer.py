@@ -30,6 +30,7 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
+from cem_jax import errors
 from cem_jax.config import TOKENIZER_MODEL_TYPES as MODEL_TYPES
 
 TRAIN_CHUNK_CHARS = 2000
@@ -303,7 +304,7 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Tokenizer:
     tok = Tokenizer.from_file(path)
   except RuntimeError as e:
     raise ValueError(f"data.tokenizer={os.fspath(path)!r} is not a SentencePiece model: "
-                     f"{str(e).splitlines()[0]}") from None
+                     f"{errors.first_line(e)}") from None
   if tok.vocab_size != vocab_size:
     raise ValueError(f"data.tokenizer={os.fspath(path)!r} has {tok.vocab_size} pieces but "
                      f"data.vocab_size={vocab_size}; they must be equal")
