@@ -125,7 +125,7 @@ def train_step_inputs(config, vocab_size: int, abstract: bool = False,
     of ``train.batch_size`` windows of ``data.seq_len`` random int32 tokens (seed 0), each
     packing :data:`DOCUMENTS_PER_WINDOW` equal documents.
   """
-  build = lambda: DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(0),  # noqa: E731
+  build = lambda: DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(0),
                             platform=platform)
   model = nnx.eval_shape(build) if abstract else build()
   graphdef, params = nnx.split(model, nnx.Param)

@@ -11,6 +11,7 @@ The maths behind the ``model`` options is in ``CEM_MATH.md`` (section numbers gi
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import os
 import types
@@ -48,7 +49,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   """
   c = ml_collections.ConfigDict()
 
-  c.seed = 0
+  c.seed = 0  # the parameters' initialisation (data order: data.shuffle_seed)
 
   # ---- model -------------------------------------------------------------------------------
   m = c.model = ml_collections.ConfigDict()
@@ -58,18 +59,20 @@ def get_default_config() -> ml_collections.ConfigDict:
   m.head_dim = -1  # -1: d_model // num_heads
   m.mlp_dim = 512
   m.num_layers = 4
-  m.tie_embeddings = True
-  m.rope = True
+  m.tie_embeddings = True  # the output layer is the embedding table's transpose
+  m.rope = True  # rotary position embedding of queries and keys
   m.rope_theta = 10_000.0
-  m.norm_eps = 1e-6
+  m.norm_eps = 1e-6  # RMSNorm's epsilon
   # True: in a packed window a token sees only its own document (an explicit [b, n, n] mask).
   # False: plain causal attention over the whole window (nanoGPT/nanodo), which lets fused
   # kernels use is_causal (cuDNN flash attention on GPU, no n x n mask in memory). The loss
   # never crosses a document boundary either way (data/packing.py weights).
   m.document_mask = True
-  m.dtype = "float32"  # compute dtype
+  m.dtype = "float32"  # compute dtype: 'float32' | 'bfloat16'
+  # Parameters and optimizer state: 'float32' only. bfloat16 is refused: the optimizer would
+  # update bfloat16 weights with no float32 master copy, and small updates would round away.
   m.param_dtype = "float32"
-  m.init_std = 0.02
+  m.init_std = 0.02  # std of the normal initialisation of every weight matrix and embedding
   # Multiplies the looked-up input embedding (not the tied output layer). Gemma uses
   # sqrt(d_model); with a block reused across layers it keeps the first layer's pre-norm updates
   # from burying the token's identity (docs/REPRODUCING.md, neighbours).
@@ -130,11 +133,11 @@ def get_default_config() -> ml_collections.ConfigDict:
   # tail (e-texts end in licence text). Builtin: the tail of the pydoc topics (the text the
   # README's byte 4-gram reference is scored on).
   d.validation_fraction = 0.1
-  d.seq_len = 128
+  d.seq_len = 128  # tokens per training window (inputs; the targets are the next tokens)
   d.vocab_size = 1024
   d.tokenizer = ""  # path to a sentencepiece .model; '' = train one on the train split
   d.tokenizer_model_type = "bpe"  # 'bpe' | 'unigram'
-  d.shuffle_seed = 0
+  d.shuffle_seed = 0  # the order of the training windows (a pure function of it and the step)
   # Folder made by `python -m cem_jax.prepare --out=DIR` (token shards + manifest): train from
   # it, reading no raw text. '' = prepare into WORKDIR/data/<fingerprint> first (process 0;
   # reused while the text and the keys above are unchanged). data.files/tfds_name may then
@@ -156,13 +159,15 @@ def get_default_config() -> ml_collections.ConfigDict:
   t.loss_block_size = 0
   t.learning_rate = 3e-3
   t.min_learning_rate_ratio = 0.1  # cosine decays to this fraction of the peak
-  t.warmup_steps = 50
+  t.warmup_steps = 50  # linear from learning_rate / warmup_steps to learning_rate, then cosine
   t.weight_decay = 0.1
   t.b1 = 0.9
   t.b2 = 0.95
   t.grad_clip = 1.0
-  t.eval_every_steps = 100
+  t.eval_every_steps = 100  # and at the last step
   t.log_every_steps = 10
+  # A step whose loss or gradient is not finite is skipped (parameters and optimizer state
+  # kept); this many in a row end the run with a FloatingPointError.
   t.max_consecutive_nonfinite = 10
   # A jax profiler trace of this many training steps (process 0) into WORKDIR/tensorboard, from
   # step profile_first_step on (1-based; past the first steps' one-time costs). 0 = none.
@@ -172,7 +177,7 @@ def get_default_config() -> ml_collections.ConfigDict:
 
   # ---- eval --------------------------------------------------------------------------------
   e = c.eval = ml_collections.ConfigDict()
-  e.batch_size = 32
+  e.batch_size = 32  # global batch, sequences
   e.max_batches = -1  # -1: the whole validation split
   e.num_steps = -1  # recursive steps T at eval; -1 = model.num_steps (test-time steps)
   e.energy_trace = True  # log eval/energy/layer{l}/step{t}/... for CEM models
@@ -187,9 +192,9 @@ def get_default_config() -> ml_collections.ConfigDict:
 
   # ---- checkpoint --------------------------------------------------------------------------
   k = c.checkpoint = ml_collections.ConfigDict()
-  k.every_steps = 250
-  k.keep = 3
-  k.async_save = True
+  k.every_steps = 250  # and at the last step
+  k.keep = 3  # the newest checkpoints kept (older ones deleted after each save)
+  k.async_save = True  # write in the background while training goes on
 
   return c
 
@@ -243,6 +248,16 @@ _MINIMUMS = {
 }
 
 
+# field -> (what -1 means, the largest allowed value or None): an int >= 1, or -1 for a value
+# derived from others. model.num_unique_blocks's maximum is model.num_layers.
+_MINUS_ONE_OR_POSITIVE = {
+    "model.head_dim": ("= model.d_model // model.num_heads", None),
+    "model.num_unique_blocks": ("= model.num_layers", "model.num_layers"),
+    "eval.max_batches": ("the whole split", None),
+    "eval.num_steps": ("= model.num_steps", None),
+}
+
+
 # field -> (low, low inclusive, high, high inclusive): a finite real number in that interval
 # (None: unbounded). One rule per numeric float key of the defaults.
 _RANGES = {
@@ -281,8 +296,6 @@ def check_range(field: str, value) -> None:
     ValueError: one line naming the field, the value and the allowed interval; also for
       nan, inf and non-numbers.
   """
-  import math
-
   low, low_in, high, high_in = _RANGES[field]
   allowed = f"allowed: a finite number, {_interval(low, low_in, high, high_in)}"
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -302,8 +315,8 @@ _CEM_ONLY = ("cem_attention", "cem_mlp", "update_mode", "attention_energy", "mlp
              "eta_per_step", "mlp_condition", "norm_mode", "energy_block_size", "inner_optimizer",
              "momentum_init", "manifold")
 _TFDS_KEYS = ("tfds_data_dir", "tfds_text_key", "tfds_train_split", "tfds_eval_split")
-_model = lambda keys: tuple(f"model.{k}" for k in keys)  # noqa: E731
-_data = lambda keys: tuple(f"data.{k}" for k in keys)  # noqa: E731
+_model = lambda keys: tuple(f"model.{k}" for k in keys)
+_data = lambda keys: tuple(f"data.{k}" for k in keys)
 _UNUSED = (
     (lambda c: c.model.block == "llama",
      "with model.block='llama' (it applies to CEM blocks only)",
@@ -353,7 +366,7 @@ def _check_unused(config: ml_collections.ConfigDict) -> None:
     if not applies(config):
       continue
     for key in keys:
-      value, default = _get(config, key), _get(defaults, key)
+      value, default = config[key], defaults[key]
       if value == default:
         continue
       if m.block == "llama" and key.startswith("model."):  # the message llama users know
@@ -489,13 +502,6 @@ def model_changes(saved: ml_collections.ConfigDict | dict,
   return [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in keys if old.get(k) != new[k]]
 
 
-def _get(config, dotted: str):
-  node = config
-  for part in dotted.split("."):
-    node = node[part]
-  return node
-
-
 def check_loss_block_size(block_size, seq_len: int) -> None:
   """The rule of ``train.loss_block_size`` (:func:`cem_jax.loss.blockwise_cross_entropy`): an
   int >= 0 that, unless 0, divides ``seq_len`` (``data.seq_len``, or the length of the array
@@ -524,30 +530,32 @@ def validate(config: ml_collections.ConfigDict) -> None:
     ValueError: one line naming the field, its value and what is allowed.
   """
   for field, allowed in _CHOICES.items():
-    value = _get(config, field)
+    value = config[field]
     if value not in allowed:
       raise ValueError(f"{field}={value!r}; allowed: {', '.join(allowed)}")
   for field, minimum in _MINIMUMS.items():
-    value = _get(config, field)
+    value = config[field]
     if isinstance(value, bool) or not isinstance(value, int):
       raise ValueError(f"{field}={value!r} must be an int (a static Python int)")
     if value < minimum:
       raise ValueError(f"{field}={value} must be >= {minimum}")
   for field in ("seed", "data.shuffle_seed"):  # jax keys take a signed 64-bit seed
-    if _get(config, field) >= 2**63:
-      raise ValueError(f"{field}={_get(config, field)} must be < 2**63")
+    if config[field] >= 2**63:
+      raise ValueError(f"{field}={config[field]} must be < 2**63")
   for field in _RANGES:
-    check_range(field, _get(config, field))
+    check_range(field, config[field])
+  for field, (meaning, most) in _MINUS_ONE_OR_POSITIVE.items():
+    value, high = config[field], None if most is None else config[most]
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+        value == -1 or (1 <= value and (high is None or value <= high))):
+      ints = "an int >= 1" if high is None else f"an int in 1..{high} ({most})"
+      raise ValueError(f"{field}={value!r}; allowed: -1 ({meaning}) or {ints}")
   m = config.model
   if m.param_dtype != "float32":
     raise ValueError(
         f"model.param_dtype={m.param_dtype!r}: the optimizer would update bfloat16 weights "
         "directly (no float32 master copy), so small updates round away; allowed: 'float32' "
         "(set model.dtype='bfloat16' for bfloat16 compute)")
-  if isinstance(m.head_dim, bool) or not isinstance(m.head_dim, int) or not (
-      m.head_dim == -1 or m.head_dim >= 1):
-    raise ValueError(f"model.head_dim={m.head_dim!r}; allowed: -1 (= model.d_model // "
-                     "model.num_heads) or an int >= 1")
   head_dim = axes.head_dim_of(m)
   if m.head_dim <= 0 and m.d_model % m.num_heads:
     raise ValueError(
@@ -574,21 +582,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
         "set model.precond to attention, mlp or both"
     )
   g = m.num_unique_blocks
-  if isinstance(g, bool) or not isinstance(g, int) or not (g == -1 or 1 <= g <= m.num_layers):
-    raise ValueError(f"model.num_unique_blocks={g!r}; allowed: -1 (= model.num_layers) or an "
-                     f"int in 1..{m.num_layers} (model.num_layers)")
   if g > 0 and m.num_layers % g:
     raise ValueError(f"model.num_unique_blocks={g} does not divide model.num_layers="
                      f"{m.num_layers}; each block is reused num_layers / G times")
   _check_unused(config)
   axes.check_mesh_sizes(config.mesh)
   axes.rules_from_config(config.mesh)
-  mb = config.eval.max_batches
-  if isinstance(mb, bool) or not isinstance(mb, int) or (mb < 1 and mb != -1):
-    raise ValueError(f"eval.max_batches={mb!r}; allowed: -1 (the whole split) or an int >= 1")
-  ev = config.eval.num_steps
-  if isinstance(ev, bool) or not isinstance(ev, int) or (ev < 1 and ev != -1):
-    raise ValueError(f"eval.num_steps={ev!r}; allowed: -1 (= model.num_steps) or an int >= 1")
   t = config.train
   if t.batch_size % t.gradient_accumulation_steps:
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "

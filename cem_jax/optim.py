@@ -50,7 +50,7 @@ def applied_updates(opt_state) -> jax.Array:
     ValueError: ``opt_state`` holds no schedule state, or more than one (not built by
       :func:`make_optimizer`).
   """
-  is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+  is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)
   states = [x for x in jax.tree.leaves(opt_state, is_leaf=is_sched) if is_sched(x)]
   if len(states) != 1:
     raise ValueError(f"expected one learning-rate schedule in the optimizer state, found "

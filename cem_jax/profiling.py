@@ -259,7 +259,7 @@ def _summary(path: str, steps: int, top: int) -> dict:
         end = stop
     span += max(stop for _, stop in mine) - mine[0][0]
   per = len(devices) * steps  # figures per device and step
-  ms = lambda us: round(us / 1e3 / per, 6)  # noqa: E731 - trace times are microseconds
+  ms = lambda us: round(us / 1e3 / per, 6)  # trace times are microseconds
   longest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
   return {"ms_per_step": {k: ms(v) for k, v in per_kind.items()} | {"busy": ms(busy),
                                                                       "span": ms(span)},

@@ -190,6 +190,11 @@ def test_flat_config_equals_the_json_it_is_saved_as():
     ("model.num_unique_blocks", 4, r"^model.num_unique_blocks=4; allowed: -1 \(= "
      r"model.num_layers\) or an int in 1..2 \(model.num_layers\)$"),
     ("model.num_unique_blocks", 0, r"^model.num_unique_blocks=0; allowed: -1 "),
+    ("model.num_unique_blocks", 3, r"^model.num_unique_blocks=3; allowed: -1 .* 1..2 "),
+    ("eval.num_steps", 0, r"^eval.num_steps=0; allowed: -1 \(= model.num_steps\) or an int >= 1$"),
+    ("eval.num_steps", -2, r"^eval.num_steps=-2; allowed: -1 "),
+    ("model.head_dim", True, r"^model.head_dim=True; allowed: -1 \(= model.d_model // "
+     r"model.num_heads\) or an int >= 1$"),
 ])
 def test_values_that_were_silently_defaulted_or_failed_late_are_refused(field, value, message):
   """head_dim 0 or -7 used to mean "the default" (only -1 is documented); a negative seed
