@@ -932,7 +932,8 @@ def test_the_eval_subset_is_spread_over_the_split():
     assert want[-1] >= n - n // total - 1  # reaches the end of the split
   whole = list(range(n))
   assert read(4, 2, -1)[:n] == whole and read(4, 1, 100)[:n] == whole
-  with pytest.raises(ValueError, match=r"^max_batches=0 must be -1 \(all\) or >= 1$"):
+  with pytest.raises(ValueError,
+                     match=r"^eval.max_batches=0; allowed: -1 \(the whole split\) or an int >= 1$"):
     next(evals.batches(4, 0, 1, 0))
 
 

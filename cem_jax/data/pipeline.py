@@ -230,7 +230,7 @@ class EvalWindows:
 
     Raises:
       ValueError: ``batch_size`` < 1 or not divisible by ``process_count`` (naming
-        ``eval.batch_size``), or ``max_batches`` neither -1 nor >= 1.
+        ``eval.batch_size``), or ``max_batches`` neither -1 nor >= 1 (naming ``eval.max_batches``).
     """
     if batch_size < 1 or batch_size % process_count:
       raise ValueError(
@@ -238,7 +238,8 @@ class EvalWindows:
           f"{process_count}"
       )
     if max_batches < 1 and max_batches != -1:
-      raise ValueError(f"max_batches={max_batches} must be -1 (all) or >= 1")
+      raise ValueError(f"eval.max_batches={max_batches!r}; allowed: -1 (the whole split) or an "
+                       "int >= 1")
     n = self.num_windows
     if max_batches == -1 or max_batches * batch_size >= n:
       num_batches, picks = self.num_batches(batch_size), np.arange(n, dtype=np.int64)
