@@ -28,7 +28,6 @@ import dataclasses
 import os
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from cem_jax import cli, errors
 
@@ -189,8 +188,7 @@ def compile_for(config, target: Target, vocab_size: int | None = None) -> dict:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  cli.no_extra_args(argv)
   fl = flags.FLAGS
   logging.set_verbosity(logging.WARNING)
   cli.quiet_libraries()
@@ -207,8 +205,7 @@ def main(argv):
 
 if __name__ == "__main__":
   # Flags are defined only when run as a program, so other tools can import the functions.
-  config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
-                                  lock_config=True)
+  cli.define_config_flag()
   flags.DEFINE_string("target", None, "The devices to compile for: a TPU slice (e.g. "
                       "v5e:16x16) or h100/h200[:N] (module docstring).")
   flags.DEFINE_integer("vocab_size", None, "The tokenizer's size (default: data.vocab_size).")

@@ -16,11 +16,30 @@ import signal
 import sys
 
 import ml_collections
-from absl import flags, logging
+from absl import app, flags, logging
+from ml_collections import config_flags
 
 from cem_jax import errors
 
 CONFIG_FLAG = "config"
+
+
+def define_config_flag() -> None:
+  """Defines ``--config`` (an ml_collections config file, ``FILE[:ARG]``, with
+  ``--config.KEY=VALUE`` overrides) under the name :func:`parse_flags`' one-line errors read."""
+  config_flags.DEFINE_config_file(CONFIG_FLAG, None, "Experiment config file[:arg].",
+                                  lock_config=True)
+
+
+def no_extra_args(argv: list[str]) -> None:
+  """Refuses positional arguments (absl passes them on in ``argv[1:]``: a flag missing its
+  ``--``, or a space in a flag's value, would otherwise be dropped without a word).
+
+  Raises:
+    app.UsageError: naming the arguments.
+  """
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
 
 
 def _fail(message: str) -> None:

@@ -15,14 +15,12 @@ or explicit ``--coordinator_address=HOST:PORT --num_processes=N --process_id=I``
 from __future__ import annotations
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from cem_jax import cli
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  cli.no_extra_args(argv)
   # After flag parsing: a bad flag fails before jax loads.
   from cem_jax import distributed, energies, train
 
@@ -42,8 +40,7 @@ def main(argv):
 
 if __name__ == "__main__":
   # Flags are defined only when run as a program, so other tools can import the functions.
-  config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
-                                  lock_config=True)
+  cli.define_config_flag()
   flags.DEFINE_string("workdir", None, "Folder for metrics, config and checkpoints.")
   flags.DEFINE_enum(
       "distributed", "auto", ["auto", "on", "off"],

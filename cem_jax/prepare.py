@@ -20,7 +20,6 @@ config that main would reject prepares nothing. Exit status 0 when done, 1 with 
 from __future__ import annotations
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from cem_jax import cli
 
@@ -53,8 +52,7 @@ def run(config, out: str, workers: int | None = None) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  cli.no_extra_args(argv)
   logging.set_verbosity(logging.INFO)
   cli.quiet_libraries()
   with cli.interrupted("stopped at once; the same command finishes what is missing, keeping "
@@ -64,8 +62,7 @@ def main(argv):
 
 if __name__ == "__main__":
   # Flags are defined only when run as a program, so other tools can import the functions.
-  config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
-                                  lock_config=True)
+  cli.define_config_flag()
   flags.DEFINE_string("out", None, "Folder of the prepared dataset (created).")
   flags.DEFINE_integer("workers", None, "Encoding processes (default: the usable CPUs for "
                        "large corpora, else 1).")

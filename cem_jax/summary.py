@@ -22,7 +22,6 @@ import jax
 import ml_collections
 from absl import app, flags
 from flax import nnx
-from ml_collections import config_flags
 
 from cem_jax import axes, cli, energies, energy_checks, model_stats, preflight, sharding, updates
 from cem_jax import config as config_lib
@@ -198,8 +197,7 @@ def main(argv):
 
 def run() -> None:
   """The command line: defines the flags and runs :func:`main`."""
-  config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
-                                  lock_config=True)
+  cli.define_config_flag()
   flags.DEFINE_string("workdir", None, "A trained run's folder: inspect the config in its "
                       "config.json instead of --config.")
   flags.DEFINE_integer("vocab_size", None, "Vocabulary size (default: data.vocab_size).")
