@@ -123,8 +123,8 @@ def get_default_config() -> ml_collections.ConfigDict:
   d.files = ""  # glob(s) of local text files, comma separated; '' = another source
   d.tfds_name = ""  # TFDS catalog dataset, e.g. 'wikipedia/20230601.en'; needs internet
   d.tfds_data_dir = ""  # '' = TFDS default (~/tensorflow_datasets)
-  d.tfds_text_key = "text"
-  d.tfds_train_split = "train"
+  d.tfds_text_key = "text"  # the feature holding the text
+  d.tfds_train_split = "train"  # TFDS split specs, e.g. 'train[:99%]'
   d.tfds_eval_split = "validation"
   d.builtin = "pydoc+docstrings"  # built-in offline corpus: 'pydoc' | 'pydoc+docstrings'
   # Fraction of the characters held out (builtin and files sources). Files: every k-th chunk,
@@ -157,15 +157,15 @@ def get_default_config() -> ml_collections.ConfigDict:
   # vocab_size] logits live at once, not [batch, seq_len, vocab_size]. 0 = all at once.
   # Must divide data.seq_len.
   t.loss_block_size = 0
-  t.learning_rate = 3e-3
+  t.learning_rate = 3e-3  # the peak of the schedule (AdamW)
   t.min_learning_rate_ratio = 0.1  # cosine decays to this fraction of the peak
-  t.warmup_steps = 50  # linear from learning_rate / warmup_steps to learning_rate, then cosine
-  t.weight_decay = 0.1
-  t.b1 = 0.9
-  t.b2 = 0.95
-  t.grad_clip = 1.0
+  t.warmup_steps = 50  # linear up to learning_rate, then cosine (optim.make_schedule)
+  t.weight_decay = 0.1  # decoupled (AdamW), on the parameters optim.decay_mask names
+  t.b1 = 0.9  # AdamW's first-moment decay
+  t.b2 = 0.95  # AdamW's second-moment decay
+  t.grad_clip = 1.0  # the gradient's global norm is clipped to this
   t.eval_every_steps = 100  # and at the last step
-  t.log_every_steps = 10
+  t.log_every_steps = 10  # train/* lines in metrics.jsonl and the log
   # A step whose loss or gradient is not finite is skipped (parameters and optimizer state
   # kept); this many in a row end the run with a FloatingPointError.
   t.max_consecutive_nonfinite = 10
