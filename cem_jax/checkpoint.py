@@ -127,6 +127,10 @@ class Checkpointer:
     Returns False without saving when ``step`` is already saved or (``force`` False) is not a
     save step. The caller may keep training while the arrays are written; call :meth:`wait`
     before exiting.
+
+    Raises:
+      Exception: what the previous asynchronous save raised (Orbax's error, e.g. an
+        ``OSError`` for a full disk), re-raised here by :meth:`wait` before this one starts.
     """
     if step in self.manager.all_steps():
       return False

@@ -346,6 +346,10 @@ def eval_loop(eval_step, params, data, cfg, shardings: StateShardings | None = N
   split; ``EvalWindows.batches``). ``eval/perplexity`` is
   ``exp(min(loss, 80))`` (finite for an untrained or diverged model); ``eval/tokens`` is the
   number of predicted tokens evaluated.
+
+  Raises:
+    ValueError: ``eval.batch_size`` not divisible by the process count, or ``eval.max_batches``
+      neither -1 nor >= 1 (:meth:`EvalWindows.batches`, one line naming the field).
   """
   bs = cfg.eval.batch_size
   index, count = (0, 1) if shardings is None else shardings.process_slice(bs)

@@ -483,6 +483,8 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
   user energy, whose own operations are not modelled).
   """
   names = [r for r in (rows or module.ROWS) if any(x["row"] == r for x in results)]
+  if not names:  # no row has a result yet: no baseline either
+    return []
   rows = []
   base = {r["seed"]: r["eval/loss"] for r in results if r["row"] == names[0]}
   for row in names:

@@ -368,6 +368,7 @@ def test_rows_and_overrides_reach_the_runs_and_the_table(tmp_path, shared_data):
                                  overrides=overrides) == results
   assert tables.finished_results(module, "toy", "tiny", 1, workdir) == []  # another config
   assert [r["row"] for r in tables.aggregate(module, "tiny", results)] == ["cem"]
+  assert tables.aggregate(module, "tiny", []) == []  # nothing finished yet: no row, no error
   assert list(tables.eval_curves(workdir, "toy", module, 1, ["cem"])) == ["cem"]
   # a value one row refuses stops the table before any row trains
   fresh = str(tmp_path / "fresh")
