@@ -80,7 +80,6 @@ def parse_arg(arg: str, rows, table: str) -> tuple[str, str]:
   return row, scale
 
 
-
 def base_config(scale: str):
   """The config every row of every table starts from at ``scale`` (one of :data:`SCALES`)."""
   c = get_default_config()

@@ -129,7 +129,6 @@ def _state_builders(config, vocab_size: int, tx, mesh, platform: str | None = No
           jax.jit(tx.init, out_shardings=opt_sh))
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Steps
 
@@ -376,7 +375,6 @@ def eval_loop(eval_step, params, data, cfg, shardings: StateShardings | None = N
   if energy_sum is not None:
     metrics.update(energy_metrics(jax.tree.map(lambda a: a / max(tokens, 1.0), energy_sum)))
   return metrics
-
 
 
 @jax.jit
