@@ -18,7 +18,7 @@ import os
 from absl import app, flags, logging
 
 from cem_jax import cli
-from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
+from cem_jax.files import atomic_write_json, atomic_write_text, read_json, saved_figure
 
 
 def load_run(workdir: str, require=None, attention_impl: str | None = None):
@@ -183,11 +183,6 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
 
 def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str]:
   """Writes ``test_time_steps.{md,json,png}`` in ``workdir``; returns the paths."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   base = os.path.join(workdir, "test_time_steps")
   atomic_write_json(base + ".json", rows)
   lines = [
@@ -202,23 +197,20 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
                  f"{r['eval/bits_per_byte']:.4f} | " +
                  ("n/a" if r["final_energy"] is None else f"{r['final_energy']:.4f}") + " |")
   atomic_write_text(base + ".md", "\n".join(lines) + "\n")
-  fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
   ts = [r["T_eval"] for r in rows]
-  a1.plot(ts, [r["eval/perplexity"] for r in rows], "o-")
-  a1.set_xlabel("T_eval")
-  a1.set_ylabel("eval perplexity")
-  a1.axvline(trained_steps, ls="--", c="gray", label="trained T")
-  a1.legend()
-  a2.plot(ts, [float("nan") if r["final_energy"] is None else r["final_energy"] for r in rows],
-          "o-", c="C1")
-  a2.set_xlabel("T_eval")
-  a2.set_ylabel("final energy (sum over layers, per token)")
-  for ax in (a1, a2):
-    ax.set_xticks(ts)
-    ax.grid(alpha=0.3)
-  fig.tight_layout()
-  atomic_save_figure(fig, base + ".png")
-  plt.close(fig)
+  with saved_figure(base + ".png", ncols=2, figsize=(9, 3.5)) as (_, (a1, a2)):
+    a1.plot(ts, [r["eval/perplexity"] for r in rows], "o-")
+    a1.set_xlabel("T_eval")
+    a1.set_ylabel("eval perplexity")
+    a1.axvline(trained_steps, ls="--", c="gray", label="trained T")
+    a1.legend()
+    a2.plot(ts, [float("nan") if r["final_energy"] is None else r["final_energy"] for r in rows],
+            "o-", c="C1")
+    a2.set_xlabel("T_eval")
+    a2.set_ylabel("final energy (sum over layers, per token)")
+    for ax in (a1, a2):
+      ax.set_xticks(ts)
+      ax.grid(alpha=0.3)
   return [base + ext for ext in (".md", ".json", ".png")]
 
 

@@ -5,7 +5,8 @@ is flushed to disk, and is renamed over ``path`` (``os.replace``, atomic on POSI
 A failed write removes its temporary file and leaves ``path`` as it was; a killed one leaves
 it, and :func:`temporary_of` recognises it. :func:`atomic_path` does the same for a writer
 that opens the file by name. :func:`sha256_file` hashes a file of any size; :func:`read_json`
-reads back what the writers wrote, a damaged file as one line; :func:`hold_folder` keeps a
+reads back what the writers wrote, a damaged file as one line; :func:`saved_figure` draws and
+saves a matplotlib figure the same way; :func:`hold_folder` keeps a
 folder for one process (a training run's workdir, a prepare's output).
 """
 
@@ -66,6 +67,30 @@ def atomic_save_figure(fig, path: str | os.PathLike, *, dpi: int = 120) -> None:
   buf = io.BytesIO()
   fig.savefig(buf, format=os.path.splitext(os.fspath(path))[1].lstrip(".") or None, dpi=dpi)
   atomic_write_bytes(path, buf.getvalue())
+
+
+@contextlib.contextmanager
+def saved_figure(path: str | os.PathLike, **subplots_kw) -> Iterator[tuple]:
+  """``with saved_figure("loss.png", figsize=(6, 4)) as (fig, ax):`` draws on
+  ``plt.subplots(**subplots_kw)`` (matplotlib's file-only Agg backend: no display on servers
+  and CI); leaving the block lays the figure out, saves it with :func:`atomic_save_figure` and
+  closes it. A block that raises saves nothing and still closes the figure.
+
+  Raises:
+    ValueError, OSError: as :func:`atomic_save_figure`.
+  """
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(**subplots_kw)
+  try:
+    yield fig, axes
+    fig.tight_layout()
+    atomic_save_figure(fig, path)
+  finally:
+    plt.close(fig)
 
 
 # The name atomic_writer gives its temporary file, ``<path>.<pid>.<12 hex digits>.tmp``;

@@ -12,38 +12,31 @@ from __future__ import annotations
 
 import os
 
-import matplotlib
+from absl import app, flags
 
-matplotlib.use("Agg")  # files only; no display on servers and CI
-import matplotlib.pyplot as plt  # noqa: E402
-from absl import app, flags  # noqa: E402
-
-from cem_jax import cli  # noqa: E402
-from cem_jax.files import atomic_save_figure  # noqa: E402
-from cem_jax.metrics import energy_steps, read_metrics  # noqa: E402
+from cem_jax import cli
+from cem_jax.files import saved_figure
+from cem_jax.metrics import energy_steps, read_metrics
 
 
 def plot_losses(metrics: list[dict], path: str, title: str = "") -> None:
   """Train/eval loss curves to ``path`` (PNG)."""
-  fig, ax = plt.subplots(figsize=(6, 4))
   # None: a non-finite value (metrics.jsonl writes it as null); a gap in the curve.
   train = [(m["step"], m["train/loss"]) for m in metrics if m.get("train/loss") is not None]
   evals = [(m["step"], m["eval/loss"]) for m in metrics if m.get("eval/loss") is not None]
-  if train:
-    ax.plot(*zip(*train, strict=True), label="train", alpha=0.7)
   bpb = [m["eval/bits_per_byte"] for m in metrics if "eval/bits_per_byte" in m]
-  if evals:
-    final = "" if not bpb else (" (last: not finite)" if bpb[-1] is None
-                                else f" (last: {bpb[-1]:.4f} bits/byte)")
-    ax.plot(*zip(*evals, strict=True), "o-", label="eval" + final)
-  ax.set_xlabel("step")
-  ax.set_ylabel("loss (nats/token)")
-  ax.set_title(title)
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  atomic_save_figure(fig, path)
-  plt.close(fig)
+  with saved_figure(path, figsize=(6, 4)) as (_, ax):
+    if train:
+      ax.plot(*zip(*train, strict=True), label="train", alpha=0.7)
+    if evals:
+      final = "" if not bpb else (" (last: not finite)" if bpb[-1] is None
+                                  else f" (last: {bpb[-1]:.4f} bits/byte)")
+      ax.plot(*zip(*evals, strict=True), "o-", label="eval" + final)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
 
 
 def plot_energy(steps: dict[int, dict[str, list[tuple[float, float]]]], path: str,
@@ -52,29 +45,30 @@ def plot_energy(steps: dict[int, dict[str, list[tuple[float, float]]]], path: st
   sub-layer (``steps`` from :func:`cem_jax.metrics.energy_steps`). Solid segments are the
   sub-steps; dotted ones join step t's end to step t+1's start, where the other sub-step
   (or a recomputed context) has moved the energy."""
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for ax, part, name in zip(axes, ("att", "mlp"), ("attention energy", "MLP energy"),
-                            strict=True):
-    count = 0
-    for layer, parts in steps.items():
-      pairs = parts.get(part, [])
-      count = max(count, len(pairs))
-      color = None
-      for t, (before, after) in enumerate(pairs):
-        line, = ax.plot([2 * t, 2 * t + 1], [before, after], "o-", color=color,
-                        label=f"layer {layer}" if t == 0 else None)
-        color = line.get_color()
-        if t + 1 < len(pairs):
-          ax.plot([2 * t + 1, 2 * t + 2], [after, pairs[t + 1][0]], ":", color=color)
-    ticks = [f"t={t} {w}" for t in range(1, count + 1) for w in ("before", "after")]
-    ax.set_xticks(range(len(ticks)), ticks, fontsize=8)
-    ax.set_ylabel(f"{name} (one layer, mean per token)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-  fig.suptitle(title)
-  fig.tight_layout()
-  atomic_save_figure(fig, path)
-  plt.close(fig)
+  with saved_figure(path, ncols=2, figsize=(10, 4)) as (fig, axes):
+    for ax, part, name in zip(axes, ("att", "mlp"), ("attention energy", "MLP energy"),
+                              strict=True):
+      _draw_energy_steps(ax, steps, part, name)
+    fig.suptitle(title)
+
+
+def _draw_energy_steps(ax, steps: dict, part: str, name: str) -> None:
+  count = 0
+  for layer, parts in steps.items():
+    pairs = parts.get(part, [])
+    count = max(count, len(pairs))
+    color = None
+    for t, (before, after) in enumerate(pairs):
+      line, = ax.plot([2 * t, 2 * t + 1], [before, after], "o-", color=color,
+                      label=f"layer {layer}" if t == 0 else None)
+      color = line.get_color()
+      if t + 1 < len(pairs):
+        ax.plot([2 * t + 1, 2 * t + 2], [after, pairs[t + 1][0]], ":", color=color)
+  ticks = [f"t={t} {w}" for t in range(1, count + 1) for w in ("before", "after")]
+  ax.set_xticks(range(len(ticks)), ticks, fontsize=8)
+  ax.set_ylabel(f"{name} (one layer, mean per token)")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
 
 
 def plot_run(workdir: str) -> list[str]:

@@ -53,7 +53,7 @@ from cem_jax import config as config_lib
 from cem_jax import workdir as workdir_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import pipeline, prepared, sources
-from cem_jax.files import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
+from cem_jax.files import atomic_write_json, atomic_write_text, read_json, saved_figure
 from cem_jax.metrics import has_final_eval, read_metrics
 from cem_jax.model import DecoderLM, known_flops_per_token
 from cem_jax.version import NUMERICS_VERSION
@@ -520,11 +520,6 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
   A ``TABLE.md`` that differs from the new one only in the date of its header (``written
   YYYY-MM-DD``) is left as it is: rebuilding a committed table from its committed runs changes
   no tracked file, and the date stays the day its figures were first written."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   base = os.path.join(workdir, table)
   csv_text = io.StringIO(newline="")
   writer = csv.DictWriter(csv_text, fieldnames=COLUMNS)
@@ -561,17 +556,14 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
     same = False
   if not same:
     atomic_write_text(base + ".md", text)
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for row, points in curves.items():
-    ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=row, ms=3)
-  ax.set_xlabel("step")
-  ax.set_ylabel("eval loss (nats/token), mean over seeds")
-  ax.set_title(table)
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  atomic_save_figure(fig, base + ".png")
-  plt.close(fig)
+  with saved_figure(base + ".png", figsize=(7, 4.5)) as (_, ax):
+    for row, points in curves.items():
+      ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=row, ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("eval loss (nats/token), mean over seeds")
+    ax.set_title(table)
+    ax.grid(alpha=0.3)
+    ax.legend()
   return [base + ext for ext in (".md", ".csv", ".png")]
 
 

@@ -171,6 +171,21 @@ def test_atomic_save_figure_writes_the_extension_format_or_nothing(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["a.png", "a.svg"]
 
 
+def test_saved_figure_saves_on_leaving_and_closes_the_figure_either_way(tmp_path):
+  import matplotlib.pyplot as plt
+
+  with files.saved_figure(tmp_path / "a.png", ncols=2, figsize=(2, 1)) as (fig, (left, right)):
+    left.plot([0, 1], [1, 0])
+    assert plt.fignum_exists(fig.number)
+  assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert not plt.fignum_exists(fig.number)  # closed: a sweep drawing many would leak them
+  with pytest.raises(RuntimeError, match="drawing failed"):
+    with files.saved_figure(tmp_path / "b.png") as (fig, _):
+      raise RuntimeError("drawing failed")
+  assert not plt.fignum_exists(fig.number)
+  assert sorted(os.listdir(tmp_path)) == ["a.png"]  # a failed drawing writes nothing
+
+
 def test_read_json_reads_what_the_writer_wrote_and_names_a_damaged_file_in_one_line(tmp_path):
   path = tmp_path / "result.json"
   files.atomic_write_json(path, {"eval/loss": 3.5, "row": "ü"})

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from cem_jax import config as config_lib
-from cem_jax import plot, preflight, sharding
+from cem_jax import files, plot, preflight, sharding
 from cem_jax import summary as summary_lib
 from cem_jax.model import DecoderLM, count_params
 from cem_jax.workdir import (
@@ -359,7 +359,7 @@ def test_the_loss_plot_labels_the_newest_bits_per_byte(tmp_path, monkeypatch):
            {"step": 20, "eval/loss": 2.0, "eval/bits_per_byte": 1.5}]
   write_metrics(tmp_path, lines)
   figures = []
-  monkeypatch.setattr(plot, "atomic_save_figure", lambda fig, path: figures.append(fig))
+  monkeypatch.setattr(files, "atomic_save_figure", lambda fig, path: figures.append(fig))
   plot.plot_run(str(tmp_path))
   (fig,) = figures
   labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
@@ -369,7 +369,7 @@ def test_the_loss_plot_labels_the_newest_bits_per_byte(tmp_path, monkeypatch):
 def test_the_loss_plot_of_a_run_whose_last_eval_is_not_finite_or_that_has_only_evals(
     tmp_path, monkeypatch):
   figures = []
-  monkeypatch.setattr(plot, "atomic_save_figure", lambda fig, path: figures.append(fig))
+  monkeypatch.setattr(files, "atomic_save_figure", lambda fig, path: figures.append(fig))
   # metrics.jsonl writes a non-finite value as null.
   write_metrics(tmp_path, [{"step": 10, "eval/loss": 2.5, "eval/bits_per_byte": 2.0},
                            {"step": 20, "eval/loss": None, "eval/bits_per_byte": None}])
@@ -408,7 +408,7 @@ def test_plot_refuses_a_folder_without_metrics_or_without_losses(tmp_path):
 
 def test_the_energy_plot_joins_each_steps_end_to_the_next_steps_start(monkeypatch):
   figures = []
-  monkeypatch.setattr(plot, "atomic_save_figure", lambda fig, path: figures.append(fig))
+  monkeypatch.setattr(files, "atomic_save_figure", lambda fig, path: figures.append(fig))
   plot.plot_energy({0: {"att": [(4.0, 3.0), (2.5, 2.0)], "mlp": [(1.0, 0.5)]}}, "x.png")
   att, mlp = figures[0].axes
   # Solid sub-steps at x = 2t, 2t + 1; the dotted segment from step 1's end to step 2's start.
