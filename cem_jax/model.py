@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -201,6 +202,22 @@ def decoding_aux(cfg: ml_collections.ConfigDict, batch: int, num_new: int, max_l
   )
 
 
+@flax.struct.dataclass
+class DecodeCache:
+  """A decoding cache (:meth:`DecoderLM.init_cache`): ``layers``, one block cache per layer
+  (the block's ``init_cache`` layout), and ``max_len``, the positions it holds.
+
+  ``max_len`` is static (part of the tree structure, not a leaf), so a jitted step knows the
+  decoding mask's width without reading it off a leaf whose axes depend on the block kind.
+  """
+
+  layers: tuple
+  max_len: int = flax.struct.field(pytree_node=False)
+
+  def __len__(self) -> int:
+    return len(self.layers)
+
+
 class DecoderLM(nnx.Module):
   """A decoder-only LM whose blocks are CEM layers or Llama blocks (``model.block``).
 
@@ -334,9 +351,21 @@ class DecoderLM(nnx.Module):
     """The block each of the ``model.num_layers`` layers runs: ``blocks[l % G]``."""
     return [self.blocks[i % len(self.blocks)] for i in range(self.cfg.num_layers)]
 
-  def init_cache(self, batch: int, max_len: int, num_steps: int | None = None) -> list:
-    """An empty decoding cache (one entry per layer) for up to ``max_len`` positions."""
-    return [block.init_cache(batch, max_len, num_steps) for block in self.layer_blocks()]
+  def init_cache(self, batch: int, max_len: int, num_steps: int | None = None) -> DecodeCache:
+    """An empty :class:`DecodeCache` for up to ``max_len`` positions, one entry per layer,
+    every leaf zeros in ``model.dtype``:
+
+    - Llama block: ``{'k', 'v'}``, each ``[batch, max_len, num_heads, head_dim]``;
+    - CEM block with CEM attention: ``{'context'}``, ``[copies, batch, max_len, d_model]``
+      (copies: 1 with ``model.context='fixed'``, else ``num_steps``);
+    - CEM block with the standard attention (``model.cem_attention=False``): ``{'k', 'v'}``,
+      each ``[num_steps, batch, max_len, num_heads, head_dim]``.
+
+    ``num_steps``: the recursive steps the decoding calls will run (default
+    ``model.num_steps``); pass the same to :meth:`__call__`.
+    """
+    return DecodeCache(tuple(block.init_cache(batch, max_len, num_steps)
+                             for block in self.layer_blocks()), max_len)
 
   def __call__(
       self,
@@ -345,7 +374,7 @@ class DecoderLM(nnx.Module):
       *,
       num_steps: int | None = None,
       trace: bool = False,
-      cache: list | None = None,
+      cache: DecodeCache | None = None,
       index: jax.Array | int = 0,
       hidden: bool = False,
   ):
@@ -359,19 +388,24 @@ class DecoderLM(nnx.Module):
       num_steps: recursive steps per CEM layer at this call (default ``model.num_steps``).
       trace: also return the energy trace, a list over layers of the block's trace: energies
         summed over the real tokens (``segment_ids > 0``; all tokens without segment ids).
-      cache: a decoding cache from :meth:`init_cache`: ``tokens`` are then the new tokens at
-        positions ``index, index+1, ...`` (prefill: the prompt at 0; then one at a time).
+      cache: a :class:`DecodeCache` from :meth:`init_cache` (at the same ``num_steps``):
+        ``tokens`` are then the new tokens at positions ``index, index+1, ...`` (prefill: the
+        prompt at 0; then one at a time).
       index: where the new tokens go in the cache (int or int32 scalar).
       hidden: return the final normalised hidden state ``[batch, seq_len, d_model]`` (compute
         dtype) in place of the logits, for a loss that makes the logits itself
         (``cem_jax.loss.blockwise_cross_entropy`` with :meth:`output_head`).
     Returns:
       ``logits`` ``[batch, seq_len, vocab_size]`` float32; with ``trace`` a tuple
-      ``(logits, traces)``; with ``cache`` a tuple ``(logits, cache)`` (decoding is one
-      document: ``segment_ids`` is not read).
+      ``(logits, traces)``; with ``cache`` a tuple ``(logits, cache)``, the cache updated
+      (decoding is one document: ``segment_ids`` is not read).
     Raises:
       ValueError: ``trace`` with ``cache`` (cached decoding keeps no energy trace).
+      TypeError: ``cache`` not a :class:`DecodeCache`.
     """
+    if cache is not None and not isinstance(cache, DecodeCache):
+      raise TypeError(f"DecoderLM: cache is a {type(cache).__name__}; pass the DecodeCache "
+                      "that init_cache returns")
     if trace and cache is not None:
       raise ValueError("DecoderLM: trace=True with a decoding cache; cached decoding keeps no "
                        "energy trace (evaluate the full sequence with trace=True instead)")
@@ -381,37 +415,27 @@ class DecoderLM(nnx.Module):
       if segment_ids is not None:  # padding is known even when attention ignores documents
         aux = aux.replace(real=segment_ids > 0)
     else:
-      # Llama caches k/v [batch, max_len, heads, head_dim]; CEM the context
-      # [copies, batch, max_len, d_model].
-      max_len = jax.tree.leaves(cache[0])[0].shape[-3 if self.cfg.block == "llama" else -2]
-      aux = self.make_decode_aux(b, t, max_len, index)
+      aux = self.make_decode_aux(b, t, cache.max_len, index)
     x = self.embed(tokens)
 
-    momentum = self.cfg.block == "cem" and self.cfg.inner_optimizer != "gd"
-
     def run_block(block, x, block_cache, velocity):
-      kw = {"velocity": velocity} if momentum else {}
-      if block_cache is None:
-        return block(x, aux, num_steps=num_steps, trace=trace, **kw)
       return block(x, aux, num_steps=num_steps, trace=trace, cache=block_cache, index=index,
-                   **kw)
+                   velocity=velocity)
 
     if self.cfg.remat != "none":  # recompute activations in the backward pass, per block
       run_block = nnx.remat(run_block, policy=CHECKPOINT_POLICIES[self.cfg.remat])
     traces, new_cache = [], []
+    momentum = self.cfg.block == "cem" and self.cfg.inner_optimizer != "gd"
     velocity = jnp.zeros_like(x) if momentum else None
     for i, block in enumerate(self.layer_blocks()):
-      out = run_block(block, x, None if cache is None else cache[i], velocity)
-      x, rec = self._rows_over_devices(out[0]), out[1]
-      traces.append(rec)
-      if cache is not None:
-        new_cache.append(out[2])
-      if momentum:
-        velocity = out[-1]
+      out = run_block(block, x, None if cache is None else cache.layers[i], velocity)
+      x, velocity = self._rows_over_devices(out.y), out.velocity
+      traces.append(out.trace)
+      new_cache.append(out.cache)
     x = self.final_norm(x)
     out = x if hidden else output_logits(x, self.output_head())
     if cache is not None:
-      return out, new_cache
+      return out, DecodeCache(tuple(new_cache), cache.max_len)
     return (out, traces) if trace else out
 
   def output_head(self) -> jax.Array:

@@ -108,10 +108,8 @@ def layer_report(model, batch) -> dict:
   momentum = model.cfg.block == "cem" and model.cfg.inner_optimizer != "gd"
   velocity = jnp.zeros_like(x) if momentum else None
   for block in model.layer_blocks():
-    out = block(x, aux, velocity=velocity) if momentum else block(x, aux)
-    y = out[0]
-    if momentum:
-      velocity = out[-1]
+    out = block(x, aux, velocity=velocity)
+    y, velocity = out.y, out.velocity
     norm = jnp.linalg.norm(x)
     if split:
       att, mlp = _sub_steps(block, x, aux)

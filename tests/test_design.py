@@ -109,7 +109,7 @@ def test_prenorm_energy_is_monotone_over_four_steps(precond):
   block = CEMBlock(cfg, rngs=nnx.Rngs(3))
   block.attn.eta[...] = jnp.full_like(block.attn.eta[...], softplus_inverse(0.05))
   block.mlp.eta[...] = jnp.full_like(block.mlp.eta[...], softplus_inverse(0.05))
-  _, trace = block(_x(4), _aux(cfg), trace=True)
+  trace = block(_x(4), _aux(cfg), trace=True).trace
   totals = [float(trace[0]["att_before"] + trace[0]["mlp_before"])]
   totals += [float(r["att_after"] + r["mlp_after"]) for r in trace]
   assert all(b < a for a, b in zip(totals, totals[1:], strict=False)), totals
@@ -120,7 +120,7 @@ def test_lie_trotter_substeps_each_descend():
   block = CEMBlock(cfg, rngs=nnx.Rngs(5))
   block.attn.eta[...] = jnp.full_like(block.attn.eta[...], softplus_inverse(0.05))
   block.mlp.eta[...] = jnp.full_like(block.mlp.eta[...], softplus_inverse(0.05))
-  _, trace = block(_x(5), _aux(cfg), trace=True)
+  trace = block(_x(5), _aux(cfg), trace=True).trace
   for rec in trace:
     assert float(rec["att_after"]) < float(rec["att_before"])
     assert float(rec["mlp_after"]) < float(rec["mlp_before"])

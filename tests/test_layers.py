@@ -55,8 +55,8 @@ def test_cem_block_one_step_equals_tied_llama_block(segments, update_mode):
   seg = jnp.array([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3]) if segments else None
   aux = model.make_aux(seg, B, T)
   x = _x()
-  y_cem, _ = cem(x, aux)
-  y_llama, _ = llama(x, aux)
+  y_cem = cem(x, aux).y
+  y_llama = llama(x, aux).y
   assert _rel(y_cem, y_llama) <= 1e-5
 
 
@@ -232,7 +232,7 @@ def test_bfloat16_fused_equals_autodiff_within_bf16_tolerance(block_kw):
     if block_kw:
       block.attn.diag[...] = 0.2 * jnp.ones_like(block.attn.diag[...])
     aux = DecoderLM(cfg, V, rngs=nnx.Rngs(0)).make_aux(None, B, T)
-    y, _ = block(x, aux)
+    y = block(x, aux).y
     assert y.dtype == jnp.bfloat16 and block.attn.w_q[...].dtype == jnp.float32
     outs.append(y.astype(jnp.float32) - x.astype(jnp.bfloat16).astype(jnp.float32))
   assert _rel(outs[0], outs[1]) <= 3e-2  # compares the updates y - x, not y
@@ -338,7 +338,7 @@ def test_test_time_steps_beyond_t_reuse_the_last_steps_parameters(case, steps):
       pc.u[...] = rand(pc.u.shape, 0.3)
   aux = DecoderLM(cfg, V, rngs=nnx.Rngs(0)).make_aux(None, B, T)
   x = _x(3)
-  y, _ = block(x, aux, num_steps=steps)
+  y = block(x, aux, num_steps=steps).y
   np.testing.assert_allclose(np.asarray(y), _np_cem_block(block, cfg, x, steps),
                              rtol=1e-4, atol=1e-5)
 

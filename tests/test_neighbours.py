@@ -212,9 +212,8 @@ def test_sphere_keeps_every_token_on_the_sphere(opt):
   x = jnp.take(model.embedding[...], tokens, axis=0)
   v = None
   for block in model.layer_blocks():
-    out = block(x, aux, velocity=v) if opt != "gd" else block(x, aux)
-    x = out[0]
-    v = out[-1] if opt != "gd" else None
+    out = block(x, aux, velocity=v)
+    x, v = out.y, out.velocity  # velocity None with 'gd'
     radius = np.linalg.norm(np.asarray(x, np.float64), axis=-1) / math.sqrt(D)
     np.testing.assert_allclose(radius, 1.0, atol=1e-5)
     if v is not None:  # the velocity was transported: tangent at the new point

@@ -134,7 +134,7 @@ def test_nesterov_energy_trace_is_taken_at_the_state_not_the_lookahead(tmp_path,
   x = jax.random.normal(k1, (B, N, D))
   v0 = 0.7 * jax.random.normal(k2, (B, N, D))  # a velocity from an earlier layer
   aux = DecoderLM(cfg, V, rngs=nnx.Rngs(0)).make_aux(None, B, N)
-  _, trace, _ = block(x, aux, trace=True, velocity=v0)
+  trace = block(x, aux, trace=True, velocity=v0).trace
   w = np.asarray(block.attn.w_q[...], np.float64).reshape(D, -1)
   x64 = np.asarray(x, np.float64)
   want = _np_quad(x64, x64, w, 0.5)  # E_att(y = x | c = x) before the first sub-step

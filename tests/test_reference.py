@@ -629,7 +629,7 @@ def test_energy_trace_matches_reference(padding, context):
   if padding != "none":
     real[0, :2] = real[1, 3] = False
     aux = aux.replace(real=jnp.asarray(real))
-  _, trace = jax.jit(lambda v: block(v, aux, trace=True))(jnp.asarray(x, jnp.float32))
+  trace = jax.jit(lambda v: block(v, aux, trace=True))(jnp.asarray(x, jnp.float32)).trace
   mask, pos = ref_mask(None, B, N, False), np.broadcast_to(np.arange(N), (B, N))
   traced = mask & real[:, :, None] & real[:, None, :]
   eps, dh = cfg.norm_eps, D // H
@@ -685,8 +685,8 @@ def test_nesterov_block_and_its_trace_match_reference(split):
   rng = _rng(f"nesterov-x-{split}")
   x, v0 = rng.standard_normal((B, N, D)), 0.3 * rng.standard_normal((B, N, D))
   aux = training_aux(cfg, None, B, N)
-  got, trace, v_got = jax.jit(lambda a, b: block(a, aux, trace=True, velocity=b))(
-      jnp.asarray(x, jnp.float32), jnp.asarray(v0, jnp.float32))
+  got, trace, _, v_got = jax.jit(lambda a, b: block(a, aux, trace=True, velocity=b))(
+      jnp.asarray(x, jnp.float32), jnp.asarray(v0, jnp.float32))  # BlockOut, no cache
   mask, pos = ref_mask(None, B, N, False), np.broadcast_to(np.arange(N), (B, N))
   eps, beta = cfg.norm_eps, np.full(H, (D // H) ** -0.5)
   mu = 1.0 / (1.0 + math.exp(-prm["momentum"]))

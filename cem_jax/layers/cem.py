@@ -28,6 +28,7 @@ from flax import nnx
 from cem_jax import energies, inner, updates
 from cem_jax.layers.common import (
     DTYPES,
+    BlockOut,
     RMSNorm,
     const_param,
     head_dim_of,
@@ -155,23 +156,8 @@ class Preconditioner(nnx.Module):
 class CEMBlock(nnx.Module):
   """A CEM layer: T recursive energy-descent steps (CEM_MATH.md §4).
 
-  Call: ``block(x, aux, num_steps=None, trace=False) -> (y, energy_trace)`` with ``x``, ``y``
-  ``[batch, seq_len, d_model]`` and ``aux`` an :class:`cem_jax.energies.EnergyAux`.
-  ``num_steps`` overrides T at evaluation (test-time steps; per-step parameters are reused
-  from the last trained step beyond T). With ``trace``, ``energy_trace`` is a list, one dict
-  per step, of the energies before/after each sub-step (``att_before``, ``att_after``,
-  ``mlp_before``, ``mlp_after``), each summed over the real tokens of the batch (``aux.real``;
-  divide by their number for a per-token mean); otherwise it is empty.
-
-  Decoding: with ``cache`` (:meth:`init_cache`) ``x`` holds new tokens at positions
-  ``index, index+1, ...``; their context (with ``model.cem_attention=False``: each step's
-  keys and values) is written into the cache and the call returns ``(y, energy_trace,
-  cache)``.
-
-  Momentum (``model.inner_optimizer`` heavy_ball or nesterov): ``velocity`` (like ``x``; None
-  = zeros, the first layer) enters, and the velocity after the last sub-step is appended to
-  the returned tuple, so :class:`cem_jax.model.DecoderLM` carries it to the next layer. The
-  block owns ``momentum``, the raw ``[]`` parameter of ``μ = sigmoid(momentum)``. On
+  Call: see :meth:`__call__`. The block owns ``momentum`` (with ``model.inner_optimizer``
+  heavy_ball or nesterov), the raw ``[]`` parameter of ``μ = sigmoid(momentum)``. On
   ``model.manifold='sphere'`` the input is first retracted onto the sphere of radius
   ``√d_model`` (the embeddings enter it here; later layers' inputs are already on it).
   """
@@ -301,12 +287,8 @@ class CEMBlock(nnx.Module):
   def _cached_attention(self, view, aux, kv, t):
     """The standard attention of the new positions at step ``t`` against cache slot ``t``."""
     cache, index = kv["cache"], kv["index"]
-    _, b, n, width = cache["k"].shape
-    heads = (b, n, self.attn.w_k.shape[1], self.attn.head_dim)
-    slot = {name: cache[name][t].reshape(heads) for name in ("k", "v")}
-    out, slot = self.attn(view, aux, slot, index)
-    kv["cache"] = {name: cache[name].at[t].set(slot[name].reshape(b, n, width))
-                   for name in ("k", "v")}
+    out, slot = self.attn(view, aux, {name: cache[name][t] for name in ("k", "v")}, index)
+    kv["cache"] = {name: cache[name].at[t].set(slot[name]) for name in ("k", "v")}
     return out
 
   def init_cache(self, batch: int, max_len: int, num_steps: int | None = None) -> dict:
@@ -318,21 +300,52 @@ class CEMBlock(nnx.Module):
     Any energy, user-defined ones included, decodes from it.
 
     ``model.cem_attention=False`` (the standard attention): rotated keys ``k`` and values
-    ``v``, each ``[steps, batch, max_len, num_heads * head_dim]``, one copy per recursive step
-    (``num_steps``, default ``model.num_steps``) since each step attends from a new ``y``.
+    ``v``, each ``[steps, batch, max_len, num_heads, head_dim]`` (the
+    :class:`~cem_jax.layers.LlamaAttention` cache, once per recursive step: ``num_steps``,
+    default ``model.num_steps``) since each step attends from a new ``y``.
+
+    Every leaf is in ``model.dtype``.
     """
     steps = self.cfg.num_steps if num_steps is None else num_steps
     if self.att_spec is None:
-      # Heads flattened into one axis: every CEM cache leaf is [copies, batch, max_len, width],
-      # the layout DecoderLM reads max_len from.
-      shape = (steps, batch, max_len, self.attn.w_k.shape[1] * self.attn.head_dim)
-      return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype)}
+      return {name: jnp.zeros((steps,) + one.shape, one.dtype)
+              for name, one in self.attn.init_cache(batch, max_len, self.dtype).items()}
     copies = steps if self.cfg.context == "coevolve" else 1
     return {"context": jnp.zeros((copies, batch, max_len, self.cfg.d_model), self.dtype)}
 
+  def _gate(self, point, layer_gate, views):
+    """The MLP's gate input: the layer's (``mlp_condition='layer'``) or ``norm_mlp(point)``."""
+    if self.cfg.mlp_condition == "layer":
+      return layer_gate
+    return self._view(self.norm_mlp, point, views)
+
   def __call__(self, x, aux, num_steps: int | None = None, trace: bool = False,
                cache: dict | None = None, index: jax.Array | int = 0,
-               velocity: jax.Array | None = None):
+               velocity: jax.Array | None = None) -> BlockOut:
+    """T recursive energy-descent steps from ``x``.
+
+    Args:
+      x: ``[batch, seq_len, d_model]``, cast to ``model.dtype``.
+      aux: the :class:`cem_jax.energies.EnergyAux` of this layout (training or decoding).
+      num_steps: overrides T at evaluation (test-time steps; per-step parameters are reused
+        from the last trained step beyond T).
+      trace: record, per step, the energies before/after each sub-step (``att_before``,
+        ``att_after``, ``mlp_before``, ``mlp_after``), each a scalar summed over the real
+        tokens of the batch (``aux.real``; divide by their number for a per-token mean).
+      cache: decoding (:meth:`init_cache`, same ``num_steps``): ``x`` holds new tokens at
+        positions ``index, index+1, ...``; their context (with ``model.cem_attention=False``:
+        each step's keys and values) is written into the cache. CEM attention: ``{'context':
+        [copies, batch, max_len, d_model]}``; the standard attention: ``{'k', 'v': [steps,
+        batch, max_len, num_heads, head_dim]}``; in ``model.dtype``.
+      index: where the new tokens go in the cache (int or int32 scalar).
+      velocity: momentum only (``model.inner_optimizer`` heavy_ball or nesterov): like ``x``,
+        None = zeros (the first layer); ignored otherwise.
+    Returns:
+      :class:`~cem_jax.layers.BlockOut`: ``y`` like ``x`` in ``model.dtype``; ``trace`` (empty
+      without ``trace``); ``cache`` updated (None without one); ``velocity`` after the last
+      sub-step (None without momentum), which :class:`cem_jax.model.DecoderLM` carries to the
+      next layer.
+    """
     cfg = self.cfg
     steps = cfg.num_steps if num_steps is None else num_steps
     x = x.astype(self.dtype)
@@ -365,18 +378,18 @@ class CEMBlock(nnx.Module):
           att_context, cache = self._cached_context(att_context, cache, t, index)
       rec = {} if trace else None
       if plain and cfg.split == "joint":
-        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y, views)
+        gate = self._gate(y, layer_gate, views)
         delta = self._att_delta(y, att_context, aux, t, rec, "before", kv=kv, views=views)
         y = y + delta + self._mlp_delta(y, gate, aux, t, rec, "before", views=views)
       elif plain:
         y = y + self._att_delta(y, att_context, aux, t, rec, "before", kv=kv, views=views)
         if trace:
           self._energy_after(y, att_context, None, aux, t, rec, views)
-        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, y, views)
+        gate = self._gate(y, layer_gate, views)
         y = y + self._mlp_delta(y, gate, aux, t, rec, "before", views=views)
       elif cfg.split == "joint":  # one inner step on E_att + E_mlp, both at the same point
         z = inner.lookahead(y, v, mu, opt, manifold)
-        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, z, views)
+        gate = self._gate(z, layer_gate, views)
         delta = self._att_delta(y, att_context, aux, t, rec, "before", at=z, kv=kv, views=views)
         delta = (delta, self._mlp_delta(y, gate, aux, t, rec, "before", at=z, views=views))
         y, v = inner.apply(y, v, delta, mu, opt, manifold)
@@ -387,7 +400,7 @@ class CEMBlock(nnx.Module):
         if trace:
           self._energy_after(y, att_context, None, aux, t, rec, views)
         z = inner.lookahead(y, v, mu, opt, manifold)
-        gate = layer_gate if cfg.mlp_condition == "layer" else self._view(self.norm_mlp, z, views)
+        gate = self._gate(z, layer_gate, views)
         delta = self._mlp_delta(y, gate, aux, t, rec, "before", at=z, views=views)
         y, v = inner.apply(y, v, delta, mu, opt, manifold)
       if trace:
@@ -395,5 +408,4 @@ class CEMBlock(nnx.Module):
         records.append(rec)
     if kv is not None:
       cache = kv["cache"]
-    out = (y, records) if cache is None else (y, records, cache)
-    return out + (v,) if v is not None else out
+    return BlockOut(y, records, cache, v)

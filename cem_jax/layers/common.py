@@ -1,8 +1,9 @@
-"""Parameter helpers and RMSNorm shared by the CEM and Llama layers."""
+"""Parameter helpers, RMSNorm and the blocks' return type shared by the CEM and Llama layers."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,22 @@ DTYPES = {name: getattr(jnp, name) for name in config.DTYPES}
 DECAYED_PARAM_NAMES = frozenset(
     {"w_q", "w_k", "w_v", "w_o", "w", "g", "w_gate", "w_up", "w_down", "embedding", "lm_head"}
 )
+
+
+class BlockOut(NamedTuple):
+  """What every block's ``__call__`` returns, whatever options it ran with.
+
+  ``y``: ``[batch, seq_len, d_model]`` in ``model.dtype``; ``trace``: the energy trace, a list
+  with one dict per recursive step (empty without ``trace=True``, and always for a Llama
+  block); ``cache``: the updated decoding cache (the block's ``init_cache`` layout), None when
+  not decoding; ``velocity``: ``[batch, seq_len, d_model]``, the momentum carried to the next
+  layer, None without ``model.inner_optimizer`` heavy_ball or nesterov.
+  """
+
+  y: jax.Array
+  trace: list
+  cache: dict | None = None
+  velocity: jax.Array | None = None
 
 
 def param(rngs: nnx.Rngs, shape, std: float, logical_axes, dtype=jnp.float32) -> nnx.Param:

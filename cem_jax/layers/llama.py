@@ -10,7 +10,7 @@ from flax import nnx
 
 from cem_jax import attention
 from cem_jax.energies import EnergyAux, apply_rope
-from cem_jax.layers.common import DTYPES, RMSNorm, head_dim_of, param
+from cem_jax.layers.common import DTYPES, BlockOut, RMSNorm, head_dim_of, param
 
 
 class LlamaAttention(nnx.Module):
@@ -92,9 +92,10 @@ class SwiGLU(nnx.Module):
 class LlamaBlock(nnx.Module):
   """Pre-norm block ``h = x + attn(norm(x)); y = h + mlp(norm(h))``.
 
-  Same call signature as :class:`cem_jax.layers.CEMBlock`; ``num_steps`` and ``trace`` are
-  accepted for a uniform interface (the block has no energy: the trace is empty). The
-  decoding cache holds the rotated keys and the values of every layer.
+  Same call signature as :class:`cem_jax.layers.CEMBlock`; ``num_steps``, ``trace`` and
+  ``velocity`` are accepted for a uniform interface (the block has no energy: the trace is
+  empty; no momentum: the velocity is None). The decoding cache holds the rotated keys and
+  the values of every layer.
   """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -106,16 +107,21 @@ class LlamaBlock(nnx.Module):
     self.mlp = SwiGLU(cfg, rngs=rngs)
 
   def __call__(self, x, aux, num_steps: int | None = None, trace: bool = False,
-               cache: dict | None = None, index: jax.Array | int = 0):
-    """``(y, [])``, or ``(y, [], cache)`` when decoding with a ``cache`` (see CEMBlock)."""
-    del num_steps, trace
+               cache: dict | None = None, index: jax.Array | int = 0,
+               velocity: jax.Array | None = None) -> BlockOut:
+    """``BlockOut(y, [], cache)``: ``y`` ``[batch, seq_len, d_model]`` in ``model.dtype``
+    from ``x`` of that shape. With ``cache`` (:meth:`init_cache`: ``{'k', 'v'}``, ``[batch,
+    max_len, num_heads, head_dim]`` in ``model.dtype``) ``x`` holds the new tokens at
+    positions ``index, index+1, ...``, whose keys and values are written into the returned
+    cache (None without one)."""
+    del num_steps, trace, velocity
     x = x.astype(self.dtype)
     if cache is None:
       h = x + self.attn(self.norm_att(x), aux)
-      return h + self.mlp(self.norm_mlp(h)), []
+      return BlockOut(h + self.mlp(self.norm_mlp(h)), [])
     a, cache = self.attn(self.norm_att(x), aux, cache, index)
     h = x + a
-    return h + self.mlp(self.norm_mlp(h)), [], cache
+    return BlockOut(h + self.mlp(self.norm_mlp(h)), [], cache)
 
   def init_cache(self, batch: int, max_len: int, num_steps: int | None = None) -> dict:
     """Empty key/value cache for decoding up to ``max_len`` tokens: ``{'k', 'v'}``, zeros
