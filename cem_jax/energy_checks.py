@@ -26,16 +26,19 @@ them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from cem_jax import axes, energies, updates
+from cem_jax import energies, updates
+from cem_jax.config import get_default_config
 from cem_jax.errors import one_line
-from cem_jax.layers import DTYPES
+from cem_jax.layers import CEMMLP, DTYPES, CEMAttention
 from cem_jax.model import check_kernel_is_called, decoding_aux, training_aux
 
 # The abstract training layout; an energy's wrong-shape error quotes it (e.g. "(1, 4)").
@@ -175,22 +178,23 @@ def _fn_name(fn) -> str:
 
 
 def _param_shapes(kind: str, m, dtype) -> dict:
-  """The ``params`` dict the slot's layer hands its energy (``energy_params`` in
-  ``cem_jax.layers.cem``): weights in ``dtype``, ``eta`` and ``beta`` float32."""
-  d, h = m.d_model, m.num_heads
-  dh = axes.head_dim_of(m)
-  f32 = jnp.float32
-  if kind == "mlp":
-    return {"w": jax.ShapeDtypeStruct((d, m.mlp_dim), dtype),
-            "g": jax.ShapeDtypeStruct((d, m.mlp_dim), dtype),
-            "eta": jax.ShapeDtypeStruct((), f32)}
-  shapes = {"w_q": jax.ShapeDtypeStruct((d, h, dh), dtype),
-            "w_k": jax.ShapeDtypeStruct((d, h, dh), dtype),
-            "eta": jax.ShapeDtypeStruct((h,), f32),
-            "beta": jax.ShapeDtypeStruct((h,), f32)}
-  if m.diagonal != "none":
-    shapes["diag"] = jax.ShapeDtypeStruct((h, d), dtype)  # 'shared' is broadcast to per head
-  return shapes
+  """The ``params`` dict the slot's layer hands its energy, as ``jax.ShapeDtypeStruct``s:
+  ``energy_params`` of :class:`~cem_jax.layers.CEMAttention` or
+  :class:`~cem_jax.layers.CEMMLP` built from ``m`` (the ``model`` config group) and traced
+  abstractly (no arrays are made), so a parameter a layer adds is checked here too. Weights in
+  ``dtype``, ``eta`` and ``beta`` float32."""
+  layer = CEMAttention if kind == "attention" else CEMMLP
+  return jax.eval_shape(lambda: layer(m, rngs=nnx.Rngs(0)).energy_params(0, dtype))
+
+
+@functools.cache
+def _every_param_key() -> frozenset[str]:
+  """Every key either slot's params can have: both layers' with a diagonal configured (the
+  keys depend on no other option)."""
+  m = get_default_config().model
+  m.diagonal = "shared"
+  return frozenset(key for kind in ("attention", "mlp")
+                   for key in _param_shapes(kind, m, jnp.float32))
 
 
 def _segment_ids(batch: int, seq: int) -> np.ndarray:
@@ -245,8 +249,7 @@ def _evaluate_shape(field, spec, fn, what, y, context, shapes, aux, decoding):
     return jax.eval_shape(lambda y_, c_, p_: fn(y_, c_, p_, aux), y, context, shapes)
   except Exception as e:  # the user's function failed on valid shapes: say whose it is
     hint = f"; {_MASK_HINT}" if decoding else ""
-    slot_keys = {"w_q", "w_k", "eta", "beta", "diag", "w", "g"}
-    if isinstance(e, KeyError) and e.args and e.args[0] in slot_keys - set(shapes):
+    if isinstance(e, KeyError) and e.args and e.args[0] in _every_param_key() - set(shapes):
       # e.g. an attention energy named in the MLP slot, or 'diag' without model.diagonal
       hint = (f"; {field}'s params have the keys {', '.join(sorted(shapes))} (an attention "
               "energy gets w_q, w_k, eta, beta and diag when configured; an MLP energy w, g, "
@@ -415,7 +418,8 @@ def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
 
 def _causal_values(field, spec, kind, m, shapes, update):
   """Runs the update the model uses on random float32 inputs in layouts that a causal,
-  per-document energy cannot tell apart, and refuses the energy where they differ:
+  per-document energy cannot tell apart (:func:`_layouts`), and refuses the energy where they
+  differ:
 
   - cached decoding: the new tokens against a cache whose slots past them hold other values
     than training's later tokens, against the rows of those tokens in a training layout that
@@ -425,9 +429,46 @@ def _causal_values(field, spec, kind, m, shapes, update):
     (with ``model.document_mask``: rows of different documents and padding), or without
     documents all of row 1: that document's, or row 0's, update must not (an energy crossing
     documents or mixing batch rows).
+
+  Before those, in this order: an update or energy value that is not finite in any layout,
+  and a configured diagonal the update does not read.
+  """
+  with jax.default_device(_cpu_device()), jax.default_matmul_precision("highest"):
+    runs = _layouts(field, spec, kind, m, shapes, update)
+    _check_finite(field, spec, kind, m, update, runs)
+  _check_diag_read(field, spec, m, runs)
+  _check_decode_matches(field, spec, kind, runs)
+  _check_rows_independent(field, spec, kind, m, runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Runs:
+  """What :func:`_layouts` computed, float64: each update ``[batch, rows, d_model]`` and the
+  energy's value ``[]`` with it."""
+
+  trained: np.ndarray  # training layout, each row one document
+  e_trained: np.ndarray
+  decoded: np.ndarray  # the new tokens against the longer cache
+  e_decoded: np.ndarray
+  before: np.ndarray  # training layout with documents and padding (or without documents)
+  e_before: np.ndarray
+  after: np.ndarray  # the same after the tokens outside `keep` changed
+  e_after: np.ndarray
+  keep: np.ndarray  # [batch, seq] bool: each row's last document (without documents: row 0)
+  segment_ids: np.ndarray | None  # of `before` and `after`; None without model.document_mask
+  diag_moved: bool  # the update changed with params['diag'] (True without a diagonal)
+
+
+def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
+  """The update ``update`` and the value of ``spec.energy`` on random float32 inputs in each
+  layout :func:`_causal_values` compares, two compiled functions in all (CPU, highest matmul
+  precision: the caller's context).
+
+  Raises:
+    ValueError: the update or energy failed on them.
   """
   new, index, cache = _DECODE_NEW, _DECODE_INDEX, _DECODE_CACHE
-  batch, hint = _NUMERIC_BATCH, _MASK_HINT if kind == "attention" else _PER_TOKEN_HINT
+  batch = _NUMERIC_BATCH
   # Training runs past the new tokens but is shorter than the cache: an energy reading the
   # context's length (not aux.mask) sees another number in each layout.
   seq = cache - 1
@@ -447,79 +488,100 @@ def _causal_values(field, spec, kind, m, shapes, update):
   def values(out):
     return tuple(np.asarray(a, np.float64) for a in out)
 
-  def refuse(what: str, rel: float) -> ValueError:
-    return ValueError(f"{field}={spec.name!r}: its update {what}: max relative error "
-                      f"{rel:.3g} > {FUSED_RTOL:g}; {hint}")
+  rng = np.random.default_rng(1)
+  params = _random_params(shapes, rng)
+  normal = lambda n: jnp.asarray(  # noqa: E731
+      rng.standard_normal((batch, n, m.d_model)), jnp.float32)
+  y, context, other = normal(seq), normal(seq), normal(cache)
+  rows = slice(index, index + new)
+  # The cache holds the training context up to the new tokens, other values after them;
+  # the MLP's gate input is the state of the new tokens themselves.
+  cached = jnp.concatenate([context[:, :index + new], other[:, index + new:]], axis=1)
+  # What must not move when the rest changes: each row's last document, or without
+  # documents, row 0 when row 1 changes (rows are independent examples).
+  if m.document_mask:
+    keep, seg = segment_ids == segment_ids.max(axis=1, keepdims=True), segment_ids
+  else:
+    keep, seg = np.arange(batch)[:, None] == np.zeros((1, seq), int), None
+  change = jnp.asarray(~keep[:, :, None])
+  try:
+    # One document, as decoding sees it (segment ids when training has them: one compile).
+    one = jnp.ones((batch, seq), jnp.int32) if m.document_mask else None
+    trained, e_trained = values(train(y, context, params, one))
+    decoded, e_decoded = values(decode(
+        y[:, rows], cached if kind == "attention" else context[:, rows], params))
+    before, e_before = values(train(y, context, params, seg))
+    after, e_after = values(train(jnp.where(change, other[:, :seq], y),
+                                  jnp.where(change, -other[:, :seq], context), params, seg))
+    # A configured diagonal the energy never reads: its parameters would train for nothing.
+    diag_moved = "diag" not in params or not np.array_equal(before, values(train(
+        y, context, {**params, **_random_params({"diag": shapes["diag"]}, rng)}, seg))[0])
+  except Exception as e:  # the shape checks ran this code already: rare
+    raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
+                     f"{_float32_note(m)}: {one_line(e)}") from e
+  return _Runs(trained, e_trained, decoded, e_decoded, before, e_before, after, e_after, keep,
+               seg, diag_moved)
 
-  with jax.default_device(_cpu_device()), jax.default_matmul_precision("highest"):
-    rng = np.random.default_rng(1)
-    params = _random_params(shapes, rng)
-    normal = lambda n: jnp.asarray(  # noqa: E731
-        rng.standard_normal((batch, n, m.d_model)), jnp.float32)
-    y, context, other = normal(seq), normal(seq), normal(cache)
-    rows = slice(index, index + new)
-    # The cache holds the training context up to the new tokens, other values after them;
-    # the MLP's gate input is the state of the new tokens themselves.
-    cached = jnp.concatenate([context[:, :index + new], other[:, index + new:]], axis=1)
-    try:
-      # One document, as decoding sees it (segment ids when training has them: one compile).
-      one = jnp.ones((batch, seq), jnp.int32) if m.document_mask else None
-      trained, e_trained = values(train(y, context, params, one))
-      want = trained[:, rows]
-      got, e_got = values(decode(y[:, rows], cached if kind == "attention" else context[:, rows],
-                                 params))
-      # What must not move when the rest changes: each row's last document, or without
-      # documents, row 0 when row 1 changes (rows are independent examples).
-      if m.document_mask:
-        keep, seg = segment_ids == segment_ids.max(axis=1, keepdims=True), segment_ids
-      else:
-        keep, seg = np.arange(batch)[:, None] == np.zeros((1, seq), int), None
-      change = jnp.asarray(~keep[:, :, None])
-      before, e_before = values(train(y, context, params, seg))
-      after, e_after = values(train(jnp.where(change, other[:, :seq], y),
-                                    jnp.where(change, -other[:, :seq], context), params, seg))
-      # A configured diagonal the energy never reads: its parameters would train for nothing.
-      diag_moved = "diag" not in params or not np.array_equal(before, values(train(
-          y, context, {**params, **_random_params({"diag": shapes["diag"]}, rng)}, seg))[0])
-    except Exception as e:  # the shape checks ran this code already: rare
-      raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
-                       f"{_float32_note(m)}: {one_line(e)}") from e
-    # A NaN or inf update is no layout mismatch: say what it is (the comparisons below would
-    # call it one, or, on rows they do not compare (padding), let it train to a NaN loss).
-    for found, segments in ((trained, None), (before, seg), (after, seg), (got, None)):
-      if not np.all(np.isfinite(found)):
-        raise _not_finite(field, spec, kind, m, update, found, segments, found is got)
-    layouts = ((e_trained, "inputs"), (e_before, "documents"), (e_after, "documents"),
-               (e_got, "cache"))
-    for energy, layout in layouts:
-      if not np.isfinite(energy):
-        where = {"cache": f"new tokens against a longer cache, {_DECODING}",
-                 "inputs": "[batch, seq_len, d_model] inputs"}.get(layout, (
-                     "[batch, seq_len, d_model] inputs with documents and padding"
-                     if m.document_mask else "[batch, seq_len, d_model] inputs"))
-        raise ValueError(
-            f"{field}={spec.name!r}: the energy's value is {energy} on random float32 {where}"
-            f"{_float32_note(m)}, though its update is finite; an energy must be finite "
-            "(eval.energy_trace logs it): on rows that see no key use "
-            "cem_jax.energies.masked_logsumexp (exactly 0 there), not jax.nn.logsumexp of "
-            "scores masked with -inf")
-  if not diag_moved:
+
+def _check_finite(field, spec, kind, m, update, runs: _Runs) -> None:
+  """Refuses an update, then an energy value, that is not finite in a layout of ``runs``.
+
+  A NaN or inf update is no layout mismatch: this says what it is (the comparisons would call
+  it one, or, on rows they do not compare (padding), let it train to a NaN loss).
+  """
+  for found, segments in ((runs.trained, None), (runs.before, runs.segment_ids),
+                          (runs.after, runs.segment_ids), (runs.decoded, None)):
+    if not np.all(np.isfinite(found)):
+      raise _not_finite(field, spec, kind, m, update, found, segments, found is runs.decoded)
+  documents = ("[batch, seq_len, d_model] inputs with documents and padding"
+               if m.document_mask else "[batch, seq_len, d_model] inputs")
+  for energy, where in ((runs.e_trained, "[batch, seq_len, d_model] inputs"),
+                        (runs.e_before, documents), (runs.e_after, documents),
+                        (runs.e_decoded, f"new tokens against a longer cache, {_DECODING}")):
+    if not np.isfinite(energy):
+      raise ValueError(
+          f"{field}={spec.name!r}: the energy's value is {energy} on random float32 {where}"
+          f"{_float32_note(m)}, though its update is finite; an energy must be finite "
+          "(eval.energy_trace logs it): on rows that see no key use "
+          "cem_jax.energies.masked_logsumexp (exactly 0 there), not jax.nn.logsumexp of "
+          "scores masked with -inf")
+
+
+def _check_diag_read(field, spec, m, runs: _Runs) -> None:
+  if not runs.diag_moved:
     raise ValueError(
         f"model.diagonal={m.diagonal!r} has no effect on {field}={spec.name!r}: its update "
         "does not change with params['diag'] ([num_heads, d_model]); read it in the energy "
         "or set model.diagonal='none'")
-  rel = _relative_error(got, want)
+
+
+def _check_decode_matches(field, spec, kind, runs: _Runs) -> None:
+  """The new tokens' update against the cache must be the training layout's of their rows."""
+  new, index, cache = _DECODE_NEW, _DECODE_INDEX, _DECODE_CACHE
+  rel = _relative_error(runs.decoded, runs.trained[:, index:index + new])
   if not rel <= FUSED_RTOL:  # also NaN
-    raise refuse(f"reads tokens after its own, or a mask, length or positions not taken from "
-                 f"aux: for {new} new tokens at positions {index}.. against a {cache}-slot "
-                 f"cache, {_DECODING}, it differs from the training-layout update of the same "
-                 "tokens", rel)
-  rel = _relative_error(after[keep], before[keep])
+    raise _layout_mismatch(
+        field, spec, kind, f"reads tokens after its own, or a mask, length or positions not "
+        f"taken from aux: for {new} new tokens at positions {index}.. against a {cache}-slot "
+        f"cache, {_DECODING}, it differs from the training-layout update of the same tokens",
+        rel)
+
+
+def _check_rows_independent(field, spec, kind, m, runs: _Runs) -> None:
+  """What ``runs.keep`` marks must not move when the other tokens change."""
+  rel = _relative_error(runs.after[runs.keep], runs.before[runs.keep])
   if not rel <= FUSED_RTOL:
-    raise refuse("of a row's last document changes when the tokens of the documents (or "
-                 "padding) before it change, as in training with model.document_mask"
-                 if m.document_mask else "of one batch row changes when another row's tokens "
-                 "change (rows are independent examples)", rel)
+    raise _layout_mismatch(
+        field, spec, kind, "of a row's last document changes when the tokens of the documents "
+        "(or padding) before it change, as in training with model.document_mask"
+        if m.document_mask else "of one batch row changes when another row's tokens change "
+        "(rows are independent examples)", rel)
+
+
+def _layout_mismatch(field, spec, kind, what: str, rel: float) -> ValueError:
+  hint = _MASK_HINT if kind == "attention" else _PER_TOKEN_HINT
+  return ValueError(f"{field}={spec.name!r}: its update {what}: max relative error "
+                    f"{rel:.3g} > {FUSED_RTOL:g}; {hint}")
 
 
 def _not_finite(field, spec, kind, m, update, values, segment_ids, decoding) -> ValueError:
