@@ -502,22 +502,50 @@ def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD
 def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: int,
              workers: int | None) -> Path:
   """``prepare``'s work in a claimed folder without a valid manifest."""
-  log = logging.getLogger(__name__)
-  manifest_path = out_dir / MANIFEST
   start = time.perf_counter()
   splits = sources.text_splits(data_config)
   tok, model, trained = _tokenizer(data_config, splits, out_dir, fp)
   tok_sha = _sha256_bytes(model)
   dtype = token_dtype(tok.vocab_size)
+  workers = _worker_count(splits.characters, shard_chars, workers)
+  results = _encode_shards(splits, out_dir, model, tok_sha, dtype, shard_chars, workers)
+  seconds = time.perf_counter() - start
+  split_info = _split_info(results, splits.source)
+  tokenizer = {"file": TOKENIZER, "sha256": tok_sha, "vocab_size": tok.vocab_size,
+               "eos_id": tok.eos_id, "pad_id": tok.pad_id, "trained_here": trained}
+  manifest = _manifest(data_config, fp, splits.source, identity, tokenizer, dtype, shard_chars,
+                       split_info)
+  _remove_unlisted(out_dir, split_info)
+  _write_json(out_dir / MANIFEST, manifest)
+  text_mb = sum(i["bytes"] for i in split_info.values()) / 1e6
+  logging.getLogger(__name__).info(
+      "prepared %s in %s: %.1f MB of text, %d train / %d validation tokens in %.1f s "
+      "(%.1f MB/s, workers: %d)", splits.source, out_dir, text_mb,
+      split_info["train"]["tokens"], split_info["validation"]["tokens"], seconds,
+      text_mb / max(seconds, 1e-9), workers)
+  return out_dir
+
+
+def _worker_count(total: int | None, shard_chars: int, workers: int | None) -> int:
+  """``workers``, or when None: 1 for a corpus of known size under ``POOL_MIN_CHARS``
+  characters (``total``; None for a catalog dataset), else ``default_workers()``, at most one
+  per shard."""
+  if workers is not None:
+    return workers
+  if total is not None and total < POOL_MIN_CHARS:
+    return 1
+  workers = default_workers()
+  if total is not None:  # one shard at a time each: no more workers than shards
+    workers = max(1, min(workers, -(-total // shard_chars)))
+  return workers
+
+
+def _encode_shards(splits, out_dir: Path, model: bytes, tok_sha: str, dtype: str,
+                   shard_chars: int, workers: int) -> dict[str, list[dict]]:
+  """Encodes and writes every shard of ``splits`` not already in ``out_dir`` for this tokenizer
+  (``tok_sha``; :func:`_done` reads those back), in a pool of ``workers`` processes or, with
+  1, in this one. Returns ``{split: [shard metadata]}``, in the order the shards finished."""
   docs = {"train": splits.train, "validation": splits.validation}
-  total = splits.characters
-  if workers is None:
-    if total is not None and total < POOL_MIN_CHARS:
-      workers = 1
-    else:
-      workers = default_workers()
-      if total is not None:  # one shard at a time each: no more workers than shards
-        workers = max(1, min(workers, -(-total // shard_chars)))
   results: dict[str, list[dict]] = {s: [] for s in SPLITS}
 
   def jobs() -> Iterator[tuple[dict, str, str, str]]:
@@ -530,7 +558,7 @@ def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: i
           continue
         yield task, os.fspath(out_dir), dtype, tok_sha
 
-  with tqdm(total=total, desc="prepare: encode", unit="char", unit_scale=True,
+  with tqdm(total=splits.characters, desc="prepare: encode", unit="char", unit_scale=True,
             disable=None, leave=False) as bar, contextlib.ExitStack() as stack:
     if workers > 1:
       # spawn, not fork: the caller may already run JAX's threads.
@@ -545,13 +573,20 @@ def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: i
       split = meta["file"].split("-")[0]
       results[split].append(meta)
       bar.update(meta["characters"])
-  seconds = time.perf_counter() - start
+  return results
 
+
+def _split_info(results: dict[str, list[dict]], source: str) -> dict[str, dict]:
+  """The manifest's ``splits``: per split its totals, fields and shards in file order.
+
+  Raises:
+    ValueError: a split without tokens (``source`` names the text).
+  """
   split_info = {}
   for split in SPLITS:
     shards = sorted(results[split], key=lambda m: m["file"])
     if not shards or not sum(m["tokens"] for m in shards):
-      raise ValueError(f"the {split} split of {splits.source} is empty; use more text")
+      raise ValueError(f"the {split} split of {source} is empty; use more text")
     split_info[split] = {
         "documents": sum(m["documents"] for m in shards),
         "tokens": sum(m["tokens"] for m in shards),
@@ -561,34 +596,38 @@ def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: i
         "shards": [{k: m[k] for k in ("file", "tokens", "records", "size", "sha256")}
                    for m in shards],
     }
-  manifest = {
+  return split_info
+
+
+def _manifest(data_config, fp: str, source: str, identity: dict, tokenizer: dict, dtype: str,
+              shard_chars: int, split_info: dict) -> dict:
+  """The manifest of a prepared folder (``prepared.PreparedData`` reads it)."""
+  return {
       "format_version": FORMAT_VERSION,
       "fingerprint": fp,
-      "source": splits.source,
+      "source": source,
       "sources": identity,
       "config": {k: data_config[k] for k in SPEC_KEYS},
-      "tokenizer": {"file": TOKENIZER, "sha256": tok_sha, "vocab_size": tok.vocab_size,
-                    "eos_id": tok.eos_id, "pad_id": tok.pad_id, "trained_here": trained},
+      "tokenizer": tokenizer,
       "token_dtype": dtype,
       "record_tokens": RECORD_TOKENS,
       "shard_chars": shard_chars,
       "splits": split_info,
   }
-  # Shards past the last one listed (a killed prepare's, with a smaller shard_chars) are not
-  # data of this manifest: removed, so that the folder holds what it lists.
+
+
+def _remove_unlisted(out_dir: Path, split_info: dict) -> None:
+  """Removes the shards (and their metadata) numbered past the last one ``split_info`` lists.
+
+  A killed prepare with a smaller ``shard_chars`` leaves them; they are not data of this
+  manifest, and the folder must hold what it lists.
+  """
   for split in SPLITS:
     for path in out_dir.iterdir():
       index = re.fullmatch(rf"{split}-(\d+)\.(array_record|json)", path.name)
       if (index and int(index.group(1)) >= len(split_info[split]["shards"])
           and path.is_file()):
         path.unlink()
-  _write_json(manifest_path, manifest)
-  text_mb = sum(i["bytes"] for i in split_info.values()) / 1e6
-  log.info("prepared %s in %s: %.1f MB of text, %d train / %d validation tokens in %.1f s "
-           "(%.1f MB/s, workers: %d)", splits.source, out_dir, text_mb,
-           split_info["train"]["tokens"], split_info["validation"]["tokens"], seconds,
-           text_mb / max(seconds, 1e-9), workers)
-  return out_dir
 
 
 def prepared_for(data_config, workdir: str | os.PathLike) -> Path:
