@@ -490,7 +490,7 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
 
   rng = np.random.default_rng(1)
   params = _random_params(shapes, rng)
-  normal = lambda n: jnp.asarray(  # noqa: E731
+  normal = lambda n: jnp.asarray(
       rng.standard_normal((batch, n, m.d_model)), jnp.float32)
   y, context, other = normal(seq), normal(seq), normal(cache)
   rows = slice(index, index + new)
