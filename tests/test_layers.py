@@ -386,3 +386,16 @@ def test_the_aux_positions_a_user_energy_reads_are_absolute_token_positions():
                                 np.tile([4, 5, 6], (2, 1)))
   np.testing.assert_array_equal(np.broadcast_to(np.asarray(aux.context_positions), (2, 8)),
                                 np.tile(np.arange(8), (2, 1)))
+
+
+def test_learned_beta_and_preconditioner_start_at_their_documented_values():
+  """At initialisation a learned β is the fixed β, 1/√d_h (CEM_MATH.md §1), and a
+  preconditioner is the identity, softplus(p) + eps = 1 (§3): with U = 0 (rank 0) P v = v, so
+  the block equals the block without them."""
+  cfg = model_cfg(learn_beta=True, learn_eta=False, precond="both", precond_rank=0)
+  block = CEMBlock(cfg, rngs=nnx.Rngs(0))
+  beta = np.asarray(block.attn.energy_params(0, jnp.float32)["beta"])
+  np.testing.assert_allclose(beta, np.full(H, (D // H) ** -0.5), rtol=1e-6)
+  v = _x(5)
+  for pc in (block.precond_att, block.precond_mlp):
+    np.testing.assert_allclose(np.asarray(pc(v, 0)), np.asarray(v), rtol=1e-6, atol=1e-7)

@@ -278,3 +278,30 @@ def test_blocks_run_along_the_sequence_whatever_the_batch():
   targets, weights = jnp.zeros((2, 512), jnp.int32), jnp.ones((2, 512), jnp.float32)
   # one float32 copy of the logits: 16 MiB whole, 1 MiB a block (8 MiB a row)
   assert need(32) < 0.25 * need(0), (need(32), need(0))
+
+
+def test_weighted_cross_entropy_sums_fractional_weights():
+  """``weight_sum`` is the sum of the weights, not a count of the nonzero ones (the function is
+  public and documents float32 weights)."""
+  hidden, head, targets, weights = _inputs()
+  weights = 0.5 * weights
+  loss_sum, weight_sum = loss.weighted_cross_entropy(hidden @ head, targets, weights)
+  assert float(weight_sum) == pytest.approx(float(weights.sum()), rel=1e-6)
+  assert float(loss_sum) == pytest.approx(_reference(hidden, head, targets, weights)[0], rel=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [0, 4])
+def test_in_bfloat16_the_hidden_states_gradient_is_the_float64_maths(block_size):
+  """The bf16 output layer's custom VJP gives the hidden state ``w (softmax - onehot) Wᵀ``
+  (everything below the LM head trains on it), not only the head its gradient."""
+  rng = np.random.default_rng(5)
+  hidden = jnp.asarray(rng.normal(size=(B, N, D)), jnp.bfloat16)
+  head = jnp.asarray(0.7 * rng.normal(size=(D, V)), jnp.bfloat16)
+  _, _, targets, weights = _inputs()
+  want = _reference(np.asarray(hidden, np.float64), np.asarray(head, np.float64), targets,
+                    weights)[1]
+  got = jax.grad(lambda h: loss.blockwise_cross_entropy(h, head, targets, weights,
+                                                        block_size)[0])(hidden)
+  assert got.dtype == jnp.bfloat16
+  err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+  assert err < 0.01, err

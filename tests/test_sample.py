@@ -346,3 +346,13 @@ def test_an_energy_trace_with_a_decoding_cache_is_refused():
   with pytest.raises(ValueError, match=r"^DecoderLM: trace=True with a decoding cache"):
     model(jnp.zeros((1, 3), jnp.int32), trace=True, cache=model.init_cache(1, 8))
 
+
+def test_top_p_measures_the_mass_of_the_tempered_distribution():
+  """The nucleus is taken from the distribution that is sampled, softmax(logits / T), not from
+  softmax(logits): at T = 2, [2, 1, 0] has probabilities [0.506, 0.307, 0.186], so top_p = 0.6
+  keeps two tokens (at T = 1 the first alone holds 0.665)."""
+  logits = jnp.asarray([[2.0, 1.0, 0.0]])
+  out = np.asarray(sample.filter_logits(logits, 2.0, 0, 0.6))
+  assert np.isfinite(out).tolist() == [[True, True, False]]
+  assert np.isfinite(np.asarray(sample.filter_logits(logits, 1.0, 0, 0.6))).tolist() == [
+      [True, False, False]]
