@@ -16,7 +16,9 @@ blocks before anything is compiled for training:
   must equal the training-layout update of the same tokens, and with ``model.document_mask`` a
   row's last document's update must not change with the documents before it; an energy that
   builds its own mask or RoPE positions, ignores ``aux.mask``, looks ahead or crosses
-  documents fails; so does an update that is not finite (NaN or inf) in either layout, padding
+  documents fails, and so does an update that moves at all (:data:`LOOK_AHEAD_RTOL`) when only
+  later tokens of a document of ``data.seq_len`` tokens (up to 1024) change; so does an update
+  that is not finite (NaN or inf) in either layout, padding
   and rows that see no key included, an energy whose value is not finite there, and an
   energy whose update ignores a configured diagonal (``params['diag']``).
 Built-ins (``EnergySpec.builtin``) skip the numerical checks: tests/test_energies.py verifies
@@ -52,6 +54,14 @@ _NUMERIC_BATCH, _NUMERIC_SEQ = 2, 6
 # y has 2 rows against 8 keys (one new token would hide a mask of y's length: [1, 1]
 # broadcasts against any key axis).
 _DECODE_NEW, _DECODE_INDEX, _DECODE_CACHE = 2, 3, 8
+# The look-ahead check runs one document of data.seq_len tokens, up to this many: an energy
+# reading a token d places ahead shows for any d below it (a dilated pattern written
+# `d % 8 == 0` also holds at d = -8, which the short layouts above cannot see).
+_LOOK_AHEAD_SEQ = 1024
+# A causal energy gives the earlier rows bit for bit (masked keys add exact zeros); this leaves
+# room for one that is causal in exact arithmetic but rounds through later tokens (a max over
+# every key), while a look-ahead term 1e-4 the size of the update shows.
+LOOK_AHEAD_RTOL = 1e-5
 # A correct float32 closed form agrees with jax.grad to ~1e-6; a missing term or factor
 # (η, a head, RoPE) is off by O(1).
 FUSED_RTOL = 1e-3
@@ -86,7 +96,8 @@ def validate_energies(config) -> None:
       update whose maximum relative error against ``-jax.grad(energy)`` exceeds
       :data:`FUSED_RTOL` (or whose reference gradient is not finite); a user's energy whose
       update in the cached-decoding layout departs from the training layout's by more, or
-      whose update or value is not finite in either layout, or whose update does not change
+      whose update or value is not finite in either layout, whose update moves when only
+      later tokens change (:data:`LOOK_AHEAD_RTOL`), or whose update does not change
       with ``params['diag']`` under ``model.diagonal``.
   """
   m = config.model
@@ -123,7 +134,7 @@ def validate_energies(config) -> None:
     if fused and not spec.builtin:
       _check_fused_values(field, spec, kind, m, numeric)
     if not spec.builtin:
-      _causal_values(field, spec, kind, m, numeric, update)
+      _causal_values(field, spec, kind, m, numeric, update, config.data.seq_len)
 
 
 def energy_digests(config, version: int | None = None) -> dict[str, str]:
@@ -416,7 +427,7 @@ def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
   return err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
 
 
-def _causal_values(field, spec, kind, m, shapes, update):
+def _causal_values(field, spec, kind, m, shapes, update, seq_len: int):
   """Runs the update the model uses on random float32 inputs in layouts that a causal,
   per-document energy cannot tell apart (:func:`_layouts`), and refuses the energy where they
   differ:
@@ -428,7 +439,11 @@ def _causal_values(field, spec, kind, m, shapes, update):
   - training layouts before and after the tokens of all but each row's last document change
     (with ``model.document_mask``: rows of different documents and padding), or without
     documents all of row 1: that document's, or row 0's, update must not (an energy crossing
-    documents or mixing batch rows).
+    documents or mixing batch rows);
+  - one document of ``data.seq_len`` tokens (up to :data:`_LOOK_AHEAD_SEQ`) before and after
+    the tokens after a split change: the rows before it must not move, to
+    :data:`LOOK_AHEAD_RTOL` (a look-ahead of any distance, however small;
+    :func:`_check_no_look_ahead`).
 
   Before those, in this order: an update or energy value that is not finite in any layout,
   and a configured diagonal the update does not read.
@@ -439,6 +454,52 @@ def _causal_values(field, spec, kind, m, shapes, update):
   _check_diag_read(field, spec, m, runs)
   _check_decode_matches(field, spec, kind, runs)
   _check_rows_independent(field, spec, kind, m, runs)
+  with jax.default_device(_cpu_device()), jax.default_matmul_precision("highest"):
+    _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len)
+
+
+def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> None:
+  """Refuses an update whose rows move when only later tokens change, in one document of
+  ``min(data.seq_len, _LOOK_AHEAD_SEQ)`` tokens: row 0 of the batch keeps its first half,
+  row 1 its first token, and ``y`` and ``context`` change everywhere after them. A look-ahead
+  of any distance below the length shows, however small the weights make it
+  (:data:`LOOK_AHEAD_RTOL`, not the float32 tolerance of the other layouts).
+
+  Raises:
+    ValueError: one line naming the field, the split and the relative error.
+  """
+  seq, batch = min(seq_len, _LOOK_AHEAD_SEQ), 2
+  splits = (max(seq // 2, 1), 1)
+  keep = np.arange(seq)[None, :] < np.asarray(splits)[:, None]
+  one = jnp.ones((batch, seq), jnp.int32) if m.document_mask else None
+
+  @jax.jit
+  def train(y, context, params):
+    return update(y, context, params, training_aux(m, one, batch, seq))
+
+  rng = np.random.default_rng(2)
+  params = _random_params(shapes, rng)
+  y, context, other, other_context = (
+      jnp.asarray(rng.standard_normal((batch, seq, m.d_model)), jnp.float32) for _ in range(4))
+  later = jnp.asarray(~keep[:, :, None])
+  try:
+    before = np.asarray(train(y, context, params), np.float64)
+    after = np.asarray(train(jnp.where(later, other, y), jnp.where(later, other_context, context),
+                             params), np.float64)
+  except Exception as e:
+    raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs of "
+                     f"{seq} tokens{_float32_note(m)}: {one_line(e)}") from e
+  if not (np.all(np.isfinite(before)) and np.all(np.isfinite(after))):
+    raise ValueError(f"{field}={spec.name!r}: its update is not finite on random float32 "
+                     f"[batch, seq_len, d_model] inputs of {seq} tokens{_float32_note(m)}")
+  rel = _relative_error(after[keep], before[keep])
+  if not rel <= LOOK_AHEAD_RTOL:  # also NaN
+    hint = _MASK_HINT if kind == "attention" else _PER_TOKEN_HINT
+    raise ValueError(
+        f"{field}={spec.name!r}: its update reads tokens after its own: in one document of "
+        f"{seq} tokens, the updates of positions 0..{splits[0] - 1} (of 0 in another row) "
+        f"change when only the tokens after them change: max relative error {rel:.3g} > "
+        f"{LOOK_AHEAD_RTOL:g}; {hint}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -486,6 +486,27 @@ def peek_next_key(y, context, params, aux):  # an off-by-one causal mask: key i 
   return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2)
 
 
+def dilated(y, context, params, aux):  # keys every 8 back, written so that 8 ahead is one too
+  s, _ = _scores(y, context, params, aux)
+  d = aux.positions[:, :, None] - aux.context_positions[:, None, :]
+  q, k = _qk(y, context, params)
+  extra = jnp.where(((d % 8 == 0) & (d != 0))[:, None], jnp.einsum("bthk,bshk->bhts", q, k), 0.0)
+  return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2 + extra**2)
+
+
+def small_leak(y, context, params, aux):  # causal, plus 1e-4 of the next key
+  s, _ = _scores(y, context, params, aux)
+  q, k = _qk(y, context, params)
+  leak = jnp.sum(q[:, :-1] * k[:, 1:])
+  return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2) - 1e-4 * leak
+
+
+def gate_far_ahead(y, context, params, aux):  # token i's gate is token i + 8's state
+  ahead = jnp.concatenate([context[:, 8:], jnp.zeros_like(context[:, :8])], axis=1)
+  gate = jax.nn.sigmoid(ahead @ params["g"])
+  return -0.5 * jnp.sum(params["eta"] * (y @ params["w"]) ** 2 * gate)
+
+
 def across_real_documents(y, context, params, aux):  # leaves padding out, not other documents
   q, k = _qk(y, context, params)
   mask = aux.context_positions[:, None, :] <= aux.positions[:, :, None]
@@ -907,6 +928,23 @@ def test_an_energy_with_an_exact_closed_form_is_checked_for_causality_too(tmp_pa
       f"model.mlp_energy='{tmp_path}/user_fused.py:cumsum_exact': its update reads tokens after "
       "its own, or a mask, length or positions not taken from aux: for 2 new tokens at "
       "positions 3.. against a 8-slot cache")
+
+
+@pytest.mark.parametrize("slot,name,extra", [
+    ("attention", "dilated", {}), ("attention", "dilated", {"document_mask": False}),
+    ("attention", "small_leak", {}), ("mlp", "gate_far_ahead", {})])
+def test_an_energy_that_reads_tokens_far_ahead_or_a_little_is_refused(tmp_path, slot, name,
+                                                                       extra):
+  """The short layouts above see 4 tokens ahead at most, at a float32 tolerance of 1e-3: keys 8
+  places back written as `d % 8 == 0` (true at d = -8 too), a gate 8 tokens ahead, or a
+  next-key term 1e-4 the size of the rest passed start-up and trained a non-causal model. One
+  document of data.seq_len tokens, whose earlier rows must not move at all, refuses them."""
+  message = _refusal(_user_config(tmp_path, **{f"{slot}_energy": name}, **extra))
+  assert message.startswith(
+      f"model.{slot}_energy='{tmp_path}/user_fused.py:{name}': its update reads tokens after "
+      "its own: in one document of 64 tokens, the updates of positions 0..31 (of 0 in another "
+      "row) change when only the tokens after them change: max relative error "), message
+  assert ("build masks from aux.mask" if slot == "attention" else "per-token terms") in message
 
 
 def test_energy_that_crosses_documents_is_refused(tmp_path):
