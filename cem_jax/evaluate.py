@@ -41,7 +41,7 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
     CheckpointError: checkpoints exist but none is intact.
     ValueError: the saved config has fields this version of cem_jax does not know, or fails
       validation; a user energy was edited since the checkpoint was saved
-      (:func:`cem_jax.energy_checks.changed_energies`); the data are not those the checkpoint
+      (:func:`cem_jax.energies.changed_energies`); the data are not those the checkpoint
       was trained on.
   """
   from cem_jax.checkpoint import Checkpointer
@@ -77,7 +77,7 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
 
   from cem_jax import config as config_lib
   from cem_jax import data as data_lib
-  from cem_jax import energy_checks, optim, preflight
+  from cem_jax import energies, optim, preflight
   from cem_jax import steps as steps_lib
   from cem_jax import workdir as workdir_lib
 
@@ -91,9 +91,9 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
   if attention_impl is not None:
     config.model.attention_impl = attention_impl
   preflight.check(config)
-  changed = energy_checks.changed_energies(meta.get("energies"),
-                                           meta.get("energy_digest_version", 1), config, None,
-                                           f"checkpoint {ckpt.step_dir(step)}")
+  changed = energies.changed_energies(meta.get("energies"),
+                                    meta.get("energy_digest_version", 1), config, None,
+                                    f"checkpoint {ckpt.step_dir(step)}")
   if changed:  # the same parameters under another energy: numbers of a model never trained
     raise ValueError(f"{where} was trained with another version of its energy "
                      f"({', '.join(changed)}): load it with the energy it was trained with")

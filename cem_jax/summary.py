@@ -23,7 +23,7 @@ import ml_collections
 from absl import app, flags
 from flax import nnx
 
-from cem_jax import axes, cli, energies, energy_checks, model_stats, preflight, sharding, updates
+from cem_jax import axes, cli, energies, model_stats, preflight, sharding, updates
 from cem_jax import config as config_lib
 from cem_jax.files import read_json
 from cem_jax.model import DecoderLM, known_flops_per_token
@@ -153,7 +153,7 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
 def check_energies_unedited(workdir: str, config: ml_collections.ConfigDict) -> None:
   """Refuses to describe the run in ``workdir`` as ``config`` when a user energy was edited
   since its newest intact checkpoint was saved (its function or closed form, or a constant or
-  helper they read: :func:`cem_jax.energy_checks.changed_energies`), as ``sample`` and
+  helper they read: :func:`cem_jax.energies.changed_energies`), as ``sample`` and
   ``evaluate`` refuse to load it. Nothing is checked without a checkpoint.
 
   Raises:
@@ -171,9 +171,9 @@ def check_energies_unedited(workdir: str, config: ml_collections.ConfigDict) -> 
   finally:
     ckpt.close()
   where = f"checkpoint {ckpt.step_dir(step)}" if step is not None else directory
-  changed = energy_checks.changed_energies(meta.get("energies"),
-                                           meta.get("energy_digest_version", 1), config, None,
-                                           where)
+  changed = energies.changed_energies(meta.get("energies"),
+                                    meta.get("energy_digest_version", 1), config, None,
+                                    where)
   if changed:
     raise ValueError(f"{where} was trained with another version of its energy "
                      f"({', '.join(changed)}): the summary would describe a model never "

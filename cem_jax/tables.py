@@ -48,7 +48,7 @@ from absl import app, flags, logging
 from flax import nnx
 from tqdm import tqdm
 
-from cem_jax import cli, energies, energy_checks, errors, model_stats, preflight, train
+from cem_jax import cli, energies, errors, model_stats, preflight, train
 from cem_jax import config as config_lib
 from cem_jax import workdir as workdir_lib
 from cem_jax.config import get_default_config
@@ -221,9 +221,9 @@ def _other_source(result: dict, config) -> str | None:
 
 def _edited_energies(path: str, result: dict, config) -> list[str]:
   """The user energies of ``config`` edited since the run of ``result`` (read from ``path``)
-  was trained (:func:`cem_jax.energy_checks.changed_energies`); a result written before
+  was trained (:func:`cem_jax.energies.changed_energies`); a result written before
   ``energy_digests`` existed is judged by its config alone."""
-  return energy_checks.changed_energies(
+  return energies.changed_energies(
       result.get("energy_digests"), result.get("energy_digest_version", energies.DIGEST_VERSION),
       config, None, path)
 
@@ -421,7 +421,7 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
                 "reused_from": os.path.relpath(source, out)}
     else:
       logging.info("table %s: row %s seed %d -> %s", table, row, seed, out)
-      trained_with = energy_checks.energy_digests(cfg)
+      trained_with = energies.energy_digests(cfg)
       final = train.train_and_evaluate(cfg, out)
       if not has_final_eval(out, cfg.train.num_steps):
         # Preempted (SIGTERM): the run saved a checkpoint and returned early. Writing its

@@ -29,7 +29,7 @@ from absl import logging
 
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
-from cem_jax import energies, energy_checks, memory, preflight
+from cem_jax import energies, memory, preflight
 from cem_jax import sharding as sharding_lib
 from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
@@ -165,7 +165,7 @@ class Run:
   ``resume`` is the restored checkpoint's step (None for a fresh start) and ``meta`` its
   metadata; ``start_step`` the first step to run (0 or ``resume``); ``created`` whether this
   start created ``workdir`` (removed again if the start fails); ``energies`` the user
-  energies' source digests (:func:`cem_jax.energy_checks.energy_digests`), saved with
+  energies' source digests (:func:`cem_jax.energies.energy_digests`), saved with
   every checkpoint.
   """
 
@@ -216,7 +216,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
                         every_steps=config.checkpoint.every_steps,
                         async_save=config.checkpoint.async_save)
     resume = ckpt.restorable_step()
-    energies_now = energy_checks.energy_digests(config)
+    energies_now = energies.energy_digests(config)
     if resume is not None:
       # Checked before the data and the model are built: a refusal would otherwise come after
       # reading or preparing the data (minutes at corpus scale) and initialising, for nothing.
@@ -353,16 +353,16 @@ def _check_same_model(saved: dict, config: ml_collections.ConfigDict, energies_n
   would mix two models. ``saved``: the checkpoint's metadata; its ``config`` (absent: saved
   before checkpoints held one, not checked) is compared by
   :func:`cem_jax.config.model_changes` (what may change: ``config.RESUME_MAY_CHANGE``), its
-  ``energies`` with ``energies_now`` (:func:`cem_jax.energy_checks.changed_energies`).
+  ``energies`` with ``energies_now`` (:func:`cem_jax.energies.changed_energies`).
 
   Raises:
     ValueError: one line naming the checkpoint and every changed ``model.*`` key or file.
   """
   changes = [] if saved.get("config") is None else config_lib.model_changes(saved["config"],
                                                                              config)
-  changes += energy_checks.changed_energies(saved.get("energies"),
-                                            saved.get("energy_digest_version", 1), config,
-                                            energies_now, f"checkpoint {checkpoint}")
+  changes += energies.changed_energies(saved.get("energies"),
+                                     saved.get("energy_digest_version", 1), config,
+                                     energies_now, f"checkpoint {checkpoint}")
   if changes:
     raise ValueError(f"checkpoint {checkpoint} is another model ({', '.join(changes)}): "
                      "resume with the model it was trained as, or train in a new --workdir")

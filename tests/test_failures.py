@@ -32,7 +32,6 @@ from ml_collections import config_flags
 from cem_jax import (
     cli,
     energies,
-    energy_checks,
     errors,
     evaluate,
     memory,
@@ -929,30 +928,30 @@ def test_a_checkpoint_of_the_first_digest_version_resumes_unless_the_function_ch
     return tiny_config("cem", **{"model.attention_energy": f"{path}:energy"})
 
   cfg = config("e")
-  old = {"energies": energy_checks.energy_digests(cfg, 1)}
-  assert old["energies"] != energy_checks.energy_digests(cfg)
+  old = {"energies": energies.energy_digests(cfg, 1)}
+  assert old["energies"] != energies.energy_digests(cfg)
   for saved in (old, {**old, "energy_digest_version": 1}):
-    train._check_same_model(saved, cfg, energy_checks.energy_digests(cfg), "ck")
+    train._check_same_model(saved, cfg, energies.energy_digests(cfg), "ck")
   tau = config("tau", tau="0.25")  # not seen by a version-1 digest
-  train._check_same_model(old, tau, energy_checks.energy_digests(tau), "ck")
+  train._check_same_model(old, tau, energies.energy_digests(tau), "ck")
   edited = config("edited", note="b")
   with pytest.raises(ValueError, match=r"^checkpoint ck is another model \(model.attention_"
                                        r"energy: its source, or a constant or helper it reads, "
                                        r"changed \(sha256 "):
-    train._check_same_model(old, edited, energy_checks.energy_digests(edited), "ck")
+    train._check_same_model(old, edited, energies.energy_digests(edited), "ck")
   # A version-2 checkpoint is compared by version 2: the edited constant is refused.
-  new = {"energies": energy_checks.energy_digests(cfg), "energy_digest_version": 2}
-  train._check_same_model(new, cfg, energy_checks.energy_digests(cfg), "ck")
+  new = {"energies": energies.energy_digests(cfg), "energy_digest_version": 2}
+  train._check_same_model(new, cfg, energies.energy_digests(cfg), "ck")
   with pytest.raises(ValueError, match=r"^checkpoint ck is another model \(model.attention_"
                                        r"energy: its source, or a constant or helper it reads, "
                                        r"changed \(sha256 "):
-    train._check_same_model(new, tau, energy_checks.energy_digests(tau), "ck")
+    train._check_same_model(new, tau, energies.energy_digests(tau), "ck")
   # A checkpoint of newer code (a digest version this code does not know): said, naming it.
   with pytest.raises(ValueError, match=r"^checkpoint ck records energy digests of version 3, "
                                        r"this code knows 1 and 2: load it with the code that "
                                        r"saved it$"):
     train._check_same_model({**new, "energy_digest_version": 3}, cfg,
-                            energy_checks.energy_digests(cfg), "ck")
+                            energies.energy_digests(cfg), "ck")
 
 
 def test_evaluating_a_run_whose_energy_was_edited_since_is_refused(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config, write_metrics
 
-from cem_jax import energies, energy_checks, model_stats, tables
+from cem_jax import energies, model_stats, tables
 from cem_jax.version import NUMERICS_VERSION
 
 D, L, F, H = 128, 4, 512, 4  # the tiny scale
@@ -644,7 +644,7 @@ def test_a_result_of_an_energy_edited_since_is_not_reused(tmp_path, monkeypatch)
   now = tiny_config("cem", **{"model.attention_energy": f"{energy}:energy"})
   # Without a record (a run from before it): judged by its config.
   tables._read_result(path, digest, now)
-  result["energy_digests"] = energy_checks.energy_digests(trained)
+  result["energy_digests"] = energies.energy_digests(trained)
   result["energy_digest_version"] = energies.DIGEST_VERSION
   (run / "result.json").write_text(json.dumps(result))
   tables._read_result(path, digest, now)

@@ -217,6 +217,52 @@ def source_digest(name: str, kind: str, field: str = "energy", version: int = DI
   return found.hexdigest()
 
 
+def energy_digests(config, version: int | None = None) -> dict[str, str]:
+  """``{config field: sha256}`` of the user energies a CEM model uses (:func:`source_digest`
+  of digest ``version``, default the current ``DIGEST_VERSION``; built-ins have none), as
+  checkpoints and ``tables``' results record them.
+
+  Raises:
+    ValueError: an unknown energy name or digest version.
+  """
+  m = config.model
+  if m.block != "cem":
+    return {}
+  slots = [("attention", m.cem_attention), ("mlp", m.cem_mlp)]
+  version = DIGEST_VERSION if version is None else version
+  found = {f"model.{kind}_energy": source_digest(m[f"{kind}_energy"], kind,
+                                                  f"model.{kind}_energy", version)
+           for kind, used in slots if used}
+  return {k: v for k, v in found.items() if v is not None}
+
+
+def changed_energies(recorded: dict | None, version: int, config, now: dict | None,
+                     where: str) -> list[str]:
+  """The user energies of ``config`` edited since a run recorded their digests (its function
+  or closed form, or a constant or helper they read), one
+  ``"model.X_energy: its source, or a constant or helper it reads, changed (sha256 a -> b)"``
+  each. ``recorded``: the run's ``{config field: sha256}`` (None or empty: saved before
+  digests were recorded, judged by its config alone); ``version``: the digest version it was
+  taken with (1 compares the functions' source alone); ``now``: this process's
+  :func:`energy_digests` of ``config`` (None: computed here); ``where``: the checkpoint or file
+  that holds the record, for the error.
+
+  Raises:
+    ValueError: ``where`` records a digest version this code does not know.
+  """
+  if not recorded:
+    return []
+  if version not in (1, DIGEST_VERSION):
+    raise ValueError(f"{where} records energy digests of version {version!r}, this code knows "
+                     f"1 and {DIGEST_VERSION}: load it with the code that saved it")
+  if now is None or version != DIGEST_VERSION:
+    now = energy_digests(config, version)
+  short = lambda digest: "none" if digest is None else digest[:12]
+  return [f"{k}: its source, or a constant or helper it reads, changed (sha256 "
+          f"{short(recorded.get(k))} -> {short(now.get(k))})"
+          for k in sorted(set(recorded) | set(now)) if recorded.get(k) != now.get(k)]
+
+
 _register("softmax", "attention", interaction.interaction_energy, interaction.fused_update,
           builtin=True)
 for _potential in elementwise.POTENTIALS:
