@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import shutil
 import time
 
 import jax
@@ -382,12 +381,9 @@ def _mfu_peak(config: ml_collections.ConfigDict) -> float | None:
 
 def _undo_start(ckpt: Checkpointer | None, workdir: str, created: bool) -> None:
   """After a failed start: closes ``ckpt``, removes its folder if this start created it (the
-  start opens it before building the data) and, if this start created ``workdir``, all of it
-  but the tokens prepared in ``WORKDIR/data``, so no failed start looks like a run. The tokens
-  are kept because they are valid whatever failed (a prepare removes what it cannot finish
-  itself) and the next start of this workdir reuses them: at corpus scale a failure after the
-  data (a seq_len too long, a step too large, Ctrl-C while compiling) would otherwise cost the
-  whole tokenization again. The caller re-raises the error that caused it."""
+  start opens it before building the data) and, if this start created ``workdir``, the rest
+  (:func:`cem_jax.workdir.remove_failed_start`). The caller re-raises the error that caused
+  it."""
   try:
     if ckpt is not None:
       ckpt.close()
@@ -396,17 +392,7 @@ def _undo_start(ckpt: Checkpointer | None, workdir: str, created: bool) -> None:
           os.rmdir(ckpt.directory)
   finally:  # a close that fails too must not leave the new workdir behind
     if created:
-      data = os.path.join(workdir, "data")
-      if os.path.isdir(data) and os.listdir(data):
-        for name in set(os.listdir(workdir)) - {"data"}:
-          path = os.path.join(workdir, name)
-          if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-          else:
-            with contextlib.suppress(OSError):
-              os.remove(path)
-      else:
-        shutil.rmtree(workdir, ignore_errors=True)
+      workdir_lib.remove_failed_start(workdir)
 
 
 def _log_resume(run: Run, resolved: dict) -> None:

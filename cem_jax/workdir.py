@@ -1,6 +1,7 @@
 """What the loop needs around it: a writable workdir held by one run at a time, the data built
-once across processes (and removed again if a resume refuses them), the last eval read back
-from ``metrics.jsonl``, SIGTERM as a flag and Ctrl-C held back where it must wait; for the
+once across processes (and removed again if a resume refuses them), a failed start's folder
+removed again but for its prepared tokens, the last eval read back from ``metrics.jsonl``,
+SIGTERM as a flag and Ctrl-C held back where it must wait; for the
 tools that resume or skip runs by their folder, whether a folder holds a run of another
 config. Nothing here builds a model or runs a step.
 """
@@ -74,6 +75,26 @@ def remove_prepared_since(workdir: str, before: frozenset[str] | None) -> None:
     return
   for name in (prepared_folders(workdir) or frozenset()) - before:
     shutil.rmtree(os.path.join(data, name), ignore_errors=True)
+
+
+def remove_failed_start(workdir: str) -> None:
+  """Removes ``workdir``, which a start that failed had created, but for the tokens prepared in
+  ``WORKDIR/data``, so that no failed start looks like a run. The tokens are kept because they
+  are valid whatever failed (a prepare removes what it cannot finish itself) and the next start
+  of this workdir reuses them: at corpus scale a failure after the data (a seq_len too long, a
+  step too large, Ctrl-C while compiling) would otherwise cost the whole tokenization again.
+  What cannot be removed stays."""
+  data = os.path.join(workdir, "data")
+  if not (os.path.isdir(data) and os.listdir(data)):
+    shutil.rmtree(workdir, ignore_errors=True)
+    return
+  for name in set(os.listdir(workdir)) - {"data"}:
+    path = os.path.join(workdir, name)
+    if os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      with contextlib.suppress(OSError):
+        os.remove(path)
 
 
 def prepare_workdir(workdir: str) -> bool:
