@@ -119,7 +119,7 @@ def generate(graphdef, params, prompt: np.ndarray, max_new_tokens: int, *, rng=N
 
 def main(argv):
   del argv
-  from cem_jax.evaluate import load_run
+  from cem_jax import runs
 
   fl = flags.FLAGS
   if not fl["verbosity"].present:
@@ -150,8 +150,8 @@ def main(argv):
     except UnicodeEncodeError as e:  # bytes the shell passed that are not UTF-8
       raise ValueError(f"--prompt={fl.prompt!r} is not UTF-8 text (at character {e.start}); "
                        "give it in UTF-8") from None
-    config, data, graphdef, params, step = load_run(fl.workdir,
-                                                    attention_impl=fl.attention_impl)
+    config, data, graphdef, params, step = runs.load_run(fl.workdir,
+                                                         attention_impl=fl.attention_impl)
     vocab = data.tokenizer.vocab_size
     if fl.top_k > vocab:
       raise ValueError(f"--top_k={fl.top_k}; allowed: 0 (off) or 1..{vocab} (the vocabulary)")
@@ -184,8 +184,8 @@ if __name__ == "__main__":
   flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
   flags.DEFINE_integer("seed", 0, "Sampling seed (refused with --temperature=0: greedy).")
   flags.DEFINE_bool("no_cache", False, "Recompute the prefix at every token.")
-  from cem_jax import evaluate
-  evaluate.define_attention_impl_flag()
-  flags.adopt_module_key_flags(evaluate)  # listed by --help with sample's own
+  from cem_jax import runs
+  runs.define_attention_impl_flag()
+  flags.adopt_module_key_flags(runs)  # listed by --help with sample's own
   flags.mark_flags_as_required(["workdir", "prompt"])
   app.run(main, flags_parser=cli.parse_flags)

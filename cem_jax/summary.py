@@ -16,16 +16,12 @@ a pod's sharding can be read on a laptop), checked as ``main`` would check it on
 
 from __future__ import annotations
 
-import os
-
 import jax
 import ml_collections
 from absl import app, flags
 from flax import nnx
 
-from cem_jax import axes, cli, energies, model_stats, preflight, sharding, updates
-from cem_jax import config as config_lib
-from cem_jax.files import read_json
+from cem_jax import axes, cli, energies, model_stats, preflight, runs, sharding, updates
 from cem_jax.model import DecoderLM, known_flops_per_token
 
 
@@ -135,49 +131,20 @@ def format_summary(s: dict) -> str:
   return "\n".join(lines)
 
 
-def run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config of the run in ``workdir``, from its ``config.json``
-  (:func:`cem_jax.config.from_saved`).
-
-  Raises:
-    ValueError: no readable ``config.json`` there, or one with fields this version does not
-      know (one line naming the file).
-  """
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
-    raise ValueError(f"--workdir={workdir}: no config.json (not a run's folder, or its start "
-                     "failed); give the folder main trained in")
-  return config_lib.from_saved(read_json(path, "restore it from the run's command"), path)
-
-
 def check_energies_unedited(workdir: str, config: ml_collections.ConfigDict) -> None:
   """Refuses to describe the run in ``workdir`` as ``config`` when a user energy was edited
   since its newest intact checkpoint was saved (its function or closed form, or a constant or
-  helper they read: :func:`cem_jax.energies.changed_energies`), as ``sample`` and
+  helper they read: :func:`cem_jax.runs.refuse_edited_energies`), as ``sample`` and
   ``evaluate`` refuse to load it. Nothing is checked without a checkpoint.
 
   Raises:
     ValueError: one line naming the checkpoint and the energies.
+    CheckpointError: checkpoints exist but none is intact.
   """
-  from cem_jax.checkpoint import Checkpointer
-
-  directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
-    return
-  ckpt = Checkpointer(directory, async_save=False, read_only=True)  # a run may be training
-  try:
-    step = ckpt.restorable_step()
-    meta = ckpt.read_meta(step) if step is not None else {}
-  finally:
-    ckpt.close()
-  where = f"checkpoint {ckpt.step_dir(step)}" if step is not None else directory
-  changed = energies.changed_energies(meta.get("energies"),
-                                    meta.get("energy_digest_version", 1), config, None,
-                                    where)
-  if changed:
-    raise ValueError(f"{where} was trained with another version of its energy "
-                     f"({', '.join(changed)}): the summary would describe a model never "
-                     "trained; restore the energy it was trained with")
+  checkpoint, meta = runs.newest_meta(workdir)
+  if checkpoint is not None:
+    runs.refuse_edited_energies(meta, config, checkpoint, "the summary would describe a model "
+                                "never trained; restore the energy it was trained with")
 
 
 def main(argv):
@@ -190,7 +157,7 @@ def main(argv):
     if fl.workdir is None:
       config = cli.load_config()
     else:
-      config = run_config(fl.workdir)
+      config = runs.run_config(fl.workdir)
       check_energies_unedited(fl.workdir, config)
     print(format_summary(summary(config, fl.vocab_size, num_devices=fl.num_devices)))
 

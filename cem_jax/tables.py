@@ -48,7 +48,7 @@ from absl import app, flags, logging
 from flax import nnx
 from tqdm import tqdm
 
-from cem_jax import cli, energies, errors, model_stats, preflight, train
+from cem_jax import cli, energies, errors, model_stats, preflight, runs, train
 from cem_jax import config as config_lib
 from cem_jax import workdir as workdir_lib
 from cem_jax.config import get_default_config
@@ -221,11 +221,13 @@ def _other_source(result: dict, config) -> str | None:
 
 def _edited_energies(path: str, result: dict, config) -> list[str]:
   """The user energies of ``config`` edited since the run of ``result`` (read from ``path``)
-  was trained (:func:`cem_jax.energies.changed_energies`); a result written before
-  ``energy_digests`` existed is judged by its config alone."""
-  return energies.changed_energies(
-      result.get("energy_digests"), result.get("energy_digest_version", energies.DIGEST_VERSION),
-      config, None, path)
+  was trained (:func:`cem_jax.runs.edited_energies`); a result written before
+  ``energy_digests`` existed is judged by its config alone.
+
+  Raises:
+    ValueError: ``path`` records a digest version this code does not know.
+  """
+  return runs.edited_energies(runs.result_record(result), config, path)
 
 
 def _same_config(run: str, config) -> bool:

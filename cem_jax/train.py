@@ -28,7 +28,7 @@ from absl import logging
 
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
-from cem_jax import energies, memory, preflight
+from cem_jax import energies, memory, preflight, runs
 from cem_jax import sharding as sharding_lib
 from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
@@ -181,7 +181,7 @@ class Run:
   ckpt: Checkpointer
   start_step: int = 0
   resume: int | None = None
-  meta: dict | None = None
+  meta: runs.CheckpointMeta | None = None
   created: bool = False
   energies: dict = dataclasses.field(default_factory=dict)
 
@@ -219,9 +219,8 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
     if resume is not None:
       # Checked before the data and the model are built: a refusal would otherwise come after
       # reading or preparing the data (minutes at corpus scale) and initialising, for nothing.
-      saved = ckpt.read_meta(resume)
-      _check_same_numerics(saved, ckpt.step_dir(resume))
-      _check_same_model(saved, config, energies_now, ckpt.step_dir(resume))
+      saved = runs.CheckpointMeta.from_dict(ckpt.read_meta(resume))
+      runs.refuse_other_run(saved, config, ckpt.step_dir(resume), energies_now)
     data = workdir_lib.build_data_once(config, workdir)
     tx, schedule = make_optimizer(config.train)
     graphdef, params, opt_state, shardings, model = steps_lib.init_state(
@@ -230,16 +229,13 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
               graphdef=graphdef, params=params, opt_state=opt_state, shardings=shardings,
               model=model, ckpt=ckpt, created=created, energies=energies_now, resume=resume)
     if resume is not None:
-      try:
-        data_lib.check_same_data(saved.get("data"), data.identity, ckpt.step_dir(resume))
-      except ValueError:
-        workdir_lib.remove_prepared_since(workdir, prepared)
-        raise
+      runs.check_data(saved, data, ckpt.step_dir(resume), workdir, prepared)
       # The target is the freshly initialised state on the current devices: the restore takes
       # its structure (optax's state types) and shardings, whatever the saving run used.
-      state, run.meta = ckpt.restore(resume, {"params": params, "opt_state": opt_state})
+      state, meta = ckpt.restore(resume, {"params": params, "opt_state": opt_state})
+      run.meta = runs.CheckpointMeta.from_dict(meta)
       run.params, run.opt_state = state["params"], state["opt_state"]
-      run.start_step = int(run.meta["step"])
+      run.start_step = int(run.meta.step)
   except BaseException:
     _undo_start(ckpt, workdir, created)
     raise
@@ -327,46 +323,6 @@ def _warn_unreloadable(config: ml_collections.ConfigDict) -> None:
                       "reload it", kind, name)
 
 
-def _check_same_numerics(saved: dict, checkpoint: str) -> None:
-  """Refuses to resume a checkpoint trained under another ``NUMERICS_VERSION``: the rest of
-  the run would see another data order (windows of the epoch trained twice, others not at
-  all) and other eval windows, and ``tables`` would count the mix as a run of this version.
-  ``saved``: the checkpoint's metadata (no ``numerics_version``: version 1).
-
-  Raises:
-    ValueError: one line naming the checkpoint and both versions.
-  """
-  version = int(saved.get("numerics_version", 1))
-  if version != NUMERICS_VERSION:
-    raise ValueError(
-        f"checkpoint {checkpoint} was trained under numerics version {version}, this code is "
-        f"version {NUMERICS_VERSION} (cem_jax/version.py says what changed): resumed, the run "
-        "would mix the two; finish it with the code it started with, or train in a new "
-        "--workdir")
-
-
-def _check_same_model(saved: dict, config: ml_collections.ConfigDict, energies_now: dict,
-                      checkpoint: str) -> None:
-  """Refuses to resume a checkpoint as another model: parameters of the same shapes would
-  train on under another energy, mask or step rule without an error, and the run's metrics
-  would mix two models. ``saved``: the checkpoint's metadata; its ``config`` (absent: saved
-  before checkpoints held one, not checked) is compared by
-  :func:`cem_jax.config.model_changes` (what may change: ``config.RESUME_MAY_CHANGE``), its
-  ``energies`` with ``energies_now`` (:func:`cem_jax.energies.changed_energies`).
-
-  Raises:
-    ValueError: one line naming the checkpoint and every changed ``model.*`` key or file.
-  """
-  changes = [] if saved.get("config") is None else config_lib.model_changes(saved["config"],
-                                                                             config)
-  changes += energies.changed_energies(saved.get("energies"),
-                                     saved.get("energy_digest_version", 1), config,
-                                     energies_now, f"checkpoint {checkpoint}")
-  if changes:
-    raise ValueError(f"checkpoint {checkpoint} is another model ({', '.join(changes)}): "
-                     "resume with the model it was trained as, or train in a new --workdir")
-
-
 def _mfu_peak(config: ml_collections.ConfigDict) -> float | None:
   """The peak FLOP/s that ``train/mfu`` divides by: every process's devices' (the global
   batch's; :func:`cem_jax.model_stats.peak_flops`), None where it is not known (a CPU) or the
@@ -399,7 +355,7 @@ def _log_resume(run: Run, resolved: dict) -> None:
   """Logs the step resumed from and every config field that differs from the checkpoint's."""
   if run.resume is None:
     return
-  saved = config_lib.with_defaults(run.meta.get("config", {}))
+  saved = config_lib.with_defaults(run.meta.config or {})
   now = config_lib.flat(resolved)
   changed = sorted(k for k in set(saved) | set(now)
                    if saved.get(k) != now.get(k) and k not in config_lib.OBSERVE_ONLY)
@@ -643,10 +599,8 @@ class _Loop:
           f"non-finite parameters or optimizer state at step {done}, not saved; "
           f"{self.saved_text()}; lower train.learning_rate"
       )
-    meta = {"step": done, "data_position": done, "seed": self.run.config.seed,
-            "config": self.resolved, "numerics_version": NUMERICS_VERSION,
-            "data": self.run.data.identity, "energies": self.run.energies,
-            "energy_digest_version": energies.DIGEST_VERSION}
+    meta = runs.CheckpointMeta.saved_now(done, self.run.config.seed, self.resolved,
+                                         self.run.data.identity, self.run.energies).to_dict()
     with workdir_lib.interrupt_held():
       saved = self.run.ckpt.save(done, state, meta, force=force)
     if saved:

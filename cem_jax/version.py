@@ -19,7 +19,7 @@ History:
      read the first ones). Models, losses and the golden numbers are unchanged; the tables
      under ``results/`` were then version 2 (``results/tiny/`` was retrained under version 3
      on 2026-12-03; docs/REPRODUCING.md). A checkpoint of another version is
-     not resumed (``train._check_same_numerics``).
+     not resumed (``runs.refuse_other_run``).
 
 Not bumped for a change of float rounding alone, the kind that already moves a run's last
 digits between processors (README): the golden numbers hold to 1e-5 and the maths is the

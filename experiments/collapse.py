@@ -158,7 +158,7 @@ def main(argv):
   from cem_jax import cli, optim
   from cem_jax import steps as steps_lib
   from cem_jax.checkpoint import Checkpointer
-  from cem_jax.evaluate import load_run
+  from cem_jax.runs import load_run
 
   cli.quiet_libraries(logging.logging.ERROR)
   workdir = flags.FLAGS.workdir

@@ -138,7 +138,7 @@ def eta_table(workdir: str) -> list[str]:
   import jax
   import numpy as np
 
-  from cem_jax.evaluate import load_run
+  from cem_jax.runs import load_run
 
   lines = ["| row | attention η (step 1, step 2) | MLP η (step 1, step 2) | seeds |",
            "|---|---|---|---|"]

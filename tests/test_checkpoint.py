@@ -308,7 +308,7 @@ def test_evaluate_and_sample_load_the_newest_intact_step_and_leave_the_run_as_it
   # load_run (evaluate, sample) reads a run that may still be training: a damaged newest step
   # is named and skipped, not restored, and nothing in the workdir is moved.
   from cem_jax import data as data_lib
-  from cem_jax import evaluate, train
+  from cem_jax import evaluate, runs, train
 
   workdir = tmp_path / "run"
   train.train_and_evaluate(tiny_config("llama", **{
@@ -317,7 +317,7 @@ def test_evaluate_and_sample_load_the_newest_intact_step_and_leave_the_run_as_it
   named = _flip(workdir / "checkpoints" / "4")
   listing = sorted(p.name for p in (workdir / "checkpoints").iterdir())
   with caplog.at_level("WARNING"):
-    config, _, _, params, step = evaluate.load_run(str(workdir))
+    config, _, _, params, step = runs.load_run(str(workdir))
   assert step == 2
   warning = next(r.getMessage() for r in caplog.records if "step 4 is damaged" in r.getMessage())
   assert named in warning
@@ -332,7 +332,7 @@ def test_evaluate_and_sample_load_the_newest_intact_step_and_leave_the_run_as_it
 
   monkeypatch.setattr(data_lib, "build_data", no_data)
   with pytest.raises(ValueError, match="^refused: llama$"):
-    evaluate.load_run(str(workdir), require=refuse)
+    runs.load_run(str(workdir), require=refuse)
   with pytest.raises(ValueError, match="test-time steps need a CEM model"):
     evaluate.test_time_steps(str(workdir), [1])
   monkeypatch.undo()
@@ -347,9 +347,9 @@ def test_evaluate_and_sample_load_the_newest_intact_step_and_leave_the_run_as_it
   monkeypatch.setattr(Checkpointer, "read_meta", trained_on_a_gpu)
   with pytest.raises(ValueError, match=r"^model.attention_impl='cudnn' cannot run: it needs an "
                                        r"NVIDIA GPU"):
-    evaluate.load_run(str(workdir))
+    runs.load_run(str(workdir))
   for impl in ("auto", "xla"):
-    gpu_config = evaluate.load_run(str(workdir), attention_impl=impl)[0]
+    gpu_config = runs.load_run(str(workdir), attention_impl=impl)[0]
     assert gpu_config.model.attention_impl == impl and gpu_config.model.dtype == "bfloat16"
   monkeypatch.undo()
   tx, _ = optim.make_optimizer(config.train)

@@ -33,10 +33,10 @@ from cem_jax import (
     cli,
     energies,
     errors,
-    evaluate,
     memory,
     optim,
     preflight,
+    runs,
     steps,
     summary,
     train,
@@ -531,10 +531,10 @@ def test_resume_on_other_data_is_refused_and_keeps_the_run(shared_data, tmp_path
   assert sorted(os.listdir(workdir / "data")) == prepared and len(prepared) == 1
   # evaluate finds the tokens the checkpoint was trained on without the text; with them gone,
   # it prepares the edited text, refuses it and removes it too.
-  assert evaluate.load_run(str(workdir))[4] == 2
+  assert runs.load_run(str(workdir))[4] == 2
   shutil.move(workdir / "data" / prepared[0], tmp_path / "kept")
   with pytest.raises(ValueError, match="was trained on other data"):
-    evaluate.load_run(str(workdir))
+    runs.load_run(str(workdir))
   assert os.listdir(workdir / "data") == []
   shutil.move(tmp_path / "kept", workdir / "data" / prepared[0])
   # The text as it was: the run resumes.
@@ -622,10 +622,14 @@ def test_resume_under_another_numerics_version_is_refused_and_keeps_the_run(tmp_
   cfg = lambda steps: tiny_config("llama", **{  # noqa: E731
       "model.num_layers": 1, "train.num_steps": steps, "checkpoint.every_steps": 2,
       "train.eval_every_steps": 2})
-  monkeypatch.setattr(train, "NUMERICS_VERSION", NUMERICS_VERSION - 1)
+  def code_of_version(version):  # train writes it in metrics, runs in checkpoints and checks it
+    for module in (train, runs):
+      monkeypatch.setattr(module, "NUMERICS_VERSION", version)
+
+  code_of_version(NUMERICS_VERSION - 1)
   train.train_and_evaluate(cfg(2), str(workdir))
   before = read_metrics(str(workdir))
-  monkeypatch.setattr(train, "NUMERICS_VERSION", NUMERICS_VERSION)
+  code_of_version(NUMERICS_VERSION)
   checkpoint = workdir / "checkpoints" / "2"
   with monkeypatch.context() as m, pytest.raises(ValueError, match=(
       f"^checkpoint {re.escape(str(checkpoint))} was trained under numerics version "
@@ -635,7 +639,7 @@ def test_resume_under_another_numerics_version_is_refused_and_keeps_the_run(tmp_
     m.setattr(train.workdir_lib, "build_data_once", _refused_before_the_data_is_built)
     train.train_and_evaluate(cfg(4), str(workdir))
   assert read_metrics(str(workdir)) == before and checkpoint.is_dir()
-  monkeypatch.setattr(train, "NUMERICS_VERSION", NUMERICS_VERSION - 1)
+  code_of_version(NUMERICS_VERSION - 1)
   read, real_batch = [], pipeline.TrainBatches.batch
 
   def recording_batch(self, step, *args, **kwargs):
@@ -651,12 +655,14 @@ def test_resume_under_another_numerics_version_is_refused_and_keeps_the_run(tmp_
 def test_a_checkpoint_of_a_newer_or_of_no_numerics_version_is_refused_too():
   # A checkpoint of newer code (a downgraded checkout) mixes two versions as an older one
   # does; one without a numerics_version predates the constant: version 1.
-  train._check_same_numerics({"numerics_version": NUMERICS_VERSION}, "ck")  # resumed
+  cfg = tiny_config("llama")
+  refuse = lambda saved: runs.refuse_other_run(runs.CheckpointMeta.from_dict(saved), cfg, "ck")
+  refuse({"numerics_version": NUMERICS_VERSION})  # resumed
   for saved, version in (({"numerics_version": NUMERICS_VERSION + 1}, NUMERICS_VERSION + 1),
                          ({}, 1)):
     with pytest.raises(ValueError, match=f"^checkpoint ck was trained under numerics version "
                                          f"{version}, this code is version {NUMERICS_VERSION} "):
-      train._check_same_numerics(saved, "ck")
+      refuse(saved)
 
 
 def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path, caplog, monkeypatch):
@@ -927,31 +933,34 @@ def test_a_checkpoint_of_the_first_digest_version_resumes_unless_the_function_ch
     path.write_text(DIGESTED.format(**{**fields, "tau": tau, "note": note}))
     return tiny_config("cem", **{"model.attention_energy": f"{path}:energy"})
 
+  def refuse(saved, config, digests, checkpoint):
+    meta = runs.CheckpointMeta.from_dict({**saved, "numerics_version": NUMERICS_VERSION})
+    runs.refuse_other_run(meta, config, checkpoint, digests)
+
   cfg = config("e")
   old = {"energies": energies.energy_digests(cfg, 1)}
   assert old["energies"] != energies.energy_digests(cfg)
   for saved in (old, {**old, "energy_digest_version": 1}):
-    train._check_same_model(saved, cfg, energies.energy_digests(cfg), "ck")
+    refuse(saved, cfg, energies.energy_digests(cfg), "ck")
   tau = config("tau", tau="0.25")  # not seen by a version-1 digest
-  train._check_same_model(old, tau, energies.energy_digests(tau), "ck")
+  refuse(old, tau, energies.energy_digests(tau), "ck")
   edited = config("edited", note="b")
   with pytest.raises(ValueError, match=r"^checkpoint ck is another model \(model.attention_"
                                        r"energy: its source, or a constant or helper it reads, "
                                        r"changed \(sha256 "):
-    train._check_same_model(old, edited, energies.energy_digests(edited), "ck")
+    refuse(old, edited, energies.energy_digests(edited), "ck")
   # A version-2 checkpoint is compared by version 2: the edited constant is refused.
   new = {"energies": energies.energy_digests(cfg), "energy_digest_version": 2}
-  train._check_same_model(new, cfg, energies.energy_digests(cfg), "ck")
+  refuse(new, cfg, energies.energy_digests(cfg), "ck")
   with pytest.raises(ValueError, match=r"^checkpoint ck is another model \(model.attention_"
                                        r"energy: its source, or a constant or helper it reads, "
                                        r"changed \(sha256 "):
-    train._check_same_model(new, tau, energies.energy_digests(tau), "ck")
+    refuse(new, tau, energies.energy_digests(tau), "ck")
   # A checkpoint of newer code (a digest version this code does not know): said, naming it.
   with pytest.raises(ValueError, match=r"^checkpoint ck records energy digests of version 3, "
                                        r"this code knows 1 and 2: load it with the code that "
                                        r"saved it$"):
-    train._check_same_model({**new, "energy_digest_version": 3}, cfg,
-                            energies.energy_digests(cfg), "ck")
+    refuse({**new, "energy_digest_version": 3}, cfg, energies.energy_digests(cfg), "ck")
 
 
 def test_evaluating_a_run_whose_energy_was_edited_since_is_refused(tmp_path, monkeypatch):
@@ -964,8 +973,8 @@ def test_evaluating_a_run_whose_energy_was_edited_since_is_refused(tmp_path, mon
       "model.num_layers": 1, "model.attention_energy": f"{path}:energy",
       "train.num_steps": 2, "checkpoint.every_steps": 2, "train.eval_every_steps": 2}),
       str(workdir))
-  assert evaluate.load_run(str(workdir))[-1] == 2  # unedited: loads
-  summary.check_energies_unedited(str(workdir), summary.run_config(str(workdir)))
+  assert runs.load_run(str(workdir))[-1] == 2  # unedited: loads
+  summary.check_energies_unedited(str(workdir), runs.run_config(str(workdir)))
   path.write_text(USER_ENERGY.format(scale="2.0"))
   # As a new process would meet it: imported and pinned again (once a process each).
   monkeypatch.delitem(sys.modules, energies.get(f"{path}:energy", "attention").energy.__module__)
@@ -975,13 +984,13 @@ def test_evaluating_a_run_whose_energy_was_edited_since_is_refused(tmp_path, mon
       rf"^checkpoint {checkpoint} was trained with another version of its energy \(model\."
       r"attention_energy: its source, or a constant or helper it reads, changed \(sha256 "
       r"[0-9a-f]{12} -> [0-9a-f]{12}\)\): load it with the energy it was trained with$")):
-    evaluate.load_run(str(workdir))
+    runs.load_run(str(workdir))
   # inspect --workdir too: its summary would describe a model never trained.
   with pytest.raises(ValueError, match=(
       rf"^checkpoint {checkpoint} was trained with another version of its energy \(model\."
       r"attention_energy: .*\): the summary would describe a model never trained; restore the "
       r"energy it was trained with$")):
-    summary.check_energies_unedited(str(workdir), summary.run_config(str(workdir)))
+    summary.check_energies_unedited(str(workdir), runs.run_config(str(workdir)))
 
 
 def test_training_with_a_registered_name_says_the_run_cannot_be_reloaded(tmp_path, caplog):
@@ -1524,8 +1533,9 @@ def test_a_key_the_checkpoint_predates_is_compared_at_its_default(caplog):
   now = tiny_config("cem")
   old = now.to_dict()
   del old["train"]["loss_block_size"]  # a checkpoint saved before the key existed
-  run = types.SimpleNamespace(resume=2, start_step=2, meta={"config": old}, config=now,
-                              ckpt=types.SimpleNamespace(step_dir=lambda step: f"ckpt/{step}"))
+  ckpt = types.SimpleNamespace(step_dir=lambda step: f"ckpt/{step}")
+  run = types.SimpleNamespace(resume=2, start_step=2, meta=runs.CheckpointMeta(config=old),
+                              config=now, ckpt=ckpt)
   with caplog.at_level(logging.INFO):
     train._log_resume(run, now.to_dict())
   assert not [r for r in caplog.records if "from the checkpoint's" in r.getMessage()]

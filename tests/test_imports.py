@@ -131,7 +131,7 @@ STAGES = (
     ("layers",),  # 4
     ("model", "optim", "energy_checks", "preflight"),  # 5
     ("steps", "workdir"),  # 6
-    ("train",),  # 7
+    ("runs", "train"),  # 7
     ("main", "bench", "evaluate", "sample", "plot", "summary", "inspect", "tables",
      "prepare", "aot"),  # 8: the tools; nothing above imports them
 )

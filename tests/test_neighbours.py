@@ -287,7 +287,7 @@ def test_shared_sphere_model_trains_restores_and_descends_its_energy(shared_data
   """G = 1 on the sphere, T = 2: the loss drops over 40 steps, the checkpoint restores, inspect
   reports 1 unique block over 2 layers, and on the trained model with small step sizes
   (η = 0.02) every sub-step of every layer lowers its energy in eval's energy trace."""
-  from cem_jax import evaluate
+  from cem_jax import runs
 
   cfg = tiny_config("cem", **{"model.num_unique_blocks": 1, "model.manifold": "sphere",
                               "model.num_steps": 2, "train.num_steps": 40,
@@ -298,7 +298,7 @@ def test_shared_sphere_model_trains_restores_and_descends_its_energy(shared_data
   assert losses[-1] < losses[0] - 0.5
   s = summary.summary(cfg, vocab_size=512)
   assert (s["unique_blocks"], s["num_layers"]) == (1, 2)
-  config, data, graphdef, params, step = evaluate.load_run(str(tmp_path))
+  config, data, graphdef, params, step = runs.load_run(str(tmp_path))
   assert step == 40
   model = nnx.merge(graphdef, params)
   for block in model.blocks:

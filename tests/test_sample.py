@@ -116,7 +116,7 @@ def _stand_in_run(monkeypatch, tokenizer):
 
   from absl import flags
 
-  from cem_jax import evaluate
+  from cem_jax import runs
 
   fv = flags.FlagValues()
   for name, default in (("workdir", "w"), ("prompt", "abc"), ("verbosity", "0"),
@@ -134,7 +134,7 @@ def _stand_in_run(monkeypatch, tokenizer):
     assert (workdir, attention_impl) == ("w", "xla")  # the flags, passed on
     return config, SimpleNamespace(tokenizer=tokenizer), None, None, 7
 
-  monkeypatch.setattr(evaluate, "load_run", load_run)
+  monkeypatch.setattr(runs, "load_run", load_run)
   calls = []
 
   def generate(graphdef, params, prompt, n, **kw):
@@ -150,7 +150,7 @@ def test_sample_takes_a_prompt_and_new_tokens_up_to_seq_len_and_no_more(monkeypa
   # trained context exactly and are allowed; 6 are refused, naming the 5 that are.
   from types import SimpleNamespace
 
-  from cem_jax import evaluate
+  from cem_jax import runs
 
   tokenizer = SimpleNamespace(vocab_size=V, encode=lambda text: [1, 2, 3],
                               decode=lambda ids: "+" * len(ids))
@@ -172,7 +172,7 @@ def test_sample_takes_a_prompt_and_new_tokens_up_to_seq_len_and_no_more(monkeypa
       "data.seq_len=8, the longest context the model was trained on\n")
   # Bytes that are not UTF-8 reach Python as surrogates: refused before the run is loaded.
   fv.prompt = "\udcff\udcfe abc"
-  monkeypatch.setattr(evaluate, "load_run", lambda workdir: pytest.fail("loaded"))
+  monkeypatch.setattr(runs, "load_run", lambda workdir: pytest.fail("loaded"))
   with pytest.raises(SystemExit):
     sample.main([])
   assert capsys.readouterr().err == (

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from cem_jax import config as config_lib
-from cem_jax import files, plot, preflight, sharding
+from cem_jax import files, plot, preflight, runs, sharding
 from cem_jax import summary as summary_lib
 from cem_jax.model import DecoderLM, count_params
 from cem_jax.workdir import (
@@ -53,7 +53,7 @@ def test_inspect_totals_equal_the_built_model(overrides):
 
 @pytest.mark.parametrize("tool", ["sample", "evaluate"])
 def test_the_tools_that_load_a_run_list_attention_impl_in_their_help(tool):
-  # Defined once in evaluate; sample adopts it, or absl's --help would leave it out.
+  # Defined once in runs; both tools adopt it, or absl's --help would leave it out.
   proc = subprocess.run([sys.executable, "-m", f"cem_jax.{tool}", "--help"],
                         capture_output=True, text=True, timeout=300)
   own = proc.stdout.split("Try --helpfull")[0]
@@ -95,7 +95,7 @@ def test_inspect_a_trained_run_from_its_config_json(tmp_path):
   run.mkdir()
   saved = tiny_config("llama", **{"model.num_layers": 3})
   (run / "config.json").write_text(saved.to_json())
-  config = summary_lib.run_config(str(run))
+  config = runs.run_config(str(run))
   assert config.model.num_layers == 3 and config_lib.flat(config) == config_lib.flat(saved)
   proc = subprocess.run([sys.executable, "-m", "cem_jax.inspect", f"--workdir={run}",
                          "--vocab_size=300"], capture_output=True, text=True, timeout=300)
@@ -108,10 +108,10 @@ def test_inspect_a_trained_run_from_its_config_json(tmp_path):
   with pytest.raises(ValueError, match=rf"^{run}/config.json: config fields extra are unknown "
                                        r"to this version of cem_jax; use the version that "
                                        r"trained it$"):
-    summary_lib.run_config(str(run))
+    runs.run_config(str(run))
   with pytest.raises(ValueError, match=rf"^--workdir={tmp_path}: no config.json \(not a run's "
                                        r"folder, or its start failed\)"):
-    summary_lib.run_config(str(tmp_path))
+    runs.run_config(str(tmp_path))
   for args in ([], [f"--workdir={run}", "--config=experiments/tiny.py"]):
     proc = subprocess.run([sys.executable, "-m", "cem_jax.inspect", *args], capture_output=True,
                           text=True, timeout=300)
@@ -459,7 +459,7 @@ def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
       require(tiny_config("llama"))
     return cfg, "data", "graph", "params", 30
 
-  monkeypatch.setattr(evaluate, "load_run", load_run)
+  monkeypatch.setattr(runs, "load_run", load_run)
   monkeypatch.setattr(steps_lib, "make_eval_step",
                       lambda graphdef, t, trace, loss_block_size: t)
   seen = []
@@ -486,7 +486,7 @@ def test_a_test_time_step_count_below_one_is_refused_before_the_run_is_loaded(mo
   def load_run(*args, **kwargs):
     raise AssertionError("the run was loaded before its step counts were checked")
 
-  monkeypatch.setattr(evaluate, "load_run", load_run)
+  monkeypatch.setattr(runs, "load_run", load_run)
   bad = next(t for t in counts if t < 1)
   with pytest.raises(ValueError) as e:
     evaluate.test_time_steps("w", counts)
@@ -497,7 +497,7 @@ def test_a_run_whose_chosen_step_keeps_vanishing_is_tried_three_times_then_its_e
     tmp_path, monkeypatch):
   # A run still training may prune the step load_run chose while it builds the data: it
   # chooses again, twice, then reports the last error as it is (not a crash of its own).
-  from cem_jax import checkpoint, evaluate
+  from cem_jax import checkpoint, runs
 
   class Pruned:  # every step it names is gone by the time it is read
     def __init__(self, directory, **kwargs):
@@ -520,9 +520,9 @@ def test_a_run_whose_chosen_step_keeps_vanishing_is_tried_three_times_then_its_e
 
   (tmp_path / "config.json").write_text("{}")
   monkeypatch.setattr(checkpoint, "Checkpointer", Pruned)
-  monkeypatch.setattr(evaluate, "_build_from", build_from)
+  monkeypatch.setattr(runs, "_build_from", build_from)
   with pytest.raises(FileNotFoundError, match=r"/checkpoints/7: pruned while read$"):
-    evaluate.load_run(str(tmp_path))
+    runs.load_run(str(tmp_path))
   assert calls == [7, 7, 7]
 
 
@@ -531,7 +531,6 @@ def test_a_saved_config_with_fields_unknown_here_is_refused_naming_them_and_wher
     tmp_path, in_checkpoint):
   # A run of a newer cem_jax: its unknown fields would otherwise be added to the config and the
   # model built without them, silently another model.
-  from cem_jax import evaluate
 
   saved = {"model": {"d_model": 32, "new_width": 3}, "train": {"new_rate": 0.1}}
   config_json = tmp_path / "config.json"
@@ -549,7 +548,7 @@ def test_a_saved_config_with_fields_unknown_here_is_refused_naming_them_and_wher
 
   where = f"checkpoint {tmp_path}/checkpoints/4" if in_checkpoint else str(config_json)
   with pytest.raises(ValueError) as e:
-    evaluate._build_from(Saved(), 4, str(config_json), str(tmp_path), require)
+    runs._build_from(Saved(), 4, str(config_json), str(tmp_path), require)
   assert str(e.value) == (f"{where}: config fields model.new_width, train.new_rate are unknown "
                           "to this version of cem_jax; use the version that trained it")
 
@@ -558,7 +557,6 @@ def test_a_damaged_config_json_of_a_run_without_a_config_in_its_checkpoint_is_on
     tmp_path):
   # Runs saved before checkpoints held their config are built from config.json: damaged, it is
   # named with what to do (its command wrote it), not a traceback of the JSON parser.
-  from cem_jax import evaluate
 
   config_json = tmp_path / "config.json"
   config_json.write_text('{"model": {"d_mod')
@@ -571,7 +569,7 @@ def test_a_damaged_config_json_of_a_run_without_a_config_in_its_checkpoint_is_on
       return str(tmp_path / "checkpoints" / str(step))
 
   with pytest.raises(ValueError) as e:
-    evaluate._build_from(Saved(), 4, str(config_json), str(tmp_path))
+    runs._build_from(Saved(), 4, str(config_json), str(tmp_path))
   assert str(e.value).startswith(f"{config_json} is not valid JSON (")
   assert str(e.value).endswith("); restore it from the run's command")
 

@@ -1,0 +1,309 @@
+"""A trained run read back: the metadata every checkpoint holds (:class:`CheckpointMeta`), the
+one refusal of a checkpoint or a table's result that is not the run a config describes, and a
+run loaded for the tools (``evaluate``, ``sample``, ``inspect --workdir``, ``experiments/``).
+
+``train`` saves and resumes through it. Nothing here trains; loading a run may prepare its
+tokens in ``WORKDIR/data``, removed again if its checkpoint refuses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+
+import ml_collections
+from absl import flags
+from flax import nnx
+
+from cem_jax import checkpoint as checkpoint_lib
+from cem_jax import config as config_lib
+from cem_jax import data as data_lib
+from cem_jax import energies, optim, preflight
+from cem_jax import steps as steps_lib
+from cem_jax import workdir as workdir_lib
+from cem_jax.files import read_json
+from cem_jax.version import NUMERICS_VERSION
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMeta:
+  """The JSON metadata saved beside a checkpoint's arrays (:meth:`to_dict` gives the keys on
+  disk, unchanged since checkpoints first held them, so every checkpoint saved so far loads).
+
+  The defaults are what metadata that predates a field stands for: ``numerics_version`` and
+  ``energy_digest_version`` 1 (saved before either was recorded); ``config`` None (saved
+  before checkpoints held their config: ``config.json`` has it); ``data`` and ``energies``
+  None (not recorded: not checked).
+
+  Attributes:
+    step: the step saved, also the data position (batches are a pure function of the step).
+    seed: ``config.seed``.
+    config: the resolved config (``config.to_dict()``).
+    numerics_version: :data:`cem_jax.version.NUMERICS_VERSION` of the code that trained it.
+    data: the tokens trained on (``Data.identity``).
+    energies: the user energies' digests (:func:`cem_jax.energies.energy_digests`); a table's
+      ``result.json`` calls them ``energy_digests`` (:func:`result_record`).
+    energy_digest_version: the digest version ``energies`` were taken with.
+  """
+
+  step: int | None = None
+  seed: int | None = None
+  config: dict | None = None
+  numerics_version: int = 1
+  data: dict | None = None
+  energies: dict | None = None
+  energy_digest_version: int = 1
+
+  @classmethod
+  def saved_now(cls, step: int, seed: int, resolved: dict, data: dict | None,
+                digests: dict) -> CheckpointMeta:
+    """What this code saves at ``step`` of the run of ``resolved`` (``config.to_dict()``)."""
+    return cls(step=step, seed=seed, config=resolved,
+               numerics_version=NUMERICS_VERSION, data=data, energies=digests,
+               energy_digest_version=energies.DIGEST_VERSION)
+
+  def to_dict(self) -> dict:
+    return {"step": self.step, "data_position": self.step, "seed": self.seed,
+            "config": self.config, "numerics_version": self.numerics_version,
+            "data": self.data, "energies": self.energies,
+            "energy_digest_version": self.energy_digest_version}
+
+  @classmethod
+  def from_dict(cls, meta: dict) -> CheckpointMeta:
+    """``meta`` as a checkpoint holds it; keys it lacks take the defaults, keys this code does
+    not know are left out.
+
+    Raises:
+      TypeError, ValueError: a ``numerics_version`` that is not an integer.
+    """
+    known = {f.name for f in dataclasses.fields(cls)}
+    fields = {k: v for k, v in meta.items() if k in known}
+    if "numerics_version" in fields:
+      fields["numerics_version"] = int(fields["numerics_version"])
+    return cls(**fields)
+
+
+def result_record(result: dict) -> CheckpointMeta:
+  """A table's ``result.json`` as the record of the run it holds: its ``energy_digests`` and
+  ``energy_digest_version`` (written together from the first: one lacking the version is
+  compared at this code's) and its ``numerics_version`` (none: 1)."""
+  return CheckpointMeta(numerics_version=int(result.get("numerics_version", 1)),
+                        energies=result.get("energy_digests"),
+                        energy_digest_version=result.get("energy_digest_version",
+                                                         energies.DIGEST_VERSION))
+
+
+def edited_energies(meta: CheckpointMeta, config, where: str,
+                    now: dict | None = None) -> list[str]:
+  """The user energies of ``config`` edited since the run of ``meta`` recorded them, one line
+  each (:func:`cem_jax.energies.changed_energies`; ``now``: ``config``'s digests if already
+  taken; ``where``: the checkpoint or file of the record, for the error).
+
+  Raises:
+    ValueError: ``where`` records a digest version this code does not know.
+  """
+  return energies.changed_energies(meta.energies, meta.energy_digest_version, config, now,
+                                   where)
+
+
+def refuse_other_run(meta: CheckpointMeta, config: ml_collections.ConfigDict, checkpoint: str,
+                     energies_now: dict | None = None) -> None:
+  """Refuses to resume the checkpoint in folder ``checkpoint`` (metadata ``meta``) as the run
+  of ``config``: trained under another numerics version, the rest of the run would see
+  another data order and other eval windows, and ``tables`` would count the mix as a run of
+  this version; as another model (a ``model.*`` key other than
+  :data:`cem_jax.config.RESUME_MAY_CHANGE`, :func:`cem_jax.config.model_changes`, or a user
+  energy edited since; ``energies_now``: ``config``'s digests if already taken), parameters
+  of the same shapes would train on under another energy, mask or step rule without an error.
+  A checkpoint without a config (saved before they held one) is compared by its energies.
+
+  Raises:
+    ValueError: one line naming the checkpoint and both numerics versions, or every changed
+      ``model.*`` key or energy; or as :func:`edited_energies`.
+  """
+  if meta.numerics_version != NUMERICS_VERSION:
+    raise ValueError(
+        f"checkpoint {checkpoint} was trained under numerics version {meta.numerics_version}, "
+        f"this code is version {NUMERICS_VERSION} (cem_jax/version.py says what changed): "
+        "resumed, the run would mix the two; finish it with the code it started with, or "
+        "train in a new --workdir")
+  changes = [] if meta.config is None else config_lib.model_changes(meta.config, config)
+  changes += edited_energies(meta, config, f"checkpoint {checkpoint}", energies_now)
+  if changes:
+    raise ValueError(f"checkpoint {checkpoint} is another model ({', '.join(changes)}): "
+                     "resume with the model it was trained as, or train in a new --workdir")
+
+
+def refuse_edited_energies(meta: CheckpointMeta, config, checkpoint: str, fix: str) -> None:
+  """Refuses to load the checkpoint in folder ``checkpoint`` (metadata ``meta``) as ``config``
+  when a user energy was edited since it was saved: its parameters under the edited energy
+  are a model nobody trained. ``fix``: what the tool's user should do.
+
+  Raises:
+    ValueError: one line naming the checkpoint, the energies and ``fix``; or as
+      :func:`edited_energies`.
+  """
+  changed = edited_energies(meta, config, f"checkpoint {checkpoint}")
+  if changed:
+    raise ValueError(f"checkpoint {checkpoint} was trained with another version of its energy "
+                     f"({', '.join(changed)}): {fix}")
+
+
+def check_data(meta: CheckpointMeta, data, checkpoint: str, workdir: str,
+               prepared_before: frozenset[str] | None) -> None:
+  """Refuses ``data`` if they are not the tokens the checkpoint in folder ``checkpoint`` was
+  trained on (:func:`cem_jax.data.check_same_data`), after removing what ``WORKDIR/data``
+  gained since ``prepared_before`` (:func:`cem_jax.workdir.prepared_folders` taken before the
+  data were built): only a run of this workdir would read those tokens, and its checkpoint
+  refuses them.
+
+  Raises:
+    ValueError: as :func:`cem_jax.data.check_same_data`.
+  """
+  try:
+    data_lib.check_same_data(meta.data, data.identity, checkpoint)
+  except ValueError:
+    workdir_lib.remove_prepared_since(workdir, prepared_before)
+    raise
+
+
+def define_attention_impl_flag() -> None:
+  """``--attention_impl`` of the tools that load a run (evaluate, sample: :func:`load_run`'s
+  ``attention_impl``)."""
+  flags.DEFINE_enum("attention_impl", None, config_lib.ATTENTION_IMPLEMENTATIONS,
+                    "The attention kernel to run the model with (default: the run's own "
+                    "model.attention_impl), e.g. auto on a CPU for a run trained with cudnn.")
+
+
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config of the run in ``workdir``, from its ``config.json``
+  (:func:`cem_jax.config.from_saved`).
+
+  Raises:
+    ValueError: no readable ``config.json`` there, or one with fields this version does not
+      know (one line naming the file).
+  """
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"--workdir={workdir}: no config.json (not a run's folder, or its start "
+                     "failed); give the folder main trained in")
+  return config_lib.from_saved(read_json(path, "restore it from the run's command"), path)
+
+
+def newest_meta(workdir: str) -> tuple[str | None, CheckpointMeta]:
+  """``(folder, metadata)`` of the newest intact checkpoint in ``workdir``, read without
+  touching the run (it may be training); ``(None, CheckpointMeta())`` without one.
+
+  Raises:
+    CheckpointError: checkpoints exist but none is intact.
+  """
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return None, CheckpointMeta()
+  ckpt = checkpoint_lib.Checkpointer(directory, async_save=False, read_only=True)
+  try:
+    step = ckpt.restorable_step()
+    if step is None:
+      return None, CheckpointMeta()
+    return ckpt.step_dir(step), CheckpointMeta.from_dict(ckpt.read_meta(step))
+  finally:
+    ckpt.close()
+
+
+def load_run(workdir: str, require=None, attention_impl: str | None = None):
+  """Returns ``(config, data, graphdef, params, step)`` of the newest checkpoint in ``workdir``.
+
+  The model is rebuilt from the config saved *in that checkpoint*, not from
+  ``config.json``, which every start that trains rewrites (a run still training may be past
+  that checkpoint, or the file edited by hand). Fields missing from an older run's config take
+  today's defaults. The data are the tokens the checkpoint records it was trained on, read
+  from the run's ``data.prepared_dir`` or its ``data/`` folder, so the raw text (and a given
+  tokenizer file) may have moved; otherwise they are built from the config, and must be the
+  tokens the checkpoint records. ``require``, if given, is called with the checkpoint's
+  config before the data and the model are built (seconds), to refuse a run at once by
+  raising ValueError. ``attention_impl`` replaces the run's ``model.attention_impl`` (None:
+  the run's own), e.g. 'auto' to evaluate on a CPU a run trained with 'cudnn' on a GPU: the
+  kernel computes the same function and holds no parameter (``config.RESUME_MAY_CHANGE``).
+
+  Raises:
+    FileNotFoundError: no ``config.json`` or no checkpoint in ``workdir``.
+    CheckpointError: checkpoints exist but none is intact.
+    ValueError: the saved config has fields this version of cem_jax does not know, or fails
+      validation; a user energy was edited since the checkpoint was saved
+      (:func:`refuse_edited_energies`); the data are not those the checkpoint was trained on.
+  """
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"--workdir={workdir}: no config.json (not a cem_jax run)")
+  # Read-only: the run may still be training here; its in-flight saves must not be touched.
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False,
+                                     read_only=True)
+  try:
+    # A run still training may prune the step chosen while the data and model are built:
+    # then the newest step is chosen again.
+    for attempt in range(3):
+      step = ckpt.restorable_step()  # the newest *verified* step
+      if step is None:  # found before the data are built (a tokenizer trained for nothing)
+        raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
+      try:
+        config, data, graphdef, params = _build_from(ckpt, step, path, workdir, require,
+                                                     attention_impl)
+        break
+      except (OSError, ValueError):
+        if attempt == 2 or os.path.isdir(ckpt.step_dir(step)):
+          raise
+  finally:
+    ckpt.close()
+  return config, data, graphdef, params, step
+
+
+def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
+                attention_impl: str | None = None):
+  """``load_run`` for one step: ``(config, data, graphdef, params)``."""
+  meta = CheckpointMeta.from_dict(ckpt.read_meta(step))
+  saved, where = meta.config, f"checkpoint {ckpt.step_dir(step)}"
+  if saved is None:  # saved before checkpoints held their config
+    where = config_json
+    saved = read_json(config_json, "restore it from the run's command")
+  config = config_lib.from_saved(saved, where)
+  if attention_impl is not None:
+    config.model.attention_impl = attention_impl
+  preflight.check(config)
+  refuse_edited_energies(meta, config, ckpt.step_dir(step),
+                         "load it with the energy it was trained with")
+  if require is not None:
+    require(config)
+  found = _prepared_data_of(workdir, config.data.prepared_dir, meta.data)
+  if found:
+    # The tokens the checkpoint was trained on: the raw text and a given tokenizer file need
+    # not be where they were (or exist at all).
+    d = config.data
+    d.prepared_dir, d.files, d.tfds_name, d.tokenizer = found, "", "", ""
+  held = workdir_lib.prepared_folders(workdir)
+  data = data_lib.build_data(config, workdir)
+  check_data(meta, data, ckpt.step_dir(step), workdir, held)
+  model = steps_lib.build_model(config, data.tokenizer.vocab_size)
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx, _ = optim.make_optimizer(config.train)
+  state, _ = ckpt.restore(step, {"params": params, "opt_state": tx.init(params)})
+  return config, data, graphdef, state["params"]
+
+
+def _prepared_data_of(workdir: str, prepared_dir: str, identity: dict | None) -> str | None:
+  """The prepared folder whose tokens are ``identity`` (a checkpoint's record of what it was
+  trained on): the run's ``data.prepared_dir`` or one under ``WORKDIR/data``; None if none."""
+  if not identity:
+    return None
+  candidates = sorted(glob.glob(os.path.join(workdir, "data", "*")))
+  if prepared_dir:
+    candidates.insert(0, os.path.expanduser(prepared_dir))
+  for folder in candidates:
+    try:
+      # Sizes only: build_data verifies every sha256 of the folder it opens.
+      if data_lib.data_identity(data_lib.PreparedData.open_manifest(folder, verify=False)
+                                ) == identity:
+        return folder
+    except ValueError:
+      continue  # not a (complete, intact) prepared folder: not the one
+  return None
