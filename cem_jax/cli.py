@@ -22,6 +22,9 @@ from ml_collections import config_flags
 from cem_jax import errors
 
 CONFIG_FLAG = "config"
+# The flags define_config_flag makes belong to the program that calls it: --help lists them
+# with the program's own (absl lists the main module's key flags).
+flags.disclaim_key_flags()
 
 
 def define_config_flag() -> None:
