@@ -405,6 +405,7 @@ def _causal_values(field, spec, kind, m, shapes, update, seq_len: int):
     runs = _layouts(field, spec, kind, m, shapes, update)
     _check_finite(field, spec, kind, m, update, runs)
   _check_diag_read(field, spec, m, runs)
+  _check_eta_read(field, spec, m, runs)
   _check_decode_matches(field, spec, kind, runs)
   _check_rows_independent(field, spec, kind, m, runs)
   with jax.default_device(_cpu_device()), jax.default_matmul_precision("highest"):
@@ -471,6 +472,7 @@ class _Runs:
   keep: np.ndarray  # [batch, seq] bool: each row's last document (without documents: row 0)
   segment_ids: np.ndarray | None  # of `before` and `after`; None without model.document_mask
   diag_moved: bool  # the update changed with params['diag'] (True without a diagonal)
+  eta_moved: bool  # the update changed with params['eta']
 
 
 def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
@@ -527,6 +529,9 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
     before, e_before = values(train(y, context, params, seg))
     after, e_after = values(train(jnp.where(change, other[:, :seq], y),
                                   jnp.where(change, -other[:, :seq], context), params, seg))
+    # A learned step size the energy never reads would train on a zero gradient.
+    eta_moved = not np.array_equal(before, values(train(
+        y, context, {**params, "eta": 2 * params["eta"]}, seg))[0])
     # A configured diagonal the energy never reads: its parameters would train for nothing.
     diag_moved = "diag" not in params or not np.array_equal(before, values(train(
         y, context, {**params, **_random_params({"diag": shapes["diag"]}, rng)}, seg))[0])
@@ -534,7 +539,7 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
     raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
                      f"{_float32_note(m)}: {one_line(e)}") from e
   return _Runs(trained, e_trained, decoded, e_decoded, before, e_before, after, e_after, keep,
-               seg, diag_moved)
+               seg, diag_moved, eta_moved)
 
 
 def _check_finite(field, spec, kind, m, update, runs: _Runs) -> None:
@@ -559,6 +564,15 @@ def _check_finite(field, spec, kind, m, update, runs: _Runs) -> None:
           "(eval.energy_trace logs it): on rows that see no key use "
           "cem_jax.energies.masked_logsumexp (exactly 0 there), not jax.nn.logsumexp of "
           "scores masked with -inf")
+
+
+def _check_eta_read(field, spec, m, runs: _Runs) -> None:
+  if m.learn_eta and not runs.eta_moved:
+    raise ValueError(
+        f"model.learn_eta=True has no effect on {field}={spec.name!r}: its update does not "
+        "change with params['eta'], the learned step size, which would train on a zero "
+        "gradient; multiply the energy by it (the energy carries the step size) or set "
+        "model.learn_eta=False")
 
 
 def _check_diag_read(field, spec, m, runs: _Runs) -> None:

@@ -507,6 +507,15 @@ def gate_far_ahead(y, context, params, aux):  # token i's gate is token i + 8's 
   return -0.5 * jnp.sum(params["eta"] * (y @ params["w"]) ** 2 * gate)
 
 
+def no_eta(y, context, params, aux):  # the quadratic energy without its step size
+  s, _ = _scores(y, context, params, aux)
+  return -0.5 * jnp.sum(s**2)
+
+
+def mlp_no_eta(y, context, params, aux):
+  return -0.5 * jnp.sum((y @ params["w"]) ** 2 * jax.nn.sigmoid(context @ params["g"]))
+
+
 def across_real_documents(y, context, params, aux):  # leaves padding out, not other documents
   q, k = _qk(y, context, params)
   mask = aux.context_positions[:, None, :] <= aux.positions[:, :, None]
@@ -872,6 +881,19 @@ def test_a_diagonal_the_energy_never_reads_is_refused_at_start_up(tmp_path, diag
       "user_fused.py:quad': its update does not change with params['diag'] ([num_heads, "
       "d_model]); read it in the energy or set model.diagonal='none'")
   preflight.check(_user_config(tmp_path, attention_energy="softmax_copy", diagonal=diagonal))
+
+
+@pytest.mark.parametrize("slot,name", [("attention", "no_eta"), ("mlp", "mlp_no_eta")])
+def test_a_learned_step_size_the_energy_never_reads_is_refused_at_start_up(tmp_path, slot, name):
+  """The energy carries the step size: one that ignores params['eta'] trained eta on a zero
+  gradient without a word; with model.learn_eta=False (eta fixed) it is accepted."""
+  message = _refusal(_user_config(tmp_path, **{f"{slot}_energy": name}))
+  assert message == (
+      f"model.learn_eta=True has no effect on model.{slot}_energy='{tmp_path}/user_fused.py:"
+      f"{name}': its update does not change with params['eta'], the learned step size, which "
+      "would train on a zero gradient; multiply the energy by it (the energy carries the step "
+      "size) or set model.learn_eta=False")
+  preflight.check(_user_config(tmp_path, **{f"{slot}_energy": name}, learn_eta=False))
 
 
 def test_an_energy_in_the_wrong_slot_names_the_slots_parameters(tmp_path):

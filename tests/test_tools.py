@@ -126,7 +126,7 @@ def test_inspect_names_each_energy_and_its_update(tmp_path):
   # update each slot uses, and no FLOPs where a user energy's are not known.
   path = tmp_path / "mine.py"
   path.write_text("import jax.numpy as jnp\n\n\ndef energy(y, context, params, aux):\n"
-                  "  return 0.5 * jnp.sum(y ** 2)\n")
+                  "  return 0.5 * params['eta'] * jnp.sum(y ** 2)\n")
   cases = [({}, ["model.attention_energy='softmax': update by closed form (built-in, "
                  "verified by tests/test_energies.py)",
                  "model.mlp_energy='silu': update by closed form (built-in, verified by "
