@@ -896,6 +896,22 @@ def test_a_learned_step_size_the_energy_never_reads_is_refused_at_start_up(tmp_p
   preflight.check(_user_config(tmp_path, **{f"{slot}_energy": name}, learn_eta=False))
 
 
+def test_an_energy_module_that_turns_on_64_bit_jax_is_refused_and_the_flag_set_back(tmp_path):
+  """Importing it switched the whole run to 64-bit defaults (int64 tokens, float64
+  constants) without a word; the refusal leaves the process as it was."""
+  path = tmp_path / "x64.py"
+  path.write_text("import jax\nimport jax.numpy as jnp\n\njax.config.update('jax_enable_x64', "
+                  "True)\n\n\ndef energy(y, context, params, aux):\n"
+                  "  return -0.5 * params['eta'] * jnp.sum(y ** 2)\n")
+  assert not jax.config.jax_enable_x64
+  message = _refusal(tiny_config("cem", **{"model.mlp_energy": f"{path}:energy"}))
+  assert message == (f"model.mlp_energy='{path}:energy': importing {path} set "
+                     "jax_enable_x64=True, which would change the default dtype of every array "
+                     "in the run; remove the jax.config.update from it (an energy gets y and "
+                     "its parameters in model.dtype)")
+  assert not jax.config.jax_enable_x64
+
+
 def test_an_energy_in_the_wrong_slot_names_the_slots_parameters(tmp_path):
   # A key of the other slot's params gets the slot hint; any other key (maybe of the energy's
   # own dict) the keys params has.

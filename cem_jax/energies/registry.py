@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Callable
 
+import jax
 from absl import logging
 
 from cem_jax.energies import digest, elementwise, interaction
@@ -75,7 +76,27 @@ def _register(name, kind, energy, fused_update, *, builtin: bool) -> EnergySpec:
 
 
 def _import(module_name: str, where: str):
-  """Imports ``package.module`` or a ``path/to/file.py`` (relative to the working directory)."""
+  """Imports ``package.module`` or a ``path/to/file.py`` (relative to the working directory).
+
+  Raises:
+    ValueError: one line naming ``where``: no such file or module, an import that fails, or
+      one that changes ``jax_enable_x64`` (the flag is set back).
+  """
+  x64 = jax.config.jax_enable_x64
+  module = _import_module(module_name, where)
+  if jax.config.jax_enable_x64 != x64:
+    # Every array the run makes would change its default dtype (int64 tokens, float64
+    # constants): the numbers and memory of another program.
+    jax.config.update("jax_enable_x64", x64)
+    sys.modules.pop(module.__name__, None)
+    raise ValueError(f"{where}: importing {module_name} set jax_enable_x64="
+                     f"{not x64}, which would change the default dtype of every array in the "
+                     "run; remove the jax.config.update from it (an energy gets y and its "
+                     "parameters in model.dtype)")
+  return module
+
+
+def _import_module(module_name: str, where: str):
   if module_name.endswith(".py"):
     path = os.path.abspath(module_name)
     if not os.path.isfile(path):
