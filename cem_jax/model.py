@@ -11,12 +11,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from cem_jax import attention, energies, model_stats
-from cem_jax.axes import DEFAULT_RULES, augmented_head_dim, dividing_axes, mesh_axes_of
+from cem_jax.axes import DEFAULT_RULES, augmented_head_dim, dividing_axes, head_dim_of, mesh_axes_of
 from cem_jax.config import BLOCKS
-from cem_jax.energies import EnergyAux, make_mask
+from cem_jax.energies import EnergyAux
 from cem_jax.layers import DTYPES, CEMBlock, LlamaBlock, RMSNorm
-from cem_jax.layers.common import head_dim_of, param
+from cem_jax.layers.common import param
 from cem_jax.loss import output_logits
+from cem_jax.masks import make_mask
 from cem_jax.model_stats import count_params  # noqa: F401  (re-exported: train, tests)
 
 BLOCK_TYPES = {"cem": CEMBlock, "llama": LlamaBlock}

@@ -1,7 +1,7 @@
 """Flax NNX layers: CEM sub-layers and block (:mod:`.cem`), the Llama baseline (:mod:`.llama`)."""
 
 from cem_jax.layers.cem import CEMMLP, CEMAttention, CEMBlock, Preconditioner
-from cem_jax.layers.common import DECAYED_PARAM_NAMES, DTYPES, BlockOut, RMSNorm, head_dim_of
+from cem_jax.layers.common import DECAYED_PARAM_NAMES, DTYPES, BlockOut, RMSNorm
 from cem_jax.layers.llama import LlamaAttention, LlamaBlock, SwiGLU
 
 __all__ = [
@@ -16,5 +16,4 @@ __all__ = [
     "Preconditioner",
     "RMSNorm",
     "SwiGLU",
-    "head_dim_of",
 ]

@@ -26,12 +26,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cem_jax import energies, inner, updates
+from cem_jax.axes import head_dim_of
 from cem_jax.layers.common import (
     DTYPES,
     BlockOut,
     RMSNorm,
     const_param,
-    head_dim_of,
     param,
     softplus_inverse,
 )

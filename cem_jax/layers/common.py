@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cem_jax import config
-from cem_jax.axes import head_dim_of  # noqa: F401  (re-exported: the one head_dim rule)
 
 # config.DTYPES is the one list of names (config must stay jax-free); this maps them to jnp.
 DTYPES = {name: getattr(jnp, name) for name in config.DTYPES}

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from cem_jax import attention
+from cem_jax.axes import head_dim_of
 from cem_jax.energies import EnergyAux, apply_rope
-from cem_jax.layers.common import DTYPES, BlockOut, RMSNorm, head_dim_of, param
+from cem_jax.layers.common import DTYPES, BlockOut, RMSNorm, param
 
 
 class LlamaAttention(nnx.Module):
