@@ -34,7 +34,7 @@ from cem_jax import steps as steps_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import make_batch
 from cem_jax.files import atomic_write_json
-from cem_jax.model import DecoderLM, known_flops_per_token
+from cem_jax.model import DecoderLM, abstract_model, known_flops_per_token
 from cem_jax.model_stats import count_params, gflop_text, peak_flops
 
 VARIANTS = {
@@ -280,7 +280,7 @@ def run(preset: str, variants: list[str], out: str | None = None,
              for n, width, name in todo]
   for cfg in configs:  # what no row could run fails now, in one line, before any is measured
     # The model first: its kernel choice knows this machine (cuDNN on a CPU: "needs a GPU").
-    nnx.eval_shape(lambda cfg=cfg: DecoderLM(cfg.model, p["vocab_size"], rngs=nnx.Rngs(0)))
+    abstract_model(cfg.model, p["vocab_size"])
     preflight.check(cfg)
   for i, ((n, width, name), cfg) in enumerate(zip(todo, configs, strict=True)):
     row = {"variant": name, "seq_len": n, "d_model": width,

@@ -18,7 +18,6 @@ from cem_jax.layers import DTYPES, CEMBlock, LlamaBlock, RMSNorm
 from cem_jax.layers.common import param
 from cem_jax.loss import output_logits
 from cem_jax.masks import make_mask
-from cem_jax.model_stats import count_params  # noqa: F401  (re-exported: train, tests)
 
 BLOCK_TYPES = {"cem": CEMBlock, "llama": LlamaBlock}
 # model.remat -> jax.checkpoint policy: 'full' saves nothing, 'dots' keeps matmul outputs
@@ -462,3 +461,14 @@ class DecoderLM(nnx.Module):
                                                    mesh_shape)))
 
 
+def abstract_model(model_cfg: ml_collections.ConfigDict, vocab_size: int, *,
+                   rules=DEFAULT_RULES, platform: str | None = None) -> DecoderLM:
+  """``DecoderLM`` built as shapes only (``nnx.eval_shape``: no parameter is allocated), for
+  what the parameters' names, shapes and counts and the kernel choice need.
+
+  Raises:
+    ValueError: what ``DecoderLM`` raises (e.g. an explicit attention kernel this platform
+      cannot run), one line.
+  """
+  return nnx.eval_shape(lambda: DecoderLM(model_cfg, vocab_size, rngs=nnx.Rngs(0), rules=rules,
+                                          platform=platform))

@@ -22,7 +22,7 @@ from absl import app, flags
 from flax import nnx
 
 from cem_jax import axes, cli, energies, model_stats, preflight, runs, sharding, updates
-from cem_jax.model import DecoderLM, known_flops_per_token
+from cem_jax.model import abstract_model, known_flops_per_token
 
 
 def summary(config, vocab_size: int | None = None, devices=None,
@@ -62,7 +62,7 @@ def summary(config, vocab_size: int | None = None, devices=None,
     # preflight.check refused what no machine runs): the parameters do not depend on it.
     model_config = ml_collections.ConfigDict(model_config.to_dict())
     model_config.attention_impl = "xla"
-  model = nnx.eval_shape(lambda: DecoderLM(model_config, vocab, rngs=nnx.Rngs(0)))
+  model = abstract_model(model_config, vocab)
   state = nnx.state(model, nnx.Param)
   specs = sharding.param_specs(state, sharding.rules_from_config(config.mesh), mesh)
   is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)

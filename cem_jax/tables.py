@@ -45,7 +45,6 @@ import time
 import jax
 import ml_collections
 from absl import app, flags, logging
-from flax import nnx
 from tqdm import tqdm
 
 from cem_jax import cli, energies, errors, model_stats, preflight, runs, train
@@ -55,7 +54,7 @@ from cem_jax.config import get_default_config
 from cem_jax.data import pipeline, prepared, sources
 from cem_jax.files import atomic_write_json, atomic_write_text, read_json, saved_figure
 from cem_jax.metrics import has_final_eval, read_metrics
-from cem_jax.model import DecoderLM, known_flops_per_token
+from cem_jax.model import abstract_model, known_flops_per_token
 from cem_jax.version import NUMERICS_VERSION
 
 PAPER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -150,9 +149,8 @@ def row_config(module, row: str, scale: str, seed: int, steps: int | None = None
 
 def parameter_counts(config) -> dict:
   """Total, non-embedding, attention and MLP parameters of ``config``'s model (no allocation)."""
-  model = nnx.eval_shape(lambda: DecoderLM(config.model, config.data.vocab_size,
-                                           rngs=nnx.Rngs(0)))
-  return model_stats.parameter_counts(model)
+  return model_stats.parameter_counts(
+      abstract_model(config.model, config.data.vocab_size))
 
 
 def run_dir(workdir: str, table: str, row: str, seed: int) -> str:

@@ -36,8 +36,7 @@ from cem_jax.checkpoint import Checkpointer
 from cem_jax.distributed import sync_processes
 from cem_jax.files import atomic_write_json
 from cem_jax.metrics import MetricsWriter, read_metrics, tensorboard_dir
-from cem_jax.model import count_params
-from cem_jax.model_stats import flops_per_token, peak_flops
+from cem_jax.model_stats import count_params, flops_per_token, peak_flops
 from cem_jax.optim import make_optimizer
 from cem_jax.profiling import StepProfiler, step_marker
 from cem_jax.version import NUMERICS_VERSION

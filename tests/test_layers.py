@@ -11,7 +11,8 @@ from flax import nnx
 
 from cem_jax.config import get_default_config
 from cem_jax.layers import CEMBlock, LlamaBlock
-from cem_jax.model import DecoderLM, count_params
+from cem_jax.model import DecoderLM
+from cem_jax.model_stats import count_params
 
 D, H, F, B, T, V = 32, 4, 48, 2, 12, 50
 

@@ -18,7 +18,8 @@ from cem_jax import inner, preflight, steps, summary, train
 from cem_jax.config import get_default_config
 from cem_jax.layers.common import softplus_inverse
 from cem_jax.metrics import energy_trace, read_metrics
-from cem_jax.model import DecoderLM, count_params
+from cem_jax.model import DecoderLM
+from cem_jax.model_stats import count_params
 
 D, H, F, B, N, V = 16, 2, 24, 2, 6, 40
 

@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 from cem_jax import config as config_lib
 from cem_jax import files, plot, preflight, runs, sharding
 from cem_jax import summary as summary_lib
-from cem_jax.model import DecoderLM, count_params
+from cem_jax.model import DecoderLM
+from cem_jax.model_stats import count_params
 from cem_jax.workdir import (
   Preemption,
   exclusive,
