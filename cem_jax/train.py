@@ -453,9 +453,9 @@ class _Loop:
     self.global_rows = cfg_t.batch_size
     self.tokens_per_step = self.global_rows * config.data.seq_len
     # Model FLOPs of one training step (3x forward) over the devices' peak: train/mfu, where
-    # the device's peak is known (model_stats.PEAK_FLOPS; never on a CPU) and the FLOPs are
-    # (not with a user energy, whose operations are not modelled: no MFU rather than a wrong
-    # one).
+    # the device's peak is known (model_stats.PEAK_FLOPS; never on a CPU) and so are the
+    # FLOPs (not with a user energy, whose operations are not modelled: no MFU rather than a
+    # wrong one).
     self.flops_per_step = 3 * self.tokens_per_step * flops_per_token(
         config.model, run.data.tokenizer.vocab_size, config.data.seq_len)
     self.peak_flops = _mfu_peak(config)
