@@ -167,8 +167,7 @@ def compile_for(config, target: Target, vocab_size: int | None = None) -> dict:
 
   preflight.check(config)
   preflight.check_machine(config, platform=target.platform)
-  sizes = sharding.check_config(config, len(target.devices))
-  data_parallel = sharding.data_parallel_size(config.mesh, sizes)
+  data_parallel = train.data_parallel_devices(config, len(target.devices))
   vocab = cli.vocab_size(config, vocab_size)
   mesh = sharding.make_mesh(config.mesh, target.devices)
   tx, schedule = optim.make_optimizer(config.train)

@@ -47,9 +47,11 @@ def _format_eta(seconds: float) -> str:
   return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-def data_parallel_devices(config: ml_collections.ConfigDict) -> int:
+def data_parallel_devices(config: ml_collections.ConfigDict,
+                          device_count: int | None = None) -> int:
   """Devices the global batch is split over (``mesh.data × mesh.fsdp`` under the default rules)
-  of all processes' ``jax.device_count()``; checks the mesh first (:func:`sharding.check_config`).
+  of ``device_count`` devices (default: all processes' ``jax.device_count()``; ``aot`` passes
+  a target's); checks the mesh first (:func:`sharding.check_config`).
 
   ``mesh.data = -1`` takes the devices left over by ``mesh.fsdp × mesh.tensor``.
 
@@ -59,8 +61,8 @@ def data_parallel_devices(config: ml_collections.ConfigDict) -> int:
       divisible by the data-parallel devices; ``mesh.tensor`` (or ``mesh.fsdp``) not dividing
       ``model.num_heads``, ``model.mlp_dim`` (``model.d_model``).
   """
-  sizes = sharding_lib.check_config(config, jax.device_count())
-  return sharding_lib.data_parallel_size(config.mesh, sizes)
+  count = jax.device_count() if device_count is None else device_count
+  return sharding_lib.data_parallel_size(config.mesh, sharding_lib.check_config(config, count))
 
 
 # The schedule passing over the training tokens this many times or more gets a warning: from the
