@@ -414,16 +414,17 @@ def _causal_values(field, spec, kind, m, shapes, update, seq_len: int):
 
 def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> None:
   """Refuses an update whose rows move when only later tokens change, in one document of
-  ``min(data.seq_len, _LOOK_AHEAD_SEQ)`` tokens: row 0 of the batch keeps its first half,
-  row 1 its first token, and ``y`` and ``context`` change everywhere after them. A look-ahead
-  of any distance below the length shows, however small the weights make it
-  (:data:`LOOK_AHEAD_RTOL`, not the float32 tolerance of the other layouts).
+  ``min(data.seq_len, _LOOK_AHEAD_SEQ)`` tokens: the three rows of the batch keep their first
+  half, their first token and all but their last token, and ``y`` and ``context`` change
+  everywhere after that. A look-ahead of any distance below the length shows, however small
+  the weights make it (:data:`LOOK_AHEAD_RTOL`, not the float32 tolerance of the other
+  layouts), and so does one only late tokens make (the last row).
 
   Raises:
     ValueError: one line naming the field, the split and the relative error.
   """
-  seq, batch = min(seq_len, _LOOK_AHEAD_SEQ), 2
-  splits = (max(seq // 2, 1), 1)
+  seq, batch = min(seq_len, _LOOK_AHEAD_SEQ), 3
+  splits = (max(seq // 2, 1), 1, seq - 1)
   keep = np.arange(seq)[None, :] < np.asarray(splits)[:, None]
   one = jnp.ones((batch, seq), jnp.int32) if m.document_mask else None
 
@@ -448,12 +449,15 @@ def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> 
                      f"[batch, seq_len, d_model] inputs of {seq} tokens{_float32_note(m)}")
   rel = _relative_error(after[keep], before[keep])
   if not rel <= LOOK_AHEAD_RTOL:  # also NaN
-    hint = _MASK_HINT if kind == "attention" else _PER_TOKEN_HINT
+    hint = _PER_TOKEN_HINT if kind == "mlp" else (
+        f"{_MASK_HINT}; a stabilising max taken over all positions does it too, through float32 "
+        "rounding in its gradient: take it per query row, put it under jax.lax.stop_gradient, "
+        "or use cem_jax.energies.masked_logsumexp")
     raise ValueError(
         f"{field}={spec.name!r}: its update reads tokens after its own: in one document of "
-        f"{seq} tokens, the updates of positions 0..{splits[0] - 1} (of 0 in another row) "
-        f"change when only the tokens after them change: max relative error {rel:.3g} > "
-        f"{LOOK_AHEAD_RTOL:g}; {hint}")
+        f"{seq} tokens, the updates before position k change when only the tokens from k on "
+        f"change (k = {', '.join(map(str, splits))} in three rows): max relative error "
+        f"{rel:.3g} > {LOOK_AHEAD_RTOL:g}; {hint}")
 
 
 @dataclasses.dataclass(frozen=True)

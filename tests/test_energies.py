@@ -494,6 +494,22 @@ def dilated(y, context, params, aux):  # keys every 8 back, written so that 8 ah
   return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2 + extra**2)
 
 
+def late_peek(y, context, params, aux):  # from position 40 on, a query sees the next key too
+  q, k = _qk(y, context, params)
+  d = aux.positions[:, :, None] - aux.context_positions[:, None, :]
+  sees = aux.mask | ((d == -1) & (aux.positions[:, :, None] >= 40))
+  s = jnp.where(sees[:, None], jnp.einsum("bthk,bshk->bhts", q, k), 0.0)
+  return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2)
+
+
+def global_max(y, context, params, aux):  # causal in exact arithmetic; one max over all scores
+  s, _ = _scores(y, context, params, aux)
+  top = jnp.max(jnp.where(aux.mask[:, None], s, -jnp.inf))
+  e = jnp.where(aux.mask[:, None], jnp.exp(s - top), 0.0)
+  lse = jnp.log(jnp.maximum(e.sum(-1), 1e-30)) + top
+  return -jnp.sum(params["eta"][:, None] * lse)
+
+
 def small_leak(y, context, params, aux):  # causal, plus 1e-4 of the next key
   s, _ = _scores(y, context, params, aux)
   q, k = _qk(y, context, params)
@@ -910,6 +926,11 @@ def test_an_energy_module_that_turns_on_64_bit_jax_is_refused_and_the_flag_set_b
                      "in the run; remove the jax.config.update from it (an energy gets y and "
                      "its parameters in model.dtype)")
   assert not jax.config.jax_enable_x64
+  # One that fails to import after turning it on leaves the process as it was too.
+  path.write_text("import jax\njax.config.update('jax_enable_x64', True)\nraise ImportError('x')\n")
+  message = _refusal(tiny_config("cem", **{"model.mlp_energy": f"{path}:energy"}))
+  assert "importing" in message and "failed: ImportError: x" in message, message
+  assert not jax.config.jax_enable_x64
 
 
 def test_an_energy_in_the_wrong_slot_names_the_slots_parameters(tmp_path):
@@ -970,7 +991,8 @@ def test_an_energy_with_an_exact_closed_form_is_checked_for_causality_too(tmp_pa
 
 @pytest.mark.parametrize("slot,name,extra", [
     ("attention", "dilated", {}), ("attention", "dilated", {"document_mask": False}),
-    ("attention", "small_leak", {}), ("mlp", "gate_far_ahead", {})])
+    ("attention", "small_leak", {}), ("mlp", "gate_far_ahead", {}),
+    ("attention", "late_peek", {}), ("attention", "global_max", {})])
 def test_an_energy_that_reads_tokens_far_ahead_or_a_little_is_refused(tmp_path, slot, name,
                                                                        extra):
   """The short layouts above see 4 tokens ahead at most, at a float32 tolerance of 1e-3: keys 8
@@ -980,9 +1002,14 @@ def test_an_energy_that_reads_tokens_far_ahead_or_a_little_is_refused(tmp_path, 
   message = _refusal(_user_config(tmp_path, **{f"{slot}_energy": name}, **extra))
   assert message.startswith(
       f"model.{slot}_energy='{tmp_path}/user_fused.py:{name}': its update reads tokens after "
-      "its own: in one document of 64 tokens, the updates of positions 0..31 (of 0 in another "
-      "row) change when only the tokens after them change: max relative error "), message
+      "its own: in one document of 64 tokens, the updates before position k change when only "
+      "the tokens from k on change (k = 32, 1, 63 in three rows): max relative error "), message
   assert ("build masks from aux.mask" if slot == "attention" else "per-token terms") in message
+  if slot == "attention":  # float32 rounding through a max over all positions is a cause too
+    assert message.endswith("a stabilising max taken over all positions does it too, through "
+                            "float32 rounding in its gradient: take it per query row, put it "
+                            "under jax.lax.stop_gradient, or use "
+                            "cem_jax.energies.masked_logsumexp"), message
 
 
 def test_energy_that_crosses_documents_is_refused(tmp_path):
@@ -1128,3 +1155,32 @@ def test_absolute_name_makes_only_relative_file_paths_absolute(tmp_path, monkeyp
   energies.absolute_paths(model)
   assert model == {"attention_energy": f"{tmp_path}/a.py:energy",
                    "mlp_energy": f"{tmp_path}/m/g.py:gate"}
+
+
+FIRST_SEES_SECOND = '''
+import jax.numpy as jnp
+
+from cem_jax.energies import masked_logsumexp
+
+
+def energy(y, context, params, aux):
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"])
+  beta = params["beta"]
+  s = jnp.einsum("bthk,bshk->bhts", q, k) * beta[None, :, None, None]
+  # a "no empty first row" fix gone wrong: token 0 also sees token 1
+  sees = aux.mask | ((aux.positions[:, :, None] == 0) & (aux.context_positions[:, None, :] == 1))
+  lse = masked_logsumexp(s, sees[:, None])
+  return -jnp.sum(lse * (params["eta"] / beta)[None, :, None])
+'''
+
+
+def test_a_first_token_that_sees_the_second_is_refused(tmp_path):
+  # Mutation (adversary s50): the look-ahead check's second row keeping half its tokens, as the
+  # first does (splits (seq // 2, seq // 2)): only a row whose first token alone is kept sees a
+  # look-ahead of token 0 to token 1; the decoding and document layouts never do.
+  path = tmp_path / "first.py"
+  path.write_text(FIRST_SEES_SECOND)
+  message = _refusal(tiny_config("cem", **{"model.attention_energy": f"{path}:energy"}))
+  assert message.startswith(f"model.attention_energy='{path}:energy': its update reads tokens "
+                            "after its own: in one document of 64 tokens"), message

@@ -83,11 +83,15 @@ def _import(module_name: str, where: str):
       one that changes ``jax_enable_x64`` (the flag is set back).
   """
   x64 = jax.config.jax_enable_x64
-  module = _import_module(module_name, where)
-  if jax.config.jax_enable_x64 != x64:
+  try:
+    module = _import_module(module_name, where)
+  finally:  # also when the import fails after turning it on: the process goes on (tests, notebooks)
+    changed = jax.config.jax_enable_x64 != x64
+    if changed:
+      jax.config.update("jax_enable_x64", x64)
+  if changed:
     # Every array the run makes would change its default dtype (int64 tokens, float64
     # constants): the numbers and memory of another program.
-    jax.config.update("jax_enable_x64", x64)
     sys.modules.pop(module.__name__, None)
     raise ValueError(f"{where}: importing {module_name} set jax_enable_x64="
                      f"{not x64}, which would change the default dtype of every array in the "
