@@ -70,17 +70,30 @@ class CheckpointMeta:
             "energy_digest_version": self.energy_digest_version}
 
   @classmethod
-  def from_dict(cls, meta: dict) -> CheckpointMeta:
+  def from_dict(cls, meta: dict, where: str = "a checkpoint") -> CheckpointMeta:
     """``meta`` as a checkpoint holds it; keys it lacks take the defaults, keys this code does
-    not know are left out.
+    not know are left out. A version written as a string of digits is read as its integer.
 
     Raises:
-      TypeError, ValueError: a ``numerics_version`` that is not an integer.
+      ValueError: one line naming ``where``: ``meta`` is not an object, or a field is not of
+        its type (an integer version or step, an object for ``config``, ``data``, ``energies``).
     """
+    if not isinstance(meta, dict):
+      raise ValueError(f"{where}: damaged metadata: a {type(meta).__name__}, not an object")
     known = {f.name for f in dataclasses.fields(cls)}
     fields = {k: v for k, v in meta.items() if k in known}
-    if "numerics_version" in fields:
-      fields["numerics_version"] = int(fields["numerics_version"])
+    for key in ("numerics_version", "energy_digest_version", "step", "seed"):
+      value = fields.get(key)
+      if isinstance(value, str) and value.isdigit():
+        fields[key] = value = int(value)
+      if key in fields and not (isinstance(value, int) and not isinstance(value, bool)
+                                and value >= 0 or value is None and key in ("step", "seed")):
+        raise ValueError(f"{where}: damaged metadata: {key}={value!r}; allowed: an integer "
+                         ">= 0")
+    for key in ("config", "data", "energies"):
+      if fields.get(key) is not None and not isinstance(fields[key], dict):
+        raise ValueError(f"{where}: damaged metadata: {key} is a {type(fields[key]).__name__}, "
+                         "not an object")
     return cls(**fields)
 
 
@@ -206,7 +219,8 @@ def newest_meta(workdir: str) -> tuple[str | None, CheckpointMeta]:
     step = ckpt.restorable_step()
     if step is None:
       return None, CheckpointMeta()
-    return ckpt.step_dir(step), CheckpointMeta.from_dict(ckpt.read_meta(step))
+    return ckpt.step_dir(step), CheckpointMeta.from_dict(ckpt.read_meta(step),
+                                                         f"checkpoint {ckpt.step_dir(step)}")
   finally:
     ckpt.close()
 
@@ -261,7 +275,7 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
 def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
                 attention_impl: str | None = None):
   """``load_run`` for one step: ``(config, data, graphdef, params)``."""
-  meta = CheckpointMeta.from_dict(ckpt.read_meta(step))
+  meta = CheckpointMeta.from_dict(ckpt.read_meta(step), f"checkpoint {ckpt.step_dir(step)}")
   saved, where = meta.config, f"checkpoint {ckpt.step_dir(step)}"
   if saved is None:  # saved before checkpoints held their config
     where = config_json

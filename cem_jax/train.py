@@ -220,7 +220,8 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
     if resume is not None:
       # Checked before the data and the model are built: a refusal would otherwise come after
       # reading or preparing the data (minutes at corpus scale) and initialising, for nothing.
-      saved = runs.CheckpointMeta.from_dict(ckpt.read_meta(resume))
+      saved = runs.CheckpointMeta.from_dict(ckpt.read_meta(resume),
+                                            f"checkpoint {ckpt.step_dir(resume)}")
       runs.refuse_other_run(saved, config, ckpt.step_dir(resume), energies_now)
     data = workdir_lib.build_data_once(config, workdir)
     tx, schedule = make_optimizer(config.train)
@@ -234,9 +235,13 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
       # The target is the freshly initialised state on the current devices: the restore takes
       # its structure (optax's state types) and shardings, whatever the saving run used.
       state, meta = ckpt.restore(resume, {"params": params, "opt_state": opt_state})
-      run.meta = runs.CheckpointMeta.from_dict(meta)
+      run.meta = runs.CheckpointMeta.from_dict(meta, f"checkpoint {ckpt.step_dir(resume)}")
       run.params, run.opt_state = state["params"], state["opt_state"]
-      run.start_step = int(run.meta.step)
+      # The step Orbax saved the arrays under; the data position is a function of it.
+      run.start_step = resume
+      if run.meta.step not in (None, resume):
+        raise ValueError(f"checkpoint {ckpt.step_dir(resume)}: damaged metadata: step="
+                         f"{run.meta.step}, saved as step {resume}")
   except BaseException:
     _undo_start(ckpt, workdir, created)
     raise
