@@ -338,7 +338,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv):
-  del argv
+  cli.no_extra_args(argv)
   fl = flags.FLAGS
   with cli.user_errors():
     unknown = [v for v in fl.variants if v not in VARIANTS]

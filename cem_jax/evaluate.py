@@ -97,7 +97,7 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
 
 
 def main(argv):
-  del argv
+  cli.no_extra_args(argv)
   fl = flags.FLAGS
   # Orbax warns that a read-only manager is read-only; our own warnings (a damaged newest
   # checkpoint) still show.

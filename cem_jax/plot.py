@@ -102,7 +102,7 @@ def plot_run(workdir: str) -> list[str]:
 
 
 def main(argv):
-  del argv
+  cli.no_extra_args(argv)
   with cli.user_errors():
     for path in plot_run(flags.FLAGS.workdir):
       print(path)

@@ -118,7 +118,7 @@ def generate(graphdef, params, prompt: np.ndarray, max_new_tokens: int, *, rng=N
 
 
 def main(argv):
-  del argv
+  cli.no_extra_args(argv)
   from cem_jax import runs
 
   fl = flags.FLAGS

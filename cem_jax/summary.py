@@ -148,7 +148,7 @@ def check_energies_unedited(workdir: str, config: ml_collections.ConfigDict) -> 
 
 
 def main(argv):
-  del argv
+  cli.no_extra_args(argv)
   fl = flags.FLAGS
   with cli.user_errors():
     if (fl.config is None) == (fl.workdir is None):

@@ -628,7 +628,7 @@ def _rows_flag(module, value: str | None) -> list[str] | None:
 
 
 def main(argv):
-  del argv
+  cli.no_extra_args(argv)
   cli.quiet_libraries()
   fl = flags.FLAGS
   with cli.interrupted("the run in training stopped at once (no save of its own); the same "

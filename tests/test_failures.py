@@ -1571,3 +1571,84 @@ def test_an_out_of_memory_error_is_quoted_by_its_first_line(monkeypatch):
   assert str(e.value).startswith("the training step does not fit in device memory (XLA: "
                                  "RESOURCE_EXHAUSTED: 9.5G of 8G hbm): raise ")
   assert "\n" not in str(e.value)
+
+
+def test_a_numerics_version_saved_as_a_string_of_this_version_resumes():
+  # Mutation (adversary s50): CheckpointMeta.from_dict without int() of numerics_version: a
+  # hand-edited or string-typed "3" was refused as another version (3 != '3').
+  meta = runs.CheckpointMeta.from_dict({"step": 4, "numerics_version": str(NUMERICS_VERSION)})
+  assert meta.numerics_version == NUMERICS_VERSION
+  runs.refuse_other_run(meta, tiny_config("cem"), "ck")  # no config, no energies: resumes
+  with pytest.raises(ValueError, match="trained under numerics version 1, "):
+    runs.refuse_other_run(runs.CheckpointMeta.from_dict({"numerics_version": "1"}),
+                          tiny_config("cem"), "ck")
+
+
+@pytest.mark.parametrize("tool", ["summary", "evaluate", "sample", "tables", "plot", "bench"])
+def test_every_tool_refuses_stray_arguments(tool):
+  # absl hands positional arguments to main: a flag missing its "--" (`workdir=w`) or a space
+  # inside a value was dropped without a word.
+  import importlib
+
+  from absl import app
+
+  with pytest.raises(app.UsageError, match="^unexpected arguments: workdir=w$"):
+    importlib.import_module(f"cem_jax.{tool}").main(["prog", "workdir=w"])
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"numerics_version": "abc"}, "numerics_version='abc'; allowed: an integer >= 0"),
+    ({"numerics_version": None}, "numerics_version=None; allowed: an integer >= 0"),
+    ({"numerics_version": 3.7}, "numerics_version=3.7; allowed: an integer >= 0"),
+    ({"step": "four"}, "step='four'; allowed: an integer >= 0"),
+    ({"energy_digest_version": True}, "energy_digest_version=True; allowed: an integer >= 0"),
+    ({"config": [1]}, "config is a list, not an object"),
+    ({"energies": "x"}, "energies is a str, not an object"),
+    ([], "a list, not an object"),
+])
+def test_damaged_checkpoint_metadata_is_one_line_naming_the_checkpoint(meta, message):
+  # A hand-edited or damaged meta JSON: "invalid literal for int()" without the checkpoint's
+  # name, a TypeError traceback for null, 3.7 resumed as version 3, AttributeError tracebacks.
+  with pytest.raises(ValueError) as e:
+    runs.CheckpointMeta.from_dict(meta, "checkpoint WD/checkpoints/4")
+  assert str(e.value) == f"checkpoint WD/checkpoints/4: damaged metadata: {message}"
+
+
+def test_a_result_json_without_a_digest_version_is_compared_at_this_codes(tmp_path):
+  # Mutation (adversary s50): runs.result_record taking a missing energy_digest_version as 1:
+  # a table's result.json of an unedited user energy then counted as edited (or the reverse).
+  path = tmp_path / "e.py"
+  path.write_text("import jax.numpy as jnp\n\n\ndef energy(y, context, params, aux):\n"
+                  "  return -0.5 * jnp.sum(params['eta'] * y ** 2)\n")
+  cfg = tiny_config("cem", **{"model.mlp_energy": f"{path}:energy"})
+  digests = energies.energy_digests(cfg)
+  record = runs.result_record({"energy_digests": digests})
+  assert record.energy_digest_version == energies.DIGEST_VERSION
+  assert record.numerics_version == 1  # a result.json without one: version 1
+  assert runs.edited_energies(record, cfg, "result.json") == []
+
+
+def test_a_failed_start_removes_all_but_its_prepared_tokens(tmp_path):
+  # Mutation (adversary s50): workdir.remove_failed_start leaving config.json, metrics and
+  # checkpoints behind when tokens were prepared (a failed start that looks like a run).
+  from cem_jax import workdir as workdir_lib
+
+  run = tmp_path / "w"
+  (run / "data" / "abc").mkdir(parents=True)
+  (run / "data" / "abc" / "manifest.json").write_text("{}")
+  (run / "checkpoints" / "2").mkdir(parents=True)
+  (run / "config.json").write_text("{}")
+  (run / "metrics.jsonl").write_text("")
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "keep.txt").write_text("x")
+  (run / "link").symlink_to(outside)
+  workdir_lib.remove_failed_start(str(run))
+  assert sorted(os.listdir(run)) == ["data"]
+  assert (run / "data" / "abc" / "manifest.json").is_file()
+  assert (outside / "keep.txt").is_file()  # the link removed, not what it points to
+  bare = tmp_path / "bare"
+  (bare / "data").mkdir(parents=True)  # no tokens prepared: nothing worth keeping
+  (bare / "config.json").write_text("{}")
+  workdir_lib.remove_failed_start(str(bare))
+  assert not bare.exists()

@@ -1133,3 +1133,14 @@ def test_reproducing_md_quotes_the_committed_tables():
               f"{where}, {head}: {cell} quoted, {want} in {path}")
         checked += 1
   assert checked >= 100  # every section's table was read
+
+
+def test_aggregate_of_results_of_no_row_asked_for_is_no_rows():
+  # Mutation (adversary s50): aggregate without its `if not names: return []`; [] alone does not
+  # reach names[0] (the comprehension over no results never reads it), results of a row not
+  # asked for do: an IndexError.
+  import types
+
+  module = types.SimpleNamespace(ROWS=["cem", "llama"])
+  results = [{"row": "llama", "seed": 0, "eval/loss": 3.0}]
+  assert tables.aggregate(module, "tiny", results, rows=["cem"]) == []
