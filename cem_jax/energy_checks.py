@@ -444,9 +444,9 @@ def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> 
   except Exception as e:
     raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs of "
                      f"{seq} tokens{_float32_note(m)}: {one_line(e)}") from e
-  if not (np.all(np.isfinite(before)) and np.all(np.isfinite(after))):
-    raise ValueError(f"{field}={spec.name!r}: its update is not finite on random float32 "
-                     f"[batch, seq_len, d_model] inputs of {seq} tokens{_float32_note(m)}")
+  for values in (before, after):
+    if not np.all(np.isfinite(values)):
+      raise _not_finite(field, spec, kind, m, update, values, None, False)
   rel = _relative_error(after[keep], before[keep])
   if not rel <= LOOK_AHEAD_RTOL:  # also NaN
     hint = _PER_TOKEN_HINT if kind == "mlp" else (

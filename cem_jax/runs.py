@@ -97,11 +97,22 @@ class CheckpointMeta:
     return cls(**fields)
 
 
+def numerics_version_of(record: dict) -> int:
+  """The numerics version a run's record states (a table's ``result.json``, the first line of
+  its ``metrics.jsonl``): :data:`cem_jax.version.NUMERICS_VERSION` of the code that trained it;
+  none recorded: 1, as for a checkpoint (:class:`CheckpointMeta`).
+
+  Raises:
+    ValueError, TypeError: a recorded version that is not an integer.
+  """
+  return int(record.get("numerics_version", CheckpointMeta.numerics_version))
+
+
 def result_record(result: dict) -> CheckpointMeta:
   """A table's ``result.json`` as the record of the run it holds: its ``energy_digests`` and
   ``energy_digest_version`` (written together from the first: one lacking the version is
   compared at this code's) and its ``numerics_version`` (none: 1)."""
-  return CheckpointMeta(numerics_version=int(result.get("numerics_version", 1)),
+  return CheckpointMeta(numerics_version=numerics_version_of(result),
                         energies=result.get("energy_digests"),
                         energy_digest_version=result.get("energy_digest_version",
                                                          energies.DIGEST_VERSION))
@@ -275,8 +286,9 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
 def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
                 attention_impl: str | None = None):
   """``load_run`` for one step: ``(config, data, graphdef, params)``."""
-  meta = CheckpointMeta.from_dict(ckpt.read_meta(step), f"checkpoint {ckpt.step_dir(step)}")
-  saved, where = meta.config, f"checkpoint {ckpt.step_dir(step)}"
+  where = f"checkpoint {ckpt.step_dir(step)}"
+  meta = CheckpointMeta.from_dict(ckpt.read_meta(step), where)
+  saved = meta.config
   if saved is None:  # saved before checkpoints held their config
     where = config_json
     saved = read_json(config_json, "restore it from the run's command")

@@ -288,11 +288,6 @@ def _trained_otherwise(path: str, result: dict, digest: str | None, config) -> s
   return None
 
 
-def numerics_version(result: dict) -> int:
-  """The numerics version a result was trained under (1 for runs from before versioning)."""
-  return int(result.get("numerics_version", 1))
-
-
 def _free_name(path: str) -> str:
   """``path``, or ``path.2``, ``path.3``, ... : the first that does not exist (a run moved
   aside before, e.g. finished with older code and met again, keeps its folder)."""
@@ -308,10 +303,10 @@ def _trained_version(out: str) -> int | None:
   (unfinished) its first metrics line's; None when it has neither (never started)."""
   result_path = os.path.join(out, "result.json")
   if os.path.exists(result_path):
-    return numerics_version(_read_result(result_path))
+    return runs.numerics_version_of(_read_result(result_path))
   if os.path.exists(os.path.join(out, "metrics.jsonl")):
     lines = read_metrics(out)
-    return numerics_version(lines[0]) if lines else None
+    return runs.numerics_version_of(lines[0]) if lines else None
   return None
 
 
@@ -320,7 +315,7 @@ def _finished_run(workdir: str, digest: str, config) -> str | None:
   current numerics version, if any."""
   for path in sorted(glob.glob(os.path.join(workdir, "*", "*", "seed*", "result.json"))):
     result = _read_result(path)
-    if "reused_from" not in result and numerics_version(result) == NUMERICS_VERSION and (
+    if "reused_from" not in result and runs.numerics_version_of(result) == NUMERICS_VERSION and (
         result["config_digest"] == digest or _same_config(os.path.dirname(path), config)
     ) and not _other_source(result, config) and not _edited_energies(path, result, config):
       return os.path.dirname(path)
@@ -461,7 +456,7 @@ def finished_results(module, table: str, scale: str, seeds: int, workdir: str,
       result = _read_result(path)  # damage is an error here too, not a row silently left out
       if _trained_otherwise(path, result, config_digest(cfg), cfg):
         continue
-      if numerics_version(result) == NUMERICS_VERSION:
+      if runs.numerics_version_of(result) == NUMERICS_VERSION:
         out.append(result)
   return out
 

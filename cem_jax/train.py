@@ -222,6 +222,9 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
       # reading or preparing the data (minutes at corpus scale) and initialising, for nothing.
       saved = runs.CheckpointMeta.from_dict(ckpt.read_meta(resume),
                                             f"checkpoint {ckpt.step_dir(resume)}")
+      if saved.step not in (None, resume):
+        raise ValueError(f"checkpoint {ckpt.step_dir(resume)}: damaged metadata: step="
+                         f"{saved.step}, saved as step {resume}")
       runs.refuse_other_run(saved, config, ckpt.step_dir(resume), energies_now)
     data = workdir_lib.build_data_once(config, workdir)
     tx, schedule = make_optimizer(config.train)
@@ -237,11 +240,9 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
       state, meta = ckpt.restore(resume, {"params": params, "opt_state": opt_state})
       run.meta = runs.CheckpointMeta.from_dict(meta, f"checkpoint {ckpt.step_dir(resume)}")
       run.params, run.opt_state = state["params"], state["opt_state"]
-      # The step Orbax saved the arrays under; the data position is a function of it.
+      # The step Orbax saved the arrays under (its metadata's step checked against it above);
+      # the data position is a function of it.
       run.start_step = resume
-      if run.meta.step not in (None, resume):
-        raise ValueError(f"checkpoint {ckpt.step_dir(resume)}: damaged metadata: step="
-                         f"{run.meta.step}, saved as step {resume}")
   except BaseException:
     _undo_start(ckpt, workdir, created)
     raise

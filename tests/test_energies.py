@@ -494,6 +494,12 @@ def dilated(y, context, params, aux):  # keys every 8 back, written so that 8 ah
   return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2 + extra**2)
 
 
+def nan_when_long(y, context, params, aux):  # finite on the short layouts, NaN at seq_len 64
+  s, _ = _scores(y, context, params, aux)
+  scale = jnp.nan if y.shape[1] > 16 else 1.0
+  return -0.5 * scale * jnp.einsum("h,bhts->", params["eta"], s**2)
+
+
 def late_peek(y, context, params, aux):  # from position 40 on, a query sees the next key too
   q, k = _qk(y, context, params)
   d = aux.positions[:, :, None] - aux.context_positions[:, None, :]
@@ -1010,6 +1016,14 @@ def test_an_energy_that_reads_tokens_far_ahead_or_a_little_is_refused(tmp_path, 
                             "float32 rounding in its gradient: take it per query row, put it "
                             "under jax.lax.stop_gradient, or use "
                             "cem_jax.energies.masked_logsumexp"), message
+
+
+def test_an_update_not_finite_only_at_the_training_length_is_refused_as_not_finite(tmp_path):
+  message = _refusal(_user_config(tmp_path, attention_energy="nan_when_long"))
+  assert message.startswith(
+      f"model.attention_energy='{tmp_path}/user_fused.py:nan_when_long': its update (jax.grad "
+      "of the energy) is not finite (NaN or inf) on random float32 [batch, seq_len, d_model] "
+      "inputs; the update must be finite"), message
 
 
 def test_energy_that_crosses_documents_is_refused(tmp_path):

@@ -614,6 +614,25 @@ def _refused_before_the_data_is_built(*args, **kwargs):
   raise AssertionError("the data was built before the checkpoint was refused")
 
 
+def test_a_checkpoint_whose_metadata_names_another_step_is_refused_before_the_data(
+    tmp_path, monkeypatch):
+  # The resume starts at the step Orbax saved the arrays under; metadata naming another step is
+  # damaged (hand-edited, or copied from another step), not a data position to trust.
+  workdir = tmp_path / "w"
+  cfg = lambda steps: tiny_config("llama", **{  # noqa: E731
+      "model.num_layers": 1, "train.num_steps": steps, "checkpoint.every_steps": 2,
+      "train.eval_every_steps": 2})
+  train.train_and_evaluate(cfg(2), str(workdir))
+  real = train.Checkpointer.read_meta
+  monkeypatch.setattr(train.Checkpointer, "read_meta",
+                      lambda self, step: {**real(self, step), "step": 5})
+  monkeypatch.setattr(train.workdir_lib, "build_data_once", _refused_before_the_data_is_built)
+  checkpoint = workdir / "checkpoints" / "2"
+  with pytest.raises(ValueError, match=f"^checkpoint {re.escape(str(checkpoint))}: damaged "
+                     "metadata: step=5, saved as step 2$"):
+    train.train_and_evaluate(cfg(4), str(workdir))
+
+
 def test_resume_under_another_numerics_version_is_refused_and_keeps_the_run(tmp_path,
                                                                             monkeypatch):
   # Version 3 changed the data order: a version-2 run resumed by it would train some windows
