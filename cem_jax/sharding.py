@@ -16,17 +16,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# The layout facts (jax-free, shared with config.py) live in axes.py; re-exported here.
-from cem_jax.axes import (  # noqa: F401
-  DEFAULT_RULES,
-  LOGICAL_AXES,
-  MESH_AXES,
-  check_config,
-  data_parallel_size,
-  mesh_axes_of,
-  mesh_shape,
-  rules_from_config,
-)
+from cem_jax.axes import DEFAULT_RULES, MESH_AXES, mesh_axes_of, mesh_shape
 
 
 def make_mesh(mesh_config, devices=None) -> Mesh:
@@ -73,7 +63,7 @@ def param_specs(state, rules=DEFAULT_RULES, mesh: Mesh | None = None):
 
   With ``mesh``, a dimension whose size the mesh axes do not divide (e.g. the vocabulary of a
   loaded tokenizer) is replicated instead, with a warning: ``jax.jit`` rejects uneven shardings.
-  :func:`check_config` rejects such sizes for the dimensions the config sets.
+  :func:`cem_jax.axes.check_config` rejects such sizes for the dimensions the config sets.
   """
   from flax import nnx
 

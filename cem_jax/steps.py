@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from cem_jax import axes
 from cem_jax import sharding as sharding_lib
 from cem_jax.loss import blockwise_cross_entropy
 from cem_jax.model import DecoderLM
@@ -33,7 +34,7 @@ def build_model(config, vocab_size: int, platform: str | None = None) -> Decoder
   """The model of ``config.model`` with ``vocab_size`` tokens, initialised from ``config.seed``,
   for ``platform`` (``DecoderLM``'s: this machine's if None)."""
   return DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(params=config.seed),
-                   rules=sharding_lib.rules_from_config(config.mesh), platform=platform)
+                   rules=axes.rules_from_config(config.mesh), platform=platform)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,7 @@ def _state_builders(config, vocab_size: int, tx, mesh, platform: str | None = No
   """The graphdef, shardings and abstract model, and the jitted functions that make the
   params and the optimizer state in their shards (called by :func:`init_state`, traced for
   shapes only by :func:`abstract_state`)."""
-  rules = sharding_lib.rules_from_config(config.mesh)
+  rules = axes.rules_from_config(config.mesh)
   abstract_model = nnx.eval_shape(lambda: build_model(config, vocab_size, platform))
   graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
   param_sh = sharding_lib.param_shardings(abstract_params, mesh, rules)

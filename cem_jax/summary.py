@@ -51,7 +51,7 @@ def summary(config, vocab_size: int | None = None, devices=None,
   if num_devices is None:
     devices = jax.devices() if devices is None else devices
   count = len(devices) if num_devices is None else num_devices
-  sharding.check_config(config, count)  # the layout main.py would accept, or its error
+  axes.check_config(config, count)  # the layout main.py would accept, or its error
   if num_devices is None:
     mesh = sharding.make_mesh(config.mesh, devices)
   else:  # param_specs reads the axis sizes only: no device is needed
@@ -64,7 +64,7 @@ def summary(config, vocab_size: int | None = None, devices=None,
     model_config.attention_impl = "xla"
   model = abstract_model(model_config, vocab)
   state = nnx.state(model, nnx.Param)
-  specs = sharding.param_specs(state, sharding.rules_from_config(config.mesh), mesh)
+  specs = sharding.param_specs(state, axes.rules_from_config(config.mesh), mesh)
   is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
   spec_by_path = {jax.tree_util.keystr(p): s
                   for p, s in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec)}

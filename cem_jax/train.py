@@ -26,10 +26,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from cem_jax import axes, energies, memory, preflight, runs
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
-from cem_jax import energies, memory, preflight, runs
-from cem_jax import sharding as sharding_lib
 from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
 from cem_jax.checkpoint import Checkpointer
@@ -51,7 +50,7 @@ def data_parallel_devices(config: ml_collections.ConfigDict,
                           device_count: int | None = None) -> int:
   """Devices the global batch is split over (``mesh.data × mesh.fsdp`` under the default rules)
   of ``device_count`` devices (default: all processes' ``jax.device_count()``; ``aot`` passes
-  a target's); checks the mesh first (:func:`sharding.check_config`).
+  a target's); checks the mesh first (:func:`axes.check_config`).
 
   ``mesh.data = -1`` takes the devices left over by ``mesh.fsdp × mesh.tensor``.
 
@@ -62,7 +61,7 @@ def data_parallel_devices(config: ml_collections.ConfigDict,
       ``model.num_heads``, ``model.mlp_dim`` (``model.d_model``).
   """
   count = jax.device_count() if device_count is None else device_count
-  return sharding_lib.data_parallel_size(config.mesh, sharding_lib.check_config(config, count))
+  return axes.data_parallel_size(config.mesh, axes.check_config(config, count))
 
 
 # The schedule passing over the training tokens this many times or more gets a warning: from the

@@ -14,8 +14,8 @@ import pytest
 from conftest import tiny_config
 from flax import nnx
 
+from cem_jax import axes, memory, steps, train
 from cem_jax import config as config_lib
-from cem_jax import memory, sharding, steps, train
 from cem_jax.metrics import read_metrics
 
 V, N, B = 97, 16, 8
@@ -117,11 +117,11 @@ def test_a_batch_the_microbatches_do_not_divide_is_one_line():
   cfg = tiny_config("cem", **{"train.batch_size": 8, "train.gradient_accumulation_steps": 4,
                               "eval.batch_size": 8})
   with pytest.raises(ValueError) as e:
-    sharding.check_config(cfg, 4)
+    axes.check_config(cfg, 4)
   assert str(e.value) == ("train.batch_size=8 is not divisible by "
                           "train.gradient_accumulation_steps=4 x the 4 data-parallel devices "
                           "(mesh.data x mesh.fsdp = 4 x 1); use a multiple of 16, e.g. 16")
-  sharding.check_config(cfg, 2)
+  axes.check_config(cfg, 2)
   with pytest.raises(ValueError, match=r"^train\.gradient_accumulation_steps=0 must be >= 1$"):
     config_lib.validate(tiny_config("cem", **{"train.gradient_accumulation_steps": 0}))
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import program_json, subprocess_env, tiny_config
 
+from cem_jax import axes, distributed, sharding
 from cem_jax import config as config_lib
-from cem_jax import distributed, sharding
 
 REPO = Path(__file__).resolve().parents[1]
 # Llama runs pure data parallelism too, for the memory comparison with fsdp; CEM (its every
@@ -33,7 +33,7 @@ def _env(devices: int) -> dict:
 
 def _check(num_devices=8, **overrides):
   cfg = tiny_config("cem", **overrides)
-  return sharding.check_config(cfg, num_devices)
+  return axes.check_config(cfg, num_devices)
 
 
 def test_mesh_that_does_not_use_the_devices_is_one_clear_line():
@@ -73,7 +73,7 @@ def test_a_dimension_split_over_two_mesh_axes_must_divide_by_their_product():
   # mlp over fsdp x tensor = 2 x 2 (8 devices, data 2): 102 divides by each axis alone but
   # not into the 4 shards jax would need.
   rules = tuple(("mlp", ("fsdp", "tensor")) if name == "mlp" else (name, target)
-                for name, target in sharding.DEFAULT_RULES)
+                for name, target in axes.DEFAULT_RULES)
   with pytest.raises(ValueError) as e:
     _check(**{"mesh.fsdp": 2, "mesh.tensor": 2, "mesh.rules": rules, "model.mlp_dim": 102})
   assert str(e.value) == ("model.mlp_dim=102 is not divisible by mesh.fsdp=2 x mesh.tensor=2 "
@@ -109,13 +109,13 @@ def test_cli_reports_a_bad_mesh_in_one_line(tmp_path):
 
 def test_rules_default_survive_config_json_and_reach_the_specs():
   cfg = config_lib.get_default_config()
-  assert sharding.rules_from_config(cfg.mesh) == sharding.DEFAULT_RULES
+  assert axes.rules_from_config(cfg.mesh) == axes.DEFAULT_RULES
   saved = json.loads(json.dumps(cfg.to_dict()))  # what config.json holds: lists, not tuples
   loaded = config_lib.get_default_config()
   loaded.update(saved)
-  assert sharding.rules_from_config(loaded.mesh) == sharding.DEFAULT_RULES
+  assert axes.rules_from_config(loaded.mesh) == axes.DEFAULT_RULES
   config_lib.validate(loaded)
-  spec = sharding.logical_to_spec(("embed", "mlp"), sharding.rules_from_config(loaded.mesh))
+  spec = sharding.logical_to_spec(("embed", "mlp"), axes.rules_from_config(loaded.mesh))
   assert spec == sharding.PartitionSpec("fsdp", "tensor")
 
 
@@ -123,11 +123,11 @@ def test_rules_override_from_the_command_line(tmp_path):
   script = textwrap.dedent("""
       from absl import app
       from ml_collections import config_flags
-      from cem_jax import config, sharding
+      from cem_jax import axes, config, sharding
       C = config_flags.DEFINE_config_file("config", None, "", lock_config=True)
       def main(argv):
         config.validate(C.value)
-        rules = sharding.rules_from_config(C.value.mesh)
+        rules = axes.rules_from_config(C.value.mesh)
         print(rules, tuple(sharding.logical_to_spec(("embed", "mlp"), rules)))
       app.run(main)
   """)
@@ -151,9 +151,9 @@ def test_bad_rules_are_one_clear_line():
     config_lib.validate(cfg)
   # What --config.mesh.rules=5 or =(None,) hands over (no TypeError traceback).
   with pytest.raises(ValueError, match=r"^mesh\.rules=5; allowed: a tuple of \(logical_axis, "):
-    sharding.rules_from_config({"rules": 5})
+    axes.rules_from_config({"rules": 5})
   with pytest.raises(ValueError, match=r"^mesh\.rules entry None; allowed: a pair "):
-    sharding.rules_from_config({"rules": (None,)})
+    axes.rules_from_config({"rules": (None,)})
   # A NamedSharding takes a mesh axis once (main failed at the first sharding with jax's
   # DuplicateSpecError); a second rule for an axis would win silently.
   with pytest.raises(ValueError, match=r"^mesh\.rules maps 'embed' to \('fsdp', 'fsdp'\), a "
@@ -188,8 +188,8 @@ def test_the_default_rules_split_what_the_design_says():
   # vocabulary; a head's own width is never split; batches go over data x fsdp.
   from jax.sharding import PartitionSpec as P
 
-  rules = sharding.rules_from_config(config_lib.get_default_config().mesh)
-  assert {a: sharding.logical_to_spec((a,), rules) for a in sharding.LOGICAL_AXES} == {
+  rules = axes.rules_from_config(config_lib.get_default_config().mesh)
+  assert {a: sharding.logical_to_spec((a,), rules) for a in axes.LOGICAL_AXES} == {
       "batch": P(("data", "fsdp")), "embed": P("fsdp"), "heads": P("tensor"),
       "head_dim": P(None), "mlp": P("tensor"), "vocab": P("tensor")}
   # so a head width that tensor does not divide is fine: only the heads are split
@@ -202,10 +202,10 @@ def test_the_batch_is_split_over_the_mesh_axes_its_rule_names():
   rules = (("batch", "data"), ("embed", "fsdp"))
   cfg = tiny_config("cem", **{"mesh.fsdp": 4, "mesh.rules": rules, "train.batch_size": 2,
                               "eval.batch_size": 2})
-  assert sharding.check_config(cfg, 8) == {"data": 2, "fsdp": 4, "tensor": 1}
+  assert axes.check_config(cfg, 8) == {"data": 2, "fsdp": 4, "tensor": 1}
   cfg.eval.batch_size = 3
   with pytest.raises(ValueError) as e:
-    sharding.check_config(cfg, 8)
+    axes.check_config(cfg, 8)
   assert str(e.value) == ("eval.batch_size=3 is not divisible by the 2 data-parallel devices "
                           "(8 devices, mesh.data = 2); use a multiple of 2, e.g. 4")
   mesh = sharding.make_mesh(tiny_config("cem").mesh)  # this process's one device
@@ -232,7 +232,7 @@ def test_parameters_and_adam_moments_are_laid_out_by_the_configured_rules():
   # DESIGN.md: jax's Explicit default breaks sharded matmuls of ordinary code
   assert tuple(mesh.axis_types) == (jax.sharding.AxisType.Auto,) * 3
   _, abstract = nnx.split(nnx.eval_shape(lambda: steps.build_model(cfg, 64)), nnx.Param)
-  params = sharding.param_shardings(abstract, mesh, sharding.rules_from_config(cfg.mesh))
+  params = sharding.param_shardings(abstract, mesh, axes.rules_from_config(cfg.mesh))
   # w_up is (embed, mlp), the embedding (vocab, embed)
   assert params["blocks"][0]["mlp"]["w_up"].spec == P(None, ("fsdp", "tensor"))
   assert params["embedding"].spec == P("tensor", None)
@@ -253,7 +253,7 @@ def test_a_rule_that_is_not_a_pair_is_one_clear_line():
   # Else Python's own unpacking error ("too many values to unpack") with a traceback.
   for entry in (("embed",), ("embed", "fsdp", "tensor"), ["embed"]):
     with pytest.raises(ValueError) as e:
-      sharding.rules_from_config({"rules": (entry,)})
+      axes.rules_from_config({"rules": (entry,)})
     assert str(e.value) == (f"mesh.rules entry {entry!r}; allowed: a pair (logical_axis, "
                             "mesh_axis or None or a tuple of mesh axes)")
 
@@ -317,7 +317,7 @@ import jax, numpy as np
 from flax import nnx
 sys.path.insert(0, {tests!r})
 from conftest import float_collectives, subprocess_env, tiny_config
-from cem_jax import data as data_lib, memory, optim, sharding, steps
+from cem_jax import axes, data as data_lib, memory, optim, sharding, steps
 
 assert jax.device_count() == 8, jax.devices()
 block = {block!r}
@@ -357,7 +357,7 @@ for shape in [(1, 1, 1)] + {meshes!r}:
                  out_shardings=sh.params).lower().compile().memory_analysis()
   rec["init_bytes"] = {{"full": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),
                        "output": init.output_size_in_bytes, "temp": init.temp_size_in_bytes}}
-  rules = sharding.rules_from_config(cfg.mesh)
+  rules = axes.rules_from_config(cfg.mesh)
   mu = opt_state.inner_state[1][0].mu
   rec["params"] = {{}}
   for (path, var), (_, m) in zip(nnx.to_flat_state(params), nnx.to_flat_state(mu)):
@@ -504,7 +504,7 @@ import json, sys
 import jax, numpy as np
 sys.path.insert(0, sys.argv[1])
 from conftest import float_collectives, tiny_config
-from cem_jax import optim, sharding, steps
+from cem_jax import axes, optim, sharding, steps
 
 rng = np.random.RandomState(0)
 tokens = rng.randint(1, 512, (8, 33)).astype(np.int32)
@@ -520,7 +520,7 @@ cases = [("llama", (1, 2, 4), True, {"vocab": "fsdp"}),
          ("llama", (1, 2, 4), False, {"vocab": "fsdp", "embed": None}),
          ("llama", (2, 2, 2), True, {})]
 for block, shape, tied, changed in cases:
-  rules = tuple((name, changed.get(name, target)) for name, target in sharding.DEFAULT_RULES)
+  rules = tuple((name, changed.get(name, target)) for name, target in axes.DEFAULT_RULES)
   cfg = tiny_config(block, **{"data.seq_len": 32, "model.d_model": 32, "model.num_heads": 2,
                               "model.mlp_dim": 64, "model.num_layers": 1, "train.batch_size": 8,
                               "train.warmup_steps": 1, "train.learning_rate": 1e-2,

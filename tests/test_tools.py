@@ -14,8 +14,8 @@ from conftest import program_json, subprocess_env, tiny_config, write_metrics
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from cem_jax import axes, files, plot, preflight, runs, sharding
 from cem_jax import config as config_lib
-from cem_jax import files, plot, preflight, runs, sharding
 from cem_jax import summary as summary_lib
 from cem_jax.model import DecoderLM
 from cem_jax.model_stats import count_params
@@ -247,15 +247,15 @@ def test_a_config_file_error_is_one_line_naming_the_file(tmp_path):
 def test_mesh_shape_resolution_and_errors():
   cfg = tiny_config().mesh
   cfg.data, cfg.fsdp, cfg.tensor = -1, 2, 2
-  assert sharding.mesh_shape(cfg, 8) == (2, 2, 2)
+  assert axes.mesh_shape(cfg, 8) == (2, 2, 2)
   cfg.data = 3
   with pytest.raises(ValueError, match=r"= 3\*2\*2 = 12, but there are 8 devices"):
-    sharding.mesh_shape(cfg, 8)
+    axes.mesh_shape(cfg, 8)
   cfg.data, cfg.fsdp = -1, -1
   # The same wording as config.validate: both go through axes.check_mesh_sizes.
   with pytest.raises(ValueError, match=r"^mesh\.data=-1 and mesh\.fsdp=-1: at most one mesh "
                      r"size may be -1"):
-    sharding.mesh_shape(cfg, 8)
+    axes.mesh_shape(cfg, 8)
 
 
 def test_one_head_dim_rule_for_validation_mesh_checks_and_parameters():
@@ -278,7 +278,7 @@ def test_one_head_dim_rule_for_validation_mesh_checks_and_parameters():
   rules = (*axes.DEFAULT_RULES[:3], ("head_dim", "tensor"), *axes.DEFAULT_RULES[4:])
   cfg = tiny_config(**{"model.head_dim": 6, "mesh.tensor": 4, "mesh.rules": rules})
   with pytest.raises(ValueError, match=r"^model\.head_dim=6 is not divisible by mesh\.tensor=4"):
-    sharding.check_config(cfg, 4)
+    axes.check_config(cfg, 4)
   model = nnx.eval_shape(lambda: DecoderLM(tiny_config(**{"model.head_dim": 6}).model, 32,
                                            rngs=nnx.Rngs(0)))
   assert model.blocks[0].attn.w_q.shape == (64, 4, 6)
