@@ -1,0 +1,177 @@
+"""The reported figures counted again from their definitions, independently of the code that
+reports them: parameters per part from the maths (CEM_MATH.md §6: a tied embedding once, shared
+blocks once, step sizes, diagonals, preconditioners), and every committed paper table
+(``results/*/TABLE.md``) recomputed in float64 NumPy from its committed runs' ``result.json``,
+``config.json`` and ``metrics.jsonl``."""
+
+import glob
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cem_jax import model_stats
+from cem_jax.config import get_default_config
+from cem_jax.model import abstract_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _hand_counts(m: dict, vocab: int) -> dict:
+  """Parameters by part from the maths, per layer: Llama 4·d·H·d_h + 3df; CEM 2·d·H·d_h (+ H
+  step sizes per copy, + H inverse temperatures, + H·d or d diagonal) + 2df (+ 1 step size per
+  copy); two norm scales of d; a preconditioner d + d·r per copy; one momentum. G distinct
+  blocks (model.num_unique_blocks); a final norm d; the embedding V·d, once when tied."""
+  d, f, L, H = m["d_model"], m["mlp_dim"], m["num_layers"], m["num_heads"]
+  dh = m["head_dim"] if m["head_dim"] > 0 else d // H
+  T = m["num_steps"]
+  G = L if m["num_unique_blocks"] <= 0 else m["num_unique_blocks"]
+  eta_copies = (T if m["eta_per_step"] else 1) if m["learn_eta"] else 0
+  other = 2 * d
+  if m["block"] == "llama":
+    att, mlp = 4 * d * H * dh, 3 * d * f
+  else:
+    if m["cem_attention"]:
+      att = 2 * d * H * dh + eta_copies * H + (H if m["learn_beta"] else 0)
+      att += {"none": 0, "per_head": H * d, "shared": d}[m["diagonal"]]
+    else:
+      att = 4 * d * H * dh
+    mlp = 2 * d * f + eta_copies if m["cem_mlp"] else 3 * d * f
+    one = (1 if m["precond_shared"] else T) * (d + d * m["precond_rank"])
+    other += {"none": 0, "attention": one, "mlp": one, "both": 2 * one}[m["precond"]]
+    other += m["inner_optimizer"] in ("heavy_ball", "nesterov")
+  non_embedding = G * (att + mlp + other) + d
+  embedding = vocab * d * (1 if m["tie_embeddings"] else 2)
+  return {"params": non_embedding + embedding, "non_embedding_params": non_embedding,
+          "attention_params": G * att, "mlp_params": G * mlp}
+
+
+def _hand_flops(m: dict, vocab: int, n: int) -> int:
+  """Forward FLOPs per token from the model_stats docstring, by hand (L layers, not G)."""
+  d, f, L, H = m["d_model"], m["mlp_dim"], m["num_layers"], m["num_heads"]
+  dh = m["head_dim"] if m["head_dim"] > 0 else d // H
+  hd, T = H * dh, m["num_steps"]
+  if m["block"] == "llama":
+    return L * (8 * d * hd + 6 * d * f + 4 * n * hd) + 2 * d * vocab
+  if m["cem_attention"]:
+    width = dh if m["diagonal"] == "none" else dh + d + (m["diagonal_form"] == "distance")
+    keys = 2 * d * hd * (T if m["context"] == "coevolve" else 1)
+    step = 4 * d * hd + 4 * n * H * width
+  else:
+    keys, step = 0, 8 * d * hd + 4 * n * hd
+  return L * (keys + T * (step + 6 * d * f)) + 2 * d * vocab
+
+
+CASES = [
+    dict(block="llama"),
+    dict(block="llama", tie_embeddings=False),
+    dict(block="llama", num_unique_blocks=1),
+    dict(block="cem"),
+    dict(block="cem", tie_embeddings=False, num_steps=2, eta_per_step=True),
+    dict(block="cem", num_steps=3, num_unique_blocks=2, learn_beta=True, learn_eta=False),
+    dict(block="cem", diagonal="per_head", diagonal_form="distance", num_steps=2),
+    dict(block="cem", diagonal="shared"),
+    dict(block="cem", precond="both", precond_rank=3, precond_shared=False, num_steps=2),
+    dict(block="cem", precond="mlp", precond_rank=0),
+    dict(block="cem", inner_optimizer="heavy_ball", cem_attention=False),
+    dict(block="cem", cem_mlp=False, head_dim=8, num_steps=2, context="coevolve"),
+]
+
+
+@pytest.mark.parametrize("overrides", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in
+                                                                     o.items()))
+def test_parameter_counts_and_flops_are_the_hand_counts(overrides):
+  # Mutations: model_stats counting a tied embedding twice (or an untied head not at all),
+  # non-embedding keeping lm_head, attention/MLP keys swapped; flops_per_token with G for L.
+  m = get_default_config().model
+  m.d_model, m.num_heads, m.mlp_dim, m.num_layers = 32, 4, 48, 3
+  for key, value in overrides.items():
+    m[key] = value
+  vocab, n = 97, 24
+  counts = model_stats.parameter_counts(abstract_model(m, vocab))
+  want = _hand_counts(m.to_dict(), vocab)
+  assert counts == want
+  assert model_stats.count_params(abstract_model(m, vocab)) == want["params"]
+  assert model_stats.flops_per_token(m, vocab, n) == _hand_flops(m.to_dict(), vocab, n)
+
+
+def _cells(line: str) -> list[str]:
+  return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _committed_tables():
+  out = []
+  for md in sorted(glob.glob(str(ROOT / "results" / "*" / "*.md"))):
+    lines = Path(md).read_text().splitlines()
+    if lines and lines[0].startswith("Table "):
+      out.append(md)
+  return out
+
+
+def _config(folder: str, result: dict) -> dict:
+  """The run's config.json: its own, or that of the run it reused (``reused_from``)."""
+  source = os.path.normpath(os.path.join(folder, result.get("reused_from", ".")))
+  return json.loads(Path(source, "config.json").read_text())
+
+
+@pytest.mark.parametrize("md", _committed_tables(), ids=lambda p: os.path.relpath(p, ROOT))
+def test_a_committed_table_is_the_statistics_of_its_committed_runs(md):
+  """Each row of a committed table from its runs alone: parameter counts and GFLOP/token by
+  hand from the seed-0 run's config.json, eval loss and bits per byte as mean ± sample std
+  (ddof 1) over the seeds found, Δ paired by seed against the first row, perplexity exp(mean
+  loss), tokens/s the mean of each run's result; each result.json the run's own seed and its
+  last eval line, its rate the median of its logged rates without the first. A table left
+  stale by a code change (counts, formula) or by a retrained run fails here."""
+  lines = Path(md).read_text().splitlines()
+  header = lines[0]
+  table = re.search(r"--table=(\w+)", header)[1]
+  seeds = int(re.search(r"--seeds=(\d+)", header)[1])
+  workdir = os.path.dirname(md)
+  rows = [_cells(x) for x in lines[3:] if x.startswith("| ")]
+  assert rows
+  base = None
+  for cells in rows:
+    row = cells[0]
+    results = {}
+    for seed in range(seeds):
+      folder = os.path.join(workdir, table, row, f"seed{seed}")
+      if os.path.exists(os.path.join(folder, "result.json")):
+        results[seed] = json.loads(Path(folder, "result.json").read_text())
+        config = _config(folder, results[seed])
+        assert results[seed]["seed"] == config["seed"] == config["data"]["shuffle_seed"] == seed
+        evals = [json.loads(x) for x in Path(folder, "metrics.jsonl").read_text().splitlines()
+                 if '"eval/loss"' in x]
+        assert evals[-1]["eval/loss"] == results[seed]["eval/loss"], (folder)
+        assert evals[-1]["eval/bits_per_byte"] == results[seed]["eval/bits_per_byte"], folder
+        if "reused_from" not in results[seed]:
+          rates = [json.loads(x)["train/tokens_per_sec"] for x in
+                   Path(folder, "metrics.jsonl").read_text().splitlines()
+                   if '"train/tokens_per_sec"' in x]
+          assert results[seed]["tokens_per_sec"] == pytest.approx(
+              float(np.median(rates[1:] or rates)), rel=1e-12), folder
+    assert results, f"{md}: row {row} has no finished run"
+    loss = np.array([r["eval/loss"] for r in results.values()], np.float64)
+    bpb = np.array([r["eval/bits_per_byte"] for r in results.values()], np.float64)
+    base = base or {s: r["eval/loss"] for s, r in results.items()}
+    delta = np.array([r["eval/loss"] - base[s] for s, r in results.items() if s in base])
+
+    def spread(x, fmt, k=len(results)):  # noqa: B008 - the row's seed count, as the table
+      return f"{x.mean():{fmt}}" + (f" ± {x.std(ddof=1):.4f}" if k > 1 else "")
+
+    config = _config(os.path.join(workdir, table, row, f"seed{min(results)}"),
+                     results[min(results)])
+    vocab, n = config["data"]["vocab_size"], config["data"]["seq_len"]
+    counts = _hand_counts(config["model"], vocab)
+    user_energy = any(k.endswith("_energy") and v.endswith(".py") for k, v in
+                      config["model"].items() if isinstance(v, str))
+    want = ([f"{counts[k] / 1e6:.3f}M" for k in ("params", "non_embedding_params",
+                                                  "attention_params", "mlp_params")]
+            + ["n/a" if user_energy else f"{_hand_flops(config['model'], vocab, n) / 1e9:.4f}",
+               spread(loss, ".4f"), spread(delta, "+.4f"), f"{math.exp(loss.mean()):.2f}",
+               spread(bpb, ".4f"),
+               f"{np.mean([r['tokens_per_sec'] for r in results.values()]):.0f}"])
+    assert cells[1:11] == want, f"{md}, row {row}"
