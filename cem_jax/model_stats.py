@@ -9,8 +9,10 @@ multiply-add as 2 FLOPs, L layers, width d, MLP width f, sequence length n, voca
 heads H of width d_h (d² below stands for d·H·d_h, equal when H·d_h = d):
 
     Llama:  L·(8d² + 6df + 4n·H·d_h) + 2dV
-    CEM:    L·(2d² + T·(4d² + 6df + 4n·H·d̃)) + 2dV
+    CEM:    L·(2d² + T·(4d² + 6df + 4n·H·d̃ + 4dr·P)) + 2dV
             d̃ = d_h, or with a diagonal d_h + d (+ 1 in the distance form)
+            P = the preconditioned sub-steps (model.precond: 0, 1 or 2), r its rank
+            (U (Uᵀ v): 4dr each; 0 for a diagonal-only P)
             (fixed context: W_K c once; each step W_Q y, W_Qᵀ o and the MLP's W y, G x, Wᵀ h;
              a co-evolving context adds 2d² per extra step; with model.cem_attention=False
              each step's attention is Llama's, 8d² + 4n·H·d_h, and there is no key term)
@@ -121,7 +123,10 @@ def flops_per_token(model_cfg, vocab_size: int, seq_len: int) -> float:
     attention_step = 4 * d * h * dh + 4 * n * h * (augmented_head_dim(model_cfg) or dh)
   else:  # the standard attention sub-layer (its own Q, K, V, O) at every step
     keys, attention_step = 0, 8 * d * h * dh + 4 * n * h * dh
-  return L * (keys + t * (attention_step + 6 * d * f)) + head
+  # P v = diag(.) ⊙ v + U (Uᵀ v) on each preconditioned sub-step (CEM_MATH.md §3).
+  precond = {"none": 0, "attention": 1, "mlp": 1, "both": 2}[model_cfg.precond]
+  precond *= 4 * d * model_cfg.precond_rank
+  return L * (keys + t * (attention_step + 6 * d * f + precond)) + head
 
 
 def gflop_text(flops: float | None) -> str:
