@@ -13,6 +13,8 @@ heads H of width d_h (d² below stands for d·H·d_h, equal when H·d_h = d):
             d̃ = d_h, or with a diagonal d_h + d (+ 1 in the distance form)
             P = the preconditioned sub-steps (model.precond: 0, 1 or 2), r its rank
             (U (Uᵀ v): 4dr each; 0 for a diagonal-only P)
+            with model.mlp_condition='layer' the gate G x is one product a layer (every
+            step reads the same x): 2df once and 4df a step instead of 6df a step
             (fixed context: W_K c once; each step W_Q y, W_Qᵀ o and the MLP's W y, G x, Wᵀ h;
              a co-evolving context adds 2d² per extra step; with model.cem_attention=False
              each step's attention is Llama's, 8d² + 4n·H·d_h, and there is no key term)
@@ -126,7 +128,11 @@ def flops_per_token(model_cfg, vocab_size: int, seq_len: int) -> float:
   # P v = diag(.) ⊙ v + U (Uᵀ v) on each preconditioned sub-step (CEM_MATH.md §3).
   precond = {"none": 0, "attention": 1, "mlp": 1, "both": 2}[model_cfg.precond]
   precond *= 4 * d * model_cfg.precond_rank
-  return L * (keys + t * (attention_step + 6 * d * f + precond)) + head
+  # The tied MLP's W y, G x, Wᵀ h a step; with the layer's gate input x, G x is the same
+  # product at every step, made once (XLA merges the T equal products).
+  gate_once = model_cfg.cem_mlp and model_cfg.mlp_condition == "layer"
+  mlp_step, mlp_once = (4 * d * f, 2 * d * f) if gate_once else (6 * d * f, 0)
+  return L * (keys + mlp_once + t * (attention_step + mlp_step + precond)) + head
 
 
 def gflop_text(flops: float | None) -> str:
