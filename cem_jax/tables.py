@@ -470,7 +470,8 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
   and data order), mean and std over the seeds both rows have. Seeds move all rows together
   (a lucky data order helps every model), so the paired difference is the fair comparison.
   Every ``*_std`` is the sample standard deviation over seeds (n - 1; 0 for one seed).
-  Losses are nats/token; ``perplexity`` is ``exp`` of the mean loss over seeds;
+  Losses are nats/token; ``perplexity`` is ``exp`` of the mean loss over seeds (of at most 80
+  nats, as ``eval/perplexity``: a diverged row's 800 nats would overflow a float);
   ``tokens_per_sec`` the mean over seeds of each run's median logged rate (the first log
   left out as warm-up: the step is compiled before the clock starts, but the first steps
   still start the data reads and allocate buffers); ``flops_per_token``
@@ -500,7 +501,7 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
         "eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
         "delta_loss_mean": statistics.fmean(deltas) if deltas else math.nan,
         "delta_loss_std": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
-        "perplexity": math.exp(mean_loss),
+        "perplexity": math.exp(min(mean_loss, 80.0)),  # as eval/perplexity: no OverflowError
         "bits_per_byte_mean": statistics.fmean(bpb),
         "bits_per_byte_std": statistics.stdev(bpb) if len(bpb) > 1 else 0.0,
         "tokens_per_sec": statistics.fmean(r["tokens_per_sec"] for r in runs),

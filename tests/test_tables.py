@@ -856,6 +856,17 @@ def test_a_rows_delta_pairs_only_the_seeds_the_baseline_has(tmp_path):
   assert math.isnan(cem["delta_loss_mean"]) and cem["delta_loss_std"] == 0.0
 
 
+def test_a_diverged_rows_perplexity_is_capped_as_eval_perplexity_not_an_overflow(tmp_path):
+  # A finished run whose final eval is 800 nats/token (a diverged model with finite
+  # parameters): math.exp(800) raised OverflowError and no table was written.
+  toy = tmp_path / "toy.py"
+  toy.write_text(TOY.replace("FILES", "''"))
+  module = tables.load_table(str(toy))
+  rows = tables.aggregate(module, "tiny", [_result("llama", 0, 3.0), _result("cem", 0, 800.0)])
+  assert rows[0]["perplexity"] == pytest.approx(math.exp(3.0), rel=1e-12)
+  assert rows[1]["perplexity"] == math.exp(80.0) and rows[1]["eval_loss_mean"] == 800.0
+
+
 def test_the_markdown_rows_units_signs_and_spreads_by_hand(tmp_path):
   # The committed TABLE.md figures: parameters in millions (10⁶, not 2²⁰), FLOPs in GFLOP
   # (10⁹), the paired Δ with its sign, "± std" only over several seeds, whole tokens/s.
