@@ -7,7 +7,7 @@ log-sum-exp attention energy, :mod:`.elementwise` for the gated MLP energy and i
 and :mod:`.registry` for looking energies up by name.
 """
 
-from cem_jax.energies.base import EnergyAux, blockwise_logsumexp, make_mask, masked_logsumexp
+from cem_jax.energies.base import EnergyAux, blockwise_logsumexp, masked_logsumexp
 from cem_jax.energies.elementwise import POTENTIALS, make_gated_energy, phi_silu
 from cem_jax.energies.interaction import fused_update as interaction_fused_update
 from cem_jax.energies.interaction import interaction_energy
@@ -25,6 +25,7 @@ from cem_jax.energies.registry import (
     source_digest,
 )
 from cem_jax.energies.rope import apply_rope
+from cem_jax.masks import make_mask  # public here too: a user energy's one import
 
 __all__ = [
     "DIGEST_VERSION",

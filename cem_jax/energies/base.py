@@ -26,8 +26,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from cem_jax.masks import make_mask  # noqa: F401  (re-exported: energies build masks too)
-
 
 @flax.struct.dataclass
 class EnergyAux:
