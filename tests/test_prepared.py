@@ -1591,3 +1591,42 @@ def test_the_manifest_counts_characters_and_utf8_bytes_of_each_split_apart(tmp_p
     assert info["bytes"] == sum(len(d.encode("utf-8")) for d in docs), split
     assert info["documents"] == len(docs), split
     assert info["bytes"] > info["characters"], split  # the test text is not ASCII
+
+
+def test_a_vocabulary_above_65536_is_stored_in_4_bytes_and_read_back(tmp_path):
+  # The '<u4' format end to end: ids above 65,535 written, read back by position and decoded
+  # to the text. A reader that took every record as '<u2' (or a writer that cast to it) would
+  # wrap those ids to small ones silently; the last-record length check alone does not see it.
+  pb = pytest.importorskip("sentencepiece.sentencepiece_model_pb2")
+  proto = pb.ModelProto.FromString(shard_writer.tokenizer_lib.train_model([_text(300)], 300))
+  extra = 65_537 + 3 - len(proto.pieces)  # 65,540 pieces: the top ids need 17 bits
+  for i in range(extra):  # user-defined pieces, matched whole wherever they occur in the text
+    proto.pieces.add(piece=f"Q{i:05d}Q", score=0.0, type=pb.ModelProto.SentencePiece.USER_DEFINED)
+  model = tmp_path / "big.model"
+  model.write_bytes(proto.SerializeToString())
+  top = [f"Q{i:05d}Q" for i in range(extra - 3, extra)]  # ids 65,537..65,539
+  text = "".join(f"line {i}: {top[i % 3]} alpha {i % 7} beta\n" for i in range(3000))
+  (tmp_path / "c.txt").write_text(text)
+  config = _config(files=os.fspath(tmp_path / "c.txt"), vocab_size=65_540, seq_len=40,
+                   tokenizer=os.fspath(model))
+  out = shard_writer.prepare(config.data, tmp_path / "p")
+  manifest = json.loads((out / "manifest.json").read_text())
+  assert manifest["token_dtype"] == "<u4"
+  config.data.prepared_dir = os.fspath(out)
+  data = build_data(config, tmp_path / "wd")
+  tok = data.tokenizer
+  top_ids = {tok._sp.piece_to_id(p) for p in top}
+  assert top_ids == {65_537, 65_538, 65_539}
+  for windows in (data.train.windows, data.eval.windows):
+    rows = windows.rows(np.arange(windows.num_windows))
+    assert top_ids <= set(np.unique(rows["tokens"]).tolist())
+    assert rows["tokens"].max() < 65_540
+  # Every held-out document decodes to its text: the ids were read back as written.
+  tokens = data.eval.windows.rows(np.arange(data.eval.num_windows))["tokens"]
+  segments = data.eval.windows.rows(np.arange(data.eval.num_windows))["segment_ids"]
+  stream = tokens[segments > 0]
+  ends = np.flatnonzero(stream == tok.eos_id)
+  docs = [tok.decode(d) for d in np.split(stream, ends + 1)[:-1]]
+  _, validation = text_lib.interleave_split([text], 0.1)
+  assert docs == validation
+  _assert_same_data(data, build_data_in_memory(config))
