@@ -1630,3 +1630,40 @@ def test_a_vocabulary_above_65536_is_stored_in_4_bytes_and_read_back(tmp_path):
   _, validation = text_lib.interleave_split([text], 0.1)
   assert docs == validation
   _assert_same_data(data, build_data_in_memory(config))
+
+
+def _sidecar_edit(key, value):
+  def edit(meta):
+    meta[key] = value(meta[key]) if callable(value) else value
+    return meta
+  return edit
+
+
+@pytest.mark.parametrize("split,damage", [
+    ("train", lambda m: []),  # valid JSON, not an object: was a TypeError traceback
+    ("train", lambda m: {k: v for k, v in m.items() if k != "characters"}),  # was a KeyError
+    ("train", _sidecar_edit("tokens", lambda t: t + 1)),
+    ("train", _sidecar_edit("records", lambda r: r + 1)),
+    ("train", _sidecar_edit("size", "big")),
+    ("validation", _sidecar_edit("bytes", lambda b: b + 7)),
+    ("validation", _sidecar_edit("documents", lambda d: d + 1)),
+    ("validation", _sidecar_edit("tokens", lambda t: t - 1)),
+], ids=["list", "no-characters", "tokens+1", "records+1", "size-str", "bytes+7", "documents+1",
+        "tokens-1"])
+def test_a_rerun_writes_again_the_shard_of_a_damaged_sidecar(prepared_300, tmp_path, split,
+                                                              damage):
+  # A re-run took an intact shard's sidecar on its text hash, tokenizer, size and sha256 alone:
+  # its counts went into the manifest as they were. A token count off by one made every start
+  # refuse the folder ("run prepare again to rebuild it") and every re-run write the same
+  # manifest again; wrong bytes or documents were the manifest's silently.
+  out = tmp_path / "p"
+  shutil.copytree(prepared_300, out)
+  (out / "manifest.json").unlink()
+  sidecar = out / f"{split}-00000.json"
+  sidecar.write_text(json.dumps(damage(json.loads(sidecar.read_text()))))
+  config = _config(files=os.fspath(prepared_300.parent / "c.txt"), vocab_size=300)
+  shard_writer.prepare(config.data, out, shard_chars=20_000)
+  for path in sorted(prepared_300.iterdir()):  # byte for byte an uninterrupted prepare
+    assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+  assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in prepared_300.iterdir())
+  prepared.PreparedData.open(out)

@@ -251,7 +251,7 @@ def _encode_and_write(job: tuple[dict, str, str, str]) -> dict:
   tok = _worker_tokenizer
   out_dir = Path(out_dir)
   with_bytes = task["split"] == "validation"
-  ids_parts, byte_parts, text_bytes = [], [], 0
+  ids_parts, byte_parts = [], []
   eos = np.array([tok.eos_id], np.int32)
   for piece, end in zip(task["pieces"], task["ends"], strict=True):
     if with_bytes:
@@ -259,7 +259,6 @@ def _encode_and_write(job: tuple[dict, str, str, str]) -> dict:
       byte_parts += [nbytes] + ([np.zeros(1, np.int32)] if end else [])
     else:
       ids = np.asarray(tok.encode(piece), np.int32)
-    text_bytes += len(piece.encode("utf-8"))
     ids_parts += [ids] + ([eos] if end else [])
   ids = np.concatenate(ids_parts).astype(dtype)
   nbytes = np.concatenate(byte_parts).astype("<u4") if with_bytes else None
@@ -274,27 +273,61 @@ def _encode_and_write(job: tuple[dict, str, str, str]) -> dict:
       writer.write(record)
     writer.close()
     digest = sha256_file(tmp)
-  meta = {
-      "file": name, "tokens": int(len(ids)), "records": -(-len(ids) // RECORD_TOKENS),
-      "size": path.stat().st_size, "sha256": digest, "text_sha256": _task_hash(task),
-      "tokenizer_sha256": tok_sha, "documents": int(sum(task["ends"])),
-      "characters": int(sum(map(len, task["pieces"]))), "bytes": int(text_bytes),
+  meta = _task_fields(task) | {
+      "tokens": int(len(ids)), "records": -(-len(ids) // RECORD_TOKENS),
+      "size": path.stat().st_size, "sha256": digest, "tokenizer_sha256": tok_sha,
   }
   _write_json(_sidecar(out_dir, task["split"], task["index"]), meta)
   return meta
 
 
-def _done(out_dir: Path, task: dict, tok_sha: str) -> dict | None:
-  """The sidecar of an intact, already written shard of ``task``, or None."""
+def _task_fields(task: dict) -> dict:
+  """The sidecar fields that follow from a shard task's text alone."""
+  return {"file": shard_name(task["split"], task["index"]), "text_sha256": _task_hash(task),
+          "documents": int(sum(task["ends"])), "characters": int(sum(map(len, task["pieces"]))),
+          "bytes": int(sum(len(piece.encode("utf-8")) for piece in task["pieces"]))}
+
+
+# The sidecar fields counted from the shard as written (``_encode_and_write``).
+_COUNTED = frozenset({"tokens", "records", "size", "sha256"})
+
+
+def _done(out_dir: Path, task: dict, tok_sha: str, dtype: str) -> dict | None:
+  """The sidecar of an intact, already written shard of ``task``, or None.
+
+  The sidecar is trusted only where it is checked: its text fields against the task's text,
+  its size and sha256 against the shard, and its token and record counts against the records
+  ArrayRecord reads there (as ``prepared.TokenStream`` checks them). A sidecar damaged in any
+  of them (not an object, a field missing, a count off by one) has its shard written again:
+  taken as it is, it would put its counts in the manifest, and the next start would refuse the
+  folder after every re-run of prepare.
+  """
   side = _sidecar(out_dir, task["split"], task["index"])
   try:
     meta = json.loads(side.read_text())
+    want = _task_fields(task) | {"tokenizer_sha256": tok_sha}
+    if (not isinstance(meta, dict) or set(meta) != set(want) | _COUNTED
+        or any(meta[k] != v for k, v in want.items())
+        or any(type(meta[k]) is not int for k in ("tokens", "records", "size"))):
+      return None
     path = out_dir / meta["file"]
-    ok = (meta["text_sha256"] == _task_hash(task) and meta["tokenizer_sha256"] == tok_sha
-          and path.stat().st_size == meta["size"] and sha256_file(path) == meta["sha256"])
-  except (OSError, ValueError, KeyError):
+    if path.stat().st_size != meta["size"] or sha256_file(path) != meta["sha256"]:
+      return None
+    tokens, records = meta["tokens"], meta["records"]
+    if tokens < 1 or records != -(-tokens // RECORD_TOKENS):
+      return None
+    width = np.dtype(dtype).itemsize + (4 if task["split"] == "validation" else 0)
+    reader = array_record_module.ArrayRecordReader(os.fspath(path))
+    try:
+      if reader.num_records() != records:
+        return None
+      last = reader.read([records - 1])[0]
+    finally:
+      reader.close()
+  except (OSError, ValueError, RuntimeError):  # unreadable or not JSON; not an ArrayRecord file
     return None
-  return meta if ok else None
+  return meta if len(last) == (tokens - (records - 1) * RECORD_TOKENS) * width else None
+
 
 
 def _tokenizer(data_config, splits: sources.TextSplits, out_dir: Path, fp: str
@@ -551,7 +584,7 @@ def _encode_shards(splits, out_dir: Path, model: bytes, tok_sha: str, dtype: str
   def jobs() -> Iterator[tuple[dict, str, str, str]]:
     for split in SPLITS:
       for task in _shard_tasks(docs[split], split, shard_chars):
-        meta = _done(out_dir, task, tok_sha)
+        meta = _done(out_dir, task, tok_sha, dtype)
         if meta is not None:
           results[split].append(meta)
           bar.update(meta["characters"])
