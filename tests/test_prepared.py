@@ -1667,3 +1667,13 @@ def test_a_rerun_writes_again_the_shard_of_a_damaged_sidecar(prepared_300, tmp_p
     assert (out / path.name).read_bytes() == path.read_bytes(), path.name
   assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in prepared_300.iterdir())
   prepared.PreparedData.open(out)
+
+
+@pytest.mark.parametrize("fraction,every", [(0.5, "2nd"), (1 / 3, "3rd"), (0.1, "10th"),
+                                            (1 / 11, "11th"), (1 / 21, "21st"),
+                                            (1 / 22, "22nd"), (1 / 23, "23rd")])
+def test_an_empty_validation_split_names_the_held_out_chunks_in_english(fraction, every):
+  with pytest.raises(ValueError, match=rf"^data\.validation_fraction=.* leaves an empty "
+                                       rf"validation split of a 1-character corpus \(every "
+                                       rf"{every} of its 1 chunks is held out\); use more text"):
+    text_lib.interleave_split(["x"], fraction)

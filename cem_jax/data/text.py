@@ -386,6 +386,12 @@ def _interleave(chunked: Iterable[Iterable[str]], k: int) -> Iterator[tuple[bool
       yield False, "".join(run)
 
 
+def _ordinal(k: int) -> str:
+  """``k`` as an English ordinal: 2nd, 3rd, 10th, 11th, 21st."""
+  suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+  return f"{k}{suffix}"
+
+
 def _refuse_empty_validation(docs: Sequence[str], validation_fraction: float, k: int,
                              size: int) -> None:
   # k >= 2, so chunk 0 trains: only the held-out split can be empty.
@@ -393,6 +399,6 @@ def _refuse_empty_validation(docs: Sequence[str], validation_fraction: float, k:
   chunks = sum(len(cut_at_breaks(d, size)) for d in docs)
   raise ValueError(
       f"data.validation_fraction={validation_fraction} leaves an empty validation split of a "
-      f"{total}-character corpus (every {k}th of its {chunks} chunks is held out); use more "
-      "text or another fraction"
+      f"{total}-character corpus (every {_ordinal(k)} of its {chunks} chunks is held out); use "
+      "more text or another fraction"
   )
