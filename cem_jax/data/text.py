@@ -108,8 +108,9 @@ def read_text(path: str | os.PathLike, stamp: tuple[int, int, int] | None = None
 def resolve_files(files: str) -> list[Path]:
   """Expands ``data.files``, a comma-separated list of globs, into absolute file paths.
 
-  Each glob's matches are sorted; globs keep the order they are listed in (so the last file
-  listed holds the validation tail); a file matched twice is kept at its first place.
+  Each glob's matches are sorted; globs keep the order they are listed in (the corpus order,
+  in which chunks are numbered for the held-out split); a file matched twice is kept at its
+  first place.
   ``~`` is expanded and ``**`` matches directories recursively. Directories are skipped.
 
   Raises:
