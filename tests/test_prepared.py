@@ -1677,3 +1677,28 @@ def test_an_empty_validation_split_names_the_held_out_chunks_in_english(fraction
                                        rf"validation split of a 1-character corpus \(every "
                                        rf"{every} of its 1 chunks is held out\); use more text"):
     text_lib.interleave_split(["x"], fraction)
+
+
+def test_a_glob_of_the_prepared_dir_that_matches_other_files_names_one(tmp_path):
+  # The same data.files glob as prepared, now matching a file more or less, was refused as
+  # "data.files='GLOB' does not fit ..., prepared with 'GLOB'": the glob twice, no file named.
+  folder = tmp_path / "texts"
+  folder.mkdir()
+  (folder / "a.txt").write_text(_text(1500, "a"))
+  (folder / "c.txt").write_text(_text(1500, "c"))
+  glob = os.fspath(folder / "*.txt")
+  config = _config(files=glob, vocab_size=300)
+  config.data.prepared_dir = os.fspath(shard_writer.prepare(config.data, tmp_path / "p"))
+  build_data(config, tmp_path / "wd")
+  (folder / "b.txt").write_text("more\n")
+  with pytest.raises(ValueError) as info:
+    build_data(config, tmp_path / "wd")
+  assert str(info.value) == (
+      f"data.files={glob!r} matches other files than data.prepared_dir={tmp_path / 'p'} was "
+      f"prepared from (it now also matches {folder / 'b.txt'}; files now: 3, then: 2); prepare "
+      "again, or leave data.files empty to train on the prepared tokens")
+  (folder / "b.txt").unlink()
+  (folder / "c.txt").unlink()
+  with pytest.raises(ValueError, match=rf"\(it no longer matches {re.escape(os.fspath(folder))}"
+                                       r"/c\.txt; files now: 1, then: 2\)"):
+    build_data(config, tmp_path / "wd")

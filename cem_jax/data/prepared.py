@@ -478,6 +478,14 @@ def check_fits(manifest: dict, data_config, directory: Path, verify: bool = True
   if d.files:
     ours = [os.fspath(p) for p in sources.text_lib.resolve_files(d.files)]
     theirs = [f["path"] for f in manifest["sources"].get("files", [])]
+    if ours != theirs and d.files == saved["files"] and kind == "files":
+      # The same globs matching other files: the message names a file, not the glob twice.
+      gained, lost = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+      what = (f"it now also matches {gained[0]}" if gained else
+              f"it no longer matches {lost[0]}" if lost else "it matches them in another order")
+      raise ValueError(f"data.files={d.files!r} matches other files than {where} was prepared "
+                       f"from ({what}; files now: {len(ours)}, then: {len(theirs)}); prepare "
+                       "again, or leave data.files empty to train on the prepared tokens")
     if ours != theirs:
       raise mismatch("files", d.files, saved["files"] or f"a {kind} source")
     # The same paths with other contents (a file edited since) would train on the old tokens.
