@@ -1702,3 +1702,28 @@ def test_a_glob_of_the_prepared_dir_that_matches_other_files_names_one(tmp_path)
   with pytest.raises(ValueError, match=rf"\(it no longer matches {re.escape(os.fspath(folder))}"
                                        r"/c\.txt; files now: 1, then: 2\)"):
     build_data(config, tmp_path / "wd")
+
+
+@pytest.mark.parametrize("fraction,warning", [
+    (0.1, None), (0.2, None), (0.5, None), (1 / 3, None), (0.3333, None), (0.05, None),
+    (0.4, "holds out every 2nd chunk of the files: 50.0% of the text"),
+    (0.3, "holds out every 3rd chunk of the files: 33.3% of the text"),
+    (0.15, "holds out every 7th chunk of the files: 14.3% of the text"),
+])
+def test_a_fraction_that_is_not_one_over_a_whole_number_is_named_with_what_is_held_out(
+    tmp_path, caplog, fraction, warning):
+  # Local files hold out every k-th chunk, k = round(1 / fraction): 0.4 held out half the text
+  # (round(2.5) == 2) without a word.
+  path = tmp_path / "c.txt"
+  path.write_text(_text(400))
+  with caplog.at_level(logging.WARNING, logger="cem_jax.data.text"):
+    train, validation = text_lib.interleave_split_files([path], fraction)
+  k = round(1 / fraction)
+  chunks = text_lib.cut_at_breaks(path.read_text(), train.size)
+  assert list(validation) == chunks[k - 1::k]  # what the warning says is what is held out
+  messages = [r.getMessage() for r in caplog.records if r.name == "cem_jax.data.text"]
+  if warning is None:
+    assert messages == []
+  else:
+    assert messages == [f"data.validation_fraction={fraction} {warning} (the fraction is 1/k "
+                        f"for a whole k = round(1 / fraction)); set {1 / k:.4g} for exactly that"]

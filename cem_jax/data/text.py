@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import glob
 import hashlib
+import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -322,7 +323,13 @@ def interleave_split_files(
       later pass); one line naming it.
     OSError: a file cannot be read (here, or on a later pass).
   """
-  _interleave_rule(0, validation_fraction)  # a bad fraction fails before any file is read
+  k, _ = _interleave_rule(0, validation_fraction)  # a bad fraction fails before any file is read
+  if abs(k * validation_fraction - 1.0) > 0.01:
+    # 0.4 holds out every 2nd chunk (round(2.5) == 2): half the text, not the 40% asked for.
+    logging.getLogger(__name__).warning(
+        "data.validation_fraction=%s holds out every %s chunk of the files: %.1f%% of the text "
+        "(the fraction is 1/k for a whole k = round(1 / fraction)); set %.4g for exactly that",
+        validation_fraction, _ordinal(k), 100.0 / k, 1.0 / k)
   total, has_text, stamps = 0, False, []
   for i, p in enumerate(paths):
     stamps.append(file_stamp(p))
