@@ -14,11 +14,23 @@ NumPy).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from cem_jax.config import check_loss_block_size
+
+# exp(80) ~ 5.5e34 is far above any trained or untrained model's perplexity (a uniform
+# guess over 65,536 pieces is e^11.1), and exp(710) overflows a float64.
+PERPLEXITY_CAP_NATS = 80.0
+
+
+def perplexity(loss: float) -> float:
+  """``exp(loss)`` of a mean loss in nats/token (a Python float), ``loss`` capped at
+  :data:`PERPLEXITY_CAP_NATS`: finite for a diverged model, where ``math.exp`` would raise
+  ``OverflowError``. ``eval/perplexity`` and the tables' ``perplexity`` column."""
+  return math.exp(min(loss, PERPLEXITY_CAP_NATS))
 
 
 def output_logits(hidden: jax.Array, head: jax.Array) -> jax.Array:

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from cem_jax import axes
 from cem_jax import sharding as sharding_lib
-from cem_jax.loss import blockwise_cross_entropy
+from cem_jax.loss import blockwise_cross_entropy, perplexity
 from cem_jax.model import DecoderLM
 from cem_jax.optim import applied_updates
 
@@ -343,9 +343,9 @@ def eval_loop(eval_step, params, data, cfg, shardings: StateShardings | None = N
   process gets the same totals, equal to one process's up to float summation order.
 
   Reads ``eval.max_batches`` batches of windows spread evenly over the split (-1: the whole
-  split; ``EvalWindows.batches``). ``eval/perplexity`` is
-  ``exp(min(loss, 80))`` (finite for an untrained or diverged model); ``eval/tokens`` is the
-  number of predicted tokens evaluated.
+  split; ``EvalWindows.batches``). ``eval/perplexity`` is ``exp(min(loss, 80))``
+  (:func:`cem_jax.loss.perplexity`: finite for a diverged model); ``eval/tokens`` is the number
+  of predicted tokens evaluated.
 
   Raises:
     ValueError: ``eval.batch_size`` not divisible by the process count, or ``eval.max_batches``
@@ -369,7 +369,7 @@ def eval_loop(eval_step, params, data, cfg, shardings: StateShardings | None = N
   loss = totals["loss_sum"] / max(totals["weight_sum"], 1.0)
   metrics = {
       "eval/loss": loss,
-      "eval/perplexity": math.exp(min(loss, 80.0)),
+      "eval/perplexity": perplexity(loss),
       "eval/bits_per_byte": totals["loss_sum"] / math.log(2) / max(totals["byte_sum"], 1.0),
       "eval/tokens": int(totals["weight_sum"]),
   }

@@ -53,6 +53,7 @@ from cem_jax import workdir as workdir_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import pipeline, prepared, sources
 from cem_jax.files import atomic_write_json, atomic_write_text, read_json, saved_figure
+from cem_jax.loss import perplexity
 from cem_jax.metrics import has_final_eval, read_metrics
 from cem_jax.model import abstract_model, known_flops_per_token
 from cem_jax.version import NUMERICS_VERSION
@@ -470,8 +471,8 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
   and data order), mean and std over the seeds both rows have. Seeds move all rows together
   (a lucky data order helps every model), so the paired difference is the fair comparison.
   Every ``*_std`` is the sample standard deviation over seeds (n - 1; 0 for one seed).
-  Losses are nats/token; ``perplexity`` is ``exp`` of the mean loss over seeds (of at most 80
-  nats, as ``eval/perplexity``: a diverged row's 800 nats would overflow a float);
+  Losses are nats/token; ``perplexity`` is ``exp`` of the mean loss over seeds (capped as
+  ``eval/perplexity``, :func:`cem_jax.loss.perplexity`: a diverged row's 800 nats would overflow);
   ``tokens_per_sec`` the mean over seeds of each run's median logged rate (the first log
   left out as warm-up: the step is compiled before the clock starts, but the first steps
   still start the data reads and allocate buffers); ``flops_per_token``
@@ -501,7 +502,7 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
         "eval_loss_std": statistics.stdev(losses) if len(losses) > 1 else 0.0,
         "delta_loss_mean": statistics.fmean(deltas) if deltas else math.nan,
         "delta_loss_std": statistics.stdev(deltas) if len(deltas) > 1 else 0.0,
-        "perplexity": math.exp(min(mean_loss, 80.0)),  # as eval/perplexity: no OverflowError
+        "perplexity": perplexity(mean_loss),
         "bits_per_byte_mean": statistics.fmean(bpb),
         "bits_per_byte_std": statistics.stdev(bpb) if len(bpb) > 1 else 0.0,
         "tokens_per_sec": statistics.fmean(r["tokens_per_sec"] for r in runs),

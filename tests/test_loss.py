@@ -305,3 +305,8 @@ def test_in_bfloat16_the_hidden_states_gradient_is_the_float64_maths(block_size)
   assert got.dtype == jnp.bfloat16
   err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
   assert err < 0.01, err
+
+
+def test_perplexity_is_exp_of_the_loss_capped_at_80_nats():
+  assert loss.perplexity(2.5) == pytest.approx(np.exp(np.float64(2.5)), rel=1e-15)
+  assert loss.perplexity(800.0) == loss.perplexity(80.0) == pytest.approx(np.exp(80.0))
