@@ -470,7 +470,9 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
   ``delta_loss_*``: eval loss minus the first row's, paired by seed (same initialisation seed
   and data order), mean and std over the seeds both rows have. Seeds move all rows together
   (a lucky data order helps every model), so the paired difference is the fair comparison.
-  Every ``*_std`` is the sample standard deviation over seeds (n - 1; 0 for one seed).
+  Every ``*_std`` is the sample standard deviation over seeds (n - 1; 0 for one seed);
+  ``paired_seeds`` counts the seeds a row shares with the baseline (``delta_loss_mean`` is NaN
+  without one; the Markdown table says so and shows Δ's spread only over two or more).
   Losses are nats/token; ``perplexity`` is ``exp`` of the mean loss over seeds (capped as
   ``eval/perplexity``, :func:`cem_jax.loss.perplexity`: a diverged row's 800 nats would overflow);
   ``tokens_per_sec`` the mean over seeds of each run's median logged rate (the first log
@@ -507,6 +509,7 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
         "bits_per_byte_std": statistics.stdev(bpb) if len(bpb) > 1 else 0.0,
         "tokens_per_sec": statistics.fmean(r["tokens_per_sec"] for r in runs),
         "seeds": len(runs),
+        "paired_seeds": len(deltas),  # rendered beside Δ, not a CSV column
     })
   return rows
 
@@ -519,7 +522,7 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
   no tracked file, and the date stays the day its figures were first written."""
   base = os.path.join(workdir, table)
   csv_text = io.StringIO(newline="")
-  writer = csv.DictWriter(csv_text, fieldnames=COLUMNS)
+  writer = csv.DictWriter(csv_text, fieldnames=COLUMNS, extrasaction="ignore")
   writer.writeheader()
   writer.writerows(rows)
   atomic_write_text(base + ".csv", csv_text.getvalue())
@@ -531,13 +534,20 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
   def spread(mean: float, std: float, seeds: int, fmt: str) -> str:
     return f"{mean:{fmt}} ± {std:.4f}" if seeds > 1 else f"{mean:{fmt}}"
 
+  def delta(r: dict) -> str:
+    paired = r.get("paired_seeds", r["seeds"])
+    if paired == 0:
+      return "n/a (no seed in common)"
+    text = spread(r["delta_loss_mean"], r["delta_loss_std"], paired, "+.4f")
+    return text if paired == r["seeds"] else f"{text} ({paired} of {r['seeds']} seeds)"
+
   for r in rows:
     lines.append(
         f"| {r['row']} | {r['params'] / 1e6:.3f}M | {r['non_embedding_params'] / 1e6:.3f}M | "
         f"{r['attention_params'] / 1e6:.3f}M | {r['mlp_params'] / 1e6:.3f}M | "
         f"{model_stats.gflop_text(r['flops_per_token'])} | "
         f"{spread(r['eval_loss_mean'], r['eval_loss_std'], r['seeds'], '.4f')} | "
-        f"{spread(r['delta_loss_mean'], r['delta_loss_std'], r['seeds'], '+.4f')} | "
+        f"{delta(r)} | "
         f"{r['perplexity']:.2f} | "
         f"{spread(r['bits_per_byte_mean'], r['bits_per_byte_std'], r['seeds'], '.4f')} | "
         f"{r['tokens_per_sec']:.0f} |")
