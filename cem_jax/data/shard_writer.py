@@ -327,7 +327,6 @@ def _done(out_dir: Path, task: dict, tok_sha: str, dtype: str) -> dict | None:
   return meta if len(last) == (tokens - (records - 1) * RECORD_TOKENS) * width else None
 
 
-
 def _tokenizer(data_config, splits: sources.TextSplits, out_dir: Path, fp: str
                ) -> tuple[tokenizer_lib.Tokenizer, bytes, bool]:
   path = out_dir / TOKENIZER
