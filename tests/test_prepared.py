@@ -1727,3 +1727,14 @@ def test_a_fraction_that_is_not_one_over_a_whole_number_is_named_with_what_is_he
   else:
     assert messages == [f"data.validation_fraction={fraction} {warning} (the fraction is 1/k "
                         f"for a whole k = round(1 / fraction)); set {1 / k:.4g} for exactly that"]
+
+
+def test_the_manifest_lists_shards_by_index_past_five_digits():
+  # shard_name pads to 5 digits; as text "train-100000" sorts before "train-99999".
+  names = [prepared.shard_name("train", i) for i in (100000, 2, 99999, 10)]
+  meta = lambda name: {"file": name, "tokens": 1, "records": 1, "size": 1, "sha256": "",
+                       "documents": 1, "characters": 1, "bytes": 1}
+  info = shard_writer._split_info({s: [meta(n) for n in names] for s in ("train", "validation")},
+                                  "text")
+  assert [m["file"] for m in info["train"]["shards"]] == [
+      prepared.shard_name("train", i) for i in (2, 10, 99999, 100000)]

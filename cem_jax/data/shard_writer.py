@@ -614,7 +614,8 @@ def _split_info(results: dict[str, list[dict]], source: str) -> dict[str, dict]:
   """
   split_info = {}
   for split in SPLITS:
-    shards = sorted(results[split], key=lambda m: m["file"])
+    # By index: "train-100000" sorts before "train-99999" as text (shard_name pads to 5 digits).
+    shards = sorted(results[split], key=lambda m: (len(m["file"]), m["file"]))
     if not shards or not sum(m["tokens"] for m in shards):
       raise ValueError(f"the {split} split of {source} is empty; use more text")
     split_info[split] = {
