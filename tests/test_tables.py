@@ -854,12 +854,12 @@ def test_a_rows_delta_pairs_only_the_seeds_the_baseline_has(tmp_path):
       ("llama", 0.0, 0.0, 1), ("cem", -0.5, 0.0, 2)]
   assert [r["paired_seeds"] for r in rows] == [1, 1]
   # Its Markdown cell: one paired seed has no spread ("± 0.0000" read as none), and says so.
-  paths = tables.write_outputs(str(tmp_path), "t", rows, {}, "header")
+  paths = tables.write_outputs(str(tmp_path), "t", rows, {"cem": [(1, 2.0)]}, "header")
   assert open(paths[0]).read().splitlines()[5].split(" | ")[7] == "-0.5000 (1 of 2 seeds)"
   assert list(csv.DictReader(open(paths[1])))[1].keys() == set(tables.COLUMNS)
   _, cem = tables.aggregate(module, "tiny", [_result("llama", 1, 3.0), _result("cem", 0, 2.5)])
   assert math.isnan(cem["delta_loss_mean"]) and cem["delta_loss_std"] == 0.0
-  paths = tables.write_outputs(str(tmp_path), "t", [_, cem], {}, "header")
+  paths = tables.write_outputs(str(tmp_path), "t", [_, cem], {"cem": [(1, 2.0)]}, "header")
   assert open(paths[0]).read().splitlines()[5].split(" | ")[7] == "n/a (no seed in common)"
 
 
