@@ -6,7 +6,8 @@ and a manifest (:mod:`cem_jax.data.shard_writer`; the format: :mod:`cem_jax.data
 The source is the config's:
 ``--config.data.files=GLOB``, ``--config.data.tfds_name=NAME`` or the built-in corpus.
 Encoding runs in worker processes (``--workers``; default: every CPU this process may use,
-for corpora of 8M characters or more) with a progress bar when stderr is a terminal. Killed,
+at most one per shard of 16M characters, so several only from 16.8M characters of text on)
+with a progress bar when stderr is a terminal. Killed,
 it leaves no manifest; run again, it writes only the missing shards; complete, it is a no-op.
 Failed before its first shard (bad input), it removes what it wrote, so the re-run with fixed
 input starts afresh. Then train with
