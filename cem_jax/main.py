@@ -1,10 +1,11 @@
 """Train a model: ``python -m cem_jax.main --config=experiments/tiny.py --workdir=DIR``.
 
 Any config key can be overridden: ``--config.model.num_layers=2 --config.data.files=a.txt``;
-a misspelt key or a value of the wrong type fails while the flags are parsed. Rerunning the same
-command resumes from the newest intact checkpoint in ``DIR``. Exit status: 0 when done or
-stopped by SIGTERM after saving (preemption), 1 with a one-line ``error: ...`` for bad input or
-a diverged run.
+a misspelt key or a value of the wrong type fails while the flags are parsed, a value the
+config's rules refuse (``config.validate``) right after, both before jax is imported.
+Rerunning the same command resumes from the newest intact checkpoint in ``DIR``. Exit status: 0
+when done or stopped by SIGTERM after saving (preemption), 1 with a one-line ``error: ...`` for
+bad input or a diverged run.
 
 Several processes (TPU pod workers, ``srun`` tasks, ``launch/local.py``) run this same command;
 ``jax.distributed.initialize`` is called when the environment or the flags say so (see
@@ -17,23 +18,26 @@ from __future__ import annotations
 from absl import app, flags, logging
 
 from cem_jax import cli
+from cem_jax import config as config_lib
 
 
 def main(argv):
   cli.no_extra_args(argv)
-  # After flag parsing: a bad flag fails before jax loads.
-  from cem_jax import distributed, energies, train
-
   fl = flags.FLAGS
   logging.set_verbosity(logging.INFO)
   cli.quiet_libraries()
   with cli.interrupted("stopped at once (no save of its own); the same command resumes "
                        "from the newest checkpoint in --workdir (checkpoint.every_steps)"), \
        cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
+    config = cli.load_config()
+    # jax-free: a value the config's own rules refuse fails in a second, before jax loads
+    # (train checks it again with what needs the model code: preflight.check).
+    config_lib.validate(config)
+    from cem_jax import distributed, energies, train
+
     # Before anything touches a device: the runtime must know all processes first.
     distributed.initialize(fl.distributed, fl.coordinator_address, fl.num_processes,
                            fl.process_id)
-    config = cli.load_config()
     energies.absolute_paths(config.model)
     train.train_and_evaluate(config, fl.workdir)
 

@@ -165,6 +165,21 @@ def test_config_and_axes_import_no_jax():
   assert out.stdout.strip() == "", f"importing config/axes loaded: {out.stdout.strip()}"
 
 
+def test_main_refuses_a_bad_config_value_before_jax_loads(tmp_path):
+  # A value config.validate refuses (not a misspelt key: absl catches that) fails in a
+  # fraction of a second, with no workdir made: jax is never imported.
+  code = ("import sys, runpy; sys.argv = ['main', '--config=experiments/tiny.py', "
+          f"'--workdir={tmp_path / 'w'}', '--config.model.block=cme']\n"
+          "try:\n  runpy.run_module('cem_jax.main', run_name='__main__')\n"
+          "except SystemExit as e:\n"
+          "  print(e.code, sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax'}))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": REPO}, check=True, timeout=120)
+  assert out.stdout.strip() == "1 []", out.stdout + out.stderr
+  assert out.stderr.strip().splitlines()[-1] == "error: model.block='cme'; allowed: cem, llama"
+  assert not (tmp_path / "w").exists()
+
+
 def test_bench_imports_no_grain_and_training_no_tfds():
   # The offline GPU image has no grain, and ../shared/tools/gpu/prepare.sh does not carry
   # it: the bench (which never shuffles) must start without it. TFDS (~0.4 s to import) is
