@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax
 import ml_collections
-from absl import app, flags
+from absl import app, flags, logging
 from flax import nnx
 
 from cem_jax import axes, cli, energies, model_stats, preflight, runs, sharding, updates
@@ -150,6 +150,9 @@ def check_energies_unedited(workdir: str, config: ml_collections.ConfigDict) -> 
 def main(argv):
   cli.no_extra_args(argv)
   fl = flags.FLAGS
+  # The table is the output: --workdir reads the run's checkpoint metadata, and Orbax logs its
+  # read-only manager (27 lines); our own warnings still show.
+  cli.quiet_libraries(logging.logging.ERROR)  # a Python logging level
   with cli.user_errors():
     if (fl.config is None) == (fl.workdir is None):
       raise ValueError("give one of --config=FILE.py (a config to inspect) or --workdir=DIR (a "
