@@ -496,9 +496,12 @@ def model_changes(saved: ml_collections.ConfigDict | dict,
   checkpoint predates is compared at its default (a new key's default keeps the old model); a
   key only the checkpoint has (removed since) is not compared.
   """
-  old = _model_identity(with_defaults(saved))
-  new = _model_identity(flat(now))
-  keys = sorted(k for k in new if k not in RESUME_MAY_CHANGE)
+  raw_old, raw_new = with_defaults(saved), flat(now)
+  old, new = _model_identity(raw_old), _model_identity(raw_new)
+  # A size -1 in both is no change of its own: the key it follows is listed (num_layers 4 -> 2
+  # alone, not also num_unique_blocks 4 -> 2, a key the user never set).
+  derived = lambda k: raw_old.get(k) == raw_new.get(k) == -1
+  keys = sorted(k for k in new if k not in RESUME_MAY_CHANGE and not derived(k))
   return [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in keys if old.get(k) != new[k]]
 
 

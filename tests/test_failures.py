@@ -585,6 +585,15 @@ def test_model_changes_compares_the_model_a_config_makes():
   now.model.update_mode, now.model.rope_theta, now.model.norm_eps = "auto", 500.0, 1e-3
   assert [c.split(":")[0] for c in config_lib.model_changes(saved, now)] == [
       "model.norm_eps", "model.rope_theta"]
+  # A size left at -1 in both follows the key the user changed, which alone is named.
+  m = saved["model"]
+  now.model.norm_eps, now.model.rope_theta = m["norm_eps"], m["rope_theta"]
+  now.model.head_dim, now.model.num_unique_blocks = -1, -1
+  now.model.num_layers, now.model.num_heads = 4, 8  # head_dim 16 -> 8, unique blocks 2 -> 4
+  assert config_lib.model_changes(saved, now) == ["model.num_heads: 4 -> 8",
+                                                  "model.num_layers: 2 -> 4"]
+  now.model.num_unique_blocks = 4  # set, it is named: 2 (-1 then) -> 4
+  assert "model.num_unique_blocks: 2 -> 4" in config_lib.model_changes(saved, now)
 
 
 @pytest.mark.parametrize("key,value", [
