@@ -772,6 +772,13 @@ def test_a_second_prepare_in_a_folder_being_prepared_is_refused(tmp_path, monkey
     build_data(_config(prepared_dir=os.fspath(fresh), vocab_size=300), tmp_path / "wd2")
   with pytest.raises(ValueError, match=r"no manifest.json \(not a prepared dataset"):
     build_data(_config(prepared_dir=os.fspath(fresh), vocab_size=300), tmp_path / "wd2")
+  # A folder that is not there (a typo) says so, not that a file in it is missing.
+  for missing, what in ((tmp_path / "nope", "does not exist"), (tmp_path / "f", "is not a folder")):
+    if what == "is not a folder":
+      missing.write_text("x")
+    with pytest.raises(ValueError, match=rf"^data.prepared_dir={re.escape(os.fspath(missing))} "
+                                         rf"{what}; allowed: a folder python -m cem_jax.prepare"):
+      build_data(_config(prepared_dir=os.fspath(missing), vocab_size=300), tmp_path / "wd2")
   # Released, the same folders prepare as usual.
   assert shard_writer.prepare(config_b.data, fresh) == fresh
   assert build_data(config_b, tmp_path / "wd").train_tokens > 0
@@ -1063,7 +1070,7 @@ def test_prepared_dir_must_fit_the_config(tmp_path):
   ):
     with pytest.raises(ValueError, match=message):
       build_data(_config(**{**base, field: value}), tmp_path / "wd")
-  with pytest.raises(ValueError, match=r"no manifest\.json"):
+  with pytest.raises(ValueError, match=r"nothing does not exist; allowed: a folder"):
     build_data(_config(prepared_dir=os.fspath(tmp_path / "nothing")), tmp_path / "wd")
 
 

@@ -341,13 +341,18 @@ class PreparedData:
     size and (``verify``) sha256.
 
     Raises:
-      ValueError: no manifest (one line naming the folder and what to do).
+      ValueError: no such folder, or no manifest in it (one line naming the folder and what to
+        do).
       BadPreparedData: a damaged file or one of another format version (one line naming it
         and what to do); a manifest unlike any that prepare writes (its structure, names,
         token counts) is damaged.
     """
     directory = Path(os.path.expanduser(os.fspath(directory)))
     path = directory / MANIFEST
+    if not directory.is_dir():
+      what = "is not a folder" if directory.exists() else "does not exist"
+      raise ValueError(f"data.prepared_dir={os.fspath(directory)} {what}; allowed: a folder "
+                       "python -m cem_jax.prepare --out=DIR wrote (or leave it empty)")
     if not path.is_file():
       if _being_prepared(directory):
         raise ValueError(f"data.prepared_dir={os.fspath(directory)}: no {MANIFEST} yet: "
