@@ -12,7 +12,9 @@ per GPU it also picks GPU ``SLURM_LOCALID``. With one process per node the scrip
 = 0 only). ``--kill-on-bad-exit=1``: if one process fails, srun stops the others.
 
 ``ARGS`` (everything after ``--``) go to ``cem_jax.main`` unchanged, shell-quoted. ``--workdir``
-must be on a filesystem all nodes share. Without ``--dry_run`` the script is written to
+must be on a filesystem all nodes share. The job runs in ``--repo``: a relative ``--config``
+or ``--workdir`` given from another folder is a one-line error (it would name another path).
+Without ``--dry_run`` the script is written to
 ``--script`` and submitted with ``sbatch`` (``--no_submit``: only written); ``--dry_run`` prints
 the script and the ``sbatch`` command.
 """
@@ -60,6 +62,26 @@ def sbatch_script(args: argparse.Namespace, main_args: list[str]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _check_paths(parser: argparse.ArgumentParser, repo: str, main_args: list[str]) -> None:
+  """The job runs in ``repo`` (``cd`` in the script): a relative ``--config=FILE`` or
+  ``--workdir=DIR`` means a path there, not in the folder the launcher runs in. Where ``repo``
+  is visible here, one that would change its meaning, or a config file not there, is refused
+  now rather than after the job waited in the queue."""
+  if not os.path.isdir(repo):
+    return  # the nodes' path of the repository, not this machine's: nothing to compare
+  here = os.path.realpath(os.getcwd()) == os.path.realpath(repo)
+  for a in main_args:
+    flag, _, value = a.partition("=")
+    if flag not in ("--config", "--workdir") or not value or os.path.isabs(value):
+      continue
+    if not here:
+      parser.error(f"{a!r} is relative, and the job runs in --repo={repo}, not in this folder "
+                   f"({os.getcwd()}); allowed: an absolute path, or run this from {repo}")
+    file = value.partition(":")[0]
+    if flag == "--config" and not os.path.isfile(os.path.join(repo, file)):
+      parser.error(f"{a!r}: no file {file!r} in --repo={repo}, where the job runs")
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   split = argv.index("--") if "--" in argv else len(argv)
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -96,6 +118,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
       a.startswith("--workdir=") for a in main_args):
     parser.error("give cem_jax.main's arguments after --, at least --config=FILE and "
                  "--workdir=DIR (on a filesystem all nodes share)")
+  _check_paths(parser, args.repo, main_args)
   if args.submit and not args.dry_run and shutil.which("sbatch") is None:
     parser.error("sbatch not found on PATH: run this on a SLURM login node, or pass --no_submit "
                  "to only write the script")

@@ -16,8 +16,10 @@ Three steps, each one ``gcloud compute tpus tpu-vm`` command over ``--worker=all
 
 ``ARGS`` (everything after ``--``) go to ``cem_jax.main`` unchanged. ``--workdir`` must be on
 storage every worker sees at the same path (a Filestore/NFS mount or a gcsfuse-mounted bucket):
-all workers write their shards of each Orbax checkpoint there and read the data caches.
-Remote paths that are not absolute are relative to the remote home folder.
+all workers write their shards of each Orbax checkpoint there and read the data caches: an
+absolute path (a relative one is a one-line error). A relative ``--config=FILE`` is a file of
+this repository (the workers run in its copy). ``--remote_dir``, ``--venv`` and ``--log`` that
+are not absolute (``~/x`` included) are relative to the remote home folder.
 
 ``--dry_run`` prints the exact commands instead of running them; every user value in them is
 shell-quoted (``shlex.quote``), also inside the remote ``--command``. A failing step stops the
@@ -40,9 +42,14 @@ TARBALL = "cem_jax_src.tar.gz"  # in the remote home folder
 
 
 def remote_path(path: str) -> str:
-  """``path`` for a remote shell: absolute paths quoted as they are, others under ``$HOME``."""
+  """``path`` for a remote shell: absolute paths quoted as they are, others (and ``~/...``)
+  under ``$HOME``: a quoted ``~`` would be a folder named ``~``."""
   if path.startswith("/"):
     return shlex.quote(path)
+  if path == "~" or path.startswith("~/"):
+    path = path[2:]
+    if not path:
+      return '"$HOME"'
   return '"$HOME"/' + shlex.quote(path)
 
 
@@ -100,8 +107,18 @@ def commands(args: argparse.Namespace, main_args: list[str], tarball: str) -> li
 
 def source_files(repo: str = REPO) -> list[str]:
   """Files git tracks plus untracked ones it does not ignore (paths relative to ``repo``)."""
-  out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                       cwd=repo, check=True, capture_output=True).stdout
+  try:
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         cwd=repo, check=True, capture_output=True).stdout
+  except FileNotFoundError:
+    raise SystemExit("launch/tpu_pod.py: git not found on PATH: it lists the files to copy "
+                     "(tracked and untracked, not ignored); install git, or copy the code "
+                     "yourself and pass --no_sync") from None
+  except subprocess.CalledProcessError as e:
+    said = (e.stderr.decode(errors="replace").strip().splitlines() or ["git ls-files failed"])
+    raise SystemExit(f"launch/tpu_pod.py: {repo} is not a git working tree ({said[0]}); "
+                     "the files to copy are git's tracked and untracked, not ignored, ones: "
+                     "run it from a clone, or copy the code yourself and pass --no_sync") from None
   paths = out.decode().split("\0")
   return sorted({p for p in paths if p and os.path.isfile(os.path.join(repo, p))})
 
@@ -141,6 +158,19 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                  "--workdir=DIR")
   if not any(a.startswith("--workdir=") for a in main_args):
     parser.error("give --workdir=DIR after -- (a folder every worker sees at the same path)")
+  for a in main_args:
+    if a.startswith("--workdir=") and not a[len("--workdir="):].startswith("/"):
+      # Relative: inside --remote_dir, on each worker's own disk; '~' is not expanded there.
+      parser.error(f"{a!r}: allowed: an absolute path every worker sees (a shared mount, e.g. "
+                   "--workdir=/mnt/shared/runs/x); a relative one would be a folder on each "
+                   "worker's own disk, where no worker sees the others' checkpoint shards")
+    if a.startswith("--config=") and not a[len("--config="):].startswith("/"):
+      file = a[len("--config="):].partition(":")[0]
+      if not os.path.isfile(os.path.join(REPO, file)):
+        # The workers run in --remote_dir, the copy of this repository: paths are relative to it.
+        parser.error(f"{a!r}: no file {file!r} in {REPO}; allowed: a path relative to this "
+                     "repository (the workers run in its copy, --remote_dir) or an absolute "
+                     "one every worker sees")
   if not args.dry_run and shutil.which("gcloud") is None:
     parser.error("gcloud not found on PATH: install the Google Cloud CLI, or pass --dry_run to "
                  "print the commands")
@@ -149,7 +179,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str]) -> int:
   args, main_args = parse_args(argv)
-  tarball = os.path.join(tempfile.gettempdir(), TARBALL)
+  # A folder of its own, removed at the end: a fixed /tmp path would be another launch's
+  # tarball (or another user's file, not writable).
+  folder = tempfile.mkdtemp(prefix="cem_jax_launch_")
+  try:
+    return _launch(args, main_args, os.path.join(folder, TARBALL))
+  finally:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _launch(args: argparse.Namespace, main_args: list[str], tarball: str) -> int:
   cmds = commands(args, main_args, tarball)
   if args.dry_run:
     if args.sync:
@@ -166,7 +205,6 @@ def main(argv: list[str]) -> int:
       print(f"launch/tpu_pod.py: {cmd[4]} failed with exit status {code}", file=sys.stderr)
       return code
   return 0
-
 
 if __name__ == "__main__":
   sys.exit(main(sys.argv[1:]))

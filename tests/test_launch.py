@@ -406,6 +406,74 @@ def test_tpu_pod_packs_untracked_files_but_not_ignored_or_deleted_ones(tmp_path)
   assert (n, names) == (3, [".gitignore", "new.py", "tracked.py"])
 
 
+@pytest.mark.parametrize("workdir", ["runs/t", "~/runs/t", "./t", ""])
+def test_tpu_pod_refuses_a_workdir_the_workers_would_not_share(workdir):
+  # Relative: a folder under --remote_dir on each worker's own disk (and '~' is not expanded
+  # in a quoted word): every worker would write its shards of each checkpoint where no other
+  # worker sees them.
+  proc = _launch("tpu_pod.py", "--tpu=t", "--zone=z", "--dry_run", "--",
+                 "--config=experiments/tiny.py", f"--workdir={workdir}")
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  assert f"error: '--workdir={workdir}': allowed: an absolute path every worker sees" in last
+  assert "gcloud" not in proc.stdout
+
+
+def test_tpu_pod_takes_a_relative_config_as_a_file_of_the_repository_it_copies(tmp_path):
+  # The workers run in the copy of this repository: a path relative to the caller's folder
+  # that is not a file of the repository names nothing there.
+  (tmp_path / "mine.py").write_text("")
+  proc = subprocess.run([sys.executable, str(REPO / "launch" / "tpu_pod.py"), "--tpu=t",
+                         "--zone=z", "--dry_run", "--", "--config=mine.py:x", "--workdir=/w"],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2, proc.stderr
+  assert f"error: '--config=mine.py:x': no file 'mine.py' in {REPO}" in proc.stderr
+  proc = subprocess.run([sys.executable, str(REPO / "launch" / "tpu_pod.py"), "--tpu=t",
+                         "--zone=z", "--dry_run", "--", "--config=experiments/tiny.py:llama",
+                         f"--config.data.files={tmp_path}/a.txt", "--workdir=/w"],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("path,remote", [("~/code", '"$HOME"/code'), ("~", '"$HOME"'),
+                                         ("code dir", '"$HOME"/\'code dir\''),
+                                         ("/opt/x y", "'/opt/x y'")])
+def test_tpu_pod_remote_paths_under_home_include_a_tilde(path, remote):
+  # A quoted '~/code' would be a folder named '~' in the home folder.
+  assert _script("tpu_pod").remote_path(path) == remote
+
+
+def test_tpu_pod_outside_a_git_tree_or_without_git_is_one_line(tmp_path):
+  # The files to copy are git's list: without it, one line, not a traceback.
+  (tmp_path / "launch").mkdir()
+  (tmp_path / "launch" / "tpu_pod.py").write_text((REPO / "launch" / "tpu_pod.py").read_text())
+  (tmp_path / "c.py").write_text("")
+  cmd = [sys.executable, "launch/tpu_pod.py", "--tpu=t", "--zone=z", "--dry_run", "--",
+         "--config=c.py", "--workdir=/w"]
+  env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tmp_path.parent))
+  proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+  assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stderr.startswith(f"launch/tpu_pod.py: {tmp_path} is not a git working tree (")
+  assert proc.stderr.count("\n") == 1 and "pass --no_sync" in proc.stderr
+  proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                        env=dict(env, PATH=str(tmp_path)))
+  assert proc.returncode == 1 and proc.stderr.startswith(
+      "launch/tpu_pod.py: git not found on PATH"), proc.stderr
+
+
+def test_tpu_pod_packs_into_a_folder_of_its_own_and_removes_it(monkeypatch):
+  # A fixed /tmp/cem_jax_src.tar.gz is another launch's tarball, or another user's file.
+  tpu_pod, packed = _script("tpu_pod"), []
+  monkeypatch.setattr(tpu_pod, "pack", lambda tarball: packed.append(tarball) or 3)
+  monkeypatch.setattr(tpu_pod.shutil, "which", lambda name: f"/usr/bin/{name}")
+  monkeypatch.setattr(tpu_pod.subprocess, "run",
+                      lambda cmd: subprocess.CompletedProcess(cmd, 0))
+  for _ in range(2):
+    assert tpu_pod.main(["--tpu=t", "--zone=z", "--", *MAIN_ARGS]) == 0
+  assert packed[0] != packed[1] and all(p.endswith("/cem_jax_src.tar.gz") for p in packed)
+  assert not any(os.path.exists(os.path.dirname(p)) for p in packed)
+
+
 # ---------------------------------------------------------------------------------------------
 # slurm.py
 
@@ -440,22 +508,24 @@ def test_slurm_dry_run_prints_the_sbatch_script():
 def test_slurm_one_process_per_node_drives_all_its_gpus(tmp_path):
   script = tmp_path / "job.sbatch"
   proc = _launch("slurm.py", "--per=node", "--nodes=4", "--gpus_per_node=8", "--no_submit",
-                 f"--script={script}", "--", "--config=c.py", "--workdir=/w")
+                 f"--script={script}", "--", "--config=experiments/tiny.py", "--workdir=/w")
   assert proc.returncode == 0, proc.stderr
   text = script.read_text()
   assert "#SBATCH --ntasks-per-node=1\n" in text and "#SBATCH --gpus-per-node=8\n" in text
   assert "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7" in text
-  assert text.rstrip().endswith("-m cem_jax.main --distributed=on --config=c.py --workdir=/w")
+  assert text.rstrip().endswith(
+      "-m cem_jax.main --distributed=on --config=experiments/tiny.py --workdir=/w")
 
 
 def test_slurm_submits_unless_told_not_to_and_exits_with_sbatchs_status(tmp_path, monkeypatch):
   slurm = _script("slurm")
   calls = []
+  monkeypatch.chdir(REPO)  # the job runs in the repository: its relative config is there
   monkeypatch.setattr(slurm.shutil, "which", lambda name: f"/usr/bin/{name}")
   monkeypatch.setattr(slurm.subprocess, "run",
                       lambda cmd: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1))
   script = tmp_path / "job.sbatch"
-  args = [f"--script={script}", "--", "--config=c.py", "--workdir=/w"]
+  args = [f"--script={script}", "--", "--config=experiments/tiny.py", "--workdir=/w"]
   assert slurm.main(["--no_submit", *args]) == 0 and calls == [] and script.is_file()
   assert slurm.main(args) == 1 and calls == [["sbatch", str(script)]]  # sbatch failed
 
@@ -469,7 +539,8 @@ def test_a_launcher_whose_tool_is_missing_says_so_in_one_line_and_writes_nothing
     script, args, tool, tmp_path):
   # Off a SLURM login node or without the Cloud CLI: one line naming the tool, no traceback,
   # no half-done work (no script written, no tarball packed, no process started).
-  main = ["no-such-tool", "x"] if script == "local.py" else ["--config=c.py", "--workdir=/w"]
+  main = (["no-such-tool", "x"] if script == "local.py" else
+          ["--config=experiments/tiny.py", "--workdir=/w"])
   proc = _launch(script, *(a.format(tmp=tmp_path) for a in args), "--", *main,
                  env=dict(os.environ, PATH=str(tmp_path)))
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
@@ -492,7 +563,7 @@ def test_slurm_rejects_values_sbatch_cannot_quote():
 @pytest.mark.parametrize("arg", ["--output=a b.out", "--job_name=x;y", "--job_name=x\n",
                                  "--nodes=0", "--gpus_per_node=0"])
 def test_slurm_refuses_each_value_sbatch_cannot_take(arg):
-  proc = _launch("slurm.py", arg, "--dry_run", "--", "--config=c.py", "--workdir=/w")
+  proc = _launch("slurm.py", arg, "--dry_run", "--", "--config=experiments/tiny.py", "--workdir=/w")
   name, value = arg.split("=", 1)
   assert proc.returncode == 2 and f"error: {name}=" in proc.stderr, proc.stderr
   assert "#SBATCH" not in proc.stdout
@@ -504,8 +575,34 @@ def test_slurm_needs_both_config_and_workdir(main_args):
   assert proc.returncode == 2 and "at least --config=FILE and --workdir=DIR" in proc.stderr
 
 
+def test_slurm_refuses_relative_paths_that_the_job_would_read_in_another_folder(tmp_path):
+  # The script cds into --repo: from another folder a relative --config or --workdir names
+  # another path there (a config not found after the queue, or a workdir in the repository).
+  (tmp_path / "experiments").mkdir()
+  (tmp_path / "experiments" / "tiny.py").write_text("")
+  slurm = [sys.executable, str(REPO / "launch" / "slurm.py"), "--dry_run", "--"]
+  for arg in ("--config=experiments/tiny.py", "--workdir=runs/x"):
+    main = ["--config=experiments/tiny.py", "--workdir=runs/x"]
+    main = [a if a == arg else a.replace("=", f"={REPO}/" if "config" in a else "=/", 1)
+            for a in main]
+    proc = subprocess.run([*slurm, *main], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "#SBATCH" not in proc.stdout, proc.stdout
+    assert (f"error: '{arg}' is relative, and the job runs in --repo={REPO}, not in this "
+            f"folder ({tmp_path})") in proc.stderr, proc.stderr
+  proc = subprocess.run([*slurm, f"--config={REPO}/experiments/tiny.py", "--workdir=/w"],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr
+  # From the repository: relative paths are its own; a config that is not there is refused.
+  proc = _launch("slurm.py", "--dry_run", "--", "--config=experiments/nope.py:x", "--workdir=w")
+  assert proc.returncode == 2 and ("error: '--config=experiments/nope.py:x': no file "
+                                   f"'experiments/nope.py' in --repo={REPO}") in proc.stderr
+  assert _launch("slurm.py", "--dry_run", "--", "--config=experiments/tiny.py:llama",
+                 "--workdir=w").returncode == 0
+
+
 def test_slurm_cpus_per_task_only_when_given():
-  main = ["--dry_run", "--", "--config=c.py", "--workdir=/w"]
+  main = ["--dry_run", "--", "--config=experiments/tiny.py", "--workdir=/w"]
   lines = _launch("slurm.py", "--cpus_per_task=6", *main).stdout.splitlines()
   assert "#SBATCH --cpus-per-task=6" in lines
   assert "cpus-per-task" not in _launch("slurm.py", *main).stdout
