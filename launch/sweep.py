@@ -14,7 +14,8 @@ overrides, ``train.learning_rate=0.003,model.block=llama``) with
 where ``EXTRA`` is everything after ``--``. Runs go one after the other: ``--launcher=local``
 (default) on this machine (``--num_processes`` > 1: through ``launch/local.py``),
 ``--launcher=tpu_pod`` through ``launch/tpu_pod.py`` on every worker of a pod (the code is
-copied once, before the first run).
+copied before the first run, and again before the next after a failed run; ``WORKDIR``
+absolute). ``EXTRA`` may not set a key the sweep sets (it would win in every run).
 
 A run is finished, and skipped, when ``WORKDIR/NAME/metrics.jsonl`` has its final eval line
 (``step`` == ``train.num_steps``) and ``WORKDIR/NAME/checkpoints/<train.num_steps>`` exists.
@@ -278,13 +279,37 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   for flag in ("--workdir", "--config"):
     if any(a == flag or a.startswith(flag + "=") for a in extra):
       parser.error(f"{flag} after -- would give every run the same one; give it before --")
+  if args.launcher == "tpu_pod" and not os.path.isabs(args.workdir):
+    parser.error(f"--workdir={args.workdir!r} with --launcher=tpu_pod; allowed: an absolute "
+                 "path every worker sees (a shared mount): a relative one is a folder on each "
+                 "worker's own disk")
   return args, extra
+
+
+def check_extra(runs: list[tuple[str, dict]], extra: list[str]) -> None:
+  """Refuses an ``EXTRA`` ``--config.KEY=VALUE`` for a key the sweep sets: coming after the
+  run's own flag it would win, and every run would train with the one value under a name
+  that says another.
+
+  Raises:
+    SystemExit: one line naming the flag and the runs that set the key.
+  """
+  for a in extra:
+    if not a.startswith("--config."):
+      continue
+    key = a[len("--config."):].partition("=")[0]
+    setting = [name for name, overrides in runs if key in overrides]
+    if setting:
+      raise SystemExit(f"error: {a} after -- overrides {key}, which get_sweep() sets per run "
+                       f"({len(setting)} of {len(runs)} runs, e.g. {setting[0]!r}); allowed: "
+                       "after --, only keys the sweep does not set")
 
 
 def main(argv: list[str]) -> int:
   args, extra = parse_args(argv)
   module, arg = load_config_module(args.config)
   runs = expand(module, arg)
+  check_extra(runs, extra)
   failed, first = [], True
   for name, overrides in runs:
     run_dir = os.path.join(args.workdir, name)
@@ -294,6 +319,8 @@ def main(argv: list[str]) -> int:
       print(f"skip {name} (finished: step {steps})", flush=True)
       continue
     cmd = run_command(args, main_args(args.config, run_dir, overrides, extra), first)
+    # On a pod the code is copied with the first run, and again with the run after a failed
+    # one: that may have failed copying it (its exit status does not say which step failed).
     first = False
     print(("" if args.dry_run else "+ ") + shlex.join(cmd), flush=True)
     if args.dry_run:
@@ -309,6 +336,7 @@ def main(argv: list[str]) -> int:
     if code:
       print(f"launch/sweep.py: run {name} failed with {_ended(code)}", file=sys.stderr)
       failed.append(name)
+      first = True
   if failed:
     print(f"launch/sweep.py: {len(failed)} of {len(runs)} runs failed: {', '.join(failed)}",
           file=sys.stderr)

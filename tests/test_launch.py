@@ -695,8 +695,8 @@ def test_sweep_refuses_a_run_folder_started_with_another_config(tmp_path):
          "it, a new --workdir, or delete that run to train it again")
   for spec, extra, change in (
       (cfg, [], "train.num_steps: 10 -> 40"),  # the file's other arg
-      (f"{cfg}:b", ["--config.model.d_model=64", "--config.train.learning_rate=1e-2"],
-       "model.d_model: 128 -> 64; train.learning_rate: 0.001 -> 0.01")):
+      (f"{cfg}:b", ["--config.model.d_model=64", "--config.train.weight_decay=1e-2"],
+       "model.d_model: 128 -> 64; train.weight_decay: 0.1 -> 0.01")):
     proc = launch(spec, *extra)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.strip() == (f"error: {run} holds a run started with another config "
@@ -894,6 +894,32 @@ def test_sweep_reads_metrics_with_the_one_parser(tmp_path):
   assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_sweep_refuses_extra_flags_for_a_key_it_sets(tmp_path):
+  # After the run's own --config.KEY flag, EXTRA's would win: every run the same value under
+  # a folder name that says another.
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_CONFIG)
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={tmp_path / 'w'}", "--dry_run",
+                 "--", "--config.train.learning_rate=0.1")
+  assert proc.returncode == 1 and proc.stdout == "", proc.stdout
+  assert proc.stderr == ("error: --config.train.learning_rate=0.1 after -- overrides "
+                         "train.learning_rate, which get_sweep() sets per run (2 of 3 runs, "
+                         "e.g. 'train.learning_rate=0.001'); allowed: after --, only keys the "
+                         "sweep does not set\n")
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={tmp_path / 'w'}", "--dry_run",
+                 "--", "--config.train.seed=3")
+  assert proc.returncode == 0 and "--config.train.seed=3" in proc.stdout, proc.stderr
+
+
+def test_sweep_on_a_pod_needs_an_absolute_workdir(tmp_path):
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_CONFIG)
+  proc = _launch("sweep.py", f"--config={cfg}", "--workdir=runs/w", "--dry_run",
+                 "--launcher=tpu_pod", "--tpu=t1", "--zone=z1")
+  assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+  assert "error: --workdir='runs/w' with --launcher=tpu_pod; allowed: an absolute" in proc.stderr
+
+
 def test_sweep_copies_the_code_with_its_first_launched_run_and_fails_if_any_run_fails(
     tmp_path, monkeypatch, capsys):
   sweep = _script("sweep")
@@ -913,11 +939,19 @@ def test_sweep_copies_the_code_with_its_first_launched_run_and_fails_if_any_run_
   # Popen's -9 in words: the signal that ended the run, not an "exit status -9".
   assert ("launch/sweep.py: run train.learning_rate=0.003,model.block=llama failed with "
           "signal 9\n") in err
-  # The first run that starts copies the code (no --no_sync), whichever run of the sweep it is.
-  assert [cmd[2:6] for cmd, _ in ran] == [["--tpu=t", "--zone=z", "--project=p", "--"],
-                                          ["--tpu=t", "--zone=z", "--project=p", "--no_sync"]]
+  # The first run that starts copies the code (no --no_sync), whichever run of the sweep it is;
+  # so does the run after a failed one (the failure may have been the copy: the next run would
+  # train the workers' old code).
+  assert [cmd[2:6] for cmd, _ in ran] == [["--tpu=t", "--zone=z", "--project=p", "--"]] * 2
   # cem_jax imports in the runs even when it is not pip-installed.
   assert {env["PYTHONPATH"] for _, env in ran} == {f"{REPO}{os.pathsep}/elsewhere"}
+  # Once a run succeeded, the code on the workers is this one: not copied again, until a run
+  # fails.
+  ran.clear()
+  codes = iter([0, 5, 0])
+  assert sweep.main([f"--config={cfg}", f"--workdir={tmp_path / 'sw2'}", "--launcher=tpu_pod",
+                     "--tpu=t", "--zone=z"]) == 1
+  assert ["--no_sync" in cmd for cmd, _ in ran] == [False, True, False]
 
 
 # A stand-in run: records the signal that stops it (main saves on SIGTERM and exits 0).
