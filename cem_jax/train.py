@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import time
 
 import jax
@@ -207,6 +208,12 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
   preflight.check_machine(config)
   data_lib.require_shuffle()
   created = workdir_lib.prepare_workdir(workdir)
+  try:
+    workdir_lib.check_processes_agree(config, workdir)
+  except ValueError:
+    if created:  # nothing in it yet: as the command found it
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
   held.enter_context(workdir_lib.exclusive(workdir))  # kept by the caller until the run ends
   prepared = workdir_lib.prepared_folders(workdir)
   ckpt = None

@@ -54,6 +54,87 @@ def build_data_once(config: ml_collections.ConfigDict, workdir: str):
   return data if data is not None else data_lib.build_data(config, workdir, verify=False)
 
 
+_SEEN_BY_ALL = ".processes_see_this_"  # + process 0's token: a file in WORKDIR for a moment
+
+
+def config_digest(config: ml_collections.ConfigDict) -> bytes:
+  """A sha256 of ``config`` (its JSON, keys sorted): equal on processes given the same one."""
+  import hashlib
+  import json
+
+  return hashlib.sha256(json.dumps(json.loads(config.to_json()), sort_keys=True).encode()
+                        ).digest()
+
+
+def process_mismatch(workdir: str, config: ml_collections.ConfigDict, digest0: bytes,
+                     token: str, wait_s: float = 5.0) -> int:
+  """What this process finds against process 0's ``digest0`` (:func:`config_digest`) and the
+  file process 0 wrote in ``workdir`` (named and holding ``token``): 0 the same, 1 another
+  config, 2 not that file (``workdir`` is not the folder process 0 writes in). Waits up to
+  ``wait_s`` for the file (a network mount may show it late)."""
+  import time
+
+  if config_digest(config) != digest0:
+    return 1
+  path = os.path.join(workdir, _SEEN_BY_ALL + token)
+  deadline = time.monotonic() + wait_s
+  while True:
+    try:
+      with open(path) as f:
+        if f.read() == token:
+          return 0
+    except OSError:
+      pass
+    if time.monotonic() >= deadline:
+      return 2
+    time.sleep(0.2)
+
+
+def check_processes_agree(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """With several processes, checks that all were given process 0's config and see the files
+  it writes in ``workdir`` (storage all hosts share, at the path each was given). Without
+  this, a process on another config fails in a collective or trains another model's shards,
+  and one whose ``workdir`` is another folder (a path on its host's own disk, a typo) hangs
+  in the first checkpoint until Orbax's 600 s timeout, as process 0 does at its end.
+
+  Every process calls it after :func:`prepare_workdir`; all raise together.
+
+  Raises:
+    ValueError: one line naming the first process that differs and what to fix.
+  """
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils
+
+  token, path = "", None
+  if jax.process_index() == 0:
+    token = os.urandom(8).hex()
+    path = os.path.join(workdir, _SEEN_BY_ALL + token)
+    with open(path, "w") as f:
+      f.write(token)
+  try:
+    # Written before the broadcast: every process joins it only once process 0 has written.
+    shared = np.frombuffer(config_digest(config) + token.encode().ljust(16), np.uint8)
+    shared = np.asarray(multihost_utils.broadcast_one_to_all(shared), np.uint8).tobytes()
+    code = process_mismatch(workdir, config, shared[:32], shared[32:].decode().strip())
+    codes = np.asarray(multihost_utils.process_allgather(np.int32(code))).reshape(-1)
+  finally:
+    if path is not None:
+      with contextlib.suppress(OSError):
+        os.remove(path)
+  bad = [(i, int(c)) for i, c in enumerate(codes) if c]
+  if not bad:
+    return
+  i, c = bad[0]
+  if c == 1:
+    raise ValueError(f"process {i} was given another config than process 0 (its --config or "
+                     "--config.* flags, or a config file that differs on its host); allowed: "
+                     "the same command on every process")
+  raise ValueError(f"--workdir={workdir!r}: process {i} does not see the files process 0 "
+                   "writes there; allowed: a folder on storage every process shares, given "
+                   "by a path that names it on every host (not a host's own disk)")
+
+
 def prepared_folders(workdir: str) -> frozenset[str] | None:
   """The names in ``WORKDIR/data`` (the datasets prepared there); None if it does not exist."""
   try:

@@ -6,6 +6,7 @@ set before jax loads; this pytest process stays single-device so other tests are
 
 import json
 import math
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -859,3 +860,45 @@ def test_initialize_calls_jax_when_resolve_says_so_and_the_barrier_needs_two_pro
     monkeypatch.setattr(jax, "process_count", lambda count=count: count)
     distributed.sync_processes(name)
   assert barriers == ["two"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes of one run: the same config, one shared workdir.
+
+
+def test_a_process_on_another_workdir_or_config_is_one_line_not_a_hang(shared_data, tmp_path):
+  # Process 1's --workdir is another folder (as a path on its host's own disk would be): it
+  # hung in the first checkpoint until Orbax's 600 s timeout, and process 0 at its end. Now
+  # both stop at start-up with one line, and leave no folder they created behind.
+  cfg = tmp_path / "cfg.py"
+  cfg.write_text(CONFIG.format(text=str(shared_data / "tinyshakespeare.txt")))
+  main = (f"exec {shlex.quote(sys.executable)} -m cem_jax.main --config={shlex.quote(str(cfg))}"
+          f" --workdir={shlex.quote(str(tmp_path))}/w$CEM_PROCESS_ID")
+  proc = subprocess.run(
+      [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
+       "--kill_grace_s=60", "--", "sh", "-c", main], cwd=REPO, env=_env(1),
+      capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 1, proc.stdout[-3000:]
+  errors = [line for line in proc.stdout.splitlines() if "error:" in line]
+  for i in (0, 1):
+    assert f"[{i}] error: --workdir='{tmp_path}/w{i}': process 1 does not see the files " \
+        "process 0 writes there; allowed: a folder on storage every process shares" in "\n".join(
+            errors), proc.stdout[-3000:]
+  assert "Traceback" not in proc.stdout
+  assert not (tmp_path / "w0").exists() and not (tmp_path / "w1").exists()
+
+
+def test_each_process_compares_its_config_and_process_0s_file(tmp_path):
+  from cem_jax import workdir
+
+  cfg = tiny_config()
+  digest = workdir.config_digest(cfg)
+  (tmp_path / ".processes_see_this_abc").write_text("abc")
+  assert workdir.process_mismatch(str(tmp_path), cfg, digest, "abc") == 0
+  assert workdir.process_mismatch(str(tmp_path), cfg, digest, "abd", wait_s=0) == 2
+  (tmp_path / ".processes_see_this_abd").write_text("abc")  # another run's leftover
+  assert workdir.process_mismatch(str(tmp_path), cfg, digest, "abd", wait_s=0) == 2
+  other = tiny_config()
+  other.train.learning_rate *= 2
+  assert workdir.process_mismatch(str(tmp_path), other, digest, "abc") == 1
+  assert workdir.config_digest(cfg) == workdir.config_digest(tiny_config())
