@@ -98,7 +98,8 @@ def target_devices(target: str) -> Target:
       CUDA plugin installed; or naming ``XLA_PYTHON_CLIENT_MEM_FRACTION``, not in (0, 1].
   """
   name, _, count = target.partition(":")
-  if name in GPU_TARGET_CONFIGS:
+  if name.lower() in GPU_TARGET_CONFIGS:  # H100 as the GPU names itself, not a TPU to look up
+    name = name.lower()
     if count and not (count.isdigit() and int(count) >= 1):
       raise ValueError(f"--target={target}: the GPU count {count!r}; allowed: an int >= 1")
     given = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")

@@ -126,6 +126,8 @@ def test_splash_is_compiled_for_a_tpu_slice_described_not_present(monkeypatch, b
 @pytest.mark.parametrize("target, error", [
     ("h200:0", "--target=h200:0: the GPU count '0'; allowed: an int >= 1"),
     ("h100:two", "--target=h100:two: the GPU count 'two'; allowed: an int >= 1"),
+    # The GPU's own spelling is the GPU (it was looked up as a TPU: "needs jax[tpu]").
+    ("H100:0", "--target=H100:0: the GPU count '0'; allowed: an int >= 1"),
     ("a100", "--target=a100; allowed: a TPU slice as libtpu names it (e.g. v5e:16x16), or "
              "h100, h200[:N]"),
 ])
