@@ -279,6 +279,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   for flag in ("--workdir", "--config"):
     if any(a == flag or a.startswith(flag + "=") for a in extra):
       parser.error(f"{flag} after -- would give every run the same one; give it before --")
+  for a in extra:
+    if a.startswith("--config.") and "=" not in a:
+      # The sweep reads train.num_steps and compares configs from KEY=VALUE words only: a
+      # value in the next word was missed, and a run of the file's num_steps skipped as done.
+      parser.error(f"{a} after -- without =VALUE; allowed: {a}=VALUE, one word")
   if args.launcher == "tpu_pod" and not os.path.isabs(args.workdir):
     parser.error(f"--workdir={args.workdir!r} with --launcher=tpu_pod; allowed: an absolute "
                  "path every worker sees (a shared mount): a relative one is a folder on each "

@@ -911,6 +911,24 @@ def test_sweep_refuses_extra_flags_for_a_key_it_sets(tmp_path):
   assert proc.returncode == 0 and "--config.train.seed=3" in proc.stdout, proc.stderr
 
 
+def test_sweep_refuses_an_extra_config_flag_whose_value_is_the_next_word(tmp_path):
+  # '--config.train.num_steps 80': the sweep judged "finished" by the file's num_steps (40)
+  # and skipped a run main would have trained to 80.
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_CONFIG)
+  work = tmp_path / "w"
+  _finish(work / "train.learning_rate=0.001", 40)
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run", "--",
+                 "--config.train.num_steps", "80")
+  assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "sweep.py: error: --config.train.num_steps after -- without =VALUE; allowed: "
+      "--config.train.num_steps=VALUE, one word")
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run", "--",
+                 "--config.train.num_steps=80")
+  assert proc.returncode == 0 and "skip" not in proc.stdout, proc.stdout
+
+
 def test_sweep_on_a_pod_needs_an_absolute_workdir(tmp_path):
   cfg = tmp_path / "sweep_cfg.py"
   cfg.write_text(SWEEP_CONFIG)
