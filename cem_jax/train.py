@@ -391,7 +391,9 @@ def _log_resume(run: Run, resolved: dict) -> None:
 
 def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWriter, dict, dict]:
   """Writes ``config.json`` and opens ``metrics.jsonl`` (the step-0 line on a fresh start);
-  logs the schedule (:func:`_log_schedule`). Returns ``(writer, best, last_eval)``: the best
+  logs the schedule (:func:`_log_schedule`); rewrites ``best_eval.json`` from the eval lines
+  kept (removed when none), so that it names no eval past the restored step. Returns
+  ``(writer, best, last_eval)``: the best
   eval kept on resume, and the last one if the run is already finished (else ``{}``); the
   writer is closed if this fails. A finished run re-run trains nothing: its ``config.json``
   stays the one it trained with, no TensorBoard event file is added and no schedule logged.
@@ -419,12 +421,27 @@ def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWrite
     # On resume: the eval lines kept (those up to the restored step) hold the best so far.
     resumed_metrics = is_main and run.start_step > 0 and os.path.exists(writer.path)
     best = best_eval(read_metrics(workdir)) if resumed_metrics else {}
+    if is_main and not done_before:
+      # best_eval.json may name an eval past the restored step (written before a kill, or
+      # before a damaged newer checkpoint was set aside): that eval never happened now.
+      _write_best_eval(workdir, best)
     # Read after the writer dropped the lines past the restored step: those never happened.
     last_eval = workdir_lib.last_eval_in(workdir) if done_before else {}
   except BaseException:
     writer.close()
     raise
   return writer, best, last_eval
+
+
+def _write_best_eval(workdir: str, best: dict) -> None:
+  """Replaces ``workdir/best_eval.json`` with ``best`` (:func:`best_eval`'s), whole; removes it
+  when ``best`` is ``{}`` (no finite eval kept)."""
+  path = os.path.join(workdir, "best_eval.json")
+  if best:
+    atomic_write_json(path, best, sort_keys=True)
+  else:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(path)
 
 
 def _log_schedule(t: ml_collections.ConfigDict, train_windows: int, passes: float,
@@ -598,7 +615,7 @@ class _Loop:
     self.last_eval = {**last_eval, **self.best}
     self.writer.write(done, self.last_eval)
     if self.is_main:
-      atomic_write_json(os.path.join(run.workdir, "best_eval.json"), self.best, sort_keys=True)
+      _write_best_eval(run.workdir, self.best)
     logging.info("eval at step %d: loss %.4f  ppl %.2f  bits/byte %.4f", done,
                  self.last_eval["eval/loss"], self.last_eval["eval/perplexity"],
                  self.last_eval["eval/bits_per_byte"])

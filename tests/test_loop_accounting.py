@@ -486,6 +486,42 @@ def test_metrics_jsonl_on_a_fresh_start_and_on_resume(tmp_path, monkeypatch):
   assert sorted(os.listdir(tmp_path / "finished")) == ["metrics.jsonl"]
 
 
+def test_best_eval_json_names_no_eval_past_the_restored_step(tmp_path, monkeypatch):
+  # A run killed after its step-30 eval but before checkpoint 30 committed (or whose checkpoint
+  # 30 was damaged and set aside) resumes at 20: the step-30 eval never happened now, so
+  # best_eval.json must not keep naming it (a resumed run that stops before its next eval, by
+  # SIGTERM or a divergence, would leave it beside a metrics.jsonl without that eval).
+  monkeypatch.setattr(train, "count_params", lambda model: 7)
+  old = [{"step": 0, "params/total": 7},
+         {"step": 10, "eval/loss": 2.0, "eval/bits_per_byte": 1.0},
+         {"step": 20, "eval/loss": 2.5, "eval/bits_per_byte": 1.2},
+         {"step": 30, "eval/loss": 1.0, "eval/bits_per_byte": 0.5}]
+  stale = {"eval/best_loss": 1.0, "eval/best_bits_per_byte": 0.5, "eval/best_step": 30}
+
+  def open_at(start: int, name: str, lines=old):
+    workdir = tmp_path / name
+    workdir.mkdir()
+    write_metrics(workdir, lines)
+    (workdir / "best_eval.json").write_text(json.dumps(stale))
+    cfg = tiny_config("llama", **{"train.num_steps": 40})
+    run = types.SimpleNamespace(workdir=str(workdir), start_step=start, config=cfg, model=None,
+                                data=types.SimpleNamespace(stats=lambda: {"train_windows": 999}))
+    writer, best, _ = train._open_metrics(run, cfg.to_dict(), True)
+    writer.close()
+    path = workdir / "best_eval.json"
+    return best, (json.loads(path.read_text()) if path.exists() else None)
+
+  best, written = open_at(20, "resumed")
+  assert best == written == {"eval/best_loss": 2.0, "eval/best_bits_per_byte": 1.0,
+                             "eval/best_step": 10}
+  # Resumed before any eval, or started over (killed before its first checkpoint): no best.
+  assert open_at(5, "no_eval_yet") == ({}, None)
+  assert open_at(0, "fresh") == ({}, None)
+  # A finished run run again rewrites nothing, best_eval.json included.
+  assert open_at(40, "finished", old + [{"step": 40, "eval/loss": 3.0,
+                                          "eval/bits_per_byte": 2.0}])[1] == stale
+
+
 def _write_trace(folder, events):
   import gzip
 
