@@ -321,7 +321,10 @@ def load_config(name: str = "config"):
 
 class QuietLibraries(logging.logging.Filter):
   """Drops Orbax/TFDS records below ``level``, a Python ``logging`` level (not absl's
-  verbosity numbers): dozens of INFO lines per checkpoint."""
+  verbosity numbers): dozens of INFO lines per checkpoint. Their records kept lose the
+  traceback they carry (its exception's type and first line stay, after the message): a
+  failed background save (a full disk) logs one from each of Orbax's threads, about 300
+  lines before the run's own one-line error, which the main thread raises with its cause."""
 
   def __init__(self, level: int):
     super().__init__()
@@ -329,7 +332,15 @@ class QuietLibraries(logging.logging.Filter):
 
   def filter(self, record):
     noisy = "orbax" in record.pathname or "tensorflow_datasets" in record.pathname
-    return not noisy or record.levelno >= self.level
+    if not noisy:
+      return True
+    if record.levelno < self.level:
+      return False
+    if record.exc_info and record.exc_info[1] is not None:
+      record.msg = f"{record.getMessage()} [{errors.one_line(record.exc_info[1])}]"
+      record.args = None
+    record.exc_info = record.exc_text = None
+    return True
 
 
 def quiet_libraries(level: int = logging.logging.WARNING) -> None:

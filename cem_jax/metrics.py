@@ -3,6 +3,7 @@ beside it, TensorBoard event files in ``WORKDIR/tensorboard`` with the same scal
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -68,18 +69,24 @@ class MetricsWriter:
 
     A non-finite float (the loss of a skipped step) is written as ``null``: strict JSON, which
     every parser reads (Python's ``NaN`` literal is not JSON). TensorBoard gets the value.
+
+    Raises:
+      OSError: the line or the events cannot be written (a full disk), naming the file or the
+        TensorBoard folder.
     """
     if self._file is None:
       return
     line = {k: None if isinstance(v, float) and not math.isfinite(v) else v
             for k, v in {"step": int(step), **metrics}.items()}
-    self._file.write(json.dumps(line, allow_nan=False) + "\n")
-    self._file.flush()
+    with _naming(self.path):
+      self._file.write(json.dumps(line, allow_nan=False) + "\n")
+      self._file.flush()
     if self._tb is not None:
-      for key, value in metrics.items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-          self._tb.add_scalar(key, value, int(step))
-      self._tb.flush()
+      with _naming(self._tb.logdir):
+        for key, value in metrics.items():
+          if isinstance(value, int | float) and not isinstance(value, bool):
+            self._tb.add_scalar(key, value, int(step))
+        self._tb.flush()
 
   def close(self) -> None:
     if self._file is not None:
@@ -88,6 +95,18 @@ class MetricsWriter:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+
+
+@contextlib.contextmanager
+def _naming(path: str):
+  """An ``OSError`` without a file name (a full disk: ``[Errno 28] No space left on device``)
+  gets ``path``: the one-line error then says what could not be written."""
+  try:
+    yield
+  except OSError as e:
+    if e.filename is not None or e.errno is None:
+      raise
+    raise OSError(e.errno, e.strerror, path) from e
 
 
 def read_metrics(workdir: str) -> list[dict]:

@@ -27,7 +27,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from cem_jax import axes, energies, memory, preflight, runs
+from cem_jax import axes, energies, errors, memory, preflight, runs
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax import steps as steps_lib
@@ -640,11 +640,16 @@ class _Loop:
     """On an error: saves already started passed the checks, so let them commit first; a
     trace in progress is written (it may show why)."""
     self.profiler.stop(self.done)  # never raises: a trace it cannot write is logged
+    # The original error matters more: what these raise (the same full disk, say) is one line
+    # each, not a traceback through Orbax's threads, and does not replace it.
     try:
       self.run.ckpt.close()
-    except Exception:  # noqa: BLE001 - the original error matters more
-      logging.exception("could not finish the pending checkpoint save")
-    self.writer.close()
+    except Exception as e:  # noqa: BLE001
+      logging.error("could not finish the pending checkpoint save: %s", errors.one_line(e))
+    try:
+      self.writer.close()
+    except Exception as e:  # noqa: BLE001
+      logging.error("could not close %s: %s", self.writer.path, errors.one_line(e))
 
   def close(self) -> None:
     self.profiler.stop(self.done)  # a run preempted inside the window

@@ -283,6 +283,60 @@ def test_quiet_libraries_filters_what_absl_writes(monkeypatch):
   assert written == ["o-warn", "our-info"]
 
 
+def test_a_library_error_is_one_line_without_its_traceback(monkeypatch):
+  # A full disk during an asynchronous save: each of Orbax's threads logs an ERROR with its
+  # traceback (about 300 lines before the run's one-line "error: ..."). Kept, one line each,
+  # with the exception's type and first line; our own records keep their tracebacks.
+  import sys
+
+  from absl import logging as absl_logging
+
+  handler = absl_logging.get_absl_handler()
+  for h in (handler, handler.python_handler):
+    monkeypatch.setattr(h, "filters", list(h.filters))
+  written = []
+  monkeypatch.setattr(handler.python_handler, "emit",
+                      lambda r: written.append(handler.python_handler.format(r)))
+  cli.quiet_libraries()
+  try:
+    raise ValueError("RESOURCE_EXHAUSTED: Error writing\n  more detail")
+  except ValueError:
+    exc_info = sys.exc_info()
+  for path in ("/site-packages/orbax/checkpoint/_src/futures/future.py",
+               "/repo/cem_jax/train.py"):
+    handler.handle(logging.LogRecord("x", logging.ERROR, path, 1, "thread %s failed",
+                                     ("save",), exc_info))
+  orbax, ours = written
+  assert orbax.endswith("thread save failed [ValueError: RESOURCE_EXHAUSTED: Error writing]")
+  assert "\n" not in orbax and "Traceback" not in orbax
+  assert "Traceback" in ours
+
+
+def test_an_aborted_run_reports_what_its_close_fails_with_in_one_line_and_raises_nothing(
+    caplog):
+  # A full disk stops the run (the error it re-raises); the pending save and the metrics'
+  # close then fail too: one line each, no traceback, and neither replaces the first error.
+  import types
+
+  def fail(error):
+    def close():
+      raise error
+    return close
+
+  loop = types.SimpleNamespace(
+      done=3, profiler=types.SimpleNamespace(stop=lambda done: None),
+      run=types.SimpleNamespace(ckpt=types.SimpleNamespace(close=fail(ValueError(
+          "RESOURCE_EXHAUSTED: Error writing\n  at ...")))),
+      writer=types.SimpleNamespace(path="/w/metrics.jsonl", close=fail(OSError(
+          28, "No space left on device"))))
+  with caplog.at_level(logging.ERROR):
+    train._Loop.abort(loop)
+  assert [(r.getMessage(), r.exc_info) for r in caplog.records] == [
+      ("could not finish the pending checkpoint save: ValueError: RESOURCE_EXHAUSTED: Error "
+       "writing", None),
+      ("could not close /w/metrics.jsonl: OSError: [Errno 28] No space left on device", None)]
+
+
 def test_one_line_of_a_cause_and_a_bug_keeps_its_traceback(monkeypatch, capsys):
   # A config file's exception can span lines (a chained message, a note): its last line says
   # what went wrong; one without a message is named by its type.

@@ -303,3 +303,34 @@ def test_a_disabled_writer_writes_and_truncates_nothing_and_an_enabled_one_flush
   with pytest.raises(OSError, match="No space left on device"):
     MetricsWriter(str(tmp_path), truncate_after_step=1, tensorboard=False)
   assert path.read_text() == before
+
+
+def test_a_metrics_line_or_event_that_cannot_be_written_names_its_file(tmp_path, monkeypatch):
+  # A full disk raises "[Errno 28] No space left on device" with no file name: the run's
+  # one-line error must say what could not be written.
+  import errno
+
+  from cem_jax.metrics import MetricsWriter, tensorboard_dir
+
+  class Full:
+    def __init__(self, real):
+      self.real = real
+
+    def __getattr__(self, name):
+      return getattr(self.real, name)
+
+    def flush(self):
+      raise OSError(errno.ENOSPC, "No space left on device")
+
+  writer = MetricsWriter(str(tmp_path))
+  writer._file = Full(writer._file)
+  with pytest.raises(OSError) as e:
+    writer.write(1, {"train/loss": 2.0})
+  assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "metrics.jsonl"))
+  writer._file = writer._file.real
+  writer._tb = Full(writer._tb)
+  with pytest.raises(OSError) as e:
+    writer.write(2, {"train/loss": 2.0})
+  assert (e.value.errno, e.value.filename) == (errno.ENOSPC, tensorboard_dir(str(tmp_path)))
+  writer._tb = writer._tb.real
+  writer.close()
