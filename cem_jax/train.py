@@ -117,7 +117,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   seed only matters at initialisation (there is no dropout or other randomness in training),
   so a resumed run continues exactly as an uninterrupted one.
 
-  SIGTERM (preemption) is honoured at the next step boundary: save, wait for the save, return.
+  SIGTERM (preemption) is honoured at the next step boundary: save, wait for the save, return;
+  after the last step it lets the last save commit.
 
   It logs (and writes as ``data/epochs`` in the step-0 line) how many times the schedule passes
   over the training windows, with a warning from :data:`EPOCHS_WARNING` passes on, and keeps the
@@ -150,10 +151,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         for step in range(run.start_step, loop.num_steps):
           if loop.step(step, preemption):
             break
+        # Still under the SIGTERM flag: a SIGTERM now lets the last save (asynchronous) commit
+        # and the run end with status 0, instead of killing it with that save half written.
+        loop.close()
     except BaseException:
       loop.abort()
       raise
-    loop.close()
     return loop.last_eval
 
 

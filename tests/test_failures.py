@@ -533,6 +533,39 @@ def test_a_start_failing_after_start_up_closes_the_checkpoints_and_leaves_no_run
   _assert_nothing_left(workdir, existed, prepared=True)
 
 
+def test_a_sigterm_while_the_last_save_commits_lets_it_commit_and_the_run_end(tmp_path,
+                                                                          monkeypatch):
+  # The last step's save is asynchronous: the loop ends, then close() waits for it. A SIGTERM
+  # there (a preemption notice) must not kill the run with that save half written (the
+  # default action, outside the loop's SIGTERM flag): the save commits, the run returns.
+  import signal
+
+  class Killed(Exception):
+    pass
+
+  def default_action(signum, frame):  # stands for the kill, without killing pytest
+    raise Killed
+
+  close = Checkpointer.close
+
+  def close_after_sigterm(self):
+    signal.raise_signal(signal.SIGTERM)
+    close(self)
+
+  monkeypatch.setattr(Checkpointer, "close", close_after_sigterm)
+  previous = signal.signal(signal.SIGTERM, default_action)
+  try:
+    final = train.train_and_evaluate(tiny_config("llama", **{"train.num_steps": 2}),
+                                     str(tmp_path / "w"))
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert "eval/loss" in final
+  monkeypatch.setattr(Checkpointer, "close", close)
+  ckpt = Checkpointer(str(tmp_path / "w" / "checkpoints"))
+  assert ckpt.restorable_step() == 2 and ckpt.verify(2) == []
+  ckpt.close()
+
+
 def test_a_failed_start_leaves_no_orbax_thread_behind_to_fail(tmp_path, monkeypatch):
   # A start that fails right after opening the checkpoints removes the new workdir. Orbax's
   # temporary-folder clean-up ran in a thread that close() does not wait for, and listed the
