@@ -10,10 +10,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import difflib
+import gc
 import importlib.util
 import os
 import signal
 import sys
+import threading
 
 import ml_collections
 from absl import app, flags, logging
@@ -80,7 +82,17 @@ def interrupted(what_now: str):
   status as before, but without the interpreter's teardown (:func:`_die_by_sigint`). Only the
   traceback of a KeyboardInterrupt is dropped (``sys.excepthook``); any other exception keeps
   its own.
+
+  Python's own Ctrl-C handler raises wherever the main thread is, also inside a ``gc``
+  callback (jax's runs at every collection) or a ``__del__``, where the KeyboardInterrupt is
+  printed and dropped and the program goes on (3 of 3 Ctrl-Cs while data was prepared): the
+  handler installed here delivers such a Ctrl-C again once that code has returned
+  (:func:`_ctrl_c`). A SIGINT ignored (a shell's background job) stays ignored.
   """
+  previous = None
+  if (threading.current_thread() is threading.main_thread()
+      and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+    previous = signal.signal(signal.SIGINT, _ctrl_c)
   try:
     yield
   except KeyboardInterrupt:
@@ -88,6 +100,35 @@ def interrupted(what_now: str):
     sys.excepthook = _no_interrupt_traceback
     _die_by_sigint()
     raise
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGINT, previous)
+
+
+# Seconds after which a Ctrl-C that landed where an exception is dropped is delivered again.
+_REDELIVER_S = 0.05
+
+
+def _dropping_exceptions(frame) -> bool:
+  """Whether ``frame`` or a caller of it is a ``gc`` callback or a ``__del__``: code whose
+  exceptions Python prints and drops ("Exception ignored in ...")."""
+  callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+  while frame is not None:
+    if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+      return True
+    frame = frame.f_back
+  return False
+
+
+def _ctrl_c(signum, frame):
+  """SIGINT as Python's handler takes it (a KeyboardInterrupt), but inside code that would
+  drop the exception it sends SIGINT again shortly after, from a thread, instead."""
+  if _dropping_exceptions(frame):
+    timer = threading.Timer(_REDELIVER_S, os.kill, (os.getpid(), signal.SIGINT))
+    timer.daemon = True
+    timer.start()
+    return
+  raise KeyboardInterrupt
 
 
 def _die_by_sigint() -> None:

@@ -470,6 +470,34 @@ def test_ctrl_c_is_one_line_and_still_ends_the_process_by_sigint():
   assert bug.returncode == 1 and "Traceback" in bug.stderr and "interrupted" not in bug.stderr
 
 
+def test_a_ctrl_c_landing_in_a_gc_callback_still_stops_the_program():
+  # Python runs the SIGINT handler wherever the main thread is, also inside a gc callback (jax
+  # has one, run at every collection): the KeyboardInterrupt was printed as "Exception ignored
+  # in: <function _xla_gc_callback>" and dropped, and a run whose data was being prepared went
+  # on to train to its end (3 Ctrl-Cs of 3). It must stop the program as any Ctrl-C does.
+  code = textwrap.dedent("""
+      import gc, signal, sys, time
+      from cem_jax import cli
+
+      signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+      def collecting(phase, info):
+        if phase == "start" and not sent:
+          sent.append(1)
+          signal.raise_signal(signal.SIGINT)  # handled here, inside the callback
+      sent = []
+      gc.callbacks.append(collecting)
+      with cli.interrupted("what to do now"):
+        gc.collect()
+        for _ in range(500):  # 5 s: the Ctrl-C comes back within a tenth of that
+          time.sleep(0.01)
+        print("went on", file=sys.stderr)
+  """)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == -signal.SIGINT, proc.stderr[-2000:]
+  assert proc.stderr == "interrupted (Ctrl-C): what to do now\n"
+
+
 # ---------------------------------------------------------------------------------------------
 # Data and workdir: start-up, through train_and_evaluate.
 
