@@ -561,7 +561,7 @@ def test_resume_with_a_changed_model_fails_and_keeps_the_run(run_setup, tmp_path
   # Refused from the saved config, before any array is read (a restore that does not fit
   # names the arrays: the test above).
   assert error == (f"error: checkpoint {tmp_path / 'checkpoints' / '40'} is another model "
-                   "(model.d_model: 64 -> 96, model.head_dim: 32 -> 48): resume with the model "
+                   "(model.d_model: 64 -> 96): resume with the model "
                    "it was trained as, or train in a new --workdir")
   assert {p: p.read_bytes() for p in before} == before  # the run is left as it was
   assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [30, 35, 40]

@@ -1270,7 +1270,7 @@ def test_main_passes_its_flags_on_and_reports_a_diverged_run_in_one_line(tmp_pat
   monkeypatch.setattr(cli, "quiet_libraries", lambda: None)
   calls = []
   monkeypatch.setattr(distributed, "initialize", lambda *args: calls.append(args))
-  config = tiny_config("llama")
+  config = tiny_config("cem")
   config.model.attention_energy = "my/e.py:energy"  # relative: saved absolute
   monkeypatch.setattr(cli, "load_config", lambda: config)
 

@@ -237,8 +237,8 @@ def test_a_set_key_that_the_runner_sets_itself_is_refused_not_ignored(key, value
     tables.check_runs(module, "tiny", 1, steps, overrides={key: value})
   assert str(e.value) == f"--set={key}=... is set for every run by {by}; leave it out"
   # A data.prepared_dir that is not there: refused before any folder is made.
-  with pytest.raises(ValueError, match=r"^row 'llama_mha': data.prepared_dir=.*/nothing: no "
-                                       r"manifest.json"):
+  with pytest.raises(ValueError, match=r"^row 'llama_mha': data.prepared_dir=.*/nothing does "
+                                       r"not exist"):
     tables.run_table(module, "attention", "tiny", 1, str(tmp_path / "w"), steps,
                      overrides={"data.prepared_dir": str(tmp_path / "nothing")})
   assert not (tmp_path / "w").exists()
