@@ -9,11 +9,14 @@ config. Nothing here builds a model or runs a step.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import shutil
 import signal
 import tempfile
 import threading
+import time
 
 import jax
 import ml_collections
@@ -59,9 +62,6 @@ _SEEN_BY_ALL = ".processes_see_this_"  # + process 0's token: a file in WORKDIR 
 
 def config_digest(config: ml_collections.ConfigDict) -> bytes:
   """A sha256 of ``config`` (its JSON, keys sorted): equal on processes given the same one."""
-  import hashlib
-  import json
-
   return hashlib.sha256(json.dumps(json.loads(config.to_json()), sort_keys=True).encode()
                         ).digest()
 
@@ -72,8 +72,6 @@ def process_mismatch(workdir: str, config: ml_collections.ConfigDict, digest0: b
   file process 0 wrote in ``workdir`` (named and holding ``token``): 0 the same, 1 another
   config, 2 not that file (``workdir`` is not the folder process 0 writes in). Waits up to
   ``wait_s`` for the file (a network mount may show it late)."""
-  import time
-
   if config_digest(config) != digest0:
     return 1
   path = os.path.join(workdir, _SEEN_BY_ALL + token)
