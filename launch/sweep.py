@@ -24,7 +24,8 @@ started with another config (its ``config.json``: another file arg, override or 
 flag; ``cem_jax.workdir.check_same_run``) is a one-line error, neither skipped nor resumed as
 a mix of the two. (On a pod, a ``WORKDIR`` not visible here cannot
 be checked: finished runs then start, find their final checkpoint and stop.) ``--dry_run``
-prints, per run, ``skip NAME (finished)`` or the exact command. Exit status: 0 if every run
+prints, per run, ``skip NAME (finished)`` or the exact command. At the end the sweep prints
+its runs as a table, best eval loss first (:func:`summary`). Exit status: 0 if every run
 finished, else 1 (failed runs are listed).
 
 SIGTERM or SIGINT to the sweep is passed on to the run training (``main`` saves at its next
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -342,11 +344,34 @@ def main(argv: list[str]) -> int:
       print(f"launch/sweep.py: run {name} failed with {_ended(code)}", file=sys.stderr)
       failed.append(name)
       first = True
+  if not args.dry_run:
+    print(summary(args.workdir, [name for name, _ in runs]), flush=True)
   if failed:
     print(f"launch/sweep.py: {len(failed)} of {len(runs)} runs failed: {', '.join(failed)}",
           file=sys.stderr)
     return 1
   return 0
+
+
+def summary(workdir: str, names: list[str]) -> str:
+  """The sweep's runs as a Markdown table, best first: each run's best eval
+  (``best_eval.json``: loss in nats/token, bits per byte, its step); a run without one (not
+  evaluated yet, failed, or a ``WORKDIR`` this machine does not see) last, as n/a."""
+  rows = []
+  for name in names:
+    try:
+      with open(os.path.join(workdir, name, "best_eval.json"), encoding="utf-8") as f:
+        best = json.load(f)
+      row = (best["eval/best_loss"], best["eval/best_bits_per_byte"], best["eval/best_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+      row = None
+    rows.append((name, row))
+  rows.sort(key=lambda r: (r[1] is None, r[1][0] if r[1] else 0.0))
+  lines = ["| run | best eval loss | bits/byte | at step |", "|---|---:|---:|---:|"]
+  for name, row in rows:
+    lines.append(f"| {name} | n/a | n/a | n/a |" if row is None else
+                 f"| {name} | {row[0]:.4f} | {row[1]:.4f} | {row[2]} |")
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

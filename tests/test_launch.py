@@ -3,6 +3,7 @@ processes, forwards their environment and stops them all when one fails; the swe
 finished runs. No JAX here: every command is a plain Python script."""
 
 import importlib.util
+import json
 import os
 import shlex
 import subprocess
@@ -660,6 +661,28 @@ def test_sweep_dry_run_skips_finished_runs(tmp_path):
   proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run", "--",
                  "--config.train.num_steps=80")
   assert not proc.stdout.startswith("skip")
+
+
+def test_sweep_ends_with_its_runs_best_first(tmp_path):
+  # A newcomer's sweep finished without a word on which run won: each run's best_eval.json,
+  # best loss first, the runs without one last.
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_CONFIG)
+  work = tmp_path / "sw"
+  names = ["train.learning_rate=0.001", "train.learning_rate=0.003,model.block=llama", "custom"]
+  for name, loss in zip(names, (3.25, 3.125, None), strict=True):
+    _finish(work / name, 40)
+    if loss is not None:
+      (work / name / "best_eval.json").write_text(json.dumps(
+          {"eval/best_loss": loss, "eval/best_bits_per_byte": loss / 2, "eval/best_step": 30}))
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}")  # all finished: skipped
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.splitlines()[3:] == [
+      "| run | best eval loss | bits/byte | at step |", "|---|---:|---:|---:|",
+      f"| {names[1]} | 3.1250 | 1.5625 | 30 |", f"| {names[0]} | 3.2500 | 1.6250 | 30 |",
+      "| custom | n/a | n/a | n/a |"]
+  dry = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run")
+  assert len(dry.stdout.splitlines()) == 3  # a dry run lists what it would do, nothing more
 
 
 def _finished_b_run(tmp_path, **model) -> tuple[Path, Path, Path]:
