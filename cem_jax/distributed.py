@@ -60,8 +60,10 @@ def resolve(mode: str = "auto", coordinator_address: str | None = None,
   (values not given are detected by JAX: TPU pods, SLURM, Open MPI); ``'off'`` never.
 
   Raises:
-    ValueError: an unknown mode, a non-int environment value, or a coordinator given without
-      ``num_processes`` and ``process_id`` (or those out of range) — one line naming the field.
+    ValueError: an unknown mode, a non-int environment value, a coordinator given without
+      ``num_processes`` and ``process_id`` (or those out of range), or under ``'auto'`` more
+      than one process given without a coordinator or a cluster that starts them — one line
+      naming the field.
   """
   env = os.environ if environ is None else environ
   if mode not in MODES:
@@ -79,6 +81,11 @@ def resolve(mode: str = "auto", coordinator_address: str | None = None,
       raise ValueError(f"--process_id={pid} with --num_processes={n}; allowed: "
                        f"0 <= process_id < num_processes")
     return {"coordinator_address": address, "num_processes": n, "process_id": pid}
+  if mode == "auto" and n is not None and n > 1 and cluster_processes(env) == 1:
+    # Left to 'auto' it would train as one process each, every one of them process 0.
+    raise ValueError(f"--num_processes={n} (or {ENV_NUM_PROCESSES}) without a coordinator; "
+                     f"allowed: with --coordinator_address=HOST:PORT (or {ENV_ADDRESS}), or "
+                     "--distributed=on where JAX finds it (TPU pods, SLURM, Open MPI)")
   if mode == "on" or cluster_processes(env) > 1:
     kwargs = {}
     if n is not None:

@@ -296,6 +296,13 @@ def test_distributed_resolve():
     distributed.resolve("auto", "h:1", 2, 2, environ={})
   with pytest.raises(ValueError, match=r"^environment variable CEM_PROCESS_ID='x'"):
     distributed.resolve("auto", environ={**env, "CEM_PROCESS_ID": "x"})
+  # Several processes given without a coordinator: each would train alone as process 0.
+  for given, environ in (((None, 4, 1), {}), ((None, None, None),
+                                            {"CEM_NUM_PROCESSES": "2", "CEM_PROCESS_ID": "0"})):
+    with pytest.raises(ValueError, match=r"^--num_processes=\d \(or CEM_NUM_PROCESSES\) without "
+                                         r"a coordinator; allowed: with --coordinator_address"):
+      distributed.resolve("auto", *given, environ=environ)
+  assert distributed.resolve("auto", None, 1, 0, environ={}) is None  # one process: as it is
 
 
 def test_a_batch_script_outside_srun_is_one_process():
