@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import difflib
+import functools
 import gc
 import importlib.util
 import os
@@ -87,12 +88,17 @@ def interrupted(what_now: str):
   callback (jax's runs at every collection) or a ``__del__``, where the KeyboardInterrupt is
   printed and dropped and the program goes on (3 of 3 Ctrl-Cs while data was prepared): the
   handler installed here delivers such a Ctrl-C again once that code has returned
-  (:func:`_ctrl_c`). A SIGINT ignored (a shell's background job) stays ignored.
+  (:func:`_ctrl_c`); one raised in other code that drops it (a ``weakref`` callback, a
+  ``weakref.finalize``: neither is seen from the handler) is caught where Python drops it,
+  ``sys.unraisablehook``, and delivered again too. A SIGINT ignored (a shell's background job)
+  stays ignored.
   """
-  previous = None
+  previous = hook = None
   if (threading.current_thread() is threading.main_thread()
       and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
     previous = signal.signal(signal.SIGINT, _ctrl_c)
+    hook, sys.unraisablehook = sys.unraisablehook, functools.partial(_unraisable,
+                                                                      sys.unraisablehook)
   try:
     yield
   except KeyboardInterrupt:
@@ -103,6 +109,7 @@ def interrupted(what_now: str):
   finally:
     if previous is not None:
       signal.signal(signal.SIGINT, previous)
+      sys.unraisablehook = hook
 
 
 # Seconds after which a Ctrl-C that landed where an exception is dropped is delivered again.
@@ -124,11 +131,26 @@ def _ctrl_c(signum, frame):
   """SIGINT as Python's handler takes it (a KeyboardInterrupt), but inside code that would
   drop the exception it sends SIGINT again shortly after, from a thread, instead."""
   if _dropping_exceptions(frame):
-    timer = threading.Timer(_REDELIVER_S, os.kill, (os.getpid(), signal.SIGINT))
-    timer.daemon = True
-    timer.start()
+    _redeliver()
     return
   raise KeyboardInterrupt
+
+
+def _redeliver() -> None:
+  """Sends SIGINT to this process again in :data:`_REDELIVER_S`, from a thread."""
+  timer = threading.Timer(_REDELIVER_S, os.kill, (os.getpid(), signal.SIGINT))
+  timer.daemon = True
+  timer.start()
+
+
+def _unraisable(hook, unraisable) -> None:
+  """``sys.unraisablehook`` under :func:`interrupted`: a KeyboardInterrupt Python drops (raised
+  in a ``weakref`` callback, say) is delivered again (:func:`_redeliver`), without the
+  "Exception ignored" traceback; anything else goes to ``hook``, the hook before."""
+  if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+    _redeliver()
+    return
+  hook(unraisable)
 
 
 def _die_by_sigint() -> None:

@@ -498,6 +498,60 @@ def test_a_ctrl_c_landing_in_a_gc_callback_still_stops_the_program():
   assert proc.stderr == "interrupted (Ctrl-C): what to do now\n"
 
 
+def test_interrupted_puts_back_the_handlers_it_replaced_also_nested(monkeypatch):
+  from cem_jax import cli
+
+  monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+  old = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    hook = sys.unraisablehook
+    with cli.interrupted("outer"):
+      inside = signal.getsignal(signal.SIGINT), sys.unraisablehook
+      assert inside[0] is not signal.default_int_handler and inside[1] is not hook
+      with cli.interrupted("inner"):  # nested: the outer one's stay
+        assert (signal.getsignal(signal.SIGINT), sys.unraisablehook) == inside
+      assert (signal.getsignal(signal.SIGINT), sys.unraisablehook) == inside
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert sys.unraisablehook is hook
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's: left alone
+    with cli.interrupted("ignored"):
+      assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and sys.unraisablehook is hook
+  finally:
+    signal.signal(signal.SIGINT, old)
+
+
+@pytest.mark.parametrize("dropper", ["weakref.ref(o, landing)", "weakref.finalize(o, landing, 0)"])
+def test_a_ctrl_c_landing_in_a_weakref_callback_still_stops_the_program(dropper):
+  # A weakref callback (jax keeps caches keyed by weak references) drops its exceptions as a
+  # gc callback does ("Exception ignored in"), but the handler cannot see it from its frame:
+  # the Ctrl-C was dropped and the program went on to its end. Another exception there is
+  # still reported by the hook before (printed, the program going on).
+  code = textwrap.dedent(f"""
+      import signal, sys, time, weakref
+      from cem_jax import cli
+
+      signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+      class O: pass
+      def landing(*_):
+        signal.raise_signal(signal.SIGINT)  # handled here, inside the callback
+      def failing(*_):
+        raise RuntimeError("a bug in a callback")
+      with cli.interrupted("what to do now"):
+        o = O(); keep = weakref.ref(o, failing); del o
+        print("went on after the bug", file=sys.stderr)
+        o = O(); keep = {dropper}; del o
+        for _ in range(500):  # 5 s: the Ctrl-C comes back within a tenth of that
+          time.sleep(0.01)
+        print("went on", file=sys.stderr)
+  """)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == -signal.SIGINT, proc.stderr[-2000:]
+  assert proc.stderr.endswith("went on after the bug\ninterrupted (Ctrl-C): what to do now\n")
+  assert "RuntimeError: a bug in a callback" in proc.stderr
+  assert "KeyboardInterrupt" not in proc.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # Data and workdir: start-up, through train_and_evaluate.
 
