@@ -365,6 +365,10 @@ def summary(workdir: str, names: list[str]) -> str:
       row = (best["eval/best_loss"], best["eval/best_bits_per_byte"], best["eval/best_step"])
     except (OSError, ValueError, KeyError, TypeError):
       row = None
+    if row is not None and not _is_eval(*row):
+      # A damaged file (a string, a null, a NaN): n/a, not a TypeError after every run, nor
+      # a NaN sorted wherever the sort left it.
+      row = None
     rows.append((name, row))
   rows.sort(key=lambda r: (r[1] is None, r[1][0] if r[1] else 0.0))
   lines = ["| run | best eval loss | bits/byte | at step |", "|---|---:|---:|---:|"]
@@ -372,6 +376,14 @@ def summary(workdir: str, names: list[str]) -> str:
     lines.append(f"| {name} | n/a | n/a | n/a |" if row is None else
                  f"| {name} | {row[0]:.4f} | {row[1]:.4f} | {row[2]} |")
   return "\n".join(lines)
+
+
+def _is_eval(loss, bits_per_byte, step) -> bool:
+  """Whether ``best_eval.json``'s three values are what train writes: finite numbers, an int
+  step."""
+  numbers = all(isinstance(v, int | float) and not isinstance(v, bool)
+                and np.isfinite(v) for v in (loss, bits_per_byte))
+  return numbers and isinstance(step, int) and not isinstance(step, bool)
 
 
 if __name__ == "__main__":

@@ -685,6 +685,27 @@ def test_sweep_ends_with_its_runs_best_first(tmp_path):
   assert len(dry.stdout.splitlines()) == 3  # a dry run lists what it would do, nothing more
 
 
+@pytest.mark.parametrize("damaged", [
+    '{"eval/best_loss": "3.0", "eval/best_bits_per_byte": 1.5, "eval/best_step": 30}',
+    '{"eval/best_loss": null, "eval/best_bits_per_byte": 1.5, "eval/best_step": 30}',
+    '{"eval/best_loss": NaN, "eval/best_bits_per_byte": 1.5, "eval/best_step": 30}',
+    '{"eval/best_loss": 3.0, "eval/best_bits_per_byte": "x", "eval/best_step": 30}',
+    '{"eval/best_loss": 3.0, "eval/best_bits_per_byte": 1.5, "eval/best_step": "30"}',
+    '[3.0]', '{"eval/best_loss": 3.0'])
+def test_sweep_summary_shows_a_damaged_best_eval_as_na(tmp_path, damaged):
+  # A best_eval.json edited or half written: its run n/a and last, not a TypeError traceback
+  # at the end of the sweep (its list of failed runs and exit status lost), nor a NaN first.
+  sweep = _script("sweep")
+  (tmp_path / "bad").mkdir()
+  (tmp_path / "bad" / "best_eval.json").write_text(damaged)
+  (tmp_path / "good").mkdir()
+  (tmp_path / "good" / "best_eval.json").write_text(json.dumps(
+      {"eval/best_loss": 3.5, "eval/best_bits_per_byte": 1.75, "eval/best_step": 20}))
+  for names in (["bad", "good"], ["good", "bad"]):
+    assert sweep.summary(str(tmp_path), names).splitlines()[2:] == [
+        "| good | 3.5000 | 1.7500 | 20 |", "| bad | n/a | n/a | n/a |"]
+
+
 def _finished_b_run(tmp_path, **model) -> tuple[Path, Path, Path]:
   """``sweep_cfg.py`` (SWEEP_CONFIG) and, in ``sw/``, its first run finished as
   ``sweep_cfg.py:b`` trains it (10 steps, learning rate 1e-3, ``model`` keys set), with the
