@@ -1655,8 +1655,11 @@ def _sidecar_edit(key, value):
     ("validation", _sidecar_edit("bytes", lambda b: b + 7)),
     ("validation", _sidecar_edit("documents", lambda d: d + 1)),
     ("validation", _sidecar_edit("tokens", lambda t: t - 1)),
+    # Equal as numbers, not as JSON: 2.0 went into the manifest, which every start refuses.
+    ("validation", _sidecar_edit("documents", float)),
+    ("train", _sidecar_edit("characters", float)),
 ], ids=["list", "no-characters", "tokens+1", "records+1", "size-str", "bytes+7", "documents+1",
-        "tokens-1"])
+        "tokens-1", "documents-float", "characters-float"])
 def test_a_rerun_writes_again_the_shard_of_a_damaged_sidecar(prepared_300, tmp_path, split,
                                                               damage):
   # A re-run took an intact shard's sidecar on its text hash, tokenizer, size and sha256 alone:

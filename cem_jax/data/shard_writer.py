@@ -307,7 +307,7 @@ def _done(out_dir: Path, task: dict, tok_sha: str, dtype: str) -> dict | None:
     meta = json.loads(side.read_text())
     want = _task_fields(task) | {"tokenizer_sha256": tok_sha}
     if (not isinstance(meta, dict) or set(meta) != set(want) | _COUNTED
-        or any(meta[k] != v for k, v in want.items())
+        or any(type(meta[k]) is not type(v) or meta[k] != v for k, v in want.items())
         or any(type(meta[k]) is not int for k in ("tokens", "records", "size"))):
       return None
     path = out_dir / meta["file"]
