@@ -70,7 +70,8 @@ def process_mismatch(workdir: str, config: ml_collections.ConfigDict, digest0: b
                      token: str, wait_s: float = 5.0) -> int:
   """What this process finds against process 0's ``digest0`` (:func:`config_digest`) and the
   file process 0 wrote in ``workdir`` (named and holding ``token``): 0 the same, 1 another
-  config, 2 not that file (``workdir`` is not the folder process 0 writes in). Waits up to
+  config, 2 not that file (``workdir`` is not the folder process 0 writes in); 3 (given by
+  :func:`check_processes_agree`, not here) process 0 could not write it. Waits up to
   ``wait_s`` for the file (a network mount may show it late)."""
   if config_digest(config) != digest0:
     return 1
@@ -95,7 +96,9 @@ def check_processes_agree(config: ml_collections.ConfigDict, workdir: str) -> No
   and one whose ``workdir`` is another folder (a path on its host's own disk, a typo) hangs
   in the first checkpoint until Orbax's 600 s timeout, as process 0 does at its end.
 
-  Every process calls it after :func:`prepare_workdir`; all raise together.
+  Every process calls it after :func:`prepare_workdir`; all raise together, also when process
+  0 cannot write its file (a full disk, where the probe's empty file still fit): it raised
+  alone, and the others waited in the broadcast for it.
 
   Raises:
     ValueError: one line naming the first process that differs and what to fix.
@@ -104,17 +107,21 @@ def check_processes_agree(config: ml_collections.ConfigDict, workdir: str) -> No
     return
   from jax.experimental import multihost_utils
 
-  token, path = "", None
+  token, path, unwritten = "", None, None
   if jax.process_index() == 0:
     token = os.urandom(8).hex()
     path = os.path.join(workdir, _SEEN_BY_ALL + token)
-    with open(path, "w") as f:
-      f.write(token)
+    try:
+      with open(path, "w") as f:
+        f.write(token)
+    except OSError as e:  # a full disk (the probe's empty file fit): all still join, and stop
+      token, unwritten = "", e
   try:
     # Written before the broadcast: every process joins it only once process 0 has written.
     shared = np.frombuffer(config_digest(config) + token.encode().ljust(16), np.uint8)
     shared = np.asarray(multihost_utils.broadcast_one_to_all(shared), np.uint8).tobytes()
-    code = process_mismatch(workdir, config, shared[:32], shared[32:].decode().strip())
+    theirs = shared[32:].decode().strip()
+    code = process_mismatch(workdir, config, shared[:32], theirs) if theirs else 3
     codes = np.asarray(multihost_utils.process_allgather(np.int32(code))).reshape(-1)
   finally:
     if path is not None:
@@ -124,6 +131,10 @@ def check_processes_agree(config: ml_collections.ConfigDict, workdir: str) -> No
   if not bad:
     return
   i, c = bad[0]
+  if c == 3:
+    why = f" ({unwritten.strerror or unwritten})" if unwritten is not None else ""
+    raise ValueError(f"--workdir={workdir!r}: process 0 could not write a file there{why}; "
+                     "allowed: a writable folder with free space")
   if c == 1:
     raise ValueError(f"process {i} was given another config than process 0 (its --config or "
                      "--config.* flags, or a config file that differs on its host); allowed: "

@@ -909,3 +909,38 @@ def test_each_process_compares_its_config_and_process_0s_file(tmp_path):
   other.train.learning_rate *= 2
   assert workdir.process_mismatch(str(tmp_path), other, digest, "abc") == 1
   assert workdir.config_digest(cfg) == workdir.config_digest(tiny_config())
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_process_0_that_cannot_write_its_file_stops_every_process(tmp_path, monkeypatch, index):
+  # A full disk: prepare_workdir's empty probe file fits, the 16 bytes process 0 writes do not.
+  # Process 0 raised an OSError alone, before the broadcast; every other process waited in it.
+  # Now process 0 joins it, and all stop with one line (collectives stubbed: two processes).
+  import errno
+
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  from cem_jax import workdir
+
+  joined = []
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: index)
+  def broadcast(x):
+    joined.append("broadcast")
+    return x if index == 0 else np.frombuffer(workdir.config_digest(cfg) + b" " * 16, np.uint8)
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
+  monkeypatch.setattr(multihost_utils, "process_allgather",
+                      lambda code: np.array([3, 3]) if index else np.array([code, 3]))
+  def full(path, mode="r", *args, **kwargs):
+    if "w" in mode:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return open(path, mode, *args, **kwargs)
+  monkeypatch.setattr(workdir, "open", full, raising=False)
+  cfg = tiny_config()
+  with pytest.raises(ValueError, match=rf"^--workdir='{tmp_path}': process 0 could not write a "
+                                       r"file there.*; allowed: a writable folder with free space"):
+    workdir.check_processes_agree(cfg, str(tmp_path))
+  assert joined == ["broadcast"]
+  assert list(tmp_path.iterdir()) == []
