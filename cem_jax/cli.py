@@ -101,6 +101,10 @@ def interrupted(what_now: str):
                                                                       sys.unraisablehook)
   try:
     yield
+    if previous is not None and _cancel_redelivery():
+      # A Ctrl-C dropped just before the block ended: delivered here, not as a traceback
+      # wherever the program is once the handler before is back.
+      raise KeyboardInterrupt
   except KeyboardInterrupt:
     print(f"interrupted (Ctrl-C): {what_now}", file=sys.stderr)
     sys.excepthook = _no_interrupt_traceback
@@ -136,11 +140,25 @@ def _ctrl_c(signum, frame):
   raise KeyboardInterrupt
 
 
+# The redeliveries not yet sent (:func:`_redeliver`).
+_pending: list[threading.Timer] = []
+
+
 def _redeliver() -> None:
   """Sends SIGINT to this process again in :data:`_REDELIVER_S`, from a thread."""
   timer = threading.Timer(_REDELIVER_S, os.kill, (os.getpid(), signal.SIGINT))
   timer.daemon = True
+  _pending.append(timer)
   timer.start()
+
+
+def _cancel_redelivery() -> bool:
+  """Cancels the redeliveries not yet sent; whether there was one."""
+  waiting = [t for t in _pending if t.is_alive()]
+  _pending.clear()
+  for t in waiting:
+    t.cancel()
+  return bool(waiting)
 
 
 def _unraisable(hook, unraisable) -> None:

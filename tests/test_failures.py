@@ -498,6 +498,28 @@ def test_a_ctrl_c_landing_in_a_gc_callback_still_stops_the_program():
   assert proc.stderr == "interrupted (Ctrl-C): what to do now\n"
 
 
+def test_a_ctrl_c_dropped_as_the_block_ends_is_still_one_line():
+  # Delivered again 50 ms later, it came after the handler before was back: a KeyboardInterrupt
+  # traceback from wherever the program then was, not the one line.
+  code = textwrap.dedent("""
+      import signal, sys, time
+      from cem_jax import cli
+
+      signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+      class Landing:
+        def __del__(self):
+          signal.raise_signal(signal.SIGINT)  # handled here, inside __del__
+      with cli.interrupted("what to do now"):
+        landing = Landing(); del landing
+      time.sleep(2)
+      print("went on", file=sys.stderr)
+  """)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == -signal.SIGINT, proc.stderr[-2000:]
+  assert proc.stderr == "interrupted (Ctrl-C): what to do now\n"
+
+
 def test_interrupted_puts_back_the_handlers_it_replaced_also_nested(monkeypatch):
   from cem_jax import cli
 
