@@ -11,7 +11,6 @@ import atexit
 import contextlib
 import difflib
 import functools
-import gc
 import importlib.util
 import os
 import signal
@@ -84,26 +83,24 @@ def interrupted(what_now: str):
   traceback of a KeyboardInterrupt is dropped (``sys.excepthook``); any other exception keeps
   its own.
 
-  Python's own Ctrl-C handler raises wherever the main thread is, also inside a ``gc``
-  callback (jax's runs at every collection) or a ``__del__``, where the KeyboardInterrupt is
-  printed and dropped and the program goes on (3 of 3 Ctrl-Cs while data was prepared): the
-  handler installed here delivers such a Ctrl-C again once that code has returned
-  (:func:`_ctrl_c`); one raised in other code that drops it (a ``weakref`` callback, a
-  ``weakref.finalize``: neither is seen from the handler) is caught where Python drops it,
-  ``sys.unraisablehook``, and delivered again too. A SIGINT ignored (a shell's background job)
-  stays ignored.
+  Python's Ctrl-C handler raises wherever the main thread is, also inside code whose
+  exceptions Python prints and drops ("Exception ignored in ..."): a ``gc`` callback (jax's
+  runs at every collection), a ``__del__``, a ``weakref`` callback; the program went on (3 of
+  3 Ctrl-Cs while data was prepared). Python hands every such exception to
+  ``sys.unraisablehook``: the one installed here (:func:`_unraisable`) sends a dropped Ctrl-C
+  again once that code has returned. A SIGINT ignored (a shell's background job) or handled
+  by someone else stays theirs.
   """
-  previous = hook = None
+  hook = None
   if (threading.current_thread() is threading.main_thread()
       and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-    previous = signal.signal(signal.SIGINT, _ctrl_c)
     hook, sys.unraisablehook = sys.unraisablehook, functools.partial(_unraisable,
                                                                       sys.unraisablehook)
   try:
     yield
-    if previous is not None and _cancel_redelivery():
+    if hook is not None and _cancel_redelivery():
       # A Ctrl-C dropped just before the block ended: delivered here, not as a traceback
-      # wherever the program is once the handler before is back.
+      # wherever the program is once the hook before is back.
       raise KeyboardInterrupt
   except KeyboardInterrupt:
     print(f"interrupted (Ctrl-C): {what_now}", file=sys.stderr)
@@ -111,34 +108,12 @@ def interrupted(what_now: str):
     _die_by_sigint()
     raise
   finally:
-    if previous is not None:
-      signal.signal(signal.SIGINT, previous)
+    if hook is not None:
       sys.unraisablehook = hook
 
 
 # Seconds after which a Ctrl-C that landed where an exception is dropped is delivered again.
 _REDELIVER_S = 0.05
-
-
-def _dropping_exceptions(frame) -> bool:
-  """Whether ``frame`` or a caller of it is a ``gc`` callback or a ``__del__``: code whose
-  exceptions Python prints and drops ("Exception ignored in ...")."""
-  callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
-  while frame is not None:
-    if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
-      return True
-    frame = frame.f_back
-  return False
-
-
-def _ctrl_c(signum, frame):
-  """SIGINT as Python's handler takes it (a KeyboardInterrupt), but inside code that would
-  drop the exception it sends SIGINT again shortly after, from a thread, instead."""
-  if _dropping_exceptions(frame):
-    _redeliver()
-    return
-  raise KeyboardInterrupt
-
 
 # The redeliveries not yet sent (:func:`_redeliver`).
 _pending: list[threading.Timer] = []
@@ -163,8 +138,9 @@ def _cancel_redelivery() -> bool:
 
 def _unraisable(hook, unraisable) -> None:
   """``sys.unraisablehook`` under :func:`interrupted`: a KeyboardInterrupt Python drops (raised
-  in a ``weakref`` callback, say) is delivered again (:func:`_redeliver`), without the
-  "Exception ignored" traceback; anything else goes to ``hook``, the hook before."""
+  in a ``gc`` callback, a ``__del__``, a ``weakref`` callback) is delivered again
+  (:func:`_redeliver`), without the "Exception ignored" traceback; anything else goes to
+  ``hook``, the hook before."""
   if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
     _redeliver()
     return
