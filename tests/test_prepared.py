@@ -1715,7 +1715,8 @@ def test_a_glob_of_the_prepared_dir_that_matches_other_files_names_one(tmp_path)
 
 
 @pytest.mark.parametrize("fraction,warning", [
-    (0.1, None), (0.2, None), (0.5, None), (1 / 3, None), (0.3333, None), (0.05, None),
+    (0.1, None), (0.2, None), (0.5, None), (1 / 3, None), (0.3333, None), (0.33, None),
+    (0.05, None), (0.101, None),
     (0.4, "holds out every 2nd chunk of the files: 50.0% of the text"),
     (0.3, "holds out every 3rd chunk of the files: 33.3% of the text"),
     (0.15, "holds out every 7th chunk of the files: 14.3% of the text"),
