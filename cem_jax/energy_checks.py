@@ -406,6 +406,7 @@ def _causal_values(field, spec, kind, m, shapes, update, seq_len: int):
     _check_finite(field, spec, kind, m, update, runs)
   _check_diag_read(field, spec, m, runs)
   _check_eta_read(field, spec, m, runs)
+  _check_beta_read(field, spec, m, runs)
   _check_decode_matches(field, spec, kind, runs)
   _check_rows_independent(field, spec, kind, m, runs)
   with jax.default_device(_cpu_device()), jax.default_matmul_precision("highest"):
@@ -430,7 +431,8 @@ def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> 
 
   @jax.jit
   def train(y, context, params):
-    return update(y, context, params, training_aux(m, one, batch, seq))
+    aux = training_aux(m, one, batch, seq)
+    return update(y, context, params, aux), spec.energy(y, context, params, aux)
 
   rng = np.random.default_rng(2)
   params = _random_params(shapes, rng)
@@ -438,15 +440,23 @@ def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> 
       jnp.asarray(rng.standard_normal((batch, seq, m.d_model)), jnp.float32) for _ in range(4))
   later = jnp.asarray(~keep[:, :, None])
   try:
-    before = np.asarray(train(y, context, params), np.float64)
-    after = np.asarray(train(jnp.where(later, other, y), jnp.where(later, other_context, context),
-                             params), np.float64)
+    before, e_before = (np.asarray(a, np.float64) for a in train(y, context, params))
+    after, e_after = (np.asarray(a, np.float64) for a in train(
+        jnp.where(later, other, y), jnp.where(later, other_context, context), params))
   except Exception as e:
     raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs of "
                      f"{seq} tokens{_float32_note(m)}: {one_line(e)}") from e
   for values in (before, after):
     if not np.all(np.isfinite(values)):
       raise _not_finite(field, spec, kind, m, update, values, None, False)
+  for energy in (e_before, e_after):  # e.g. a product or an unshifted exp over many keys
+    if not np.isfinite(energy):
+      raise ValueError(
+          f"{field}={spec.name!r}: the energy's value is {energy} on random float32 inputs of "
+          f"{seq} tokens (one document of data.seq_len, up to {_LOOK_AHEAD_SEQ}){_float32_note(m)}"
+          ", though it is finite on shorter ones; an energy must be finite at the training "
+          "length: sum logs instead of multiplying over keys, and shift exponentials by a "
+          "per-row max (cem_jax.energies.masked_logsumexp)")
   rel = _relative_error(after[keep], before[keep])
   if not rel <= LOOK_AHEAD_RTOL:  # also NaN
     hint = _PER_TOKEN_HINT if kind == "mlp" else (
@@ -477,6 +487,7 @@ class _Runs:
   segment_ids: np.ndarray | None  # of `before` and `after`; None without model.document_mask
   diag_moved: bool  # the update changed with params['diag'] (True without a diagonal)
   eta_moved: bool  # the update changed with params['eta']
+  beta_moved: bool  # the update changed with params['beta'] (True for the MLP slot)
 
 
 def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
@@ -536,6 +547,9 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
     # A learned step size the energy never reads would train on a zero gradient.
     eta_moved = not np.array_equal(before, values(train(
         y, context, {**params, "eta": 2 * params["eta"]}, seg))[0])
+    # Likewise a learned temperature (model.learn_beta) the energy never reads.
+    beta_moved = not m.learn_beta or "beta" not in params or not np.array_equal(
+        before, values(train(y, context, {**params, "beta": 2 * params["beta"]}, seg))[0])
     # A configured diagonal the energy never reads: its parameters would train for nothing.
     diag_moved = "diag" not in params or not np.array_equal(before, values(train(
         y, context, {**params, **_random_params({"diag": shapes["diag"]}, rng)}, seg))[0])
@@ -543,7 +557,7 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
     raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
                      f"{_float32_note(m)}: {one_line(e)}") from e
   return _Runs(trained, e_trained, decoded, e_decoded, before, e_before, after, e_after, keep,
-               seg, diag_moved, eta_moved)
+               seg, diag_moved, eta_moved, beta_moved)
 
 
 def _check_finite(field, spec, kind, m, update, runs: _Runs) -> None:
@@ -577,6 +591,14 @@ def _check_eta_read(field, spec, m, runs: _Runs) -> None:
         "change with params['eta'], the learned step size, which would train on a zero "
         "gradient; multiply the energy by it (the energy carries the step size) or set "
         "model.learn_eta=False")
+
+
+def _check_beta_read(field, spec, m, runs: _Runs) -> None:
+  if m.learn_beta and not runs.beta_moved:
+    raise ValueError(
+        f"model.learn_beta=True has no effect on {field}={spec.name!r}: its update does not "
+        "change with params['beta'], the learned inverse temperature, which would train on a "
+        "zero gradient; read it in the energy or set model.learn_beta=False")
 
 
 def _check_diag_read(field, spec, m, runs: _Runs) -> None:
@@ -636,6 +658,9 @@ def _not_finite(field, spec, kind, m, update, values, segment_ids, decoding) -> 
       if not np.any(sees & ~np.all(np.isfinite(values), axis=-1)):
         where += (", on rows that see no key only (padding, or a document's first token with "
                   "model.strict_causal)")
+      else:  # rows that see keys: masking is not (only) the cause
+        hint += ("; on rows that see keys, an exponential not shifted by its row's max "
+                 "overflows: use cem_jax.energies.masked_logsumexp")
   else:
     hint = ("the update must be finite: give a function whose jax.grad is NaN (e.g. "
             "jax.scipy.special.spence) a jax.custom_jvp (CEM_MATH.md section 2)")

@@ -534,6 +534,24 @@ def no_eta(y, context, params, aux):  # the quadratic energy without its step si
   return -0.5 * jnp.sum(s**2)
 
 
+def no_beta(y, context, params, aux):  # the quadratic energy at temperature 1
+  q, k = _qk(y, context, params)
+  s = jnp.where(aux.mask[:, None], jnp.einsum("bthk,bshk->bhts", q, k), 0.0)
+  return -0.5 * jnp.einsum("h,bhts->", params["eta"], s**2)
+
+
+def prod_over_keys(y, context, params, aux):  # log of a product: inf once a row sees ~40 keys
+  s, _ = _scores(y, context, params, aux)
+  f = jnp.where(aux.mask[:, None], 10.0 + jax.nn.sigmoid(s), 1.0)
+  return -jnp.einsum("h,bht->", params["eta"], jnp.log(jnp.prod(f, axis=-1)))
+
+
+def unshifted_exp(y, context, params, aux):  # exp(30 s) with no max shift: overflows
+  s, _ = _scores(y, context, params, aux)
+  e = jnp.where(aux.mask[:, None], jnp.exp(30.0 * s), 0.0)
+  return -jnp.einsum("h,bht->", params["eta"], jnp.log(e.sum(-1) + 1e-30) / 30.0)
+
+
 def mlp_no_eta(y, context, params, aux):
   return -0.5 * jnp.sum((y @ params["w"]) ** 2 * jax.nn.sigmoid(context @ params["g"]))
 
@@ -916,6 +934,45 @@ def test_a_learned_step_size_the_energy_never_reads_is_refused_at_start_up(tmp_p
       "would train on a zero gradient; multiply the energy by it (the energy carries the step "
       "size) or set model.learn_eta=False")
   preflight.check(_user_config(tmp_path, **{f"{slot}_energy": name}, learn_eta=False))
+
+
+def test_a_learned_temperature_the_energy_never_reads_is_refused_at_start_up(tmp_path):
+  """model.learn_beta adds a learned params['beta']: an energy at a fixed temperature trained
+  it on a zero gradient without a word (as params['eta'] was)."""
+  message = _refusal(_user_config(tmp_path, attention_energy="no_beta", learn_beta=True,
+                                  learn_eta=False))
+  assert message == (
+      f"model.learn_beta=True has no effect on model.attention_energy='{tmp_path}/"
+      "user_fused.py:no_beta': its update does not change with params['beta'], the learned "
+      "inverse temperature, which would train on a zero gradient; read it in the energy or "
+      "set model.learn_beta=False")
+  preflight.check(_user_config(tmp_path, attention_energy="no_beta"))
+  preflight.check(_user_config(tmp_path, attention_energy="quad", learn_beta=True,
+                               learn_eta=False))
+
+
+def test_an_energy_not_finite_only_at_the_training_length_is_refused_at_start_up(tmp_path):
+  """A product over keys is finite on the short layouts but inf over data.seq_len tokens:
+  start-up passed it (only the update was checked there) and training stopped on a
+  non-finite loss with a hint to lower the learning rate."""
+  message = _refusal(_user_config(tmp_path, attention_energy="prod_over_keys"))
+  assert message.startswith(
+      f"model.attention_energy='{tmp_path}/user_fused.py:prod_over_keys': the energy's value "
+      "is -inf on random float32 inputs of 64 tokens (one document of data.seq_len"), message
+  assert "sum logs instead of multiplying over keys" in message
+  cfg = _user_config(tmp_path, attention_energy="prod_over_keys")
+  cfg.data.seq_len = 16
+  preflight.check(cfg)
+
+
+def test_an_update_not_finite_on_rows_that_see_keys_names_the_overflow(tmp_path):
+  """exp(30 s) without a max shift overflows on rows that see keys; the refusal only said to
+  mask with jnp.where, which this energy already did."""
+  message = _refusal(_user_config(tmp_path, attention_energy="unshifted_exp"))
+  assert "is not finite (NaN or inf)" in message, message
+  assert message.endswith(
+      "; on rows that see keys, an exponential not shifted by its row's max overflows: use "
+      "cem_jax.energies.masked_logsumexp"), message
 
 
 def test_an_energy_module_that_turns_on_64_bit_jax_is_refused_and_the_flag_set_back(tmp_path):
