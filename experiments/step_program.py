@@ -291,6 +291,37 @@ def _h200_sharding():
                                     jax.sharding.PartitionSpec())
 
 
+USAGE = "python experiments/step_program.py [VARIANT] [SEQ_LEN] [TOKENS_PER_BATCH] [TARGET]"
+
+
+def check_shape(seq_len: int, tokens_per_batch: int) -> None:
+  """Raises SystemExit (one line) unless ``tokens_per_batch`` is a whole number (>= 1) of
+  ``seq_len``-token windows: bench's batch is ``tokens_per_batch // seq_len`` windows, so any
+  other count would lower a step of fewer tokens than the line printed names."""
+  if seq_len < 1 or tokens_per_batch < seq_len or tokens_per_batch % seq_len:
+    raise SystemExit(f"SEQ_LEN={seq_len} TOKENS_PER_BATCH={tokens_per_batch}; allowed: "
+                     "SEQ_LEN >= 1 and TOKENS_PER_BATCH a multiple of it (whole windows)")
+
+
+def parse_args(args: list[str]) -> tuple:
+  """``(variant, seq_len, tokens_per_batch, target)`` from the command line's arguments, the
+  defaults of :func:`main` for those left out.
+
+  Raises:
+    SystemExit: more than 4 arguments, or SEQ_LEN / TOKENS_PER_BATCH not an integer (one line
+      naming it and what is allowed).
+  """
+  if len(args) > 4:
+    raise SystemExit(f"{len(args)} arguments ({' '.join(args)}); usage: {USAGE}")
+  out = list(args[:1])
+  for name, value in zip(("SEQ_LEN", "TOKENS_PER_BATCH"), args[1:3], strict=False):
+    try:
+      out.append(int(value))
+    except ValueError:
+      raise SystemExit(f"{name}={value!r}; allowed: an integer >= 1 (usage: {USAGE})") from None
+  return tuple(out + args[3:4])
+
+
 def main(variant: str = "cem_fused", seq_len: int = 1024, tokens_per_batch: int = 2048,
          target: str = "cpu"):
   if target not in TARGETS:
@@ -301,9 +332,8 @@ def main(variant: str = "cem_fused", seq_len: int = 1024, tokens_per_batch: int 
 
   if variant not in bench.VARIANTS:
     raise SystemExit(f"variant={variant!r}; allowed: {', '.join(bench.VARIANTS)}")
+  check_shape(seq_len, tokens_per_batch)
   preset = dict(bench.PRESETS["gpu125m"], tokens_per_batch=tokens_per_batch)
-  if tokens_per_batch < seq_len:
-    raise SystemExit(f"tokens_per_batch={tokens_per_batch} < seq_len={seq_len}: no row fits")
   cfg = bench._model_config(preset, bench.VARIANTS[variant], seq_len, preset["d_model"])
   sharding = _h200_sharding() if target == "h200" else None
   _, step, params, opt_state, batch = bench.train_step_inputs(
@@ -340,5 +370,4 @@ def main(variant: str = "cem_fused", seq_len: int = 1024, tokens_per_batch: int 
 
 
 if __name__ == "__main__":
-  args = sys.argv[1:]
-  main(*(args[:1] + [int(a) for a in args[1:3]] + args[3:4]))
+  main(*parse_args(sys.argv[1:]))

@@ -897,3 +897,27 @@ def test_one_layer_takes_the_kernels_between_two_layers_attention_calls_each_way
     program.one_layer(kernels, 2)
   with pytest.raises(ValueError, match=r"^5 attention calls; expected two per layer$"):
     program.one_layer(kernels[:-3], 0)
+
+
+def test_step_program_refuses_bad_arguments_in_one_line_before_lowering_anything():
+  """A SEQ_LEN that is not an integer, or not >= 1, was a traceback; a TOKENS_PER_BATCH that
+  is not a multiple of SEQ_LEN lowered a step of fewer tokens than its line printed (seq_len
+  1000, 2048 tokens: 2 windows, 2,000 tokens, printed as 2048); a fifth argument was ignored."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("step_program", _STEP_PROGRAM)
+  program = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(program)
+  assert program.parse_args([]) == ()
+  assert program.parse_args(["llama", "1024", "16384", "h200"]) == ("llama", 1024, 16384, "h200")
+  with pytest.raises(SystemExit, match=r"^SEQ_LEN='abc'; allowed: an integer >= 1 \(usage"):
+    program.parse_args(["cem_fused", "abc"])
+  with pytest.raises(SystemExit, match=r"^TOKENS_PER_BATCH='2k'; allowed: an integer >= 1"):
+    program.parse_args(["cem_fused", "1024", "2k"])
+  with pytest.raises(SystemExit, match=r"^5 arguments \(cem_fused 1024 2048 cpu extra\); usage"):
+    program.parse_args(["cem_fused", "1024", "2048", "cpu", "extra"])
+  for seq_len, tokens in ((0, 2048), (-4, 2048), (1000, 2048), (2048, 1024)):
+    with pytest.raises(SystemExit, match=rf"^SEQ_LEN={seq_len} TOKENS_PER_BATCH={tokens}; "
+                       "allowed: SEQ_LEN >= 1 and TOKENS_PER_BATCH a multiple of it"):
+      program.main("cem_fused", seq_len, tokens)
+  program.check_shape(1024, 16384)  # whole windows pass
