@@ -448,6 +448,39 @@ def test_the_test_time_report_holds_every_row_as_given(tmp_path):
   assert os.path.getsize(paths[2]) > 0
 
 
+def test_the_test_time_figure_marks_the_trained_t_and_a_failed_report_keeps_the_old_one(
+    tmp_path, monkeypatch):
+  """The figure: perplexity and final energy (a gap where there is none) against T_eval, the
+  dashed line at the trained T (not at a T_eval). A report that cannot be written (a value
+  JSON cannot hold) leaves the previous test_time_steps.json whole, with no temporary file."""
+  import math
+
+  from cem_jax import evaluate
+
+  rows = [{"T_eval": 1, "step": 30, "T_trained": 3, "final_energy": -1.5, "eval/loss": 2.0,
+           "eval/perplexity": 7.389056, "eval/bits_per_byte": 0.9, "eval/tokens": 10},
+          {"T_eval": 4, "step": 30, "T_trained": 3, "final_energy": None, "eval/loss": 1.5,
+           "eval/perplexity": 4.481689, "eval/bits_per_byte": 0.8, "eval/tokens": 10}]
+  evaluate.write_report(str(tmp_path), rows, trained_steps=3)
+  before = (tmp_path / "test_time_steps.json").read_bytes()
+  figures = []
+  with monkeypatch.context() as m:
+    m.setattr(files, "atomic_save_figure", lambda fig, path: figures.append(fig))
+    evaluate.write_report(str(tmp_path), rows, trained_steps=3)
+  ppl, energy = figures[0].axes
+  assert [(list(line.get_xdata()), list(line.get_ydata())) for line in ppl.lines] == [
+      ([1, 4], [7.389056, 4.481689]), ([3, 3], [0, 1])]  # the curve, then the trained T
+  assert ppl.lines[1].get_linestyle() == "--"
+  (curve,) = energy.lines
+  assert list(curve.get_xdata()) == [1, 4] and curve.get_ydata()[0] == -1.5
+  assert math.isnan(curve.get_ydata()[1])
+  with pytest.raises(TypeError):
+    evaluate.write_report(str(tmp_path), [{**rows[0], "final_energy": object()}], 3)
+  assert (tmp_path / "test_time_steps.json").read_bytes() == before
+  assert sorted(os.listdir(tmp_path)) == [f"test_time_steps{ext}" for ext in (".json", ".md",
+                                                                               ".png")]
+
+
 def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
   # --max_batches, not the run's own eval.max_batches, bounds each T_eval's eval.
   from cem_jax import evaluate
