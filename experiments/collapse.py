@@ -152,10 +152,11 @@ def _line(step: int, r: dict) -> str:
 
 
 def main(argv):
-  del argv
   from flax import nnx
 
   from cem_jax import cli, optim
+
+  cli.no_extra_args(argv)  # a flag missing its -- was dropped without a word
   from cem_jax import steps as steps_lib
   from cem_jax.checkpoint import Checkpointer
   from cem_jax.runs import load_run

@@ -193,8 +193,9 @@ def report(workdir: str) -> tuple[str, list[str]]:
 
 
 def main(argv):
-  del argv
   from cem_jax import cli
+
+  cli.no_extra_args(argv)  # e.g. a report path given without --out= was dropped
   from cem_jax.files import atomic_write_bytes
 
   cli.quiet_libraries(logging.logging.ERROR)  # Orbax: "read only" per checkpoint

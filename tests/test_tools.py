@@ -321,6 +321,20 @@ def test_recursion_report_never_replaces_eta_values_it_cannot_read(tmp_path):
   assert not list((root / "results/tiny/design").glob("*/seed*/data"))  # nothing prepared
 
 
+@pytest.mark.parametrize("script", ["recursion_report", "collapse"])
+def test_an_experiment_script_refuses_an_argument_without_its_flag(tmp_path, script):
+  # `recursion_report.py --workdir=results/tiny report.md` (no --out=) printed the report to
+  # stdout and wrote no file, without a word; collapse.py dropped a flag missing its --.
+  root = Path(__file__).resolve().parents[1]
+  stray = tmp_path / "report.md"
+  proc = subprocess.run([sys.executable, f"experiments/{script}.py",
+                         f"--workdir={root / 'results/tiny'}", str(stray)], cwd=root,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1, proc.stdout[-500:]
+  assert proc.stderr.strip().splitlines()[-1] == f"unexpected arguments: {stray}"
+  assert not stray.exists()
+
+
 def test_evaluate_reports_the_trained_steps_of_the_checkpoint_not_config_json(tmp_path):
   # Every start rewrites config.json, also one that changed model.num_steps and trained
   # nothing: the report's trained T must be the one the checkpoint was trained with.
