@@ -105,6 +105,12 @@ def test_temperature_sampling_is_seeded_and_validates_length():
   np.testing.assert_array_equal(
       sample.generate(graphdef, flat, prompt, 8, rng=jax.random.PRNGKey(5), temperature=1.0,
                       top_k=3, use_cache=False), uniform)
+  # The key given is the one drawn with (--seed): another key, other draws (a generate that
+  # ignored it drew the same tokens for every --seed).
+  for seed in (6, 7):
+    other = sample.generate(graphdef, flat, prompt, 8, rng=jax.random.PRNGKey(seed),
+                            temperature=1.0, top_k=3)
+    assert other[0].tolist() != uniform[0].tolist(), (seed, other, uniform)
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     sample.generate(graphdef, params, prompt, 0)
 
