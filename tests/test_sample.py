@@ -210,6 +210,9 @@ def test_sample_refuses_flags_out_of_range_and_passes_the_rest_on(monkeypatch, c
   (kw,) = calls
   assert {k: kw[k] for k in ("temperature", "top_k", "top_p", "use_cache")} == {
       "temperature": 0.5, "top_k": V, "top_p": 1.0, "use_cache": False}
+  # A top_p other than the default reaches generate too (one passed as 1.0 was not caught).
+  assert run(top_p=0.25, top_k=3) == "abc+++++\n"
+  assert {k: calls[-1][k] for k in ("top_k", "top_p")} == {"top_k": 3, "top_p": 0.25}
   np.testing.assert_array_equal(kw["rng"], jax.random.PRNGKey(7))
   assert run(top_k=V + 1) == (f"error: --top_k={V + 1}; allowed: 0 (off) or 1..{V} (the "
                               "vocabulary)\n")
@@ -221,7 +224,7 @@ def test_sample_refuses_flags_out_of_range_and_passes_the_rest_on(monkeypatch, c
   assert run(max_new_tokens=0) == "error: --max_new_tokens=0; allowed: >= 1\n"
   monkeypatch.setattr(tokenizer, "encode", lambda text: [])
   assert run() == "error: --prompt='abc' encodes to no tokens; give some text\n"
-  assert len(calls) == 1  # nothing refused reached generate
+  assert len(calls) == 2  # nothing refused reached generate
 
 
 def test_greedy_takes_the_lower_id_of_tied_logits_whatever_the_key():
