@@ -914,6 +914,48 @@ def test_process_slice_is_the_block_of_rows_this_process_holds():
   assert sharding.process_slice(Rows(slice(2, 3), slice(3, 4)), 8) == (1, 4)
 
 
+def test_recursion_report_tables_are_the_committed_reports_and_match_numpy():
+  """The loss and energy tables computed from results/tiny/design's metrics.jsonl are the
+  committed results/tiny/design_recursion.md's, line for line; two cells recomputed here from
+  the JSON lines in float64 (a sign flipped in a paired difference, or step t+1's "after"
+  taken for its "before", left the other tests passing)."""
+  import importlib.util
+
+  import numpy as np
+
+  root = Path(__file__).resolve().parents[1]
+  spec = importlib.util.spec_from_file_location("recursion_report",
+                                                root / "experiments/recursion_report.py")
+  rr = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(rr)
+  workdir = str(root / "results/tiny")
+  committed = (root / "results/tiny/design_recursion.md").read_text().split("\n## ")
+  tables = [[line for line in part.splitlines() if line.startswith("|")]
+            for part in committed[1:3]]
+  assert rr.loss_table(workdir) == tables[0]
+  assert rr.energy_table(workdir) == tables[1]
+
+  def last_eval(row, seed):
+    lines = (root / f"results/tiny/design/{row}/seed{seed}/metrics.jsonl").read_text()
+    return [m for m in map(json.loads, lines.splitlines()) if "eval/loss" in m][-1]
+
+  # t2_fixed: eval loss minus t1's, paired by seed: mean ± sample std.
+  d = np.array([last_eval("t2_fixed", s)["eval/loss"] - last_eval("t1", s)["eval/loss"]
+                for s in range(3)], np.float64)
+  row = next(line for line in tables[0] if line.startswith("| t2_fixed |"))
+  assert row.split("|")[5].strip() == f"{d.mean():+.3f} ± {d.std(ddof=1):.3f}"
+  # t2_fixed: how far the MLP step moves the attention energy between steps 1 and 2: step 2's
+  # before minus step 1's after, over layers and seeds.
+  moved = []
+  for s in range(3):
+    m = last_eval("t2_fixed", s)
+    layers = {int(k.split("/")[2][5:]) for k in m if k.startswith("eval/energy/layer")}
+    moved += [m[f"eval/energy/layer{i}/step2/att_before"]
+              - m[f"eval/energy/layer{i}/step1/att_after"] for i in sorted(layers)]
+  row = next(line for line in tables[1] if line.startswith("| t2_fixed |"))
+  assert len(moved) > 3 and row.split("|")[7].strip() == f"{np.mean(moved):+.2f}"
+
+
 def test_recursion_report_reads_a_diverged_run_and_names_a_run_without_evals(tmp_path):
   import importlib.util
 
