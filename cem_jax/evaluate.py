@@ -12,12 +12,13 @@ step's parameters (per-step step sizes or preconditioners).
 
 from __future__ import annotations
 
+import json
 import os
 
 from absl import app, flags, logging
 
 from cem_jax import cli
-from cem_jax.files import atomic_write_json, atomic_write_text, saved_figure
+from cem_jax.files import atomic_write_text, saved_figure
 
 
 def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
@@ -63,10 +64,32 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
   return rows
 
 
+def report_paths(workdir: str) -> list[str]:
+  """``workdir/test_time_steps.{md,json,png}``, the files :func:`write_report` writes.
+
+  Raises:
+    ValueError: one of them is a folder (found before an evaluation that could not be saved).
+  """
+  paths = [os.path.join(workdir, "test_time_steps" + ext) for ext in (".md", ".json", ".png")]
+  for path in paths:
+    if os.path.isdir(path):
+      raise ValueError(f"--workdir={workdir}: {path} is a folder, in the way of the report; "
+                       "move it away")
+  return paths
+
+
 def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str]:
-  """Writes ``test_time_steps.{md,json,png}`` in ``workdir``; returns the paths."""
+  """Writes ``test_time_steps.{md,json,png}`` in ``workdir``; returns the paths.
+
+  Each file is written atomically, the figure first and the JSON last: a report that fails
+  (a value the figure or JSON cannot hold, a folder in the way) leaves the previous JSON, not a
+  new table beside an old or missing figure.
+
+  Raises:
+    ValueError: as :func:`report_paths`.
+  """
+  paths = report_paths(workdir)
   base = os.path.join(workdir, "test_time_steps")
-  atomic_write_json(base + ".json", rows)
   lines = [
       f"Test-time steps for a model trained with T = {trained_steps} "
       f"(checkpoint step {rows[0]['step']}; {rows[0]['eval/tokens']:,} held-out tokens a row).",
@@ -78,7 +101,7 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
     lines.append(f"| {r['T_eval']} | {r['eval/loss']:.4f} | {r['eval/perplexity']:.2f} | "
                  f"{r['eval/bits_per_byte']:.4f} | " +
                  ("n/a" if r["final_energy"] is None else f"{r['final_energy']:.4f}") + " |")
-  atomic_write_text(base + ".md", "\n".join(lines) + "\n")
+  json_text = json.dumps(rows, indent=2)  # TypeError before anything is written
   ts = [r["T_eval"] for r in rows]
   with saved_figure(base + ".png", ncols=2, figsize=(9, 3.5)) as (_, (a1, a2)):
     a1.plot(ts, [r["eval/perplexity"] for r in rows], "o-")
@@ -93,7 +116,9 @@ def write_report(workdir: str, rows: list[dict], trained_steps: int) -> list[str
     for ax in (a1, a2):
       ax.set_xticks(ts)
       ax.grid(alpha=0.3)
-  return [base + ext for ext in (".md", ".json", ".png")]
+  atomic_write_text(base + ".md", "\n".join(lines) + "\n")
+  atomic_write_text(base + ".json", json_text)
+  return paths
 
 
 def main(argv):
@@ -113,6 +138,7 @@ def main(argv):
                        "integers >= 1, each at most once")
     if fl.max_batches < 1 and fl.max_batches != -1:
       raise ValueError(f"--max_batches={fl.max_batches}; allowed: -1 (all) or an int >= 1")
+    report_paths(fl.workdir)  # a folder in the way: said before the evaluation, not after
     rows = test_time_steps(fl.workdir, steps, fl.max_batches, fl.attention_impl)
     # From the checkpoint's own config: config.json may be edited, or newer than the step.
     paths = write_report(fl.workdir, rows, rows[0]["T_trained"])

@@ -493,6 +493,26 @@ def test_the_test_time_figure_marks_the_trained_t_and_a_failed_report_keeps_the_
   assert (tmp_path / "test_time_steps.json").read_bytes() == before
   assert sorted(os.listdir(tmp_path)) == [f"test_time_steps{ext}" for ext in (".json", ".md",
                                                                                ".png")]
+  # The table and the JSON go through the atomic writer (the figure: saved_figure's).
+  written = []
+  with monkeypatch.context() as m:
+    m.setattr(evaluate, "atomic_write_text", lambda path, text: written.append(path))
+    evaluate.write_report(str(tmp_path), rows, trained_steps=3)
+  assert sorted(written) == [str(tmp_path / "test_time_steps.json"),
+                             str(tmp_path / "test_time_steps.md")]
+  # A folder in the way of the figure: nothing of the new report is written (the table and
+  # JSON were, beside the old figure), and the command says so before evaluating anything.
+  other = tmp_path / "other"
+  (other / "test_time_steps.png").mkdir(parents=True)
+  want = (rf"^--workdir={other}: {other}/test_time_steps\.png is a folder, in the way of the "
+          r"report; move it away$")
+  with pytest.raises(ValueError, match=want):
+    evaluate.write_report(str(other), rows, trained_steps=3)
+  assert os.listdir(other) == ["test_time_steps.png"]
+  proc = subprocess.run([sys.executable, "-m", "cem_jax.evaluate", f"--workdir={other}"],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1] == "error: " + want[1:-1].replace("\\", "")
 
 
 def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
