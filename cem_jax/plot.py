@@ -76,8 +76,8 @@ def plot_run(workdir: str) -> list[str]:
 
   Raises:
     FileNotFoundError: ``workdir/metrics.jsonl`` does not exist.
-    ValueError: ``workdir`` is a file; ``metrics.jsonl`` holds no losses yet, none that is
-      finite, or a damaged line before the last.
+    ValueError: ``workdir`` or ``workdir/plots`` is a file; ``metrics.jsonl`` holds no losses
+      yet, none that is finite, or a damaged line before the last.
   """
   if os.path.isfile(workdir):  # else "no metrics.jsonl" would send the user to train there
     raise ValueError(f"--workdir={workdir} is a file; give a run's folder (holds metrics.jsonl)")
@@ -91,6 +91,9 @@ def plot_run(workdir: str) -> list[str]:
     raise ValueError(f"--workdir={workdir}: every loss in metrics.jsonl is null (not finite: "
                      "the run diverged from its start); nothing to plot")
   out_dir = os.path.join(workdir, "plots")
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ValueError(f"--workdir={workdir}: {out_dir} is a file, in the way of the plots' "
+                     "folder; move it away")
   os.makedirs(out_dir, exist_ok=True)
   written = [os.path.join(out_dir, "loss.png")]
   plot_losses(metrics, written[0], os.path.abspath(workdir))

@@ -417,6 +417,11 @@ def test_plot_refuses_a_folder_without_metrics_or_without_losses(tmp_path):
     plot.plot_run(str(tmp_path / "a_file"))
   assert str(e.value) == (f"--workdir={tmp_path / 'a_file'} is a file; give a run's folder "
                           "(holds metrics.jsonl)")
+  write_metrics(tmp_path, [{"step": 0, "train/loss": 5.0}])
+  (tmp_path / "plots").write_text("not a folder")  # was "[Errno 17] File exists: ..."
+  with pytest.raises(ValueError, match=rf"^--workdir={tmp_path}: {tmp_path}/plots is a file, "
+                     r"in the way of the plots' folder; move it away$"):
+    plot.plot_run(str(tmp_path))
   write_metrics(tmp_path, [{"step": 0, "params/total": 7}])
   with pytest.raises(ValueError, match=r"metrics\.jsonl has no losses yet \(the first is logged "
                      r"after train\.log_every_steps steps\)$"):
