@@ -35,6 +35,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from cem_jax import energies, updates
@@ -407,6 +408,7 @@ def _causal_values(field, spec, kind, m, shapes, update, seq_len: int):
   _check_diag_read(field, spec, m, runs)
   _check_eta_read(field, spec, m, runs)
   _check_beta_read(field, spec, m, runs)
+  _warn_unread_weights(field, spec, shapes, runs)
   _check_decode_matches(field, spec, kind, runs)
   _check_rows_independent(field, spec, kind, m, runs)
   with jax.default_device(_cpu_device()), jax.default_matmul_precision("highest"):
@@ -488,6 +490,7 @@ class _Runs:
   diag_moved: bool  # the update changed with params['diag'] (True without a diagonal)
   eta_moved: bool  # the update changed with params['eta']
   beta_moved: bool  # the update changed with params['beta'] (True for the MLP slot)
+  unread: tuple[str, ...]  # the weights (not eta, beta, diag) the update does not change with
 
 
 def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
@@ -553,11 +556,17 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
     # A configured diagonal the energy never reads: its parameters would train for nothing.
     diag_moved = "diag" not in params or not np.array_equal(before, values(train(
         y, context, {**params, **_random_params({"diag": shapes["diag"]}, rng)}, seg))[0])
+    # A weight matrix the energy never reads (keys built from w_q, say): no config key drops
+    # it, so it is said, not refused; it would train on weight decay alone.
+    unread = tuple(name for name in sorted(params) if name not in ("eta", "beta", "diag")
+                   and np.array_equal(before, values(train(
+                       y, context, {**params, **_random_params({name: shapes[name]}, rng)},
+                       seg))[0]))
   except Exception as e:  # the shape checks ran this code already: rare
     raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
                      f"{_float32_note(m)}: {one_line(e)}") from e
   return _Runs(trained, e_trained, decoded, e_decoded, before, e_before, after, e_after, keep,
-               seg, diag_moved, eta_moved, beta_moved)
+               seg, diag_moved, eta_moved, beta_moved, unread)
 
 
 def _check_finite(field, spec, kind, m, update, runs: _Runs) -> None:
@@ -599,6 +608,16 @@ def _check_beta_read(field, spec, m, runs: _Runs) -> None:
         f"model.learn_beta=True has no effect on {field}={spec.name!r}: its update does not "
         "change with params['beta'], the learned inverse temperature, which would train on a "
         "zero gradient; read it in the energy or set model.learn_beta=False")
+
+
+def _warn_unread_weights(field, spec, shapes, runs: _Runs) -> None:
+  if runs.unread:
+    count = sum(math.prod(shapes[name].shape) for name in runs.unread)
+    logging.warning(
+        "%s=%r never reads %s: its update does not change with them, and their %s parameters "
+        "a layer train on weight decay alone (and count in params/total); read them in the "
+        "energy if that is not meant", field, spec.name,
+        ", ".join(f"params[{name!r}]" for name in runs.unread), f"{count:,}")
 
 
 def _check_diag_read(field, spec, m, runs: _Runs) -> None:

@@ -1,5 +1,6 @@
 """Energies and their updates: closed forms equal jax.grad, Φ is exact, masking is safe."""
 
+import logging
 import os
 import re
 import zlib
@@ -1255,3 +1256,27 @@ def test_a_first_token_that_sees_the_second_is_refused(tmp_path):
   message = _refusal(tiny_config("cem", **{"model.attention_energy": f"{path}:energy"}))
   assert message.startswith(f"model.attention_energy='{path}:energy': its update reads tokens "
                             "after its own: in one document of 64 tokens"), message
+
+
+def test_a_weight_the_energy_never_reads_is_named_at_start_up(tmp_path, caplog):
+  """Keys built from w_q: w_k trained on weight decay alone and counted in params/total
+  without a word. No config key drops a weight, so it is a warning, not a refusal."""
+  (tmp_path / "qq.py").write_text(
+      "import jax.numpy as jnp\n\n\n"
+      "def energy(y, context, params, aux):  # w_q for the keys too: w_k is never read\n"
+      "  q = jnp.einsum('btd,dhk->bthk', y, params['w_q'])\n"
+      "  k = jnp.einsum('bsd,dhk->bshk', context, params['w_q'])\n"
+      "  s = jnp.where(aux.mask[:, None], jnp.einsum('bthk,bshk->bhts', q, k), 0.0)\n"
+      "  return -0.5 * jnp.einsum('h,bhts->', params['eta'], s ** 2)\n")
+  cfg = tiny_config("cem", **{"model.attention_energy": f"{tmp_path}/qq.py:energy"})
+  with caplog.at_level(logging.WARNING):
+    preflight.check(cfg)
+  d, h, dh = cfg.model.d_model, cfg.model.num_heads, cfg.model.d_model // cfg.model.num_heads
+  assert [r.getMessage() for r in caplog.records if "never reads" in r.getMessage()] == [
+      f"model.attention_energy='{tmp_path}/qq.py:energy' never reads params['w_k']: its update "
+      f"does not change with them, and their {d * h * dh:,} parameters a layer train on weight "
+      "decay alone (and count in params/total); read them in the energy if that is not meant"]
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):  # the README's quadratic energy reads every weight
+    preflight.check(_user_config(tmp_path, attention_energy="quad"))
+  assert not [r for r in caplog.records if "never reads" in r.getMessage()]
