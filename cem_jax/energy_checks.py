@@ -406,8 +406,7 @@ def _causal_values(field, spec, kind, m, shapes, update, seq_len: int):
     runs = _layouts(field, spec, kind, m, shapes, update)
     _check_finite(field, spec, kind, m, update, runs)
   _check_diag_read(field, spec, m, runs)
-  _check_eta_read(field, spec, m, runs)
-  _check_beta_read(field, spec, m, runs)
+  _check_learned_read(field, spec, m, runs)
   _warn_unread_weights(field, spec, shapes, runs)
   _check_decode_matches(field, spec, kind, runs)
   _check_rows_independent(field, spec, kind, m, runs)
@@ -487,10 +486,7 @@ class _Runs:
   e_after: np.ndarray
   keep: np.ndarray  # [batch, seq] bool: each row's last document (without documents: row 0)
   segment_ids: np.ndarray | None  # of `before` and `after`; None without model.document_mask
-  diag_moved: bool  # the update changed with params['diag'] (True without a diagonal)
-  eta_moved: bool  # the update changed with params['eta']
-  beta_moved: bool  # the update changed with params['beta'] (True for the MLP slot)
-  unread: tuple[str, ...]  # the weights (not eta, beta, diag) the update does not change with
+  unread: frozenset[str]  # the parameters the update does not change with
 
 
 def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
@@ -547,26 +543,16 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
     before, e_before = values(train(y, context, params, seg))
     after, e_after = values(train(jnp.where(change, other[:, :seq], y),
                                   jnp.where(change, -other[:, :seq], context), params, seg))
-    # A learned step size the energy never reads would train on a zero gradient.
-    eta_moved = not np.array_equal(before, values(train(
-        y, context, {**params, "eta": 2 * params["eta"]}, seg))[0])
-    # Likewise a learned temperature (model.learn_beta) the energy never reads.
-    beta_moved = not m.learn_beta or "beta" not in params or not np.array_equal(
-        before, values(train(y, context, {**params, "beta": 2 * params["beta"]}, seg))[0])
-    # A configured diagonal the energy never reads: its parameters would train for nothing.
-    diag_moved = "diag" not in params or not np.array_equal(before, values(train(
-        y, context, {**params, **_random_params({"diag": shapes["diag"]}, rng)}, seg))[0])
-    # A weight matrix the energy never reads (keys built from w_q, say): no config key drops
-    # it, so it is said, not refused; it would train on weight decay alone.
-    unread = tuple(name for name in sorted(params) if name not in ("eta", "beta", "diag")
-                   and np.array_equal(before, values(train(
-                       y, context, {**params, **_random_params({name: shapes[name]}, rng)},
-                       seg))[0]))
+    # Each parameter the update does not change with (another draw of it alone): a learned
+    # eta or beta unread trains on a zero gradient, a diagonal or a weight for nothing.
+    fresh = _random_params(shapes, rng)
+    unread = frozenset(name for name in params if np.array_equal(before, values(train(
+        y, context, {**params, name: fresh[name]}, seg))[0]))
   except Exception as e:  # the shape checks ran this code already: rare
     raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
                      f"{_float32_note(m)}: {one_line(e)}") from e
   return _Runs(trained, e_trained, decoded, e_decoded, before, e_before, after, e_after, keep,
-               seg, diag_moved, eta_moved, beta_moved, unread)
+               seg, unread)
 
 
 def _check_finite(field, spec, kind, m, update, runs: _Runs) -> None:
@@ -593,35 +579,35 @@ def _check_finite(field, spec, kind, m, update, runs: _Runs) -> None:
           "scores masked with -inf")
 
 
-def _check_eta_read(field, spec, m, runs: _Runs) -> None:
-  if m.learn_eta and not runs.eta_moved:
-    raise ValueError(
-        f"model.learn_eta=True has no effect on {field}={spec.name!r}: its update does not "
-        "change with params['eta'], the learned step size, which would train on a zero "
-        "gradient; multiply the energy by it (the energy carries the step size) or set "
-        "model.learn_eta=False")
+# The learned scalars an energy must read: (config key, what it is, how to read it).
+_LEARNED = {"eta": ("learn_eta", "the learned step size",
+                    "multiply the energy by it (the energy carries the step size)"),
+            "beta": ("learn_beta", "the learned inverse temperature", "read it in the energy")}
 
 
-def _check_beta_read(field, spec, m, runs: _Runs) -> None:
-  if m.learn_beta and not runs.beta_moved:
-    raise ValueError(
-        f"model.learn_beta=True has no effect on {field}={spec.name!r}: its update does not "
-        "change with params['beta'], the learned inverse temperature, which would train on a "
-        "zero gradient; read it in the energy or set model.learn_beta=False")
+def _check_learned_read(field, spec, m, runs: _Runs) -> None:
+  for name, (key, what, fix) in _LEARNED.items():
+    if getattr(m, key) and name in runs.unread:
+      raise ValueError(
+          f"model.{key}=True has no effect on {field}={spec.name!r}: its update does not "
+          f"change with params[{name!r}], {what}, which would train on a zero gradient; "
+          f"{fix} or set model.{key}=False")
 
 
 def _warn_unread_weights(field, spec, shapes, runs: _Runs) -> None:
-  if runs.unread:
-    count = sum(math.prod(shapes[name].shape) for name in runs.unread)
+  # No config key drops a weight: said, not refused.
+  weights = sorted(runs.unread - {"eta", "beta", "diag"})
+  if weights:
+    count = sum(math.prod(shapes[name].shape) for name in weights)
     logging.warning(
         "%s=%r never reads %s: its update does not change with them, and their %s parameters "
         "a layer train on weight decay alone (and count in params/total); read them in the "
         "energy if that is not meant", field, spec.name,
-        ", ".join(f"params[{name!r}]" for name in runs.unread), f"{count:,}")
+        ", ".join(f"params[{name!r}]" for name in weights), f"{count:,}")
 
 
 def _check_diag_read(field, spec, m, runs: _Runs) -> None:
-  if not runs.diag_moved:
+  if "diag" in runs.unread:
     raise ValueError(
         f"model.diagonal={m.diagonal!r} has no effect on {field}={spec.name!r}: its update "
         "does not change with params['diag'] ([num_heads, d_model]); read it in the energy "
