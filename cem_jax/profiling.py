@@ -207,7 +207,7 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 10) -> dict:
   except ValueError:
     raise
   except Exception as e:  # noqa: BLE001 - odd events (an unhashable pid, deep nesting)
-    raise ValueError(f"{path}: not a readable trace ({type(e).__name__}: {e})") from e
+    raise ValueError(f"{path}: not a readable trace ({one_line(e)})") from e
 
 
 def _summary(path: str, steps: int, top: int) -> dict:
@@ -215,7 +215,7 @@ def _summary(path: str, steps: int, top: int) -> dict:
     with gzip.open(path) as f:
       events = [e for e in json.load(f)["traceEvents"] if isinstance(e, dict)]
   except ValueError as e:  # not JSON; kernel_summary words every other failure the same way
-    raise ValueError(f"{path}: not a readable trace ({type(e).__name__}: {e})") from e
+    raise ValueError(f"{path}: not a readable trace ({one_line(e)})") from e
   meta = [e for e in events if e.get("ph") == "M" and isinstance(e.get("args"), dict)]
   processes = {e.get("pid"): str(e["args"].get("name", "")) for e in meta
                if e.get("name") == "process_name"}

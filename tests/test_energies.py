@@ -1217,6 +1217,17 @@ def test_a_name_is_registered_once_and_a_failed_import_is_retried(tmp_path):
   assert float(energies.get(f"{path}:energy", "attention").energy(y, None, None, None)) == 2.5
 
 
+def test_an_energy_file_failing_to_import_with_a_long_message_is_refused_in_one_line(tmp_path):
+  """The import's exception is quoted as its type and first line (cem_jax.errors.one_line): a
+  message over several lines (jax's and XLA's do) made a refusal of as many lines."""
+  path = tmp_path / "noisy.py"
+  path.write_text("raise RuntimeError('bad constant\\n\\n  detail one\\n  detail two')\n")
+  with pytest.raises(ValueError) as e:
+    energies.get(f"{path}:energy", "attention", "model.attention_energy")
+  assert str(e.value) == (f"model.attention_energy='{path}:energy': importing {path} failed: "
+                          "RuntimeError: bad constant")
+
+
 def test_absolute_name_makes_only_relative_file_paths_absolute(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   assert energies.absolute_name("my/e.py:energy") == f"{tmp_path}/my/e.py:energy"

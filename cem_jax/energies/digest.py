@@ -24,6 +24,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from cem_jax import errors
+
 # 1: the source of the energy and its closed form; 2: also what they read (see texts()).
 DIGEST_VERSION = 2
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
@@ -41,8 +43,8 @@ def pin(fn) -> None:
   try:
     v2 = None if source is None else _texts_of(fn, _home_module(fn), set(), 0)
   except Exception as e:  # an object that refuses to be read: its source still pins it
-    logging.warning("cannot read what %r reads (%s: %s); its digest covers its source only",
-                    fn, type(e).__name__, e)
+    logging.warning("cannot read what %r reads (%s); its digest covers its source only", fn,
+                    errors.one_line(e))
     v2 = v1
   _PINNED[id(fn)] = (fn, {1: v1, DIGEST_VERSION: v2})
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import jax
 from absl import logging
 
+from cem_jax import errors
 from cem_jax.energies import digest, elementwise, interaction
 from cem_jax.energies.digest import DIGEST_VERSION
 
@@ -115,12 +116,13 @@ def _import_module(module_name: str, where: str):
       spec.loader.exec_module(module)
     except Exception as e:
       del sys.modules[unique]
-      raise ValueError(f"{where}: importing {path} failed: {type(e).__name__}: {e}") from e
+      raise ValueError(f"{where}: importing {path} failed: {errors.one_line(e)}") from e
     return module
   try:
     return importlib.import_module(module_name)
   except ImportError as e:
-    raise ValueError(f"{where}: cannot import module {module_name!r} ({e})") from e
+    raise ValueError(f"{where}: cannot import module {module_name!r} "
+                     f"({errors.first_line(e)})") from e
 
 
 def absolute_name(name: str) -> str:
