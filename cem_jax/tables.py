@@ -30,7 +30,6 @@ from __future__ import annotations
 import csv
 import functools
 import glob
-import hashlib
 import importlib.util
 import io
 import json
@@ -160,8 +159,9 @@ def run_dir(workdir: str, table: str, row: str, seed: int) -> str:
 
 
 def config_digest(config) -> str:
-  """sha256 of the resolved config: equal digests mean the same training run."""
-  return hashlib.sha256(config.to_json(sort_keys=True).encode()).hexdigest()
+  """:func:`cem_jax.workdir.config_digest` of the resolved config as 64 hex digits (the
+  ``config_digest`` of a ``result.json``): equal digests mean the same training run."""
+  return workdir_lib.config_digest(config).hex()
 
 
 def _write_json(path: str, obj) -> None:

@@ -61,7 +61,9 @@ _SEEN_BY_ALL = ".processes_see_this_"  # + process 0's token: a file in WORKDIR 
 
 
 def config_digest(config: ml_collections.ConfigDict) -> bytes:
-  """A sha256 of ``config`` (its JSON, keys sorted): equal on processes given the same one."""
+  """The sha256 of ``config`` (its JSON, keys sorted): equal on processes given the same one,
+  and, as hex, the ``config_digest`` a table's ``result.json`` records (committed results
+  included: tests/test_tables.py pins it to them, so the formula must not change)."""
   return hashlib.sha256(json.dumps(json.loads(config.to_json()), sort_keys=True).encode()
                         ).digest()
 

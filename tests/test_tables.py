@@ -1154,6 +1154,29 @@ def test_reproducing_md_quotes_the_committed_tables():
   assert checked >= 100  # every section's table was read
 
 
+def test_config_digest_is_the_one_the_committed_results_record():
+  """A table reuses a finished run by its ``result.json``'s ``config_digest``; a digest formula
+  that drifted (the copy in tables.py beside workdir.config_digest did) would retrain every
+  committed run. Each committed run's digest is recomputed here from its ``config.json`` by
+  hand (sha256 of the JSON with keys sorted) and through ``tables.config_digest``."""
+  from pathlib import Path
+
+  import ml_collections
+
+  root = Path(__file__).resolve().parents[1]
+  checked = 0
+  for path in sorted((root / "results").glob("*/*/*/seed*/result.json")):
+    result = json.loads(path.read_text())
+    if "reused_from" in result:  # its digest is the run it reuses
+      continue
+    saved = json.loads((path.parent / "config.json").read_text())
+    by_hand = hashlib.sha256(json.dumps(saved, sort_keys=True).encode()).hexdigest()
+    assert result["config_digest"] == by_hand, path
+    assert tables.config_digest(ml_collections.ConfigDict(saved)) == by_hand, path
+    checked += 1
+  assert checked >= 100  # the committed tiny tables
+
+
 def test_aggregate_of_results_of_no_row_asked_for_is_no_rows():
   # Mutation (adversary s50): aggregate without its `if not names: return []`; [] alone does not
   # reach names[0] (the comprehension over no results never reads it), results of a row not
