@@ -280,6 +280,9 @@ _RANGES = {
     "train.b2": (0.0, True, 1.0, False),
     # 0 would scale every update to nothing, a negative norm turns descent into ascent.
     "train.grad_clip": (0.0, False, None, False),
+    # The files source holds out every k-th chunk, k = round(1 / fraction): k = 1 (above 0.5)
+    # would hold out everything. data/text.py's splitters check it with this rule too.
+    "data.validation_fraction": (0.0, False, 0.5, True),
 }
 
 
@@ -602,6 +605,3 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      f"train.profile_steps={t.profile_steps} traces past "
                      f"train.num_steps={t.num_steps}; allowed: a window of steps inside "
                      f"1..{t.num_steps}")
-  vf = config.data.validation_fraction
-  if not 0.0 < vf <= 0.5:
-    raise ValueError(f"data.validation_fraction={vf}; allowed: 0 < fraction <= 0.5")

@@ -172,7 +172,7 @@ def test_flat_config_equals_the_json_it_is_saved_as():
     # the data order's seed reaches a jax key too (data/pipeline.py), with the same limit
     ("data.shuffle_seed", 2**63, r"^data.shuffle_seed=9223372036854775808 must be < 2\*\*63$"),
     ("data.validation_fraction", 0.0,
-     r"^data.validation_fraction=0.0; allowed: 0 < fraction <= 0.5$"),
+     r"^data.validation_fraction=0.0; allowed: a finite number, 0 < value <= 0.5$"),
     ("data.seq_len", 1, r"^data.seq_len=1 must be >= 2$"),
     ("data.vocab_size", 7, r"^data.vocab_size=7 must be >= 8$"),
     ("checkpoint.every_steps", 0, r"^checkpoint.every_steps=0 must be >= 1$"),
@@ -181,7 +181,7 @@ def test_flat_config_equals_the_json_it_is_saved_as():
      r"^eval.max_batches=-2; allowed: -1 \(the whole split\) or an int >= 1$"),
     ("eval.max_batches", 0, r"^eval.max_batches=0; allowed: -1 "),
     ("data.validation_fraction", 0.51,
-     r"^data.validation_fraction=0.51; allowed: 0 < fraction <= 0.5$"),
+     r"^data.validation_fraction=0.51; allowed: a finite number, 0 < value <= 0.5$"),
     ("train.num_steps", True, r"^train.num_steps=True must be an int \(a static Python int\)$"),
     ("model.precond_rank", 65, r"^model.precond_rank=65 exceeds model.d_model=64; allowed: 0..64$"),
     ("model.d_model", 66, r"^model.d_model=66 is not divisible by model.num_heads=4; change one "),

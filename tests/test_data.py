@@ -100,8 +100,9 @@ def test_split_rule_single_document_and_bad_fraction():
   assert len(train) == len(validation) == 1 and train[0] + validation[0] == doc
   assert validation[0].startswith("row ") and train[0].endswith("\n")
   assert abs(len(validation[0]) / len(doc) - 0.1) < 0.01
-  for bad in (0.0, -0.1, 0.6):
-    with pytest.raises(ValueError, match=r"data\.validation_fraction=.* must be in \(0, 0\.5\]"):
+  for bad in (0.0, -0.1, 0.6, float("nan")):
+    with pytest.raises(ValueError, match=r"^data\.validation_fraction=.*; allowed: a finite "
+                                         r"number, 0 < value <= 0\.5$"):
       split_documents([doc], bad)
   with pytest.raises(ValueError, match="empty validation split"):
     split_documents(["no newline at all " * 10], 0.1)

@@ -141,7 +141,8 @@ def test_interleave_split_holds_out_every_kth_chunk():
   assert 0.17 < frac < 0.23
   # Held-out text comes from the whole corpus, not its tail.
   assert any("aline" in v for v in validation) and any("bline" in v for v in validation)
-  with pytest.raises(ValueError, match=r"data\.validation_fraction=0\.6 must be in"):
+  with pytest.raises(ValueError, match=r"^data\.validation_fraction=0\.6; allowed: a finite "
+                                       r"number, 0 < value <= 0\.5$"):
     text_lib.interleave_split(docs, 0.6)
   with pytest.raises(ValueError, match="empty validation split"):
     text_lib.interleave_split(["x"], 0.1)
@@ -284,7 +285,8 @@ def test_interleave_split_files_fails_as_the_split_of_the_text(tmp_path):
       p.write_bytes(t)
     return paths
 
-  with pytest.raises(ValueError, match=r"data\.validation_fraction=0\.6 must be in"):
+  with pytest.raises(ValueError, match=r"^data\.validation_fraction=0\.6; allowed: a finite "
+                                       r"number, 0 < value <= 0\.5$"):
     text_lib.interleave_split_files([tmp_path / "missing.txt"], 0.6)  # before any read
   with pytest.raises(ValueError, match=r"g1\.txt: not UTF-8 text: byte 0xff at byte offset 2"):
     text_lib.interleave_split_files(files(b"ok", b"ab\xff"), 0.1)
@@ -1186,7 +1188,7 @@ def test_prepare_cli_then_main_from_prepared_dir(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("--config.data.validation_fraction=0.7",
-     "error: data.validation_fraction=0.7; allowed: 0 < fraction <= 0.5"),
+     "error: data.validation_fraction=0.7; allowed: a finite number, 0 < value <= 0.5"),
     ("--config.data.vocab_size=4", "error: data.vocab_size=4 must be >= 8"),
     ("--config.data.tokenizer_model_type=unigram",  # with data.tokenizer set: ignored
      "error: data.tokenizer_model_type='unigram' has no effect with data.tokenizer set (the "

@@ -19,6 +19,8 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+from cem_jax.config import check_range
+
 # The separator the split rule (and the byte n-gram reference tool) puts between documents.
 DOC_SEPARATOR = "\n\n"
 
@@ -185,14 +187,11 @@ def split_documents(
     ``(train_docs, validation_docs)``, both non-empty lists of non-empty strings.
 
   Raises:
-    ValueError: the fraction is outside (0, 0.5], or the rule leaves either split empty
-      (tiny corpus or no line break after the cut); the message names
-      ``data.validation_fraction``.
+    ValueError: the fraction is not a number in (0, 0.5] (:func:`cem_jax.config.check_range`),
+      or the rule leaves either split empty (tiny corpus or no line break after the cut); the
+      message names ``data.validation_fraction``.
   """
-  if not 0.0 < validation_fraction <= 0.5:
-    raise ValueError(
-        f"data.validation_fraction={validation_fraction} must be in (0, 0.5]"
-    )
+  check_range("data.validation_fraction", validation_fraction)
   sep = len(DOC_SEPARATOR)
   total = sum(len(d) for d in docs) + sep * max(len(docs) - 1, 0)
   cut = int(total * (1.0 - validation_fraction))
@@ -288,8 +287,9 @@ def interleave_split(
     order.
 
   Raises:
-    ValueError: the fraction is outside (0, 0.5], or either split is empty (corpus too small);
-      the message names ``data.validation_fraction``.
+    ValueError: the fraction is not a number in (0, 0.5] (:func:`cem_jax.config.check_range`),
+      or either split is empty (corpus too small); the message names
+      ``data.validation_fraction``.
   """
   k, size = _interleave_rule(sum(len(d) for d in docs), validation_fraction)
   train: list[str] = []
@@ -370,8 +370,7 @@ class _InterleavedFiles:
 
 def _interleave_rule(total: int, validation_fraction: float) -> tuple[int, int]:
   """``(k, size)`` of ``interleave_split`` for a corpus of ``total`` characters."""
-  if not 0.0 < validation_fraction <= 0.5:
-    raise ValueError(f"data.validation_fraction={validation_fraction} must be in (0, 0.5]")
+  check_range("data.validation_fraction", validation_fraction)
   k = round(1.0 / validation_fraction)
   return k, max(1, min(HOLDOUT_CHUNK_CHARS, -(-total // (4 * k))))
 
