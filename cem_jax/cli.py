@@ -312,6 +312,17 @@ def _unparsable_override(config, argv) -> str | None:
   return None
 
 
+def _config_cause(given: list[str], argv) -> str | None:
+  """Why the ``--config`` flags failed, as one line, found by checking their values: a config
+  file of ``given`` (the ``--config=FILE[:ARG]`` arguments) that fails by itself
+  (:func:`_run_config_files`), else a ``--config.KEY`` override of ``argv`` with an unknown KEY
+  or a VALUE of the wrong type; None when none of these is the cause."""
+  config, cause = _run_config_files(given)
+  if config is not None:
+    cause = _unknown_override(config, argv) or _unparsable_override(config, argv)
+  return cause
+
+
 def parse_flags(argv):
   """absl flag parsing with one-line errors; pass as ``app.run(main, flags_parser=...)``.
 
@@ -330,18 +341,13 @@ def parse_flags(argv):
   except flags.Error as e:
     # ml_collections loads the file while parsing each --config: run the files by themselves to
     # learn whether one fails and why (None: they load, the error is another flag's).
-    config, cause = _run_config_files(given)
-    if config is not None:
-      cause = _unknown_override(config, argv) or _unparsable_override(config, argv)
-    _fail(cause or errors.first_line(e))
+    _fail(_config_cause(given, argv) or errors.first_line(e))
   except Exception:
     # ml_collections lets what the config file's get_config raises (a NameError, an
     # ImportError, a SyntaxError...) escape unwrapped, and a missing file surfaces as an
     # OSError when an override is applied; it applies --config.KEY overrides by attribute
     # lookup, so a missing field is an AttributeError or KeyError.
-    config, cause = _run_config_files(given)
-    if config is not None:
-      cause = _unknown_override(config, argv) or _unparsable_override(config, argv)
+    cause = _config_cause(given, argv)
     if cause is None:
       raise  # neither the file nor a misspelt field: a bug, keep the traceback
     _fail(cause)
