@@ -401,40 +401,66 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
                    version, NUMERICS_VERSION, stale)
       os.replace(out, stale)
     workdir_lib.check_same_run(out, cfg)  # an unfinished run: resumed only as this config
+    label = f"table {table}: row {row} seed {seed}"
     source = _finished_run(workdir, digest, cfg)
     if source is not None:
-      logging.info("table %s: row %s seed %d reuses %s (same config)", table, row, seed, source)
-      if os.path.isdir(os.path.join(out, "checkpoints")):
-        # A killed run of this config: evaluate or sample in the row's folder would load its
-        # partial step as the reused result's model. Kept aside, not deleted.
-        partial = _free_name(f"{out}.partial")
-        logging.info("table %s: row %s seed %d: its unfinished run moved to %s", table, row,
-                     seed, partial)
-        os.replace(out, partial)
-      os.makedirs(out, exist_ok=True)
-      shutil.copyfile(os.path.join(source, "metrics.jsonl"), os.path.join(out, "metrics.jsonl"))
-      result = {**_read_result(os.path.join(source, "result.json"), digest, cfg), "row": row,
-                "reused_from": os.path.relpath(source, out)}
+      result = _reused_result(label, out, source, digest, cfg, row)
     else:
-      logging.info("table %s: row %s seed %d -> %s", table, row, seed, out)
-      trained_with = energies.energy_digests(cfg)
-      final = train.train_and_evaluate(cfg, out)
-      if not has_final_eval(out, cfg.train.num_steps):
-        # Preempted (SIGTERM): the run saved a checkpoint and returned early. Writing its
-        # result.json would make a partial run count as finished; stop the table instead.
-        logging.warning("table %s: row %s seed %d stopped before step %d (preempted); rerun "
-                        "the same command to resume it", table, row, seed, cfg.train.num_steps)
+      result = _trained_result(label, out, cfg, row, seed, digest)
+      if result is None:
         return None
-      rates = [m["train/tokens_per_sec"] for m in read_metrics(out)
-               if "train/tokens_per_sec" in m]
-      result = {"row": row, "seed": seed, **final, "config_digest": digest,
-                "numerics_version": NUMERICS_VERSION, "data_source": source_record(cfg),
-                "energy_digests": trained_with,
-                "energy_digest_version": energies.DIGEST_VERSION,
-                "tokens_per_sec": statistics.median(rates[1:] or rates)}
     _write_json(result_path, result)
     results.append(result)
   return results
+
+
+def _reused_result(label: str, out: str, source: str, digest: str, config, row: str) -> dict:
+  """The result of the run of ``config`` (digest ``digest``) in ``out`` taken from the finished
+  run in ``source``: its ``metrics.jsonl`` copied into ``out`` (an unfinished run there moved
+  aside first), its ``result.json`` with ``row`` and ``reused_from``. ``label`` ("table T: row
+  R seed S") starts the log lines.
+
+  Raises:
+    ValueError: ``source``'s ``result.json`` damaged or trained otherwise (:func:`_read_result`).
+    OSError: a file cannot be moved or copied.
+  """
+  logging.info("%s reuses %s (same config)", label, source)
+  if os.path.isdir(os.path.join(out, "checkpoints")):
+    # A killed run of this config: evaluate or sample in the row's folder would load its
+    # partial step as the reused result's model. Kept aside, not deleted.
+    partial = _free_name(f"{out}.partial")
+    logging.info("%s: its unfinished run moved to %s", label, partial)
+    os.replace(out, partial)
+  os.makedirs(out, exist_ok=True)
+  shutil.copyfile(os.path.join(source, "metrics.jsonl"), os.path.join(out, "metrics.jsonl"))
+  return {**_read_result(os.path.join(source, "result.json"), digest, config), "row": row,
+          "reused_from": os.path.relpath(source, out)}
+
+
+def _trained_result(label: str, out: str, config, row: str, seed: int, digest: str
+                    ) -> dict | None:
+  """Trains (or resumes) the run of ``config`` in ``out`` and returns its result (what
+  ``result.json`` records: the final eval, the digests of its config, text and energies, the
+  median logged rate); None when it was preempted before its last step. ``label`` ("table T:
+  row R seed S") starts the log lines.
+
+  Raises:
+    ValueError, FloatingPointError: as :func:`cem_jax.train.train_and_evaluate`.
+  """
+  logging.info("%s -> %s", label, out)
+  trained_with = energies.energy_digests(config)
+  final = train.train_and_evaluate(config, out)
+  if not has_final_eval(out, config.train.num_steps):
+    # Preempted (SIGTERM): the run saved a checkpoint and returned early. Writing its
+    # result.json would make a partial run count as finished; stop the table instead.
+    logging.warning("%s stopped before step %d (preempted); rerun the same command to resume "
+                    "it", label, config.train.num_steps)
+    return None
+  rates = [m["train/tokens_per_sec"] for m in read_metrics(out) if "train/tokens_per_sec" in m]
+  return {"row": row, "seed": seed, **final, "config_digest": digest,
+          "numerics_version": NUMERICS_VERSION, "data_source": source_record(config),
+          "energy_digests": trained_with, "energy_digest_version": energies.DIGEST_VERSION,
+          "tokens_per_sec": statistics.median(rates[1:] or rates)}
 
 
 def finished_results(module, table: str, scale: str, seeds: int, workdir: str,
