@@ -7,7 +7,8 @@
 The config file defines ``get_sweep(arg)`` (or ``get_sweep()``) beside ``get_config``: a list
 of override dicts such as ``{"train.learning_rate": 3e-3, "model.block": "llama"}`` (an optional
 ``"name"`` entry names the run). Run ``i`` trains in ``WORKDIR/NAME`` (default name: its
-overrides, ``train.learning_rate=0.003,model.block=llama``) with
+overrides, ``train.learning_rate=0.003,model.block=llama``, each value as its config field's
+type reads it: ``1`` or ``'1e0'`` for a float field is ``1.0``, one run under one name) with
 
     python -m cem_jax.main --config=FILE[:ARG] --workdir=WORKDIR/NAME --config.KEY=VALUE ... EXTRA
 
@@ -99,17 +100,52 @@ def run_name(overrides: dict) -> str:
   return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
 
 
+def normalised(overrides: dict, fields: dict, where: str) -> dict:
+  """``overrides`` with each value of a bool, int or float field of the config (``fields``:
+  its flat dict) as ``main`` parses it from its flag (``1`` for a float field is ``1.0``,
+  ``'1e-3'`` is ``0.001``): one run gets one name, not one per spelling of its value. Values
+  of other fields and keys the config lacks (``main`` names them) are left as given.
+
+  Raises:
+    SystemExit: a value the field's type refuses, one line naming ``where``, the key and what
+      is allowed.
+  """
+  from cem_jax import cli
+
+  out = {}
+  for key, value in overrides.items():
+    try:
+      numeric = key in fields and type(fields[key]) in (bool, int, float)
+      out[key] = (cli.parse_value(f"{where}: {key}", format_value(value), fields[key])
+                  if numeric else value)
+    except ValueError as e:
+      raise SystemExit(f"error: {e}") from None
+  return out
+
+
 def expand(module, arg) -> list[tuple[str, dict]]:
-  """The sweep as ``[(name, overrides)]``.
+  """The sweep as ``[(name, overrides)]``, values as the config's field types read them
+  (:func:`normalised`).
 
   Raises:
     SystemExit: no ``get_sweep``, one that raises or returns no list of runs, a malformed
-      entry, a name that is not a folder name, or two runs with the same name.
+      entry or value, a name that is not a folder name, two runs with the same name, or a
+      ``get_config`` that returns no config.
   """
   if not hasattr(module, "get_sweep"):
     raise SystemExit("error: the config file has no get_sweep(); define one returning a list "
                      "of override dicts, e.g. [{'train.learning_rate': 1e-3}, ...]")
   entries = _call(module.get_sweep, arg)
+  import ml_collections
+
+  from cem_jax import config as config_lib
+
+  config = _call(module.get_config, arg)
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise SystemExit(f"error: get_config() returned a {type(config).__name__}; allowed: an "
+                     "ml_collections.ConfigDict (e.g. cem_jax.config.get_default_config() "
+                     "with your changes)")
+  fields = config_lib.flat(config)
   if not isinstance(entries, (list, tuple)) or not entries:
     raise SystemExit(f"error: get_sweep() returned {entries!r}; allowed: a non-empty list of "
                      "dicts of 'group.key': value overrides")
@@ -118,7 +154,8 @@ def expand(module, arg) -> list[tuple[str, dict]]:
     if not isinstance(entry, dict):
       raise SystemExit(f"error: get_sweep() entry {i} is {entry!r}; allowed: a dict of "
                        "'group.key': value overrides")
-    overrides = {k: v for k, v in entry.items() if k != "name"}
+    overrides = normalised({k: v for k, v in entry.items() if k != "name"}, fields,
+                           f"get_sweep() entry {i}")
     name = str(entry.get("name") or run_name(overrides))
     if name in (".", "..") or "/" in name or os.sep in name:
       raise SystemExit(f"error: get_sweep() entry {i} has name {name!r}; allowed: a folder "

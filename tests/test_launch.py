@@ -851,7 +851,10 @@ def test_sweep_entry_that_is_not_a_dict_is_a_one_line_error(tmp_path):
     ("None", "get_sweep() returned None; allowed: a non-empty list of dicts"),
     ("[]", "get_sweep() returned []; allowed: a non-empty list of dicts"),
     ("1 / 0", "get_sweep() raised ZeroDivisionError: division by zero"),
-    ("[{'train.num_steps': 10.5}]", "train.num_steps=10.5; allowed: an int >= 1"),
+    ("[{'train.num_steps': 10.5}]",
+     "get_sweep() entry 0: train.num_steps=10.5; allowed: an integer"),
+    ("[{'train.learning_rate': 1}, {'train.learning_rate': 1.0}]",
+     "get_sweep() has two runs named 'train.learning_rate=1.0'; give one a 'name'"),
 ])
 def test_a_sweep_that_would_share_a_folder_or_cannot_run_is_a_one_line_error(tmp_path, sweep,
                                                                             error):
@@ -886,6 +889,24 @@ def test_sweep_numpy_values_and_an_entry_without_overrides_get_folders_and_flags
        "--config.train.learning_rate=0.001", "--config.train.num_steps=10"],
       [f"--workdir={tmp_path}/w/train.learning_rate=0.01,train.num_steps=20",
        "--config.train.learning_rate=0.01", "--config.train.num_steps=20"]]
+
+
+def test_sweep_names_a_run_by_its_values_as_the_config_field_types_read_them(tmp_path):
+  # 1 and 1.0 (or '1e-3' and 0.001) for a float field are one run: they were two folders,
+  # the second training the first's run again under another name.
+  cfg = _sweep_file(tmp_path, "[{'train.learning_rate': 1, 'train.num_steps': np.int64(20), "
+                              "'checkpoint.async_save': 'false', 'model.block': 'llama'}, "
+                              "{'train.learning_rate': '1e-3', 'train.warmup_steps': '5'}]")
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={tmp_path}/w", "--dry_run")
+  assert proc.returncode == 0, proc.stderr
+  runs = [shlex.split(line)[4:] for line in proc.stdout.splitlines()]
+  assert runs == [
+      [f"--workdir={tmp_path}/w/train.learning_rate=1.0,train.num_steps=20,"
+       "checkpoint.async_save=False,model.block=llama", "--config.train.learning_rate=1.0",
+       "--config.train.num_steps=20", "--config.checkpoint.async_save=False",
+       "--config.model.block=llama"],
+      [f"--workdir={tmp_path}/w/train.learning_rate=0.001,train.warmup_steps=5",
+       "--config.train.learning_rate=0.001", "--config.train.warmup_steps=5"]]
 
 
 SWEEP_STEPS_CONFIG = """
