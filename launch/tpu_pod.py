@@ -7,7 +7,9 @@ Three steps, each one ``gcloud compute tpus tpu-vm`` command over ``--worker=all
 
 1. ``scp`` this working tree (git's tracked and untracked, not ignored, files, packed into one
    tarball here) to every worker;
-2. ``ssh``: unpack it into ``--remote_dir``, create the venv ``--venv`` if missing, install
+2. ``ssh``: unpack it into ``--remote_dir`` and remove there the files an earlier copy
+   unpacked that this one lacks (deleted or renamed here: a stale module would still be
+   imported; nothing else there is touched), create the venv ``--venv`` if missing, install
    ``jax[tpu]`` and the package (``pip install -e``); skipped with ``--no_install`` (then only
    the code is refreshed);
 3. ``ssh``: ``cd --remote_dir && VENV/bin/python -m cem_jax.main --distributed=on ARGS`` on all
@@ -29,6 +31,7 @@ launcher with that step's exit status.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shlex
 import shutil
@@ -36,9 +39,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARBALL = "cem_jax_src.tar.gz"  # in the remote home folder
+# In the tarball: the files it holds, one a line. Unpacked over the last copy, it tells the
+# workers which files of that copy the new one no longer has.
+SYNCED = ".tpu_pod_files"
 
 
 def remote_path(path: str) -> str:
@@ -73,7 +80,15 @@ def ssh_command(args: argparse.Namespace, remote: str) -> list[str]:
 def setup_script(args: argparse.Namespace) -> str:
   """The remote shell line that unpacks the code and (unless ``--no_install``) installs it."""
   src, venv = remote_path(args.remote_dir), remote_path(args.venv)
-  steps = ["set -e", f"mkdir -p {src}", f'tar -xzf "$HOME"/{TARBALL} -C {src}']
+  old, new, c = f"{SYNCED}.old", f"{SYNCED}.new", "LC_ALL=C"
+  # The files the last copy unpacked and this one lacks (deleted or renamed here) are removed:
+  # a stale module would still be imported. Only those: not the venv, build files or the
+  # workers' own files, which a cleared --remote_dir would lose.
+  steps = ["set -e", f"mkdir -p {src}", f"cd {src}",
+           f"if [ -f {SYNCED} ]; then mv {SYNCED} {old}; fi",
+           f'tar -xzf "$HOME"/{TARBALL}',
+           f"if [ -f {old} ]; then {c} sort {SYNCED} > {new}; {c} sort {old} | {c} comm -23 - "
+           f'{new} | while IFS= read -r f; do rm -f -- "$f"; done; rm -f {old} {new}; fi']
   if args.install:
     pip = f"{venv}/bin/pip"
     steps += [f"test -x {venv}/bin/python || {shlex.quote(args.python)} -m venv {venv}",
@@ -124,11 +139,16 @@ def source_files(repo: str = REPO) -> list[str]:
 
 
 def pack(tarball: str, repo: str = REPO) -> int:
-  """Writes the working tree's source files into ``tarball``; returns how many."""
+  """Writes the working tree's source files into ``tarball``, with their list as
+  :data:`SYNCED`; returns how many."""
   files = source_files(repo)
+  listing = "".join(f"{path}\n" for path in files).encode()
   with tarfile.open(tarball, "w:gz") as tar:
     for path in files:
       tar.add(os.path.join(repo, path), arcname=path)
+    info = tarfile.TarInfo(SYNCED)
+    info.size, info.mode, info.mtime = len(listing), 0o644, int(time.time())
+    tar.addfile(info, io.BytesIO(listing))
   return len(files)
 
 

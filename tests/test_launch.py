@@ -294,6 +294,16 @@ def test_local_dry_run_line_gives_the_shell_the_callers_xla_flags_as_one_word(mo
 # tpu_pod.py
 
 
+# What every worker runs to unpack the code (--remote_dir=cem_jax): the files the last copy
+# unpacked and this one lacks removed (test_tpu_pod_resync_removes_what_was_deleted_here).
+UNPACK = ('set -e; mkdir -p "$HOME"/cem_jax; cd "$HOME"/cem_jax; if [ -f .tpu_pod_files ]; '
+          'then mv .tpu_pod_files .tpu_pod_files.old; fi; tar -xzf "$HOME"/cem_jax_src.tar.gz; '
+          'if [ -f .tpu_pod_files.old ]; then LC_ALL=C sort .tpu_pod_files > .tpu_pod_files.new; '
+          'LC_ALL=C sort .tpu_pod_files.old | LC_ALL=C comm -23 - .tpu_pod_files.new | while '
+          'IFS= read -r f; do rm -f -- "$f"; done; rm -f .tpu_pod_files.old .tpu_pod_files.new; '
+          'fi')
+
+
 def test_tpu_pod_dry_run_prints_the_exact_gcloud_commands():
   proc = _launch("tpu_pod.py", "--tpu=my-v4-32", "--zone=us-central2-b", "--project=p1",
                  "--dry_run", "--", *MAIN_ARGS)
@@ -307,8 +317,7 @@ def test_tpu_pod_dry_run_prints_the_exact_gcloud_commands():
   assert setup[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v4-32"]
   assert setup[6:9] == opts and setup[9].startswith("--command=")
   assert setup[9] == (
-      '--command=set -e; mkdir -p "$HOME"/cem_jax; tar -xzf "$HOME"/cem_jax_src.tar.gz -C '
-      '"$HOME"/cem_jax; test -x "$HOME"/cem_jax_venv/bin/python || python3 -m venv '
+      f"--command={UNPACK}; test -x \"$HOME\"/cem_jax_venv/bin/python || python3 -m venv "
       '"$HOME"/cem_jax_venv; "$HOME"/cem_jax_venv/bin/pip install -q -U pip; '
       '"$HOME"/cem_jax_venv/bin/pip install -q \'jax[tpu]\'; "$HOME"/cem_jax_venv/bin/pip '
       'install -q -e "$HOME"/cem_jax')
@@ -364,8 +373,7 @@ def test_tpu_pod_no_install_only_unpacks_the_code():
                  *MAIN_ARGS)
   assert proc.returncode == 0, proc.stderr
   setup = shlex.split(proc.stdout.splitlines()[2])
-  assert setup[-1] == ('--command=set -e; mkdir -p "$HOME"/cem_jax; tar -xzf '
-                       '"$HOME"/cem_jax_src.tar.gz -C "$HOME"/cem_jax')
+  assert setup[-1] == f"--command={UNPACK}"
 
 
 def test_tpu_pod_stops_at_the_first_failed_command(monkeypatch, capsys):
@@ -387,7 +395,7 @@ def test_tpu_pod_packs_the_working_tree(tmp_path):
 
   n = _script("tpu_pod").pack(str(tmp_path / "src.tar.gz"))
   names = tarfile.open(tmp_path / "src.tar.gz").getnames()
-  assert n == len(names) and "cem_jax/train.py" in names and "setup.cfg" in names
+  assert n == len(names) - 1 and "cem_jax/train.py" in names and "setup.cfg" in names
   assert not any("__pycache__" in x or x.startswith(".git/") for x in names)
 
 
@@ -403,8 +411,43 @@ def test_tpu_pod_packs_untracked_files_but_not_ignored_or_deleted_ones(tmp_path)
   subprocess.run(["git", "add", "tracked.py", "gone.py", ".gitignore"], cwd=repo, check=True)
   (repo / "gone.py").unlink()  # tracked, deleted in the working tree: nothing to copy
   n = _script("tpu_pod").pack(str(tmp_path / "src.tar.gz"), repo=str(repo))
-  names = sorted(tarfile.open(tmp_path / "src.tar.gz").getnames())
-  assert (n, names) == (3, [".gitignore", "new.py", "tracked.py"])
+  tar = tarfile.open(tmp_path / "src.tar.gz")
+  names = sorted(tar.getnames())
+  assert (n, names) == (3, [".gitignore", ".tpu_pod_files", "new.py", "tracked.py"])
+  assert tar.extractfile(".tpu_pod_files").read() == b".gitignore\nnew.py\ntracked.py\n"
+
+
+def test_tpu_pod_resync_removes_what_was_deleted_here(tmp_path):
+  # The copy is unpacked over the last one: a module deleted (or renamed) here stayed on the
+  # workers, and was still imported there. The unpack command the workers run (--no_install),
+  # run here by sh with HOME standing for a worker's home folder.
+  tpu_pod = _script("tpu_pod")
+  repo, home = tmp_path / "repo", tmp_path / "home"
+  (repo / "pkg").mkdir(parents=True)
+  home.mkdir()
+  for name in ("keep.py", "pkg/gone.py", "pkg/stays.py", "-dash.py", "with space.py"):
+    (repo / name).write_text(name)
+  subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+  args = tpu_pod.parse_args(["--tpu=t", "--zone=z", "--no_install", "--dry_run",
+                             f"--remote_dir={home}/code", "--", "--config=/c.py",
+                             "--workdir=/w"])[0]
+
+  def sync():
+    tpu_pod.pack(str(home / tpu_pod.TARBALL), repo=str(repo))
+    subprocess.run(["sh", "-c", tpu_pod.setup_script(args)], env={**os.environ, "HOME": str(home)},
+                   check=True)
+    return sorted(str(p.relative_to(home / "code")) for p in (home / "code").rglob("*")
+                  if p.is_file() and p.name != ".tpu_pod_files")
+
+  (home / "code").mkdir()
+  (home / "code" / "worker_own.txt").write_text("not from a copy")  # no copy unpacked it
+  assert sync() == ["-dash.py", "keep.py", "pkg/gone.py", "pkg/stays.py", "with space.py",
+                    "worker_own.txt"]
+  for name in ("pkg/gone.py", "-dash.py", "with space.py"):
+    (repo / name).unlink()
+  assert sync() == ["keep.py", "pkg/stays.py", "worker_own.txt"]
+  assert sorted(p.name for p in (home / "code").iterdir()) == [".tpu_pod_files", "keep.py", "pkg",
+                                                               "worker_own.txt"]
 
 
 @pytest.mark.parametrize("workdir", ["runs/t", "~/runs/t", "./t", ""])
