@@ -424,6 +424,22 @@ COMPUTE_ONLY = ("model.attention_impl", "model.remat", "model.energy_block_size"
 OBSERVE_ONLY = ("train.profile_steps", "train.profile_first_step")
 
 
+# The fields that name an energy: a registry name, 'package.module:function' or
+# 'path/to/file.py:function'.
+ENERGY_KEYS = ("model.attention_energy", "model.mlp_energy")
+
+
+def energy_file_name(name: str) -> str:
+  """A ``model.*_energy`` value with a ``'path/to/file.py:function'`` path cut to its file
+  name (``'file.py:function'``): the same file in another checkout, or on another host, is
+  the same energy by name (its content is compared by ``energies.source_digest``); registry
+  names and ``'package.module:function'`` are returned unchanged."""
+  module, sep, function = str(name).rpartition(":")
+  if sep and module.endswith(".py"):
+    return f"{os.path.basename(module)}:{function}"
+  return name
+
+
 def _model_identity(values: dict) -> dict:
   """A flat config's ``model.*`` values as the model they make: ``-1`` sizes resolved, and an
   energy file named by its file name (the same file from another checkout is the same energy;
@@ -433,10 +449,8 @@ def _model_identity(values: dict) -> dict:
   out["model.head_dim"] = axes.head_dim_of(model)
   if out["model.num_unique_blocks"] == -1:
     out["model.num_unique_blocks"] = out["model.num_layers"]
-  for key in ("model.attention_energy", "model.mlp_energy"):
-    module, sep, function = str(out[key]).rpartition(":")
-    if sep and module.endswith(".py"):
-      out[key] = f"{os.path.basename(module)}:{function}"
+  for key in ENERGY_KEYS:
+    out[key] = energy_file_name(out[key])
   return out
 
 

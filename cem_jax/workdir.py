@@ -24,6 +24,7 @@ import numpy as np
 
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
+from cem_jax import energies
 from cem_jax.files import hold_folder, read_json
 from cem_jax.metrics import read_metrics
 
@@ -61,21 +62,39 @@ _SEEN_BY_ALL = ".processes_see_this_"  # + process 0's token: a file in WORKDIR 
 
 
 def config_digest(config: ml_collections.ConfigDict) -> bytes:
-  """The sha256 of ``config`` (its JSON, keys sorted): equal on processes given the same one,
-  and, as hex, the ``config_digest`` a table's ``result.json`` records (committed results
-  included: tests/test_tables.py pins it to them, so the formula must not change)."""
+  """The sha256 of ``config``'s JSON (keys sorted, paths as given): as hex, the
+  ``config_digest`` a table's ``result.json`` records (committed results included:
+  tests/test_tables.py pins it to them, so the formula must not change). Processes compare
+  :func:`processes_digest` instead, which does not see where each host keeps the code."""
   return hashlib.sha256(json.dumps(json.loads(config.to_json()), sort_keys=True).encode()
                         ).digest()
 
 
+def processes_digest(config: ml_collections.ConfigDict) -> bytes:
+  """A sha256 of ``config`` as the run sees it: equal on processes given the same one. Its
+  values (keys sorted), a user energy file by file name (:func:`cem_jax.config.
+  energy_file_name`) and its source's digest (:func:`cem_jax.energies.energy_digests`), not
+  by its path: ``main`` makes that path absolute, and hosts (or a TPU pod's workers) keep
+  their copies of the code at paths of their own.
+
+  Raises:
+    ValueError: an energy that cannot be loaded (``preflight.check`` has refused it before).
+  """
+  values = config_lib.flat(config)
+  for key in config_lib.ENERGY_KEYS:
+    values[key] = config_lib.energy_file_name(values[key])
+  seen = {"config": values, "energies": energies.energy_digests(config)}
+  return hashlib.sha256(json.dumps(seen, sort_keys=True).encode()).digest()
+
+
 def process_mismatch(workdir: str, config: ml_collections.ConfigDict, digest0: bytes,
                      token: str, wait_s: float = 5.0) -> int:
-  """What this process finds against process 0's ``digest0`` (:func:`config_digest`) and the
+  """What this process finds against process 0's ``digest0`` (:func:`processes_digest`) and the
   file process 0 wrote in ``workdir`` (named and holding ``token``): 0 the same, 1 another
   config, 2 not that file (``workdir`` is not the folder process 0 writes in); 3 (given by
   :func:`check_processes_agree`, not here) process 0 could not write it. Waits up to
   ``wait_s`` for the file (a network mount may show it late)."""
-  if config_digest(config) != digest0:
+  if processes_digest(config) != digest0:
     return 1
   path = os.path.join(workdir, _SEEN_BY_ALL + token)
   deadline = time.monotonic() + wait_s
@@ -92,8 +111,9 @@ def process_mismatch(workdir: str, config: ml_collections.ConfigDict, digest0: b
 
 
 def check_processes_agree(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """With several processes, checks that all were given process 0's config and see the files
-  it writes in ``workdir`` (storage all hosts share, at the path each was given). Without
+  """With several processes, checks that all were given process 0's config (as the run sees
+  it, :func:`processes_digest`: wherever each host keeps the code) and see the files it writes
+  in ``workdir`` (storage all hosts share, at the path each was given). Without
   this, a process on another config fails in a collective or trains another model's shards,
   and one whose ``workdir`` is another folder (a path on its host's own disk, a typo) hangs
   in the first checkpoint until Orbax's 600 s timeout, as process 0 does at its end.
@@ -120,7 +140,7 @@ def check_processes_agree(config: ml_collections.ConfigDict, workdir: str) -> No
       token, unwritten = "", e
   try:
     # Written before the broadcast: every process joins it only once process 0 has written.
-    shared = np.frombuffer(config_digest(config) + token.encode().ljust(16), np.uint8)
+    shared = np.frombuffer(processes_digest(config) + token.encode().ljust(16), np.uint8)
     shared = np.asarray(multihost_utils.broadcast_one_to_all(shared), np.uint8).tobytes()
     theirs = shared[32:].decode().strip()
     code = process_mismatch(workdir, config, shared[:32], theirs) if theirs else 3
@@ -139,8 +159,8 @@ def check_processes_agree(config: ml_collections.ConfigDict, workdir: str) -> No
                      "allowed: a writable folder with free space")
   if c == 1:
     raise ValueError(f"process {i} was given another config than process 0 (its --config or "
-                     "--config.* flags, or a config file that differs on its host); allowed: "
-                     "the same command on every process")
+                     "--config.* flags, or a config or energy file that differs on its "
+                     "host); allowed: the same command on every process")
   raise ValueError(f"--workdir={workdir!r}: process {i} does not see the files process 0 "
                    "writes there; allowed: a folder on storage every process shares, given "
                    "by a path that names it on every host (not a host's own disk)")

@@ -899,7 +899,7 @@ def test_each_process_compares_its_config_and_process_0s_file(tmp_path):
   from cem_jax import workdir
 
   cfg = tiny_config()
-  digest = workdir.config_digest(cfg)
+  digest = workdir.processes_digest(cfg)
   (tmp_path / ".processes_see_this_abc").write_text("abc")
   assert workdir.process_mismatch(str(tmp_path), cfg, digest, "abc") == 0
   assert workdir.process_mismatch(str(tmp_path), cfg, digest, "abd", wait_s=0) == 2
@@ -908,7 +908,31 @@ def test_each_process_compares_its_config_and_process_0s_file(tmp_path):
   other = tiny_config()
   other.train.learning_rate *= 2
   assert workdir.process_mismatch(str(tmp_path), other, digest, "abc") == 1
-  assert workdir.config_digest(cfg) == workdir.config_digest(tiny_config())
+  assert workdir.processes_digest(cfg) == workdir.processes_digest(tiny_config())
+
+
+def test_processes_with_the_code_at_other_paths_agree_and_with_other_energy_code_not(tmp_path):
+  # main makes a relative energy file's path absolute: on hosts that keep their checkout at
+  # other paths (or with experiments/design.py:sigmoid, which names the file by its own path)
+  # the same config differed in that path alone, and every process but 0 was refused.
+  from cem_jax import workdir
+
+  source = (REPO / "experiments" / "sigmoid_energy.py").read_text()
+  edited = source.replace("q = jnp.einsum", "q = 2 * jnp.einsum")
+  assert edited != source
+  for host, text in (("a", source), ("b", source), ("c", edited)):
+    (tmp_path / host).mkdir()
+    (tmp_path / host / "sigmoid_energy.py").write_text(text)
+
+  def on(host):
+    return tiny_config(**{"model.attention_energy":
+                          f"{tmp_path / host / 'sigmoid_energy.py'}:energy"})
+
+  digest = workdir.processes_digest(on("a"))
+  (tmp_path / ".processes_see_this_abc").write_text("abc")
+  assert workdir.process_mismatch(str(tmp_path), on("b"), digest, "abc") == 0
+  # The same file name, its energy edited on one host: another model, refused.
+  assert workdir.process_mismatch(str(tmp_path), on("c"), digest, "abc") == 1
 
 
 @pytest.mark.parametrize("index", [0, 1])
@@ -929,7 +953,7 @@ def test_process_0_that_cannot_write_its_file_stops_every_process(tmp_path, monk
   monkeypatch.setattr(jax, "process_index", lambda: index)
   def broadcast(x):
     joined.append("broadcast")
-    return x if index == 0 else np.frombuffer(workdir.config_digest(cfg) + b" " * 16, np.uint8)
+    return x if index == 0 else np.frombuffer(workdir.processes_digest(cfg) + b" " * 16, np.uint8)
   monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
   monkeypatch.setattr(multihost_utils, "process_allgather",
                       lambda code: np.array([3, 3]) if index else np.array([code, 3]))
