@@ -61,6 +61,36 @@ def build_data_once(config: ml_collections.ConfigDict, workdir: str):
 _SEEN_BY_ALL = ".processes_see_this_"  # + process 0's token: a file in WORKDIR for a moment
 
 
+def _lock(f) -> None:
+  """An exclusive ``flock`` on the open file ``f`` (waits for it); none where the filesystem
+  or the OS has none: its start's file is then not told from a killed start's."""
+  if os.name == "posix":
+    import fcntl  # POSIX only
+
+    with contextlib.suppress(OSError):
+      fcntl.flock(f, fcntl.LOCK_EX)
+
+
+def remove_killed_starts_files(workdir: str) -> None:
+  """Removes from ``workdir`` the files of :func:`check_processes_agree` that a start killed
+  while it held one (``kill -9``) left behind: one a start, never removed. The file of a start
+  under way (another run's, refused later by :func:`exclusive`) is locked by its process 0 and
+  stays, as does one not written yet (empty) and every one where ``flock`` is missing."""
+  if os.name != "posix":
+    return
+  import fcntl  # POSIX only
+
+  for name in os.listdir(workdir):
+    if not name.startswith(_SEEN_BY_ALL):
+      continue
+    path = os.path.join(workdir, name)
+    # Gone meanwhile, held by its start, not a lockable file: left as it is.
+    with contextlib.suppress(OSError), open(path) as f:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      if f.read():
+        os.remove(path)
+
+
 def config_digest(config: ml_collections.ConfigDict) -> bytes:
   """The sha256 of ``config``'s JSON (keys sorted, paths as given): as hex, the
   ``config_digest`` a table's ``result.json`` records (committed results included:
@@ -120,22 +150,28 @@ def check_processes_agree(config: ml_collections.ConfigDict, workdir: str) -> No
 
   Every process calls it after :func:`prepare_workdir`; all raise together, also when process
   0 cannot write its file (a full disk, where the probe's empty file still fit): it raised
-  alone, and the others waited in the broadcast for it.
+  alone, and the others waited in the broadcast for it. Process 0 first removes the files
+  that killed starts left (:func:`remove_killed_starts_files`), also in a single-process run.
 
   Raises:
     ValueError: one line naming the first process that differs and what to fix.
   """
+  if jax.process_index() == 0:
+    remove_killed_starts_files(workdir)
   if jax.process_count() == 1:
     return
   from jax.experimental import multihost_utils
 
-  token, path, unwritten = "", None, None
+  token, path, unwritten, held = "", None, None, None
   if jax.process_index() == 0:
     token = os.urandom(8).hex()
     path = os.path.join(workdir, _SEEN_BY_ALL + token)
     try:
-      with open(path, "w") as f:
-        f.write(token)
+      # Open and locked until removed: what tells it from a killed start's file.
+      held = open(path, "w")
+      _lock(held)
+      held.write(token)
+      held.flush()
     except OSError as e:  # a full disk (the probe's empty file fit): all still join, and stop
       token, unwritten = "", e
   try:
@@ -149,6 +185,9 @@ def check_processes_agree(config: ml_collections.ConfigDict, workdir: str) -> No
     if path is not None:
       with contextlib.suppress(OSError):
         os.remove(path)
+    if held is not None:
+      with contextlib.suppress(OSError):  # a full disk: nothing of it is kept anyway
+        held.close()
   bad = [(i, int(c)) for i, c in enumerate(codes) if c]
   if not bad:
     return

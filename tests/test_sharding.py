@@ -911,6 +911,50 @@ def test_each_process_compares_its_config_and_process_0s_file(tmp_path):
   assert workdir.processes_digest(cfg) == workdir.processes_digest(tiny_config())
 
 
+def test_a_killed_starts_file_is_removed_by_the_next_start_and_one_under_way_is_not(
+    tmp_path, monkeypatch):
+  # Process 0's file lives from before the broadcast to its end; a start killed there
+  # (kill -9) left it in the workdir for good, one more each time. Another start's file, held
+  # by its process 0 while that start runs, is not a leftover (collectives stubbed).
+  import fcntl
+
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  from cem_jax import workdir
+
+  killed = tmp_path / ".processes_see_this_0123456789abcdef"
+  killed.write_text("0123456789abcdef")
+  (tmp_path / ".processes_see_this_fedcba9876543210").write_text("")  # not written yet
+  under_way = tmp_path / ".processes_see_this_aaaaaaaaaaaaaaaa"
+  under_way.write_text("aaaaaaaaaaaaaaaa")
+  (tmp_path / "metrics.jsonl").write_text("")
+  seen = []
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+
+  def broadcast(x):  # process 0's own file is there, and another start keeps it too
+    workdir.remove_killed_starts_files(str(tmp_path))
+    seen.append(sorted(p.name for p in tmp_path.iterdir()))
+    return x
+
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
+  monkeypatch.setattr(multihost_utils, "process_allgather", lambda code: np.array([code, 0]))
+  with open(under_way) as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    workdir.check_processes_agree(tiny_config(), str(tmp_path))
+  names = sorted(p.name for p in tmp_path.iterdir())
+  assert names == [".processes_see_this_aaaaaaaaaaaaaaaa", ".processes_see_this_fedcba9876543210",
+                   "metrics.jsonl"]
+  assert len(seen[0]) == 4 and set(names) < set(seen[0])
+  # With no start under way, a later start (one process) removes what is left.
+  monkeypatch.setattr(jax, "process_count", lambda: 1)
+  workdir.check_processes_agree(tiny_config(), str(tmp_path))
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      ".processes_see_this_fedcba9876543210", "metrics.jsonl"]
+
+
 def test_processes_with_the_code_at_other_paths_agree_and_with_other_energy_code_not(tmp_path):
   # main makes a relative energy file's path absolute: on hosts that keep their checkout at
   # other paths (or with experiments/design.py:sigmoid, which names the file by its own path)
