@@ -67,8 +67,15 @@ def user_errors(*also: type[BaseException]):
     _fail(str(e))
 
 
+class Terminated(BaseException):
+  """SIGTERM at a point where a program stops at once instead of saving (``train``'s start-up,
+  :class:`cem_jax.workdir.Preemption`): what a ``finally`` and ``except BaseException`` clean up
+  runs, then :func:`interrupted` ends the program. Its message says what was kept and what
+  the same command then does. Not a KeyboardInterrupt: nobody pressed Ctrl-C."""
+
+
 def _no_interrupt_traceback(kind, value, tb) -> None:
-  if not issubclass(kind, KeyboardInterrupt):
+  if not issubclass(kind, KeyboardInterrupt | Terminated):
     sys.__excepthook__(kind, value, tb)
 
 
@@ -79,17 +86,21 @@ def interrupted(what_now: str):
 
   The process ends as Python ends it on Ctrl-C (cleanup and atexit first, then death by
   SIGINT: status 130 in a shell, -2 to ``subprocess``), so launchers and sweeps see the same
-  status as before, but without the interpreter's teardown (:func:`_die_by_sigint`). Only the
+  status as before, but without the interpreter's teardown (:func:`_die_by`). Only the
   traceback of a KeyboardInterrupt is dropped (``sys.excepthook``); any other exception keeps
   its own.
+
+  A :class:`Terminated` (SIGTERM where the program cannot save, raised by the program's own
+  handler) is the same, as ``terminated (SIGTERM): MESSAGE``, its own message, and the process
+  ends by SIGTERM (status 143 in a shell, -15 to ``subprocess``).
 
   Python's Ctrl-C handler raises wherever the main thread is, also inside code whose
   exceptions Python prints and drops ("Exception ignored in ..."): a ``gc`` callback (jax's
   runs at every collection), a ``__del__``, a ``weakref`` callback; the program went on (3 of
   3 Ctrl-Cs while data was prepared). Python hands every such exception to
   ``sys.unraisablehook``: the one installed here (:func:`_unraisable`) sends a dropped Ctrl-C
-  again once that code has returned. A SIGINT ignored (a shell's background job) or handled
-  by someone else stays theirs.
+  (or SIGTERM) again once that code has returned. A SIGINT ignored (a shell's background
+  job) or handled by someone else stays theirs.
   """
   hook = None
   if (threading.current_thread() is threading.main_thread()
@@ -105,7 +116,12 @@ def interrupted(what_now: str):
   except KeyboardInterrupt:
     print(f"interrupted (Ctrl-C): {what_now}", file=sys.stderr)
     sys.excepthook = _no_interrupt_traceback
-    _die_by_sigint()
+    _die_by(signal.SIGINT)
+    raise
+  except Terminated as e:
+    print(f"terminated (SIGTERM): {e}", file=sys.stderr)
+    sys.excepthook = _no_interrupt_traceback
+    _die_by(signal.SIGTERM)
     raise
   finally:
     if hook is not None:
@@ -119,9 +135,9 @@ _REDELIVER_S = 0.05
 _pending: list[threading.Timer] = []
 
 
-def _redeliver() -> None:
-  """Sends SIGINT to this process again in :data:`_REDELIVER_S`, from a thread."""
-  timer = threading.Timer(_REDELIVER_S, os.kill, (os.getpid(), signal.SIGINT))
+def _redeliver(signum: int) -> None:
+  """Sends ``signum`` to this process again in :data:`_REDELIVER_S`, from a thread."""
+  timer = threading.Timer(_REDELIVER_S, os.kill, (os.getpid(), signum))
   timer.daemon = True
   _pending.append(timer)
   timer.start()
@@ -137,30 +153,32 @@ def _cancel_redelivery() -> bool:
 
 
 def _unraisable(hook, unraisable) -> None:
-  """``sys.unraisablehook`` under :func:`interrupted`: a KeyboardInterrupt Python drops (raised
-  in a ``gc`` callback, a ``__del__``, a ``weakref`` callback) is delivered again
-  (:func:`_redeliver`), without the "Exception ignored" traceback; anything else goes to
-  ``hook``, the hook before."""
-  if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-    _redeliver()
+  """``sys.unraisablehook`` under :func:`interrupted`: a KeyboardInterrupt (or
+  :class:`Terminated`) Python drops (raised in a ``gc`` callback, a ``__del__``, a ``weakref``
+  callback) is delivered again (:func:`_redeliver`: SIGINT, or SIGTERM), without the
+  "Exception ignored" traceback; anything else goes to ``hook``, the hook before."""
+  kind = unraisable.exc_type
+  if kind is not None and issubclass(kind, KeyboardInterrupt | Terminated):
+    _redeliver(signal.SIGTERM if issubclass(kind, Terminated) else signal.SIGINT)
     return
   hook(unraisable)
 
 
-def _die_by_sigint() -> None:
+def _die_by(signum: int) -> None:
   """Runs the ``atexit`` functions (TensorBoard's flush, jax's clean-up), then ends the process
-  by SIGINT at once, without the interpreter's teardown: a Ctrl-C landing while XLA compiles
-  left it state whose teardown crashed ("Fatal Python error: Segmentation fault", status 139,
-  in 4 tries of 4 on a CPU). Returns, for the caller to re-raise and Python to end as usual,
-  where this Python lacks CPython's ``atexit._run_exitfuncs`` or signals (not POSIX)."""
+  by ``signum`` (SIGINT, SIGTERM) at once, without the interpreter's teardown: a Ctrl-C
+  landing while XLA compiles left it state whose teardown crashed ("Fatal Python error:
+  Segmentation fault", status 139, in 4 tries of 4 on a CPU). Returns, for the caller to
+  re-raise and Python to end as usual, where this Python lacks CPython's
+  ``atexit._run_exitfuncs`` or signals (not POSIX)."""
   run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
   if run_exitfuncs is None or os.name != "posix":
     return
   run_exitfuncs()
   sys.stdout.flush()
   sys.stderr.flush()
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
-  os.kill(os.getpid(), signal.SIGINT)
+  signal.signal(signum, signal.SIG_DFL)
+  os.kill(os.getpid(), signum)
 
 
 def _run_config_file(spec: str):

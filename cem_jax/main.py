@@ -5,7 +5,8 @@ a misspelt key or a value of the wrong type fails while the flags are parsed, a 
 config's rules refuse (``config.validate``) right after, both before jax is imported.
 Rerunning the same command resumes from the newest intact checkpoint in ``DIR``. Exit status: 0
 when done or stopped by SIGTERM after saving (preemption), 1 with a one-line ``error: ...`` for
-bad input or a diverged run.
+bad input or a diverged run; SIGTERM during start-up (nothing to save) is one line
+``terminated (SIGTERM): ...`` and death by SIGTERM (143), as Ctrl-C is one line and 130.
 
 Several processes (TPU pod workers, ``srun`` tasks, ``launch/local.py``) run this same command;
 ``jax.distributed.initialize`` is called when the environment or the flags say so (see

@@ -118,7 +118,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   so a resumed run continues exactly as an uninterrupted one.
 
   SIGTERM (preemption) is honoured at the next step boundary: save, wait for the save, return;
-  after the last step it lets the last save commit.
+  after the last step it lets the last save commit. During start-up (single process), which
+  has nothing to save, it raises :class:`cem_jax.cli.Terminated` after the clean-up of a failed
+  start (``main``: one line, then the process ends by SIGTERM).
 
   It logs (and writes as ``data/epochs`` in the step-0 line) how many times the schedule passes
   over the training windows, with a warning from :data:`EPOCHS_WARNING` passes on, and keeps the
@@ -139,21 +141,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     FloatingPointError: ``train.max_consecutive_nonfinite`` consecutive non-finite steps (or
       non-finite parameters at a save); nothing from those steps is saved.
   """
-  with contextlib.ExitStack() as held:  # the workdir, for this run alone until it returns
-    run = _start_up(config, workdir, held)
+  # SIGTERM: during start-up, which has nothing to save, it stops it at once (cleaned up like
+  # any failed start); from the loop on it is the flag the loop saves at.
+  with contextlib.ExitStack() as held, workdir_lib.Preemption() as preemption:
+    run = _start_up(config, workdir, held)  # held: the workdir, for this run alone
     try:
       loop = _Loop(run)
     except BaseException:
       _undo_start(run.ckpt, workdir, run.created)
       raise
     try:
-      with workdir_lib.Preemption() as preemption:
-        for step in range(run.start_step, loop.num_steps):
-          if loop.step(step, preemption):
-            break
-        # Still under the SIGTERM flag: a SIGTERM now lets the last save (asynchronous) commit
-        # and the run end with status 0, instead of killing it with that save half written.
-        loop.close()
+      preemption.loop_starts()
+      for step in range(run.start_step, loop.num_steps):
+        if loop.step(step, preemption):
+          break
+      # Still under the SIGTERM flag: a SIGTERM now lets the last save (asynchronous) commit
+      # and the run end with status 0, instead of killing it with that save half written.
+      loop.close()
     except BaseException:
       loop.abort()
       raise

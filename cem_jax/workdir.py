@@ -22,9 +22,9 @@ import jax
 import ml_collections
 import numpy as np
 
+from cem_jax import cli, energies
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
-from cem_jax import energies
 from cem_jax.files import hold_folder, read_json
 from cem_jax.metrics import read_metrics
 
@@ -333,8 +333,21 @@ def check_same_run(workdir: str, config: ml_collections.ConfigDict) -> None:
                      "started it, a new --workdir, or delete that run to train it again")
 
 
+# Said by main (cem_jax.cli.interrupted) after "terminated (SIGTERM): ".
+TERMINATED_IN_START_UP = (
+    "during start-up, before the first step: nothing trained or saved; a --workdir this start "
+    "created is removed but for the tokens prepared in WORKDIR/data; the same command starts "
+    "again (from the newest checkpoint in --workdir, if any)")
+
+
 class Preemption:
   """Turns SIGTERM (a preemption notice) into a flag the loop checks at each step boundary.
+
+  Entered before start-up, which has nothing to save: there (until :meth:`loop_starts`) a
+  SIGTERM raises :class:`cem_jax.cli.Terminated` (:data:`TERMINATED_IN_START_UP`), so that
+  start-up's clean-up runs and ``main`` says so in one line. It was the default action: the
+  process ended at once, silently (status 143), a new workdir left with an empty
+  ``checkpoints/``.
 
   Only for single-process runs started from the main thread: with several processes every
   process must save at the same step, which Orbax's ``reached_preemption`` (JAX's preemption
@@ -343,7 +356,12 @@ class Preemption:
 
   def __init__(self):
     self.requested = False
+    self.starting = True
     self._previous = None
+
+  def loop_starts(self) -> None:
+    """From here a SIGTERM is the flag (start-up is over)."""
+    self.starting = False
 
   def __enter__(self):
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
@@ -352,6 +370,8 @@ class Preemption:
 
   def _handle(self, signum, frame):
     del signum, frame
+    if self.starting:
+      raise cli.Terminated(TERMINATED_IN_START_UP)
     self.requested = True  # nothing else: a signal handler may interrupt anything
 
   def __exit__(self, *exc):

@@ -642,6 +642,60 @@ def test_a_sigterm_while_the_last_save_commits_lets_it_commit_and_the_run_end(tm
   ckpt.close()
 
 
+@pytest.mark.parametrize("existed", [False, True], ids=["new workdir", "existing workdir"])
+def test_a_sigterm_during_start_up_stops_it_as_a_failed_start_and_says_so(existed, tmp_path,
+                                                                          monkeypatch):
+  # Start-up has nothing to save: SIGTERM there was the default action, the process gone at
+  # once without a word (status 143), a new workdir left with an empty checkpoints/. Now it
+  # raises cli.Terminated (main: one line, then death by SIGTERM) after start-up's clean-up.
+  class Killed(Exception):
+    pass
+
+  def default_action(signum, frame):  # stands for the kill, without killing pytest
+    raise Killed
+
+  init_state = steps.init_state
+
+  def sigterm_while_initialising(*args, **kwargs):  # after the data, before the loop
+    signal.raise_signal(signal.SIGTERM)
+    return init_state(*args, **kwargs)
+
+  monkeypatch.setattr(steps, "init_state", sigterm_while_initialising)
+  workdir = tmp_path / "w"
+  if existed:
+    workdir.mkdir()
+  previous = signal.signal(signal.SIGTERM, default_action)
+  try:
+    with pytest.raises(cli.Terminated) as raised:
+      train.train_and_evaluate(tiny_config("llama", **{"train.num_steps": 2}), str(workdir))
+    assert signal.getsignal(signal.SIGTERM) is default_action  # put back
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert str(raised.value).startswith("during start-up, before the first step: nothing "
+                                      "trained or saved; a --workdir this start created is "
+                                      "removed but for the tokens prepared in WORKDIR/data")
+  _assert_nothing_left(workdir, existed, prepared=True)
+
+
+def test_terminated_is_one_line_and_ends_the_process_by_sigterm():
+  # As a Ctrl-C: clean-up and atexit run, no traceback, and the status a SIGTERM gives.
+  code = textwrap.dedent("""
+      import atexit, sys
+      from cem_jax import cli
+
+      atexit.register(lambda: print("cleanup ran", file=sys.stderr))
+      with cli.interrupted("what to do after a Ctrl-C"):
+        try:
+          raise cli.Terminated("what was kept")
+        finally:
+          print("finally ran", file=sys.stderr)
+  """)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == -signal.SIGTERM
+  assert proc.stderr == "finally ran\nterminated (SIGTERM): what was kept\ncleanup ran\n"
+
+
 def test_a_failed_start_leaves_no_orbax_thread_behind_to_fail(tmp_path, monkeypatch):
   # A start that fails right after opening the checkpoints removes the new workdir. Orbax's
   # temporary-folder clean-up ran in a thread that close() does not wait for, and listed the
