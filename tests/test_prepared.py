@@ -439,6 +439,39 @@ def test_a_prepare_failing_after_its_first_shard_keeps_its_work_for_the_rerun(tm
   prepared.PreparedData.open(tmp_path / "a")
 
 
+def test_a_shard_arrayrecord_cannot_write_is_one_line_naming_the_shard(tmp_path, monkeypatch):
+  # On a full disk (a 600 KiB tmpfs) ArrayRecord's writer raises a RuntimeError at close():
+  # it went through the pool as a traceback out of prepare and training alike. Now an OSError
+  # naming the shard (main and prepare print an OSError as one line); no temporary file left.
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(300))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  real = shard_writer.array_record_module.ArrayRecordWriter
+
+  class FullDisk:
+    def __init__(self, path, options):
+      self._writer = real(path, options)
+      self._path = path
+
+    def write(self, record):
+      self._writer.write(record)
+
+    def close(self):
+      self._writer.close()
+      raise RuntimeError(f"write() failed: No space left on device; writing {self._path}; at "
+                         "byte 593920; Failed to close chunk_writer")
+
+  monkeypatch.setattr(shard_writer.array_record_module, "ArrayRecordWriter", FullDisk)
+  out = tmp_path / "p"
+  with pytest.raises(OSError) as raised:
+    shard_writer.prepare(config.data, out, workers=1)
+  message = str(raised.value)
+  assert message.startswith(f"{out / 'train-00000.array_record'}: cannot be written (write() "
+                            "failed: No space left on device; writing "), message
+  assert "\n" not in message
+  assert not out.exists()  # its first shard failed: nothing of it to keep
+
+
 def test_a_shard_sidecar_hash_tells_apart_other_pieces_and_other_document_ends():
   # A re-run keeps a shard whose sidecar has its task's hash: the same characters cut into
   # other pieces, or with documents ending elsewhere (EOS), are other tokens.

@@ -34,6 +34,7 @@ import numpy as np
 from array_record.python import array_record_module
 from tqdm import tqdm
 
+from cem_jax import errors
 from cem_jax.data import packing, sources
 from cem_jax.data import tokenizer as tokenizer_lib
 from cem_jax.data.prepared import (
@@ -265,13 +266,18 @@ def _encode_and_write(job: tuple[dict, str, str, str]) -> dict:
   name = shard_name(task["split"], task["index"])
   path = out_dir / name
   with atomic_path(path) as tmp:
-    writer = array_record_module.ArrayRecordWriter(tmp, WRITER_OPTIONS)
-    for start in range(0, len(ids), RECORD_TOKENS):
-      record = ids[start:start + RECORD_TOKENS].tobytes()
-      if nbytes is not None:
-        record += nbytes[start:start + RECORD_TOKENS].tobytes()
-      writer.write(record)
-    writer.close()
+    try:
+      writer = array_record_module.ArrayRecordWriter(tmp, WRITER_OPTIONS)
+      for start in range(0, len(ids), RECORD_TOKENS):
+        record = ids[start:start + RECORD_TOKENS].tobytes()
+        if nbytes is not None:
+          record += nbytes[start:start + RECORD_TOKENS].tobytes()
+        writer.write(record)
+      writer.close()
+    except RuntimeError as e:
+      # ArrayRecord's one exception type for a failed write (a full disk): an OSError naming
+      # the shard is a one-line error; a RuntimeError was a traceback through the pool.
+      raise OSError(f"{path}: cannot be written ({errors.first_line(e)})") from None
     digest = sha256_file(tmp)
   meta = _task_fields(task) | {
       "tokens": int(len(ids)), "records": -(-len(ids) // RECORD_TOKENS),
