@@ -124,7 +124,7 @@ def test_the_package_has_no_import_cycle():
 STAGES = (
     # 0: leaf helpers, importable from anywhere
     ("axes", "errors", "files", "masks", "version", "cli", "distributed", "memory", "profiling",
-     "integrity", "checkpoint", "metrics", "sharding"),
+     "integrity", "checkpoint", "metrics", "sharding", "cpus"),
     ("config", "attention", "inner", "loss", "model_stats", "scales"),  # 1
     ("data",),  # 2
     ("energies", "updates"),  # 3

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import functools
 import hashlib
 import json
 import logging
@@ -15,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import pytest
 import sentencepiece as spm
 from conftest import closed_port, fake_catalog, tiny_config
 
-from cem_jax import files
+from cem_jax import cpus, files
 from cem_jax.config import get_default_config
 from cem_jax.data import build_data, build_data_in_memory, prepared, read_documents, shard_writer
 from cem_jax.data import text as text_lib
@@ -1548,55 +1546,10 @@ def test_interleave_split_rounds_one_over_the_fraction():
   assert train == [doc[:12], doc[14:26], doc[28:40], doc[42:54]]
 
 
-def _cgroups(tmp_path, monkeypatch, own: str, tree: dict[str, str]) -> None:
-  """A cgroup mount (a new folder under ``tmp_path``) holding ``tree`` (path under the mount ->
-  text) and a /proc/self/cgroup naming ``own``, in place of the machine's."""
-  folder = Path(tempfile.mkdtemp(dir=tmp_path))
-  root = folder / "cgroup"
-  root.mkdir()
-  for name, text in tree.items():
-    (root / name).parent.mkdir(parents=True, exist_ok=True)
-    (root / name).write_text(text)
-  (folder / "proc_self_cgroup").write_text(own)
-  monkeypatch.setattr(shard_writer, "CGROUP_ROOT", os.fspath(root))
-  monkeypatch.setattr(shard_writer, "PROC_SELF_CGROUP", os.fspath(folder / "proc_self_cgroup"))
-
-
 def test_prepare_starts_one_worker_per_usable_cpu_by_default(tmp_path, monkeypatch):
-  # The shards do not depend on the count; a pod host's 100+ CPUs used to get 2 workers.
-  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
-  cgroups = functools.partial(_cgroups, tmp_path, monkeypatch)
-  cgroups("0::/\n", {})
-  assert shard_writer.default_workers() == 3
-  # A CPU quota (a container's --cpus) caps it, rounded up; "max" or -1 is no quota.
-  for text, want in (("200000 100000\n", 2), ("150000 100000", 2), ("50000 100000", 1),
-                     ("800000 100000", 3), ("max 100000", 3)):
-    cgroups("0::/\n", {"cpu.max": text})
-    assert shard_writer.default_workers() == want, text
-  # The process's own cgroup and those above it count (a limit set below the mount's root, as
-  # without a cgroup namespace); the tightest wins.
-  nested = "kubepods/pod1/c1"
-  for tree, want in (({"cpu.max": "max 100000", "kubepods/cpu.max": "max 100000",
-                        "kubepods/pod1/cpu.max": "200000 100000",
-                        f"{nested}/cpu.max": "max 100000"}, 2),
-                      ({"kubepods/cpu.max": "100000 100000",
-                        f"{nested}/cpu.max": "250000 100000"}, 1),
-                      ({f"{nested}/cpu.max": "250000 100000", "cpu.max": "max 100000"}, 3)):
-    cgroups(f"0::/{nested}\n", tree)
-    assert shard_writer.default_workers() == want, tree
-  # A cgroup the mount does not show (a container that sees only its own): the mount's root.
-  cgroups("0::/host/slice/c1\n", {"cpu.max": "150000 100000"})
-  assert shard_writer.default_workers() == 2
-  # cgroup v1: the cpu controller's hierarchy, its own path and those above.
-  v1 = "5:memory:/other\n4:cpu,cpuacct:/docker/abc\n1:name=systemd:/x\n"
-  for quota, want in (("150000", 2), ("-1", 3)):
-    cgroups(v1, {"cpu/docker/abc/cpu.cfs_quota_us": quota + "\n",
-                 "cpu/docker/abc/cpu.cfs_period_us": "100000\n",
-                 "cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n",
-                 "cpu/other/cpu.cfs_quota_us": "100000\n",
-                 "cpu/other/cpu.cfs_period_us": "100000\n"})
-    assert shard_writer.default_workers() == want, quota
-  cgroups("0::/\n", {})
+  # The shards do not depend on the count; a pod host's 100+ CPUs used to get 2 workers. How
+  # the usable CPUs are counted is tests/test_cpus.py's.
+  monkeypatch.setattr(cpus, "usable", lambda: 3)
   started = []
 
   monkeypatch.setattr(shard_writer.multiprocessing, "get_context",

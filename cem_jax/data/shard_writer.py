@@ -34,7 +34,7 @@ import numpy as np
 from array_record.python import array_record_module
 from tqdm import tqdm
 
-from cem_jax import errors
+from cem_jax import cpus, errors
 from cem_jax.data import packing, sources
 from cem_jax.data import tokenizer as tokenizer_lib
 from cem_jax.data.prepared import (
@@ -66,86 +66,6 @@ POOL_MIN_CHARS = 1 << 23
 # group_size:1 makes every record directly addressable (random access reads one record).
 WRITER_OPTIONS = "group_size:1"
 PROGRESS = "prepare.json"
-
-
-# Where Linux states a CPU quota (a container's --cpus, a Kubernetes limit), which the
-# affinity mask does not show: under the cgroup mount, in the process's own cgroup (named in
-# /proc/self/cgroup) and each of its ancestors, cgroup v2's cpu.max ("QUOTA PERIOD" or
-# "max PERIOD") or v1's cfs pair under the cpu controller.
-CGROUP_ROOT = "/sys/fs/cgroup"
-PROC_SELF_CGROUP = "/proc/self/cgroup"
-
-
-def default_workers() -> int:
-  """The CPUs this process may use: its affinity mask where the OS has one (else
-  ``os.cpu_count()``), capped by the tightest cgroup CPU quota of its cgroup and the cgroups
-  above it, rounded up (a container limited to 4 of a host's 128 CPUs gets 4). Shards are
-  defined by the input, so the number of workers never changes what is written."""
-  try:
-    cpus = len(os.sched_getaffinity(0))
-  except AttributeError:  # macOS and Windows have no affinity mask
-    cpus = os.cpu_count() or 1
-  quota = _cgroup_cpu_quota()
-  return max(1, min(cpus, quota)) if quota is not None else cpus
-
-
-def _own_cgroups() -> tuple[str, str]:
-  """``(v2 path, v1 cpu path)`` of this process's cgroups as /proc/self/cgroup names them
-  (``/`` where it names none: the mount's root, as inside a cgroup namespace)."""
-  v2 = v1 = "/"
-  try:
-    lines = Path(PROC_SELF_CGROUP).read_text().splitlines()
-  except OSError:
-    return v2, v1
-  for line in lines:
-    parts = line.split(":", 2)
-    if len(parts) != 3:
-      continue
-    if parts[0] == "0" and parts[1] == "":
-      v2 = parts[2]
-    elif "cpu" in parts[1].split(","):
-      v1 = parts[2]
-  return v2, v1
-
-
-def _up_to_root(root: Path, cgroup: str) -> list[Path]:
-  """``root/cgroup`` and each folder above it up to ``root``; those that do not exist (a
-  mount showing only the container's own cgroup) are left out."""
-  folder = root / cgroup.strip("/")
-  chain = [folder, *folder.parents]
-  return [f for f in chain[:chain.index(root) + 1] if f.is_dir()]
-
-
-def _quota_cpus(quota: str, period: str) -> int | None:
-  """A quota in whole CPUs (rounded up), or None for no limit ("max", -1) or unreadable text."""
-  try:
-    quota_us, period_us = int(quota), int(period)
-  except ValueError:
-    return None
-  return -(-quota_us // period_us) if quota_us > 0 and period_us > 0 else None
-
-
-def _cgroup_cpu_quota() -> int | None:
-  """The tightest CPU quota on this process's cgroup and its ancestors, in whole CPUs (rounded
-  up), or None: no limit, or none stated. A nested cgroup's quota counts too: without a cgroup
-  namespace the container's limit sits below the mount's root."""
-  root, (v2, v1) = Path(CGROUP_ROOT), _own_cgroups()
-  quotas = []
-  for folder in _up_to_root(root, v2):
-    try:
-      fields = (folder / "cpu.max").read_text().split()
-    except OSError:
-      continue
-    quotas.append(_quota_cpus(*fields[:2]) if len(fields) >= 2 else None)
-  if not quotas:  # no cpu.max anywhere: a cgroup v1 machine
-    for folder in _up_to_root(root / "cpu", v1):
-      try:
-        quotas.append(_quota_cpus((folder / "cpu.cfs_quota_us").read_text().strip(),
-                                  (folder / "cpu.cfs_period_us").read_text().strip()))
-      except OSError:
-        pass
-  found = [q for q in quotas if q is not None]
-  return min(found) if found else None
 
 
 def _sha256_bytes(data: bytes) -> str:
@@ -479,7 +399,7 @@ def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD
       (another fingerprint) is refused; what a prepare of other input left before its first
       shard is replaced.
     shard_chars: characters of text per shard (recorded in the manifest).
-    workers: encoding processes; None = ``default_workers()`` (the usable CPUs), at most one
+    workers: encoding processes; None = ``cpus.usable()`` (the usable CPUs), at most one
       per ``shard_chars`` of text, for corpora of at least ``POOL_MIN_CHARS`` characters (and
       catalog datasets, whose size is not known beforehand), else this process alone. Each
       holds one shard's text and tokens, about 100 MB.
@@ -564,13 +484,13 @@ def _prepare(data_config, out_dir: Path, identity: dict, fp: str, shard_chars: i
 
 def _worker_count(total: int | None, shard_chars: int, workers: int | None) -> int:
   """``workers``, or when None: 1 for a corpus of known size under ``POOL_MIN_CHARS``
-  characters (``total``; None for a catalog dataset), else ``default_workers()``, at most one
-  per shard."""
+  characters (``total``; None for a catalog dataset), else ``cpus.usable()`` (shards are
+  defined by the input, so the count never changes what is written), at most one per shard."""
   if workers is not None:
     return workers
   if total is not None and total < POOL_MIN_CHARS:
     return 1
-  workers = default_workers()
+  workers = cpus.usable()
   if total is not None:  # one shard at a time each: no more workers than shards
     workers = max(1, min(workers, -(-total // shard_chars)))
   return workers
