@@ -496,6 +496,19 @@ def test_encode_batch_encodes_a_literal_meta_space_as_encode_does(pydoc_tokenize
   assert tok.decode(batch[0]) == texts[0]
 
 
+def test_encode_batch_runs_one_thread_per_usable_cpu(pydoc_tokenizer, monkeypatch):
+  # SentencePiece's own count (num_threads=-1) is the host's CPUs, ignoring a container's quota.
+  seen = []
+  real = spm.SentencePieceProcessor.encode
+  monkeypatch.setattr(spm.SentencePieceProcessor, "encode",
+                      lambda self, *a, **kw: seen.append(kw.get("num_threads")) or
+                      real(self, *a, **kw))
+  monkeypatch.setattr(tokenizer_lib.cpus, "usable", lambda: 3)
+  texts = ["plain text\n", "more text", ""]
+  assert pydoc_tokenizer.encode_batch(texts) == [pydoc_tokenizer.encode(t) for t in texts]
+  assert seen[0] == 3
+
+
 def test_a_tokenizer_without_a_pad_piece_pads_with_eos():
   writer = io.BytesIO()  # SentencePiece's default ids: unk 0, bos 1, eos 2, no pad
   spm.SentencePieceTrainer.train(

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-from cem_jax import cli
+from cem_jax import cli, cpus
 from cem_jax.files import atomic_writer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -164,7 +164,7 @@ def _main() -> None:
     manifest = prepared.PreparedData.open_manifest(out, verify=False)
     mb = sum(s["bytes"] for s in manifest["splits"].values()) / 1e6
     print(f"prepare: {mb:.1f} MB of text in {seconds:.1f} s = {mb / seconds:.2f} MB/s "
-          f"(tokenizer training, reading, hashing and encoding; {os.cpu_count()} CPUs); "
+          f"(tokenizer training, reading, hashing and encoding; {cpus.usable()} usable CPUs); "
           f"peak RSS {_peak_rss_gb(resource.RUSAGE_SELF):.2f} GB, of an encoding worker "
           f"{_peak_rss_gb(resource.RUSAGE_CHILDREN):.2f} GB")
   elif fl.mode == "pipeline":

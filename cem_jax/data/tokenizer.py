@@ -30,7 +30,7 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
-from cem_jax import errors
+from cem_jax import cpus, errors
 from cem_jax.config import TOKENIZER_MODEL_TYPES as MODEL_TYPES
 
 TRAIN_CHUNK_CHARS = 2000
@@ -145,8 +145,9 @@ class Tokenizer:
     """Returns ``[encode(t) for t in texts]``, encoding in parallel where possible."""
     plain = [i for i, t in enumerate(texts) if _META_SPACE not in t]
     out: list[list[int] | None] = [None] * len(texts)
-    for i, ids in zip(plain, self._sp.encode([texts[i] for i in plain], num_threads=-1),
-                      strict=True):
+    # SentencePiece's own count (num_threads=-1) is the host's CPUs, blind to a CPU quota.
+    encoded = self._sp.encode([texts[i] for i in plain], num_threads=cpus.usable())
+    for i, ids in zip(plain, encoded, strict=True):
       out[i] = ids
     for i, t in enumerate(texts):
       if out[i] is None:
