@@ -907,6 +907,17 @@ def test_workdir_folder_of_another_fingerprint_is_refused(tmp_path):
   shutil.rmtree(folder)
   data = build_data(config_b, tmp_path / "wd")
   assert "bline" in data.tokenizer.decode(data.train.batch(0)["inputs"].ravel())
+  # A manifest with no fingerprint, or not a string, is damaged, not another dataset: named
+  # as such by PreparedData.open, not as "another dataset (fingerprint None)".
+  manifest = folder / prepared.MANIFEST
+  saved = json.loads(manifest.read_text())
+  for value, what in ((None, "fingerprint is missing"), (7, "fingerprint is 7, not a string")):
+    manifest.write_text(json.dumps({k: v for k, v in saved.items() if k != "fingerprint"}
+                                   | ({} if value is None else {"fingerprint": value})))
+    with pytest.raises(prepared.BadPreparedData) as info:
+      build_data(config_b, tmp_path / "wd")
+    assert str(info.value) == (f"{manifest}: damaged manifest: {what}; remove {folder} and "
+                               "start again: it is prepared anew")
 
 
 def test_workdir_folder_holding_other_files_names_the_folder_not_a_flag(tmp_path):

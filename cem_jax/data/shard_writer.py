@@ -604,14 +604,10 @@ def prepared_for(data_config, workdir: str | os.PathLike) -> Path:
   if not (out / MANIFEST).is_file():
     prepare(data_config, out, flag="")
   # The folder's name is the only link between the config and its data: one copied or moved
-  # there by hand would train on its own text as this config's. An unreadable manifest is
-  # left to PreparedData.open, which names the damage.
-  try:
-    saved = json.loads((out / MANIFEST).read_text())
-  except (OSError, ValueError):
-    return out
-  theirs = saved.get("fingerprint") if isinstance(saved, dict) else None
-  if isinstance(saved, dict) and theirs != fp:
+  # there by hand would train on its own text as this config's. A manifest unreadable or
+  # without a fingerprint is left to PreparedData.open, which names the damage.
+  theirs = _saved_field(out / MANIFEST, "fingerprint")
+  if theirs is not None and theirs != fp:
     raise ValueError(f"{out} holds another dataset (fingerprint {theirs}, this config and "
                      f"text: {fp}): it was not prepared here; remove it and start again: it "
                      "is prepared anew")
