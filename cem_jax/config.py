@@ -15,6 +15,7 @@ import math
 import numbers
 import os
 import types
+from collections.abc import Collection
 
 import ml_collections
 
@@ -477,29 +478,40 @@ def with_defaults(saved: ml_collections.ConfigDict | dict) -> dict:
   return {**flat(get_default_config()), **flat(saved)}
 
 
+def changes(saved: ml_collections.ConfigDict | dict, now: ml_collections.ConfigDict | dict,
+            ignored: Collection[str] = (), by_file_name: Collection[str] = ()
+            ) -> dict[str, str]:
+  """The keys in which a run's saved config (a checkpoint's or ``config.json``'s) and ``now``
+  differ, each with its ``"key: old -> new"`` text, in key order; ``ignored`` keys left out.
+
+  A key ``saved`` predates compares at its default (new options default to the old
+  behaviour); a key only ``saved`` has (removed since) differs, as ``'(none)'`` now. Keys in
+  ``by_file_name`` (comma-separated paths) compare by their files' names.
+  """
+
+  def values(config) -> dict:
+    out = {k: v for k, v in config.items() if k not in ignored}
+    for k in by_file_name:
+      if out.get(k):
+        out[k] = ",".join(os.path.basename(p) for p in out[k].split(","))
+    return out
+
+  old, new = values(with_defaults(saved)), values(flat(now))
+  missing = "(none)"
+  return {k: f"{k}: {old.get(k, missing)!r} -> {new.get(k, missing)!r}"
+          for k in sorted(set(old) | set(new)) if old.get(k, missing) != new.get(k, missing)}
+
+
 def run_changes(saved: ml_collections.ConfigDict | dict,
                 now: ml_collections.ConfigDict | dict) -> list[str]:
   """The keys in which two configs train different runs, as ``"key: old -> new"`` strings,
   sorted (empty: the same run); ``saved`` is a run's ``config.json`` (a nested dict), ``now``
-  the config it would be trained or resumed with.
+  the config it would be trained or resumed with (compared as :func:`changes` does).
 
-  Left out: :data:`COMPUTE_ONLY` and :data:`OBSERVE_ONLY`; a key ``saved`` predates compares
-  at its default (new options default to the old behaviour); ``data.files`` compares by file
-  name (the same corpus seen from another checkout or machine). A key only ``saved`` has
-  (removed since) differs.
+  Left out: :data:`COMPUTE_ONLY` and :data:`OBSERVE_ONLY`; ``data.files`` compares by file
+  name (the same corpus seen from another checkout or machine).
   """
-  ignored = COMPUTE_ONLY + OBSERVE_ONLY
-
-  def of_run(config) -> dict:
-    out = {k: v for k, v in flat(config).items() if k not in ignored}
-    if out.get("data.files"):
-      out["data.files"] = ",".join(os.path.basename(p) for p in out["data.files"].split(","))
-    return out
-
-  old, new = of_run(with_defaults(saved)), of_run(now)
-  missing = "(none)"
-  return [f"{k}: {old.get(k, missing)!r} -> {new.get(k, missing)!r}"
-          for k in sorted(set(old) | set(new)) if old.get(k, missing) != new.get(k, missing)]
+  return list(changes(saved, now, COMPUTE_ONLY + OBSERVE_ONLY, ("data.files",)).values())
 
 
 def model_changes(saved: ml_collections.ConfigDict | dict,

@@ -375,25 +375,18 @@ def _log_resume(run: Run, resolved: dict) -> None:
   """Logs the step resumed from and every config field that differs from the checkpoint's."""
   if run.resume is None:
     return
-  saved = config_lib.with_defaults(run.meta.config or {})
-  now = config_lib.flat(resolved)
-  changed = sorted(k for k in set(saved) | set(now)
-                   if saved.get(k) != now.get(k) and k not in config_lib.OBSERVE_ONLY)
+  changed = config_lib.changes(run.meta.config or {}, resolved, config_lib.OBSERVE_ONLY)
   logging.info("resumed from %s at step %d", run.ckpt.step_dir(run.resume), run.start_step)
   if run.start_step >= run.config.train.num_steps:
     logging.info("the run is already finished (train.num_steps=%d): nothing to train; raise "
                  "train.num_steps to train on", run.config.train.num_steps)
-
-  def text(keys):
-    return ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in keys)
-
-  compute = [k for k in changed if k in config_lib.COMPUTE_ONLY]
+  compute = [t for k, t in changed.items() if k in config_lib.COMPUTE_ONLY]
   if compute:  # how the step is computed, not its numbers
     logging.info("computed differently from the checkpoint's run (the same numbers up to "
-                 "float rounding): %s", text(compute))
-  other = [k for k in changed if k not in config_lib.COMPUTE_ONLY]
+                 "float rounding): %s", ", ".join(compute))
+  other = [t for k, t in changed.items() if k not in config_lib.COMPUTE_ONLY]
   if other:
-    logging.warning("config differs from the checkpoint's: %s", text(other))
+    logging.warning("config differs from the checkpoint's: %s", ", ".join(other))
 
 
 def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWriter, dict, dict]:

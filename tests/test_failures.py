@@ -1792,6 +1792,31 @@ def test_a_key_the_checkpoint_predates_is_compared_at_its_default(caplog):
                 "rounding): train.loss_block_size: 0 -> 16"]
 
 
+def test_a_resume_logs_each_changed_key_but_what_only_observes(caplog):
+  import types
+
+  now = tiny_config("cem", **{"data.files": "/old/a.txt"})
+  old = now.to_dict()
+  old["train"]["retired_key"] = 5  # a key removed since the checkpoint was saved
+  ckpt = types.SimpleNamespace(step_dir=lambda step: f"ckpt/{step}")
+  run = types.SimpleNamespace(resume=2, start_step=2, meta=runs.CheckpointMeta(config=old),
+                              config=now, ckpt=ckpt)
+  now.train.learning_rate = 0.001
+  now.train.profile_steps = 2  # records a trace, computes nothing: not mentioned
+  now.data.files = "/new/a.txt"  # a resume names every field that differs, paths included
+  now.model.remat = "full"
+  with caplog.at_level(logging.INFO):
+    train._log_resume(run, now.to_dict())
+  said = {r.levelname: r.getMessage() for r in caplog.records
+          if "from the checkpoint's" in r.getMessage()}
+  assert said == {
+      "INFO": "computed differently from the checkpoint's run (the same numbers up to float "
+              "rounding): model.remat: 'none' -> 'full'",
+      "WARNING": "config differs from the checkpoint's: data.files: '/old/a.txt' -> "
+                 "'/new/a.txt', train.learning_rate: 0.003 -> 0.001, train.retired_key: 5 -> "
+                 "'(none)'"}
+
+
 def test_the_accumulation_advice_goes_up_to_one_row_per_microbatch():
   # batch 8 on one device, 4 microbatches: 5, 6 and 7 do not divide 8 rows; 8 (one row each)
   # does. On 8 devices nothing is left to suggest.
