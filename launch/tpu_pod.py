@@ -10,8 +10,10 @@ Three steps, each one ``gcloud compute tpus tpu-vm`` command over ``--worker=all
 2. ``ssh``: unpack it into ``--remote_dir`` and remove there the files an earlier copy
    unpacked that this one lacks (deleted or renamed here: a stale module would still be
    imported; nothing else there is touched), create the venv ``--venv`` if missing, install
-   ``jax[tpu]`` and the package (``pip install -e``); skipped with ``--no_install`` (then only
-   the code is refreshed);
+   ``jax[tpu]`` and the package (``pip install -e``), both under ``-c constraints.txt`` (the
+   copied repository's: the versions its figures were measured with; ``--constraints=''`` lets
+   pip take the newest, e.g. for another ``--jax_requirement``); skipped with
+   ``--no_install`` (then only the code is refreshed);
 3. ``ssh``: ``cd --remote_dir && VENV/bin/python -m cem_jax.main --distributed=on ARGS`` on all
    workers at once: ``jax.distributed.initialize()`` finds the other workers through the TPU
    metadata, every worker feeds its own slice of each batch, process 0 writes the metrics.
@@ -91,10 +93,15 @@ def setup_script(args: argparse.Namespace) -> str:
            f'{new} | while IFS= read -r f; do rm -f -- "$f"; done; rm -f {old} {new}; fi']
   if args.install:
     pip = f"{venv}/bin/pip"
+    # Pinned as here: without -c the workers would train on whatever jax and flax are newest.
+    pin = ""
+    if args.constraints:
+      pin = " -c " + (shlex.quote(args.constraints) if args.constraints.startswith("/")
+                      else f"{src}/{shlex.quote(args.constraints)}")
     steps += [f"test -x {venv}/bin/python || {shlex.quote(args.python)} -m venv {venv}",
               f"{pip} install -q -U pip",
-              f"{pip} install -q {shlex.quote(args.jax_requirement)}",
-              f"{pip} install -q -e {src}"]
+              f"{pip} install -q {shlex.quote(args.jax_requirement)}{pin}",
+              f"{pip} install -q -e {src}{pin}"]
   return "; ".join(steps)
 
 
@@ -164,6 +171,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument("--python", default="python3", help="remote python that creates the venv")
   parser.add_argument("--jax_requirement", default="jax[tpu]",
                       help="pip requirement for JAX on the workers")
+  parser.add_argument("--constraints", default="constraints.txt",
+                      help="pip constraints file for both installs, relative to the copied "
+                           "repository or absolute on the workers; '' for none")
   parser.add_argument("--no_sync", dest="sync", action="store_false",
                       help="run only: the code and venv are already on the workers")
   parser.add_argument("--no_install", dest="install", action="store_false",
@@ -191,6 +201,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"{a!r}: no file {file!r} in {REPO}; allowed: a path relative to this "
                      "repository (the workers run in its copy, --remote_dir) or an absolute "
                      "one every worker sees")
+  if (args.sync and args.install and args.constraints and not args.constraints.startswith("/")
+      and not os.path.isfile(os.path.join(REPO, args.constraints))):
+    parser.error(f"--constraints={args.constraints!r}: no such file in {REPO}; allowed: a path "
+                 "relative to this repository (it is copied to the workers), an absolute one "
+                 "on the workers, or '' for none")
   if not args.dry_run and shutil.which("gcloud") is None:
     parser.error("gcloud not found on PATH: install the Google Cloud CLI, or pass --dry_run to "
                  "print the commands")

@@ -319,8 +319,9 @@ def test_tpu_pod_dry_run_prints_the_exact_gcloud_commands():
   assert setup[9] == (
       f"--command={UNPACK}; test -x \"$HOME\"/cem_jax_venv/bin/python || python3 -m venv "
       '"$HOME"/cem_jax_venv; "$HOME"/cem_jax_venv/bin/pip install -q -U pip; '
-      '"$HOME"/cem_jax_venv/bin/pip install -q \'jax[tpu]\'; "$HOME"/cem_jax_venv/bin/pip '
-      'install -q -e "$HOME"/cem_jax')
+      '"$HOME"/cem_jax_venv/bin/pip install -q \'jax[tpu]\' -c "$HOME"/cem_jax/constraints.txt; '
+      '"$HOME"/cem_jax_venv/bin/pip install -q -e "$HOME"/cem_jax -c '
+      '"$HOME"/cem_jax/constraints.txt')
   assert run[:9] == setup[:9]
   remote = run[9][len("--command="):]
   # What each worker's shell executes: the same command everywhere, hostile value intact.
@@ -366,6 +367,24 @@ def test_tpu_pod_copies_the_tarball_it_has_just_packed(monkeypatch):
   ran.clear()
   assert tpu_pod.main(["--tpu=t", "--zone=z", "--no_sync", "--", *MAIN_ARGS]) == 0
   assert packed == [] and "scp" not in [cmd[4] for cmd in ran]
+
+
+@pytest.mark.parametrize("constraints, pin", [
+    ("", ""), ("/opt/pins.txt", " -c /opt/pins.txt")])
+def test_tpu_pod_installs_under_the_constraints_given(constraints, pin):
+  proc = _launch("tpu_pod.py", "--tpu=t", "--zone=z", f"--constraints={constraints}",
+                 "--dry_run", "--", *MAIN_ARGS)
+  assert proc.returncode == 0, proc.stderr
+  remote = shlex.split(proc.stdout.splitlines()[2])[-1]
+  assert remote.endswith(f"pip install -q 'jax[tpu]'{pin}; "
+                         f'"$HOME"/cem_jax_venv/bin/pip install -q -e "$HOME"/cem_jax{pin}')
+
+
+def test_tpu_pod_refuses_a_constraints_file_it_would_not_copy():
+  proc = _launch("tpu_pod.py", "--tpu=t", "--zone=z", "--constraints=pins.txt", "--dry_run",
+                 "--", *MAIN_ARGS)
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert "--constraints='pins.txt': no such file in" in proc.stderr
 
 
 def test_tpu_pod_no_install_only_unpacks_the_code():
@@ -492,6 +511,7 @@ def test_tpu_pod_outside_a_git_tree_or_without_git_is_one_line(tmp_path):
   (tmp_path / "launch").mkdir()
   (tmp_path / "launch" / "tpu_pod.py").write_text((REPO / "launch" / "tpu_pod.py").read_text())
   (tmp_path / "c.py").write_text("")
+  (tmp_path / "constraints.txt").write_text("")
   cmd = [sys.executable, "launch/tpu_pod.py", "--tpu=t", "--zone=z", "--dry_run", "--",
          "--config=c.py", "--workdir=/w"]
   env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tmp_path.parent))
