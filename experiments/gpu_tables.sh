@@ -10,9 +10,10 @@
 # It should hold >= 100M training tokens: each row trains on 100.7M, and a smaller corpus is
 # passed over several times (the run logs how many).
 # The runs go to $WORKDIR (relative to where you are; default results/gpu, or
-# /tmp/cem_gpu_tables_check/SCALE_stepsSTEPS under SCALE or STEPS, so that a check leaves no
-# runs that a real run or another check would refuse; finished runs are skipped, interrupted
-# ones resume). OUT_DIR receives each TABLE.{md,csv,png} and gpu_runs.tgz (each run's config.json,
+# /tmp/cem_gpu_tables_check/SCALE_stepsSTEPS_KEY under SCALE or STEPS, KEY the first 8 hex
+# digits of the sha256 of PREPARED_DIR's absolute path, so that a check leaves no runs that a
+# real run or a check of another setting or corpus would refuse; finished runs are skipped,
+# interrupted ones resume). OUT_DIR receives each TABLE.{md,csv,png} and gpu_runs.tgz (each run's config.json,
 # metrics.jsonl, result.json; no checkpoints). design trains its five headline rows; the
 # diagnostic rows (t2_eta_half, ...) are `python -m cem_jax.tables --table=design --scale=gpu
 # --seeds=1 --rows=...` with the same --set flags (the table then shows every finished row).
@@ -29,7 +30,10 @@ shift 2
 if [ "${SCALE:-gpu}" = gpu ] && [ -z "${STEPS:-}" ]; then
   work=$(realpath -m "${WORKDIR:-$(dirname "${BASH_SOURCE[0]}")/../results/gpu}")
 else  # a check: one folder per setting (runs of another setting would be refused there)
-  work=$(realpath -m "${WORKDIR:-${TMPDIR:-/tmp}/cem_gpu_tables_check/${SCALE:-gpu}_steps${STEPS:-all}}")
+  # Keyed by the corpus too: its path is in every run's config, so a check of another corpus
+  # in the same folder would be refused as another config.
+  key=$(printf %s "$prepared" | sha256sum | cut -c1-8)
+  work=$(realpath -m "${WORKDIR:-${TMPDIR:-/tmp}/cem_gpu_tables_check/${SCALE:-gpu}_steps${STEPS:-all}_$key}")
 fi
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 fail() { echo "error: $*" >&2; exit 1; }

@@ -1186,3 +1186,32 @@ def test_aggregate_of_results_of_no_row_asked_for_is_no_rows():
   module = types.SimpleNamespace(ROWS=["cem", "llama"])
   results = [{"row": "llama", "seed": 0, "eval/loss": 3.0}]
   assert tables.aggregate(module, "tiny", results, rows=["cem"]) == []
+
+
+def test_gpu_tables_checks_of_two_corpora_train_in_folders_of_their_own(tmp_path):
+  # Both checks once shared /tmp/cem_gpu_tables_check/tiny_steps2, where the second corpus's
+  # runs (another data.prepared_dir in their config) were refused as another config.
+  import subprocess
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  stub = tmp_path / "bin"
+  stub.mkdir()
+  # Stands in for python3 -m cem_jax.tables: records its --workdir, writes the table files.
+  (stub / "python3").write_text(
+      '#!/bin/sh\nfor a in "$@"; do case "$a" in --workdir=*) w="${a#--workdir=}";; '
+      '--table=*) t="${a#--table=}";; esac; done\n'
+      'echo "$w" >> "$LOG"; touch "$w/$t.md" "$w/$t.csv" "$w/$t.png"\n')
+  (stub / "python3").chmod(0o755)
+  seen = []
+  for corpus in ("a", "b"):
+    (tmp_path / corpus).mkdir()
+    (tmp_path / corpus / "manifest.json").write_text("{}")
+    env = dict(os.environ, PATH=f"{stub}:{os.environ['PATH']}", SCALE="tiny", STEPS="2",
+               TMPDIR=str(tmp_path / "tmp"), LOG=str(tmp_path / "log"))
+    env.pop("WORKDIR", None)
+    proc = subprocess.run(["bash", os.path.join(repo, "experiments", "gpu_tables.sh"),
+                           str(tmp_path / corpus), str(tmp_path / f"out_{corpus}"), "mlp"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    key = hashlib.sha256(str(tmp_path / corpus).encode()).hexdigest()[:8]
+    seen.append(str(tmp_path / "tmp" / "cem_gpu_tables_check" / f"tiny_steps2_{key}"))
+  assert (tmp_path / "log").read_text().split() == seen and seen[0] != seen[1]
