@@ -280,20 +280,39 @@ def _splash(q, k, v, strict: bool, segment_ids, interpret: bool, kernel=None):
   return jnp.swapaxes(out, 1, 2)
 
 
+def rows_and_heads_spec(shape, partition, mesh_shape: dict) -> PartitionSpec:
+  """Where ``[batch, seq, heads, head_dim]`` activations of ``shape`` go on a mesh of
+  ``mesh_shape`` (``{axis: devices}``): rows over ``partition``'s batch mesh axes, heads over
+  its heads mesh axes, each only where they divide the dimension (``axes.dividing_axes``). A
+  mesh axis splits at most one dimension (as ``sharding.logical_to_spec``): rows win."""
+  rows = dividing_axes(partition[0], shape[0], mesh_shape)
+  heads = dividing_axes(tuple(a for a in partition[1] if a not in (rows or ())), shape[2],
+                        mesh_shape)
+  return PartitionSpec(rows, None, heads, None)
+
+
+def heads_laid_out(x: jax.Array, partition=None) -> jax.Array:
+  """``x`` ``[batch, seq, heads, head_dim]`` constrained to :func:`rows_and_heads_spec` under a
+  multi-device mesh in context (unchanged otherwise); ``partition`` as
+  :func:`dot_product_attention`'s (None: the default rules')."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return x
+  spec = rows_and_heads_spec(x.shape, partition or partition_of(), dict(mesh.shape))
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
 def _splash_partitioned(q, k, v, strict: bool, segment_ids, interpret: bool, partition):
   """:func:`_splash` per device under ``shard_map`` when a multi-device mesh is set."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return _splash(q, k, v, strict, segment_ids, interpret)
-  b, _, h, _ = q.shape
-  shape = dict(mesh.shape)
-  rows = dividing_axes(partition[0], b, shape)
-  # A mesh axis splits at most one dimension (as sharding.logical_to_spec): rows win.
-  heads = dividing_axes(tuple(a for a in partition[1] if a not in (rows or ())), h, shape)
-  spec = PartitionSpec(rows, None, heads, None)
+  h = q.shape[2]
+  spec = rows_and_heads_spec(q.shape, partition, dict(mesh.shape))
+  rows, heads = spec[0], mesh_axes_of(spec[2])  # the spec keeps a lone axis as its name
   # The kernel (cached) is built here, outside shard_map: inside, its mask tables would belong
   # to that shard_map's trace and manual mesh, and a later trace (eager, another mesh) fails.
-  local_heads = h // (math.prod(mesh.shape[a] for a in heads) if heads else 1)
+  local_heads = h // math.prod(mesh.shape[a] for a in heads)
   kernel = _splash_kernel(q.shape[1], local_heads, strict, interpret)
   if segment_ids is None:
     fn = functools.partial(_splash, strict=strict, segment_ids=None, interpret=interpret,

@@ -143,7 +143,14 @@ def fused_update(y: jax.Array, context: jax.Array, params: dict, aux: EnergyAux)
       width = head_dim + y.shape[-1] + (aux.diagonal_form == "distance")
       raise ValueError(f"attention_impl={impl!r} cannot take the CEM per-head diagonal's "
                        f"augmented head (width {width}); use 'xla'")
+    # Heads and rows pinned where the rules put them, around the widening and on the kernel's
+    # output: with `batch` and `heads` on one mesh axis (mesh.rules batch -> (data, tensor),
+    # heads -> tensor) XLA kept the heads on it, and with one row per device (2 x 2 x 2, or
+    # a microbatch) half the rows' updates and the gradients were wrong (CPU, jax 0.10.2,
+    # GSPMD and Shardy alike; tests/test_sharding.py).
+    q, k = (attention.heads_laid_out(a, aux.attention_partition) for a in (q, k))
     q, k, _ = _augmented_head(y, context, q, k, diag, aux.diagonal_form)
+    q, k = (attention.heads_laid_out(a, aux.attention_partition) for a in (q, k))
     # The -½ Σ d y² row constant leaves the softmax unchanged.
   beta = params["beta"].astype(q.dtype)
   eta = params["eta"].astype(jnp.float32)
@@ -157,6 +164,8 @@ def fused_update(y: jax.Array, context: jax.Array, params: dict, aux: EnergyAux)
         q, k, k, scale=1.0, implementation=impl, mask=aux.mask, is_causal=aux.is_causal,
         strict_causal=aux.strict_causal, segment_ids=aux.segment_ids,
         partition=aux.attention_partition, interpret=aux.attention_interpret)
+  if diag is not None:
+    out = attention.heads_laid_out(out, aux.attention_partition)
   o = out[..., :head_dim]
   if aux.rope_theta is not None:
     o = apply_rope(o, aux.positions, aux.rope_theta, inverse=True)
