@@ -354,12 +354,15 @@ def test_attention_energy_and_update_match_reference(masking, diag_form, rope):
     assert np.all(np.asarray(got)[empty] == 0.0), mode
 
 
-def test_attention_update_derivatives_in_every_input_match_reference():
+@pytest.mark.parametrize("mode,block_size", [("fused", 0), ("autodiff", 0), ("autodiff", 4)])
+def test_attention_update_derivatives_in_every_input_match_reference(mode, block_size):
   """Training differentiates the update w.r.t. the context and every weight (the context is
   held fixed only in that the energy is differentiated in ``y``): each directional derivative
-  of the fused update (the default; tests/test_layers.py pins autodiff's training gradients to
-  it) equals float64 central differences of ``ref_attention``. A ``stop_gradient`` on the keys
-  or the context in ``_project`` changes no update, nor any check comparing the two paths."""
+  of the update, fused or ``jax.grad`` of the energy (dense or blockwise), equals float64
+  central differences of ``ref_attention``. A ``stop_gradient`` on the keys or the context in
+  ``_project`` changes no update, nor any check comparing the two paths; nor does one on the
+  context in the energy's diagonal term, and tests/test_layers.py's comparison of the two
+  paths' training gradients starts from the diagonal's initial 0, where that term has none."""
   y, c, params, theta = _attention_case("attention-derivatives", "distance", rope=True)
   rng = _rng("attention-derivatives-directions")
   ref_m = ref_mask(SEGMENTS, B, N, strict=True)
@@ -379,12 +382,13 @@ def test_attention_update_derivatives_in_every_input_match_reference():
     minus = {n: v - step * directions[n][i] for n, v in primals.items()}
     want.append((ref_update(plus) - ref_update(minus)) / (2 * step))
   aux = energies.EnergyAux(mask=jnp.asarray(ref_m), positions=jnp.asarray(pos, jnp.int32),
-                           rope_theta=theta, diagonal_form="distance", strict_causal=True)
-  fused = energies.get("softmax", "attention").fused_update
+                           rope_theta=theta, diagonal_form="distance", strict_causal=True,
+                           energy_block_size=block_size)
+  update = updates.resolve_update(energies.get("softmax", "attention"), mode)
 
   def derivative(t):
     def f(p):
-      return fused(p["y"], p["c"], {n: p[n] for n in params}, aux)
+      return update(p["y"], p["c"], {n: p[n] for n in params}, aux)
     return jax.jvp(f, ({n: jnp.asarray(v, jnp.float32) for n, v in primals.items()},), (t,))[1]
 
   got = jax.jit(jax.vmap(derivative))({n: jnp.asarray(v, jnp.float32)
