@@ -802,3 +802,46 @@ def test_bf16_step_size_gradients_match_reference(case):
   else:
     want = np.array([np.sum(cot * ref_update(np.eye(h)[k])) for k in range(h)])
   assert _rel(got, want) <= tol, _rel(got, want)
+
+
+def test_bf16_learned_temperature_gradient_matches_reference():
+  """With ``model.learn_beta`` training differentiates the fused update w.r.t. β. With bf16
+  compute β·q is formed in float32 and rounded once, so β's gradient is a float32 sum over the
+  tokens: against float64 central differences of the reference at the same bf16 inputs (a
+  cotangent along the update, as above) it is off by 3.2e-3 (at most 6.9e-3 over five seeds).
+  With β rounded to bf16 and multiplied into the bf16 queries, the gradient summed and returned
+  in bf16, it was off by 3.6e-2 (at least 2.5e-2)."""
+  rng = _rng("bf16-beta-gradient")
+  b, n, d, h, dh = 4, 16, 64, 4, 16  # enough tokens that a bf16 sum over them shows
+  y, c = (_bf16_round(rng.standard_normal((b, n, d))) for _ in range(2))
+  noise = rng.standard_normal((b, n, d))
+  mask, pos = ref_mask(None, b, n, strict=False), np.broadcast_to(np.arange(n), (b, n))
+  params = {"w_q": _bf16_round(rng.standard_normal((d, h, dh)) / 4),
+            "w_k": _bf16_round(rng.standard_normal((d, h, dh)) / 4),
+            "eta": np.float32(rng.uniform(0.5, 1.5, h)).astype(np.float64),
+            "beta": np.float32(rng.uniform(0.2, 0.4, h)).astype(np.float64)}
+  aux = energies.EnergyAux(mask=jnp.asarray(mask), positions=jnp.asarray(pos, jnp.int32),
+                           rope_theta=100.0, is_plain_causal=True, is_causal=True)
+
+  def ref_update(beta):
+    return ref_attention(y, c, params["w_q"], params["w_k"], params["eta"], beta, None,
+                         "bilinear", mask, pos, pos, 100.0)[1]
+
+  ref_u = ref_update(params["beta"])
+  cot = np.asarray(jnp.asarray(ref_u / np.std(ref_u) + 0.5 * noise, jnp.float32), np.float64)
+  step, want = 1e-5, []
+  for k in range(h):
+    e = step * np.eye(h)[k]
+    want.append(np.sum(cot * (ref_update(params["beta"] + e) - ref_update(params["beta"] - e)))
+                / (2 * step))
+  lib = {k: jnp.asarray(v, jnp.float32 if k in ("eta", "beta") else jnp.bfloat16)
+         for k, v in params.items()}
+  fused = energies.get("softmax", "attention").fused_update
+  ybf, cbf = jnp.asarray(y, jnp.bfloat16), jnp.asarray(c, jnp.bfloat16)
+
+  def loss(beta):
+    return jnp.sum(fused(ybf, cbf, {**lib, "beta": beta}, aux).astype(jnp.float32)
+                   * jnp.asarray(cot, jnp.float32))
+
+  got = jax.grad(loss)(lib["beta"])
+  assert _rel(got, np.array(want)) <= 1e-2, _rel(got, np.array(want))

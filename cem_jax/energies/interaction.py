@@ -152,9 +152,13 @@ def fused_update(y: jax.Array, context: jax.Array, params: dict, aux: EnergyAux)
     q, k, _ = _augmented_head(y, context, q, k, diag, aux.diagonal_form)
     q, k = (attention.heads_laid_out(a, aux.attention_partition) for a in (q, k))
     # The -½ Σ d y² row constant leaves the softmax unchanged.
-  beta = params["beta"].astype(q.dtype)
+  beta = params["beta"].astype(jnp.float32)
   eta = params["eta"].astype(jnp.float32)
-  q = q * beta[None, None, :, None]  # per-head inverse temperature, so scale=1
+  # Per-head inverse temperature, so scale=1. β·q is formed in float32 and rounded once: with
+  # β cast to bf16 first, a learned β's gradient was a bf16 sum over every token, returned as
+  # a bf16 number (3.6e-2 off the float64 maths; tests/test_reference.py). Float32 q: as before.
+  q = (q.astype(jnp.promote_types(q.dtype, jnp.float32)) * beta[None, None, :, None]
+       ).astype(q.dtype)
   if aux.is_plain_causal:
     out = attention.dot_product_attention(q, k, k, scale=1.0, implementation=impl,
                                           is_causal=True, partition=aux.attention_partition,
