@@ -220,6 +220,12 @@ _CHOICES = {
     "data.tokenizer_model_type": TOKENIZER_MODEL_TYPES,
 }
 
+# The type every bool and str field must hold, named as the refusal states it. ConfigDict
+# lets a config file store None in any field, and an int in a bool one: `c.model.rope = None`
+# would train without RoPE, `c.data.tokenizer = None` train a tokenizer, both silently.
+# (Choice fields are checked against their choices first; ints and floats by the rules below.)
+_TYPE_NAMES = {bool: "True or False", str: "a string"}
+
 # field -> (minimum allowed, inclusive)
 _MINIMUMS = {
     "seed": 0,  # numpy's generators (data order) take no negative seed
@@ -565,6 +571,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     value = config[field]
     if value not in allowed:
       raise ValueError(f"{field}={value!r}; allowed: {', '.join(allowed)}")
+  for field, default in flat(get_default_config()).items():
+    kind = type(default)
+    if kind in _TYPE_NAMES and not isinstance(config[field], kind):
+      raise ValueError(f"{field}={config[field]!r}; allowed: {_TYPE_NAMES[kind]}")
   for field, minimum in _MINIMUMS.items():
     value = config[field]
     if isinstance(value, bool) or not isinstance(value, int):

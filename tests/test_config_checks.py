@@ -214,6 +214,25 @@ def test_a_bool_is_not_a_number():
     config_lib.validate(cfg)
 
 
+_DEFAULTS = config_lib.flat(config_lib.get_default_config())
+# Every bool and every free-text str field (choice fields list their choices instead).
+_TYPED = [(k, v) for k, v in _DEFAULTS.items() if isinstance(v, (bool, str))
+          and k not in config_lib._CHOICES]
+
+
+@pytest.mark.parametrize("field, default", _TYPED, ids=lambda v: str(v))
+def test_bool_and_str_fields_refuse_another_type(field, default):
+  # ConfigDict lets a config file store None anywhere and 2 in a bool field: None read as
+  # False or '' (model.rope=None trained without RoPE, data.tokenizer=None trained one).
+  allowed = "True or False" if isinstance(default, bool) else "a string"
+  for bad in (None, 2) if isinstance(default, bool) else (None, 3):
+    cfg = tiny_config("cem")
+    force_fields(cfg, {field: bad})
+    with pytest.raises(ValueError) as e:
+      config_lib.validate(cfg)
+    assert str(e.value) == f"{field}={bad!r}; allowed: {allowed}"
+
+
 def test_a_profile_window_must_lie_inside_the_run():
   cfg = tiny_config("cem", **{"train.num_steps": 30, "train.profile_steps": 3,
                               "train.profile_first_step": 29})
