@@ -339,14 +339,15 @@ _UNUSED = (
      _model(("mlp_energy", "mlp_condition"))),
     (lambda c: c.model.block == "cem" and not (c.model.cem_attention or c.model.cem_mlp),
      "with model.cem_attention=False and model.cem_mlp=False (no energy step)",
-     _model(("update_mode", "learn_eta", "eta_init"))),
+     _model(("update_mode", "learn_eta", "eta_init", "eta_per_step"))),
     (lambda c: c.model.block == "cem" and not (c.model.cem_attention or c.model.cem_mlp)
      and c.model.norm_mode == "chain",
      "with model.cem_attention=False and model.cem_mlp=False ('chain' differentiates an "
      "energy step through its norm; the standard sub-layers take the normalised input)",
      ("model.norm_mode",)),
     (lambda c: c.model.block == "cem" and not c.model.learn_eta,
-     "with model.learn_eta=False (the step size is then fixed at 1)", ("model.eta_init",)),
+     "with model.learn_eta=False (the step size is then fixed at 1)",
+     _model(("eta_init", "eta_per_step"))),
     (lambda c: c.model.diagonal == "none", "with model.diagonal='none'",
      ("model.diagonal_form",)),
     (lambda c: c.model.inner_optimizer == "gd", "with model.inner_optimizer='gd' (no velocity)",

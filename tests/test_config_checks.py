@@ -87,6 +87,13 @@ UNUSED = [
     ({"model.precond": "both", "model.precond_shared": False},
      r"model.precond_shared=False has no effect with model.num_steps=1"),
     ({"model.eta_per_step": True}, r"model.eta_per_step=True has no effect with model.num_steps"),
+    # per-step copies of a step size that is not a parameter (fixed at 1), or of none at all
+    ({"model.learn_eta": False, "model.learn_beta": True, "model.num_steps": 2,
+      "model.eta_per_step": True},
+     r"^model.eta_per_step=True has no effect with model.learn_eta=False \(the step size is "),
+    ({"model.cem_attention": False, "model.cem_mlp": False, "model.num_steps": 2,
+      "model.eta_per_step": True},
+     r"^model.eta_per_step=True has no effect with model.cem_attention=False and model.cem_mlp"),
     ({"model.block": "llama", "model.context": "coevolve"},
      r"model.context='coevolve' applies to CEM blocks only; model.block='llama' needs"),
     ({"model.block": "llama", "model.cem_mlp": False}, r"model.cem_mlp=False applies to CEM"),
