@@ -92,6 +92,37 @@ def resident_bytes(tree) -> int:
   return total
 
 
+def check_state_fits(params, opt_state, config: ml_collections.ConfigDict,
+                     limit_bytes: int | None = None) -> None:
+  """Refuses parameters and optimizer state larger than one device's memory, from their
+  shapes on their shardings (``jax.ShapeDtypeStruct`` s), before they are made: made first,
+  they failed in XLA (a RESOURCE_EXHAUSTED traceback; past 2**64 random bits a lowering
+  error), or the kernel killed the process, before :func:`compile_within_memory` could speak.
+  ``limit_bytes`` as there (None: :func:`device_limit_bytes`; on CPU the state of all this
+  process's devices against the host's memory and swap).
+
+  Raises:
+    ValueError: one line naming both sizes, the limit and the config values to change.
+  """
+  params_bytes, opt_bytes = resident_bytes(params), resident_bytes(opt_state)
+  need, limit = params_bytes + opt_bytes, limit_bytes
+  where = "per device, the device allows"
+  if limit is None:
+    limit = device_limit_bytes()
+    if limit is None and jax.local_devices()[0].platform == "cpu":
+      need, limit = need * jax.local_device_count(), host_total_bytes()
+      where = "on this host's CPU devices, more than its memory and swap,"
+  if limit is None or need <= limit:
+    return
+  m = config.model
+  sizes = _sizes(params_bytes, opt_bytes, need, limit)
+  raise ValueError(
+      f"the parameters ({sizes[0]}) and optimizer state ({sizes[1]}) need {sizes[2]} {where} "
+      f"{sizes[3]}: shard over more devices (mesh.fsdp={config.mesh.fsdp}) or make the model "
+      f"smaller (model.d_model={m.d_model}, model.mlp_dim={m.mlp_dim}, "
+      f"model.num_layers={m.num_layers}, data.vocab_size={config.data.vocab_size})")
+
+
 def device_limit_bytes(device: jax.Device | None = None) -> int | None:
   """The memory the backend lets one device's programs use (``memory_stats()['bytes_limit']``,
   bytes), for ``device`` (default: this process's first); None where it reports none (CPU)."""

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from cem_jax import axes
+from cem_jax import axes, memory
 from cem_jax import sharding as sharding_lib
 from cem_jax.loss import blockwise_cross_entropy, perplexity
 from cem_jax.model import DecoderLM
@@ -81,11 +81,14 @@ def init_state(config: ml_collections.ConfigDict, vocab_size: int, tx, mesh=None
     ``(graphdef, params, opt_state, shardings, abstract_model)``: ``params`` an ``nnx.State``
     of Params, ``shardings`` a :class:`StateShardings`.
   Raises:
-    ValueError: a mesh that does not fit the devices, or bad ``mesh.rules``.
+    ValueError: a mesh that does not fit the devices, bad ``mesh.rules``, or parameters and
+      optimizer state larger than a device (:func:`cem_jax.memory.check_state_fits`).
   """
   mesh = sharding_lib.make_mesh(config.mesh) if mesh is None else mesh
   graphdef, shardings, abstract_model, make_params, make_opt_state = _state_builders(
       config, vocab_size, tx, mesh)
+  shapes = jax.eval_shape(make_params)
+  memory.check_state_fits(shapes, jax.eval_shape(make_opt_state, shapes), config)
   params = make_params()
   return graphdef, params, make_opt_state(params), shardings, abstract_model
 

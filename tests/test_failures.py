@@ -1664,6 +1664,40 @@ def test_a_cpu_step_larger_than_the_host_is_refused_and_than_it_has_free_warned_
         [expected] if warned else []), free
 
 
+def test_a_model_too_large_for_memory_is_refused_before_its_parameters_are_made(monkeypatch):
+  # Made first, the parameters failed in XLA (d_model=2**40: a NotImplementedError traceback
+  # lowering the random init) or were killed for memory, before any step's memory check.
+  from cem_jax import memory, optim, steps
+
+  cfg = tiny_config("llama")  # d 64, mlp 128, 2 layers; vocabulary 512 below
+  d, f, layers, vocab = 64, 128, 2, 512
+  n = vocab * d + layers * (4 * d * d + 3 * d * f + 2 * d) + d  # tied: 115,008
+  # float32 parameters, AdamW's two moments; the optimizer's few scalars well under 256 bytes
+  need = 3 * 4 * n
+  tx, _ = optim.make_optimizer(cfg.train)
+  monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: need - 1)
+  with pytest.raises(ValueError) as e:
+    steps.init_state(cfg, vocab, tx)
+  # need and the limit read alike in MiB: every size in bytes
+  got = re.fullmatch(
+      rf"the parameters \({4 * n} bytes\) and optimizer state \((\d+) bytes\) need (\d+) "
+      rf"bytes per device, the device allows {need - 1} bytes: shard over more devices "
+      r"\(mesh.fsdp=1\) or make the model smaller \(model.d_model=64, model.mlp_dim=128, "
+      r"model.num_layers=2, data.vocab_size=512\)", str(e.value))
+  assert got, str(e.value)
+  assert 8 * n <= int(got[1]) < 8 * n + 256 and int(got[2]) == 4 * n + int(got[1])
+  monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: need + 256)
+  params = steps.init_state(cfg, vocab, tx)[1]
+  assert sum(x.size for x in jax.tree.leaves(params)) == n
+  # Absurd sizes are refused from their shapes alone, on CPU against the host's memory.
+  monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: None)
+  cfg = tiny_config("llama", **{"model.d_model": 2**40, "model.num_heads": 1,
+                                "model.rope": False})
+  with pytest.raises(ValueError, match=r"^the parameters \(.* GiB\) and optimizer state .* on "
+                     r"this host's CPU devices, more than its memory and swap, .*d_model=1099"):
+    steps.init_state(cfg, vocab, tx)
+
+
 def test_xla_out_of_memory_at_compile_time_is_one_line_and_other_errors_pass():
   # TPU runs out of memory while compiling: XLA's status code, not its wording, is matched. A
   # real one: this CPU cannot allocate 2^50 bytes (refused before anything is allocated).
