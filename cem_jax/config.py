@@ -293,6 +293,13 @@ _RANGES = {
 }
 
 
+# The largest finite float32 (numpy.finfo(numpy.float32).max): the _RANGES values are used in
+# float32 (the schedule, the norms, the init), where a larger one is inf. norm_eps=1e300 trained
+# a constant model at loss ln(vocab_size), rope_theta=1e300 rotated one frequency pair of each
+# head (inf ** -x = 0), both silently.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _interval(low, low_in, high, high_in) -> str:
   left = "" if low is None else f"{low:g} {'<=' if low_in else '<'} "
   right = "" if high is None else f" {'<=' if high_in else '<'} {high:g}"
@@ -304,7 +311,7 @@ def check_range(field: str, value) -> None:
 
   Raises:
     ValueError: one line naming the field, the value and the allowed interval; also for
-      nan, inf and non-numbers.
+      nan, inf, non-numbers and numbers beyond float32's range (:data:`FLOAT32_MAX`).
   """
   low, low_in, high, high_in = _RANGES[field]
   allowed = f"allowed: a finite number, {_interval(low, low_in, high, high_in)}"
@@ -314,6 +321,9 @@ def check_range(field: str, value) -> None:
   above = high is not None and (value > high or (value == high and not high_in))
   if below or above:
     raise ValueError(f"{field}={value!r}; {allowed}")
+  if abs(value) > FLOAT32_MAX:
+    raise ValueError(f"{field}={value!r} is infinite in float32, the precision it is used in; "
+                     f"{allowed}, at most {FLOAT32_MAX:.7g}")
 
 
 # Options that build or change nothing in some configurations: (condition on the config,

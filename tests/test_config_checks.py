@@ -44,6 +44,25 @@ def test_numbers_at_the_edges_of_their_ranges_are_accepted(field, value):
                                             else {}), **{field: value}))
 
 
+# The float fields with no upper bound. 1e300 is a finite Python float but inf in the float32
+# the model and optimizer compute in: norm_eps=1e300 trained a constant model (loss ln V at
+# every step), rope_theta=1e300 rotated one frequency pair, embed_scale=1e300 gave NaN losses.
+UNBOUNDED_FLOATS = ["model.rope_theta", "model.norm_eps", "model.init_std", "model.embed_scale",
+                    "train.learning_rate", "train.weight_decay", "train.grad_clip"]
+
+
+@pytest.mark.parametrize("field", UNBOUNDED_FLOATS)
+def test_floats_beyond_float32_are_refused(field):
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(tiny_config("cem", **{field: 1e300}))
+  assert str(e.value) == (f"{field}=1e+300 is infinite in float32, the precision it is used "
+                          f"in; allowed: a finite number, 0 {'<=' if 'decay' in field else '<'} "
+                          "value, at most 3.402823e+38")
+  with pytest.raises(ValueError, match=r"is infinite in float32"):
+    config_lib.validate(tiny_config("cem", **{field: 3.403e38}))
+  config_lib.validate(tiny_config("cem", **{field: 3.4e38}))  # float32's largest is 3.4028e38
+
+
 def test_the_messages_state_the_interval():
   with pytest.raises(ValueError, match=r"train.b1=1.5; allowed: a finite number, 0 <= value < 1$"):
     config_lib.validate(tiny_config("cem", **{"train.b1": 1.5}))
