@@ -255,6 +255,17 @@ _MINIMUMS = {
 }
 
 
+# field -> (exclusive upper bound, as the message writes it): ints that reach jax as fixed-width
+# integers, where a larger one was an OverflowError traceback after the data was built.
+_BELOW = {
+    # jax keys take a signed 64-bit seed
+    "seed": (2**63, "2**63"),
+    "data.shuffle_seed": (2**63, "2**63"),
+    # optax.apply_if_finite counts in int32 and is given the value + 1 (optim.make_optimizer)
+    "train.max_consecutive_nonfinite": (2**31 - 1, "2**31 - 1"),
+}
+
+
 # field -> (what -1 means, the largest allowed value or None): an int >= 1, or -1 for a value
 # derived from others. model.num_unique_blocks's maximum is model.num_layers.
 _MINUS_ONE_OR_POSITIVE = {
@@ -592,9 +603,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"{field}={value!r} must be an int (a static Python int)")
     if value < minimum:
       raise ValueError(f"{field}={value} must be >= {minimum}")
-  for field in ("seed", "data.shuffle_seed"):  # jax keys take a signed 64-bit seed
-    if config[field] >= 2**63:
-      raise ValueError(f"{field}={config[field]} must be < 2**63")
+  for field, (bound, text) in _BELOW.items():
+    if config[field] >= bound:
+      raise ValueError(f"{field}={config[field]} must be < {text}")
   for field in _RANGES:
     check_range(field, config[field])
   for field, (meaning, most) in _MINUS_ONE_OR_POSITIVE.items():

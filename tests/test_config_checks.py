@@ -38,7 +38,8 @@ def test_numbers_out_of_range_are_one_line_errors(field, value):
     ("train.min_learning_rate_ratio", 0.0), ("train.min_learning_rate_ratio", 1.0),
     ("model.precond_eps", 0.5), ("train.grad_clip", 1e9), ("train.learning_rate", 1),
     ("model.eta_init", 1e-6), ("model.eta_init", 1e3), ("data.validation_fraction", 0.5),
-    ("model.num_unique_blocks", 2)])  # tiny_config: 2 layers
+    ("model.num_unique_blocks", 2),  # tiny_config: 2 layers
+    ("train.max_consecutive_nonfinite", 2**31 - 2)])  # trains (main, 2 steps)
 def test_numbers_at_the_edges_of_their_ranges_are_accepted(field, value):
   config_lib.validate(tiny_config("cem", **({"model.precond": "both"} if "precond" in field
                                             else {}), **{field: value}))
@@ -197,6 +198,9 @@ def test_flat_config_equals_the_json_it_is_saved_as():
     ("seed", 2**63, r"^seed=9223372036854775808 must be < 2\*\*63$"),
     # the data order's seed reaches a jax key too (data/pipeline.py), with the same limit
     ("data.shuffle_seed", 2**63, r"^data.shuffle_seed=9223372036854775808 must be < 2\*\*63$"),
+    # apply_if_finite's int32 count, given the value + 1: was an OverflowError in the first step
+    ("train.max_consecutive_nonfinite", 2**31 - 1,
+     r"^train.max_consecutive_nonfinite=2147483647 must be < 2\*\*31 - 1$"),
     ("data.validation_fraction", 0.0,
      r"^data.validation_fraction=0.0; allowed: a finite number, 0 < value <= 0.5$"),
     ("data.seq_len", 1, r"^data.seq_len=1 must be >= 2$"),
