@@ -263,6 +263,10 @@ _BELOW = {
     "data.shuffle_seed": (2**63, "2**63"),
     # optax.apply_if_finite counts in int32 and is given the value + 1 (optim.make_optimizer)
     "train.max_consecutive_nonfinite": (2**31 - 1, "2**31 - 1"),
+    # optax counts applied updates in int32; its schedule compares that count with the warmup
+    # (2**31 and up was an OverflowError in the first step) and the decay's length
+    "train.warmup_steps": (2**31, "2**31"),
+    "train.num_steps": (2**31, "2**31"),
 }
 
 

@@ -39,7 +39,8 @@ def test_numbers_out_of_range_are_one_line_errors(field, value):
     ("model.precond_eps", 0.5), ("train.grad_clip", 1e9), ("train.learning_rate", 1),
     ("model.eta_init", 1e-6), ("model.eta_init", 1e3), ("data.validation_fraction", 0.5),
     ("model.num_unique_blocks", 2),  # tiny_config: 2 layers
-    ("train.max_consecutive_nonfinite", 2**31 - 2)])  # trains (main, 2 steps)
+    ("train.max_consecutive_nonfinite", 2**31 - 2),  # trains (main, 2 steps)
+    ("train.warmup_steps", 2**31 - 1)])  # optim.make_schedule takes it
 def test_numbers_at_the_edges_of_their_ranges_are_accepted(field, value):
   config_lib.validate(tiny_config("cem", **({"model.precond": "both"} if "precond" in field
                                             else {}), **{field: value}))
@@ -201,6 +202,8 @@ def test_flat_config_equals_the_json_it_is_saved_as():
     # apply_if_finite's int32 count, given the value + 1: was an OverflowError in the first step
     ("train.max_consecutive_nonfinite", 2**31 - 1,
      r"^train.max_consecutive_nonfinite=2147483647 must be < 2\*\*31 - 1$"),
+    ("train.warmup_steps", 2**31, r"^train.warmup_steps=2147483648 must be < 2\*\*31$"),
+    ("train.num_steps", 2**31, r"^train.num_steps=2147483648 must be < 2\*\*31$"),
     ("data.validation_fraction", 0.0,
      r"^data.validation_fraction=0.0; allowed: a finite number, 0 < value <= 0.5$"),
     ("data.seq_len", 1, r"^data.seq_len=1 must be >= 2$"),
