@@ -14,7 +14,7 @@ from conftest import program_json, subprocess_env, tiny_config, write_metrics
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from cem_jax import axes, files, plot, preflight, runs, sharding
+from cem_jax import axes, cli, files, plot, preflight, runs, sharding
 from cem_jax import config as config_lib
 from cem_jax import summary as summary_lib
 from cem_jax.model import DecoderLM
@@ -863,7 +863,11 @@ def test_preemption_hands_sigterm_back_when_the_run_ends():
   assert signal.getsignal(signal.SIGTERM) is before and not preemption.requested
   with Preemption() as preemption:
     assert signal.getsignal(signal.SIGTERM) == preemption._handle  # else the signal kills pytest
-    signal.raise_signal(signal.SIGTERM)  # the notice: a flag, not the end of the process
+    with pytest.raises(cli.Terminated, match="during start-up"):
+      signal.raise_signal(signal.SIGTERM)  # before the loop: start-up stops
+    assert not preemption.requested
+    preemption.loop_starts()
+    signal.raise_signal(signal.SIGTERM)  # in the loop, the notice: a flag, not the end
   assert preemption.requested and signal.getsignal(signal.SIGTERM) is before
   # Outside the main thread signal.signal raises: such a run installs nothing (and starts).
   seen = []
