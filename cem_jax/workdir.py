@@ -347,7 +347,10 @@ class Preemption:
   SIGTERM raises :class:`cem_jax.cli.Terminated` (:data:`TERMINATED_IN_START_UP`), so that
   start-up's clean-up runs and ``main`` says so in one line. It was the default action: the
   process ended at once, silently (status 143), a new workdir left with an empty
-  ``checkpoints/``.
+  ``checkpoints/``. The flag is set there too: a Terminated that Python drops (raised in a
+  ``gc`` callback or a ``__del__`` of a job whose SIGINT is ignored, where
+  :func:`cem_jax.cli.interrupted` does not send it again) or that a library swallows lets
+  start-up go on, and the loop then saves at its first step boundary.
 
   Only for single-process runs started from the main thread: with several processes every
   process must save at the same step, which Orbax's ``reached_preemption`` (JAX's preemption
@@ -370,9 +373,11 @@ class Preemption:
 
   def _handle(self, signum, frame):
     del signum, frame
+    # First: should the Terminated be dropped, the SIGTERM is still honoured (it was forgotten
+    # and the run trained to its end).
+    self.requested = True  # nothing else: a signal handler may interrupt anything
     if self.starting:
       raise cli.Terminated(TERMINATED_IN_START_UP)
-    self.requested = True  # nothing else: a signal handler may interrupt anything
 
   def __exit__(self, *exc):
     if self._previous is not None:

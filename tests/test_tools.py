@@ -865,7 +865,8 @@ def test_preemption_hands_sigterm_back_when_the_run_ends():
     assert signal.getsignal(signal.SIGTERM) == preemption._handle  # else the signal kills pytest
     with pytest.raises(cli.Terminated, match="during start-up"):
       signal.raise_signal(signal.SIGTERM)  # before the loop: start-up stops
-    assert not preemption.requested
+    assert preemption.requested  # set first: a Terminated dropped still stops the loop
+  with Preemption() as preemption:
     preemption.loop_starts()
     signal.raise_signal(signal.SIGTERM)  # in the loop, the notice: a flag, not the end
   assert preemption.requested and signal.getsignal(signal.SIGTERM) is before
