@@ -147,8 +147,17 @@ def source_files(repo: str = REPO) -> list[str]:
 
 def pack(tarball: str, repo: str = REPO) -> int:
   """Writes the working tree's source files into ``tarball``, with their list as
-  :data:`SYNCED`; returns how many."""
+  :data:`SYNCED`; returns how many.
+
+  Raises:
+    SystemExit: a file name with a line break (one line naming it).
+  """
   files = source_files(repo)
+  for path in files:
+    if "\n" in path:  # it would be read there as two names: two other files removed
+      raise SystemExit(f"launch/tpu_pod.py: {path!r}: a file name with a line break; the "
+                       f"workers' list of the files copied ({SYNCED}) holds one name a line: "
+                       "rename it, or name it in .gitignore")
   listing = "".join(f"{path}\n" for path in files).encode()
   with tarfile.open(tarball, "w:gz") as tar:
     for path in files:

@@ -444,7 +444,8 @@ def test_tpu_pod_resync_removes_what_was_deleted_here(tmp_path):
   repo, home = tmp_path / "repo", tmp_path / "home"
   (repo / "pkg").mkdir(parents=True)
   home.mkdir()
-  for name in ("keep.py", "pkg/gone.py", "pkg/stays.py", "-dash.py", "with space.py"):
+  for name in ("keep.py", "pkg/gone.py", "pkg/stays.py", "-dash.py", "with space.py", " lead.py",
+               "back\\slash.py"):
     (repo / name).write_text(name)
   subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
   args = tpu_pod.parse_args(["--tpu=t", "--zone=z", "--no_install", "--dry_run",
@@ -460,13 +461,24 @@ def test_tpu_pod_resync_removes_what_was_deleted_here(tmp_path):
 
   (home / "code").mkdir()
   (home / "code" / "worker_own.txt").write_text("not from a copy")  # no copy unpacked it
-  assert sync() == ["-dash.py", "keep.py", "pkg/gone.py", "pkg/stays.py", "with space.py",
-                    "worker_own.txt"]
-  for name in ("pkg/gone.py", "-dash.py", "with space.py"):
+  assert sync() == [" lead.py", "-dash.py", "back\\slash.py", "keep.py", "pkg/gone.py",
+                    "pkg/stays.py", "with space.py", "worker_own.txt"]
+  # Names read back as written: a leading blank or a backslash kept (read's IFS= and -r).
+  for name in ("pkg/gone.py", "-dash.py", "with space.py", " lead.py", "back\\slash.py"):
     (repo / name).unlink()
   assert sync() == ["keep.py", "pkg/stays.py", "worker_own.txt"]
   assert sorted(p.name for p in (home / "code").iterdir()) == [".tpu_pod_files", "keep.py", "pkg",
                                                                "worker_own.txt"]
+
+
+def test_tpu_pod_refuses_a_file_name_with_a_line_break(tmp_path):
+  # The workers read their list of copied files one name a line: 'a\nb.py' would be read as
+  # 'a' and 'b.py', and removing it there (once deleted here) would remove those two.
+  (tmp_path / "a\nb.py").write_text("")
+  subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+  with pytest.raises(SystemExit, match=r"^launch/tpu_pod\.py: 'a\\nb\.py': a file name with a "
+                     r"line break; .* rename it, or name it in \.gitignore$"):
+    _script("tpu_pod").pack(str(tmp_path / "src.tar.gz"), repo=str(tmp_path))
 
 
 @pytest.mark.parametrize("workdir", ["runs/t", "~/runs/t", "./t", ""])
