@@ -984,6 +984,32 @@ def test_sweep_names_a_run_by_its_values_as_the_config_field_types_read_them(tmp
        "--config.train.learning_rate=0.001", "--config.train.warmup_steps=5"]]
 
 
+@pytest.mark.parametrize("key, given, read", [
+    ("checkpoint.async_save", "true", True), ("checkpoint.async_save", "True", True),
+    ("checkpoint.async_save", 1, True), ("checkpoint.async_save", "F", False),
+    ("train.learning_rate", "-1e-3", -0.001), ("train.learning_rate", -0.001, -0.001),
+    ("train.learning_rate", "1E+2", 100.0), ("train.learning_rate", 2, 2.0),
+    ("train.num_steps", "0x10", 16),  # as absl reads the flag main is given
+    ("model.block", "1e0", "1e0"), ("data.files", 10, 10),  # not a number field: as given
+])
+def test_sweep_reads_each_spelling_of_a_value_as_its_field_does(key, given, read):
+  from cem_jax import config as config_lib
+
+  fields = config_lib.flat(config_lib.get_default_config())
+  got = _script("sweep").normalised({key: given}, fields, "get_sweep() entry 0")[key]
+  assert (got, type(got)) == (read, type(read))
+
+
+def test_sweep_whose_get_config_returns_no_config_is_a_one_line_error(tmp_path):
+  cfg = tmp_path / "c.py"
+  cfg.write_text("def get_config():\n  pass\n\n\ndef get_sweep():\n  return [{'seed': 1}]\n")
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={tmp_path}/w", "--dry_run")
+  assert proc.returncode == 1 and proc.stderr.splitlines() == [
+      "error: get_config() returned a NoneType; allowed: an ml_collections.ConfigDict (e.g. "
+      "cem_jax.config.get_default_config() with your changes)"]
+  assert proc.stdout == "" and not (tmp_path / "w").exists()
+
+
 SWEEP_STEPS_CONFIG = """
 from cem_jax.config import get_default_config
 
