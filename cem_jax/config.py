@@ -510,6 +510,14 @@ def with_defaults(saved: ml_collections.ConfigDict | dict) -> dict:
   return {**flat(get_default_config()), **flat(saved)}
 
 
+class _Removed:
+  """A key only a saved config has (removed since), as :func:`changes` writes it: ``(none)``
+  unquoted, where a string value is quoted; equal to no value (the string '(none)' included)."""
+
+  def __repr__(self) -> str:
+    return "(none)"
+
+
 def changes(saved: ml_collections.ConfigDict | dict, now: ml_collections.ConfigDict | dict,
             ignored: Collection[str] = (), by_file_name: Collection[str] = ()
             ) -> dict[str, str]:
@@ -517,7 +525,7 @@ def changes(saved: ml_collections.ConfigDict | dict, now: ml_collections.ConfigD
   differ, each with its ``"key: old -> new"`` text, in key order; ``ignored`` keys left out.
 
   A key ``saved`` predates compares at its default (new options default to the old
-  behaviour); a key only ``saved`` has (removed since) differs, as ``'(none)'`` now. Keys in
+  behaviour); a key only ``saved`` has (removed since) differs, as ``(none)`` now. Keys in
   ``by_file_name`` (comma-separated paths) compare by their files' names.
   """
 
@@ -529,7 +537,7 @@ def changes(saved: ml_collections.ConfigDict | dict, now: ml_collections.ConfigD
     return out
 
   old, new = values(with_defaults(saved)), values(flat(now))
-  missing = "(none)"
+  missing = _Removed()
   return {k: f"{k}: {old.get(k, missing)!r} -> {new.get(k, missing)!r}"
           for k in sorted(set(old) | set(new)) if old.get(k, missing) != new.get(k, missing)}
 

@@ -1872,6 +1872,7 @@ def test_a_resume_logs_each_changed_key_but_what_only_observes(caplog):
   now = tiny_config("cem", **{"data.files": "/old/a.txt"})
   old = now.to_dict()
   old["train"]["retired_key"] = 5  # a key removed since the checkpoint was saved
+  old["train"]["retired_text"] = "(none)"  # removed too: not the same as no value
   ckpt = types.SimpleNamespace(step_dir=lambda step: f"ckpt/{step}")
   run = types.SimpleNamespace(resume=2, start_step=2, meta=runs.CheckpointMeta(config=old),
                               config=now, ckpt=ckpt)
@@ -1888,7 +1889,7 @@ def test_a_resume_logs_each_changed_key_but_what_only_observes(caplog):
               "rounding): model.remat: 'none' -> 'full'",
       "WARNING": "config differs from the checkpoint's: data.files: '/old/a.txt' -> "
                  "'/new/a.txt', train.learning_rate: 0.003 -> 0.001, train.retired_key: 5 -> "
-                 "'(none)'"}
+                 "(none), train.retired_text: '(none)' -> (none)"}
 
 
 def test_the_accumulation_advice_goes_up_to_one_row_per_microbatch():
