@@ -610,19 +610,28 @@ def test_a_start_failing_after_start_up_closes_the_checkpoints_and_leaves_no_run
   _assert_nothing_left(workdir, existed, prepared=True)
 
 
-def test_a_sigterm_while_the_last_save_commits_lets_it_commit_and_the_run_end(tmp_path,
-                                                                          monkeypatch):
-  # The last step's save is asynchronous: the loop ends, then close() waits for it. A SIGTERM
-  # there (a preemption notice) must not kill the run with that save half written (the
-  # default action, outside the loop's SIGTERM flag): the save commits, the run returns.
-  import signal
+@pytest.fixture
+def sigterm_kills():
+  """SIGTERM's default action (the process killed) stood in for, without killing pytest, by a
+  handler that raises; the handler before is put back after the test. Yields that handler."""
 
   class Killed(Exception):
     pass
 
-  def default_action(signum, frame):  # stands for the kill, without killing pytest
+  def default_action(signum, frame):
     raise Killed
 
+  previous = signal.signal(signal.SIGTERM, default_action)
+  yield default_action
+  signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_while_the_last_save_commits_lets_it_commit_and_the_run_end(tmp_path,
+                                                                          monkeypatch,
+                                                                          sigterm_kills):
+  # The last step's save is asynchronous: the loop ends, then close() waits for it. A SIGTERM
+  # there (a preemption notice) must not kill the run with that save half written (the
+  # default action, outside the loop's SIGTERM flag): the save commits, the run returns.
   close = Checkpointer.close
 
   def close_after_sigterm(self):
@@ -630,12 +639,8 @@ def test_a_sigterm_while_the_last_save_commits_lets_it_commit_and_the_run_end(tm
     close(self)
 
   monkeypatch.setattr(Checkpointer, "close", close_after_sigterm)
-  previous = signal.signal(signal.SIGTERM, default_action)
-  try:
-    final = train.train_and_evaluate(tiny_config("llama", **{"train.num_steps": 2}),
-                                     str(tmp_path / "w"))
-  finally:
-    signal.signal(signal.SIGTERM, previous)
+  final = train.train_and_evaluate(tiny_config("llama", **{"train.num_steps": 2}),
+                                   str(tmp_path / "w"))
   assert "eval/loss" in final
   monkeypatch.setattr(Checkpointer, "close", close)
   ckpt = Checkpointer(str(tmp_path / "w" / "checkpoints"))
@@ -645,16 +650,11 @@ def test_a_sigterm_while_the_last_save_commits_lets_it_commit_and_the_run_end(tm
 
 @pytest.mark.parametrize("existed", [False, True], ids=["new workdir", "existing workdir"])
 def test_a_sigterm_during_start_up_stops_it_as_a_failed_start_and_says_so(existed, tmp_path,
-                                                                          monkeypatch):
+                                                                          monkeypatch,
+                                                                          sigterm_kills):
   # Start-up has nothing to save: SIGTERM there was the default action, the process gone at
   # once without a word (status 143), a new workdir left with an empty checkpoints/. Now it
   # raises cli.Terminated (main: one line, then death by SIGTERM) after start-up's clean-up.
-  class Killed(Exception):
-    pass
-
-  def default_action(signum, frame):  # stands for the kill, without killing pytest
-    raise Killed
-
   init_state = steps.init_state
 
   def sigterm_while_initialising(*args, **kwargs):  # after the data, before the loop
@@ -665,13 +665,9 @@ def test_a_sigterm_during_start_up_stops_it_as_a_failed_start_and_says_so(existe
   workdir = tmp_path / "w"
   if existed:
     workdir.mkdir()
-  previous = signal.signal(signal.SIGTERM, default_action)
-  try:
-    with pytest.raises(cli.Terminated) as raised:
-      train.train_and_evaluate(tiny_config("llama", **{"train.num_steps": 2}), str(workdir))
-    assert signal.getsignal(signal.SIGTERM) is default_action  # put back
-  finally:
-    signal.signal(signal.SIGTERM, previous)
+  with pytest.raises(cli.Terminated) as raised:
+    train.train_and_evaluate(tiny_config("llama", **{"train.num_steps": 2}), str(workdir))
+  assert signal.getsignal(signal.SIGTERM) is sigterm_kills  # put back
   assert str(raised.value).startswith("during start-up, before the first step: nothing "
                                       "trained or saved; a --workdir this start created is "
                                       "removed but for the tokens prepared in WORKDIR/data")
