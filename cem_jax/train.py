@@ -160,6 +160,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       loop.close()
     except BaseException:
       loop.abort()
+      # A SIGTERM landing after the loop's set-up but before loop_starts took it as the flag
+      # is a cli.Terminated whose line says a new workdir is removed: it was left as a run.
+      if preemption.starting and run.created:
+        workdir_lib.remove_failed_start(workdir)
       raise
     return loop.last_eval
 
