@@ -657,7 +657,8 @@ def test_bf16_diagonal_scores_are_formed_in_float32(form):
     ((2, 2), (("data",), ("tensor",)), 2),  # 4 heads over tensor=2
     ((1, 4), (("data",), ("tensor",)), 1),
     ((4, 1), (("data",), ("tensor",)), 4),  # tensor=1 splits nothing
-    # rows take data (2 rows: data x tensor = 4 does not divide them), heads take tensor
+    # rows stay whole (data x tensor = 4 does not divide 2 rows, and no part of the axes is
+    # taken: axes.dividing_axes), so heads take tensor
     ((2, 2), (("data", "tensor"), ("tensor",)), 2),
 ])
 def test_the_splash_kernel_is_built_for_the_heads_one_device_holds(monkeypatch, mesh_shape,
