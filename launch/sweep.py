@@ -129,8 +129,8 @@ def expand(module, arg) -> list[tuple[str, dict]]:
 
   Raises:
     SystemExit: no ``get_sweep``, one that raises or returns no list of runs, a malformed
-      entry or value, a name that is not a folder name, two runs with the same name, or a
-      ``get_config`` that returns no config.
+      entry or value, a name that is not a folder name, two runs with the same name, or no
+      ``get_config``, or one that returns no config.
   """
   if not hasattr(module, "get_sweep"):
     raise SystemExit("error: the config file has no get_sweep(); define one returning a list "
@@ -140,6 +140,10 @@ def expand(module, arg) -> list[tuple[str, dict]]:
 
   from cem_jax import config as config_lib
 
+  if not hasattr(module, "get_config"):  # main needs it too: each run is this config
+    raise SystemExit("error: the config file has no get_config(); define one returning the "
+                     "config the sweep's runs override (e.g. cem_jax.config.get_default_config()"
+                     " with your changes)")
   config = _call(module.get_config, arg)
   if not isinstance(config, ml_collections.ConfigDict):
     raise SystemExit(f"error: get_config() returned a {type(config).__name__}; allowed: an "

@@ -1000,13 +1000,19 @@ def test_sweep_reads_each_spelling_of_a_value_as_its_field_does(key, given, read
   assert (got, type(got)) == (read, type(read))
 
 
-def test_sweep_whose_get_config_returns_no_config_is_a_one_line_error(tmp_path):
+@pytest.mark.parametrize("get_config, error", [
+    ("def get_config():\n  pass\n", "error: get_config() returned a NoneType; allowed: an "
+     "ml_collections.ConfigDict (e.g. cem_jax.config.get_default_config() with your changes)"),
+    # Was a traceback (AttributeError) since the sweep reads the config's field types.
+    ("", "error: the config file has no get_config(); define one returning the config the "
+     "sweep's runs override (e.g. cem_jax.config.get_default_config() with your changes)"),
+])
+def test_sweep_without_a_config_from_get_config_is_a_one_line_error(tmp_path, get_config,
+                                                                    error):
   cfg = tmp_path / "c.py"
-  cfg.write_text("def get_config():\n  pass\n\n\ndef get_sweep():\n  return [{'seed': 1}]\n")
+  cfg.write_text(f"{get_config}\n\ndef get_sweep():\n  return [{{'seed': 1}}]\n")
   proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={tmp_path}/w", "--dry_run")
-  assert proc.returncode == 1 and proc.stderr.splitlines() == [
-      "error: get_config() returned a NoneType; allowed: an ml_collections.ConfigDict (e.g. "
-      "cem_jax.config.get_default_config() with your changes)"]
+  assert proc.returncode == 1 and proc.stderr.splitlines() == [error]
   assert proc.stdout == "" and not (tmp_path / "w").exists()
 
 
