@@ -707,6 +707,8 @@ from cem_jax import cli, workdir
 
 if sys.argv[1] == "background":
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's `main ... &` (nohup) has it
+else:  # as a terminal has it, whatever the job running pytest inherited (CI under nohup)
+  signal.signal(signal.SIGINT, signal.default_int_handler)
 sent = []
 def collecting(phase, info):  # jax has one, run at every collection
   if phase == "start" and not sent:
