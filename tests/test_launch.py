@@ -712,11 +712,17 @@ def _finish(run_dir: Path, steps: int, eval_line: bool = True, checkpoint: bool 
     (run_dir / "checkpoints" / str(steps)).mkdir(parents=True)
 
 
-def test_sweep_dry_run_skips_finished_runs(tmp_path):
+def _sweep_with_first_run_finished(tmp_path, steps: int, work: str = "sw") -> tuple[Path, Path]:
+  """``sweep_cfg.py`` (SWEEP_CONFIG) and the workdir ``tmp_path/work`` whose first run
+  (``train.learning_rate=0.001``) has finished ``steps`` steps; returns ``(config, workdir)``."""
   cfg = tmp_path / "sweep_cfg.py"
   cfg.write_text(SWEEP_CONFIG)
-  work = tmp_path / "sw"
-  _finish(work / "train.learning_rate=0.001", 40)
+  _finish(tmp_path / work / "train.learning_rate=0.001", steps)
+  return cfg, tmp_path / work
+
+
+def test_sweep_dry_run_skips_finished_runs(tmp_path):
+  cfg, work = _sweep_with_first_run_finished(tmp_path, 40)
   _finish(work / "custom", 40, checkpoint=False)  # interrupted before its final save
   proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run", "--",
                  "--config.eval.batch_size=8")
@@ -787,11 +793,8 @@ def _finished_b_run(tmp_path, **model) -> tuple[Path, Path, Path]:
   ``config.json`` main writes; returns ``(config file, workdir, run folder)``."""
   from cem_jax.config import get_default_config
 
-  cfg = tmp_path / "sweep_cfg.py"
-  cfg.write_text(SWEEP_CONFIG)
-  work = tmp_path / "sw"
+  cfg, work = _sweep_with_first_run_finished(tmp_path, 10)
   run = work / "train.learning_rate=0.001"
-  _finish(run, 10)
   trained = get_default_config()
   trained.train.num_steps, trained.train.learning_rate = 10, 1e-3
   for key, value in model.items():
@@ -839,10 +842,7 @@ def test_sweep_takes_a_relative_energy_file_for_the_absolute_one_main_saved(tmp_
 def test_sweep_leaves_a_flag_it_cannot_parse_to_main_not_a_traceback_of_its_own(tmp_path):
   # An unknown key after -- (a typo) is main's to report, in one line, when the run starts;
   # the sweep's check of the folder must not end in a traceback on it.
-  cfg = tmp_path / "sweep_cfg.py"
-  cfg.write_text(SWEEP_CONFIG)
-  work = tmp_path / "sw"
-  _finish(work / "train.learning_rate=0.001", 10)
+  cfg, work = _sweep_with_first_run_finished(tmp_path, 10)
   proc = _launch("sweep.py", f"--config={cfg}:b", f"--workdir={work}", "--dry_run", "--",
                  "--config.model.no_such_key=1")
   assert proc.returncode == 0 and proc.stdout.splitlines()[0] == (
@@ -1086,10 +1086,7 @@ def test_sweep_refuses_extra_flags_for_a_key_it_sets(tmp_path):
 def test_sweep_refuses_an_extra_config_flag_whose_value_is_the_next_word(tmp_path):
   # '--config.train.num_steps 80': the sweep judged "finished" by the file's num_steps (40)
   # and skipped a run main would have trained to 80.
-  cfg = tmp_path / "sweep_cfg.py"
-  cfg.write_text(SWEEP_CONFIG)
-  work = tmp_path / "w"
-  _finish(work / "train.learning_rate=0.001", 40)
+  cfg, work = _sweep_with_first_run_finished(tmp_path, 40, "w")
   proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run", "--",
                  "--config.train.num_steps", "80")
   assert proc.returncode == 2 and proc.stdout == "", proc.stdout
@@ -1113,10 +1110,7 @@ def test_sweep_on_a_pod_needs_an_absolute_workdir(tmp_path):
 def test_sweep_copies_the_code_with_its_first_launched_run_and_fails_if_any_run_fails(
     tmp_path, monkeypatch, capsys):
   sweep = _script("sweep")
-  cfg = tmp_path / "sweep_cfg.py"
-  cfg.write_text(SWEEP_CONFIG)
-  work = tmp_path / "sw"
-  _finish(work / "train.learning_rate=0.001", 40)  # the sweep's first run: skipped
+  cfg, work = _sweep_with_first_run_finished(tmp_path, 40)  # the sweep's first run: skipped
   ran, codes = [], iter([-9, 0])  # the first launched run is killed by SIGKILL
   monkeypatch.setattr(sweep, "run_one", lambda cmd, env: ran.append((cmd, env)) or
                       (next(codes), None))

@@ -450,24 +450,37 @@ def test_the_peak_is_that_of_every_device_and_unknown_if_any_is_unknown(monkeypa
   assert model_stats.peak_flops([]) is None  # no devices: no peak, not 0 FLOP/s
 
 
+# An earlier run's metrics.jsonl: a step-0 line and evals at steps 10, 20 and 30.
+_EARLIER_METRICS = [{"step": 0, "params/total": 7},
+                    {"step": 10, "eval/loss": 2.0, "eval/bits_per_byte": 1.0},
+                    {"step": 20, "eval/loss": 2.5, "eval/bits_per_byte": 1.2},
+                    {"step": 30, "eval/loss": 1.0, "eval/bits_per_byte": 0.5}]
+
+
+def _open_metrics_at(start: int, workdir, lines=_EARLIER_METRICS, best_eval=None):
+  """train._open_metrics of a 40-step run resumed at ``start`` in a new ``workdir`` holding
+  ``lines`` (and ``best_eval`` as best_eval.json): its (best, last_eval)."""
+  workdir.mkdir()
+  write_metrics(workdir, lines)
+  if best_eval is not None:
+    (workdir / "best_eval.json").write_text(json.dumps(best_eval))
+  cfg = tiny_config("llama", **{"train.num_steps": 40})
+  run = types.SimpleNamespace(workdir=str(workdir), start_step=start, config=cfg, model=None,
+                              data=types.SimpleNamespace(stats=lambda: {"train_windows": 999}))
+  writer, best, last_eval = train._open_metrics(run, cfg.to_dict(), True)
+  writer.close()
+  return best, last_eval
+
+
 def test_metrics_jsonl_on_a_fresh_start_and_on_resume(tmp_path, monkeypatch):
   # What _open_metrics keeps of an earlier run's metrics.jsonl: on resume at step s its lines up
   # to s and the best eval among them; on a fresh start (killed before its first checkpoint)
   # none of them, so no step appears twice.
   monkeypatch.setattr(train, "count_params", lambda model: 7)
-  old = [{"step": 0, "params/total": 7},
-         {"step": 10, "eval/loss": 2.0, "eval/bits_per_byte": 1.0},
-         {"step": 20, "eval/loss": 2.5, "eval/bits_per_byte": 1.2},
-         {"step": 30, "eval/loss": 1.0, "eval/bits_per_byte": 0.5}]
+  old = _EARLIER_METRICS
 
   def open_at(start: int, workdir):
-    workdir.mkdir()
-    write_metrics(workdir, old)
-    cfg = tiny_config("llama", **{"train.num_steps": 40})
-    run = types.SimpleNamespace(workdir=str(workdir), start_step=start, config=cfg, model=None,
-                                data=types.SimpleNamespace(stats=lambda: {"train_windows": 999}))
-    writer, best, last_eval = train._open_metrics(run, cfg.to_dict(), True)
-    writer.close()
+    best, last_eval = _open_metrics_at(start, workdir)
     return read_metrics(str(workdir)), best, last_eval
 
   kept, best, last_eval = open_at(20, tmp_path / "resumed")
@@ -492,23 +505,12 @@ def test_best_eval_json_names_no_eval_past_the_restored_step(tmp_path, monkeypat
   # best_eval.json must not keep naming it (a resumed run that stops before its next eval, by
   # SIGTERM or a divergence, would leave it beside a metrics.jsonl without that eval).
   monkeypatch.setattr(train, "count_params", lambda model: 7)
-  old = [{"step": 0, "params/total": 7},
-         {"step": 10, "eval/loss": 2.0, "eval/bits_per_byte": 1.0},
-         {"step": 20, "eval/loss": 2.5, "eval/bits_per_byte": 1.2},
-         {"step": 30, "eval/loss": 1.0, "eval/bits_per_byte": 0.5}]
+  old = _EARLIER_METRICS
   stale = {"eval/best_loss": 1.0, "eval/best_bits_per_byte": 0.5, "eval/best_step": 30}
 
   def open_at(start: int, name: str, lines=old):
-    workdir = tmp_path / name
-    workdir.mkdir()
-    write_metrics(workdir, lines)
-    (workdir / "best_eval.json").write_text(json.dumps(stale))
-    cfg = tiny_config("llama", **{"train.num_steps": 40})
-    run = types.SimpleNamespace(workdir=str(workdir), start_step=start, config=cfg, model=None,
-                                data=types.SimpleNamespace(stats=lambda: {"train_windows": 999}))
-    writer, best, _ = train._open_metrics(run, cfg.to_dict(), True)
-    writer.close()
-    path = workdir / "best_eval.json"
+    best, _ = _open_metrics_at(start, tmp_path / name, lines, best_eval=stale)
+    path = tmp_path / name / "best_eval.json"
     return best, (json.loads(path.read_text()) if path.exists() else None)
 
   best, written = open_at(20, "resumed")
