@@ -159,7 +159,9 @@ def get_default_config() -> ml_collections.ConfigDict:
   # Must divide data.seq_len.
   t.loss_block_size = 0
   t.learning_rate = 3e-3  # the peak of the schedule (AdamW)
-  t.min_learning_rate_ratio = 0.1  # cosine decays to this fraction of the peak
+  # cosine decays to this fraction of the peak (unused, so refused unless 0.1, when
+  # warmup_steps >= num_steps: the run ends before the decay starts)
+  t.min_learning_rate_ratio = 0.1
   t.warmup_steps = 50  # linear up to learning_rate, then cosine (optim.make_schedule)
   t.weight_decay = 0.1  # decoupled (AdamW), on the parameters optim.decay_mask names
   t.b1 = 0.9  # AdamW's first-moment decay
@@ -171,7 +173,8 @@ def get_default_config() -> ml_collections.ConfigDict:
   # kept); this many in a row end the run with a FloatingPointError.
   t.max_consecutive_nonfinite = 10
   # A jax profiler trace of this many training steps (process 0) into WORKDIR/tensorboard, from
-  # step profile_first_step on (1-based; past the first steps' one-time costs). 0 = none.
+  # step profile_first_step on (1-based; past the first steps' one-time costs). 0 = none
+  # (profile_first_step must then keep its default).
   # Changes nothing computed: tables and resumes ignore both (OBSERVE_ONLY).
   t.profile_steps = 0
   t.profile_first_step = 5
@@ -181,7 +184,10 @@ def get_default_config() -> ml_collections.ConfigDict:
   e.batch_size = 32  # global batch, sequences
   e.max_batches = -1  # -1: the whole validation split
   e.num_steps = -1  # recursive steps T at eval; -1 = model.num_steps (test-time steps)
-  e.energy_trace = True  # log eval/energy/layer{l}/step{t}/... for CEM models
+  # Log eval/energy/layer{l}/step{t}/... CEM models with an energy step only: a Llama model, or
+  # a CEM block with cem_attention=cem_mlp=False, has no energy to trace and logs none either
+  # way (not refused: the default is True, and refusing it would refuse every such config).
+  e.energy_trace = True
 
   # ---- mesh --------------------------------------------------------------------------------
   h = c.mesh = ml_collections.ConfigDict()
@@ -342,7 +348,8 @@ def check_range(field: str, value) -> None:
 
 
 # Options that build or change nothing in some configurations: (condition on the config,
-# why, dotted keys that must then keep their default). A non-default value there would be
+# why (text, or a function of the config for one that names its values), dotted keys that
+# must then keep their default). A non-default value there would be
 # silently ignored, so validation refuses it.
 _CEM_ONLY = ("cem_attention", "cem_mlp", "update_mode", "attention_energy", "mlp_energy",
              "learn_beta", "learn_eta", "eta_init", "diagonal", "diagonal_form", "precond",
@@ -393,6 +400,14 @@ _UNUSED = (
     (lambda c: not c.data.tfds_name, "without data.tfds_name", _data(_TFDS_KEYS)),
     (lambda c: bool(c.data.tfds_name),
      "with data.tfds_name (the catalog's own splits are used)", ("data.validation_fraction",)),
+    # The warm-up is still climbing (or has just reached the peak) at the last update: the
+    # cosine, and so its end value, never starts (optim.make_schedule).
+    (lambda c: c.train.warmup_steps >= c.train.num_steps,
+     lambda c: (f"with train.warmup_steps={c.train.warmup_steps} >= train.num_steps="
+                f"{c.train.num_steps} (the run ends before the cosine decay starts)"),
+     ("train.min_learning_rate_ratio",)),
+    (lambda c: not c.train.profile_steps, "with train.profile_steps=0 (no profile is taken)",
+     ("train.profile_first_step",)),
 )
 
 
@@ -401,6 +416,7 @@ def _check_unused(config: ml_collections.ConfigDict) -> None:
   for applies, why, keys in _UNUSED:
     if not applies(config):
       continue
+    said = why(config) if callable(why) else why
     for key in keys:
       value, default = config[key], defaults[key]
       if value == default:
@@ -408,7 +424,7 @@ def _check_unused(config: ml_collections.ConfigDict) -> None:
       if m.block == "llama" and key.startswith("model."):  # the message llama users know
         raise ValueError(f"{key}={value!r} applies to CEM blocks only; "
                          f"model.block='llama' needs {key}={default!r}")
-      raise ValueError(f"{key}={value!r} has no effect {why}; leave it at {default!r}")
+      raise ValueError(f"{key}={value!r} has no effect {said}; leave it at {default!r}")
   targets = {"attention": m.cem_attention, "mlp": m.cem_mlp}
   wanted = ("attention", "mlp") if m.precond == "both" else (m.precond,)
   for target in wanted:
