@@ -2,7 +2,8 @@
 
 Any config key can be overridden: ``--config.model.num_layers=2 --config.data.files=a.txt``;
 a misspelt key or a value of the wrong type fails while the flags are parsed, a value the
-config's rules refuse (``config.validate``) right after, both before jax is imported.
+config's rules refuse (``config.validate``) right after, and a missing ``data.tokenizer`` file
+or ``data.prepared_dir`` folder next, all before jax is imported.
 Rerunning the same command resumes from the newest intact checkpoint in ``DIR``. Exit status: 0
 when done or stopped by SIGTERM after saving (preemption), 1 with a one-line ``error: ...`` for
 bad input or a diverged run; SIGTERM during start-up (nothing to save) is one line
@@ -32,8 +33,12 @@ def main(argv):
        cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
     config = cli.load_config()
     # jax-free: a value the config's own rules refuse fails in a second, before jax loads
-    # (train checks it again with what needs the model code: preflight.check).
+    # (train checks it again with what needs the model code: preflight.check), and so does
+    # a given data file that is not there.
     config_lib.validate(config)
+    from cem_jax import data
+
+    data.check_given_files(config.data)
     from cem_jax import distributed, energies, train
 
     # Before anything touches a device: the runtime must know all processes first.

@@ -165,19 +165,41 @@ def test_config_and_axes_import_no_jax():
   assert out.stdout.strip() == "", f"importing config/axes loaded: {out.stdout.strip()}"
 
 
-def test_main_refuses_a_bad_config_value_before_jax_loads(tmp_path):
-  # A value config.validate refuses (not a misspelt key: absl catches that) fails in a
-  # fraction of a second, with no workdir made: jax is never imported.
+def _main_error_before_jax(tmp_path, override: str) -> str:
+  """The error line of ``cem_jax.main`` on tiny.py with ``override``, checked to have ended
+  with status 1 before jax or flax was imported and before the workdir was made."""
   code = ("import sys, runpy; sys.argv = ['main', '--config=experiments/tiny.py', "
-          f"'--workdir={tmp_path / 'w'}', '--config.model.block=cme']\n"
+          f"'--workdir={tmp_path / 'w'}', {override!r}]\n"
           "try:\n  runpy.run_module('cem_jax.main', run_name='__main__')\n"
           "except SystemExit as e:\n"
           "  print(e.code, sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax'}))")
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": REPO}, check=True, timeout=120)
   assert out.stdout.strip() == "1 []", out.stdout + out.stderr
-  assert out.stderr.strip().splitlines()[-1] == "error: model.block='cme'; allowed: cem, llama"
   assert not (tmp_path / "w").exists()
+  return out.stderr.strip().splitlines()[-1]
+
+
+def test_main_refuses_a_bad_config_value_before_jax_loads(tmp_path):
+  # A value config.validate refuses (not a misspelt key: absl catches that) fails in a
+  # fraction of a second, with no workdir made: jax is never imported.
+  assert _main_error_before_jax(tmp_path, "--config.model.block=cme") == (
+      "error: model.block='cme'; allowed: cem, llama")
+
+
+def test_main_refuses_a_missing_data_file_before_jax_loads(tmp_path):
+  # It was refused after jax loaded (seconds), the tokenizer only after the text was read.
+  missing = tmp_path / "none"
+  assert _main_error_before_jax(tmp_path, f"--config.data.tokenizer={missing}.model") == (
+      f"error: data.tokenizer='{missing}.model': no such file; give a SentencePiece .model "
+      "file, or data.tokenizer='' to train one")
+  assert _main_error_before_jax(tmp_path, f"--config.data.prepared_dir={missing}") == (
+      f"error: data.prepared_dir={missing} does not exist; allowed: a folder python -m "
+      "cem_jax.prepare --out=DIR wrote (or leave it empty)")
+  (tmp_path / "empty").mkdir()
+  assert _main_error_before_jax(tmp_path, f"--config.data.prepared_dir={tmp_path}/empty") == (
+      f"error: data.prepared_dir={tmp_path}/empty: no manifest.json (not a prepared dataset, "
+      "or its prepare did not finish); run python -m cem_jax.prepare --out=DIR again")
 
 
 def test_bench_imports_no_grain_and_training_no_tfds():

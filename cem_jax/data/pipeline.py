@@ -318,6 +318,22 @@ class Data:
     }
 
 
+def check_given_files(data_config) -> None:
+  """Refuses a ``data.prepared_dir`` with no manifest or, without one, a ``data.tokenizer`` that
+  names no file: what :func:`build_data` would refuse after the text is read, checked first
+  (``main`` checks them before jax loads). With ``data.prepared_dir`` the given tokenizer is
+  compared with the folder's when it is opened (``prepared.check_fits``).
+
+  Raises:
+    ValueError, FileNotFoundError: as :func:`cem_jax.data.prepared.manifest_file` and
+      :func:`cem_jax.data.tokenizer.tokenizer_file` (one line).
+  """
+  if data_config.prepared_dir:
+    prepared_lib.manifest_file(data_config.prepared_dir)
+  elif data_config.tokenizer:
+    tokenizer_lib.tokenizer_file(data_config.tokenizer)
+
+
 def build_data(config, workdir: str | os.PathLike, verify: bool = True) -> Data:
   """Builds the data of an experiment from its resolved config.
 

@@ -313,6 +313,31 @@ class StreamWindows:
     return {"tokens": tokens, "segment_ids": segment_ids, "nbytes": nbytes}
 
 
+def manifest_file(directory: str | os.PathLike) -> Path:
+  """The manifest's path in a ``data.prepared_dir`` (``~`` expanded) once the folder has one,
+  not yet read: what :meth:`PreparedData.open_manifest` reads, checked alone by ``main`` before
+  jax loads.
+
+  Raises:
+    ValueError: no such folder, or no manifest in it (one line naming the folder and what to
+      do).
+  """
+  directory = Path(os.path.expanduser(os.fspath(directory)))
+  path = directory / MANIFEST
+  if not directory.is_dir():
+    what = "is not a folder" if directory.exists() else "does not exist"
+    raise ValueError(f"data.prepared_dir={os.fspath(directory)} {what}; allowed: a folder "
+                     "python -m cem_jax.prepare --out=DIR wrote (or leave it empty)")
+  if not path.is_file():
+    if _being_prepared(directory):
+      raise ValueError(f"data.prepared_dir={os.fspath(directory)}: no {MANIFEST} yet: "
+                       "another process is preparing it; wait for it to end")
+    raise ValueError(
+        f"data.prepared_dir={os.fspath(directory)}: no {MANIFEST} (not a prepared dataset, "
+        "or its prepare did not finish); run python -m cem_jax.prepare --out=DIR again")
+  return path
+
+
 class PreparedData:
   """A prepared folder opened for reading: its manifest, tokenizer and split streams."""
 
@@ -347,19 +372,8 @@ class PreparedData:
         and what to do); a manifest unlike any that prepare writes (its structure, names,
         token counts) is damaged.
     """
-    directory = Path(os.path.expanduser(os.fspath(directory)))
-    path = directory / MANIFEST
-    if not directory.is_dir():
-      what = "is not a folder" if directory.exists() else "does not exist"
-      raise ValueError(f"data.prepared_dir={os.fspath(directory)} {what}; allowed: a folder "
-                       "python -m cem_jax.prepare --out=DIR wrote (or leave it empty)")
-    if not path.is_file():
-      if _being_prepared(directory):
-        raise ValueError(f"data.prepared_dir={os.fspath(directory)}: no {MANIFEST} yet: "
-                         "another process is preparing it; wait for it to end")
-      raise ValueError(
-          f"data.prepared_dir={os.fspath(directory)}: no {MANIFEST} (not a prepared dataset, "
-          "or its prepare did not finish); run python -m cem_jax.prepare --out=DIR again")
+    path = manifest_file(directory)
+    directory = path.parent
     try:
       manifest = json.loads(path.read_text())
     except ValueError as e:

@@ -286,13 +286,13 @@ def train_model(docs: Iterable[str], vocab_size: int, model_type: str = "bpe") -
   return model
 
 
-def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Tokenizer:
-  """Loads the ``data.tokenizer`` model file and checks it against ``data.vocab_size``.
+def tokenizer_file(path: str | os.PathLike) -> Path:
+  """The ``data.tokenizer`` path (``~`` expanded) once it names a file, not yet read: what
+  :func:`load_tokenizer` opens, checked alone by ``main`` before jax loads.
 
   Raises:
-    FileNotFoundError: the file does not exist (one line naming ``data.tokenizer``).
-    ValueError: it is a folder, its vocabulary size differs from ``vocab_size``, it has no EOS
-      piece, or it is not a SentencePiece model.
+    FileNotFoundError: no such file (one line naming ``data.tokenizer``).
+    ValueError: it is a folder.
   """
   path = Path(os.path.expanduser(os.fspath(path)))
   if path.is_dir():
@@ -301,6 +301,18 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Tokenizer:
   if not path.is_file():
     raise FileNotFoundError(f"data.tokenizer={os.fspath(path)!r}: no such file; give a "
                             "SentencePiece .model file, or data.tokenizer='' to train one")
+  return path
+
+
+def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Tokenizer:
+  """Loads the ``data.tokenizer`` model file and checks it against ``data.vocab_size``.
+
+  Raises:
+    FileNotFoundError: the file does not exist (one line naming ``data.tokenizer``).
+    ValueError: it is a folder, its vocabulary size differs from ``vocab_size``, it has no EOS
+      piece, or it is not a SentencePiece model.
+  """
+  path = tokenizer_file(path)
   try:
     tok = Tokenizer.from_file(path)
   except RuntimeError as e:
