@@ -6,8 +6,9 @@ config's rules refuse (``config.validate``) right after, and a missing ``data.to
 or ``data.prepared_dir`` folder next, all before jax is imported.
 Rerunning the same command resumes from the newest intact checkpoint in ``DIR``. Exit status: 0
 when done or stopped by SIGTERM after saving (preemption), 1 with a one-line ``error: ...`` for
-bad input or a diverged run; SIGTERM during start-up (nothing to save) is one line
-``terminated (SIGTERM): ...`` and death by SIGTERM (143), as Ctrl-C is one line and 130.
+bad input or a diverged run; SIGTERM during start-up (nothing to save; while jax is imported,
+once the import is done) is one line ``terminated (SIGTERM): ...`` and death by SIGTERM
+(143), as Ctrl-C is one line and 130.
 
 Several processes (TPU pod workers, ``srun`` tasks, ``launch/local.py``) run this same command;
 ``jax.distributed.initialize`` is called when the environment or the flags say so (see
@@ -39,7 +40,12 @@ def main(argv):
     from cem_jax import data
 
     data.check_given_files(config.data)
-    from cem_jax import distributed, energies, train
+    # Seconds, before train sets its own SIGTERM handler: said as start-up's SIGTERM is. Not
+    # further: jax.distributed.initialize may set the handler of JAX's preemption sync. Left
+    # silent (the default action, 143): the flags and config before (under a second), and
+    # distributed.initialize and jax's backend start until train's handler (Preemption).
+    with cli.sigterm_stops(cli.TERMINATED_IN_START_UP):
+      from cem_jax import distributed, energies, train
 
     # Before anything touches a device: the runtime must know all processes first.
     distributed.initialize(fl.distributed, fl.coordinator_address, fl.num_processes,

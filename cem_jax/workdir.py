@@ -333,19 +333,12 @@ def check_same_run(workdir: str, config: ml_collections.ConfigDict) -> None:
                      "started it, a new --workdir, or delete that run to train it again")
 
 
-# Said by main (cem_jax.cli.interrupted) after "terminated (SIGTERM): ".
-TERMINATED_IN_START_UP = (
-    "during start-up, before the first step: nothing trained or saved; a --workdir this start "
-    "created is removed but for the tokens prepared in WORKDIR/data; the same command starts "
-    "again (from the newest checkpoint in --workdir, if any)")
-
-
 class Preemption:
   """Turns SIGTERM (a preemption notice) into a flag the loop checks at each step boundary.
 
   Entered before start-up, which has nothing to save: there (until :meth:`loop_starts`) a
-  SIGTERM raises :class:`cem_jax.cli.Terminated` (:data:`TERMINATED_IN_START_UP`), so that
-  start-up's clean-up runs and ``main`` says so in one line. It was the default action: the
+  SIGTERM raises :class:`cem_jax.cli.Terminated` (:data:`cem_jax.cli.TERMINATED_IN_START_UP`),
+  so that start-up's clean-up runs and ``main`` says so in one line. It was the default action: the
   process ended at once, silently (status 143), a new workdir left with an empty
   ``checkpoints/``. The flag is set there too: a Terminated that Python drops (raised in a
   ``gc`` callback or a ``__del__`` of a job whose SIGINT is ignored, where
@@ -377,7 +370,7 @@ class Preemption:
     # and the run trained to its end).
     self.requested = True  # nothing else: a signal handler may interrupt anything
     if self.starting:
-      raise cli.Terminated(TERMINATED_IN_START_UP)
+      raise cli.Terminated(cli.TERMINATED_IN_START_UP)
 
   def __exit__(self, *exc):
     if self._previous is not None:

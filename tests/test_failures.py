@@ -701,6 +701,60 @@ def test_terminated_is_one_line_and_ends_the_process_by_sigterm():
   assert proc.stderr == "finally ran\nterminated (SIGTERM): what was kept\ncleanup ran\n"
 
 
+# main with a SIGTERM sent while it imports jax (from the import system's first look for a jax
+# module, so at the same point every time), both signals at their default disposition, as a
+# terminal's job has them, whatever the job running pytest inherited (CI runs under nohup).
+_SIGTERM_IN_IMPORT = """
+import runpy, signal, sys
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+class SigtermAtJax:
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] in ("jax", "jaxlib"):
+      sys.meta_path.remove(self)
+      signal.raise_signal(signal.SIGTERM)
+    return None
+
+sys.meta_path.insert(0, SigtermAtJax())
+sys.argv = ["main", "--config=experiments/tiny.py", "--workdir=" + sys.argv[1]]
+runpy.run_module("cem_jax.main", run_name="__main__")
+"""
+
+
+def test_a_sigterm_while_main_imports_jax_is_the_start_up_line(tmp_path):
+  # It was the default action: the process gone without a word (143), before train set its
+  # handler (workdir.Preemption).
+  proc = subprocess.run([sys.executable, "-c", _SIGTERM_IN_IMPORT, str(tmp_path / "w")],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
+  assert proc.stderr == f"terminated (SIGTERM): {cli.TERMINATED_IN_START_UP}\n"
+  assert not (tmp_path / "w").exists()
+
+
+def test_sigterm_stops_at_the_end_of_its_block_and_leaves_a_taken_sigterm_alone():
+  # Raised where it landed, inside jaxlib's extension initialisation, it crashed the process.
+  previous = signal.getsignal(signal.SIGTERM)
+  try:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    ran = []
+    with pytest.raises(cli.Terminated, match="^what now$"):
+      with cli.sigterm_stops("what now"):
+        signal.raise_signal(signal.SIGTERM)
+        ran.append("the rest of the block")
+    assert ran == ["the rest of the block"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    for taken in (signal.SIG_IGN, lambda signum, frame: None):
+      signal.signal(signal.SIGTERM, taken)
+      with cli.sigterm_stops("what now"):
+        assert signal.getsignal(signal.SIGTERM) is taken
+        signal.raise_signal(signal.SIGTERM)
+      assert signal.getsignal(signal.SIGTERM) is taken
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
 _DROPPED_SIGTERM = """
 import gc, signal, sys, time
 from cem_jax import cli, workdir
@@ -736,7 +790,7 @@ def test_a_sigterm_that_python_drops_during_start_up_is_not_forgotten(job):
                         capture_output=True, text=True, timeout=120)
   if job == "foreground":
     assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
-    assert proc.stderr == f"terminated (SIGTERM): {workdir_lib.TERMINATED_IN_START_UP}\n"
+    assert proc.stderr == f"terminated (SIGTERM): {cli.TERMINATED_IN_START_UP}\n"
   else:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr.endswith("the loop saves at its first step boundary: True\n")
