@@ -22,12 +22,14 @@ checks that a step fits the model before restoring it.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import jax
 import orbax.checkpoint as ocp
 
-from cem_jax import integrity
+from cem_jax import errors, integrity
 from cem_jax.integrity import COMMIT_MARKER, DIGEST_DIR, REJECTED_DIR, CheckpointError
 
 __all__ = ["COMMIT_MARKER", "DIGEST_DIR", "REJECTED_DIR", "CheckpointError", "Checkpointer"]
@@ -37,6 +39,18 @@ def _flat_arrays(tree) -> dict[str, tuple[tuple[int, ...], str]]:
   """``{"a/b/0/c": (shape, dtype)}`` in Orbax's own key format, for trees and metadata alike."""
   flat = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(tree, keep_empty_nodes=True), sep="/")
   return {k: (tuple(v.shape), str(v.dtype)) for k, v in flat.items() if hasattr(v, "shape")}
+
+
+def _mib(size: int) -> str:
+  return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size} bytes"
+
+
+def _free_text(directory: str) -> str:
+  """``'; 1.2 MiB free on its disk'``, or nothing where the folder is gone."""
+  try:
+    return f"; {_mib(shutil.disk_usage(directory).free)} free on its disk"
+  except OSError:
+    return ""
 
 
 def _listing(items: list[str], limit: int = 6) -> str:
@@ -129,8 +143,9 @@ class Checkpointer:
     before exiting.
 
     Raises:
-      Exception: what the previous asynchronous save raised (Orbax's error, e.g. an
-        ``OSError`` for a full disk), re-raised here by :meth:`wait` before this one starts.
+      CheckpointError: no room for the step on the folder's disk (single-process runs: checked
+        before Orbax writes anything), or the previous asynchronous save failed (re-raised by
+        :meth:`wait` before this one starts); one line naming the folder and what to do.
     """
     if step in self.manager.all_steps():
       return False
@@ -139,6 +154,7 @@ class Checkpointer:
     # Orbax would wait for the previous save anyway; waiting here first lets the digest hook know
     # which step it is finalizing, and prunes digests of steps Orbax has since deleted.
     self.wait()
+    self._check_room(step, state, meta)
     self._saving_step = step
     saved = self.manager.save(
         step,
@@ -149,6 +165,30 @@ class Checkpointer:
     if not self.async_save:
       self.wait()
     return saved
+
+  def _check_room(self, step: int, state, meta: dict) -> None:
+    """Refuses a save its disk has no room for, before Orbax starts: a save that fails part way
+    fails in each of Orbax's writer threads (a log line from each, and tracebacks from the
+    asyncio callbacks of the writes still under way). Single-process runs only: processes that
+    read the free space at different moments could disagree, and one that starts a save waits
+    for the others for ever. The arrays' bytes are a lower bound (Orbax adds a little
+    metadata): a save just beyond it still fails in Orbax, reported by :meth:`wait`."""
+    if jax.process_count() != 1:
+      return
+    need = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(state)) + len(json.dumps(meta))
+    free = shutil.disk_usage(self.directory).free
+    if free < need:
+      raise CheckpointError(
+          f"no room for checkpoint step {step} in {self.directory}: it takes at least "
+          f"{_mib(need)}, its disk has {_mib(free)} free; {self._what_now()}")
+
+  def _what_now(self) -> str:
+    """What to do after a save failed: the steps before it are untouched (Orbax writes a
+    step into a folder of its own and deletes old steps only after a save commits)."""
+    steps = self.manager.all_steps()
+    resume = (f"resumes from step {max(steps)}, the newest saved" if steps else
+              "starts again (no step was saved)")
+    return f"make room there (or fix the folder), then the same command {resume}"
 
   def _write_digest(self) -> None:
     """Orbax's post-finalization hook: digests the step about to be committed."""
@@ -246,9 +286,20 @@ class Checkpointer:
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def wait(self) -> None:
-    """Blocks until pending saves are committed (raising their errors); prunes old digests."""
-    self.manager.wait_until_finished()
-    self.manager.check_for_errors()
+    """Blocks until pending saves are committed; prunes old digests.
+
+    Raises:
+      CheckpointError: a pending save failed (a full disk, a folder removed under it): one line
+        naming the step, the folder, the cause's first line and what to do; the cause chained.
+    """
+    try:
+      self.manager.wait_until_finished()
+      self.manager.check_for_errors()
+    except Exception as e:
+      step = "" if self._saving_step is None else f" step {self._saving_step}"
+      raise CheckpointError(
+          f"checkpoint{step} could not be saved in {self.directory} ({errors.one_line(e)}"
+          f"{_free_text(self.directory)}); {self._what_now()}") from e
     integrity.prune_digests(self.directory, self.manager.all_steps())
 
   def close(self) -> None:

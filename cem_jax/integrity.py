@@ -50,7 +50,8 @@ _TMP_SUFFIX = ocp.path.atomicity.TMP_DIR_SUFFIX
 
 
 class CheckpointError(ValueError):
-  """A checkpoint cannot be used: none intact, or it does not fit the model/optimizer.
+  """A checkpoint cannot be used (none intact, or it does not fit the model/optimizer) or
+  cannot be saved (no room on its disk, or its save failed).
 
   A ``ValueError`` so that the command line reports it as bad input (one line, exit status 1).
   """

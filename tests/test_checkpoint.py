@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -433,6 +434,59 @@ def test_a_synchronous_save_returns_with_the_step_committed_and_a_saved_step_is_
   state, _ = ckpt.restore(1, _small_state(0.0))
   np.testing.assert_array_equal(state["w"], np.arange(1000.0))
   ckpt.close()
+
+
+def test_a_save_its_disk_has_no_room_for_is_refused_before_orbax_writes(tmp_path, monkeypatch):
+  # A save that fails part way fails in each of Orbax's writer threads: their log lines and
+  # asyncio tracebacks came before the run's error (found saving onto a 2 MiB tmpfs).
+  import cem_jax.checkpoint as checkpoint_lib
+
+  ckpt = _save_steps(tmp_path, steps=(1,))
+  # 1000 + 12 float32 (4048 bytes) and the 11 characters of '{"step": 2}'
+  for free, refused in ((4058, True), (4059, False)):
+    monkeypatch.setattr(checkpoint_lib.shutil, "disk_usage",
+                        lambda path, free=free: types.SimpleNamespace(free=free))
+    if not refused:
+      assert ckpt.save(2, _small_state(2.0), {"step": 2}, force=True)
+      break
+    with pytest.raises(CheckpointError) as e:
+      ckpt.save(2, _small_state(2.0), {"step": 2}, force=True)
+    assert str(e.value) == (
+        f"no room for checkpoint step 2 in {tmp_path}: it takes at least 4059 bytes, its disk "
+        f"has 4058 bytes free; make room there (or fix the folder), then the same command "
+        f"resumes from step 1, the newest saved")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "digests"]  # nothing begun
+  ckpt.close()
+  assert ckpt.all_steps() == [1, 2] and ckpt.verify(1) == [] and ckpt.verify(2) == []
+
+
+def test_a_failed_background_save_is_one_line_naming_the_folder_and_keeps_the_saved_steps(
+    tmp_path, monkeypatch):
+  # A full disk found by Orbax's threads (here at our digest, written in its finalize thread):
+  # it was Orbax's message alone, naming neither the checkpoint folder nor what to do.
+  import errno
+
+  from cem_jax import integrity
+
+  ckpt = _save_steps(tmp_path, steps=(1,))
+
+  def full_disk(directory, step):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(integrity, "write_digest", full_disk)
+  assert ckpt.save(2, _small_state(2.0), {"step": 2}, force=True)
+  with pytest.raises(CheckpointError) as e:
+    ckpt.wait()
+  said = str(e.value)
+  assert said.startswith(f"checkpoint step 2 could not be saved in {tmp_path} (")
+  assert "No space left on device" in said and "\n" not in said
+  assert said.endswith(" free on its disk); make room there (or fix the folder), then the same "
+                       "command resumes from step 1, the newest saved")
+  monkeypatch.undo()
+  ckpt.close()
+  assert ckpt.all_steps() == [1] and ckpt.verify(1) == []
+  state, _ = ckpt.restore(1, _small_state(0.0))
+  np.testing.assert_array_equal(state["w"], np.arange(1000.0))
 
 
 def test_read_only_reader_skips_damage_and_touches_nothing(tmp_path):
