@@ -295,7 +295,9 @@ class Checkpointer:
     try:
       self.manager.wait_until_finished()
       self.manager.check_for_errors()
-    except Exception as e:
+    # What a disk or a folder raises (tensorstore's errors are ValueErrors), as main's
+    # bad-input errors are; anything else is a bug and keeps its traceback.
+    except (OSError, ValueError) as e:
       step = "" if self._saving_step is None else f" step {self._saving_step}"
       raise CheckpointError(
           f"checkpoint{step} could not be saved in {self.directory} ({errors.one_line(e)}"
