@@ -362,8 +362,16 @@ class DecoderLM(nnx.Module):
       each ``[num_steps, batch, max_len, num_heads, head_dim]``.
 
     ``num_steps``: the recursive steps the decoding calls will run (default
-    ``model.num_steps``); pass the same to :meth:`__call__`.
+    ``model.num_steps``); pass the same to :meth:`__call__`, which refuses a cache made for
+    other steps.
+
+    Raises:
+      ValueError: ``batch`` or ``max_len`` < 1, or ``num_steps`` not an int >= 1.
     """
+    check_num_steps(num_steps)
+    if batch < 1 or max_len < 1:
+      raise ValueError(f"DecoderLM.init_cache: batch={batch}, max_len={max_len}; allowed: "
+                       ">= 1 each")
     return DecodeCache(tuple(block.init_cache(batch, max_len, num_steps)
                              for block in self.layer_blocks()), max_len)
 
@@ -398,18 +406,29 @@ class DecoderLM(nnx.Module):
     Returns:
       ``logits`` ``[batch, seq_len, vocab_size]`` float32; with ``trace`` a tuple
       ``(logits, traces)``; with ``cache`` a tuple ``(logits, cache)``, the cache updated
-      (decoding is one document: ``segment_ids`` is not read).
+      (decoding is one document per row: ``segment_ids`` is refused).
     Raises:
-      ValueError: ``trace`` with ``cache`` (cached decoding keeps no energy trace).
+      ValueError: ``trace`` or ``segment_ids`` with ``cache`` (cached decoding keeps no
+        energy trace, and is one document per row);
+        ``num_steps`` not an int >= 1; a cache that does not fit the call (its ``max_len``
+        too short for the tokens at a concrete ``index``, or made for another batch,
+        ``num_steps`` or dtype).
       TypeError: ``cache`` not a :class:`DecodeCache`.
     """
     if cache is not None and not isinstance(cache, DecodeCache):
       raise TypeError(f"DecoderLM: cache is a {type(cache).__name__}; pass the DecodeCache "
                       "that init_cache returns")
+    if segment_ids is not None and cache is not None:
+      # Decoding attends over one document: padding or documents in the ids would be ignored.
+      raise ValueError("DecoderLM: segment_ids with a decoding cache; cached decoding is one "
+                       "document per row (pass segment_ids=None)")
     if trace and cache is not None:
       raise ValueError("DecoderLM: trace=True with a decoding cache; cached decoding keeps no "
                        "energy trace (evaluate the full sequence with trace=True instead)")
+    check_num_steps(num_steps)
     b, t = tokens.shape
+    if cache is not None:
+      self._check_cache(cache, b, t, index, num_steps)
     if cache is None:
       aux = self.make_aux(segment_ids if self.cfg.document_mask else None, b, t)
       if segment_ids is not None:  # padding is known even when attention ignores documents
@@ -438,6 +457,40 @@ class DecoderLM(nnx.Module):
       return out, DecodeCache(tuple(new_cache), cache.max_len)
     return (out, traces) if trace else out
 
+  def _check_cache(self, cache: DecodeCache, batch: int, num_new: int, index,
+                   num_steps: int | None) -> None:
+    """Refuses a call that the cache does not fit, which would otherwise decode wrong tokens
+    without an error: ``dynamic_update_slice`` clamps a write past ``max_len`` onto the last
+    slots, and a recursive step beyond the cache's copies reads the last copy and writes none.
+    ``index`` is checked where it is concrete (a traced one is the caller's to keep in range).
+
+    Raises:
+      ValueError: one line naming what does not fit and what would.
+    """
+    if num_new > cache.max_len:
+      raise ValueError(f"DecoderLM: {num_new} new tokens exceed the cache's "
+                       f"max_len={cache.max_len}; make it with init_cache(batch, max_len >= "
+                       f"{num_new})")
+    if not isinstance(index, jax.core.Tracer):
+      i = int(index)
+      if not 0 <= i <= cache.max_len - num_new:
+        raise ValueError(f"DecoderLM: index={i} for {num_new} new tokens in a cache of "
+                         f"max_len={cache.max_len}; allowed: 0..{cache.max_len - num_new}")
+    want = jax.eval_shape(lambda: self.init_cache(batch, cache.max_len, num_steps))
+    if len(cache.layers) != len(want.layers):
+      raise ValueError(f"DecoderLM: the cache holds {len(cache.layers)} layers, this model "
+                       f"runs {len(want.layers)}; make it with this model's init_cache")
+    for layer, (got, need) in enumerate(zip(cache.layers, want.layers, strict=True)):
+      got_shapes = {k: (tuple(v.shape), jnp.dtype(v.dtype)) for k, v in got.items()}
+      need_shapes = {k: (tuple(v.shape), jnp.dtype(v.dtype)) for k, v in need.items()}
+      if got_shapes != need_shapes:
+        steps = self.cfg.num_steps if num_steps is None else num_steps
+        raise ValueError(
+            f"DecoderLM: the cache does not fit this call (batch={batch}, num_steps={steps}): "
+            f"layer {layer} holds {_shapes(got_shapes)}, the call needs "
+            f"{_shapes(need_shapes)}; make it with init_cache(batch, max_len, num_steps) at "
+            "the num_steps of the calls")
+
   def output_head(self) -> jax.Array:
     """The output layer's matrix ``[d_model, vocab_size]`` in the compute dtype: the embedding
     transposed (``model.tie_embeddings``) or ``lm_head``. Logits are
@@ -459,6 +512,19 @@ class DecoderLM(nnx.Module):
     return _weight_laid_out(head, lambda mesh_shape: PartitionSpec(
         PartitionSpec.UNCONSTRAINED, dividing_axes(self.vocab_axes, head.shape[1],
                                                    mesh_shape)))
+
+
+def check_num_steps(num_steps) -> None:
+  """Refuses a ``num_steps`` override that is not an int >= 1: 0 steps would leave every CEM
+  layer the identity without a word."""
+  if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int)
+                                or num_steps < 1):
+    raise ValueError(f"DecoderLM: num_steps={num_steps!r}; allowed: an int >= 1 (None: "
+                     "model.num_steps)")
+
+
+def _shapes(leaves: dict) -> str:
+  return ", ".join(f"{k} {list(shape)} {dtype}" for k, (shape, dtype) in sorted(leaves.items()))
 
 
 def abstract_model(model_cfg: ml_collections.ConfigDict, vocab_size: int, *,

@@ -365,3 +365,39 @@ def test_top_p_measures_the_mass_of_the_tempered_distribution():
   assert np.isfinite(out).tolist() == [[True, True, False]]
   assert np.isfinite(np.asarray(sample.filter_logits(logits, 1.0, 0, 0.6))).tolist() == [
       [True, False, False]]
+
+
+def test_decoding_refuses_a_cache_that_does_not_fit_the_call():
+  """A decoding call the cache does not fit gave wrong logits without an error: a write past
+  max_len is clamped onto the last slots (dynamic_update_slice), and a co-evolving context or
+  the standard attention at more steps than the cache's copies reads the last copy and writes
+  none. Each is refused in one line now."""
+  graphdef, params = _model(dict(block="cem", num_steps=2, context="coevolve"))
+  model = nnx.merge(graphdef, params)
+  one = jnp.asarray([[1]])
+
+  def refused(message, tokens, cache, index, num_steps=None):
+    with pytest.raises(ValueError, match=rf"^DecoderLM: {message}[^\n]*$"):
+      model(tokens, cache=cache, index=index, num_steps=num_steps)
+
+  cache = model.init_cache(1, 4)
+  refused(r"6 new tokens exceed the cache's max_len=4", jnp.ones((1, 6), jnp.int32), cache, 0)
+  refused(r"index=4 for 1 new tokens in a cache of max_len=4; allowed: 0..3", one, cache, 4)
+  refused(r"index=3 for 2 new tokens in a cache of max_len=4; allowed: 0..2",
+          jnp.ones((1, 2), jnp.int32), cache, 3)
+  refused(r"index=-1 for 1 new tokens", one, cache, -1)
+  refused(r"the cache does not fit this call \(batch=2, num_steps=2\): layer 0 holds context "
+          r"\[2, 1, 4, 64\] float32, the call needs context \[2, 2, 4, 64\] float32",
+          jnp.ones((2, 1), jnp.int32), cache, 0)
+  # test-time steps: a cache made for T = 2 at T = 3, and for T = 3 at T = 2
+  refused(r"the cache does not fit this call \(batch=1, num_steps=3\): layer 0 holds context "
+          r"\[2, 1, 4, 64\]", one, cache, 0, num_steps=3)
+  refused(r"the cache does not fit this call \(batch=1, num_steps=2\)", one,
+          model.init_cache(1, 4, num_steps=3), 0)
+  refused(r"num_steps=0; allowed: an int >= 1", one, cache, 0, num_steps=0)
+  with pytest.raises(ValueError, match=r"^DecoderLM: segment_ids with a decoding cache; "):
+    model(one, jnp.asarray([[0]]), cache=cache, index=0)  # padding that was ignored
+  with pytest.raises(ValueError, match=r"^DecoderLM.init_cache: batch=1, max_len=0; allowed"):
+    model.init_cache(1, 0)
+  with pytest.raises(ValueError, match=r"^DecoderLM: num_steps=0; allowed"):
+    model.init_cache(1, 4, num_steps=0)
