@@ -20,6 +20,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from cem_jax import cli
+from cem_jax.model import check_num_steps
 
 
 def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -66,6 +67,32 @@ def _choose(logits, rng, temperature, top_k, top_p):
       jnp.int32)
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float,
+                   vocab_size: int | None = None, flag: str = "") -> None:
+  """Refuses sampling settings out of range, in one line naming the setting (``flag``
+  prefixes each name: ``'--'`` for the command line): ``temperature`` 0 (greedy) or finite
+  > 0; ``top_k`` 0 (off) or 1..``vocab_size`` (unbounded while ``vocab_size`` is None);
+  ``0 < top_p <= 1``; with greedy, ``top_k`` and ``top_p`` left at 0 and 1 (they would have
+  no effect).
+
+  Raises:
+    ValueError: the first setting out of range.
+  """
+  if not 0.0 <= temperature < float("inf"):  # also rejects nan
+    raise ValueError(f"{flag}temperature={temperature}; allowed: 0 (greedy) or a finite "
+                     "number > 0")
+  if top_k < 0:
+    raise ValueError(f"{flag}top_k={top_k}; allowed: 0 (off) or 1..vocab_size")
+  if vocab_size is not None and top_k > vocab_size:
+    raise ValueError(f"{flag}top_k={top_k}; allowed: 0 (off) or 1..{vocab_size} (the "
+                     "vocabulary)")
+  if not 0.0 < top_p <= 1.0:  # also rejects nan
+    raise ValueError(f"{flag}top_p={top_p}; allowed: 0 < top_p <= 1")
+  if temperature == 0.0 and (top_k or top_p < 1.0):
+    raise ValueError(f"{flag}top_k={top_k} {flag}top_p={top_p} have no effect with "
+                     f"{flag}temperature=0 (greedy); leave them at 0 and 1")
+
+
 def generate(graphdef, params, prompt: np.ndarray, max_new_tokens: int, *, rng=None,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              use_cache: bool = True, num_steps: int | None = None) -> np.ndarray:
@@ -75,13 +102,26 @@ def generate(graphdef, params, prompt: np.ndarray, max_new_tokens: int, *, rng=N
   ``num_steps`` overrides a CEM model's recursive steps.
 
   Raises:
-    ValueError: ``prompt`` not ``[batch, prompt_len >= 1]``, or ``max_new_tokens`` < 1.
+    ValueError: ``prompt`` not ``[batch, prompt_len >= 1]`` integer ids in
+      ``[0, vocab_size)``, ``max_new_tokens`` < 1, or sampling settings out of range
+      (:func:`check_sampling`).
   """
-  prompt = np.asarray(prompt, np.int32)
+  prompt = np.asarray(prompt)
   if prompt.ndim != 2 or prompt.shape[1] < 1:
     raise ValueError(f"prompt must be [batch, prompt_len >= 1], got shape {prompt.shape}")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens}; allowed: >= 1")
+  if not np.issubdtype(prompt.dtype, np.integer):  # not truncated to ids
+    raise ValueError(f"prompt has dtype {prompt.dtype}; allowed: integer token ids")
+  if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r}; allowed: an int >= 1")
+  check_num_steps(num_steps)  # here, not in the jitted step: its error is one line
+  vocab = nnx.merge(graphdef, params).embedding.shape[0]
+  check_sampling(temperature, top_k, top_p, vocab)
+  # An id out of range reads a NaN embedding row (jnp.take fills) and decodes garbage.
+  bad = prompt[(prompt < 0) | (prompt >= vocab)]
+  if bad.size:
+    raise ValueError(f"prompt holds token id {bad[0]}; allowed: 0..{vocab - 1} (the "
+                     "vocabulary)")
+  prompt = prompt.astype(np.int32)
   rng = jax.random.PRNGKey(0) if rng is None else rng
   batch, plen = prompt.shape
   total = plen + max_new_tokens
@@ -130,16 +170,7 @@ def main(argv):
   with cli.user_errors():
     if fl.max_new_tokens < 1:
       raise ValueError(f"--max_new_tokens={fl.max_new_tokens}; allowed: >= 1")
-    if not 0.0 < fl.top_p <= 1.0:
-      raise ValueError(f"--top_p={fl.top_p}; allowed: 0 < top_p <= 1")
-    if not 0.0 <= fl.temperature < float("inf"):  # also rejects nan
-      raise ValueError(f"--temperature={fl.temperature}; allowed: 0 (greedy) or a finite "
-                       "number > 0")
-    if fl.top_k < 0:
-      raise ValueError(f"--top_k={fl.top_k}; allowed: 0 (off) or 1..vocab_size")
-    if fl.temperature == 0.0 and (fl.top_k or fl.top_p < 1.0):
-      raise ValueError(f"--top_k={fl.top_k} --top_p={fl.top_p} have no effect with "
-                       "--temperature=0 (greedy); leave them at 0 and 1")
+    check_sampling(fl.temperature, fl.top_k, fl.top_p, flag="--")
     if fl.temperature == 0.0 and fl["seed"].present:
       raise ValueError(f"--seed={fl.seed} has no effect with --temperature=0 (greedy): "
                        "the most likely token is taken; leave --seed out")
@@ -152,9 +183,7 @@ def main(argv):
                        "give it in UTF-8") from None
     config, data, graphdef, params, step = runs.load_run(fl.workdir,
                                                          attention_impl=fl.attention_impl)
-    vocab = data.tokenizer.vocab_size
-    if fl.top_k > vocab:
-      raise ValueError(f"--top_k={fl.top_k}; allowed: 0 (off) or 1..{vocab} (the vocabulary)")
+    check_sampling(fl.temperature, fl.top_k, fl.top_p, data.tokenizer.vocab_size, "--")
     ids = data.tokenizer.encode(fl.prompt)
     if not ids:
       raise ValueError(f"--prompt={fl.prompt!r} encodes to no tokens; give some text")

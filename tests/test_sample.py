@@ -367,6 +367,35 @@ def test_top_p_measures_the_mass_of_the_tempered_distribution():
       [True, False, False]]
 
 
+# Settings out of range were taken silently by generate (the CLI checked its flags, callers of
+# the function got greedy for temperature=-1, a NaN-embedding prompt for an id >= vocab_size,
+# ids truncated from floats, the identity for num_steps=0): each is one line now.
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(temperature=-1.0), r"temperature=-1.0; allowed: 0 \(greedy\) or a finite number > 0"),
+    (dict(temperature=float("nan")), r"temperature=nan; allowed: 0 \(greedy\)"),
+    (dict(temperature=1.0, top_k=-3), r"top_k=-3; allowed: 0 \(off\) or 1..vocab_size"),
+    (dict(temperature=1.0, top_k=V + 1), rf"top_k={V + 1}; allowed: 0 \(off\) or 1..{V} \(the "
+                                         r"vocabulary\)"),
+    (dict(temperature=1.0, top_p=0.0), r"top_p=0.0; allowed: 0 < top_p <= 1"),
+    (dict(temperature=1.0, top_p=float("nan")), r"top_p=nan; allowed: 0 < top_p <= 1"),
+    (dict(top_k=2), r"top_k=2 top_p=1.0 have no effect with temperature=0 \(greedy\)"),
+    (dict(prompt=[[1, V, 3]]), rf"prompt holds token id {V}; allowed: 0..{V - 1} \(the "
+                               r"vocabulary\)"),
+    (dict(prompt=[[1, -1, 3]]), rf"prompt holds token id -1; allowed: 0..{V - 1}"),
+    (dict(prompt=[[1.7, 2.0]]), r"prompt has dtype float64; allowed: integer token ids"),
+    (dict(max_new_tokens=2.5), r"max_new_tokens=2.5; allowed: an int >= 1"),
+    (dict(num_steps=0), r"DecoderLM: num_steps=0; allowed: an int >= 1 \(None: "
+                        r"model.num_steps\)"),
+], ids=lambda v: str(v)[:30])
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_refuses_settings_out_of_range_in_one_line(kwargs, message, use_cache):
+  graphdef, params = _model(dict(block="cem"))
+  kwargs = {"prompt": [[1, 2, 3]], "max_new_tokens": 2, **kwargs}
+  prompt, n = np.asarray(kwargs.pop("prompt")), kwargs.pop("max_new_tokens")
+  with pytest.raises(ValueError, match=rf"^{message}[^\n]*$"):
+    sample.generate(graphdef, params, prompt, n, use_cache=use_cache, **kwargs)
+
+
 def test_decoding_refuses_a_cache_that_does_not_fit_the_call():
   """A decoding call the cache does not fit gave wrong logits without an error: a write past
   max_len is clamped onto the last slots (dynamic_update_slice), and a co-evolving context or
