@@ -262,7 +262,8 @@ _MINIMUMS = {
 
 
 # field -> (exclusive upper bound, as the message writes it): ints that reach jax as fixed-width
-# integers, where a larger one was an OverflowError traceback after the data was built.
+# integers, where a larger one was an OverflowError traceback after the data was built. Each is
+# a _MINIMUMS field too: check_int reads both.
 _BELOW = {
     # jax keys take a signed 64-bit seed
     "seed": (2**63, "2**63"),
@@ -325,6 +326,22 @@ def _interval(low, low_in, high, high_in) -> str:
   left = "" if low is None else f"{low:g} {'<=' if low_in else '<'} "
   right = "" if high is None else f" {'<=' if high_in else '<'} {high:g}"
   return f"{left}value{right}" if left or right else "any finite number"
+
+
+def check_int(field: str, value) -> None:
+  """Checks one integer field against :data:`_MINIMUMS` and, where it has one, its upper bound
+  in :data:`_BELOW`: a Python ``int`` (not a bool, a float or a numpy integer, which
+  ``config.json`` could not hold) in that range.
+
+  Raises:
+    ValueError: one line naming the field, the value and what is allowed, e.g.
+      ``seed=-1; allowed: an int >= 0 and < 2**63``.
+  """
+  minimum, (bound, bound_text) = _MINIMUMS[field], _BELOW.get(field, (None, ""))
+  allowed = f"an int >= {minimum}" + (f" and < {bound_text}" if bound is not None else "")
+  if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+      or (bound is not None and value >= bound)):
+    raise ValueError(f"{field}={value!r}; allowed: {allowed}")
 
 
 def check_range(field: str, value) -> None:
@@ -625,15 +642,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     kind = type(default)
     if kind in _TYPE_NAMES and not isinstance(config[field], kind):
       raise ValueError(f"{field}={config[field]!r}; allowed: {_TYPE_NAMES[kind]}")
-  for field, minimum in _MINIMUMS.items():
-    value = config[field]
-    if isinstance(value, bool) or not isinstance(value, int):
-      raise ValueError(f"{field}={value!r} must be an int (a static Python int)")
-    if value < minimum:
-      raise ValueError(f"{field}={value} must be >= {minimum}")
-  for field, (bound, text) in _BELOW.items():
-    if config[field] >= bound:
-      raise ValueError(f"{field}={config[field]} must be < {text}")
+  for field in _MINIMUMS:
+    check_int(field, config[field])
   for field in _RANGES:
     check_range(field, config[field])
   for field, (meaning, most) in _MINUS_ONE_OR_POSITIVE.items():

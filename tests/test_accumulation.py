@@ -122,7 +122,8 @@ def test_a_batch_the_microbatches_do_not_divide_is_one_line():
                           "train.gradient_accumulation_steps=4 x the 4 data-parallel devices "
                           "(mesh.data x mesh.fsdp = 4 x 1); use a multiple of 16, e.g. 16")
   axes.check_config(cfg, 2)
-  with pytest.raises(ValueError, match=r"^train\.gradient_accumulation_steps=0 must be >= 1$"):
+  with pytest.raises(ValueError,
+                     match=r"^train\.gradient_accumulation_steps=0; allowed: an int >= 1$"):
     config_lib.validate(tiny_config("cem", **{"train.gradient_accumulation_steps": 0}))
 
 

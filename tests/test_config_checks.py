@@ -1,6 +1,7 @@
 """Config validation refuses out-of-range numbers and options that would be silently ignored."""
 
 import math
+import re
 
 import pytest
 from conftest import force_fields, tiny_config
@@ -223,28 +224,31 @@ def test_flat_config_equals_the_json_it_is_saved_as():
 @pytest.mark.parametrize("field, value, message", [
     ("model.head_dim", 0, r"^model.head_dim=0; allowed: -1 "),
     ("model.head_dim", -7, r"^model.head_dim=-7; allowed: -1 "),
-    ("seed", -1, r"^seed=-1 must be >= 0$"),
-    ("data.shuffle_seed", -3, r"^data.shuffle_seed=-3 must be >= 0$"),
-    ("seed", 2**63, r"^seed=9223372036854775808 must be < 2\*\*63$"),
+    ("seed", -1, r"^seed=-1; allowed: an int >= 0 and < 2\*\*63$"),
+    ("data.shuffle_seed", -3, r"^data.shuffle_seed=-3; allowed: an int >= 0 and < 2\*\*63$"),
+    ("seed", 2**63, r"^seed=9223372036854775808; allowed: an int >= 0 and < 2\*\*63$"),
     # the data order's seed reaches a jax key too (data/pipeline.py), with the same limit
-    ("data.shuffle_seed", 2**63, r"^data.shuffle_seed=9223372036854775808 must be < 2\*\*63$"),
+    ("data.shuffle_seed", 2**63,
+     r"^data.shuffle_seed=9223372036854775808; allowed: an int >= 0 and < 2\*\*63$"),
     # apply_if_finite's int32 count, given the value + 1: was an OverflowError in the first step
     ("train.max_consecutive_nonfinite", 2**31 - 1,
-     r"^train.max_consecutive_nonfinite=2147483647 must be < 2\*\*31 - 1$"),
-    ("train.warmup_steps", 2**31, r"^train.warmup_steps=2147483648 must be < 2\*\*31$"),
-    ("train.num_steps", 2**31, r"^train.num_steps=2147483648 must be < 2\*\*31$"),
+     r"^train.max_consecutive_nonfinite=2147483647; allowed: an int >= 1 and < 2\*\*31 - 1$"),
+    ("train.warmup_steps", 2**31,
+     r"^train.warmup_steps=2147483648; allowed: an int >= 0 and < 2\*\*31$"),
+    ("train.num_steps", 2**31,
+     r"^train.num_steps=2147483648; allowed: an int >= 1 and < 2\*\*31$"),
     ("data.validation_fraction", 0.0,
      r"^data.validation_fraction=0.0; allowed: a finite number, 0 < value <= 0.5$"),
-    ("data.seq_len", 1, r"^data.seq_len=1 must be >= 2$"),
-    ("data.vocab_size", 7, r"^data.vocab_size=7 must be >= 8$"),
-    ("checkpoint.every_steps", 0, r"^checkpoint.every_steps=0 must be >= 1$"),
-    ("train.eval_every_steps", 0, r"^train.eval_every_steps=0 must be >= 1$"),
+    ("data.seq_len", 1, r"^data.seq_len=1; allowed: an int >= 2$"),
+    ("data.vocab_size", 7, r"^data.vocab_size=7; allowed: an int >= 8$"),
+    ("checkpoint.every_steps", 0, r"^checkpoint.every_steps=0; allowed: an int >= 1$"),
+    ("train.eval_every_steps", 0, r"^train.eval_every_steps=0; allowed: an int >= 1$"),
     ("eval.max_batches", -2,  # else the run trains, then fails at its first eval
      r"^eval.max_batches=-2; allowed: -1 \(the whole split\) or an int >= 1$"),
     ("eval.max_batches", 0, r"^eval.max_batches=0; allowed: -1 "),
     ("data.validation_fraction", 0.51,
      r"^data.validation_fraction=0.51; allowed: a finite number, 0 < value <= 0.5$"),
-    ("train.num_steps", True, r"^train.num_steps=True must be an int \(a static Python int\)$"),
+    ("train.num_steps", True, r"^train.num_steps=True; allowed: an int >= 1 and < 2\*\*31$"),
     ("model.precond_rank", 65, r"^model.precond_rank=65 exceeds model.d_model=64; allowed: 0..64$"),
     ("model.d_model", 66, r"^model.d_model=66 is not divisible by model.num_heads=4; change one "),
     ("model.head_dim", 7, r"^model.head_dim=7 must be even with model.rope=True$"),
@@ -305,7 +309,7 @@ def test_a_profile_window_must_lie_inside_the_run():
   cfg.train.profile_first_step = 28  # steps 28..30: the last three
   config_lib.validate(cfg)
   for field, value in (("train.profile_steps", -1), ("train.profile_first_step", 0)):
-    with pytest.raises(ValueError, match=rf"^{field}={value} must be >= "):
+    with pytest.raises(ValueError, match=rf"^{field}={value}; allowed: an int >= "):
       config_lib.validate(tiny_config("cem", **{field: value}))
   cfg.train.profile_steps = 0  # no trace: a first step is not read, so it must be the default
   cfg.train.profile_first_step = 1000
@@ -369,7 +373,15 @@ def test_every_integer_field_refuses_one_below_its_minimum(field, minimum):
   extra = {"model.precond": "both"} if field == "model.precond_rank" else {}
   with pytest.raises(ValueError) as e:
     config_lib.validate(tiny_config("cem", **extra, **{field: minimum - 1}))
-  assert str(e.value) == f"{field}={minimum - 1} must be >= {minimum}"
+  # The upper bound, where a field has one, is in the cases of the test above.
+  assert re.fullmatch(rf"{re.escape(field)}={minimum - 1}; allowed: an int >= {minimum}"
+                      r"( and < 2\*\*\d+( - 1)?)?", str(e.value)), str(e.value)
+
+
+def test_every_upper_bound_is_checked_with_its_minimum():
+  # check_int reads _BELOW for the _MINIMUMS fields validate passes it: a bound of a field
+  # without a minimum would never be checked.
+  assert set(config_lib._BELOW) <= set(config_lib._MINIMUMS)
 
 
 @pytest.mark.parametrize("field, allowed", [

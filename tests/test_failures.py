@@ -360,7 +360,7 @@ def test_validation_names_field_value_and_what_is_allowed():
                                        r"or an int >= 1$"):
     preflight.check(cfg)
   cfg = tiny_config("cem", **{"checkpoint.keep": 0})
-  with pytest.raises(ValueError, match=r"^checkpoint\.keep=0 must be >= 1$"):
+  with pytest.raises(ValueError, match=r"^checkpoint\.keep=0; allowed: an int >= 1$"):
     preflight.check(cfg)
   cfg = tiny_config("cem", **{"eval.max_batches": 0})
   with pytest.raises(ValueError, match=r"^eval\.max_batches=0; allowed: -1 \(the whole split\) "
