@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cem_jax import axes, memory
+from cem_jax import config as config_lib
 from cem_jax import sharding as sharding_lib
 from cem_jax.loss import blockwise_cross_entropy, perplexity
 from cem_jax.model import DecoderLM
@@ -178,27 +179,56 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
     ValueError: ``gradient_accumulation_steps`` is not an int >= 1 (one line naming
       ``train.gradient_accumulation_steps``).
   """
+  # A direct caller need not have run config.validate: 0 would divide the rows by zero when
+  # the step is traced, far from the value that caused it.
+  config_lib.check_int("train.gradient_accumulation_steps", gradient_accumulation_steps)
+  value_and_grad = _batch_value_and_grad(graphdef, gradient_accumulation_steps, shardings,
+                                         loss_block_size)
 
-  k = gradient_accumulation_steps
-  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-    raise ValueError(f"train.gradient_accumulation_steps={k!r}; allowed: an int >= 1")
+  @functools.partial(jax.jit, donate_argnums=(0, 1), **_train_step_placement(shardings))
+  def step(params, opt_state, batch, guard=0, done=0):
+    loss, grads = value_and_grad(params, batch)
+    lr = None if schedule is None else schedule(applied_updates(opt_state))
+    # A NaN/Inf loss or gradient: apply_if_finite (make_optimizer) leaves params and moments
+    # unchanged and counts it.
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    guard = _next_guard(guard, done, opt_state.notfinite_count, max_consecutive_nonfinite)
+    return params, opt_state, _train_metrics(loss, grads, opt_state, guard, lr)
+
+  return step if shardings is None else _UnderMesh(step, shardings.mesh)
+
+
+def _loss_sums(graphdef, params, batch: dict, loss_block_size: int, num_steps: int | None = None,
+               trace: bool = False):
+  """The model's summed loss over ``batch`` (:func:`make_train_step`'s keys):
+  ``(loss_sum, weight_sum, traces)``, float32 ``[]`` sums of ``-log p(target)`` (nats) and of
+  the weights, and the energy trace (:class:`cem_jax.layers.CEMBlock`; None unless
+  ``trace``). ``num_steps``: the CEM layers' recursive steps (None: the model's own).
+
+  Raises:
+    ValueError: ``loss_block_size`` negative or not dividing ``seq_len``
+      (:func:`cem_jax.loss.blockwise_cross_entropy`).
+  """
+  model = nnx.merge(graphdef, params)
+  outputs = model(batch["inputs"], batch["segment_ids"], num_steps=num_steps, trace=trace,
+                  hidden=True)
+  hidden, traces = outputs if trace else (outputs, None)
+  loss_sum, weight_sum = blockwise_cross_entropy(hidden, model.output_head(), batch["targets"],
+                                                 batch["weights"], loss_block_size)
+  return loss_sum, weight_sum, traces
+
+
+def _batch_value_and_grad(graphdef, k: int, shardings: StateShardings | None,
+                          loss_block_size: int):
+  """``value_and_grad(params, batch) -> (loss, grads)`` of the batch's token-weighted mean
+  loss (float32 ``[]``, nats/token; ``grads`` like ``params``), in ``k`` microbatches
+  (:func:`make_train_step`) summed in a ``lax.scan`` when ``k`` > 1."""
 
   def loss_fn(params, batch, total_weight):
-    model = nnx.merge(graphdef, params)
-    hidden = model(batch["inputs"], batch["segment_ids"], hidden=True)
-    loss_sum, _ = blockwise_cross_entropy(hidden, model.output_head(), batch["targets"],
-                                          batch["weights"], loss_block_size)
-    return loss_sum / total_weight
-
-  def microbatches(batch):
-    """``[rows, ...]`` -> ``[k, rows / k, ...]``, microbatch i = rows i, i + k, ..."""
-    def split(x):
-      x = jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
-      if shardings is None:
-        return x
-      spec = PartitionSpec(None, *shardings.batch.spec)
-      return jax.lax.with_sharding_constraint(x, NamedSharding(shardings.mesh, spec))
-    return jax.tree.map(split, batch)
+    # Over the whole batch's weight, not the microbatch's: the microbatches' losses then sum to
+    # the batch mean, however unevenly the padding falls.
+    return _loss_sums(graphdef, params, batch, loss_block_size)[0] / total_weight
 
   def value_and_grad(params, batch):
     total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
@@ -212,38 +242,59 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
     if shardings is not None:  # the summed gradient lives where its parameter does
       zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], shardings.params))
-    return jax.lax.scan(accumulate, zeros, microbatches(batch))[0]
+    return jax.lax.scan(accumulate, zeros, _microbatches(batch, k, shardings))[0]
 
-  jit_kwargs = {}
-  if shardings is not None:
-    s = shardings
-    jit_kwargs = {"in_shardings": (s.params, s.opt_state, s.batch, s.replicated, s.replicated),
-                  "out_shardings": (s.params, s.opt_state, s.replicated)}
+  return value_and_grad
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1), **jit_kwargs)
-  def step(params, opt_state, batch, guard=0, done=0):
-    loss, grads = value_and_grad(params, batch)
-    lr = None if schedule is None else schedule(applied_updates(opt_state))
-    # A NaN/Inf loss or gradient: apply_if_finite (make_optimizer) leaves params and moments
-    # unchanged and counts it.
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    guard = jnp.asarray(guard, jnp.int32)
-    if max_consecutive_nonfinite is not None:
-      hit = (guard == 0) & (opt_state.notfinite_count >= max_consecutive_nonfinite)
-      guard = jnp.where(hit, jnp.asarray(done, jnp.int32), guard)
-    metrics = {
-        "loss": loss,
-        "grad_norm": optax.tree.norm(grads),
-        "nonfinite_total": opt_state.total_notfinite,
-        "nonfinite_consecutive": opt_state.notfinite_count,
-        "nonfinite_guard": guard,
-    }
-    if lr is not None:
-      metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
-    return params, opt_state, metrics
 
-  return step if shardings is None else _UnderMesh(step, shardings.mesh)
+def _microbatches(batch: dict, k: int, shardings: StateShardings | None) -> dict:
+  """Each ``[rows, seq_len]`` array of ``batch`` as ``[k, rows / k, seq_len]``: microbatch i
+  holds rows i, i + k, ..., so that each device splits the rows it holds (with
+  ``shardings``, the pieces stay on the batch's data-parallel axes) and no row moves."""
+  def split(x):
+    x = jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+    if shardings is None:
+      return x
+    spec = PartitionSpec(None, *shardings.batch.spec)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(shardings.mesh, spec))
+  return jax.tree.map(split, batch)
+
+
+def _train_step_placement(shardings: StateShardings | None) -> dict:
+  """``jax.jit``'s ``in_shardings`` and ``out_shardings`` for :func:`make_train_step`'s
+  ``step`` on ``shardings`` (``{}`` without: the inputs' own placement)."""
+  if shardings is None:
+    return {}
+  s = shardings
+  return {"in_shardings": (s.params, s.opt_state, s.batch, s.replicated, s.replicated),
+          "out_shardings": (s.params, s.opt_state, s.replicated)}
+
+
+def _next_guard(guard, done, consecutive, max_consecutive_nonfinite: int | None) -> jax.Array:
+  """The non-finite guard after update ``done`` (int32 ``[]``, :func:`make_train_step`):
+  ``done`` the first time ``consecutive`` (optax's count of non-finite updates in a row)
+  reaches ``max_consecutive_nonfinite``, else ``guard`` unchanged (always, when that is
+  None)."""
+  guard = jnp.asarray(guard, jnp.int32)
+  if max_consecutive_nonfinite is None:
+    return guard
+  hit = (guard == 0) & (consecutive >= max_consecutive_nonfinite)
+  return jnp.where(hit, jnp.asarray(done, jnp.int32), guard)
+
+
+def _train_metrics(loss, grads, opt_state, guard, lr) -> dict:
+  """:func:`make_train_step`'s ``metrics`` (float32 or int32 ``[]`` each); ``learning_rate``
+  only where there is a schedule (``lr`` not None)."""
+  metrics = {
+      "loss": loss,
+      "grad_norm": optax.tree.norm(grads),
+      "nonfinite_total": opt_state.total_notfinite,
+      "nonfinite_consecutive": opt_state.notfinite_count,
+      "nonfinite_guard": guard,
+  }
+  if lr is not None:
+    metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
+  return metrics
 
 
 def make_eval_step(graphdef, num_steps: int | None, energy_trace: bool = False,
@@ -269,12 +320,8 @@ def make_eval_step(graphdef, num_steps: int | None, energy_trace: bool = False,
 
   @functools.partial(jax.jit, **jit_kwargs)
   def eval_step(params, batch):
-    model = nnx.merge(graphdef, params)
-    outputs = model(batch["inputs"], batch["segment_ids"], num_steps=num_steps,
-                    trace=energy_trace, hidden=True)
-    hidden, traces = outputs if energy_trace else (outputs, None)
-    loss_sum, weight_sum = blockwise_cross_entropy(hidden, model.output_head(), batch["targets"],
-                                                   batch["weights"], loss_block_size)
+    loss_sum, weight_sum, traces = _loss_sums(graphdef, params, batch, loss_block_size,
+                                              num_steps, energy_trace)
     byte_sum = jnp.sum(batch["target_bytes"] * batch["weights"])
     out = {"loss_sum": loss_sum, "weight_sum": weight_sum, "byte_sum": byte_sum}
     if energy_trace:
