@@ -7,9 +7,9 @@ compile time on TPU. :func:`compile_within_memory` compiles the step ahead of ti
 footprint per device and, where the backend reports the device's limit (GPU, TPU; not CPU),
 refuses a step that needs more with one line naming the config values to change; on a CPU it
 refuses one that needs more than the host's memory and swap, and warns where it needs more
-than the host has free. The
-compiled program is the one the first call uses (jax shares the compilation between
-``lower(...).compile()`` and the call), so the check costs no second compile.
+than the host has free. The compiled program is the one the first call uses (jax shares the
+compilation between ``lower(...).compile()`` and the call), so the check costs no second
+compile.
 """
 
 from __future__ import annotations
@@ -105,13 +105,13 @@ def check_state_fits(params, opt_state, config: ml_collections.ConfigDict,
     ValueError: one line naming both sizes, the limit and the config values to change.
   """
   params_bytes, opt_bytes = resident_bytes(params), resident_bytes(opt_state)
-  need, limit = params_bytes + opt_bytes, limit_bytes
+  need = params_bytes + opt_bytes
+  limit = device_limit_bytes() if limit_bytes is None else limit_bytes
   where = "per device, the device allows"
-  if limit is None:
-    limit = device_limit_bytes()
-    if limit is None and jax.local_devices()[0].platform == "cpu":
-      need, limit = need * jax.local_device_count(), host_total_bytes()
-      where = "on this host's CPU devices, more than its memory and swap,"
+  on_host = _host_need(need, limit)
+  if on_host is not None:
+    need, limit = on_host, host_total_bytes()
+    where = "on this host's CPU devices, more than its memory and swap,"
   if limit is None or need <= limit:
     return
   m = config.model
@@ -121,6 +121,16 @@ def check_state_fits(params, opt_state, config: ml_collections.ConfigDict,
       f"{sizes[3]}: shard over more devices (mesh.fsdp={config.mesh.fsdp}) or make the model "
       f"smaller (model.d_model={m.d_model}, model.mlp_dim={m.mlp_dim}, "
       f"model.num_layers={m.num_layers}, data.vocab_size={config.data.vocab_size})")
+
+
+def _host_need(per_device: int, limit: int | None) -> int | None:
+  """What ``per_device`` bytes on each of this process's devices take from the host's memory,
+  where that memory is the limit: with no device limit (``limit`` None) on CPU devices, which
+  share the host's RAM and swap and whose allocations no allocator caps, ``per_device`` times
+  the local device count; None elsewhere (``limit`` applies to ``per_device``)."""
+  if limit is not None or jax.local_devices()[0].platform != "cpu":
+    return None
+  return per_device * jax.local_device_count()
 
 
 def device_limit_bytes(device: jax.Device | None = None) -> int | None:
@@ -166,6 +176,10 @@ def eval_advice(config: ml_collections.ConfigDict, data_parallel: int = 1) -> st
 
 
 def _what_to_change(config: ml_collections.ConfigDict, data_parallel: int) -> str:
+  """What to change when the training step does not fit (:func:`compile_within_memory`'s
+  default ``advice``): more gradient accumulation steps (left out where no larger count gives
+  each of the ``data_parallel`` devices whole microbatches), full remat (unless set), the
+  logits in blocks, fsdp, a shorter sequence or a smaller batch."""
   t, d, m = config.train, config.data, config.model
   k = t.gradient_accumulation_steps
   # The next k that still gives every data-parallel device whole microbatches.
@@ -232,9 +246,9 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
     needs, allows = _sizes(need, limit)
     raise ValueError(f"{what} needs {needs} per device (XLA memory analysis{held}), the "
                      f"device allows {allows}: {advice}")
-  if limit is None and jax.local_devices()[0].platform == "cpu":
-    # CPU devices share the host's memory, which no allocator limits.
-    _check_host_memory(what, need * jax.local_device_count(), advice)
+  on_host = _host_need(need, limit)
+  if on_host is not None:
+    _check_host_memory(what, on_host, advice)
   return compiled
 
 

@@ -1764,6 +1764,40 @@ def test_a_cpu_step_larger_than_the_host_is_refused_and_than_it_has_free_warned_
         [expected] if warned else []), free
 
 
+def test_both_memory_checks_count_every_cpu_device_of_this_process_against_the_host(
+    monkeypatch):
+  # CPU devices share the host's memory: the state's check and the step's compare the sum over
+  # the process's devices (here 4) with its memory and swap, not one device's share. A limit
+  # given (a GPU's, a TPU's) is per device, the host not read.
+  from cem_jax import memory
+
+  monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: None)
+  monkeypatch.setattr(memory, "host_available_bytes", lambda: None)
+  monkeypatch.setattr(jax, "local_device_count", lambda: 4)
+  cfg = tiny_config("llama")
+  params, opt_state = np.zeros(256, np.float32), np.zeros(512, np.float32)  # 1024 + 2048 bytes
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: 4 * 3072)
+  memory.check_state_fits(params, opt_state, cfg)
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: 4 * 3072 - 1)
+  with pytest.raises(ValueError, match=r"^the parameters \(1024 bytes\) and optimizer state "
+                     r"\(2048 bytes\) need 12288 bytes on this host's CPU devices, more than "
+                     r"its memory and swap, 12287 bytes: "):
+    memory.check_state_fits(params, opt_state, cfg)
+  memory.check_state_fits(params, opt_state, cfg, limit_bytes=3072)
+  with pytest.raises(ValueError, match=r" need 3072 bytes per device, the device allows 3071 "):
+    memory.check_state_fits(params, opt_state, cfg, limit_bytes=3071)
+
+  double = jax.jit(lambda x: x * 2)
+  x = jnp.ones((4096,), jnp.float32)
+  one = memory.footprint_bytes(double.lower(x).compile())
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: 4 * one)
+  memory.compile_within_memory(double, (x,), cfg, advice="lower it")
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: 4 * one - 1)
+  with pytest.raises(ValueError, match=rf" needs {4 * one} bytes on this host's CPU devices "):
+    memory.compile_within_memory(double, (x,), cfg, advice="lower it")
+  memory.compile_within_memory(double, (x,), cfg, limit_bytes=one, advice="lower it")
+
+
 def test_a_model_too_large_for_memory_is_refused_before_its_parameters_are_made(monkeypatch):
   # Made first, the parameters failed in XLA (d_model=2**40: a NotImplementedError traceback
   # lowering the random init) or were killed for memory, before any step's memory check.
