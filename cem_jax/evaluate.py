@@ -33,16 +33,14 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
   trained with, from the config saved in it).
 
   Raises:
-    ValueError: the run is not a CEM model, or a ``T_eval`` < 1.
+    ValueError: the run is not a CEM model, or ``steps`` not as :func:`check_steps` allows.
     FileNotFoundError, CheckpointError, ValueError: as :func:`cem_jax.runs.load_run`.
   """
   from cem_jax import runs
   from cem_jax import steps as steps_lib
   from cem_jax.metrics import final_energy
 
-  for t_eval in steps:  # before seconds of loading
-    if t_eval < 1:
-      raise ValueError(f"--num_steps={t_eval}; allowed: integers >= 1")
+  check_steps(steps)  # before seconds of loading
 
   def require_cem(config):
     if config.model.block != "cem":
@@ -62,6 +60,19 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
                  **{k: metrics[k] for k in ("eval/loss", "eval/perplexity",
                                             "eval/bits_per_byte", "eval/tokens")}})
   return rows
+
+
+def check_steps(steps: list) -> None:
+  """The rule of ``--num_steps`` (``T_eval`` values): one or more ints >= 1, each at most once
+  (T_eval = 0 would run no CEM step; a repeat, the same evaluation twice).
+
+  Raises:
+    ValueError: one line naming every value and what is allowed.
+  """
+  if (not steps or len(set(steps)) < len(steps)
+      or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in steps)):
+    raise ValueError(f"--num_steps={','.join(map(str, steps))}; allowed: comma-separated "
+                     "integers >= 1, each at most once")
 
 
 def report_paths(workdir: str) -> list[str]:
@@ -132,10 +143,8 @@ def main(argv):
     try:
       steps = [int(s) for s in fl.num_steps]
     except ValueError:
-      steps = []
-    if not steps or min(steps) < 1 or len(set(steps)) < len(steps):
-      raise ValueError(f"--num_steps={','.join(fl.num_steps)}; allowed: comma-separated "
-                       "integers >= 1, each at most once")
+      steps = list(fl.num_steps)  # as typed: check_steps refuses them by name
+    check_steps(steps)
     if fl.max_batches < 1 and fl.max_batches != -1:
       raise ValueError(f"--max_batches={fl.max_batches}; allowed: -1 (all) or an int >= 1")
     report_paths(fl.workdir)  # a folder in the way: said before the evaluation, not after

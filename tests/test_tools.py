@@ -551,21 +551,32 @@ def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
           for r in rows] == [(1, 1.0, 30, 2, 64), (3, 3.0, 30, 2, 192)]
 
 
-@pytest.mark.parametrize("counts", [[0], [2, 0], [-1, 3]])
-def test_a_test_time_step_count_below_one_is_refused_before_the_run_is_loaded(monkeypatch,
-                                                                              counts):
+@pytest.mark.parametrize("counts, shown", [([0], "0"), ([2, 0], "2,0"), ([-1, 3], "-1,3"),
+                                           ([2, 2], "2,2"), ([], ""), ([True], "True")])
+def test_a_test_time_step_count_below_one_or_repeated_is_refused_before_the_run_is_loaded(
+    monkeypatch, counts, shown):
   # T_eval = 0 would evaluate a model whose CEM layers run no step; the refusal must come
-  # before the seconds of loading a checkpoint and its data.
+  # before the seconds of loading a checkpoint and its data. The function and the command
+  # line (below) hold one rule.
   from cem_jax import evaluate
 
   def load_run(*args, **kwargs):
     raise AssertionError("the run was loaded before its step counts were checked")
 
   monkeypatch.setattr(runs, "load_run", load_run)
-  bad = next(t for t in counts if t < 1)
   with pytest.raises(ValueError) as e:
     evaluate.test_time_steps("w", counts)
-  assert str(e.value) == f"--num_steps={bad}; allowed: integers >= 1"
+  assert str(e.value) == (f"--num_steps={shown}; allowed: comma-separated integers >= 1, each "
+                          "at most once")
+
+
+def test_evaluate_refuses_step_counts_that_are_not_integers_by_the_values_typed(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "cem_jax.evaluate", f"--workdir={tmp_path}",
+                         "--num_steps=1,two"], capture_output=True, text=True, timeout=120,
+                        env=subprocess_env())
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "error: --num_steps=1,two; allowed: comma-separated integers >= 1, each at most once")
 
 
 def test_a_run_whose_chosen_step_keeps_vanishing_is_tried_three_times_then_its_error_raised(
