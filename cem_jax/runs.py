@@ -97,6 +97,16 @@ class CheckpointMeta:
     return cls(**fields)
 
 
+def read_meta(ckpt: checkpoint_lib.Checkpointer, step: int) -> CheckpointMeta:
+  """The metadata of ``ckpt``'s checkpoint ``step``, without its arrays.
+
+  Raises:
+    ValueError: damaged metadata (one line naming the checkpoint's folder,
+      :meth:`CheckpointMeta.from_dict`).
+  """
+  return CheckpointMeta.from_dict(ckpt.read_meta(step), f"checkpoint {ckpt.step_dir(step)}")
+
+
 def numerics_version_of(record: dict) -> int:
   """The numerics version a run's record states (a table's ``result.json``, the first line of
   its ``metrics.jsonl``): :data:`cem_jax.version.NUMERICS_VERSION` of the code that trained it;
@@ -208,11 +218,21 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
     ValueError: no readable ``config.json`` there, or one with fields this version does not
       know (one line naming the file).
   """
+  path = _config_json(workdir)
+  return config_lib.from_saved(read_json(path, "restore it from the run's command"), path)
+
+
+def _config_json(workdir: str) -> str:
+  """The path of ``workdir``'s ``config.json``, which every run's folder holds.
+
+  Raises:
+    ValueError: there is none (one line naming ``--workdir``).
+  """
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path):
     raise ValueError(f"--workdir={workdir}: no config.json (not a run's folder, or its start "
                      "failed); give the folder main trained in")
-  return config_lib.from_saved(read_json(path, "restore it from the run's command"), path)
+  return path
 
 
 def newest_meta(workdir: str) -> tuple[str | None, CheckpointMeta]:
@@ -230,8 +250,7 @@ def newest_meta(workdir: str) -> tuple[str | None, CheckpointMeta]:
     step = ckpt.restorable_step()
     if step is None:
       return None, CheckpointMeta()
-    return ckpt.step_dir(step), CheckpointMeta.from_dict(ckpt.read_meta(step),
-                                                         f"checkpoint {ckpt.step_dir(step)}")
+    return ckpt.step_dir(step), read_meta(ckpt, step)
   finally:
     ckpt.close()
 
@@ -252,15 +271,14 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
   kernel computes the same function and holds no parameter (``config.RESUME_MAY_CHANGE``).
 
   Raises:
-    FileNotFoundError: no ``config.json`` or no checkpoint in ``workdir``.
+    FileNotFoundError: no checkpoint in ``workdir``.
     CheckpointError: checkpoints exist but none is intact.
-    ValueError: the saved config has fields this version of cem_jax does not know, or fails
-      validation; a user energy was edited since the checkpoint was saved
-      (:func:`refuse_edited_energies`); the data are not those the checkpoint was trained on.
+    ValueError: no ``config.json`` in ``workdir`` (as :func:`run_config`); the saved config
+      has fields this version of cem_jax does not know, or fails validation; a user energy was
+      edited since the checkpoint was saved (:func:`refuse_edited_energies`); the data are not
+      those the checkpoint was trained on.
   """
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"--workdir={workdir}: no config.json (not a cem_jax run)")
+  path = _config_json(workdir)
   # Read-only: the run may still be training here; its in-flight saves must not be touched.
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False,
                                      read_only=True)
@@ -286,9 +304,8 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
 def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
                 attention_impl: str | None = None):
   """``load_run`` for one step: ``(config, data, graphdef, params)``."""
-  where = f"checkpoint {ckpt.step_dir(step)}"
-  meta = CheckpointMeta.from_dict(ckpt.read_meta(step), where)
-  saved = meta.config
+  meta = read_meta(ckpt, step)
+  saved, where = meta.config, f"checkpoint {ckpt.step_dir(step)}"
   if saved is None:  # saved before checkpoints held their config
     where = config_json
     saved = read_json(config_json, "restore it from the run's command")

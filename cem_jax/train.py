@@ -237,8 +237,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
     if resume is not None:
       # Checked before the data and the model are built: a refusal would otherwise come after
       # reading or preparing the data (minutes at corpus scale) and initialising, for nothing.
-      saved = runs.CheckpointMeta.from_dict(ckpt.read_meta(resume),
-                                            f"checkpoint {ckpt.step_dir(resume)}")
+      saved = runs.read_meta(ckpt, resume)
       if saved.step not in (None, resume):
         raise ValueError(f"checkpoint {ckpt.step_dir(resume)}: damaged metadata: step="
                          f"{saved.step}, saved as step {resume}")
@@ -254,9 +253,8 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
       runs.check_data(saved, data, ckpt.step_dir(resume), workdir, prepared)
       # The target is the freshly initialised state on the current devices: the restore takes
       # its structure (optax's state types) and shardings, whatever the saving run used.
-      state, meta = ckpt.restore(resume, {"params": params, "opt_state": opt_state})
-      run.meta = runs.CheckpointMeta.from_dict(meta, f"checkpoint {ckpt.step_dir(resume)}")
-      run.params, run.opt_state = state["params"], state["opt_state"]
+      state, _ = ckpt.restore(resume, {"params": params, "opt_state": opt_state})
+      run.meta, run.params, run.opt_state = saved, state["params"], state["opt_state"]
       # The step Orbax saved the arrays under (its metadata's step checked against it above);
       # the data position is a function of it.
       run.start_step = resume

@@ -112,9 +112,11 @@ def test_inspect_a_trained_run_from_its_config_json(tmp_path):
                                        r"to this version of cem_jax; use the version that "
                                        r"trained it$"):
     runs.run_config(str(run))
-  with pytest.raises(ValueError, match=rf"^--workdir={tmp_path}: no config.json \(not a run's "
-                                       r"folder, or its start failed\)"):
-    runs.run_config(str(tmp_path))
+  # One rule for every tool that reads a run: inspect's config, evaluate's and sample's load.
+  for read in (runs.run_config, runs.load_run):
+    with pytest.raises(ValueError, match=rf"^--workdir={tmp_path}: no config.json \(not a "
+                                         r"run's folder, or its start failed\)"):
+      read(str(tmp_path))
   for args in ([], [f"--workdir={run}", "--config=experiments/tiny.py"]):
     proc = subprocess.run([sys.executable, "-m", "cem_jax.inspect", *args], capture_output=True,
                           text=True, timeout=300)
