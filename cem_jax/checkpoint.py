@@ -111,17 +111,11 @@ class Checkpointer:
                        "meta": ocp.JsonCheckpointHandler()},
     )
 
-  # -- paths ------------------------------------------------------------------------------------
+  # -- paths and steps --------------------------------------------------------------------------
 
   def step_dir(self, step: int) -> str:
     """The folder of checkpoint ``step`` (:func:`cem_jax.integrity.step_dir`)."""
     return integrity.step_dir(self.directory, step)
-
-  def digest_path(self, step: int) -> str:
-    """The digest file of checkpoint ``step`` (:func:`cem_jax.integrity.digest_path`)."""
-    return integrity.digest_path(self.directory, step)
-
-  # -- saving -----------------------------------------------------------------------------------
 
   def all_steps(self) -> list[int]:
     """Steps Orbax considers finished (committed), oldest first; not verified."""
@@ -130,6 +124,8 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     """The newest step Orbax considers finished, or None; not verified (see ``restorable_step``)."""
     return self.manager.latest_step()
+
+  # -- saving -----------------------------------------------------------------------------------
 
   def should_save(self, step: int) -> bool:
     """True if ``step`` is a save step by ``every_steps`` (or a multi-host preemption point)."""

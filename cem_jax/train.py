@@ -43,6 +43,7 @@ from cem_jax.version import NUMERICS_VERSION
 
 
 def _format_eta(seconds: float) -> str:
+  """``seconds`` as ``H:MM:SS`` (whole seconds; a negative estimate reads ``0:00:00``)."""
   seconds = int(max(seconds, 0))
   return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
@@ -567,6 +568,7 @@ class _Loop:
       self.paused += _clock() - t0
 
   def saved_text(self) -> str:
+    """The last checkpoint saved, as the non-finite errors name it (what a rerun resumes)."""
     if self.last_saved is None:
       return "no checkpoint saved"
     return f"last checkpoint: step {self.last_saved}"
@@ -654,6 +656,7 @@ class _Loop:
       logging.error("could not close %s: %s", self.writer.path, errors.one_line(e))
 
   def close(self) -> None:
+    """After the last step: the trace, the pending save and the metrics finish, in order."""
     self.profiler.stop(self.done)  # a run preempted inside the window
     self.run.ckpt.close()
     self.writer.close()
