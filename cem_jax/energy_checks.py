@@ -19,8 +19,11 @@ blocks before anything is compiled for training:
   documents fails, and so does an update that moves at all (:data:`LOOK_AHEAD_RTOL`) when only
   later tokens of a document of ``data.seq_len`` tokens (up to 1024) change; so does an update
   that is not finite (NaN or inf) in either layout, padding
-  and rows that see no key included, an energy whose value is not finite there, and an
-  energy whose update ignores a configured diagonal (``params['diag']``).
+  and rows that see no key included, an energy whose value is not finite there or at a
+  padding token (``y = context = 0``, seeing no key, as the energy trace takes it off), an
+  energy whose update ignores a configured diagonal (``params['diag']``), and an update whose
+  slope along itself is not that of the energy's value (central differences,
+  :data:`SLOPE_RTOL`: a wrong ``jax.custom_jvp`` rule or a ``stop_gradient`` on ``y``).
 Built-ins (``EnergySpec.builtin``) skip the numerical checks: tests/test_energies.py verifies
 them.
 """
@@ -42,6 +45,7 @@ from cem_jax import energies, updates
 from cem_jax.config import get_default_config
 from cem_jax.errors import one_line
 from cem_jax.layers import CEMMLP, DTYPES, CEMAttention
+from cem_jax.layers.cem import padding_energy
 from cem_jax.model import check_kernel_is_called, decoding_aux, training_aux
 
 # The abstract training layout; an energy's wrong-shape error quotes it (e.g. "(1, 4)").
@@ -66,6 +70,13 @@ LOOK_AHEAD_RTOL = 1e-5
 # A correct float32 closed form agrees with jax.grad to ~1e-6; a missing term or factor
 # (η, a head, RoPE) is off by O(1).
 FUSED_RTOL = 1e-3
+# The energy's slope along its own update (unit RMS), by central differences of its value a
+# step of _SLOPE_STEP each way, against the update's: smooth energies agree to ~2e-4 (float32
+# rounding of the value; d_model 128 and 1024), a gradient with kinks to ~2e-4 (|h|) and ~6e-3
+# (a hard max over keys); a derivative rule off by a factor 2 is off by 0.5. (Along a random
+# direction a hard max gave 6e-2 and a factor 2 only 0.2-0.4: not a check.)
+SLOPE_RTOL = 5e-2
+_SLOPE_STEP = 1e-3
 _DECODING = "as in cached decoding (python -m cem_jax.sample)"
 _PER_TOKEN_HINT = ("an MLP energy must be a sum of per-token terms (token i's gate input is "
                    "context[:, i], its own state)")
@@ -98,8 +109,10 @@ def validate_energies(config) -> None:
       :data:`FUSED_RTOL` (or whose reference gradient is not finite); a user's energy whose
       update in the cached-decoding layout departs from the training layout's by more, or
       whose update or value is not finite in either layout, whose update moves when only
-      later tokens change (:data:`LOOK_AHEAD_RTOL`), or whose update does not change
-      with ``params['diag']`` under ``model.diagonal``.
+      later tokens change (:data:`LOOK_AHEAD_RTOL`), whose update does not change
+      with ``params['diag']`` under ``model.diagonal``, whose value at a padding token is not
+      finite, or whose update's slope along itself is not the energy's
+      (:data:`SLOPE_RTOL`).
   """
   m = config.model
   slots = []
@@ -400,7 +413,9 @@ def _causal_values(field, spec, kind, m, shapes, update, seq_len: int):
     :func:`_check_no_look_ahead`).
 
   Before those, in this order: an update or energy value that is not finite in any layout,
-  and a configured diagonal the update does not read.
+  and a configured diagonal the update does not read. After them: an energy value that is not
+  finite at a padding token (``y = context = 0``, seeing no key, as the energy trace takes it
+  off), and an update whose slope along itself is not the energy's (:func:`_check_slopes`).
   """
   with jax.default_device(_cpu_device()), jax.default_matmul_precision("highest"):
     runs = _layouts(field, spec, kind, m, shapes, update)
@@ -412,6 +427,8 @@ def _causal_values(field, spec, kind, m, shapes, update, seq_len: int):
   _check_rows_independent(field, spec, kind, m, runs)
   with jax.default_device(_cpu_device()), jax.default_matmul_precision("highest"):
     _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len)
+  _check_padding_finite(field, spec, runs)
+  _check_slopes(field, spec, update, runs)
 
 
 def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> None:
@@ -487,6 +504,10 @@ class _Runs:
   keep: np.ndarray  # [batch, seq] bool: each row's last document (without documents: row 0)
   segment_ids: np.ndarray | None  # of `before` and `after`; None without model.document_mask
   unread: frozenset[str]  # the parameters the update does not change with
+  e_padding: np.ndarray  # the energy of one padding token (layers.cem.padding_energy)
+  # the energy's slope along the update of `trained` (central differences) and the update's,
+  # or None for a zero update
+  slopes: tuple[float, float] | None
 
 
 def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
@@ -513,7 +534,8 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
   @jax.jit
   def decode(y, context, params):
     aux = decoding_aux(m, batch, new, cache, index)
-    return update(y, context, params, aux), spec.energy(y, context, params, aux)
+    return (update(y, context, params, aux), spec.energy(y, context, params, aux),
+            padding_energy(spec.energy, params, aux, m.d_model, jnp.float32, jnp.float32))
 
   def values(out):
     return tuple(np.asarray(a, np.float64) for a in out)
@@ -538,7 +560,8 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
     # One document, as decoding sees it (segment ids when training has them: one compile).
     one = jnp.ones((batch, seq), jnp.int32) if m.document_mask else None
     trained, e_trained = values(train(y, context, params, one))
-    decoded, e_decoded = values(decode(
+    slopes = _slopes(lambda y_: values(train(y_, context, params, one))[1], y, trained)
+    decoded, e_decoded, e_padding = values(decode(
         y[:, rows], cached if kind == "attention" else context[:, rows], params))
     before, e_before = values(train(y, context, params, seg))
     after, e_after = values(train(jnp.where(change, other[:, :seq], y),
@@ -552,7 +575,21 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
     raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
                      f"{_float32_note(m)}: {one_line(e)}") from e
   return _Runs(trained, e_trained, decoded, e_decoded, before, e_before, after, e_after, keep,
-               seg, unread)
+               seg, unread, e_padding, slopes)
+
+
+def _slopes(energy_at, y, update: np.ndarray) -> tuple[float, float] | None:
+  """The energy's slope along ``update`` scaled to unit RMS, by central differences of its
+  value (``energy_at``: float64 at a ``y``), and ``-update · direction``, what it must equal
+  when ``update = -∇_y E``; None for a zero update (no direction)."""
+  rms = math.sqrt(np.mean(update**2))
+  if rms == 0:
+    return None
+  step = jnp.asarray(_SLOPE_STEP * update / rms, jnp.float32)
+  with np.errstate(invalid="ignore"):  # inf - inf: a value _check_finite refuses first
+    slope = (energy_at(y + step) - energy_at(y - step)) / (2 * _SLOPE_STEP)
+  direction = np.asarray(step, np.float64) / _SLOPE_STEP  # the float32 one the energy saw
+  return float(slope), -float(np.sum(update * direction))
 
 
 def _check_finite(field, spec, kind, m, update, runs: _Runs) -> None:
@@ -577,6 +614,35 @@ def _check_finite(field, spec, kind, m, update, runs: _Runs) -> None:
           "(eval.energy_trace logs it): on rows that see no key use "
           "cem_jax.energies.masked_logsumexp (exactly 0 there), not jax.nn.logsumexp of "
           "scores masked with -inf")
+
+
+def _check_padding_finite(field, spec, runs: _Runs) -> None:
+  if not np.isfinite(runs.e_padding):
+    raise ValueError(
+        f"{field}={spec.name!r}: the energy's value at a padding token (y = context = 0, "
+        f"seeing no key) is {runs.e_padding}; the energy trace (eval.energy_trace, python -m "
+        "cem_jax.evaluate) takes it off per padding token (0 times it without padding), so "
+        "every trace would be NaN: make the energy finite at 0 (e.g. x * log|x| as "
+        "jnp.where(x == 0, 0.0, x * jnp.log(jnp.where(x == 0, 1.0, jnp.abs(x)))))")
+
+
+def _check_slopes(field, spec, update, runs: _Runs) -> None:
+  """Refuses an update that is not ``-∇_y E`` of the energy's own value along the update
+  itself: ``jax.grad`` follows a ``jax.custom_jvp``/``custom_vjp`` rule or a ``stop_gradient``
+  however wrong, and a closed form is compared with ``jax.grad`` alone. An error orthogonal to
+  the update (``δ · u = 0``) does not show here."""
+  if runs.slopes is None:
+    return
+  slope, want = runs.slopes
+  rel = abs(slope - want) / abs(want)
+  if not rel <= SLOPE_RTOL:  # also NaN
+    what = (f"fused update {_fn_name(update)}" if update is spec.fused_update else
+            "update (jax.grad of the energy)")
+    raise ValueError(
+        f"{field}={spec.name!r}: its {what} is not -∇_y of the energy's value: along the "
+        f"update, central differences of the energy give the slope {slope:.6g}, the update "
+        f"{want:.6g} (relative error {rel:.3g} > {SLOPE_RTOL:g}); check a jax.custom_jvp/"
+        "custom_vjp rule, or a jax.lax.stop_gradient on y, in it")
 
 
 # The learned scalars an energy must read: (config key, what it is, how to read it).

@@ -385,6 +385,48 @@ def inf_on_empty_rows(y, context, params, aux):  # the update finite, the value 
   return -jnp.sum(params["eta"][:, None] * lse)
 
 
+def _pre_x_log_x(y, context, params, aux, safe):  # Φ(h) = h log|h|: 0 at h = 0 in the limit
+  pre, gate = _pre_gate(y, context, params)
+  if safe:
+    pre = jnp.where(pre == 0, 0.0, pre * jnp.log(jnp.where(pre == 0, 1.0, jnp.abs(pre))))
+  else:
+    pre = pre * jnp.log(jnp.abs(pre))
+  return -params["eta"] * jnp.sum(gate * pre)
+
+
+def x_log_x(y, context, params, aux):  # NaN (0 log 0) at y = 0 alone
+  return _pre_x_log_x(y, context, params, aux, safe=False)
+
+
+def x_log_x_safe(y, context, params, aux):
+  return _pre_x_log_x(y, context, params, aux, safe=True)
+
+
+@jax.custom_jvp
+def _softplus_twice(h):  # softplus with a derivative rule off by a factor 2
+  return jax.nn.softplus(h)
+
+
+@_softplus_twice.defjvp
+def _softplus_twice_jvp(primals, tangents):
+  (h,), (dh,) = primals, tangents
+  return _softplus_twice(h), 2.0 * jax.nn.sigmoid(h) * dh
+
+
+def wrong_rule(y, context, params, aux):
+  pre, gate = _pre_gate(y, context, params)
+  return -params["eta"] * jnp.sum(gate * _softplus_twice(pre))
+
+
+wrong_rule_agreeing = wrong_rule
+
+
+def wrong_rule_agreeing_fused_update(y, context, params, aux):  # agrees with jax.grad, wrongly
+  pre, gate = _pre_gate(y, context, params)
+  return 2.0 * params["eta"] * jnp.einsum("btf,df->btd", gate * jax.nn.sigmoid(pre),
+                                          params["w"])
+
+
 def own_key_error(y, context, params, aux):  # a KeyError of the energy's own
   return {"bilinear": 1.0}["distance"] * quad(y, context, params, aux)
 
@@ -907,9 +949,41 @@ def test_an_energy_whose_value_is_not_finite_is_refused_at_start_up(tmp_path, ex
       f"value is inf on random float32 {where}, though its update is finite; an energy must "
       "be finite (eval.energy_trace logs it): on rows that see no key use "
       "cem_jax.energies.masked_logsumexp"), message
-  # Every row sees a key: finite, accepted.
-  preflight.check(_user_config(tmp_path, attention_energy="inf_on_empty_rows",
-                               document_mask=False))
+  # Every row sees a key, but the energy trace takes off a padding token that sees none:
+  # accepted, this logged every attention trace as null (found training it 2 steps).
+  message = _refusal(_user_config(tmp_path, attention_energy="inf_on_empty_rows",
+                                  document_mask=False))
+  assert "the energy's value at a padding token (y = context = 0, seeing no key) is inf" in (
+      message), message
+
+
+def test_an_energy_not_finite_at_zero_is_refused_at_start_up(tmp_path):
+  """h log|h| is NaN at h = 0 only, which random inputs never reach, but the energy trace
+  takes off a padding token's energy at y = 0 (times 0 without padding): every MLP trace of
+  the run was null, found training it 4 steps."""
+  message = _refusal(_user_config(tmp_path, mlp_energy="x_log_x"))
+  assert message.startswith(
+      f"model.mlp_energy='{tmp_path}/user_fused.py:x_log_x': the energy's value at a padding "
+      "token (y = context = 0, seeing no key) is nan; the energy trace (eval.energy_trace, "
+      "python -m cem_jax.evaluate) takes it off per padding token"), message
+  preflight.check(_user_config(tmp_path, mlp_energy="x_log_x_safe"))
+
+
+@pytest.mark.parametrize("name,what", [
+    ("wrong_rule", "update (jax.grad of the energy)"),
+    ("wrong_rule_agreeing", "fused update wrong_rule_agreeing_fused_update")])
+def test_an_update_that_is_not_the_gradient_of_the_energys_value_is_refused(tmp_path, name,
+                                                                             what):
+  """A jax.custom_jvp rule off by a factor 2: jax.grad follows it, and a closed form that
+  agrees with jax.grad passed the fused check, so both trained as CEM updates that are not
+  -∇E (found writing one, as the not-finite refusal's hint suggests)."""
+  message = _refusal(_user_config(tmp_path, mlp_energy=name))
+  assert message.startswith(
+      f"model.mlp_energy='{tmp_path}/user_fused.py:{name}': its {what} is not -∇_y of the "
+      "energy's value: along the update, central differences of the energy give the slope "), (
+      message)
+  slope, want = map(float, re.findall(r"slope (\S+), the update (\S+) ", message)[0])
+  assert want == pytest.approx(2 * slope, rel=1e-3)  # the rule's factor 2
 
 
 @pytest.mark.parametrize("diagonal", ["per_head", "shared"])

@@ -42,6 +42,19 @@ def _copies(cfg, per_step: bool) -> int:
   return cfg.num_steps if per_step else 1
 
 
+def padding_energy(energy, params: dict, aux, d_model: int, dtype, context_dtype) -> jax.Array:
+  """``energy`` of one padding token as the energy trace takes it off (``CEMBlock._energy``):
+  ``y = context = 0``, seeing no key, under ``aux``'s static options. Multiplied by the count
+  of padding tokens, which may be 0: a NaN or inf here makes every trace NaN, so
+  :mod:`cem_jax.energy_checks` refuses a user energy whose value here is not finite."""
+  alone = energies.EnergyAux(
+      mask=jnp.zeros((1, 1, 1), bool), positions=jnp.zeros((1, 1), jnp.int32),
+      rope_theta=aux.rope_theta, diagonal_form=aux.diagonal_form,
+      strict_causal=aux.strict_causal, energy_block_size=aux.energy_block_size)
+  zero = jnp.zeros((1, 1, d_model), dtype)
+  return energy(zero, zero.astype(context_dtype), params, alone)
+
+
 class CEMAttention(nnx.Module):
   """Parameters of the interaction energy (CEM_MATH.md §1): 2·d_model·num_heads·head_dim.
 
@@ -233,12 +246,8 @@ class CEMBlock(nnx.Module):
       # padding before real tokens (a caller's own segment_ids).
       aux = aux.replace(mask=aux.mask & real[:, :, None] & real[:, None, :],
                         is_plain_causal=False, is_causal=False)
-    alone = energies.EnergyAux(  # one padding token: at 0, seeing no key
-        mask=jnp.zeros((1, 1, 1), bool), positions=jnp.zeros((1, 1), jnp.int32),
-        rope_theta=aux.rope_theta, diagonal_form=aux.diagonal_form,
-        strict_causal=aux.strict_causal, energy_block_size=aux.energy_block_size)
-    zero = jnp.zeros((1, 1, view.shape[-1]), view.dtype)
-    padding = spec.energy(zero, zero.astype(context.dtype), params, alone)
+    padding = padding_energy(spec.energy, params, aux, view.shape[-1], view.dtype,
+                             context.dtype)
     return spec.energy(view, context, params, aux) - jnp.sum(~real) * padding
 
   def _att_delta(self, y, context, aux, t, rec, key, at=None, kv=None, views=None):
