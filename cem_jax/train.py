@@ -331,15 +331,19 @@ def _batch_spec(rows: int, seq_len: int, sharding, *, target_bytes: bool = False
 
 def _warn_unreloadable(config: ml_collections.ConfigDict) -> None:
   """Says, once at start-up, that a run whose energy is a name registered in this process
-  (:func:`cem_jax.energies.register`) cannot be reloaded: ``evaluate`` and ``sample`` start
-  a fresh process, where the name is unknown (``tables`` too, unless its table file registers
-  the name)."""
+  (:func:`cem_jax.energies.register`) or a function of ``__main__`` (a script's own) cannot be
+  reloaded: ``evaluate`` and ``sample`` start a fresh process, where the name is unknown and
+  ``__main__`` is themselves (``tables`` too, unless its table file registers the name)."""
   m = config.model
   if m.block != "cem":
     return
   for kind, used in (("attention", m.cem_attention), ("mlp", m.cem_mlp)):
     name = m[f"{kind}_energy"]
-    if used and ":" not in name and not energies.get(name, kind).builtin:
+    if used and name.startswith("__main__:"):
+      logging.warning("model.%s_energy=%r is a function of the program running: evaluate and "
+                      "sample, programs of their own, cannot reload this run; name the energy "
+                      "by its 'file.py:function' to reload it", kind, name)
+    elif used and ":" not in name and not energies.get(name, kind).builtin:
       logging.warning("model.%s_energy=%r is a name registered in this process: evaluate "
                       "and sample cannot reload this run (tables only through a table file "
                       "that registers it); name the energy by its 'file.py:function' to "

@@ -272,6 +272,11 @@ def test_a_user_energy_path_or_name_that_cannot_serve_is_one_line(tmp_path):
   with pytest.raises(ValueError, match=rf"^model\.mlp_energy='{user}:energy': module "
                                        rf"'{user}' has no function 'energy'$"):
     energies.get(f"{user}:energy", "mlp", "model.mlp_energy")
+  with pytest.raises(ValueError, match=r"^model\.mlp_energy='__main__:energy': module "
+                                       r"'__main__' has no function 'energy' \(__main__ is the "
+                                       r"program running, .*; name a function of a script by "
+                                       r"its 'file\.py:function'\)$"):
+    energies.get("__main__:energy", "mlp", "model.mlp_energy")
   spec = energies.get(f"{user}:quad", "mlp", "model.mlp_energy")
   assert spec.fused_update is None and float(spec.energy(jnp.ones(3), None, {}, None)) == 3.0
   with pytest.raises(ValueError, match=r"^model\.update_mode='closed'; allowed: fused, "

@@ -1340,7 +1340,16 @@ def test_evaluating_a_run_whose_energy_was_edited_since_is_refused(tmp_path, mon
 
 def test_training_with_a_registered_name_says_the_run_cannot_be_reloaded(tmp_path, caplog):
   # evaluate, sample and tables reload a run in a fresh process, where the name is unknown:
-  # said when training starts, not found out at the first evaluate.
+  # said when training starts, not found out at the first evaluate. So is a script's own
+  # '__main__:energy', which trained without a word and which evaluate then looked up in
+  # itself ("module '__main__' has no function 'energy'"; found training from a script).
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    train._warn_unreloadable(tiny_config("cem", **{"model.mlp_energy": "__main__:energy"}))
+  assert [r.getMessage() for r in caplog.records] == [
+      "model.mlp_energy='__main__:energy' is a function of the program running: evaluate and "
+      "sample, programs of their own, cannot reload this run; name the energy by its "
+      "'file.py:function' to reload it"]
   path = tmp_path / "e.py"
   path.write_text(USER_ENERGY.format(scale="1.0"))
   energies.register("test_reload_name", "attention", _scaled_energy)

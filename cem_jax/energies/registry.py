@@ -173,7 +173,12 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
     module = _import(module_name, f"{field}={name!r}")
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-      raise ValueError(f"{field}={name!r}: module {module_name!r} has no function {fn_name!r}")
+      # '__main__' is whichever program runs: the script that trained is not it in evaluate.
+      hint = (f" (__main__ is the program running, {getattr(module, '__file__', 'no file')}; "
+              "name a function of a script by its 'file.py:function')"
+              if module_name == "__main__" else "")
+      raise ValueError(f"{field}={name!r}: module {module_name!r} has no function {fn_name!r}"
+                       f"{hint}")
     fused = getattr(module, f"{fn_name}_fused_update", None)
     fused = fused if callable(fused) else None
     digest.pin(fn)  # what it reads, before anything traces it (cem_jax.energies.digest)
