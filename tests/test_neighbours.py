@@ -14,8 +14,9 @@ import pytest
 from conftest import force_fields, tiny_config
 from flax import nnx
 
-from cem_jax import inner, preflight, steps, summary, train
+from cem_jax import energies, inner, preflight, steps, summary, train
 from cem_jax.config import get_default_config
+from cem_jax.layers.cem import padding_energy
 from cem_jax.layers.common import softplus_inverse
 from cem_jax.metrics import energy_trace, read_metrics
 from cem_jax.model import DecoderLM
@@ -197,6 +198,31 @@ def test_padding_enters_no_energy_of_the_trace_user_energies_included(
   assert len(got) == len(want) == 3 * 2 * 4  # layers x steps x (att, mlp) x (before, after)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
+
+
+_ATTENTION_OPTIONS = [dict(), dict(rope=False, strict_causal=True, learn_beta=True),
+                      dict(diagonal="per_head"), dict(diagonal="shared", diagonal_form="distance"),
+                      dict(energy_block_size=4)]
+
+
+@pytest.mark.parametrize("kind,name", [(k, n) for k in ("attention", "mlp")
+                                       for n in energies.names(k) if energies.get(n, k).builtin])
+def test_every_builtin_energy_is_zero_at_a_padding_token(kind, name):
+  """CEMBlock._energy leaves the padding term out for built-in energies, which holds only if
+  each is exactly 0 at a padding token (y = context = 0, seeing no key), under every option
+  the energy reads (diagonals, RoPE, strict causality, learned β, blocks), at parameters away
+  from their initial values."""
+  spec = energies.get(name, kind)
+  for options in _ATTENTION_OPTIONS if kind == "attention" else [dict()]:
+    cfg = model_cfg(num_steps=2, **{f"{kind}_energy": name}, **options)
+    model = DecoderLM(cfg, V, rngs=nnx.Rngs(7))
+    nnx.update(model, jax.tree.map(lambda p: p * 1.7 + 0.3, nnx.state(model, nnx.Param)))
+    block = model.layer_blocks()[0]
+    part = block.attn if kind == "attention" else block.mlp
+    for t in range(2):
+      got = padding_energy(spec.energy, part.energy_params(t, jnp.float32),
+                           model.make_aux(None, B, N), D, jnp.float32, jnp.float32)
+      assert float(got) == 0.0, (name, options, t, float(got))
 
 # ---- the sphere ------------------------------------------------------------------------------
 
