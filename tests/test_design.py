@@ -216,7 +216,9 @@ def test_readme_swap_an_energy_example_runs_as_written(shared_data, tmp_path):
 def test_eval_logs_energy_traces_and_test_time_steps(shared_data, tmp_path):
   from cem_jax import evaluate, plot
 
-  cfg = tiny_config("cem", **{"model.num_steps": 2, "train.num_steps": 10,
+  # 4 steps and 2 eval batches: an energy-traced eval runs slowly at the tests' XLA level
+  cfg = tiny_config("cem", **{"model.num_steps": 2, "train.num_steps": 4,
+                              "train.eval_every_steps": 4, "eval.max_batches": 2,
                               "data.files": str(shared_data / "wikitext2_valid.txt")})
   train.train_and_evaluate(cfg, str(tmp_path))
   last = [m for m in read_metrics(str(tmp_path)) if "eval/loss" in m][-1]
@@ -225,9 +227,9 @@ def test_eval_logs_energy_traces_and_test_time_steps(shared_data, tmp_path):
   assert "eval/energy/layer1/step2/mlp_after" in last
   paths = plot.plot_run(str(tmp_path))
   assert [os.path.basename(p) for p in paths] == ["loss.png", "energy.png"]
-  rows = evaluate.test_time_steps(str(tmp_path), [1, 2, 3], max_batches=4)  # as eval at step 10
-  assert [(r["T_eval"], r["T_trained"], r["step"]) for r in rows] == [(1, 2, 10), (2, 2, 10),
-                                                                      (3, 2, 10)]
+  rows = evaluate.test_time_steps(str(tmp_path), [1, 2, 3], max_batches=2)  # as eval at step 4
+  assert [(r["T_eval"], r["T_trained"], r["step"]) for r in rows] == [(1, 2, 4), (2, 2, 4),
+                                                                      (3, 2, 4)]
   assert all(np.isfinite(r["eval/perplexity"]) for r in rows)
   assert rows[0]["eval/loss"] != rows[2]["eval/loss"]
   # At the trained T the report's row is the last eval of training: the final energy is the

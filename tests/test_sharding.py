@@ -573,7 +573,6 @@ tokens = rng.randint(1, 512, (8, 33)).astype(np.int32)
 local = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
          "segment_ids": np.ones((8, 32), np.int32), "weights": np.ones((8, 32), np.float32),
          "target_bytes": np.ones((8, 32), np.float32)}
-out = {}
 # (block, mesh, tied output layer, rules other than the defaults)
 cases = [("llama", (1, 2, 4), True, {"vocab": "fsdp"}),
          ("llama", (2, 2, 2), True, {"vocab": "data"}),
@@ -581,35 +580,47 @@ cases = [("llama", (1, 2, 4), True, {"vocab": "fsdp"}),
          ("llama", (1, 4, 2), True, {"vocab": ("fsdp", "tensor")}),
          ("llama", (1, 2, 4), False, {"vocab": "fsdp", "embed": None}),
          ("llama", (2, 2, 2), True, {})]
-for block, shape, tied, changed in cases:
+
+
+def run(block, tied, changed, mesh_shape, programs):
   rules = tuple((name, changed.get(name, target)) for name, target in axes.DEFAULT_RULES)
   cfg = tiny_config(block, **{"data.seq_len": 32, "model.d_model": 32, "model.num_heads": 2,
                               "model.mlp_dim": 64, "model.num_layers": 1, "train.batch_size": 8,
                               "train.warmup_steps": 1, "train.learning_rate": 1e-2,
                               "model.tie_embeddings": tied, "mesh.rules": rules})
   tx, _ = optim.make_optimizer(cfg.train)
-  rec = {}
-  for name, mesh_shape in (("one", (1, 1, 1)), ("mesh", shape)):
-    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_shape
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_shape))])
-    graphdef, params, opt_state, sh, _ = steps.init_state(cfg, 512, tx, mesh)
-    step, evaluate = steps.make_train_step(graphdef, tx, 5, sh), steps.make_eval_step(
-        graphdef, None, False, sh)
-    guard = jax.make_array_from_process_local_data(sh.replicated, np.zeros((), np.int32))
-    batch = sh.global_batch(local, 8)
-    losses = []
-    for s in range(3):
-      params, opt_state, m = step(params, opt_state, batch, guard, np.int32(s + 1))
-      losses.append(float(m["loss"]))
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_shape
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_shape))])
+  graphdef, params, opt_state, sh, _ = steps.init_state(cfg, 512, tx, mesh)
+  step, evaluate = steps.make_train_step(graphdef, tx, 5, sh), steps.make_eval_step(
+      graphdef, None, False, sh)
+  guard = jax.make_array_from_process_local_data(sh.replicated, np.zeros((), np.int32))
+  batch = sh.global_batch(local, 8)
+  losses = []
+  for s in range(3):
+    params, opt_state, m = step(params, opt_state, batch, guard, np.int32(s + 1))
+    losses.append(float(m["loss"]))
+  rec = {"losses": losses, "eval": float(evaluate(params, batch)["loss_sum"])}
+  if programs:
     texts = [program.compile().as_text() for program in (
         step.lower(params, opt_state, batch, guard, np.int32(1)), evaluate.lower(params, batch))]
     # A float [8, 32, ...] result: the whole batch's rows on a device; a float [512, 32] or
     # [32, 512]: the whole vocabulary's embedding or output layer on a device.
-    rec[name] = {"losses": losses, "eval": float(evaluate(params, batch)["loss_sum"]),
-                 "whole_batch": [c for t in texts for c in float_collectives(t, 8, 32)],
-                 "whole_vocabulary": [c for t in texts for dims in ((512, 32), (32, 512))
-                                      for c in float_collectives(t, *dims)]}
-  out[f"{block} {'tied' if tied else 'untied'} {changed} {'x'.join(map(str, shape))}"] = rec
+    rec["whole_batch"] = [c for t in texts for c in float_collectives(t, 8, 32)]
+    rec["whole_vocabulary"] = [c for t in texts for dims in ((512, 32), (32, 512))
+                               for c in float_collectives(t, *dims)]
+  return rec
+
+
+# The reference: one device under the default rules, once per model (on one device the rules
+# change no number, and a rule that did would show as a difference from it).
+one = {}
+out = {}
+for block, shape, tied, changed in cases:
+  if (block, tied) not in one:
+    one[block, tied] = run(block, tied, {}, (1, 1, 1), programs=False)
+  out[f"{block} {'tied' if tied else 'untied'} {changed} {'x'.join(map(str, shape))}"] = {
+      "one": one[block, tied], "mesh": run(block, tied, changed, shape, programs=True)}
 print(json.dumps(out))
 """
 
