@@ -486,24 +486,28 @@ def test_a_save_that_fits_compressed_is_not_refused_for_its_arrays_bytes(tmp_pat
   assert _bytes_on_disk(tmp_path / "2") < 2**20 < 4 * 2**20
 
 
+# What a full disk raises: Python's file calls an OSError, tensorstore's writes a ValueError.
+@pytest.mark.parametrize("error", [
+    OSError(28, "No space left on device"),
+    ValueError('RESOURCE_EXHAUSTED: Error writing local file "/x/d/1f": [OS error 28: No space '
+               'left on device]')], ids=["OSError", "ValueError"])
 def test_a_failed_background_save_is_one_line_naming_the_folder_and_keeps_the_saved_steps(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, error):
   # A full disk found by Orbax's threads (here at our digest, written in its finalize thread):
   # it was Orbax's message alone, naming neither the checkpoint folder nor what to do.
-  import errno
-
   from cem_jax import integrity
 
   ckpt = _save_steps(tmp_path, steps=(1,))
 
   def full_disk(directory, step):
-    raise OSError(errno.ENOSPC, "No space left on device")
+    raise error
 
   monkeypatch.setattr(integrity, "write_digest", full_disk)
   assert ckpt.save(2, _small_state(2.0), {"step": 2}, force=True)
   with pytest.raises(CheckpointError) as e:
     ckpt.wait()
   said = str(e.value)
+  assert e.value.__cause__ is error
   assert said.startswith(f"checkpoint step 2 could not be saved in {tmp_path} (")
   assert "No space left on device" in said and "\n" not in said
   assert said.endswith(" free on its disk); make room there (or fix the folder), then the same "
@@ -513,6 +517,27 @@ def test_a_failed_background_save_is_one_line_naming_the_folder_and_keeps_the_sa
   assert ckpt.all_steps() == [1] and ckpt.verify(1) == []
   state, _ = ckpt.restore(1, _small_state(0.0))
   np.testing.assert_array_equal(state["w"], np.arange(1000.0))
+
+
+def test_a_save_failing_with_a_bug_keeps_its_own_exception(tmp_path, monkeypatch):
+  # Not a disk or folder: reported as a checkpoint that could not be saved, it would read as
+  # bad input (one line, status 1) and hide the traceback.
+  from cem_jax import integrity
+
+  ckpt = _save_steps(tmp_path, steps=(1,))
+  bug = TypeError("unsupported operand type(s)")
+
+  def broken(directory, step):
+    raise bug
+
+  monkeypatch.setattr(integrity, "write_digest", broken)
+  assert ckpt.save(2, _small_state(2.0), {"step": 2}, force=True)
+  with pytest.raises(TypeError) as e:
+    ckpt.wait()
+  assert e.value is bug
+  monkeypatch.undo()
+  ckpt.close()
+  assert ckpt.all_steps() == [1]
 
 
 def test_read_only_reader_skips_damage_and_touches_nothing(tmp_path):

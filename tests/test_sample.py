@@ -424,6 +424,10 @@ def test_decoding_refuses_a_cache_that_does_not_fit_the_call():
   refused(r"the cache does not fit this call \(batch=1, num_steps=2\)", one,
           model.init_cache(1, 4, num_steps=3), 0)
   refused(r"num_steps=0; allowed: an int >= 1", one, cache, 0, num_steps=0)
+  # another model's cache: one layer fewer
+  other = nnx.merge(*_model(dict(block="cem", num_steps=2, context="coevolve", num_layers=1)))
+  refused(r"the cache holds 1 layers, this model runs 2; make it with this model's init_cache$",
+          one, other.init_cache(1, 4), 0)
   with pytest.raises(ValueError, match=r"^DecoderLM: segment_ids with a decoding cache; "):
     model(one, jnp.asarray([[0]]), cache=cache, index=0)  # padding that was ignored
   with pytest.raises(ValueError, match=r"^DecoderLM.init_cache: batch=1, max_len=0; allowed"):
