@@ -81,7 +81,8 @@ def check_sampling(temperature: float, top_k: int, top_p: float,
   if not 0.0 <= temperature < float("inf"):  # also rejects nan
     raise ValueError(f"{flag}temperature={temperature}; allowed: 0 (greedy) or a finite "
                      "number > 0")
-  if top_k < 0:
+  # Not an int: jax.lax.top_k's own TypeError, deep in the first sampling step.
+  if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer) or top_k < 0:
     raise ValueError(f"{flag}top_k={top_k}; allowed: 0 (off) or 1..vocab_size")
   if vocab_size is not None and top_k > vocab_size:
     raise ValueError(f"{flag}top_k={top_k}; allowed: 0 (off) or 1..{vocab_size} (the "

@@ -374,6 +374,7 @@ def test_top_p_measures_the_mass_of_the_tempered_distribution():
     (dict(temperature=-1.0), r"temperature=-1.0; allowed: 0 \(greedy\) or a finite number > 0"),
     (dict(temperature=float("nan")), r"temperature=nan; allowed: 0 \(greedy\)"),
     (dict(temperature=1.0, top_k=-3), r"top_k=-3; allowed: 0 \(off\) or 1..vocab_size"),
+    (dict(temperature=1.0, top_k=2.5), r"top_k=2.5; allowed: 0 \(off\) or 1..vocab_size"),
     (dict(temperature=1.0, top_k=V + 1), rf"top_k={V + 1}; allowed: 0 \(off\) or 1..{V} \(the "
                                          r"vocabulary\)"),
     (dict(temperature=1.0, top_p=0.0), r"top_p=0.0; allowed: 0 < top_p <= 1"),
