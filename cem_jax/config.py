@@ -159,8 +159,8 @@ def get_default_config() -> ml_collections.ConfigDict:
   # Must divide data.seq_len.
   t.loss_block_size = 0
   t.learning_rate = 3e-3  # the peak of the schedule (AdamW)
-  # cosine decays to this fraction of the peak (unused, so refused unless 0.1, when
-  # warmup_steps >= num_steps: the run ends before the decay starts)
+  # Cosine decays to this fraction of the peak. Unread when warmup_steps >= num_steps (the run
+  # ends before the decay) and still accepted there: a config file is tried with a short run.
   t.min_learning_rate_ratio = 0.1
   t.warmup_steps = 50  # linear up to learning_rate, then cosine (optim.make_schedule)
   t.weight_decay = 0.1  # decoupled (AdamW), on the parameters optim.decay_mask names
@@ -174,7 +174,7 @@ def get_default_config() -> ml_collections.ConfigDict:
   t.max_consecutive_nonfinite = 10
   # A jax profiler trace of this many training steps (process 0) into WORKDIR/tensorboard, from
   # step profile_first_step on (1-based; past the first steps' one-time costs). 0 = none
-  # (profile_first_step must then keep its default).
+  # (profile_first_step, then unread, may keep a config file's value: one flag turns it off).
   # Changes nothing computed: tables and resumes ignore both (OBSERVE_ONLY).
   t.profile_steps = 0
   t.profile_first_step = 5
@@ -365,8 +365,7 @@ def check_range(field: str, value) -> None:
 
 
 # Options that build or change nothing in some configurations: (condition on the config,
-# why (text, or a function of the config for one that names its values), dotted keys that
-# must then keep their default). A non-default value there would be
+# why, dotted keys that must then keep their default). A non-default value there would be
 # silently ignored, so validation refuses it.
 _CEM_ONLY = ("cem_attention", "cem_mlp", "update_mode", "attention_energy", "mlp_energy",
              "learn_beta", "learn_eta", "eta_init", "diagonal", "diagonal_form", "precond",
@@ -417,14 +416,6 @@ _UNUSED = (
     (lambda c: not c.data.tfds_name, "without data.tfds_name", _data(_TFDS_KEYS)),
     (lambda c: bool(c.data.tfds_name),
      "with data.tfds_name (the catalog's own splits are used)", ("data.validation_fraction",)),
-    # The warm-up is still climbing (or has just reached the peak) at the last update: the
-    # cosine, and so its end value, never starts (optim.make_schedule).
-    (lambda c: c.train.warmup_steps >= c.train.num_steps,
-     lambda c: (f"with train.warmup_steps={c.train.warmup_steps} >= train.num_steps="
-                f"{c.train.num_steps} (the run ends before the cosine decay starts)"),
-     ("train.min_learning_rate_ratio",)),
-    (lambda c: not c.train.profile_steps, "with train.profile_steps=0 (no profile is taken)",
-     ("train.profile_first_step",)),
 )
 
 
@@ -433,7 +424,6 @@ def _check_unused(config: ml_collections.ConfigDict) -> None:
   for applies, why, keys in _UNUSED:
     if not applies(config):
       continue
-    said = why(config) if callable(why) else why
     for key in keys:
       value, default = config[key], defaults[key]
       if value == default:
@@ -441,7 +431,7 @@ def _check_unused(config: ml_collections.ConfigDict) -> None:
       if m.block == "llama" and key.startswith("model."):  # the message llama users know
         raise ValueError(f"{key}={value!r} applies to CEM blocks only; "
                          f"model.block='llama' needs {key}={default!r}")
-      raise ValueError(f"{key}={value!r} has no effect {said}; leave it at {default!r}")
+      raise ValueError(f"{key}={value!r} has no effect {why}; leave it at {default!r}")
   targets = {"attention": m.cem_attention, "mlp": m.cem_mlp}
   wanted = ("attention", "mlp") if m.precond == "both" else (m.precond,)
   for target in wanted:

@@ -149,13 +149,6 @@ UNUSED = [
     ({"data.tfds_data_dir": "/data/tfds"}, r"^data.tfds_data_dir='/data/tfds' has no effect"),
     ({"data.tfds_name": "lm1b", "data.validation_fraction": 0.2},
      r"^data.validation_fraction=0.2 has no effect with data.tfds_name"),
-    # optim.make_schedule: the warm-up reaches the peak at update warmup_steps, the decay
-    # towards ratio * peak only begins after it (test_warmup_as_long_as_the_run_...).
-    ({"train.num_steps": 6, "train.warmup_steps": 6, "train.min_learning_rate_ratio": 0.5},
-     r"^train.min_learning_rate_ratio=0.5 has no effect with train.warmup_steps=6 >= "
-     r"train.num_steps=6 \(the run ends before the cosine decay starts\); leave it at 0.1$"),
-    ({"train.num_steps": 6, "train.warmup_steps": 9, "train.min_learning_rate_ratio": 0.0},
-     r"^train.min_learning_rate_ratio=0.0 has no effect with train.warmup_steps=9 >= "),
 ]
 
 
@@ -180,31 +173,9 @@ def test_options_that_would_be_ignored_are_refused(overrides, message):
     {"data.tfds_name": "lm1b", "data.tfds_text_key": "body", "data.tfds_data_dir": "/d"},
     {"model.rope_theta": 500.0},
     {"model.block": "llama", "eval.max_batches": 3},
-    # the last update is the first of the decay: it uses ratio * peak
-    {"train.num_steps": 6, "train.warmup_steps": 5, "train.min_learning_rate_ratio": 0.5},
-    {"train.profile_steps": 2, "train.profile_first_step": 3},
 ])
 def test_options_that_do_something_are_accepted(overrides):
   config_lib.validate(tiny_config("cem", **overrides))
-
-
-@pytest.mark.parametrize("warmup", [4, 5, 6, 9])
-def test_the_decay_ratio_is_refused_exactly_where_the_schedule_never_reads_it(warmup):
-  # The refusal's condition against the schedule itself: two ratios give the same rates at
-  # every update of a 6-step run exactly when validation refuses the one that is not 0.1.
-  from cem_jax import optim
-
-  rates = {}
-  for ratio in (0.1, 0.5):
-    cfg = tiny_config("cem", **{"train.num_steps": 6, "train.warmup_steps": warmup,
-                                "train.min_learning_rate_ratio": ratio})
-    rates[ratio] = [float(optim.make_schedule(cfg.train)(k)) for k in range(6)]
-  refused = False
-  try:
-    config_lib.validate(cfg)
-  except ValueError as e:
-    refused = str(e).startswith("train.min_learning_rate_ratio=0.5 has no effect")
-  assert refused == (rates[0.1] == rates[0.5]) == (warmup >= 6)
 
 
 def test_flat_config_equals_the_json_it_is_saved_as():
@@ -311,14 +282,14 @@ def test_a_profile_window_must_lie_inside_the_run():
   for field, value in (("train.profile_steps", -1), ("train.profile_first_step", 0)):
     with pytest.raises(ValueError, match=rf"^{field}={value}; allowed: an int >= "):
       config_lib.validate(tiny_config("cem", **{field: value}))
-  cfg.train.profile_steps = 0  # no trace: a first step is not read, so it must be the default
+  # No trace, the first step unread but accepted: --config.train.profile_steps=0 alone turns off
+  # a config file's profile (refusing it was tried, and made that two flags).
+  cfg.train.profile_steps = 0
   cfg.train.profile_first_step = 1000
-  with pytest.raises(ValueError) as e:
-    config_lib.validate(cfg)
-  assert str(e.value) == ("train.profile_first_step=1000 has no effect with "
-                          "train.profile_steps=0 (no profile is taken); leave it at 5")
-  cfg.train.profile_first_step = 5
   config_lib.validate(cfg)
+  # Likewise a short try of a config file with its own decay ratio (the warm-up outlasts it).
+  config_lib.validate(tiny_config("cem", **{"train.num_steps": 6, "train.warmup_steps": 50,
+                                            "train.min_learning_rate_ratio": 0.0}))
 
 
 @pytest.mark.parametrize("overrides", [
