@@ -88,9 +88,10 @@ def test_extreme_settings_keep_the_tokens_their_limits_define(temperature, top_k
 def test_temperature_sampling_is_seeded_and_validates_length():
   graphdef, params = _model(dict(block="cem"))
   prompt = np.zeros((1, 3), np.int32)
-  a = sample.generate(graphdef, params, prompt, 8, rng=jax.random.PRNGKey(5), temperature=1.0,
+  n = 5  # new tokens (not 8): the uncached path compiles once per length
+  a = sample.generate(graphdef, params, prompt, n, rng=jax.random.PRNGKey(5), temperature=1.0,
                       top_k=3)
-  b = sample.generate(graphdef, params, prompt, 8, rng=jax.random.PRNGKey(5), temperature=1.0,
+  b = sample.generate(graphdef, params, prompt, n, rng=jax.random.PRNGKey(5), temperature=1.0,
                       top_k=3)
   np.testing.assert_array_equal(a, b)
   # The final norm's scale at 0: every logit is 0 and top-k a uniform draw over tokens 0..2.
@@ -98,17 +99,17 @@ def test_temperature_sampling_is_seeded_and_validates_length():
   flat = jax.tree_util.tree_map_with_path(
       lambda path, x: jnp.zeros_like(x) if "final_norm" in jax.tree_util.keystr(path) else x,
       params)
-  uniform = sample.generate(graphdef, flat, prompt, 8, rng=jax.random.PRNGKey(5),
+  uniform = sample.generate(graphdef, flat, prompt, n, rng=jax.random.PRNGKey(5),
                             temperature=1.0, top_k=3)
   assert len(set(uniform[0, 1:].tolist())) > 1, uniform
   # Without the cache the same keys in the same order: on flat logits, the same draws.
   np.testing.assert_array_equal(
-      sample.generate(graphdef, flat, prompt, 8, rng=jax.random.PRNGKey(5), temperature=1.0,
+      sample.generate(graphdef, flat, prompt, n, rng=jax.random.PRNGKey(5), temperature=1.0,
                       top_k=3, use_cache=False), uniform)
   # The key given is the one drawn with (--seed): another key, other draws (a generate that
   # ignored it drew the same tokens for every --seed).
   for seed in (6, 7):
-    other = sample.generate(graphdef, flat, prompt, 8, rng=jax.random.PRNGKey(seed),
+    other = sample.generate(graphdef, flat, prompt, n, rng=jax.random.PRNGKey(seed),
                             temperature=1.0, top_k=3)
     assert other[0].tolist() != uniform[0].tolist(), (seed, other, uniform)
   with pytest.raises(ValueError, match="max_new_tokens=0"):
@@ -311,8 +312,10 @@ def test_strict_causal_cached_decoding_equals_the_full_forward(case):
   _assert_cached_logits_match_the_full_forward(model)
   graphdef, params = nnx.split(model, nnx.Param)
   prompt = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (2, 5), 0, V))
-  cached = sample.generate(graphdef, params, prompt, 6, use_cache=True)
-  uncached = sample.generate(graphdef, params, prompt, 6, use_cache=False)
+  # 3 new tokens, the prefill and 2 single-token steps: the logits at every position are
+  # checked above, and the uncached path compiles once per length.
+  cached = sample.generate(graphdef, params, prompt, 3, use_cache=True)
+  uncached = sample.generate(graphdef, params, prompt, 3, use_cache=False)
   np.testing.assert_array_equal(cached, uncached)
 
 
