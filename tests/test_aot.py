@@ -166,7 +166,8 @@ def test_on_a_mesh_that_splits_the_state_the_steps_need_what_mains_need():
       from cem_jax import aot, memory, optim, steps, train
       config = tiny_config("cem", **{"mesh.data": -1, "mesh.fsdp": 2, "mesh.tensor": 2,
                                      "train.batch_size": 16, "train.loss_block_size": 16,
-                                     "train.gradient_accumulation_steps": 2})
+                                     "train.gradient_accumulation_steps": 2,
+                                     "model.num_layers": 1})  # every kind of parameter
       target = aot.Target(jax.devices(), "cpu", 2**40, jax.devices()[0].device_kind)
       r = aot.compile_for(config, target, vocab_size=300)
       tx, schedule = optim.make_optimizer(config.train)
