@@ -487,6 +487,21 @@ def test_a_save_that_fits_compressed_is_not_refused_for_its_arrays_bytes(tmp_pat
 
 
 # What a full disk raises: Python's file calls an OSError, tensorstore's writes a ValueError.
+def _step_2_failing_in_the_background(tmp_path, monkeypatch, error):
+  """A checkpointer with step 1 saved and step 2's save under way, which raises ``error`` in
+  Orbax's finalize thread (at our digest, written there), as a full disk does."""
+  from cem_jax import integrity
+
+  ckpt = _save_steps(tmp_path, steps=(1,))
+
+  def failing(directory, step):
+    raise error
+
+  monkeypatch.setattr(integrity, "write_digest", failing)
+  assert ckpt.save(2, _small_state(2.0), {"step": 2}, force=True)
+  return ckpt
+
+
 @pytest.mark.parametrize("error", [
     OSError(28, "No space left on device"),
     ValueError('RESOURCE_EXHAUSTED: Error writing local file "/x/d/1f": [OS error 28: No space '
@@ -495,15 +510,7 @@ def test_a_failed_background_save_is_one_line_naming_the_folder_and_keeps_the_sa
     tmp_path, monkeypatch, error):
   # A full disk found by Orbax's threads (here at our digest, written in its finalize thread):
   # it was Orbax's message alone, naming neither the checkpoint folder nor what to do.
-  from cem_jax import integrity
-
-  ckpt = _save_steps(tmp_path, steps=(1,))
-
-  def full_disk(directory, step):
-    raise error
-
-  monkeypatch.setattr(integrity, "write_digest", full_disk)
-  assert ckpt.save(2, _small_state(2.0), {"step": 2}, force=True)
+  ckpt = _step_2_failing_in_the_background(tmp_path, monkeypatch, error)
   with pytest.raises(CheckpointError) as e:
     ckpt.wait()
   said = str(e.value)
@@ -522,16 +529,8 @@ def test_a_failed_background_save_is_one_line_naming_the_folder_and_keeps_the_sa
 def test_a_save_failing_with_a_bug_keeps_its_own_exception(tmp_path, monkeypatch):
   # Not a disk or folder: reported as a checkpoint that could not be saved, it would read as
   # bad input (one line, status 1) and hide the traceback.
-  from cem_jax import integrity
-
-  ckpt = _save_steps(tmp_path, steps=(1,))
   bug = TypeError("unsupported operand type(s)")
-
-  def broken(directory, step):
-    raise bug
-
-  monkeypatch.setattr(integrity, "write_digest", broken)
-  assert ckpt.save(2, _small_state(2.0), {"step": 2}, force=True)
+  ckpt = _step_2_failing_in_the_background(tmp_path, monkeypatch, bug)
   with pytest.raises(TypeError) as e:
     ckpt.wait()
   assert e.value is bug
