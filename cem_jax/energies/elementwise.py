@@ -18,16 +18,37 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.scipy.special import spence
 
 from cem_jax.energies.base import EnergyAux
 
 _PI2_12 = math.pi**2 / 12.0
 
 
+# Cephes' spence.c (the coefficients of jax.scipy.special.spence): spence(x) = -w P(w) / Q(w),
+# w = x - 1, for 0.5 <= x <= 1.5.
+_SPENCE_P = (4.65128586073990045278e-5, 7.31589045238094711071e-3, 1.33847639578309018650e-1,
+             8.79691311754530315341e-1, 2.71149851196553469920e0, 4.25697156008121755724e0,
+             3.29771340985225106936e0, 1.00000000000000000126e0)
+_SPENCE_Q = (6.90990488912553276999e-4, 2.54043763932544379113e-2, 2.82974860602568089943e-1,
+             1.41172597751831069617e0, 3.63800533345137075418e0, 5.03278880143316990390e0,
+             3.54771340985225096217e0, 9.99999999999999998740e-1)
+
+
+def _spence_near_one(x):
+  """``spence(x)`` for ``1 <= x <= 1.5``, the branch ``jax.scipy.special.spence`` takes there,
+  with the same operations. Not spence itself: its ``jnp.piecewise`` evaluates every branch for
+  every element and sorts them out with cumulative sums; with it Φ_silu of ``[8, 512, 1024]``
+  float32 took 527 CPU ms and 1.17 GB on CPU, 37 ms and 0.05 GB without it and with the
+  quadrature summed term by term (the energy trace's cost, docs/PERFORMANCE.md)."""
+  w = x - 1.0
+  p, q = (jnp.asarray(c, w.dtype) for c in (_SPENCE_P, _SPENCE_Q))
+  return -w * jnp.polyval(p, w) / jnp.polyval(q, w)
+
+
 def _phi_silu_neg(z):
-  """Φ_silu on z <= 0: z·softplus(z) + Li₂(-e^z) + π²/12, with Li₂(-u) = spence(1 + u)."""
-  return z * jax.nn.softplus(z) + spence(1.0 + jnp.exp(z)) + _PI2_12
+  """Φ_silu on z <= -2: z·softplus(z) + Li₂(-e^z) + π²/12, with Li₂(-u) = spence(1 + u)
+  (1 <= 1 + u <= 1 + e⁻²)."""
+  return z * jax.nn.softplus(z) + _spence_near_one(1.0 + jnp.exp(z)) + _PI2_12
 
 
 # 12-point Gauss-Legendre nodes/weights on [0, 1] for Φ near 0, where the closed form
@@ -45,18 +66,23 @@ def phi_silu(z: jax.Array) -> jax.Array:
   ``Φ(z) = z·softplus(z) + Li₂(-e^z) + π²/12`` (CEM_MATH.md §2), evaluated stably: for
   ``|z| > 2`` only ``Li₂(-e^{-|z|})`` is used (via ``Φ(z) + Φ(-z) = z²/2``); for
   ``|z| <= 2``, where that sum cancels, Gauss-Legendre quadrature of ``silu`` on ``[0, z]``
-  (12 nodes: exact to float precision for this analytic integrand). ``jax.grad`` through
-  ``spence`` is NaN, hence the custom JVP whose tangent ``silu(z)·ż`` is itself
-  differentiable: ``Φ' = silu`` and ``Φ'' = silu'`` exactly, to any order.
+  (12 nodes: exact to float precision for this analytic integrand). ``jax.grad`` of that
+  differentiates the quadrature and the rational approximation rather than ``Φ`` (through
+  ``jax.scipy.special.spence`` it was NaN), hence the custom JVP whose tangent ``silu(z)·ż``
+  is itself differentiable: ``Φ' = silu`` and ``Φ'' = silu'`` exactly, to any order.
   """
   z = jnp.asarray(z)
   compute = z.astype(jnp.promote_types(z.dtype, jnp.float32))
   neg = _phi_silu_neg(-jnp.maximum(jnp.abs(compute), _SMALL))
   large = jnp.where(compute > 0, 0.5 * compute * compute - neg, neg)
-  nodes = jnp.asarray(_GL_X, compute.dtype)
-  weights = jnp.asarray(_GL_W, compute.dtype)
-  small_z = jnp.clip(compute, -_SMALL, _SMALL)[..., None]
-  small = small_z[..., 0] * jnp.sum(weights * jax.nn.silu(small_z * nodes), axis=-1)
+  small_z = jnp.clip(compute, -_SMALL, _SMALL)
+  # One term per node, summed in order: then XLA's CPU backend fuses all of Φ into one loop;
+  # reduced over an extra [..., 12] axis, it took 178 CPU ms instead of 37 (as above).
+  quadrature = None
+  for node, weight in zip(_GL_X.tolist(), _GL_W.tolist(), strict=True):
+    term = weight * jax.nn.silu(small_z * node)
+    quadrature = term if quadrature is None else quadrature + term
+  small = small_z * quadrature
   return jnp.where(jnp.abs(compute) > _SMALL, large, small).astype(z.dtype)
 
 
