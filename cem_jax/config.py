@@ -328,20 +328,32 @@ def _interval(low, low_in, high, high_in) -> str:
   return f"{left}value{right}" if left or right else "any finite number"
 
 
+def allowed_int(field: str) -> str:
+  """What :func:`check_int` allows for ``field``, as its refusal words it: ``an int >= 1``,
+  ``an int >= 0 and < 2**63`` (:data:`_MINIMUMS`, :data:`_BELOW`). For a check of a value
+  given under another name (a flag, a function's argument) that follows the field's rule."""
+  bound_text = _BELOW.get(field, (None, None))[1]
+  return f"an int >= {_MINIMUMS[field]}" + (f" and < {bound_text}" if bound_text else "")
+
+
+def is_allowed_int(field: str, value) -> bool:
+  """Whether ``value`` is what :func:`check_int` allows for ``field``: a Python ``int`` (not a
+  bool, a float or a numpy integer, which ``config.json`` could not hold) >= its minimum in
+  :data:`_MINIMUMS` and, where it has one, below its bound in :data:`_BELOW`."""
+  minimum, bound = _MINIMUMS[field], _BELOW.get(field, (None, ""))[0]
+  return (not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+          and (bound is None or value < bound))
+
+
 def check_int(field: str, value) -> None:
-  """Checks one integer field against :data:`_MINIMUMS` and, where it has one, its upper bound
-  in :data:`_BELOW`: a Python ``int`` (not a bool, a float or a numpy integer, which
-  ``config.json`` could not hold) in that range.
+  """Checks one integer field as :func:`is_allowed_int` does.
 
   Raises:
-    ValueError: one line naming the field, the value and what is allowed, e.g.
-      ``seed=-1; allowed: an int >= 0 and < 2**63``.
+    ValueError: one line naming the field, the value and what is allowed
+      (:func:`allowed_int`), e.g. ``seed=-1; allowed: an int >= 0 and < 2**63``.
   """
-  minimum, (bound, bound_text) = _MINIMUMS[field], _BELOW.get(field, (None, ""))
-  allowed = f"an int >= {minimum}" + (f" and < {bound_text}" if bound is not None else "")
-  if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
-      or (bound is not None and value >= bound)):
-    raise ValueError(f"{field}={value!r}; allowed: {allowed}")
+  if not is_allowed_int(field, value):
+    raise ValueError(f"{field}={value!r}; allowed: {allowed_int(field)}")
 
 
 def check_range(field: str, value) -> None:

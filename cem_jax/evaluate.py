@@ -18,6 +18,7 @@ import os
 from absl import app, flags, logging
 
 from cem_jax import cli
+from cem_jax import config as config_lib
 from cem_jax.files import atomic_write_text, saved_figure
 
 
@@ -63,16 +64,18 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
 
 
 def check_steps(steps: list) -> None:
-  """The rule of ``--num_steps`` (``T_eval`` values): one or more ints >= 1, each at most once
-  (T_eval = 0 would run no CEM step; a repeat, the same evaluation twice).
+  """The rule of ``--num_steps`` (``T_eval`` values): one or more values, each one
+  ``model.num_steps`` allows (an int >= 1, :func:`cem_jax.config.is_allowed_int`), each at
+  most once (T_eval = 0 would run no CEM step; a repeat, the same evaluation twice).
 
   Raises:
     ValueError: one line naming every value and what is allowed.
   """
   if (not steps or len(set(steps)) < len(steps)
-      or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in steps)):
+      or not all(config_lib.is_allowed_int("model.num_steps", t) for t in steps)):
     raise ValueError(f"--num_steps={','.join(map(str, steps))}; allowed: comma-separated "
-                     "integers >= 1, each at most once")
+                     f"values, each {config_lib.allowed_int('model.num_steps')} and at most "
+                     "once")
 
 
 def report_paths(workdir: str) -> list[str]:

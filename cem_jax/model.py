@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec
 
 from cem_jax import attention, energies, model_stats
 from cem_jax.axes import DEFAULT_RULES, augmented_head_dim, dividing_axes, head_dim_of, mesh_axes_of
-from cem_jax.config import BLOCKS
+from cem_jax.config import BLOCKS, allowed_int, is_allowed_int
 from cem_jax.energies import EnergyAux
 from cem_jax.layers import DTYPES, CEMBlock, LlamaBlock, RMSNorm
 from cem_jax.layers.common import param
@@ -515,12 +515,16 @@ class DecoderLM(nnx.Module):
 
 
 def check_num_steps(num_steps) -> None:
-  """Refuses a ``num_steps`` override that is not an int >= 1: 0 steps would leave every CEM
-  layer the identity without a word."""
-  if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int)
-                                or num_steps < 1):
-    raise ValueError(f"DecoderLM: num_steps={num_steps!r}; allowed: an int >= 1 (None: "
-                     "model.num_steps)")
+  """Refuses a ``num_steps`` override that breaks ``model.num_steps``'s rule (an int >= 1,
+  :func:`cem_jax.config.is_allowed_int`): 0 steps would leave every CEM layer the identity
+  without a word. None (``model.num_steps`` itself) passes.
+
+  Raises:
+    ValueError: one line naming ``num_steps``, the value and what is allowed.
+  """
+  if num_steps is not None and not is_allowed_int("model.num_steps", num_steps):
+    raise ValueError(f"DecoderLM: num_steps={num_steps!r}; allowed: "
+                     f"{allowed_int('model.num_steps')} (None: model.num_steps)")
 
 
 def _shapes(leaves: dict) -> str:

@@ -568,8 +568,23 @@ def test_a_test_time_step_count_below_one_or_repeated_is_refused_before_the_run_
   monkeypatch.setattr(runs, "load_run", load_run)
   with pytest.raises(ValueError) as e:
     evaluate.test_time_steps("w", counts)
-  assert str(e.value) == (f"--num_steps={shown}; allowed: comma-separated integers >= 1, each "
-                          "at most once")
+  assert str(e.value) == (f"--num_steps={shown}; allowed: comma-separated values, each an int "
+                          ">= 1 and at most once")
+
+
+def test_every_step_count_check_holds_model_num_steps_rule(monkeypatch):
+  # T_eval values, a DecoderLM num_steps override and the config field are one quantity, a
+  # number of recursive steps: a change of the rule in config reaches all three.
+  from cem_jax import evaluate, model
+  monkeypatch.setitem(config_lib._MINIMUMS, "model.num_steps", 2)
+  checks = {"--num_steps": lambda t: evaluate.check_steps([3, t]),
+            "DecoderLM: num_steps": model.check_num_steps,
+            "model.num_steps": lambda t: config_lib.check_int("model.num_steps", t)}
+  for name, check in checks.items():
+    check(2)
+    for bad in (1, 2.0, True):
+      with pytest.raises(ValueError, match=rf"^{name}=.*; allowed: .*an int >= 2\b"):
+        check(bad)
 
 
 def test_evaluate_refuses_step_counts_that_are_not_integers_by_the_values_typed(tmp_path):
@@ -578,7 +593,8 @@ def test_evaluate_refuses_step_counts_that_are_not_integers_by_the_values_typed(
                         env=subprocess_env())
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert proc.stderr.strip().splitlines()[-1] == (
-      "error: --num_steps=1,two; allowed: comma-separated integers >= 1, each at most once")
+      "error: --num_steps=1,two; allowed: comma-separated values, each an int >= 1 and at most "
+      "once")
 
 
 def test_a_run_whose_chosen_step_keeps_vanishing_is_tried_three_times_then_its_error_raised(
