@@ -760,12 +760,15 @@ def test_seq_len_longer_than_the_data(tmp_path):
     build_data(_config(files=os.fspath(small), seq_len=2000, vocab_size=300), tmp_path / "wd")
 
 
-def test_a_window_needs_at_least_one_target():
-  # seq_len 0 would make windows of one token: no input/target pair in any of them.
+def test_a_window_length_is_refused_as_the_config_refuses_it():
+  # seq_len 0 would make windows of one token: no input/target pair in any of them. Packing
+  # names data.seq_len, so it holds that field's rule (config.check_int), 1 refused too.
   for keep_tail in (False, True):
-    with pytest.raises(ValueError) as e:
-      packing.count_windows(10, 0, keep_tail=keep_tail, split="train")
-    assert str(e.value) == "data.seq_len=0 must be >= 1"
+    for seq_len in (0, 1, 4.0):
+      with pytest.raises(ValueError) as e:
+        packing.count_windows(10, seq_len, keep_tail=keep_tail, split="train")
+      assert str(e.value) == f"data.seq_len={seq_len}; allowed: an int >= 2"
+    assert packing.count_windows(10, 2, keep_tail=keep_tail, split="train") == 3 + keep_tail
 
 
 # ---- batches -------------------------------------------------------------------------------
@@ -797,23 +800,28 @@ def test_train_batches_split_across_processes():
       parts = [batches.batch(step, i, count) for i in range(count)]
       for key in whole:
         assert np.array_equal(np.concatenate([p[key] for p in parts]), whole[key])
-  with pytest.raises(ValueError, match=r"train\.batch_size=12 must be divisible by the process "
-                                       r"count 5"):
+  with pytest.raises(ValueError, match=r"^train\.batch_size=12 is not divisible by the process "
+                                       r"count 5; allowed: a multiple of 5$"):
     batches.batch(0, 0, 5)
 
 
 def test_batches_refuse_bad_arguments_naming_them():
   windows = _numbered_windows(10)
-  for kwargs, message in (({"batch_size": 0, "shuffle_seed": 0}, "train.batch_size=0 must be >= 1"),
+  for kwargs, message in (({"batch_size": 0, "shuffle_seed": 0},
+                           "train.batch_size=0; allowed: an int >= 1"),
+                          ({"batch_size": 2.0, "shuffle_seed": 0},
+                           "train.batch_size=2.0; allowed: an int >= 1"),
                           ({"batch_size": 2, "shuffle_seed": -1},
-                           "data.shuffle_seed=-1 must be >= 0")):
+                           "data.shuffle_seed=-1; allowed: an int >= 0 and < 2**63"),
+                          ({"batch_size": 2, "shuffle_seed": 2**63},
+                           f"data.shuffle_seed={2**63}; allowed: an int >= 0 and < 2**63")):
     with pytest.raises(ValueError) as e:
       TrainBatches(windows, **kwargs)
     assert str(e.value) == message
   batches = TrainBatches(windows, 4, shuffle_seed=0)
   with pytest.raises(ValueError) as e:
     batches.window_indices(-1)  # would read epoch -1
-  assert str(e.value) == "step=-1 must be >= 0"
+  assert str(e.value) == "step=-1; allowed: an int >= 0"
   for index, count in ((2, 2), (-1, 2), (0, 0)):
     with pytest.raises(ValueError) as e:
       batches.window_indices(0, index, count)
@@ -823,7 +831,11 @@ def test_batches_refuse_bad_arguments_naming_them():
                            doc_bytes=[np.ones_like(d) for d in docs]), PAD)
   with pytest.raises(ValueError) as e:
     next(evals.batches(5, 0, 2))  # two processes cannot share 5 rows equally
-  assert str(e.value) == "eval.batch_size=5 must be >= 1 and divisible by the process count 2"
+  assert str(e.value) == ("eval.batch_size=5 is not divisible by the process count 2; allowed: "
+                          "a multiple of 2")
+  with pytest.raises(ValueError) as e:
+    next(evals.batches(0))
+  assert str(e.value) == "eval.batch_size=0; allowed: an int >= 1"
 
 
 def test_eval_padding_rows_hold_the_pad_id_and_no_weight_or_bytes():

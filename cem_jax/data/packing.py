@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm import tqdm
 
+from cem_jax.config import check_int
 from cem_jax.data import text
 from cem_jax.data.tokenizer import Tokenizer
 
@@ -105,11 +106,11 @@ def count_windows(num_tokens: int, seq_len: int, *, keep_tail: bool, split: str)
   tail (``keep_tail=True``, validation).
 
   Raises:
-    ValueError: ``seq_len`` < 1, or the split yields no window with a weighted target (one
-      line naming ``data.seq_len``, its value, ``split`` and the tokens available).
+    ValueError: ``seq_len`` not what ``data.seq_len`` allows (an int >= 2,
+      :func:`cem_jax.config.check_int`), or the split yields no window with a weighted target
+      (one line naming ``data.seq_len``, its value, ``split`` and the tokens available).
   """
-  if seq_len < 1:
-    raise ValueError(f"data.seq_len={seq_len} must be >= 1")
+  check_int("data.seq_len", seq_len)
   width = seq_len + 1
   num = num_tokens // width if not keep_tail else -(-num_tokens // width)
   # A padded tail needs two real tokens to hold one weighted target.
@@ -130,7 +131,7 @@ def pack(doc_ids: Sequence[np.ndarray], seq_len: int, eos_id: int, pad_id: int, 
 
   Args:
     doc_ids: each document's token ids, without EOS.
-    seq_len: model sequence length (``data.seq_len``), > 0.
+    seq_len: model sequence length (``data.seq_len``, an int >= 2).
     eos_id, pad_id: tokenizer ids.
     keep_tail: False (train) drops the final partial window; True (validation) keeps it,
       padded with ``pad_id`` and segment 0.
@@ -142,8 +143,8 @@ def pack(doc_ids: Sequence[np.ndarray], seq_len: int, eos_id: int, pad_id: int, 
     ``Windows`` with int32 ``[num_windows, seq_len + 1]`` arrays.
 
   Raises:
-    ValueError: ``seq_len`` < 1, or the split yields no window with a weighted target (one
-      line naming ``data.seq_len``, its value and the tokens available).
+    ValueError: as :func:`count_windows`: ``seq_len`` not an int >= 2, or the split yields
+      no window with a weighted target (one line naming ``data.seq_len``).
   """
   lengths = np.array([len(d) + 1 for d in doc_ids], np.int64)
   num = count_windows(int(lengths.sum()), seq_len, keep_tail=keep_tail, split=split)

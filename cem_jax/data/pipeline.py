@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from cem_jax.config import check_int
 from cem_jax.data import packing, shard_writer, sources
 from cem_jax.data import prepared as prepared_lib
 from cem_jax.data import tokenizer as tokenizer_lib
@@ -106,17 +107,17 @@ class TrainBatches:
   Args:
     windows: the packed train split (``packing.Windows`` or ``prepared.StreamWindows``).
     batch_size: global batch size (``train.batch_size``), in sequences.
-    shuffle_seed: ``data.shuffle_seed``, >= 0.
+    shuffle_seed: ``data.shuffle_seed``.
 
   Raises:
-    ValueError: ``batch_size`` < 1 or ``shuffle_seed`` < 0 (naming the field).
+    ValueError: ``batch_size`` or ``shuffle_seed`` not what its config field allows
+      (:func:`cem_jax.config.check_int`: an int >= 1; an int >= 0 and < 2**63), one line
+      naming the field.
   """
 
   def __init__(self, windows, batch_size: int, shuffle_seed: int):
-    if batch_size < 1:
-      raise ValueError(f"train.batch_size={batch_size} must be >= 1")
-    if shuffle_seed < 0:
-      raise ValueError(f"data.shuffle_seed={shuffle_seed} must be >= 0")
+    check_int("train.batch_size", batch_size)
+    check_int("data.shuffle_seed", shuffle_seed)
     self.windows = windows
     self.batch_size = int(batch_size)
     self.shuffle_seed = int(shuffle_seed)
@@ -139,14 +140,12 @@ class TrainBatches:
         ``batch_size`` not divisible by ``process_count``.
     """
     if step < 0:
-      raise ValueError(f"step={step} must be >= 0")
+      raise ValueError(f"step={step}; allowed: an int >= 0")
     if process_count < 1 or not 0 <= process_index < process_count:
       raise ValueError(f"process_index={process_index} must be in [0, {process_count})")
     if self.batch_size % process_count:
-      raise ValueError(
-          f"train.batch_size={self.batch_size} must be divisible by the process count "
-          f"{process_count}"
-      )
+      raise ValueError(f"train.batch_size={self.batch_size} is not divisible by the process "
+                       f"count {process_count}; allowed: a multiple of {process_count}")
     local = self.batch_size // process_count
     g = step * self.batch_size + process_index * local + np.arange(local, dtype=np.int64)
     epochs, positions = np.divmod(g, self.num_windows)
@@ -229,14 +228,14 @@ class EvalWindows:
       ``[batch_size // process_count, seq_len]``.
 
     Raises:
-      ValueError: ``batch_size`` < 1 or not divisible by ``process_count`` (naming
-        ``eval.batch_size``), or ``max_batches`` neither -1 nor >= 1 (naming ``eval.max_batches``).
+      ValueError: ``batch_size`` not an int >= 1 (:func:`cem_jax.config.check_int`) or not
+        divisible by ``process_count`` (naming ``eval.batch_size``), or ``max_batches``
+        neither -1 nor >= 1 (naming ``eval.max_batches``).
     """
-    if batch_size < 1 or batch_size % process_count:
-      raise ValueError(
-          f"eval.batch_size={batch_size} must be >= 1 and divisible by the process count "
-          f"{process_count}"
-      )
+    check_int("eval.batch_size", batch_size)
+    if batch_size % process_count:
+      raise ValueError(f"eval.batch_size={batch_size} is not divisible by the process count "
+                       f"{process_count}; allowed: a multiple of {process_count}")
     if max_batches < 1 and max_batches != -1:
       raise ValueError(f"eval.max_batches={max_batches!r}; allowed: -1 (the whole split) or an "
                        "int >= 1")
