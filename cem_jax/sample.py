@@ -100,7 +100,9 @@ def generate(graphdef, params, prompt: np.ndarray, max_new_tokens: int, *, rng=N
   """Continues ``prompt`` (``[batch, prompt_len]`` int) by ``max_new_tokens`` tokens.
 
   Returns ``[batch, max_new_tokens]`` int32 new token ids. ``temperature`` 0 is greedy.
-  ``num_steps`` overrides a CEM model's recursive steps.
+  ``num_steps`` overrides a CEM model's recursive steps. ``graphdef, params`` are
+  ``nnx.split(model, nnx.Param)`` of a ``DecoderLM`` (the vocabulary size is read from
+  ``params["embedding"]``, without building the model).
 
   Raises:
     ValueError: ``prompt`` not ``[batch, prompt_len >= 1]`` integer ids in
@@ -115,7 +117,7 @@ def generate(graphdef, params, prompt: np.ndarray, max_new_tokens: int, *, rng=N
   if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r}; allowed: an int >= 1")
   check_num_steps(num_steps)  # here, not in the jitted step: its error is one line
-  vocab = nnx.merge(graphdef, params).embedding.shape[0]
+  vocab = params["embedding"].shape[0]  # DecoderLM's [vocab_size, d_model] table
   check_sampling(temperature, top_k, top_p, vocab)
   # An id out of range reads a NaN embedding row (jnp.take fills) and decodes garbage.
   bad = prompt[(prompt < 0) | (prompt >= vocab)]
