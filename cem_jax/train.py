@@ -214,19 +214,8 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
   Raises:
     ValueError: as :func:`train_and_evaluate`.
   """
-  preflight.check(config)
-  _warn_unreloadable(config)
-  data_parallel_devices(config)
-  preflight.check_machine(config)
-  data_lib.require_shuffle()
-  created = workdir_lib.prepare_workdir(workdir)
-  try:
-    workdir_lib.check_processes_agree(config, workdir)
-  except ValueError:
-    if created:  # nothing in it yet: as the command found it
-      shutil.rmtree(workdir, ignore_errors=True)
-    raise
-  held.enter_context(workdir_lib.exclusive(workdir))  # kept by the caller until the run ends
+  _check_before_start(config)
+  created = _claim_workdir(config, workdir, held)
   prepared = workdir_lib.prepared_folders(workdir)
   ckpt = None
   try:
@@ -235,14 +224,9 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
                         async_save=config.checkpoint.async_save)
     resume = ckpt.restorable_step()
     energies_now = energies.energy_digests(config)
-    if resume is not None:
-      # Checked before the data and the model are built: a refusal would otherwise come after
-      # reading or preparing the data (minutes at corpus scale) and initialising, for nothing.
-      saved = runs.read_meta(ckpt, resume)
-      if saved.step not in (None, resume):
-        raise ValueError(f"checkpoint {ckpt.step_dir(resume)}: damaged metadata: step="
-                         f"{saved.step}, saved as step {resume}")
-      runs.refuse_other_run(saved, config, ckpt.step_dir(resume), energies_now)
+    # Checked before the data and the model are built: a refusal would otherwise come after
+    # reading or preparing the data (minutes at corpus scale) and initialising, for nothing.
+    saved = None if resume is None else _checked_meta(ckpt, resume, config, energies_now)
     data = workdir_lib.build_data_once(config, workdir)
     tx, schedule = make_optimizer(config.train)
     graphdef, params, opt_state, shardings, model = steps_lib.init_state(
@@ -251,18 +235,86 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
               graphdef=graphdef, params=params, opt_state=opt_state, shardings=shardings,
               model=model, ckpt=ckpt, created=created, energies=energies_now, resume=resume)
     if resume is not None:
-      runs.check_data(saved, data, ckpt.step_dir(resume), workdir, prepared)
-      # The target is the freshly initialised state on the current devices: the restore takes
-      # its structure (optax's state types) and shardings, whatever the saving run used.
-      state, _ = ckpt.restore(resume, {"params": params, "opt_state": opt_state})
-      run.meta, run.params, run.opt_state = saved, state["params"], state["opt_state"]
-      # The step Orbax saved the arrays under (its metadata's step checked against it above);
-      # the data position is a function of it.
-      run.start_step = resume
+      _restore(run, saved, prepared)
   except BaseException:
     _undo_start(ckpt, workdir, created)
     raise
   return run
+
+
+def _check_before_start(config: ml_collections.ConfigDict) -> None:
+  """What :func:`_start_up` checks before it touches the workdir: the config
+  (:func:`cem_jax.preflight.check`), the mesh against the devices, the machine, and that the
+  training order's shuffle can be imported; warns of an energy a reload could not find.
+
+  Raises:
+    ValueError, ModuleNotFoundError: as those checks (one line naming the field).
+  """
+  preflight.check(config)
+  _warn_unreloadable(config)
+  data_parallel_devices(config)
+  preflight.check_machine(config)
+  data_lib.require_shuffle()
+
+
+def _claim_workdir(config: ml_collections.ConfigDict, workdir: str,
+                   held: contextlib.ExitStack) -> bool:
+  """Makes ``workdir`` if missing, checks that every process was given the same config and
+  workdir, and holds it for this run (:func:`cem_jax.workdir.exclusive`) until ``held``
+  closes. Returns whether this start created it (removed again, still empty, if the processes
+  disagree).
+
+  Raises:
+    ValueError: as :func:`cem_jax.workdir.prepare_workdir`,
+      :func:`cem_jax.workdir.check_processes_agree` and :func:`cem_jax.workdir.exclusive`.
+  """
+  created = workdir_lib.prepare_workdir(workdir)
+  try:
+    workdir_lib.check_processes_agree(config, workdir)
+  except ValueError:
+    if created:  # nothing in it yet: as the command found it
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
+  held.enter_context(workdir_lib.exclusive(workdir))  # kept by the caller until the run ends
+  return created
+
+
+def _checked_meta(ckpt: Checkpointer, resume: int, config: ml_collections.ConfigDict,
+                  energies_now: dict) -> runs.CheckpointMeta:
+  """The metadata of checkpoint step ``resume``, checked to be that step's and to come from
+  this run: the same numerics version and model (:func:`cem_jax.runs.refuse_other_run`).
+
+  Raises:
+    ValueError: damaged metadata, or a checkpoint of another run (as
+      :func:`cem_jax.runs.refuse_other_run`).
+  """
+  saved = runs.read_meta(ckpt, resume)
+  if saved.step not in (None, resume):
+    raise ValueError(f"checkpoint {ckpt.step_dir(resume)}: damaged metadata: step="
+                     f"{saved.step}, saved as step {resume}")
+  runs.refuse_other_run(saved, config, ckpt.step_dir(resume), energies_now)
+  return saved
+
+
+def _restore(run: Run, saved: runs.CheckpointMeta, prepared: frozenset[str] | None) -> None:
+  """Restores checkpoint step ``run.resume`` into ``run`` (its params, optimizer state, meta
+  and start step) after checking that it was trained on ``run.data``
+  (:func:`cem_jax.runs.check_data`: if not, what ``WORKDIR/data`` gained since ``prepared``
+  is removed first).
+
+  Raises:
+    ValueError, CheckpointError: as :func:`cem_jax.runs.check_data` and
+      :meth:`cem_jax.checkpoint.Checkpointer.restore`.
+  """
+  ckpt, resume = run.ckpt, run.resume
+  runs.check_data(saved, run.data, ckpt.step_dir(resume), run.workdir, prepared)
+  # The target is the freshly initialised state on the current devices: the restore takes
+  # its structure (optax's state types) and shardings, whatever the saving run used.
+  state, _ = ckpt.restore(resume, {"params": run.params, "opt_state": run.opt_state})
+  run.meta, run.params, run.opt_state = saved, state["params"], state["opt_state"]
+  # The step Orbax saved the arrays under (its metadata's step checked against it above);
+  # the data position is a function of it.
+  run.start_step = resume
 
 
 def make_steps(config: ml_collections.ConfigDict, graphdef, tx, shardings, schedule):
@@ -360,6 +412,30 @@ def _mfu_peak(config: ml_collections.ConfigDict) -> float | None:
     logging.info("train/mfu is not logged: a user energy's FLOPs are not modelled")
     return None
   return peak
+
+
+def _throughput_units(config: ml_collections.ConfigDict, vocab_size: int
+                      ) -> tuple[int, float, float | None]:
+  """``(tokens_per_step, flops_per_step, peak_flops)``: what ``train/tokens_per_sec`` and
+  ``train/mfu`` count a step in. ``flops_per_step`` is the model FLOPs of one training step
+  (3x the forward's); ``peak_flops`` the devices' peak (:func:`_mfu_peak`), None where it or
+  the model's FLOPs are not known (a CPU, a user energy): no MFU rather than a wrong one."""
+  tokens_per_step = config.train.batch_size * config.data.seq_len
+  flops_per_step = 3 * tokens_per_step * flops_per_token(config.model, vocab_size,
+                                                         config.data.seq_len)
+  return tokens_per_step, flops_per_step, _mfu_peak(config)
+
+
+def _rows_of_this_process(shardings: steps_lib.StateShardings, global_rows: int
+                          ) -> tuple[int, int]:
+  """``(block, blocks)``: this process reads rows block ``block`` of ``blocks`` of every
+  global batch of ``global_rows`` rows (:meth:`cem_jax.steps.StateShardings.process_slice`);
+  logs it with the mesh."""
+  block, blocks = shardings.process_slice(global_rows)
+  logging.info("mesh %s over %d devices of %d processes; process %d reads rows block %d of "
+               "%d of every global batch", dict(shardings.mesh.shape), jax.device_count(),
+               jax.process_count(), jax.process_index(), block, blocks)
+  return block, blocks
 
 
 def _undo_start(ckpt: Checkpointer | None, workdir: str, created: bool) -> None:
@@ -482,35 +558,18 @@ class _Loop:
     self.params, self.opt_state = run.params, run.opt_state
     self.is_main = jax.process_index() == 0
     self.resolved = config.to_dict()
-
     cfg_t = config.train
     self.max_bad = cfg_t.max_consecutive_nonfinite
     self.train_step, self.eval_step = make_steps(config, run.graphdef, run.tx, run.shardings,
                                                  run.schedule)
     self.num_steps = cfg_t.num_steps
     self.global_rows = cfg_t.batch_size
-    self.tokens_per_step = self.global_rows * config.data.seq_len
-    # Model FLOPs of one training step (3x forward) over the devices' peak: train/mfu, where
-    # the device's peak is known (model_stats.PEAK_FLOPS; never on a CPU) and so are the
-    # FLOPs (not with a user energy, whose operations are not modelled: no MFU rather than a
-    # wrong one).
-    self.flops_per_step = 3 * self.tokens_per_step * flops_per_token(
-        config.model, run.data.tokenizer.vocab_size, config.data.seq_len)
-    self.peak_flops = _mfu_peak(config)
-    self.block, self.blocks = run.shardings.process_slice(self.global_rows)
-    logging.info("mesh %s over %d devices of %d processes; process %d reads rows block %d of "
-                 "%d of every global batch", dict(run.shardings.mesh.shape),
-                 jax.device_count(), jax.process_count(), jax.process_index(), self.block,
-                 self.blocks)
+    self.tokens_per_step, self.flops_per_step, self.peak_flops = _throughput_units(
+        config, run.data.tokenizer.vocab_size)
+    self.block, self.blocks = _rows_of_this_process(run.shardings, self.global_rows)
     self.guard = jax.make_array_from_process_local_data(run.shardings.replicated,
                                                         np.zeros((), np.int32))
-    # Compiled now, for the shapes and shardings of the calls to come (they reuse them): a step
-    # too large for the device is a one-line error before any step runs, and an eval step
-    # too large is one before hours of training end at the first eval. A finished run
-    # (re-run to find its last checkpoint) runs neither: nothing to compile.
-    if run.start_step < cfg_t.num_steps:
-      compile_steps(config, self.train_step, self.eval_step, self.params, self.opt_state,
-                    self.guard, run.shardings.batch, data_parallel_devices(config))
+    self._compile_ahead()
     self.last_saved = run.resume
     _log_resume(run, self.resolved)
     self.profiler = StepProfiler(tensorboard_dir(run.workdir), cfg_t.profile_first_step,
@@ -521,6 +580,20 @@ class _Loop:
     self.t_start = self.t_log = _clock()
     self.step_at_log = run.start_step
     self.paused = 0.0  # seconds of evals and saves since the last log: not training time
+
+  def _compile_ahead(self) -> None:
+    """Compiles the steps now, for the shapes and shardings of the calls to come (they reuse
+    them): a step too large for the device is a one-line error before any step runs, and an
+    eval step too large one before hours of training end at the first eval. A finished run
+    (re-run to find its last checkpoint) runs neither: nothing to compile.
+
+    Raises:
+      ValueError: as :func:`compile_steps`.
+    """
+    run = self.run
+    if run.start_step < run.config.train.num_steps:
+      compile_steps(run.config, self.train_step, self.eval_step, self.params, self.opt_state,
+                    self.guard, run.shardings.batch, data_parallel_devices(run.config))
 
   def step(self, step: int, preemption: workdir_lib.Preemption) -> bool:
     """Runs step ``step`` (0-based) with its log, eval and save; True if preempted (saved)."""
