@@ -356,6 +356,22 @@ def check_int(field: str, value) -> None:
     raise ValueError(f"{field}={value!r}; allowed: {allowed_int(field)}")
 
 
+def check_minus_one_or_positive(field: str, value, high: int | None = None) -> None:
+  """Checks one field of :data:`_MINUS_ONE_OR_POSITIVE`: a Python ``int`` that is -1 (the
+  value derived from others) or >= 1, and at most ``high`` (the value of the field the table
+  names as its maximum) where it has one.
+
+  Raises:
+    ValueError: one line naming the field, the value and what is allowed, e.g.
+      ``eval.max_batches=0; allowed: -1 (the whole split) or an int >= 1``.
+  """
+  meaning, most = _MINUS_ONE_OR_POSITIVE[field]
+  if isinstance(value, bool) or not isinstance(value, int) or not (
+      value == -1 or (1 <= value and (high is None or value <= high))):
+    ints = "an int >= 1" if high is None else f"an int in 1..{high} ({most})"
+    raise ValueError(f"{field}={value!r}; allowed: -1 ({meaning}) or {ints}")
+
+
 def check_range(field: str, value) -> None:
   """Checks one numeric field against :data:`_RANGES`.
 
@@ -648,12 +664,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     check_int(field, config[field])
   for field in _RANGES:
     check_range(field, config[field])
-  for field, (meaning, most) in _MINUS_ONE_OR_POSITIVE.items():
-    value, high = config[field], None if most is None else config[most]
-    if isinstance(value, bool) or not isinstance(value, int) or not (
-        value == -1 or (1 <= value and (high is None or value <= high))):
-      ints = "an int >= 1" if high is None else f"an int in 1..{high} ({most})"
-      raise ValueError(f"{field}={value!r}; allowed: -1 ({meaning}) or {ints}")
+  for field, (_, most) in _MINUS_ONE_OR_POSITIVE.items():
+    check_minus_one_or_positive(field, config[field], None if most is None else config[most])
   m = config.model
   if m.param_dtype != "float32":
     raise ValueError(

@@ -958,9 +958,10 @@ def test_the_eval_subset_is_spread_over_the_split():
     assert want[-1] >= n - n // total - 1  # reaches the end of the split
   whole = list(range(n))
   assert read(4, 2, -1)[:n] == whole and read(4, 1, 100)[:n] == whole
-  with pytest.raises(ValueError,
-                     match=r"^eval.max_batches=0; allowed: -1 \(the whole split\) or an int >= 1$"):
-    next(evals.batches(4, 0, 1, 0))
+  for bad in (0, -2, 2.5, True):  # config.validate's rule for the field
+    with pytest.raises(ValueError, match=rf"^eval.max_batches={bad}; allowed: -1 \(the whole "
+                                         r"split\) or an int >= 1$"):
+      next(evals.batches(4, 0, 1, bad))
 
 
 def test_eval_padding_keeps_total_weight():

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from cem_jax.config import check_int
+from cem_jax.config import check_int, check_minus_one_or_positive
 from cem_jax.data import packing, shard_writer, sources
 from cem_jax.data import prepared as prepared_lib
 from cem_jax.data import tokenizer as tokenizer_lib
@@ -236,9 +236,7 @@ class EvalWindows:
     if batch_size % process_count:
       raise ValueError(f"eval.batch_size={batch_size} is not divisible by the process count "
                        f"{process_count}; allowed: a multiple of {process_count}")
-    if max_batches < 1 and max_batches != -1:
-      raise ValueError(f"eval.max_batches={max_batches!r}; allowed: -1 (the whole split) or an "
-                       "int >= 1")
+    check_minus_one_or_positive("eval.max_batches", max_batches)
     n = self.num_windows
     if max_batches == -1 or max_batches * batch_size >= n:
       num_batches, picks = self.num_batches(batch_size), np.arange(n, dtype=np.int64)
