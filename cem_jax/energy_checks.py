@@ -77,6 +77,15 @@ FUSED_RTOL = 1e-3
 # direction a hard max gave 6e-2 and a factor 2 only 0.2-0.4: not a check.)
 SLOPE_RTOL = 5e-2
 _SLOPE_STEP = 1e-3
+# The numerical checks' programs run a few times on a few tokens, so compiling them is their
+# cost: XLA's backend optimisation level 0 compiles them about 40% faster (1.26 -> 0.78 s for
+# the training layout of a user attention energy at d_model 64 on a shared 2-core CPU), their
+# numbers agree with the default level's to ~2e-7, and every comparison is between runs of one
+# program. The test suite runs at this level too (tests/conftest.py FAST_COMPILE), so the
+# checks users get are the ones tested.
+_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
+                     "xla_llvm_disable_expensive_passes": True}
+_jit = functools.partial(jax.jit, compiler_options=_COMPILER_OPTIONS)
 _DECODING = "as in cached decoding (python -m cem_jax.sample)"
 _PER_TOKEN_HINT = ("an MLP energy must be a sum of per-token terms (token i's gate input is "
                    "context[:, i], its own state)")
@@ -136,8 +145,7 @@ def validate_energies(config) -> None:
     shapes = _param_shapes(kind, m, DTYPES[m.dtype])
     for decoding in (False, True):
       seq = _DECODE_NEW if decoding else _ABSTRACT_SEQ
-      with jax.default_device(_cpu_device()):  # the aux's masks are small eager arrays
-        aux = _aux(m, _ABSTRACT_BATCH, seq, decoding)
+      aux = _abstract_aux(m, _ABSTRACT_BATCH, seq, decoding)
       y, context = _abstract_inputs(kind, m, _ABSTRACT_BATCH, seq, aux)
       _check_energy_shape(field, spec, y, context, shapes, aux, decoding)
       if fused:
@@ -196,6 +204,13 @@ def _aux(m, batch: int, seq: int, decoding: bool) -> energies.EnergyAux:
   return training_aux(m, segment_ids, batch, seq).replace(real=segment_ids > 0)
 
 
+def _abstract_aux(m, batch: int, seq: int, decoding: bool) -> energies.EnergyAux:
+  """:func:`_aux` as ``jax.ShapeDtypeStruct`` arrays (its static fields as they are): traced,
+  as the model's aux always is, and without the dozen small programs that building its masks
+  eagerly compiles."""
+  return jax.eval_shape(functools.partial(_aux, m, batch, seq, decoding))
+
+
 def _context_len(kind: str, aux) -> int:
   """The attention context is every key (the whole cache when decoding); the MLP's gate input
   is the state of the same tokens as ``y``."""
@@ -224,7 +239,7 @@ def _where(y, context, aux, decoding: bool, inputs: str = "inputs") -> str:
 
 def _evaluate_shape(field, spec, fn, what, y, context, shapes, aux, decoding):
   try:
-    return jax.eval_shape(lambda y_, c_, p_: fn(y_, c_, p_, aux), y, context, shapes)
+    return jax.eval_shape(fn, y, context, shapes, aux)
   except Exception as e:  # the user's function failed on valid shapes: say whose it is
     hint = f"; {_MASK_HINT}" if decoding else ""
     if isinstance(e, KeyError) and e.args and e.args[0] in _every_param_key() - set(shapes):
@@ -274,14 +289,13 @@ def _check_block_size_read(field, spec, m, shapes, seq_len: int):
   made) at the training layout of ``data.seq_len`` (an energy may read it only at long
   lengths): memory would stay quadratic in seq_len. Any read counts, so an energy using the
   size in any way passes."""
-  with jax.default_device(_cpu_device()):  # the static fields; arrays at seq_len below
-    small = _aux(m, 1, _ABSTRACT_SEQ, False)
+  small = _abstract_aux(m, 1, _ABSTRACT_SEQ, False)  # the static fields; arrays at seq_len
 
   def at_seq_len(x):
-    return jax.ShapeDtypeStruct((1,) + (seq_len,) * (x.ndim - 1), x.dtype)
+    return jax.ShapeDtypeStruct((1,) + (seq_len,) * (len(x.shape) - 1), x.dtype)
 
   watched = _WatchedAux(**{
-      f.name: at_seq_len(v) if isinstance(v, jax.Array) else v
+      f.name: at_seq_len(v) if isinstance(v, jax.ShapeDtypeStruct) else v
       for f in dataclasses.fields(small) for v in [getattr(small, f.name)]})
   y, context = _abstract_inputs("attention", m, 1, seq_len, watched)
 
@@ -321,8 +335,8 @@ def _check_update_shape(field, spec, y, context, shapes, aux, decoding):
 def _random_params(shapes: dict, rng: np.random.Generator) -> dict:
   """Random, non-initial parameters at the scale training sees: weights ~ N(0, 1/d_model)
   (scores of order 1 for unit-RMS inputs), η and β spread per head (an update that drops or
-  mixes up a head's η or β is caught), a diagonal of either sign. NumPy draws them: each
-  shape would cost jax.random a compilation."""
+  mixes up a head's η or β is caught), a diagonal of either sign. NumPy draws and casts
+  them: each shape would cost jax.random, or a cast by jnp, a compilation."""
   out = {}
   for name, s in sorted(shapes.items()):
     if name in ("eta", "beta"):
@@ -333,7 +347,7 @@ def _random_params(shapes: dict, rng: np.random.Generator) -> dict:
       v = 0.3 * rng.standard_normal(s.shape, np.float32) / math.sqrt(s.shape[-1])
     else:  # w_q, w_k, w, g: [d_model, ...]; float32 draws: full-size weights at large d_model
       v = rng.standard_normal(s.shape, np.float32) / math.sqrt(s.shape[0])
-    out[name] = jnp.asarray(v, s.dtype)
+    out[name] = jnp.asarray(np.asarray(v, s.dtype))
   return out
 
 
@@ -352,23 +366,26 @@ def _check_fused_values(field, spec, kind, m, shapes):
   name = _fn_name(spec.fused_update)
   reference = updates.autodiff_update(spec.energy)
 
-  # One compilation per layout for both: compiling dominates the cost at these sizes.
-  @jax.jit
-  def both(y, context, params, aux):
-    return spec.fused_update(y, context, params, aux), reference(y, context, params, aux)
-
   with jax.default_device(_cpu_device()), jax.default_matmul_precision("highest"):
     rng = np.random.default_rng(0)
     params = _random_params(shapes, rng)
     for decoding in (False, True):
       seq = _DECODE_NEW if decoding else _NUMERIC_SEQ
-      aux = _aux(m, _NUMERIC_BATCH, seq, decoding)
-      y = jnp.asarray(rng.standard_normal((_NUMERIC_BATCH, seq, m.d_model)), jnp.float32)
-      context = jnp.asarray(
-          rng.standard_normal((_NUMERIC_BATCH, _context_len(kind, aux), m.d_model)), jnp.float32)
+
+      # One compilation per layout for both (compiling dominates the cost at these sizes), the
+      # aux built in it as the model builds it.
+      @_jit
+      def both(y, context, params, seq=seq, decoding=decoding):
+        aux = _aux(m, _NUMERIC_BATCH, seq, decoding)
+        return spec.fused_update(y, context, params, aux), reference(y, context, params, aux)
+
+      aux = _abstract_aux(m, _NUMERIC_BATCH, seq, decoding)
+      y = rng.standard_normal((_NUMERIC_BATCH, seq, m.d_model)).astype(np.float32)
+      context = rng.standard_normal(
+          (_NUMERIC_BATCH, _context_len(kind, aux), m.d_model)).astype(np.float32)
       where = _where(y, context, aux, decoding, "random float32 inputs")
       try:
-        got, want = (np.asarray(a, np.float64) for a in both(y, context, params, aux))
+        got, want = (np.asarray(a, np.float64) for a in both(y, context, params))
       except Exception as e:  # the shape checks ran both functions' code already: rare
         raise ValueError(f"{field}={spec.name!r}: its fused update {name} or jax.grad of the "
                          f"energy failed on {where}{_float32_note(m)}: {one_line(e)}") from e
@@ -445,9 +462,9 @@ def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> 
   seq, batch = min(seq_len, _LOOK_AHEAD_SEQ), 3
   splits = (max(seq // 2, 1), 1, seq - 1)
   keep = np.arange(seq)[None, :] < np.asarray(splits)[:, None]
-  one = jnp.ones((batch, seq), jnp.int32) if m.document_mask else None
+  one = np.ones((batch, seq), np.int32) if m.document_mask else None
 
-  @jax.jit
+  @_jit
   def train(y, context, params):
     aux = training_aux(m, one, batch, seq)
     return update(y, context, params, aux), spec.energy(y, context, params, aux)
@@ -455,12 +472,12 @@ def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> 
   rng = np.random.default_rng(2)
   params = _random_params(shapes, rng)
   y, context, other, other_context = (
-      jnp.asarray(rng.standard_normal((batch, seq, m.d_model)), jnp.float32) for _ in range(4))
-  later = jnp.asarray(~keep[:, :, None])
+      rng.standard_normal((batch, seq, m.d_model)).astype(np.float32) for _ in range(4))
+  later = ~keep[:, :, None]
   try:
     before, e_before = (np.asarray(a, np.float64) for a in train(y, context, params))
     after, e_after = (np.asarray(a, np.float64) for a in train(
-        jnp.where(later, other, y), jnp.where(later, other_context, context), params))
+        np.where(later, other, y), np.where(later, other_context, context), params))
   except Exception as e:
     raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs of "
                      f"{seq} tokens{_float32_note(m)}: {one_line(e)}") from e
@@ -526,12 +543,12 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
   segment_ids = _segment_ids(batch, seq)
 
   # Each returns the update and the energy's value (what eval.energy_trace logs): one compile.
-  @jax.jit
+  @_jit
   def train(y, context, params, segment_ids):
     aux = training_aux(m, segment_ids, batch, seq)
     return update(y, context, params, aux), spec.energy(y, context, params, aux)
 
-  @jax.jit
+  @_jit
   def decode(y, context, params):
     aux = decoding_aux(m, batch, new, cache, index)
     return (update(y, context, params, aux), spec.energy(y, context, params, aux),
@@ -542,30 +559,30 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
 
   rng = np.random.default_rng(1)
   params = _random_params(shapes, rng)
-  normal = lambda n: jnp.asarray(
-      rng.standard_normal((batch, n, m.d_model)), jnp.float32)
+  # Inputs in NumPy: each eager jnp operation on them would compile a program of its own.
+  normal = lambda n: rng.standard_normal((batch, n, m.d_model)).astype(np.float32)
   y, context, other = normal(seq), normal(seq), normal(cache)
   rows = slice(index, index + new)
   # The cache holds the training context up to the new tokens, other values after them;
   # the MLP's gate input is the state of the new tokens themselves.
-  cached = jnp.concatenate([context[:, :index + new], other[:, index + new:]], axis=1)
+  cached = np.concatenate([context[:, :index + new], other[:, index + new:]], axis=1)
   # What must not move when the rest changes: each row's last document, or without
   # documents, row 0 when row 1 changes (rows are independent examples).
   if m.document_mask:
     keep, seg = segment_ids == segment_ids.max(axis=1, keepdims=True), segment_ids
   else:
     keep, seg = np.arange(batch)[:, None] == np.zeros((1, seq), int), None
-  change = jnp.asarray(~keep[:, :, None])
+  change = ~keep[:, :, None]
   try:
     # One document, as decoding sees it (segment ids when training has them: one compile).
-    one = jnp.ones((batch, seq), jnp.int32) if m.document_mask else None
+    one = np.ones((batch, seq), np.int32) if m.document_mask else None
     trained, e_trained = values(train(y, context, params, one))
     slopes = _slopes(lambda y_: values(train(y_, context, params, one))[1], y, trained)
     decoded, e_decoded, e_padding = values(decode(
         y[:, rows], cached if kind == "attention" else context[:, rows], params))
     before, e_before = values(train(y, context, params, seg))
-    after, e_after = values(train(jnp.where(change, other[:, :seq], y),
-                                  jnp.where(change, -other[:, :seq], context), params, seg))
+    after, e_after = values(train(np.where(change, other[:, :seq], y),
+                                  np.where(change, -other[:, :seq], context), params, seg))
     # Each parameter the update does not change with (another draw of it alone): a learned
     # eta or beta unread trains on a zero gradient, a diagonal or a weight for nothing.
     fresh = _random_params(shapes, rng)
@@ -585,10 +602,10 @@ def _slopes(energy_at, y, update: np.ndarray) -> tuple[float, float] | None:
   rms = math.sqrt(np.mean(update**2))
   if rms == 0:
     return None
-  step = jnp.asarray(_SLOPE_STEP * update / rms, jnp.float32)
+  step = (_SLOPE_STEP * update / rms).astype(np.float32)
   with np.errstate(invalid="ignore"):  # inf - inf: a value _check_finite refuses first
     slope = (energy_at(y + step) - energy_at(y - step)) / (2 * _SLOPE_STEP)
-  direction = np.asarray(step, np.float64) / _SLOPE_STEP  # the float32 one the energy saw
+  direction = step.astype(np.float64) / _SLOPE_STEP  # the float32 one the energy saw
   return float(slope), -float(np.sum(update * direction))
 
 
