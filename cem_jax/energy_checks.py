@@ -23,7 +23,9 @@ blocks before anything is compiled for training:
   padding token (``y = context = 0``, seeing no key, as the energy trace takes it off), an
   energy whose update ignores a configured diagonal (``params['diag']``), and an update whose
   slope along itself is not that of the energy's value (central differences,
-  :data:`SLOPE_RTOL`: a wrong ``jax.custom_jvp`` rule or a ``stop_gradient`` on ``y``).
+  :data:`SLOPE_RTOL`: a wrong ``jax.custom_jvp`` rule or a ``stop_gradient`` on ``y``), or
+  that is 0 while the energy's value changes along a random direction
+  (:data:`ZERO_UPDATE_RTOL`: a rule or a ``stop_gradient`` that drops the derivative).
 Built-ins (``EnergySpec.builtin``) skip the numerical checks: tests/test_energies.py verifies
 them.
 """
@@ -77,6 +79,12 @@ FUSED_RTOL = 1e-3
 # direction a hard max gave 6e-2 and a factor 2 only 0.2-0.4: not a check.)
 SLOPE_RTOL = 5e-2
 _SLOPE_STEP = 1e-3
+# An update that is 0 has no direction to take the slope along: then the energy's value must
+# not change a random unit-RMS step either way (a step the size of y itself, so that any
+# dependence on y shows, a step function's too). An energy that does not read y gives the same
+# value bit for bit; this leaves float32 rounding room through a sum of terms ~100 times the
+# value, while a stop_gradient on y moves a quadratic energy's value by O(1) of itself.
+ZERO_UPDATE_RTOL = 1e-5
 # The numerical checks' programs run a few times on a few tokens, so compiling them is their
 # cost: XLA's backend optimisation level 0 compiles them about 40% faster (1.26 -> 0.78 s for
 # the training layout of a user attention energy at d_model 64 on a shared 2-core CPU), their
@@ -120,8 +128,9 @@ def validate_energies(config) -> None:
       whose update or value is not finite in either layout, whose update moves when only
       later tokens change (:data:`LOOK_AHEAD_RTOL`), whose update does not change
       with ``params['diag']`` under ``model.diagonal``, whose value at a padding token is not
-      finite, or whose update's slope along itself is not the energy's
-      (:data:`SLOPE_RTOL`).
+      finite, whose update's slope along itself is not the energy's
+      (:data:`SLOPE_RTOL`), or whose update is 0 while its value changes with ``y``
+      (:data:`ZERO_UPDATE_RTOL`).
   """
   m = config.model
   slots = []
@@ -430,13 +439,16 @@ def _causal_values(field, spec, kind, m, shapes, update, seq_len: int):
     :func:`_check_no_look_ahead`).
 
   Before those, in this order: an update or energy value that is not finite in any layout,
-  and a configured diagonal the update does not read. After them: an energy value that is not
+  an update that is 0 while the energy's value changes with ``y``
+  (:func:`_check_zero_update`: every parameter would count as unread), and a configured
+  diagonal the update does not read. After them: an energy value that is not
   finite at a padding token (``y = context = 0``, seeing no key, as the energy trace takes it
   off), and an update whose slope along itself is not the energy's (:func:`_check_slopes`).
   """
   with jax.default_device(_cpu_device()), jax.default_matmul_precision("highest"):
     runs = _layouts(field, spec, kind, m, shapes, update)
     _check_finite(field, spec, kind, m, update, runs)
+  _check_zero_update(field, spec, update, runs)
   _check_diag_read(field, spec, m, runs)
   _check_learned_read(field, spec, m, runs)
   _warn_unread_weights(field, spec, shapes, runs)
@@ -525,6 +537,9 @@ class _Runs:
   # the energy's slope along the update of `trained` (central differences) and the update's,
   # or None for a zero update
   slopes: tuple[float, float] | None
+  # for a zero update only: the energy at y - r, y and y + r (y of `trained`, r random of unit
+  # RMS); None otherwise
+  across: tuple[float, float, float] | None
 
 
 def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
@@ -577,7 +592,9 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
     # One document, as decoding sees it (segment ids when training has them: one compile).
     one = np.ones((batch, seq), np.int32) if m.document_mask else None
     trained, e_trained = values(train(y, context, params, one))
-    slopes = _slopes(lambda y_: values(train(y_, context, params, one))[1], y, trained)
+    energy_at = lambda y_: values(train(y_, context, params, one))[1]  # noqa: E731
+    slopes = _slopes(energy_at, y, trained)
+    across = None if slopes is not None else _across(energy_at, y, e_trained)
     decoded, e_decoded, e_padding = values(decode(
         y[:, rows], cached if kind == "attention" else context[:, rows], params))
     before, e_before = values(train(y, context, params, seg))
@@ -592,7 +609,7 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
     raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
                      f"{_float32_note(m)}: {one_line(e)}") from e
   return _Runs(trained, e_trained, decoded, e_decoded, before, e_before, after, e_after, keep,
-               seg, unread, e_padding, slopes)
+               seg, unread, e_padding, slopes, across)
 
 
 def _slopes(energy_at, y, update: np.ndarray) -> tuple[float, float] | None:
@@ -607,6 +624,21 @@ def _slopes(energy_at, y, update: np.ndarray) -> tuple[float, float] | None:
     slope = (energy_at(y + step) - energy_at(y - step)) / (2 * _SLOPE_STEP)
   direction = step.astype(np.float64) / _SLOPE_STEP  # the float32 one the energy saw
   return float(slope), -float(np.sum(update * direction))
+
+
+def _across(energy_at, y: np.ndarray, e_at_y: np.ndarray) -> tuple[float, float, float]:
+  """The energy (``energy_at``: float64 at a ``y``) at ``y - r``, ``y`` (``e_at_y``) and
+  ``y + r``, ``r`` a fixed random direction of unit RMS: where the update is 0 (no direction
+  of its own), whether the energy's value changes with ``y`` at all."""
+  r = np.random.default_rng(3).standard_normal(y.shape).astype(np.float32)
+  r /= np.sqrt(np.mean(np.square(r, dtype=np.float64))).astype(np.float32)
+  with np.errstate(invalid="ignore", over="ignore"):
+    return float(energy_at(y - r)), float(e_at_y), float(energy_at(y + r))
+
+
+def _update_name(spec, update) -> str:
+  return (f"fused update {_fn_name(update)}" if update is spec.fused_update else
+          "update (jax.grad of the energy)")
 
 
 def _check_finite(field, spec, kind, m, update, runs: _Runs) -> None:
@@ -643,6 +675,25 @@ def _check_padding_finite(field, spec, runs: _Runs) -> None:
         "jnp.where(x == 0, 0.0, x * jnp.log(jnp.where(x == 0, 1.0, jnp.abs(x)))))")
 
 
+def _check_zero_update(field, spec, update, runs: _Runs) -> None:
+  """Refuses an update that is 0 while the energy's value changes with ``y``
+  (:data:`ZERO_UPDATE_RTOL`): ``jax.grad`` through a ``stop_gradient`` on ``y``, or a
+  ``jax.custom_jvp`` rule dropping the derivative, is exactly 0, and the slope check has no
+  direction to compare along. An energy that does not depend on ``y`` passes (its update is
+  rightly 0)."""
+  if runs.across is None:
+    return
+  minus, at, plus = runs.across
+  rel = _relative_error(np.array([minus, plus]), np.array([at, at]))
+  if not rel <= ZERO_UPDATE_RTOL:  # also NaN
+    raise ValueError(
+        f"{field}={spec.name!r}: its {_update_name(spec, update)} is 0 on random float32 "
+        "inputs, but the energy's value changes with y: "
+        f"{minus:.6g}, {at:.6g}, {plus:.6g} at y - r, y, y + r (r random, unit RMS; relative "
+        f"change {rel:.3g} > {ZERO_UPDATE_RTOL:g}), so the update is not -∇_y of it; check a "
+        "jax.custom_jvp/custom_vjp rule, or a jax.lax.stop_gradient on y, in it")
+
+
 def _check_slopes(field, spec, update, runs: _Runs) -> None:
   """Refuses an update that is not ``-∇_y E`` of the energy's own value along the update
   itself: ``jax.grad`` follows a ``jax.custom_jvp``/``custom_vjp`` rule or a ``stop_gradient``
@@ -653,10 +704,9 @@ def _check_slopes(field, spec, update, runs: _Runs) -> None:
   slope, want = runs.slopes
   rel = abs(slope - want) / abs(want)
   if not rel <= SLOPE_RTOL:  # also NaN
-    what = (f"fused update {_fn_name(update)}" if update is spec.fused_update else
-            "update (jax.grad of the energy)")
     raise ValueError(
-        f"{field}={spec.name!r}: its {what} is not -∇_y of the energy's value: along the "
+        f"{field}={spec.name!r}: its {_update_name(spec, update)} is not -∇_y of the energy's "
+        "value: along the "
         f"update, central differences of the energy give the slope {slope:.6g}, the update "
         f"{want:.6g} (relative error {rel:.3g} > {SLOPE_RTOL:g}); check a jax.custom_jvp/"
         "custom_vjp rule, or a jax.lax.stop_gradient on y, in it")
@@ -730,8 +780,7 @@ def _not_finite(field, spec, kind, m, update, values, segment_ids, decoding) -> 
   """The refusal of an update with NaN or inf entries (``values``: ``[batch, rows, d_model]``
   in the training layout of ``segment_ids``, or the cached-decoding one), saying for attention
   whether only the rows that see no key have them."""
-  what = (f"fused update {_fn_name(update)}" if update is spec.fused_update else
-          "update (jax.grad of the energy)")
+  what = _update_name(spec, update)
   if decoding:
     where = f"new tokens against a longer cache, {_DECODING}"
   else:

@@ -426,6 +426,27 @@ def wrong_rule(y, context, params, aux):
 wrong_rule_agreeing = wrong_rule
 
 
+@jax.custom_jvp
+def _softplus_flat(h):  # softplus with a derivative rule that drops the derivative
+  return jax.nn.softplus(h)
+
+
+@_softplus_flat.defjvp
+def _softplus_flat_jvp(primals, tangents):
+  (h,), (dh,) = primals, tangents
+  return _softplus_flat(h), 0.0 * dh
+
+
+def zero_rule(y, context, params, aux):  # jax.grad is exactly 0, the value is not constant
+  pre, gate = _pre_gate(y, context, params)
+  return -params["eta"] * jnp.sum(gate * _softplus_flat(pre))
+
+
+def y_free(y, context, params, aux):  # does not depend on y: its update is rightly 0
+  pre, gate = _pre_gate(context, context, params)
+  return -params["eta"] * jnp.sum(jnp.tanh(gate) * pre)
+
+
 def wrong_rule_agreeing_fused_update(y, context, params, aux):  # agrees with jax.grad, wrongly
   pre, gate = _pre_gate(y, context, params)
   return 2.0 * params["eta"] * jnp.einsum("btf,df->btd", gate * jax.nn.sigmoid(pre),
@@ -644,6 +665,13 @@ def stopped(y, context, params, aux):  # y behind stop_gradient: jax.grad is 0, 
 
 def stopped_fused_update(y, context, params, aux):
   return quad_fused_update(y, context, params, aux)
+
+
+stopped_zero = stopped
+
+
+def stopped_zero_fused_update(y, context, params, aux):  # agrees with jax.grad: both are 0
+  return jnp.zeros_like(y)
 
 
 def gate_ahead(y, context, params, aux):  # token i's gate reads c_i + c_(i+1)
@@ -989,6 +1017,31 @@ def test_an_update_that_is_not_the_gradient_of_the_energys_value_is_refused(tmp_
       message)
   slope, want = map(float, re.findall(r"slope (\S+), the update (\S+) ", message)[0])
   assert want == pytest.approx(2 * slope, rel=1e-3)  # the rule's factor 2
+
+
+@pytest.mark.parametrize("name,extra,what", [
+    ("stopped", {"update_mode": "autodiff", "learn_eta": False},
+     "update (jax.grad of the energy)"),
+    ("zero_rule", {}, "update (jax.grad of the energy)"),
+    ("stopped_zero", {"learn_eta": False}, "fused update stopped_zero_fused_update")])
+def test_an_update_that_is_zero_while_the_energy_changes_is_refused(tmp_path, name, extra,
+                                                                     what):
+  """y behind stop_gradient, or a jax.custom_jvp rule that drops the derivative: the update
+  is exactly 0, so the slope check compared 0 with 0 and passed it (a closed form of 0 agrees
+  with jax.grad too), training a layer that does nothing; with model.learn_eta the refusal
+  blamed an unread eta. An energy that does not depend on y is rightly 0 and passes."""
+  slot = "attention" if name.startswith("stopped") else "mlp"
+  message = _refusal(_user_config(tmp_path, **{f"{slot}_energy": name}, **extra))
+  assert message.startswith(
+      f"model.{slot}_energy='{tmp_path}/user_fused.py:{name}': its {what} is 0 on random "
+      "float32 inputs, but the energy's value changes with y: "), message
+  values = re.search(r"y: (\S+), (\S+), (\S+) at y - r, y, y \+ r", message).groups()
+  minus, at, plus = map(float, values)
+  change = max(abs(minus - at), abs(plus - at)) / abs(at)
+  assert change > 0.01  # a step the size of y moves these energies by O(1) of themselves
+  assert f"relative change {change:.3g} > 1e-05" in message
+  if name == "zero_rule":
+    preflight.check(_user_config(tmp_path, mlp_energy="y_free", learn_eta=False))
 
 
 @pytest.mark.parametrize("diagonal", ["per_head", "shared"])
