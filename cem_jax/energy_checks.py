@@ -111,26 +111,42 @@ def _float32_note(m) -> str:
           "energy for any float dtype, e.g. cast constants with y.dtype)")
 
 
-def validate_energies(config) -> None:
+class EnergyRefusal(ValueError):
+  """A start-up check's refusal of what an energy computes, not of whether it runs: a closed
+  form that is not ``-jax.grad``, an update that looks ahead, crosses documents, is not finite
+  or is not the energy's slope, a configured parameter or block size it never reads. Training
+  refuses it; reading a saved run names it in a warning (:func:`validate_energies`)."""
+
+
+def validate_energies(config, saved_run: bool = False) -> None:
   """Looks up both energies and checks them (module docstring): abstract evaluation in the
   training and cached-decoding layouts; a numerical comparison of a user's fused update with
   ``-jax.grad(energy)``.
 
+  ``saved_run``: the config is a saved run's, read to evaluate or sample it
+  (:func:`cem_jax.runs.load_run`): an :class:`EnergyRefusal` is logged as a warning (one line
+  naming the field, the energy and the check) and that slot's remaining checks are skipped.
+  The run's parameters were trained with the energy (before a check existed, or under an older
+  one), so they can still be evaluated; resuming the run trains, and is refused.
+
   Raises:
     ValueError: one line naming the config field: unknown energy; no closed form for
       ``update_mode='fused'``; ``attention_impl`` 'cudnn' or 'splash' with an attention update
-      that calls no kernel; ``energy_block_size`` with a fused update, or with an energy
-      that does not read ``aux.energy_block_size``; an energy or fused
-      update that fails, or returns the wrong shape or dtype, in either layout; a user's fused
-      update whose maximum relative error against ``-jax.grad(energy)`` exceeds
-      :data:`FUSED_RTOL` (or whose reference gradient is not finite); a user's energy whose
-      update in the cached-decoding layout departs from the training layout's by more, or
-      whose update or value is not finite in either layout, whose update moves when only
-      later tokens change (:data:`LOOK_AHEAD_RTOL`), whose update does not change
-      with ``params['diag']`` under ``model.diagonal``, whose value at a padding token is not
-      finite, whose update's slope along itself is not the energy's
-      (:data:`SLOPE_RTOL`), or whose update is 0 while its value changes with ``y``
-      (:data:`ZERO_UPDATE_RTOL`).
+      that calls no kernel; ``energy_block_size`` with a fused update; an energy or fused
+      update that fails, or returns the wrong shape or dtype, in either layout, or a user's
+      that fails on the numerical checks' random float32 inputs.
+    EnergyRefusal: (a ValueError; with ``saved_run`` a warning) one line naming the config
+      field: ``energy_block_size`` with an energy that does not read
+      ``aux.energy_block_size``; a user's fused update whose maximum relative error against
+      ``-jax.grad(energy)`` exceeds :data:`FUSED_RTOL` (or whose reference gradient is not
+      finite); a user's energy whose update in the cached-decoding layout departs from the
+      training layout's by more, or changes with other documents or batch rows, whose update
+      or value is not finite in either layout, whose update moves when only later tokens
+      change (:data:`LOOK_AHEAD_RTOL`), whose update does not change with ``params['diag']``
+      under ``model.diagonal`` (``'eta'``, ``'beta'`` under ``model.learn_eta``,
+      ``learn_beta``), whose value at a padding token is not finite, whose update's slope
+      along itself is not the energy's (:data:`SLOPE_RTOL`), or whose update is 0 while its
+      value changes with ``y`` (:data:`ZERO_UPDATE_RTOL`).
   """
   m = config.model
   slots = []
@@ -149,23 +165,36 @@ def validate_energies(config) -> None:
           f"model.energy_block_size={m.energy_block_size} has no effect on the fused update "
           f"of {spec.name!r} (it changes how jax.grad of the energy is computed); set "
           "model.update_mode='autodiff' or model.energy_block_size=0")
-    # The abstract checks see the dtypes the layer hands the energy (model.dtype); the
-    # numerical ones compare in float32, where a correct closed form agrees to ~1e-6.
-    shapes = _param_shapes(kind, m, DTYPES[m.dtype])
-    for decoding in (False, True):
-      seq = _DECODE_NEW if decoding else _ABSTRACT_SEQ
-      aux = _abstract_aux(m, _ABSTRACT_BATCH, seq, decoding)
-      y, context = _abstract_inputs(kind, m, _ABSTRACT_BATCH, seq, aux)
-      _check_energy_shape(field, spec, y, context, shapes, aux, decoding)
-      if fused:
-        _check_update_shape(field, spec, y, context, shapes, aux, decoding)
-    if kind == "attention" and m.energy_block_size > 0 and not spec.builtin:
-      _check_block_size_read(field, spec, m, shapes, config.data.seq_len)
-    numeric = _param_shapes(kind, m, jnp.float32)
-    if fused and not spec.builtin:
-      _check_fused_values(field, spec, kind, m, numeric)
-    if not spec.builtin:
-      _causal_values(field, spec, kind, m, numeric, update, config.data.seq_len)
+    try:
+      _check_slot(field, kind, spec, update, m, config.data.seq_len)
+    except EnergyRefusal as e:
+      if not saved_run:
+        raise
+      logging.warning("%s (a start-up check that training refuses; this saved run is read "
+                      "anyway)", e)
+
+
+def _check_slot(field, kind, spec, update, m, seq_len: int) -> None:
+  """:func:`validate_energies`' checks of one slot's energy, once it is looked up and its
+  update chosen."""
+  fused = update is spec.fused_update
+  # The abstract checks see the dtypes the layer hands the energy (model.dtype); the
+  # numerical ones compare in float32, where a correct closed form agrees to ~1e-6.
+  shapes = _param_shapes(kind, m, DTYPES[m.dtype])
+  for decoding in (False, True):
+    seq = _DECODE_NEW if decoding else _ABSTRACT_SEQ
+    aux = _abstract_aux(m, _ABSTRACT_BATCH, seq, decoding)
+    y, context = _abstract_inputs(kind, m, _ABSTRACT_BATCH, seq, aux)
+    _check_energy_shape(field, spec, y, context, shapes, aux, decoding)
+    if fused:
+      _check_update_shape(field, spec, y, context, shapes, aux, decoding)
+  if kind == "attention" and m.energy_block_size > 0 and not spec.builtin:
+    _check_block_size_read(field, spec, m, shapes, seq_len)
+  numeric = _param_shapes(kind, m, jnp.float32)
+  if fused and not spec.builtin:
+    _check_fused_values(field, spec, kind, m, numeric)
+  if not spec.builtin:
+    _causal_values(field, spec, kind, m, numeric, update, seq_len)
 
 
 def _fn_name(fn) -> str:
@@ -323,7 +352,7 @@ def _check_block_size_read(field, spec, m, shapes, seq_len: int):
                      f"seq_len, d_model] inputs at data.seq_len={seq_len}: {one_line(e)}"
                      ) from e
   if not _BLOCK_SIZE_WATCH["reads"]:
-    raise ValueError(
+    raise EnergyRefusal(
         f"model.energy_block_size={m.energy_block_size} has no effect on {field}="
         f"{spec.name!r}: neither the energy nor its gradient reads aux.energy_block_size "
         "(pass it to cem_jax.energies.blockwise_logsumexp for memory linear in seq_len); set "
@@ -399,13 +428,13 @@ def _check_fused_values(field, spec, kind, m, shapes):
         raise ValueError(f"{field}={spec.name!r}: its fused update {name} or jax.grad of the "
                          f"energy failed on {where}{_float32_note(m)}: {one_line(e)}") from e
       if not np.all(np.isfinite(want)):
-        raise ValueError(
+        raise EnergyRefusal(
             f"{field}={spec.name!r}: -jax.grad(energy) w.r.t. y is not finite on {where}, so "
             f"its fused update {name} cannot be checked against it; make the energy's gradient "
             "finite (e.g. with jax.custom_jvp) or set model.update_mode='autodiff'")
       rel = _relative_error(got, want)
       if not rel <= FUSED_RTOL:  # also NaN
-        raise ValueError(
+        raise EnergyRefusal(
             f"{field}={spec.name!r}: its fused update {name} is not -jax.grad(energy) w.r.t. "
             f"y: max relative error {rel:.3g} > {FUSED_RTOL:g} on {where}; it must return "
             "exactly -∇_y energy (η included: the energy carries the step size, the layer "
@@ -498,7 +527,7 @@ def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> 
       raise _not_finite(field, spec, kind, m, update, values, None, False)
   for energy in (e_before, e_after):  # e.g. a product or an unshifted exp over many keys
     if not np.isfinite(energy):
-      raise ValueError(
+      raise EnergyRefusal(
           f"{field}={spec.name!r}: the energy's value is {energy} on random float32 inputs of "
           f"{seq} tokens (one document of data.seq_len, up to {_LOOK_AHEAD_SEQ}){_float32_note(m)}"
           ", though it is finite on shorter ones; an energy must be finite at the training "
@@ -510,7 +539,7 @@ def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> 
         f"{_MASK_HINT}; a stabilising max taken over all positions does it too, through float32 "
         "rounding in its gradient: take it per query row, put it under jax.lax.stop_gradient, "
         "or use cem_jax.energies.masked_logsumexp")
-    raise ValueError(
+    raise EnergyRefusal(
         f"{field}={spec.name!r}: its update reads tokens after its own: in one document of "
         f"{seq} tokens, the updates before position k change when only the tokens from k on "
         f"change (k = {', '.join(map(str, splits))} in three rows): max relative error "
@@ -657,7 +686,7 @@ def _check_finite(field, spec, kind, m, update, runs: _Runs) -> None:
                         (runs.e_before, documents), (runs.e_after, documents),
                         (runs.e_decoded, f"new tokens against a longer cache, {_DECODING}")):
     if not np.isfinite(energy):
-      raise ValueError(
+      raise EnergyRefusal(
           f"{field}={spec.name!r}: the energy's value is {energy} on random float32 {where}"
           f"{_float32_note(m)}, though its update is finite; an energy must be finite "
           "(eval.energy_trace logs it): on rows that see no key use "
@@ -667,7 +696,7 @@ def _check_finite(field, spec, kind, m, update, runs: _Runs) -> None:
 
 def _check_padding_finite(field, spec, runs: _Runs) -> None:
   if not np.isfinite(runs.e_padding):
-    raise ValueError(
+    raise EnergyRefusal(
         f"{field}={spec.name!r}: the energy's value at a padding token (y = context = 0, "
         f"seeing no key) is {runs.e_padding}; the energy trace (eval.energy_trace, python -m "
         "cem_jax.evaluate) takes it off per padding token (0 times it without padding), so "
@@ -686,7 +715,7 @@ def _check_zero_update(field, spec, update, runs: _Runs) -> None:
   minus, at, plus = runs.across
   rel = _relative_error(np.array([minus, plus]), np.array([at, at]))
   if not rel <= ZERO_UPDATE_RTOL:  # also NaN
-    raise ValueError(
+    raise EnergyRefusal(
         f"{field}={spec.name!r}: its {_update_name(spec, update)} is 0 on random float32 "
         "inputs, but the energy's value changes with y: "
         f"{minus:.6g}, {at:.6g}, {plus:.6g} at y - r, y, y + r (r random, unit RMS; relative "
@@ -704,7 +733,7 @@ def _check_slopes(field, spec, update, runs: _Runs) -> None:
   slope, want = runs.slopes
   rel = abs(slope - want) / abs(want)
   if not rel <= SLOPE_RTOL:  # also NaN
-    raise ValueError(
+    raise EnergyRefusal(
         f"{field}={spec.name!r}: its {_update_name(spec, update)} is not -∇_y of the energy's "
         "value: along the "
         f"update, central differences of the energy give the slope {slope:.6g}, the update "
@@ -721,7 +750,7 @@ _LEARNED = {"eta": ("learn_eta", "the learned step size",
 def _check_learned_read(field, spec, m, runs: _Runs) -> None:
   for name, (key, what, fix) in _LEARNED.items():
     if getattr(m, key) and name in runs.unread:
-      raise ValueError(
+      raise EnergyRefusal(
           f"model.{key}=True has no effect on {field}={spec.name!r}: its update does not "
           f"change with params[{name!r}], {what}, which would train on a zero gradient; "
           f"{fix} or set model.{key}=False")
@@ -741,7 +770,7 @@ def _warn_unread_weights(field, spec, shapes, runs: _Runs) -> None:
 
 def _check_diag_read(field, spec, m, runs: _Runs) -> None:
   if "diag" in runs.unread:
-    raise ValueError(
+    raise EnergyRefusal(
         f"model.diagonal={m.diagonal!r} has no effect on {field}={spec.name!r}: its update "
         "does not change with params['diag'] ([num_heads, d_model]); read it in the energy "
         "or set model.diagonal='none'")
@@ -770,13 +799,13 @@ def _check_rows_independent(field, spec, kind, m, runs: _Runs) -> None:
         "(rows are independent examples)", rel)
 
 
-def _layout_mismatch(field, spec, kind, what: str, rel: float) -> ValueError:
+def _layout_mismatch(field, spec, kind, what: str, rel: float) -> EnergyRefusal:
   hint = _MASK_HINT if kind == "attention" else _PER_TOKEN_HINT
-  return ValueError(f"{field}={spec.name!r}: its update {what}: max relative error "
+  return EnergyRefusal(f"{field}={spec.name!r}: its update {what}: max relative error "
                     f"{rel:.3g} > {FUSED_RTOL:g}; {hint}")
 
 
-def _not_finite(field, spec, kind, m, update, values, segment_ids, decoding) -> ValueError:
+def _not_finite(field, spec, kind, m, update, values, segment_ids, decoding) -> EnergyRefusal:
   """The refusal of an update with NaN or inf entries (``values``: ``[batch, rows, d_model]``
   in the training layout of ``segment_ids``, or the cached-decoding one), saying for attention
   whether only the rows that see no key have them."""
@@ -801,5 +830,5 @@ def _not_finite(field, spec, kind, m, update, values, segment_ids, decoding) -> 
   else:
     hint = ("the update must be finite: give a function whose jax.grad is NaN (e.g. "
             "jax.scipy.special.spence) a jax.custom_jvp (CEM_MATH.md section 2)")
-  return ValueError(f"{field}={spec.name!r}: its {what} is not finite (NaN or inf) on random "
+  return EnergyRefusal(f"{field}={spec.name!r}: its {what} is not finite (NaN or inf) on random "
                     f"float32 {where}{_float32_note(m)}; {hint}")

@@ -17,10 +17,12 @@ from cem_jax import attention, axes, energy_checks
 from cem_jax import config as config_lib
 
 
-def check(config: ml_collections.ConfigDict) -> None:
+def check(config: ml_collections.ConfigDict, saved_run: bool = False) -> None:
   """Checks a resolved config before anything is built: :func:`cem_jax.config.validate`, the
   attention kernel, and for CEM blocks the energies (a user's closed-form update is evaluated
-  numerically against ``jax.grad``: 1-2 s, more at large ``d_model``).
+  numerically against ``jax.grad``: 1-2 s, more at large ``d_model``). ``saved_run``: the
+  config of a saved run read to evaluate or sample it, where what a user energy computes is
+  warned about, not refused (:func:`cem_jax.energy_checks.validate_energies`).
 
   Raises:
     ValueError: one line naming the field, its value and what is allowed.
@@ -29,7 +31,7 @@ def check(config: ml_collections.ConfigDict) -> None:
   if config.model.block == "cem":
     # First: an explicit kernel that no layer calls is refused here, whatever else is wrong
     # with it (its dtype, its seq_len) would be beside the point.
-    energy_checks.validate_energies(config)
+    energy_checks.validate_energies(config, saved_run)
   _attention_kernel(config, platform=None)
 
 

@@ -269,12 +269,17 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
   raising ValueError. ``attention_impl`` replaces the run's ``model.attention_impl`` (None:
   the run's own), e.g. 'auto' to evaluate on a CPU a run trained with 'cudnn' on a GPU: the
   kernel computes the same function and holds no parameter (``config.RESUME_MAY_CHANGE``).
+  A user energy the start-up checks refuse for what it computes (a look-ahead, a closed form
+  that is not its gradient, ...: :class:`cem_jax.energy_checks.EnergyRefusal`) is named in a
+  warning and the run is read: it was trained so, perhaps before the check existed, and
+  evaluating it is how to see what that did; resuming it is refused, as training is.
 
   Raises:
     FileNotFoundError: no checkpoint in ``workdir``.
     CheckpointError: checkpoints exist but none is intact.
     ValueError: no ``config.json`` in ``workdir`` (as :func:`run_config`); the saved config
-      has fields this version of cem_jax does not know, or fails validation; a user energy was
+      has fields this version of cem_jax does not know, or fails validation (a user energy
+      that cannot be imported, or fails in a layout the model calls it with); a user energy was
       edited since the checkpoint was saved (:func:`refuse_edited_energies`); the data are not
       those the checkpoint was trained on.
   """
@@ -312,7 +317,7 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
   config = config_lib.from_saved(saved, where)
   if attention_impl is not None:
     config.model.attention_impl = attention_impl
-  preflight.check(config)
+  preflight.check(config, saved_run=True)
   refuse_edited_energies(meta, config, ckpt.step_dir(step),
                          "load it with the energy it was trained with")
   if require is not None:

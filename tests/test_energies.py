@@ -1044,6 +1044,27 @@ def test_an_update_that_is_zero_while_the_energy_changes_is_refused(tmp_path, na
     preflight.check(_user_config(tmp_path, mlp_energy="y_free", learn_eta=False))
 
 
+def test_a_saved_runs_energy_is_warned_about_what_it_computes_and_refused_if_it_fails(
+    tmp_path, caplog):
+  """Reading a saved run (runs.load_run: evaluate, sample), a refusal of what a user energy
+  computes is a warning naming the energy and the check, in both slots; an energy that fails
+  in a layout the model calls it with is still refused: the model could not run it."""
+  cfg = _user_config(tmp_path, attention_energy="no_eta", mlp_energy="gate_cumsum")
+  refusal = _refusal(cfg)
+  assert refusal.startswith("model.learn_eta=True has no effect on model.attention_energy=")
+  with caplog.at_level(logging.WARNING):
+    preflight.check(cfg, saved_run=True)
+  said = [r.getMessage() for r in caplog.records if "saved run" in r.getMessage()]
+  assert said[0] == (f"{refusal} (a start-up check that training refuses; this saved run is "
+                     "read anyway)")
+  assert len(said) == 2 and said[1].startswith(
+      f"model.mlp_energy='{tmp_path}/user_fused.py:gate_cumsum': its update reads tokens after "
+      "its own"), said
+  with pytest.raises(ValueError, match=r"user_fused.py:tril' failed on inputs with context "
+                                       r"longer than y, as in cached decoding"):
+    preflight.check(_user_config(tmp_path, attention_energy="tril"), saved_run=True)
+
+
 @pytest.mark.parametrize("diagonal", ["per_head", "shared"])
 def test_a_diagonal_the_energy_never_reads_is_refused_at_start_up(tmp_path, diagonal):
   """model.diagonal adds params['diag'] to the attention slot: an energy that ignores it

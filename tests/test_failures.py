@@ -32,6 +32,7 @@ from ml_collections import config_flags
 from cem_jax import (
     cli,
     energies,
+    energy_checks,
     errors,
     memory,
     optim,
@@ -1309,6 +1310,46 @@ def test_a_checkpoint_of_the_first_digest_version_resumes_unless_the_function_ch
                                        r"this code knows 1 and 2: load it with the code that "
                                        r"saved it$"):
     refuse({**new, "energy_digest_version": 3}, cfg, energies.energy_digests(cfg), "ck")
+
+
+STOPPED_ENERGY = """
+import jax
+
+from cem_jax.energies import interaction_energy
+
+
+def energy(y, context, params, aux):  # y behind stop_gradient: its update is 0
+  return interaction_energy(jax.lax.stop_gradient(y), context, params, aux)
+"""
+
+
+def test_a_run_whose_energy_a_check_now_refuses_is_read_with_a_warning_and_not_resumed(
+    tmp_path, monkeypatch, caplog):
+  # load_run runs the start-up checks: a run trained before a check existed (here the one of
+  # a zero update, which passed this energy) could not be evaluated or sampled at all. Its
+  # parameters were trained with the energy; reading them is said in a warning, training on
+  # is refused.
+  path = tmp_path / "e.py"
+  path.write_text(STOPPED_ENERGY)
+  workdir = tmp_path / "w"
+  cfg = lambda steps: tiny_config("cem", **{  # noqa: E731
+      "model.num_layers": 1, "model.attention_energy": f"{path}:energy",
+      "model.learn_eta": False, "train.num_steps": steps, "checkpoint.every_steps": 2,
+      "train.eval_every_steps": 2})
+  with monkeypatch.context() as m:  # the checks before the zero-update one was added
+    m.setattr(energy_checks, "_check_zero_update", lambda *args: None)
+    train.train_and_evaluate(cfg(2), str(workdir))
+  refusal = (f"model.attention_energy='{path}:energy': its update (jax.grad of the energy) is "
+             "0 on random float32 inputs, but the energy's value changes with y: ")
+  with caplog.at_level(logging.WARNING):
+    assert runs.load_run(str(workdir))[-1] == 2
+  said = [r.getMessage() for r in caplog.records if "saved run" in r.getMessage()]
+  assert len(said) == 1 and said[0].startswith(refusal), said
+  assert said[0].endswith("(a start-up check that training refuses; this saved run is read "
+                          "anyway)") and "\n" not in said[0]
+  with monkeypatch.context() as m, pytest.raises(ValueError, match=re.escape(refusal)):
+    m.setattr(train.workdir_lib, "build_data_once", _refused_before_the_data_is_built)
+    train.train_and_evaluate(cfg(4), str(workdir))
 
 
 def test_evaluating_a_run_whose_energy_was_edited_since_is_refused(tmp_path, monkeypatch):
