@@ -93,7 +93,14 @@ ZERO_UPDATE_RTOL = 1e-5
 # checks users get are the ones tested.
 _COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
                      "xla_llvm_disable_expensive_passes": True}
-_jit = functools.partial(jax.jit, compiler_options=_COMPILER_OPTIONS)
+
+
+def _jit(fn):
+  """``jax.jit`` at :data:`_COMPILER_OPTIONS` where the checks run on the CPU (they are the CPU
+  backend's LLVM options); plain where a process has no CPU backend (``JAX_PLATFORMS=tpu``),
+  so no accelerator compiler is handed options it was never tested with."""
+  options = _COMPILER_OPTIONS if _cpu_device() is not None else None
+  return jax.jit(fn, compiler_options=options)
 _DECODING = "as in cached decoding (python -m cem_jax.sample)"
 _PER_TOKEN_HINT = ("an MLP energy must be a sum of per-token terms (token i's gate input is "
                    "context[:, i], its own state)")

@@ -1444,3 +1444,15 @@ def test_a_weight_the_energy_never_reads_is_named_at_start_up(tmp_path, caplog):
   with caplog.at_level(logging.WARNING):  # the README's quadratic energy reads every weight
     preflight.check(_user_config(tmp_path, attention_energy="quad"))
   assert not [r for r in caplog.records if "never reads" in r.getMessage()]
+
+
+def test_check_programs_take_the_cpu_options_only_on_the_cpu(monkeypatch):
+  """The numerical checks compile at the CPU backend's level 0; a process without a CPU backend
+  (JAX_PLATFORMS=tpu) hands its accelerator compiler no options of the CPU's."""
+  seen = []
+  monkeypatch.setattr(jax, "jit", lambda fn, **kw: seen.append(kw) or fn)
+  energy_checks._jit(abs)
+  monkeypatch.setattr(energy_checks, "_cpu_device", lambda: None)
+  energy_checks._jit(abs)
+  assert seen == [{"compiler_options": energy_checks._COMPILER_OPTIONS},
+                  {"compiler_options": None}]
