@@ -622,8 +622,12 @@ class _Loop:
         self.save(done, force=preempted or done == self.num_steps)
     if preempted:
       run.ckpt.wait()
-      logging.warning("preempted (SIGTERM): saved step %d in %s; rerun the same command to "
-                      "resume", done, run.ckpt.directory)
+      if done == self.num_steps:  # a rerun would only say so: there is nothing to resume
+        logging.warning("preempted (SIGTERM) in the last step: saved the final step %d in %s; "
+                        "the run is finished", done, run.ckpt.directory)
+      else:
+        logging.warning("preempted (SIGTERM): saved step %d in %s; rerun the same command to "
+                        "resume", done, run.ckpt.directory)
     # Last, after the step's eval and save (in the trace; a preemption's save is committed
     # before the seconds of writing a trace).
     if self.profiler.stops_at(done):

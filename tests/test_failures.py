@@ -652,6 +652,31 @@ def test_a_sigterm_while_the_last_save_commits_lets_it_commit_and_the_run_end(tm
   ckpt.close()
 
 
+@pytest.mark.parametrize("at_step", [1, 2])
+def test_a_sigterm_in_the_last_step_says_the_run_is_finished_not_to_resume_it(
+    at_step, tmp_path, monkeypatch, caplog, sigterm_kills):
+  # A SIGTERM during the last step's eval saves that step, which is the end of the run: the
+  # line told the user to rerun the command to resume, and the rerun trained nothing.
+  evaluate = train._Loop.eval
+
+  def eval_then_sigterm(self, done):
+    evaluate(self, done)
+    if done == at_step:
+      signal.raise_signal(signal.SIGTERM)
+
+  monkeypatch.setattr(train._Loop, "eval", eval_then_sigterm)
+  config = tiny_config("llama", **{"train.num_steps": 2, "train.eval_every_steps": 1})
+  with caplog.at_level(logging.WARNING):
+    train.train_and_evaluate(config, str(tmp_path / "w"))
+  preempted = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
+  assert len(preempted) == 1, preempted
+  if at_step == 2:
+    assert "in the last step: saved the final step 2" in preempted[0]
+    assert "the run is finished" in preempted[0] and "resume" not in preempted[0]
+  else:  # stopped early: the rerun resumes it
+    assert "saved step 1" in preempted[0] and "rerun the same command to resume" in preempted[0]
+
+
 @pytest.mark.parametrize("existed, when", [(False, "initialising"), (True, "initialising"),
                                            (False, "as the loop starts")])
 def test_a_sigterm_during_start_up_stops_it_as_a_failed_start_and_says_so(existed, when,
