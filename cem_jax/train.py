@@ -261,8 +261,8 @@ def _claim_workdir(config: ml_collections.ConfigDict, workdir: str,
                    held: contextlib.ExitStack) -> bool:
   """Makes ``workdir`` if missing, checks that every process was given the same config and
   workdir, and holds it for this run (:func:`cem_jax.workdir.exclusive`) until ``held``
-  closes. Returns whether this start created it (removed again, still empty, if the processes
-  disagree).
+  closes. Returns whether this start created it (removed again, still empty, if the check of
+  the processes fails: they disagree, or a SIGTERM, Ctrl-C or runtime error ends the wait).
 
   Raises:
     ValueError: as :func:`cem_jax.workdir.prepare_workdir`,
@@ -271,7 +271,7 @@ def _claim_workdir(config: ml_collections.ConfigDict, workdir: str,
   created = workdir_lib.prepare_workdir(workdir)
   try:
     workdir_lib.check_processes_agree(config, workdir)
-  except ValueError:
+  except BaseException:  # also SIGTERM or Ctrl-C while several processes wait for each other
     if created:  # nothing in it yet: as the command found it
       shutil.rmtree(workdir, ignore_errors=True)
     raise

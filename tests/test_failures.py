@@ -678,7 +678,9 @@ def test_a_sigterm_in_the_last_step_says_the_run_is_finished_not_to_resume_it(
 
 
 @pytest.mark.parametrize("existed, when", [(False, "initialising"), (True, "initialising"),
-                                           (False, "as the loop starts")])
+                                           (False, "as the loop starts"),
+                                           (False, "claiming the workdir"),
+                                           (True, "claiming the workdir")])
 def test_a_sigterm_during_start_up_stops_it_as_a_failed_start_and_says_so(existed, when,
                                                                           tmp_path, monkeypatch,
                                                                           sigterm_kills):
@@ -694,8 +696,14 @@ def test_a_sigterm_during_start_up_stops_it_as_a_failed_start_and_says_so(existe
       return fn(*args, **kwargs)
     return call
 
+  # Also while the processes check that they agree (with several, a wait for every host): a
+  # new workdir was left, empty, though the line said removed (adversary adv54 on dba8536's
+  # _claim_workdir, which removed it on a ValueError only).
   if when == "initialising":  # after the data, before the loop
     monkeypatch.setattr(steps, "init_state", sigterm_first(steps.init_state))
+  elif when == "claiming the workdir":  # before the data
+    monkeypatch.setattr(workdir_lib, "check_processes_agree",
+                        sigterm_first(workdir_lib.check_processes_agree))
   else:
     monkeypatch.setattr(workdir_lib.Preemption, "loop_starts",
                         sigterm_first(workdir_lib.Preemption.loop_starts))
@@ -708,7 +716,7 @@ def test_a_sigterm_during_start_up_stops_it_as_a_failed_start_and_says_so(existe
   assert str(raised.value).startswith("during start-up, before the first step: nothing "
                                       "trained or saved; a --workdir this start created is "
                                       "removed but for the tokens prepared in WORKDIR/data")
-  _assert_nothing_left(workdir, existed, prepared=True)
+  _assert_nothing_left(workdir, existed, prepared=when != "claiming the workdir")
 
 
 def test_terminated_is_one_line_and_ends_the_process_by_sigterm():
