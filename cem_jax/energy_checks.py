@@ -510,11 +510,13 @@ def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> 
   seq, batch = min(seq_len, _LOOK_AHEAD_SEQ), 3
   splits = (max(seq // 2, 1), 1, seq - 1)
   keep = np.arange(seq)[None, :] < np.asarray(splits)[:, None]
+  # An argument, not a closed-over NumPy array: the energy gets aux.segment_ids as the model
+  # hands it, a traced jax array (whose .at a NumPy array lacks).
   one = np.ones((batch, seq), np.int32) if m.document_mask else None
 
   @_jit
-  def train(y, context, params):
-    aux = training_aux(m, one, batch, seq)
+  def train(y, context, params, segment_ids):
+    aux = training_aux(m, segment_ids, batch, seq)
     return update(y, context, params, aux), spec.energy(y, context, params, aux)
 
   rng = np.random.default_rng(2)
@@ -523,9 +525,9 @@ def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> 
       rng.standard_normal((batch, seq, m.d_model)).astype(np.float32) for _ in range(4))
   later = ~keep[:, :, None]
   try:
-    before, e_before = (np.asarray(a, np.float64) for a in train(y, context, params))
+    before, e_before = (np.asarray(a, np.float64) for a in train(y, context, params, one))
     after, e_after = (np.asarray(a, np.float64) for a in train(
-        np.where(later, other, y), np.where(later, other_context, context), params))
+        np.where(later, other, y), np.where(later, other_context, context), params, one))
   except Exception as e:
     raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs of "
                      f"{seq} tokens{_float32_note(m)}: {one_line(e)}") from e

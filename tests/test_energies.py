@@ -746,6 +746,17 @@ def diag_quad_fused_update(y, context, params, aux):  # forgets the diagonal's t
   return quad_fused_update(y, context, params, aux)
 
 
+def doc_starts(y, context, params, aux):  # quad, doubled on each document's first token
+  # jax.Array's .at on aux.segment_ids: the model hands the energy a traced array
+  s, _ = _scores(y, context, params, aux)
+  n = jnp.maximum(aux.mask.sum(-1), 1)[:, None, :]
+  per_query = jnp.sum(params["eta"][:, None] * jnp.sum(s**2, -1) / n, 1)  # [batch, t]
+  if aux.segment_ids is not None:
+    seg = aux.segment_ids
+    per_query = per_query * (1 + seg.at[:, 1:].set(seg[:, 1:] != seg[:, :-1]).at[:, 0].set(1))
+  return -0.5 * jnp.sum(per_query)
+
+
 def tril(y, context, params, aux):  # builds its own mask of y's length
   q, k = _qk(y, context, params)
   s = jnp.einsum("bthk,bshk->bhts", q, k)
@@ -1063,6 +1074,13 @@ def test_a_saved_runs_energy_is_warned_about_what_it_computes_and_refused_if_it_
   with pytest.raises(ValueError, match=r"user_fused.py:tril' failed on inputs with context "
                                        r"longer than y, as in cached decoding"):
     preflight.check(_user_config(tmp_path, attention_energy="tril"), saved_run=True)
+
+
+def test_every_check_hands_the_energy_jax_arrays_in_aux(tmp_path):
+  """The model's aux holds jax arrays (traced): an energy may use their jax-only methods
+  (``.at``). The look-ahead check built aux.segment_ids from a NumPy array and refused this
+  causal energy with "'numpy.ndarray' object has no attribute 'at'"."""
+  preflight.check(_user_config(tmp_path, attention_energy="doc_starts"))  # document_mask on
 
 
 @pytest.mark.parametrize("diagonal", ["per_head", "shared"])
