@@ -733,7 +733,9 @@ def _check_zero_update(field, spec, update, runs: _Runs) -> None:
         "inputs, but the energy's value changes with y: "
         f"{minus:.6g}, {at:.6g}, {plus:.6g} at y - r, y, y + r (r random, unit RMS; relative "
         f"change {rel:.3g} > {ZERO_UPDATE_RTOL:g}), so the update is not -∇_y of it; check a "
-        "jax.custom_jvp/custom_vjp rule, or a jax.lax.stop_gradient on y, in it")
+        "jax.custom_jvp/custom_vjp rule, or a jax.lax.stop_gradient on y, in it (y read only "
+        "through a step function, e.g. jnp.round or jnp.floor, has a gradient of 0 too: the "
+        "layer would never move y)")
 
 
 def _check_slopes(field, spec, update, runs: _Runs) -> None:

@@ -746,6 +746,11 @@ def diag_quad_fused_update(y, context, params, aux):  # forgets the diagonal's t
   return quad_fused_update(y, context, params, aux)
 
 
+def floored(y, context, params, aux):  # y through jnp.floor: jax.grad is 0 everywhere
+  pre, gate = _pre_gate(y, context, params)
+  return -params["eta"] * jnp.sum(gate * jnp.floor(pre))
+
+
 def doc_starts(y, context, params, aux):  # quad, doubled on each document's first token
   # jax.Array's .at on aux.segment_ids: the model hands the energy a traced array
   s, _ = _scores(y, context, params, aux)
@@ -1034,6 +1039,7 @@ def test_an_update_that_is_not_the_gradient_of_the_energys_value_is_refused(tmp_
     ("stopped", {"update_mode": "autodiff", "learn_eta": False},
      "update (jax.grad of the energy)"),
     ("zero_rule", {}, "update (jax.grad of the energy)"),
+    ("floored", {}, "update (jax.grad of the energy)"),
     ("stopped_zero", {"learn_eta": False}, "fused update stopped_zero_fused_update")])
 def test_an_update_that_is_zero_while_the_energy_changes_is_refused(tmp_path, name, extra,
                                                                      what):
@@ -1051,6 +1057,9 @@ def test_an_update_that_is_zero_while_the_energy_changes_is_refused(tmp_path, na
   change = max(abs(minus - at), abs(plus - at)) / abs(at)
   assert change > 0.01  # a step the size of y moves these energies by O(1) of themselves
   assert f"relative change {change:.3g} > 1e-05" in message
+  # The cause when there is no rule or stop_gradient: a step function of y (here jnp.floor).
+  assert message.endswith("(y read only through a step function, e.g. jnp.round or jnp.floor, "
+                          "has a gradient of 0 too: the layer would never move y)"), message
   if name == "zero_rule":
     preflight.check(_user_config(tmp_path, mlp_energy="y_free", learn_eta=False))
 
