@@ -133,13 +133,20 @@ def process_slice(sharding: NamedSharding, global_rows: int) -> tuple[int, int]:
   Returns ``(index, count)``: the process needs block ``index`` of ``count`` equal blocks
   (the data pipeline's ``process_index, process_count``). When its devices hold rows that are
   not one such block (an unusual device order), ``(0, 1)``: read the whole batch.
+
+  Reads the devices' row ranges, never a row at a time: it runs at start-up for any
+  ``global_rows`` (``train.batch_size=10**9`` once filled a set of 10**9 rows: a MemoryError
+  before the batch's memory check could speak).
   """
-  rows = set()
-  for index in sharding.addressable_devices_indices_map((global_rows,)).values():
-    rows.update(range(*index[0].indices(global_rows)))
-  lo, hi = min(rows), max(rows) + 1
+  spans = sorted({index[0].indices(global_rows)[:2]
+                  for index in sharding.addressable_devices_indices_map((global_rows,)).values()})
+  lo, hi = spans[0][0], spans[0][0]
+  for start, stop in spans:
+    if start > hi:  # a gap: the rows held are not one block
+      return 0, 1
+    hi = max(hi, stop)
   size = hi - lo
-  if len(rows) == size and global_rows % size == 0 and lo % size == 0:
+  if global_rows % size == 0 and lo % size == 0:
     return lo // size, global_rows // size
   return 0, 1
 
