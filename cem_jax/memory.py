@@ -252,12 +252,33 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
   return compiled
 
 
-def _check_host_memory(what: str, need: int, advice: str) -> None:
-  """Refuses ``need`` bytes (a program's footprint on every CPU device of this process) beyond
-  the host's RAM and swap, and warns beyond what it has free: such a run failed at its first
-  step with XLA's traceback, or was killed by the kernel (exit status 137) without a message.
-  Only a warning below the total: free memory moves with the other processes, and XLA's
-  analysis of a CPU program is a lower bound.
+def check_host_batch(field: str, global_rows: int, rows: int, row_bytes: int,
+                     seq_len: int) -> None:
+  """Refuses a batch (``field``, ``train.batch_size`` or ``eval.batch_size``, of
+  ``global_rows`` rows) whose host arrays cannot fit this machine: this process's ``rows`` of
+  it (the other processes' rows are never on this host) times ``row_bytes`` each (the NumPy
+  arrays the data pipeline hands the devices; its temporaries come on top, so this is a lower
+  bound) beyond the host's memory and swap; warns beyond its free memory
+  (:func:`_check_host_memory`). Checked at start-up: such a batch ended at the first step in a
+  MemoryError traceback from the data pipeline, or the kernel's kill (exit status 137).
+
+  Raises:
+    ValueError: one line naming ``field``, its value, the bytes needed and the host's.
+  """
+  _check_host_memory(
+      f"{field}={global_rows}", rows * row_bytes,
+      f"lower {field}={global_rows} or data.seq_len={seq_len}",
+      where=f"on this host (this process's {rows} rows of the batch, {row_bytes} bytes each "
+            "in NumPy)")
+
+
+def _check_host_memory(what: str, need: int, advice: str,
+                       where: str = "on this host's CPU devices (XLA memory analysis)") -> None:
+  """Refuses ``need`` bytes (a program's footprint on every CPU device of this process, or
+  the host arrays ``where`` names) beyond the host's RAM and swap, and warns beyond what it
+  has free: such a run failed at its first step with a traceback, or was killed by the kernel
+  (exit status 137) without a message. Only a warning below the total: free memory moves
+  with the other processes, and ``need`` is a lower bound (XLA's analysis of a CPU program).
 
   Raises:
     ValueError: more than the host's RAM and swap (one line naming what to change).
@@ -265,11 +286,11 @@ def _check_host_memory(what: str, need: int, advice: str) -> None:
   total = host_total_bytes()
   if total is not None and need > total:
     needs, has = _sizes(need, total)
-    raise ValueError(f"{what} needs {needs} on this host's CPU devices (XLA memory analysis), "
-                     f"more than its {has} of memory and swap: {advice}")
+    raise ValueError(f"{what} needs {needs} {where}, more than its {has} of memory and swap: "
+                     f"{advice}")
   free = host_available_bytes()
   if free is not None and need > free:
     needs, has = _sizes(need, free)
-    logging.warning("%s needs %s on this host's CPU devices (XLA memory analysis), more than "
-                    "the %s it has free (MemAvailable): it may be killed for memory (exit "
-                    "status 137) without a message; %s", what, needs, has, advice)
+    logging.warning("%s needs %s %s, more than the %s it has free (MemAvailable): it may be "
+                    "killed for memory (exit status 137) without a message; %s", what, needs,
+                    where, has, advice)

@@ -30,6 +30,7 @@ from absl import logging
 from cem_jax import axes, energies, errors, memory, preflight, runs
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
+from cem_jax import sharding as sharding_lib
 from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
 from cem_jax.checkpoint import Checkpointer
@@ -244,8 +245,9 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
 
 def _check_before_start(config: ml_collections.ConfigDict) -> None:
   """What :func:`_start_up` checks before it touches the workdir: the config
-  (:func:`cem_jax.preflight.check`), the mesh against the devices, the machine, and that the
-  training order's shuffle can be imported; warns of an energy a reload could not find.
+  (:func:`cem_jax.preflight.check`), the mesh against the devices, the machine, the batches
+  against the host's memory (:func:`_check_batches_fit`), and that the training order's
+  shuffle can be imported; warns of an energy a reload could not find.
 
   Raises:
     ValueError, ModuleNotFoundError: as those checks (one line naming the field).
@@ -254,7 +256,30 @@ def _check_before_start(config: ml_collections.ConfigDict) -> None:
   _warn_unreloadable(config)
   data_parallel_devices(config)
   preflight.check_machine(config)
+  _check_batches_fit(config)
   data_lib.require_shuffle()
+
+
+def _check_batches_fit(config: ml_collections.ConfigDict) -> None:
+  """Refuses a training or eval batch whose host arrays cannot fit this machine
+  (:func:`memory.check_host_batch`), before the workdir, the data or the state are made. Only
+  this process's rows count: the block of every global batch its devices hold on the run's
+  mesh (:func:`cem_jax.sharding.process_slice`), as the loop reads them.
+
+  Raises:
+    ValueError: one line naming ``train.batch_size`` or ``eval.batch_size``, its value, the
+      bytes needed and the host's memory and swap.
+  """
+  batch = sharding_lib.batch_sharding(sharding_lib.make_mesh(config.mesh),
+                                      axes.rules_from_config(config.mesh))
+  for field, target_bytes in (("train.batch_size", False), ("eval.batch_size", True)):
+    group, key = field.split(".")
+    global_rows = config[group][key]
+    _, blocks = sharding_lib.process_slice(batch, global_rows)
+    row_bytes = config.data.seq_len * sum(
+        v.dtype.itemsize for v in _batch_probe(target_bytes).values())
+    memory.check_host_batch(field, global_rows, global_rows // blocks, row_bytes,
+                            config.data.seq_len)
 
 
 def _claim_workdir(config: ml_collections.ConfigDict, workdir: str,
@@ -375,10 +400,15 @@ def _batch_spec(rows: int, seq_len: int, sharding, *, target_bytes: bool = False
   """A global batch of ``[rows, seq_len]`` as ``jax.ShapeDtypeStruct`` s on ``sharding``, with
   the keys and dtypes of ``data.make_batch`` (read from it, so the ahead-of-time compiles
   cannot drift from the batches the loop feeds); ``target_bytes`` as eval batches have it."""
-  probe = data_lib.make_batch(np.zeros((1, 2), np.int32), np.ones((1, 2), np.int32),
-                              np.ones((1, 2), np.int32) if target_bytes else None)
   return {key: jax.ShapeDtypeStruct((rows, seq_len), value.dtype, sharding=sharding)
-          for key, value in probe.items()}
+          for key, value in _batch_probe(target_bytes).items()}
+
+
+def _batch_probe(target_bytes: bool) -> dict[str, np.ndarray]:
+  """A one-position batch from ``data.make_batch``: its keys and dtypes, those of every batch
+  the loop feeds (``target_bytes`` as eval batches have it)."""
+  return data_lib.make_batch(np.zeros((1, 2), np.int32), np.ones((1, 2), np.int32),
+                             np.ones((1, 2), np.int32) if target_bytes else None)
 
 
 def _warn_unreloadable(config: ml_collections.ConfigDict) -> None:

@@ -1884,6 +1884,54 @@ def test_both_memory_checks_count_every_cpu_device_of_this_process_against_the_h
   memory.compile_within_memory(double, (x,), cfg, limit_bytes=one, advice="lower it")
 
 
+def test_a_batch_too_large_for_the_host_is_refused_at_start_up_counting_this_process_rows(
+    tmp_path, monkeypatch):
+  # train.batch_size=10**9 on tiny.py passed the config's checks, then ended in a MemoryError
+  # traceback at start-up (process_slice filled a set of 10**9 rows) or the kernel's kill
+  # (exit status 137). Refused now before the workdir, the data or the state are made.
+  from cem_jax import sharding
+
+  monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # no warning in the way
+  cfg = tiny_config("llama")  # seq_len 64, train batch 8, eval batch 16
+  # Per position: inputs, targets, segment_ids (int32) and weights (float32); eval batches
+  # also target_bytes (float32).
+  train_need, eval_need = 8 * 64 * 16, 16 * 64 * 20
+  fresh = tmp_path / "fresh"
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: train_need - 1)
+  with pytest.raises(ValueError) as e:
+    train.train_and_evaluate(cfg, str(fresh))
+  assert str(e.value) == (
+      f"train.batch_size=8 needs {train_need} bytes on this host (this process's 8 rows of "
+      f"the batch, 1024 bytes each in NumPy), more than its {train_need - 1} bytes of memory "
+      "and swap: lower train.batch_size=8 or data.seq_len=64")
+  _assert_nothing_left(fresh)
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: eval_need - 1)
+  with pytest.raises(ValueError) as e:
+    train.train_and_evaluate(cfg, str(fresh))
+  assert str(e.value) == (
+      f"eval.batch_size=16 needs {eval_need} bytes on this host (this process's 16 rows of "
+      f"the batch, 1280 bytes each in NumPy), more than its {eval_need - 1} bytes of memory "
+      "and swap: lower eval.batch_size=16 or data.seq_len=64")
+  _assert_nothing_left(fresh)
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: eval_need)
+  train._check_batches_fit(cfg)  # exactly enough
+  # One process of 4 holds a quarter of every batch: only its rows count, not the batch's.
+  monkeypatch.setattr(sharding, "process_slice", lambda batch, rows: (1, 4))
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: eval_need // 4)
+  train._check_batches_fit(cfg)
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: eval_need // 4 - 1)
+  with pytest.raises(ValueError, match=rf"^eval.batch_size=16 needs {eval_need // 4} bytes on "
+                     r"this host \(this process's 4 rows of the batch, "):
+    train._check_batches_fit(cfg)
+  # Absurd sizes against this machine's real memory; no row is ever listed.
+  monkeypatch.undo()
+  cfg.train.batch_size = 10**23
+  with pytest.raises(ValueError, match=rf"^train.batch_size={10**23} needs \d+\.\d\d GiB on this "
+                     rf"host \(this process's {10**23} rows of the batch, 1024 bytes each in "
+                     r"NumPy\), more than its \d+\.\d\d GiB of memory and swap: lower "):
+    train._check_batches_fit(cfg)
+
+
 def test_a_model_too_large_for_memory_is_refused_before_its_parameters_are_made(monkeypatch):
   # Made first, the parameters failed in XLA (d_model=2**40: a NotImplementedError traceback
   # lowering the random init) or were killed for memory, before any step's memory check.
