@@ -1897,22 +1897,16 @@ def test_a_batch_too_large_for_the_host_is_refused_at_start_up_counting_this_pro
   # also target_bytes (float32).
   train_need, eval_need = 8 * 64 * 16, 16 * 64 * 20
   fresh = tmp_path / "fresh"
-  monkeypatch.setattr(memory, "host_total_bytes", lambda: train_need - 1)
-  with pytest.raises(ValueError) as e:
-    train.train_and_evaluate(cfg, str(fresh))
-  assert str(e.value) == (
-      f"train.batch_size=8 needs {train_need} bytes on this host (this process's 8 rows of "
-      f"the batch, 1024 bytes each in NumPy), more than its {train_need - 1} bytes of memory "
-      "and swap: lower train.batch_size=8 or data.seq_len=64")
-  _assert_nothing_left(fresh)
-  monkeypatch.setattr(memory, "host_total_bytes", lambda: eval_need - 1)
-  with pytest.raises(ValueError) as e:
-    train.train_and_evaluate(cfg, str(fresh))
-  assert str(e.value) == (
-      f"eval.batch_size=16 needs {eval_need} bytes on this host (this process's 16 rows of "
-      f"the batch, 1280 bytes each in NumPy), more than its {eval_need - 1} bytes of memory "
-      "and swap: lower eval.batch_size=16 or data.seq_len=64")
-  _assert_nothing_left(fresh)
+  for field, rows, need in (("train.batch_size", 8, train_need),
+                            ("eval.batch_size", 16, eval_need)):
+    monkeypatch.setattr(memory, "host_total_bytes", lambda need=need: need - 1)
+    with pytest.raises(ValueError) as e:
+      train.train_and_evaluate(cfg, str(fresh))
+    assert str(e.value) == (
+        f"{field}={rows} needs {need} bytes on this host (this process's {rows} rows of "
+        f"the batch, {need // rows} bytes each in NumPy), more than its {need - 1} bytes of "
+        f"memory and swap: lower {field}={rows} or data.seq_len=64")
+    _assert_nothing_left(fresh)
   monkeypatch.setattr(memory, "host_total_bytes", lambda: eval_need)
   train._check_batches_fit(cfg)  # exactly enough
   # One process of 4 holds a quarter of every batch: only its rows count, not the batch's.
