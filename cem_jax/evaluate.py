@@ -34,10 +34,12 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
   trained with, from the config saved in it).
 
   Raises:
-    ValueError: the run is not a CEM model, or ``steps`` not as :func:`check_steps` allows.
+    ValueError: the run is not a CEM model, ``steps`` not as :func:`check_steps` allows, or
+      its ``eval.batch_size`` does not fit this host's memory and swap
+      (:func:`cem_jax.train.check_batch_fits`, before the data and the parameters are made).
     FileNotFoundError, CheckpointError, ValueError: as :func:`cem_jax.runs.load_run`.
   """
-  from cem_jax import runs
+  from cem_jax import runs, train
   from cem_jax import steps as steps_lib
   from cem_jax.metrics import final_energy
 
@@ -47,6 +49,9 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
     if config.model.block != "cem":
       raise ValueError(f"model.block={config.model.block!r}: test-time steps need a CEM "
                        "model")
+    # Before the data and the parameters are made: an eval batch larger than this host
+    # ended in a MemoryError traceback or the kernel's kill (exit status 137).
+    train.check_batch_fits(config, "eval.batch_size")
 
   config, data, graphdef, params, step = runs.load_run(workdir, require=require_cem,
                                                        attention_impl=attention_impl)

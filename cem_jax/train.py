@@ -272,14 +272,29 @@ def _check_batches_fit(config: ml_collections.ConfigDict) -> None:
   """
   batch = sharding_lib.batch_sharding(sharding_lib.make_mesh(config.mesh),
                                       axes.rules_from_config(config.mesh))
-  for field, target_bytes in (("train.batch_size", False), ("eval.batch_size", True)):
-    group, key = field.split(".")
-    global_rows = config[group][key]
-    _, blocks = sharding_lib.process_slice(batch, global_rows)
-    row_bytes = config.data.seq_len * sum(
-        v.dtype.itemsize for v in _batch_probe(target_bytes).values())
-    memory.check_host_batch(field, global_rows, global_rows // blocks, row_bytes,
-                            config.data.seq_len)
+  for field, rows in (("train.batch_size", config.train.batch_size),
+                      ("eval.batch_size", config.eval.batch_size)):
+    _, blocks = sharding_lib.process_slice(batch, rows)
+    check_batch_fits(config, field, blocks)
+
+
+def check_batch_fits(config: ml_collections.ConfigDict, field: str, blocks: int = 1) -> None:
+  """Refuses ``field``'s batch (``train.batch_size`` or ``eval.batch_size``, the latter with
+  its ``target_bytes``) when this process's ``1 / blocks`` of its rows cannot fit this host's
+  memory and swap (:func:`memory.check_host_batch`). ``blocks`` 1 (default): this process
+  reads every row, as ``python -m cem_jax.evaluate`` does (``steps.eval_loop`` without
+  shardings).
+
+  Raises:
+    ValueError: one line naming ``field``, its value, the bytes needed and the host's memory
+      and swap.
+  """
+  group, key = field.split(".")
+  global_rows = config[group][key]
+  row_bytes = config.data.seq_len * sum(
+      v.dtype.itemsize for v in _batch_probe(field == "eval.batch_size").values())
+  memory.check_host_batch(field, global_rows, global_rows // blocks, row_bytes,
+                          config.data.seq_len)
 
 
 def _claim_workdir(config: ml_collections.ConfigDict, workdir: str,

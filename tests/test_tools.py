@@ -553,6 +553,42 @@ def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
           for r in rows] == [(1, 1.0, 30, 2, 64), (3, 3.0, 30, 2, 192)]
 
 
+def test_evaluate_refuses_an_eval_batch_too_large_for_the_host_before_data_or_state(
+    monkeypatch):
+  # A saved run's eval.batch_size passed at training on another machine, or never read
+  # against this one: evaluate built the data and state, then ended in a MemoryError
+  # traceback or the kernel's kill. Refused as training's start-up refuses it (one process
+  # reads every row here), from the checkpoint's config, before the data are built.
+  from cem_jax import evaluate, memory
+  from cem_jax import steps as steps_lib
+
+  cfg = tiny_config("cem", **{"eval.batch_size": 16})  # seq_len 64
+  need = 16 * 64 * 20  # inputs, targets, segment_ids (int32), weights, target_bytes (float32)
+  built = []
+
+  def load_run(workdir, require, attention_impl):
+    require(cfg)
+    built.append(workdir)  # where load_run builds the data and the parameters
+    return cfg, "data", "graph", "params", 30
+
+  monkeypatch.setattr(runs, "load_run", load_run)
+  monkeypatch.setattr(steps_lib, "make_eval_step", lambda *args, **kwargs: None)
+  monkeypatch.setattr(steps_lib, "eval_loop", lambda *args: {
+      "eval/loss": 1.0, "eval/perplexity": 2.7, "eval/bits_per_byte": 0.5, "eval/tokens": 1})
+  monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # no warning in the way
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: need - 1)
+  with pytest.raises(ValueError) as e:
+    evaluate.test_time_steps("w", [1])
+  assert str(e.value) == (
+      f"eval.batch_size=16 needs {need} bytes on this host (this process's 16 rows of the "
+      f"batch, {need // 16} bytes each in NumPy), more than its {need - 1} bytes of memory "
+      "and swap: lower eval.batch_size=16 or data.seq_len=64")
+  assert built == []
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: need)  # exactly enough
+  assert [r["T_eval"] for r in evaluate.test_time_steps("w", [1])] == [1]
+  assert built == ["w"]
+
+
 @pytest.mark.parametrize("counts, shown", [([0], "0"), ([2, 0], "2,0"), ([-1, 3], "-1,3"),
                                            ([2, 2], "2,2"), ([], ""), ([True], "True")])
 def test_a_test_time_step_count_below_one_or_repeated_is_refused_before_the_run_is_loaded(
