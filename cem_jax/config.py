@@ -262,9 +262,17 @@ _MINIMUMS = {
 
 
 # field -> (exclusive upper bound, as the message writes it): ints that reach jax as fixed-width
-# integers, where a larger one was an OverflowError traceback after the data was built. Each is
-# a _MINIMUMS field too: check_int reads both.
+# integers, where a larger one was an OverflowError traceback after the data was built, and
+# model.num_steps. Each is a _MINIMUMS field too: check_int reads both.
 _BELOW = {
+    # The recursive steps are a Python loop (layers/cem.py), unrolled into the traced program:
+    # 10**9 passed validation, then traced for ever. One tiny CEM layer's eval step on a CPU
+    # (d_model 64, 2 x 64 tokens) traces in ~30 ms a step and compiles in 1.7 s at T = 16,
+    # 45 s at 256, 254 s at 512 (XLA's time grows faster than T; training adds the backward
+    # pass). 2**8 is 32x the most any config, doc or experiment uses (T = 8) and still starts
+    # within a minute or so a layer; the same rule bounds the test-time steps
+    # (eval.num_steps, evaluate --num_steps, DecoderLM's num_steps).
+    "model.num_steps": (2**8, "2**8 (every step is unrolled into the compiled program)"),
     # jax keys take a signed 64-bit seed
     "seed": (2**63, "2**63"),
     "data.shuffle_seed": (2**63, "2**63"),
@@ -285,6 +293,10 @@ _MINUS_ONE_OR_POSITIVE = {
     "eval.max_batches": ("the whole split", None),
     "eval.num_steps": ("= model.num_steps", None),
 }
+
+# field of _MINUS_ONE_OR_POSITIVE -> the _MINIMUMS field whose rule (allowed_int) its values
+# other than -1 follow: the steps T run at eval are model.num_steps's quantity.
+_POSITIVE_AS = {"eval.num_steps": "model.num_steps"}
 
 
 # field -> (low, low inclusive, high, high inclusive): a finite real number in that interval
@@ -359,16 +371,22 @@ def check_int(field: str, value) -> None:
 def check_minus_one_or_positive(field: str, value, high: int | None = None) -> None:
   """Checks one field of :data:`_MINUS_ONE_OR_POSITIVE`: a Python ``int`` that is -1 (the
   value derived from others) or >= 1, and at most ``high`` (the value of the field the table
-  names as its maximum) where it has one.
+  names as its maximum) where it has one, or as :func:`check_int` allows the field
+  :data:`_POSITIVE_AS` names for it.
 
   Raises:
     ValueError: one line naming the field, the value and what is allowed, e.g.
       ``eval.max_batches=0; allowed: -1 (the whole split) or an int >= 1``.
   """
   meaning, most = _MINUS_ONE_OR_POSITIVE[field]
-  if isinstance(value, bool) or not isinstance(value, int) or not (
-      value == -1 or (1 <= value and (high is None or value <= high))):
+  is_int = not isinstance(value, bool) and isinstance(value, int)
+  rule = _POSITIVE_AS.get(field)
+  if rule is not None:
+    ok, ints = is_allowed_int(rule, value), allowed_int(rule)
+  else:
+    ok = is_int and 1 <= value and (high is None or value <= high)
     ints = "an int >= 1" if high is None else f"an int in 1..{high} ({most})"
+  if not is_int or not (value == -1 or ok):
     raise ValueError(f"{field}={value!r}; allowed: -1 ({meaning}) or {ints}")
 
 

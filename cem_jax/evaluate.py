@@ -70,8 +70,9 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
 
 def check_steps(steps: list) -> None:
   """The rule of ``--num_steps`` (``T_eval`` values): one or more values, each one
-  ``model.num_steps`` allows (an int >= 1, :func:`cem_jax.config.is_allowed_int`), each at
-  most once (T_eval = 0 would run no CEM step; a repeat, the same evaluation twice).
+  ``model.num_steps`` allows (an int >= 1 and below its bound,
+  :func:`cem_jax.config.is_allowed_int`), each at most once (T_eval = 0 would run no CEM step;
+  10**9 would be traced for ever; a repeat, the same evaluation twice).
 
   Raises:
     ValueError: one line naming every value and what is allowed.

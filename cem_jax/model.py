@@ -366,7 +366,8 @@ class DecoderLM(nnx.Module):
     other steps.
 
     Raises:
-      ValueError: ``batch`` or ``max_len`` < 1, or ``num_steps`` not an int >= 1.
+      ValueError: ``batch`` or ``max_len`` < 1, or ``num_steps`` not as
+        :func:`check_num_steps` allows.
     """
     check_num_steps(num_steps)
     if batch < 1 or max_len < 1:
@@ -410,9 +411,9 @@ class DecoderLM(nnx.Module):
     Raises:
       ValueError: ``trace`` or ``segment_ids`` with ``cache`` (cached decoding keeps no
         energy trace, and is one document per row);
-        ``num_steps`` not an int >= 1; a cache that does not fit the call (its ``max_len``
-        too short for the tokens at a concrete ``index``, or made for another batch,
-        ``num_steps`` or dtype).
+        ``num_steps`` not as :func:`check_num_steps` allows; a cache that does not fit the
+        call (its ``max_len`` too short for the tokens at a concrete ``index``, or made for
+        another batch, ``num_steps`` or dtype).
       TypeError: ``cache`` not a :class:`DecodeCache`.
     """
     if cache is not None and not isinstance(cache, DecodeCache):
@@ -515,9 +516,10 @@ class DecoderLM(nnx.Module):
 
 
 def check_num_steps(num_steps) -> None:
-  """Refuses a ``num_steps`` override that breaks ``model.num_steps``'s rule (an int >= 1,
-  :func:`cem_jax.config.is_allowed_int`): 0 steps would leave every CEM layer the identity
-  without a word. None (``model.num_steps`` itself) passes.
+  """Refuses a ``num_steps`` override that breaks ``model.num_steps``'s rule (an int >= 1 and
+  below its bound, :func:`cem_jax.config.is_allowed_int`): 0 steps would leave every CEM layer
+  the identity without a word, 10**9 would be traced for ever. None (``model.num_steps``
+  itself) passes.
 
   Raises:
     ValueError: one line naming ``num_steps``, the value and what is allowed.

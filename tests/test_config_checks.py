@@ -41,7 +41,8 @@ def test_numbers_out_of_range_are_one_line_errors(field, value):
     ("model.eta_init", 1e-6), ("model.eta_init", 1e3), ("data.validation_fraction", 0.5),
     ("model.num_unique_blocks", 2),  # tiny_config: 2 layers
     ("train.max_consecutive_nonfinite", 2**31 - 2),  # trains (main, 2 steps)
-    ("train.warmup_steps", 2**31 - 1)])  # optim.make_schedule takes it
+    ("train.warmup_steps", 2**31 - 1),  # optim.make_schedule takes it
+    ("model.num_steps", 2**8 - 1), ("eval.num_steps", 2**8 - 1)])
 def test_numbers_at_the_edges_of_their_ranges_are_accepted(field, value):
   config_lib.validate(tiny_config("cem", **({"model.precond": "both"} if "precond" in field
                                             else {}), **{field: value}))
@@ -228,7 +229,14 @@ def test_flat_config_equals_the_json_it_is_saved_as():
      r"model.num_layers\) or an int in 1..2 \(model.num_layers\)$"),
     ("model.num_unique_blocks", 0, r"^model.num_unique_blocks=0; allowed: -1 "),
     ("model.num_unique_blocks", 3, r"^model.num_unique_blocks=3; allowed: -1 .* 1..2 "),
-    ("eval.num_steps", 0, r"^eval.num_steps=0; allowed: -1 \(= model.num_steps\) or an int >= 1$"),
+    ("eval.num_steps", 0, r"^eval.num_steps=0; allowed: -1 \(= model.num_steps\) or an int >= 1 "
+     r"and < 2\*\*8 \(every step is unrolled into the compiled program\)$"),
+    # the recursive steps are unrolled: 10**9 passed, then was traced for ever
+    ("model.num_steps", 10**9, r"^model.num_steps=1000000000; allowed: an int >= 1 and < 2\*\*8 "
+     r"\(every step is unrolled into the compiled program\)$"),
+    ("model.num_steps", 2**8, r"^model.num_steps=256; allowed: an int >= 1 and < 2\*\*8 "),
+    ("eval.num_steps", 2**8, r"^eval.num_steps=256; allowed: -1 \(= model.num_steps\) or an int "
+     r">= 1 and < 2\*\*8 "),
     ("eval.num_steps", -2, r"^eval.num_steps=-2; allowed: -1 "),
     ("model.head_dim", True, r"^model.head_dim=True; allowed: -1 \(= model.d_model // "
      r"model.num_heads\) or an int >= 1$"),
@@ -346,7 +354,7 @@ def test_every_integer_field_refuses_one_below_its_minimum(field, minimum):
     config_lib.validate(tiny_config("cem", **extra, **{field: minimum - 1}))
   # The upper bound, where a field has one, is in the cases of the test above.
   assert re.fullmatch(rf"{re.escape(field)}={minimum - 1}; allowed: an int >= {minimum}"
-                      r"( and < 2\*\*\d+( - 1)?)?", str(e.value)), str(e.value)
+                      r"( and < 2\*\*\d+( - 1)?( \(.+\))?)?", str(e.value)), str(e.value)
 
 
 def test_every_upper_bound_is_checked_with_its_minimum():

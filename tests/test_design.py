@@ -275,8 +275,8 @@ def test_test_time_steps_of_a_block_with_standard_sublayers(tmp_path, monkeypatc
 
 INVALID = [
     ({"model.precond": "both", "model.precond_rank": 65}, r"model.precond_rank=65 exceeds"),
-    ({"model.num_steps": 0}, r"model.num_steps=0; allowed: an int >= 1$"),
-    ({"model.num_steps": 1.5}, r"model.num_steps=1.5; allowed: an int >= 1$"),
+    ({"model.num_steps": 0}, r"model.num_steps=0; allowed: an int >= 1 and < 2\*\*8 \(every "),
+    ({"model.num_steps": 1.5}, r"model.num_steps=1.5; allowed: an int >= 1 and < 2\*\*8 "),
     ({"model.attention_energy": "hopfield"}, r"model.attention_energy='hopfield' is not a "),
     ({"model.mlp_energy": "softmax"}, r"model.mlp_energy='softmax' is an attention energy"),
     ({"model.learn_beta": True}, r"model.learn_beta=True and model.learn_eta=True"),

@@ -388,8 +388,8 @@ def test_top_p_measures_the_mass_of_the_tempered_distribution():
     (dict(prompt=[[1, -1, 3]]), rf"prompt holds token id -1; allowed: 0..{V - 1}"),
     (dict(prompt=[[1.7, 2.0]]), r"prompt has dtype float64; allowed: integer token ids"),
     (dict(max_new_tokens=2.5), r"max_new_tokens=2.5; allowed: an int >= 1"),
-    (dict(num_steps=0), r"DecoderLM: num_steps=0; allowed: an int >= 1 \(None: "
-                        r"model.num_steps\)"),
+    (dict(num_steps=0), r"DecoderLM: num_steps=0; allowed: an int >= 1 and < 2\*\*8 \(every "
+                        r"step is unrolled into the compiled program\) \(None: model.num_steps\)"),
 ], ids=lambda v: str(v)[:30])
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_generate_refuses_settings_out_of_range_in_one_line(kwargs, message, use_cache):

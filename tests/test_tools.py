@@ -590,12 +590,13 @@ def test_evaluate_refuses_an_eval_batch_too_large_for_the_host_before_data_or_st
 
 
 @pytest.mark.parametrize("counts, shown", [([0], "0"), ([2, 0], "2,0"), ([-1, 3], "-1,3"),
-                                           ([2, 2], "2,2"), ([], ""), ([True], "True")])
+                                           ([2, 2], "2,2"), ([], ""), ([True], "True"),
+                                           ([1, 2**8], "1,256"), ([10**9], "1000000000")])
 def test_a_test_time_step_count_below_one_or_repeated_is_refused_before_the_run_is_loaded(
     monkeypatch, counts, shown):
-  # T_eval = 0 would evaluate a model whose CEM layers run no step; the refusal must come
-  # before the seconds of loading a checkpoint and its data. The function and the command
-  # line (below) hold one rule.
+  # T_eval = 0 would evaluate a model whose CEM layers run no step, 10**9 one traced for ever
+  # (the steps are unrolled); the refusal must come before the seconds of loading a
+  # checkpoint and its data. The function and the command line (below) hold one rule.
   from cem_jax import evaluate
 
   def load_run(*args, **kwargs):
@@ -605,21 +606,27 @@ def test_a_test_time_step_count_below_one_or_repeated_is_refused_before_the_run_
   with pytest.raises(ValueError) as e:
     evaluate.test_time_steps("w", counts)
   assert str(e.value) == (f"--num_steps={shown}; allowed: comma-separated values, each an int "
-                          ">= 1 and at most once")
+                          ">= 1 and < 2**8 (every step is unrolled into the compiled program) "
+                          "and at most once")
 
 
 def test_every_step_count_check_holds_model_num_steps_rule(monkeypatch):
-  # T_eval values, a DecoderLM num_steps override and the config field are one quantity, a
-  # number of recursive steps: a change of the rule in config reaches all three.
+  # T_eval values, a DecoderLM num_steps override, eval.num_steps and the config field are one
+  # quantity, a number of recursive steps: a change of the rule in config reaches all four.
   from cem_jax import evaluate, model
   monkeypatch.setitem(config_lib._MINIMUMS, "model.num_steps", 2)
+  monkeypatch.setitem(config_lib._BELOW, "model.num_steps", (5, "5 (why)"))
   checks = {"--num_steps": lambda t: evaluate.check_steps([3, t]),
             "DecoderLM: num_steps": model.check_num_steps,
+            "eval.num_steps": lambda t: config_lib.check_minus_one_or_positive(
+                "eval.num_steps", t),
             "model.num_steps": lambda t: config_lib.check_int("model.num_steps", t)}
   for name, check in checks.items():
     check(2)
-    for bad in (1, 2.0, True):
-      with pytest.raises(ValueError, match=rf"^{name}=.*; allowed: .*an int >= 2\b"):
+    check(4)
+    for bad in (1, 2.0, True, 5):
+      with pytest.raises(ValueError, match=rf"^{name}=.*; allowed: .*an int >= 2 and < 5 "
+                                           r"\(why\)"):
         check(bad)
 
 
@@ -629,8 +636,8 @@ def test_evaluate_refuses_step_counts_that_are_not_integers_by_the_values_typed(
                         env=subprocess_env())
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert proc.stderr.strip().splitlines()[-1] == (
-      "error: --num_steps=1,two; allowed: comma-separated values, each an int >= 1 and at most "
-      "once")
+      "error: --num_steps=1,two; allowed: comma-separated values, each an int >= 1 and < 2**8 "
+      "(every step is unrolled into the compiled program) and at most once")
 
 
 def test_a_run_whose_chosen_step_keeps_vanishing_is_tried_three_times_then_its_error_raised(
