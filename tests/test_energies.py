@@ -1,6 +1,7 @@
 """Energies and their updates: closed forms equal jax.grad, Φ is exact, masking is safe."""
 
 import logging
+import math
 import os
 import re
 import zlib
@@ -99,6 +100,22 @@ def test_phi_silu_matches_quadrature():
   got = np.asarray(energies.phi_silu(jnp.asarray(z32)), np.float64)
   assert np.max(np.abs(got - ref) / np.abs(ref)) <= 1e-6
   assert float(energies.phi_silu(jnp.float32(0.0))) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64, jnp.bfloat16])
+def test_phi_silu_at_infinity_is_its_limit_not_nan(dtype):
+  # Φ(z) = ∫_0^z t·σ(t) dt: Φ(-inf) = ∫_0^∞ s / (1 + e^s) ds = η(2) = π²/12, and
+  # Φ(z) = z²/2 - π²/12 + O(z e^-z) grows without bound (-inf·softplus(-inf) gave NaN for
+  # both). Large finite z on the way there, against the float64 quadrature.
+  with jax.enable_x64(dtype == jnp.float64):
+    got = np.asarray(energies.phi_silu(jnp.asarray([-np.inf, np.inf, np.nan], dtype)),
+                     np.float64)
+    far = np.asarray(energies.phi_silu(jnp.asarray([-60.0, 60.0], dtype)), np.float64)
+  assert got[1] == np.inf and np.isnan(got[2])
+  rtol = 1e-2 if dtype == jnp.bfloat16 else 1e-6
+  np.testing.assert_allclose(got[0], math.pi**2 / 12, rtol=rtol)
+  np.testing.assert_allclose(far, quadrature_phi_silu([-60.0, 60.0]), rtol=rtol)
+  np.testing.assert_allclose(quadrature_phi_silu([-60.0]), math.pi**2 / 12, rtol=1e-12)
 
 
 def test_phi_derivatives_match_finite_differences():

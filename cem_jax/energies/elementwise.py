@@ -70,10 +70,15 @@ def phi_silu(z: jax.Array) -> jax.Array:
   differentiates the quadrature and the rational approximation rather than ``Φ`` (through
   ``jax.scipy.special.spence`` it was NaN), hence the custom JVP whose tangent ``silu(z)·ż``
   is itself differentiable: ``Φ' = silu`` and ``Φ'' = silu'`` exactly, to any order.
+  At ``z = ±inf`` it returns the limits: ``Φ(-inf) = π²/12`` (``∫_0^∞ s/(1+e^s) ds``),
+  ``Φ(inf) = inf``; NaN stays NaN.
   """
   z = jnp.asarray(z)
   compute = z.astype(jnp.promote_types(z.dtype, jnp.float32))
-  neg = _phi_silu_neg(-jnp.maximum(jnp.abs(compute), _SMALL))
+  # ±inf is clipped to the largest finite value, where z·softplus(z) is -max·0 = 0, not
+  # -inf·0 = NaN: Φ(-inf) = π²/12 and Φ(inf) = inf - π²/12 = inf, the true limits. Finite
+  # inputs are unchanged, bit for bit.
+  neg = _phi_silu_neg(-jnp.clip(jnp.abs(compute), _SMALL, jnp.finfo(compute.dtype).max))
   large = jnp.where(compute > 0, 0.5 * compute * compute - neg, neg)
   small_z = jnp.clip(compute, -_SMALL, _SMALL)
   # One term per node, summed in order: then XLA's CPU backend fuses all of Φ into one loop;
