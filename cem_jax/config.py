@@ -340,6 +340,22 @@ def _interval(low, low_in, high, high_in) -> str:
   return f"{left}value{right}" if left or right else "any finite number"
 
 
+def _shown(value) -> str:
+  """``repr(value)``, as a refusal names a field's value; an int longer than Python's int -> str
+  limit (``sys.get_int_max_str_digits()``, 4300 digits by default, where ``repr`` raises
+  ValueError and the refusal could not be worded) as ``an int of N digits``."""
+  try:
+    return repr(value)
+  except ValueError:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise
+  n = abs(value)
+  # 10**digits <= n < 10**(digits + 1) for one of these two, without a string of n
+  digits = int(n.bit_length() * math.log10(2))
+  digits += n >= 10**digits
+  return f"{'a negative' if value < 0 else 'an'} int of {digits} digits"
+
+
 def allowed_int(field: str) -> str:
   """What :func:`check_int` allows for ``field``, as its refusal words it: ``an int >= 1``,
   ``an int >= 0 and < 2**63`` (:data:`_MINIMUMS`, :data:`_BELOW`). For a check of a value
@@ -361,11 +377,12 @@ def check_int(field: str, value) -> None:
   """Checks one integer field as :func:`is_allowed_int` does.
 
   Raises:
-    ValueError: one line naming the field, the value and what is allowed
-      (:func:`allowed_int`), e.g. ``seed=-1; allowed: an int >= 0 and < 2**63``.
+    ValueError: one line naming the field, the value (:func:`_shown`: an int of over 4300
+      digits by its digit count) and what is allowed (:func:`allowed_int`), e.g.
+      ``seed=-1; allowed: an int >= 0 and < 2**63``.
   """
   if not is_allowed_int(field, value):
-    raise ValueError(f"{field}={value!r}; allowed: {allowed_int(field)}")
+    raise ValueError(f"{field}={_shown(value)}; allowed: {allowed_int(field)}")
 
 
 def check_minus_one_or_positive(field: str, value, high: int | None = None) -> None:
@@ -387,7 +404,7 @@ def check_minus_one_or_positive(field: str, value, high: int | None = None) -> N
     ok = is_int and 1 <= value and (high is None or value <= high)
     ints = "an int >= 1" if high is None else f"an int in 1..{high} ({most})"
   if not is_int or not (value == -1 or ok):
-    raise ValueError(f"{field}={value!r}; allowed: -1 ({meaning}) or {ints}")
+    raise ValueError(f"{field}={_shown(value)}; allowed: -1 ({meaning}) or {ints}")
 
 
 def check_range(field: str, value) -> None:
@@ -673,11 +690,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for field, allowed in _CHOICES.items():
     value = config[field]
     if value not in allowed:
-      raise ValueError(f"{field}={value!r}; allowed: {', '.join(allowed)}")
+      raise ValueError(f"{field}={_shown(value)}; allowed: {', '.join(allowed)}")
   for field, default in flat(get_default_config()).items():
     kind = type(default)
     if kind in _TYPE_NAMES and not isinstance(config[field], kind):
-      raise ValueError(f"{field}={config[field]!r}; allowed: {_TYPE_NAMES[kind]}")
+      raise ValueError(f"{field}={_shown(config[field])}; allowed: {_TYPE_NAMES[kind]}")
   for field in _MINIMUMS:
     check_int(field, config[field])
   for field in _RANGES:

@@ -2,6 +2,7 @@
 
 import math
 import re
+import sys
 
 import pytest
 from conftest import force_fields, tiny_config
@@ -276,6 +277,34 @@ def test_bool_and_str_fields_refuse_another_type(field, default):
     with pytest.raises(ValueError) as e:
       config_lib.validate(cfg)
     assert str(e.value) == f"{field}={bad!r}; allowed: {allowed}"
+
+
+@pytest.mark.parametrize("field, value, shown, allowed", [
+    ("model.num_steps", 10**5000, "an int of 5001 digits", "an int >= 1 and < 2**8 "),
+    ("data.shuffle_seed", -(10**5000 - 1), "a negative int of 5000 digits", "an int >= 0 "),
+    ("data.shuffle_seed", 10**4300 - 1, "9" * 4300, "an int >= 0 "),  # the longest repr allows
+    ("data.shuffle_seed", 10**4300, "an int of 4301 digits", "an int >= 0 and < 2**63"),
+    ("eval.num_steps", 2**20000, "an int of 6021 digits", "-1 (= model.num_steps) or "),
+    ("model.block", 10**5000, "an int of 5001 digits", "cem, llama"),
+    ("model.rope", 10**5000, "an int of 5001 digits", "True or False"),
+], ids=["num_steps", "negative", "4300_digits", "4301_digits", "eval_num_steps", "choice",
+        "bool"])
+def test_an_int_too_long_to_print_is_refused_by_its_digit_count(field, value, shown, allowed):
+  # Python refuses int -> str beyond 4300 digits (sys.get_int_max_str_digits): the refusal's
+  # f-string raised that ValueError in place of the field's. Digits counted by str() here.
+  cfg = tiny_config("cem")
+  force_fields(cfg, {field: value})
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(cfg)
+  assert str(e.value).startswith(f"{field}={shown}; allowed: {allowed}"), str(e.value)[:200]
+  if "digits" in shown:
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+      digits = len(str(abs(value)))
+    finally:
+      sys.set_int_max_str_digits(old)
+    assert shown == f"{'a negative' if value < 0 else 'an'} int of {digits} digits"
 
 
 def test_a_profile_window_must_lie_inside_the_run():
