@@ -251,7 +251,9 @@ def remove_failed_start(workdir: str) -> None:
 def prepare_workdir(workdir: str) -> bool:
   """Creates ``workdir`` if needed and checks that files can be written in it.
 
-  Returns True if this call created it (so a failed start-up can remove it again).
+  Returns True if this call created it (so a failed start-up can remove it again). When it
+  cannot be made whole or written, the folders this call made (``workdir`` and the missing
+  folders above it), and only those, are removed again, if still empty.
 
   Raises:
     ValueError: it cannot be created or written, or is not a UTF-8 path (one line naming
@@ -264,12 +266,19 @@ def prepare_workdir(workdir: str) -> bool:
     raise ValueError(f"--workdir={workdir!r} is not a UTF-8 path; choose another --workdir"
                      ) from None
   created = not os.path.isdir(workdir)
+  missing, path = [], os.path.abspath(workdir)  # what makedirs will make, deepest first
+  while not os.path.lexists(path):
+    missing.append(path)
+    path = os.path.dirname(path)
   try:
     os.makedirs(workdir, exist_ok=True)
     fd, probe = tempfile.mkstemp(dir=workdir, prefix=".write_probe")
     os.close(fd)
     os.remove(probe)
   except OSError as e:
+    for folder in missing:  # rmdir: an empty folder only, never what another process put there
+      with contextlib.suppress(OSError):
+        os.rmdir(folder)
     raise ValueError(
         f"--workdir={workdir!r} is not a writable folder ({e.strerror or e}: "
         f"{e.filename or workdir}); choose another --workdir or fix its permissions"

@@ -752,6 +752,33 @@ def test_preparing_a_workdir_says_whether_it_made_it_and_leaves_nothing_in_it(tm
       f"{tmp_path / 'a_file' / 'w'}); choose another --workdir or fix its permissions")
 
 
+def test_a_failed_write_probe_removes_the_folders_prepare_workdir_made_and_only_those(
+    tmp_path, monkeypatch):
+  # A folder made and then found unwritable (a full disk, no inodes) was left behind, empty,
+  # looking like a run's workdir; what was there before must stay, contents and all.
+  from cem_jax import workdir as workdir_lib
+
+  def full_disk(dir, prefix):
+    raise OSError(errno.ENOSPC, "No space left on device", os.path.join(dir, prefix))
+
+  monkeypatch.setattr(workdir_lib.tempfile, "mkstemp", full_disk)
+  old, empty = tmp_path / "old", tmp_path / "empty"
+  old.mkdir()
+  empty.mkdir()
+  (old / "kept.txt").write_text("x")
+  for workdir, probe_in in ((old / "new" / "newer" / "w", None), (old, old), (empty, empty)):
+    probe_in = probe_in or workdir
+    with pytest.raises(ValueError) as e:
+      prepare_workdir(str(workdir))
+    assert str(e.value) == (
+        f"--workdir='{workdir}' is not a writable folder (No space left on device: "
+        f"{probe_in / '.write_probe'}); choose another --workdir or fix its permissions")
+    assert sorted(os.listdir(tmp_path)) == ["empty", "old"]
+    assert os.listdir(old) == ["kept.txt"] and os.listdir(empty) == []
+  monkeypatch.undo()
+  assert prepare_workdir(str(old / "new" / "w"))  # writable again: made as before
+
+
 def test_a_workdir_trains_one_run_at_a_time_and_a_killed_holder_frees_it(tmp_path):
   # Two runs in one folder (a second main, or two tables commands reaching the same row) each
   # appended to metrics.jsonl and saved over the other's checkpoints, and both exited 0.
