@@ -416,15 +416,18 @@ def check_range(field: str, value) -> None:
   """
   low, low_in, high, high_in = _RANGES[field]
   allowed = f"allowed: a finite number, {_interval(low, low_in, high, high_in)}"
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-    raise ValueError(f"{field}={value!r}; {allowed}")
+  # An int is finite (math.isfinite of one beyond float64's range raised OverflowError), and
+  # Python compares it with the bounds exactly.
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+      isinstance(value, float) and not math.isfinite(value)):
+    raise ValueError(f"{field}={_shown(value)}; {allowed}")
   below = low is not None and (value < low or (value == low and not low_in))
   above = high is not None and (value > high or (value == high and not high_in))
   if below or above:
-    raise ValueError(f"{field}={value!r}; {allowed}")
+    raise ValueError(f"{field}={_shown(value)}; {allowed}")
   if abs(value) > FLOAT32_MAX:
-    raise ValueError(f"{field}={value!r} is infinite in float32, the precision it is used in; "
-                     f"{allowed}, at most {FLOAT32_MAX:.7g}")
+    raise ValueError(f"{field}={_shown(value)} is infinite in float32, the precision it is "
+                     f"used in; {allowed}, at most {FLOAT32_MAX:.7g}")
 
 
 # Options that build or change nothing in some configurations: (condition on the config,

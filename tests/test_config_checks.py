@@ -68,6 +68,26 @@ def test_floats_beyond_float32_are_refused(field):
   config_lib.validate(tiny_config("cem", **{field: 3.4e38}))  # float32's largest is 3.4028e38
 
 
+@pytest.mark.parametrize("value, shown, negative", [
+    (10**400, "1" + "0" * 400, "-1" + "0" * 400),
+    (10**5000, "an int of 5001 digits", "a negative int of 5001 digits")],
+    ids=["401_digits", "5001_digits"])
+def test_an_int_beyond_float64_in_a_float_field_is_refused_in_one_line(value, shown, negative):
+  # ConfigDict casts an int set on a float field, but a field set past its type check
+  # (force_fields) is not: math.isfinite(10**400) raised OverflowError, a traceback.
+  cfg = tiny_config("cem")
+  force_fields(cfg, {"train.learning_rate": value})
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(cfg)
+  assert str(e.value) == (f"train.learning_rate={shown} is infinite in float32, the precision "
+                          "it is used in; allowed: a finite number, 0 < value, at most "
+                          "3.402823e+38")
+  force_fields(cfg, {"train.learning_rate": 0.1, "train.b1": -value})
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(cfg)
+  assert str(e.value) == f"train.b1={negative}; allowed: a finite number, 0 <= value < 1"
+
+
 def test_the_messages_state_the_interval():
   with pytest.raises(ValueError, match=r"train.b1=1.5; allowed: a finite number, 0 <= value < 1$"):
     config_lib.validate(tiny_config("cem", **{"train.b1": 1.5}))
