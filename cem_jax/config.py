@@ -14,6 +14,7 @@ import json
 import math
 import numbers
 import os
+import sys
 import types
 from collections.abc import Collection
 
@@ -340,15 +341,25 @@ def _interval(low, low_in, high, high_in) -> str:
   return f"{left}value{right}" if left or right else "any finite number"
 
 
+def _unwritable(value) -> bool:
+  """Whether ``value`` is an int longer than Python's int -> str limit
+  (``sys.get_int_max_str_digits()``, 4300 digits by default; 0: none), which ``repr``,
+  ``str`` and ``json.dumps`` refuse with ValueError."""
+  if isinstance(value, bool) or not isinstance(value, int):
+    return False
+  try:
+    repr(value)
+  except ValueError:
+    return True
+  return False
+
+
 def _shown(value) -> str:
   """``repr(value)``, as a refusal names a field's value; an int longer than Python's int -> str
-  limit (``sys.get_int_max_str_digits()``, 4300 digits by default, where ``repr`` raises
-  ValueError and the refusal could not be worded) as ``an int of N digits``."""
-  try:
+  limit (:func:`_unwritable`, where ``repr`` raises ValueError and the refusal could not be
+  worded) as ``an int of N digits``."""
+  if not _unwritable(value):
     return repr(value)
-  except ValueError:
-    if isinstance(value, bool) or not isinstance(value, int):
-      raise
   n = abs(value)
   # 10**digits <= n < 10**(digits + 1) for one of these two, without a string of n
   digits = int(n.bit_length() * math.log10(2))
@@ -402,7 +413,7 @@ def check_minus_one_or_positive(field: str, value, high: int | None = None) -> N
     ok, ints = is_allowed_int(rule, value), allowed_int(rule)
   else:
     ok = is_int and 1 <= value and (high is None or value <= high)
-    ints = "an int >= 1" if high is None else f"an int in 1..{high} ({most})"
+    ints = "an int >= 1" if high is None else f"an int in 1..{_shown(high)} ({most})"
   if not is_int or not (value == -1 or ok):
     raise ValueError(f"{field}={_shown(value)}; allowed: -1 ({meaning}) or {ints}")
 
@@ -704,6 +715,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
     check_range(field, config[field])
   for field, (_, most) in _MINUS_ONE_OR_POSITIVE.items():
     check_minus_one_or_positive(field, config[field], None if most is None else config[most])
+  # After each field's own rule: an int that Python cannot write in decimal passed the rules
+  # with no upper bound (model.d_model=0x followed by 5000 f's from the command line), then
+  # failed in a message or config.json with int -> str's ValueError, naming no field.
+  for field, default in flat(get_default_config()).items():
+    if type(default) is int and _unwritable(config[field]):
+      raise ValueError(f"{field}={_shown(config[field])}; allowed: an int of at most "
+                       f"{sys.get_int_max_str_digits()} digits (Python's int -> str limit: "
+                       "config.json and the messages write it in decimal)")
   m = config.model
   if m.param_dtype != "float32":
     raise ValueError(

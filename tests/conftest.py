@@ -134,8 +134,8 @@ def force_fields(config, overrides: dict) -> None:
   config file or a command line could, so validation itself can be tested on bad values."""
   with config.unlocked():
     for key, value in overrides.items():
-      group, leaf = key.split(".")
-      config[group].__dict__["_fields"][leaf] = value
+      group, _, leaf = key.rpartition(".")
+      (config[group] if group else config).__dict__["_fields"][leaf] = value
 
 
 def write_metrics(folder, lines: list[dict]) -> None:

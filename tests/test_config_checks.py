@@ -327,6 +327,43 @@ def test_an_int_too_long_to_print_is_refused_by_its_digit_count(field, value, sh
     assert shown == f"{'a negative' if value < 0 else 'an'} int of {digits} digits"
 
 
+INT_FIELDS = [k for k, v in config_lib.flat(config_lib.get_default_config()).items()
+              if type(v) is int]
+
+
+@pytest.mark.parametrize("field", INT_FIELDS)
+def test_every_int_field_too_long_to_write_is_refused_naming_it(field):
+  # absl parses --config.model.d_model=0xfff... (hex has no digit limit) to an int of 5001
+  # decimal digits; a field with no upper bound passed its rule, then a message or
+  # config.json failed with int -> str's ValueError naming no field ('Exceeds the limit').
+  from cem_jax import cli
+
+  value = cli.parse_value(f"--config.{field}", f"{10**5000:#x}", 1)
+  assert value == 10**5000
+  for bad, shown in ((value, "an int of 5001 digits"), (-value, "a negative int of 5001 digits")):
+    cfg = tiny_config("cem", **{"model.precond": "both"})  # precond_rank's rule applies
+    force_fields(cfg, {field: bad})
+    with pytest.raises(ValueError) as e:
+      config_lib.validate(cfg)
+    assert str(e.value).startswith(f"{field}={shown}; allowed: "), str(e.value)[:200]
+    if bad > 0 and field not in config_lib._BELOW and field not in ("model.num_unique_blocks",
+                                                                      "eval.num_steps"):
+      assert str(e.value).endswith("; allowed: an int of at most 4300 digits (Python's int -> "
+                                   "str limit: config.json and the messages write it in "
+                                   "decimal)")
+
+
+def test_a_limit_too_long_to_write_is_named_by_its_digit_count():
+  # model.num_unique_blocks's maximum is model.num_layers: a refusal of the first wrote the
+  # second, itself past int -> str's limit.
+  cfg = tiny_config("cem")
+  force_fields(cfg, {"model.num_layers": 10**5000, "model.num_unique_blocks": 0})
+  with pytest.raises(ValueError) as e:
+    config_lib.validate(cfg)
+  assert str(e.value) == ("model.num_unique_blocks=0; allowed: -1 (= model.num_layers) or an "
+                          "int in 1..an int of 5001 digits (model.num_layers)")
+
+
 def test_a_profile_window_must_lie_inside_the_run():
   cfg = tiny_config("cem", **{"train.num_steps": 30, "train.profile_steps": 3,
                               "train.profile_first_step": 29})
