@@ -266,7 +266,9 @@ def prepare_workdir(workdir: str) -> bool:
     raise ValueError(f"--workdir={workdir!r} is not a UTF-8 path; choose another --workdir"
                      ) from None
   created = not os.path.isdir(workdir)
-  missing, path = [], os.path.abspath(workdir)  # what makedirs will make, deepest first
+  # What makedirs will make, deepest first. realpath, not abspath: the kernel resolves a symlink
+  # before a '..' after it (link/../w is w beside link's target), abspath drops both.
+  missing, path = [], os.path.realpath(workdir)
   while not os.path.lexists(path):
     missing.append(path)
     path = os.path.dirname(path)

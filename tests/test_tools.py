@@ -775,6 +775,13 @@ def test_a_failed_write_probe_removes_the_folders_prepare_workdir_made_and_only_
         f"{probe_in / '.write_probe'}); choose another --workdir or fix its permissions")
     assert sorted(os.listdir(tmp_path)) == ["empty", "old"]
     assert os.listdir(old) == ["kept.txt"] and os.listdir(empty) == []
+  # Through a symlink and '..': the folders made are beside the link's target, not the link.
+  (tmp_path / "old" / "sub").mkdir()
+  (tmp_path / "link").symlink_to(tmp_path / "old" / "sub")
+  with pytest.raises(ValueError, match="No space left on device"):
+    prepare_workdir(str(tmp_path / "link" / ".." / "new" / "w"))
+  assert sorted(os.listdir(old)) == ["kept.txt", "sub"] and os.listdir(old / "sub") == []
+  assert sorted(os.listdir(tmp_path)) == ["empty", "link", "old"]
   monkeypatch.undo()
   assert prepare_workdir(str(old / "new" / "w"))  # writable again: made as before
 
