@@ -354,7 +354,7 @@ def _unwritable(value) -> bool:
   return False
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
   """``repr(value)``, as a refusal names a field's value; an int longer than Python's int -> str
   limit (:func:`_unwritable`, where ``repr`` raises ValueError and the refusal could not be
   worded) as ``an int of N digits``."""
@@ -388,12 +388,12 @@ def check_int(field: str, value) -> None:
   """Checks one integer field as :func:`is_allowed_int` does.
 
   Raises:
-    ValueError: one line naming the field, the value (:func:`_shown`: an int of over 4300
+    ValueError: one line naming the field, the value (:func:`shown`: an int of over 4300
       digits by its digit count) and what is allowed (:func:`allowed_int`), e.g.
       ``seed=-1; allowed: an int >= 0 and < 2**63``.
   """
   if not is_allowed_int(field, value):
-    raise ValueError(f"{field}={_shown(value)}; allowed: {allowed_int(field)}")
+    raise ValueError(f"{field}={shown(value)}; allowed: {allowed_int(field)}")
 
 
 def check_minus_one_or_positive(field: str, value, high: int | None = None) -> None:
@@ -413,9 +413,9 @@ def check_minus_one_or_positive(field: str, value, high: int | None = None) -> N
     ok, ints = is_allowed_int(rule, value), allowed_int(rule)
   else:
     ok = is_int and 1 <= value and (high is None or value <= high)
-    ints = "an int >= 1" if high is None else f"an int in 1..{_shown(high)} ({most})"
+    ints = "an int >= 1" if high is None else f"an int in 1..{shown(high)} ({most})"
   if not is_int or not (value == -1 or ok):
-    raise ValueError(f"{field}={_shown(value)}; allowed: -1 ({meaning}) or {ints}")
+    raise ValueError(f"{field}={shown(value)}; allowed: -1 ({meaning}) or {ints}")
 
 
 def check_range(field: str, value) -> None:
@@ -431,13 +431,13 @@ def check_range(field: str, value) -> None:
   # Python compares it with the bounds exactly.
   if isinstance(value, bool) or not isinstance(value, (int, float)) or (
       isinstance(value, float) and not math.isfinite(value)):
-    raise ValueError(f"{field}={_shown(value)}; {allowed}")
+    raise ValueError(f"{field}={shown(value)}; {allowed}")
   below = low is not None and (value < low or (value == low and not low_in))
   above = high is not None and (value > high or (value == high and not high_in))
   if below or above:
-    raise ValueError(f"{field}={_shown(value)}; {allowed}")
+    raise ValueError(f"{field}={shown(value)}; {allowed}")
   if abs(value) > FLOAT32_MAX:
-    raise ValueError(f"{field}={_shown(value)} is infinite in float32, the precision it is "
+    raise ValueError(f"{field}={shown(value)} is infinite in float32, the precision it is "
                      f"used in; {allowed}, at most {FLOAT32_MAX:.7g}")
 
 
@@ -704,11 +704,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for field, allowed in _CHOICES.items():
     value = config[field]
     if value not in allowed:
-      raise ValueError(f"{field}={_shown(value)}; allowed: {', '.join(allowed)}")
+      raise ValueError(f"{field}={shown(value)}; allowed: {', '.join(allowed)}")
   for field, default in flat(get_default_config()).items():
     kind = type(default)
     if kind in _TYPE_NAMES and not isinstance(config[field], kind):
-      raise ValueError(f"{field}={_shown(config[field])}; allowed: {_TYPE_NAMES[kind]}")
+      raise ValueError(f"{field}={shown(config[field])}; allowed: {_TYPE_NAMES[kind]}")
   for field in _MINIMUMS:
     check_int(field, config[field])
   for field in _RANGES:
@@ -720,7 +720,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   # failed in a message or config.json with int -> str's ValueError, naming no field.
   for field, default in flat(get_default_config()).items():
     if type(default) is int and _unwritable(config[field]):
-      raise ValueError(f"{field}={_shown(config[field])}; allowed: an int of at most "
+      raise ValueError(f"{field}={shown(config[field])}; allowed: an int of at most "
                        f"{sys.get_int_max_str_digits()} digits (Python's int -> str limit: "
                        "config.json and the messages write it in decimal)")
   m = config.model

@@ -79,7 +79,8 @@ def check_steps(steps: list) -> None:
   """
   if (not steps or len(set(steps)) < len(steps)
       or not all(config_lib.is_allowed_int("model.num_steps", t) for t in steps)):
-    raise ValueError(f"--num_steps={','.join(map(str, steps))}; allowed: comma-separated "
+    typed = ",".join(t if isinstance(t, str) else config_lib.shown(t) for t in steps)
+    raise ValueError(f"--num_steps={typed}; allowed: comma-separated "
                      f"values, each {config_lib.allowed_int('model.num_steps')} and at most "
                      "once")
 

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec
 
 from cem_jax import attention, energies, model_stats
 from cem_jax.axes import DEFAULT_RULES, augmented_head_dim, dividing_axes, head_dim_of, mesh_axes_of
-from cem_jax.config import BLOCKS, allowed_int, is_allowed_int
+from cem_jax.config import BLOCKS, allowed_int, is_allowed_int, shown
 from cem_jax.energies import EnergyAux
 from cem_jax.layers import DTYPES, CEMBlock, LlamaBlock, RMSNorm
 from cem_jax.layers.common import param
@@ -525,7 +525,7 @@ def check_num_steps(num_steps) -> None:
     ValueError: one line naming ``num_steps``, the value and what is allowed.
   """
   if num_steps is not None and not is_allowed_int("model.num_steps", num_steps):
-    raise ValueError(f"DecoderLM: num_steps={num_steps!r}; allowed: "
+    raise ValueError(f"DecoderLM: num_steps={shown(num_steps)}; allowed: "
                      f"{allowed_int('model.num_steps')} (None: model.num_steps)")
 
 

@@ -628,6 +628,9 @@ def test_every_step_count_check_holds_model_num_steps_rule(monkeypatch):
       with pytest.raises(ValueError, match=rf"^{name}=.*; allowed: .*an int >= 2 and < 5 "
                                            r"\(why\)"):
         check(bad)
+    # past int -> str's 4300 digits, by its digit count (repr raised in the refusal's place)
+    with pytest.raises(ValueError, match=rf"^{name}=(3,)?an int of 5001 digits; allowed: "):
+      check(10**5000)
 
 
 def test_evaluate_refuses_step_counts_that_are_not_integers_by_the_values_typed(tmp_path):
