@@ -1,13 +1,15 @@
 """Evaluate a trained run at other recursive step counts (test-time steps, no retraining).
 
-    python -m cem_jax.evaluate --workdir=DIR --num_steps=1,2,3,4
+    python -m cem_jax.evaluate --workdir=DIR --num_steps=1,2,3,4 [--batch_size=ROWS]
 
 Loads the newest checkpoint with the config saved in it (the trained T included), the run's
 prepared data and tokenizer, then evaluates the validation split with every CEM layer running
 ``T_eval`` steps. Writes ``DIR/test_time_steps.{md,json,png}``: perplexity, bits per byte, the
 held-out tokens scored and the final energy (the sum over layers of the attention + MLP energy
 after the last step, mean per token) per ``T_eval``. Steps beyond the trained T reuse the last
-step's parameters (per-step step sizes or preconditioners).
+step's parameters (per-step step sizes or preconditioners). ``--batch_size`` replaces the
+run's ``eval.batch_size``, e.g. on a host smaller than the one the run was trained on: the
+whole split's figures do not depend on it (``--max_batches`` counts batches of it).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from cem_jax.files import atomic_write_text, saved_figure
 
 
 def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
-                    attention_impl: str | None = None) -> list[dict]:
+                    attention_impl: str | None = None,
+                    batch_size: int | None = None) -> list[dict]:
   """Evaluates ``workdir``'s model for each ``T_eval`` in ``steps``; returns one row each.
 
   Row keys: ``T_eval``, ``eval/loss`` (nats/token), ``eval/perplexity``,
@@ -31,12 +34,14 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
   the whole split), ``final_energy`` (after the last step, summed over layers and over
   the CEM sub-layers the model has, mean per token; None when it has none), ``step`` (the
   checkpoint's training step) and ``T_trained`` (the ``model.num_steps`` the checkpoint was
-  trained with, from the config saved in it).
+  trained with, from the config saved in it). ``batch_size``: the rows of an eval batch (None:
+  the run's ``eval.batch_size``).
 
   Raises:
-    ValueError: the run is not a CEM model, ``steps`` not as :func:`check_steps` allows, or
-      its ``eval.batch_size`` does not fit this host's memory and swap
-      (:func:`cem_jax.train.check_batch_fits`, before the data and the parameters are made).
+    ValueError: the run is not a CEM model, ``steps`` not as :func:`check_steps` allows,
+      ``batch_size`` not as ``eval.batch_size`` allows, or the eval batch does not fit this
+      host's memory and swap (:func:`cem_jax.train.check_batch_fits`, before the data and the
+      parameters are made).
     FileNotFoundError, CheckpointError, ValueError: as :func:`cem_jax.runs.load_run`.
   """
   from cem_jax import runs, train
@@ -44,14 +49,23 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
   from cem_jax.metrics import final_energy
 
   check_steps(steps)  # before seconds of loading
+  if batch_size is not None and not config_lib.is_allowed_int("eval.batch_size", batch_size):
+    raise ValueError(f"--batch_size={config_lib.shown(batch_size)}; allowed: "
+                     f"{config_lib.allowed_int('eval.batch_size')} (default: the run's "
+                     "eval.batch_size)")
 
   def require_cem(config):
     if config.model.block != "cem":
       raise ValueError(f"model.block={config.model.block!r}: test-time steps need a CEM "
                        "model")
+    if batch_size is not None:  # in the config load_run returns, which the eval below reads
+      config.eval.batch_size = batch_size
+      config_lib.validate(config)  # as any config's (e.g. past 4300 digits)
     # Before the data and the parameters are made: an eval batch larger than this host
-    # ended in a MemoryError traceback or the kernel's kill (exit status 137).
-    train.check_batch_fits(config, "eval.batch_size")
+    # ended in a MemoryError traceback or the kernel's kill (exit status 137). The advice is
+    # evaluate's flag: the run's config is not this command's to change.
+    train.check_batch_fits(config, "eval.batch_size", advice=(
+        "give evaluate a smaller --batch_size (the whole split's figures do not depend on it)"))
 
   config, data, graphdef, params, step = runs.load_run(workdir, require=require_cem,
                                                        attention_impl=attention_impl)
@@ -158,7 +172,8 @@ def main(argv):
     if fl.max_batches < 1 and fl.max_batches != -1:
       raise ValueError(f"--max_batches={fl.max_batches}; allowed: -1 (all) or an int >= 1")
     report_paths(fl.workdir)  # a folder in the way: said before the evaluation, not after
-    rows = test_time_steps(fl.workdir, steps, fl.max_batches, fl.attention_impl)
+    rows = test_time_steps(fl.workdir, steps, fl.max_batches, fl.attention_impl,
+                           fl.batch_size)
     # From the checkpoint's own config: config.json may be edited, or newer than the step.
     paths = write_report(fl.workdir, rows, rows[0]["T_trained"])
   print(open(paths[0]).read())
@@ -170,6 +185,8 @@ if __name__ == "__main__":
   flags.DEFINE_string("workdir", None, "A finished (or checkpointed) run's folder.")
   flags.DEFINE_list("num_steps", ["1", "2", "3", "4"], "T_eval values.")
   flags.DEFINE_integer("max_batches", -1, "Eval batches (-1: all).")
+  flags.DEFINE_integer("batch_size", None, "Rows of an eval batch (default: the run's "
+                       "eval.batch_size; the whole split's figures do not depend on it).")
   from cem_jax import runs
   runs.define_attention_impl_flag()
   flags.adopt_module_key_flags(runs)  # listed by --help with evaluate's own

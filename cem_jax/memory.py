@@ -253,7 +253,7 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
 
 
 def check_host_batch(field: str, global_rows: int, rows: int, row_bytes: int,
-                     seq_len: int) -> None:
+                     seq_len: int, advice: str | None = None) -> None:
   """Refuses a batch (``field``, ``train.batch_size`` or ``eval.batch_size``, of
   ``global_rows`` rows) whose host arrays cannot fit this machine: this process's ``rows`` of
   it (the other processes' rows are never on this host) times ``row_bytes`` each (the NumPy
@@ -261,13 +261,14 @@ def check_host_batch(field: str, global_rows: int, rows: int, row_bytes: int,
   bound) beyond the host's memory and swap; warns beyond its free memory
   (:func:`_check_host_memory`). Checked at start-up: such a batch ended at the first step in a
   MemoryError traceback from the data pipeline, or the kernel's kill (exit status 137).
+  ``advice``: what the refusal says to change (None: ``field`` or ``data.seq_len``).
 
   Raises:
     ValueError: one line naming ``field``, its value, the bytes needed and the host's.
   """
   _check_host_memory(
       f"{field}={global_rows}", rows * row_bytes,
-      f"lower {field}={global_rows} or data.seq_len={seq_len}",
+      advice or f"lower {field}={global_rows} or data.seq_len={seq_len}",
       where=f"on this host (this process's {rows} rows of the batch, {row_bytes} bytes each "
             "in NumPy)")
 

@@ -278,12 +278,14 @@ def _check_batches_fit(config: ml_collections.ConfigDict) -> None:
     check_batch_fits(config, field, blocks)
 
 
-def check_batch_fits(config: ml_collections.ConfigDict, field: str, blocks: int = 1) -> None:
+def check_batch_fits(config: ml_collections.ConfigDict, field: str, blocks: int = 1,
+                     advice: str | None = None) -> None:
   """Refuses ``field``'s batch (``train.batch_size`` or ``eval.batch_size``, the latter with
   its ``target_bytes``) when this process's ``1 / blocks`` of its rows cannot fit this host's
   memory and swap (:func:`memory.check_host_batch`). ``blocks`` 1 (default): this process
   reads every row, as ``python -m cem_jax.evaluate`` does (``steps.eval_loop`` without
-  shardings).
+  shardings). ``advice``: what the refusal says to change (None: ``field`` or
+  ``data.seq_len``).
 
   Raises:
     ValueError: one line naming ``field``, its value, the bytes needed and the host's memory
@@ -294,7 +296,7 @@ def check_batch_fits(config: ml_collections.ConfigDict, field: str, blocks: int 
   row_bytes = config.data.seq_len * sum(
       v.dtype.itemsize for v in _batch_probe(field == "eval.batch_size").values())
   memory.check_host_batch(field, global_rows, global_rows // blocks, row_bytes,
-                          config.data.seq_len)
+                          config.data.seq_len, advice)
 
 
 def _claim_workdir(config: ml_collections.ConfigDict, workdir: str,

@@ -350,13 +350,15 @@ def test_evaluate_reports_the_trained_steps_of_the_checkpoint_not_config_json(tm
   saved["model"]["num_steps"] = 5
   (workdir / "config.json").write_text(json.dumps(saved))
   proc = subprocess.run([sys.executable, "-m", "cem_jax.evaluate", f"--workdir={workdir}",
-                         "--num_steps=1", "--max_batches=1"], capture_output=True, text=True,
-                        timeout=300)
+                         "--num_steps=1", "--max_batches=1", "--batch_size=3"],
+                        capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   report = (workdir / "test_time_steps.md").read_text()
   assert report.startswith("Test-time steps for a model trained with T = 2 "), report
   rows = json.loads((workdir / "test_time_steps.json").read_text())
   assert [r["T_trained"] for r in rows] == [2]
+  # one batch of --batch_size=3 windows, not of the run's eval.batch_size (16)
+  assert rows[0]["eval/tokens"] == 3 * cfg.data.seq_len
 
 
 def test_the_energy_plot_is_of_the_newest_eval(tmp_path, monkeypatch):
@@ -558,35 +560,56 @@ def test_evaluate_refuses_an_eval_batch_too_large_for_the_host_before_data_or_st
   # A saved run's eval.batch_size passed at training on another machine, or never read
   # against this one: evaluate built the data and state, then ended in a MemoryError
   # traceback or the kernel's kill. Refused as training's start-up refuses it (one process
-  # reads every row here), from the checkpoint's config, before the data are built.
+  # reads every row here), from the checkpoint's config, before the data are built; the
+  # advice is evaluate's --batch_size (lowering the run's eval.batch_size, as training's
+  # refusal says, was not this command's to do: it reads the checkpoint's config).
   from cem_jax import evaluate, memory
   from cem_jax import steps as steps_lib
 
-  cfg = tiny_config("cem", **{"eval.batch_size": 16})  # seq_len 64
-  need = 16 * 64 * 20  # inputs, targets, segment_ids (int32), weights, target_bytes (float32)
-  built = []
+  built, evaluated = [], []
 
   def load_run(workdir, require, attention_impl):
+    cfg = tiny_config("cem", **{"eval.batch_size": 16})  # seq_len 64
     require(cfg)
     built.append(workdir)  # where load_run builds the data and the parameters
     return cfg, "data", "graph", "params", 30
 
+  def eval_loop(eval_step, params, data, config):
+    evaluated.append(config.eval.batch_size)
+    return {"eval/loss": 1.0, "eval/perplexity": 2.7, "eval/bits_per_byte": 0.5,
+            "eval/tokens": 1}
+
   monkeypatch.setattr(runs, "load_run", load_run)
   monkeypatch.setattr(steps_lib, "make_eval_step", lambda *args, **kwargs: None)
-  monkeypatch.setattr(steps_lib, "eval_loop", lambda *args: {
-      "eval/loss": 1.0, "eval/perplexity": 2.7, "eval/bits_per_byte": 0.5, "eval/tokens": 1})
+  monkeypatch.setattr(steps_lib, "eval_loop", eval_loop)
   monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # no warning in the way
-  monkeypatch.setattr(memory, "host_total_bytes", lambda: need - 1)
-  with pytest.raises(ValueError) as e:
-    evaluate.test_time_steps("w", [1])
-  assert str(e.value) == (
-      f"eval.batch_size=16 needs {need} bytes on this host (this process's 16 rows of the "
-      f"batch, {need // 16} bytes each in NumPy), more than its {need - 1} bytes of memory "
-      "and swap: lower eval.batch_size=16 or data.seq_len=64")
-  assert built == []
-  monkeypatch.setattr(memory, "host_total_bytes", lambda: need)  # exactly enough
+  row = 64 * 20  # inputs, targets, segment_ids (int32), weights, target_bytes (float32)
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: 16 * row - 1)
+  for batch_size, rows in ((None, 16), (16, 16), (17, 17)):
+    with pytest.raises(ValueError) as e:
+      evaluate.test_time_steps("w", [1], batch_size=batch_size)
+    assert str(e.value) == (
+        f"eval.batch_size={rows} needs {rows * row} bytes on this host (this process's {rows} "
+        f"rows of the batch, {row} bytes each in NumPy), more than its {16 * row - 1} bytes of "
+        "memory and swap: give evaluate a smaller --batch_size (the whole split's figures do "
+        "not depend on it)")
+  assert built == [] and evaluated == []
+  assert [r["T_eval"] for r in evaluate.test_time_steps("w", [1], batch_size=15)] == [1]
+  assert built == ["w"] and evaluated == [15]
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: 16 * row)  # exactly enough
   assert [r["T_eval"] for r in evaluate.test_time_steps("w", [1])] == [1]
-  assert built == ["w"]
+  assert built == ["w", "w"] and evaluated == [15, 16]  # the run's own without the flag
+  for bad, shown in ((0, "0"), (2.0, "2.0"), (True, "True"), (-(10**5000), "a negative int of "
+                                                                        "5001 digits")):
+    with pytest.raises(ValueError) as e:  # before the run is loaded
+      evaluate.test_time_steps("w", [1], batch_size=bad)
+    assert str(e.value) == (f"--batch_size={shown}; allowed: an int >= 1 (default: the run's "
+                            "eval.batch_size)")
+  with pytest.raises(ValueError) as e:  # its rule as a config's: at most 4300 digits
+    evaluate.test_time_steps("w", [1], batch_size=10**5000)
+  assert str(e.value).startswith("eval.batch_size=an int of 5001 digits; allowed: an int of at "
+                                 "most 4300 digits")
+  assert built == ["w", "w"]
 
 
 @pytest.mark.parametrize("counts, shown", [([0], "0"), ([2, 0], "2,0"), ([-1, 3], "-1,3"),
