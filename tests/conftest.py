@@ -58,20 +58,24 @@ def _temporary_files_in_pytest_folder(tmp_path_factory):
   tempfile.tempdir = saved
 
 
-def subprocess_env(devices: int = 1, **extra: str) -> dict:
+def subprocess_env(devices: int = 1, xla_flags: tuple[str, ...] = (), **extra: str) -> dict:
   """The environment for a program a test starts: this session's (its XLA flags and
-  compilation cache), on the CPU with ``devices`` forced host devices, plus ``extra``."""
+  compilation cache), on the CPU with ``devices`` forced host devices, plus ``xla_flags``
+  (``--name=value`` each; a flag the session's XLA_FLAGS set already keeps its value there)
+  and the environment variables ``extra``."""
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
            if not f.startswith(_DEVICE_COUNT_FLAG)]
+  flags += [f for f in xla_flags if not any(g.startswith(f.split("=")[0] + "=") for g in flags)]
   flags.append(f"{_DEVICE_COUNT_FLAG}={devices}")
   return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags), **extra)
 
 
-def program_json(args: list[str], devices: int, timeout: float = 120, **run_kwargs):
-  """Runs ``python *args`` on ``devices`` forced CPU devices (:func:`subprocess_env`) and
-  returns the JSON its last line of stdout holds; a failed run fails the test with its
-  stderr's tail."""
-  proc = subprocess.run([sys.executable, *args], env=subprocess_env(devices),
+def program_json(args: list[str], devices: int, timeout: float = 120,
+                 xla_flags: tuple[str, ...] = (), **run_kwargs):
+  """Runs ``python *args`` on ``devices`` forced CPU devices with ``xla_flags``
+  (:func:`subprocess_env`) and returns the JSON its last line of stdout holds; a failed run
+  fails the test with its stderr's tail."""
+  proc = subprocess.run([sys.executable, *args], env=subprocess_env(devices, xla_flags),
                         capture_output=True, text=True, timeout=timeout, **run_kwargs)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
