@@ -959,8 +959,15 @@ def test_a_process_on_another_workdir_or_config_is_one_line_not_a_hang(shared_da
   # both stop at start-up with one line, and leave no folder they created behind.
   cfg = tmp_path / "cfg.py"
   cfg.write_text(CONFIG.format(text=str(shared_data / "tinyshakespeare.txt")))
-  main = (f"exec {shlex.quote(sys.executable)} -m cem_jax.main --config={shlex.quote(str(cfg))}"
-          f" --workdir={shlex.quote(str(tmp_path))}/w$CEM_PROCESS_ID")
+  # cem_jax.main as `python -m` runs it, but process 1 waits 0.5 s (not 5) for the file
+  # process 0 writes in its own folder, which never shows in process 1's.
+  program = ("import functools, runpy\n"
+             "from cem_jax import workdir\n"
+             "workdir.process_mismatch = functools.partial(workdir.process_mismatch, wait_s=0.5)\n"
+             "runpy.run_module('cem_jax.main', run_name='__main__', alter_sys=True)\n")
+  main = (f"exec {shlex.quote(sys.executable)} -c {shlex.quote(program)} "
+          f"--config={shlex.quote(str(cfg))} --workdir={shlex.quote(str(tmp_path))}/w"
+          "$CEM_PROCESS_ID")
   proc = subprocess.run(
       [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
        "--kill_grace_s=60", "--", "sh", "-c", main], cwd=REPO, env=_env(1),
