@@ -21,7 +21,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from cem_jax import errors
+from cem_jax import errors, sigterm
 
 CONFIG_FLAG = "config"
 # The flags define_config_flag makes belong to the program that calls it: --help lists them
@@ -75,39 +75,13 @@ class Terminated(BaseException):
 
 
 # Said by main (interrupted) after "terminated (SIGTERM): " for a SIGTERM before training's
-# first step: while main imports jax (sigterm_stops) or in train's start-up
+# first step: before train's handler is set (cem_jax.sigterm.Held: main's imports, flags,
+# config file, the processes' meeting, jax's import and backend start) or in train's start-up
 # (cem_jax.workdir.Preemption).
 TERMINATED_IN_START_UP = (
     "during start-up, before the first step: nothing trained or saved; a --workdir this start "
     "created is removed but for the tokens prepared in WORKDIR/data; the same command starts "
     "again (from the newest checkpoint in --workdir, if any)")
-
-
-@contextlib.contextmanager
-def sigterm_stops(message: str):
-  """A SIGTERM in the block raises :class:`Terminated` (``message``) as the block ends, for
-  code that has nothing to save and would otherwise die at once, silently (status 143):
-  ``main``'s import of jax, seconds long, before any handler of the program's own is set.
-
-  The block runs to its end first: raised where the signal lands, inside the initialisation
-  of an extension module (``jaxlib._jax`` calls back into Python), it crashed the process
-  (a segmentation fault, or an ImportError traceback, in 3 of 30 SIGTERMs sent 0.55-1.1 s
-  into ``main``). The handler before is back when the block ends. A SIGTERM ignored or
-  handled by someone else when the block starts stays theirs, and outside the main thread
-  (where no handler can be set) nothing changes.
-  """
-  if (threading.current_thread() is not threading.main_thread()
-      or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
-    yield
-    return
-  got = []
-  signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-  if got:
-    raise Terminated(message)
 
 
 def _no_interrupt_traceback(kind, value, tb) -> None:
@@ -213,8 +187,7 @@ def _die_by(signum: int) -> None:
   run_exitfuncs()
   sys.stdout.flush()
   sys.stderr.flush()
-  signal.signal(signum, signal.SIG_DFL)
-  os.kill(os.getpid(), signum)
+  sigterm.end_by(signum)
 
 
 def _run_config_file(spec: str):

@@ -17,7 +17,13 @@ It must run before anything touches a JAX device (``jax.devices()``, the first a
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import signal
+import threading
+
+from cem_jax import cli, sigterm
 
 MODES = ("auto", "on", "off")
 ENV_ADDRESS = "CEM_COORDINATOR_ADDRESS"
@@ -101,18 +107,56 @@ def initialize(mode: str = "auto", coordinator_address: str | None = None,
   """Calls ``jax.distributed.initialize`` if :func:`resolve` says so; True if it did.
 
   A peer that never connects makes JAX abort after its ``initialization_timeout`` (300 s);
-  ``launch/local.py`` kills the others as soon as one process fails.
+  ``launch/local.py`` kills the others as soon as one process fails. Until then this process
+  waits for the others in Python, where Ctrl-C and a SIGTERM handler stop it
+  (:func:`_wait_in_python`).
 
   Raises:
     ValueError: as :func:`resolve`.
+    KeyboardInterrupt, cem_jax.cli.Terminated: a signal stopped the wait; the process then
+      ends by that signal before jax's ``atexit`` clean-up.
   """
   kwargs = resolve(mode, coordinator_address, num_processes, process_id)
   if kwargs is None:
     return False
   import jax
 
-  jax.distributed.initialize(**kwargs)
+  _wait_in_python(functools.partial(jax.distributed.initialize, **kwargs))
   return True
+
+
+def _wait_in_python(meet) -> None:
+  """Runs ``meet`` (``jax.distributed.initialize``) in a thread of its own while the calling
+  thread waits for it in Python, where signal handlers run: the meeting waits in C++, where
+  Ctrl-C did nothing and a SIGTERM handler ran only when it ended (the others came, or the
+  300 s timeout's abort).
+
+  Stopped by Ctrl-C or a :class:`cem_jax.cli.Terminated` (SIGTERM), the process ends by that
+  signal before jax's ``atexit`` clean-up (``atexit`` runs the last registered first): it shut
+  down the runtime the meeting still used, 5 s and a dozen lines of coordination-service errors
+  (process 0 of 2, the other never started).
+
+  Raises:
+    what ``meet`` raises, or the exception that stopped the wait.
+  """
+  failed = []
+
+  def run():
+    try:
+      meet()
+    except BaseException as e:  # raised again in the waiting thread
+      failed.append(e)
+
+  thread = threading.Thread(target=run, name="jax.distributed.initialize", daemon=True)
+  try:
+    thread.start()
+    thread.join()
+  except (KeyboardInterrupt, cli.Terminated) as e:
+    atexit.register(sigterm.end_by,
+                    signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
+    raise
+  if failed:
+    raise failed[0]
 
 
 def sync_processes(name: str) -> None:

@@ -6,9 +6,9 @@ config's rules refuse (``config.validate``) right after, and a missing ``data.to
 or ``data.prepared_dir`` folder next, all before jax is imported.
 Rerunning the same command resumes from the newest intact checkpoint in ``DIR``. Exit status: 0
 when done or stopped by SIGTERM after saving (preemption), 1 with a one-line ``error: ...`` for
-bad input or a diverged run; SIGTERM during start-up (nothing to save; while jax is imported,
-once the import is done) is one line ``terminated (SIGTERM): ...`` and death by SIGTERM
-(143), as Ctrl-C is one line and 130.
+bad input or a diverged run; SIGTERM during start-up (nothing to save; from the first line of
+this file, the flags and the config file included) is one line ``terminated (SIGTERM): ...``
+and death by SIGTERM (143), as Ctrl-C is one line and 130.
 
 Several processes (TPU pod workers, ``srun`` tasks, ``launch/local.py``) run this same command;
 ``jax.distributed.initialize`` is called when the environment or the flags say so (see
@@ -18,10 +18,17 @@ or explicit ``--coordinator_address=HOST:PORT --num_processes=N --process_id=I``
 
 from __future__ import annotations
 
-from absl import app, flags, logging
+from cem_jax import sigterm
 
-from cem_jax import cli
-from cem_jax import config as config_lib
+# First, run as a program: until train sets its own handler (seconds: absl's import, the flags
+# and the config file, jax's import, the processes' meeting, jax's backend start) a SIGTERM was
+# the default action, the process gone without a word (status 143).
+_HELD = sigterm.Held(take=__name__ == "__main__")
+
+from absl import app, flags, logging  # noqa: E402
+
+from cem_jax import cli  # noqa: E402
+from cem_jax import config as config_lib  # noqa: E402
 
 
 def main(argv):
@@ -29,9 +36,11 @@ def main(argv):
   fl = flags.FLAGS
   logging.set_verbosity(logging.INFO)
   cli.quiet_libraries()
+  stop = cli.Terminated(cli.TERMINATED_IN_START_UP)
   with cli.interrupted("stopped at once (no save of its own); the same command resumes "
                        "from the newest checkpoint in --workdir (checkpoint.every_steps)"), \
        cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
+    _HELD.stop_if_sent(stop)  # while the flags and the config file were read
     config = cli.load_config()
     # jax-free: a value the config's own rules refuse fails in a second, before jax loads
     # (train checks it again with what needs the model code: preflight.check), and so does
@@ -40,17 +49,19 @@ def main(argv):
     from cem_jax import data
 
     data.check_given_files(config.data)
-    # Seconds, before train sets its own SIGTERM handler: said as start-up's SIGTERM is. Not
-    # further: jax.distributed.initialize may set the handler of JAX's preemption sync. Left
-    # silent (the default action, 143): the flags and config before (under a second), and
-    # distributed.initialize and jax's backend start until train's handler (Preemption).
-    with cli.sigterm_stops(cli.TERMINATED_IN_START_UP):
-      from cem_jax import distributed, energies, train
+    import jax
 
-    # Before anything touches a device: the runtime must know all processes first.
-    distributed.initialize(fl.distributed, fl.coordinator_address, fl.num_processes,
-                           fl.process_id)
+    from cem_jax import distributed, energies, train
+
+    # Before anything touches a device: the runtime must know all processes first. The
+    # meeting waits in Python (distributed._wait_in_python), where a SIGTERM stops it at once.
+    with _HELD.raising(stop):
+      met = distributed.initialize(fl.distributed, fl.coordinator_address, fl.num_processes,
+                                   fl.process_id)
     energies.absolute_paths(config.model)
+    jax.process_count()  # jax's backend starts here, held, not in train before its handler
+    # Once met, JAX's preemption notifier holds SIGTERM below Python's handler: left to it.
+    _HELD.release(stop, restore=not met)
     train.train_and_evaluate(config, fl.workdir)
 
 

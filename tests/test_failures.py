@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import flags
-from conftest import quadrature_phi_silu, subprocess_env, tiny_config
+from conftest import closed_port, quadrature_phi_silu, subprocess_env, tiny_config
 from flax import nnx
 from ml_collections import config_flags
 
@@ -38,6 +38,7 @@ from cem_jax import (
     optim,
     preflight,
     runs,
+    sigterm,
     steps,
     summary,
     train,
@@ -770,24 +771,195 @@ def test_a_sigterm_while_main_imports_jax_is_the_start_up_line(tmp_path):
   assert not (tmp_path / "w").exists()
 
 
-def test_sigterm_stops_at_the_end_of_its_block_and_leaves_a_taken_sigterm_alone():
-  # Raised where it landed, inside jaxlib's extension initialisation, it crashed the process.
+# main with a signal sent at a chosen point of its start-up (sys.argv[1]), before train sets its
+# handler: while absl is first looked for (main's imports), while the config file runs (the
+# flags), as jax's backend starts (its first jax.process_count), or while process 0 of two
+# waits for the other inside jax.distributed.initialize's C++ (the other never comes). SIGINT
+# and SIGTERM at their default disposition, as a terminal's job has them (CI runs under nohup).
+_SIGNAL_IN_START_UP = """
+import atexit, importlib.machinery, linecache, runpy, signal, sys, threading, time
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+atexit.register(lambda: print("jax imported:", "jax" in sys.modules))
+where, workdir, config, port, signum = sys.argv[1:5] + [getattr(signal, sys.argv[5])]
+
+def send():
+  signal.pthread_kill(threading.main_thread().ident, signum)
+
+def sending_first(fn):
+  def call(*args, **kwargs):
+    send()
+    return fn(*args, **kwargs)
+  return call
+
+def send_once_connecting(ident):
+  # The thread ident holds the GIL (the switch interval below) until it blocks: once its line is
+  # the client's connect, it is inside it, in C++, waiting for the other process.
+  while True:
+    time.sleep(0.001)
+    frame = sys._current_frames()[ident]
+    if ".connect()" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+      return send()
+
+def watched(initialize):
+  def call(*args, **kwargs):
+    threading.Thread(target=send_once_connecting, args=(threading.get_ident(),),
+                     daemon=True).start()
+    return initialize(*args, **kwargs)
+  return call
+
+def patch(module):
+  if where == "as the backend starts":
+    module.process_count = sending_first(module.process_count)
+  if where == "waiting for the other process":
+    import jax.distributed
+    sys.setswitchinterval(1000)
+    jax.distributed.initialize = watched(jax.distributed.initialize)
+
+class At:
+  def find_spec(self, name, path=None, target=None):
+    if where == "importing absl" and name == "absl":
+      sys.meta_path.remove(self)
+      send()
+    if name != "jax":
+      return None
+    sys.meta_path.remove(self)
+    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    exec_module = spec.loader.exec_module
+    spec.loader.exec_module = lambda module: (exec_module(module), patch(module))
+    return spec
+
+sys.meta_path.insert(0, At())
+sys.argv = ["main", "--config=" + config, "--workdir=" + workdir]
+if where == "waiting for the other process":
+  sys.argv += ["--coordinator_address=127.0.0.1:" + port, "--num_processes=2", "--process_id=0"]
+runpy.run_module("cem_jax.main", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("where, signame", [
+    ("importing absl", "SIGTERM"), ("running the config file", "SIGTERM"),
+    ("as the backend starts", "SIGTERM"), ("waiting for the other process", "SIGTERM"),
+    ("waiting for the other process", "SIGINT")])
+def test_a_signal_before_train_sets_its_handler_is_the_start_up_line(where, signame,
+                                                                      tmp_path):
+  # Before train's handler (workdir.Preemption) SIGTERM was the default action, the process
+  # gone without a word (143): in main's imports, while the flags and the config file were
+  # read, as jax's backend started (in Preemption.__enter__, before its handler was set), and
+  # while the processes met in jax.distributed.initialize. Waiting for the others, in C++ until
+  # the runtime's 300 s timeout and its abort, Ctrl-C did nothing at all.
+  config = tmp_path / "config.py"
+  config.write_text(textwrap.dedent(f"""
+      import runpy, signal
+
+      def get_config():
+        if {where == "running the config file"}:
+          signal.raise_signal(signal.SIGTERM)
+        return runpy.run_path({str(REPO / "experiments" / "tiny.py")!r})["get_config"]()
+  """))
+  workdir = tmp_path / "w"
+  proc = subprocess.run([sys.executable, "-c", _SIGNAL_IN_START_UP, where, str(workdir),
+                         str(config), str(closed_port()), signame], cwd=REPO,
+                        env=subprocess_env(1), capture_output=True, text=True, timeout=120)
+  signum = getattr(signal, signame)
+  assert proc.returncode == -signum, proc.stderr[-2000:]
+  line = (f"terminated (SIGTERM): {cli.TERMINATED_IN_START_UP}" if signum == signal.SIGTERM
+          else "interrupted (Ctrl-C): stopped at once (no save of its own); the same command "
+               "resumes from the newest checkpoint in --workdir (checkpoint.every_steps)")
+  if where != "waiting for the other process":
+    assert proc.stderr == line + "\n"
+    # Stopped before jax's import (seconds) where the signal came before it.
+    assert proc.stdout == f"jax imported: {where == 'as the backend starts'}\n"
+  else:  # after jax's log lines of the meeting; nothing from a shut-down of its runtime
+    assert proc.stderr.endswith("\n" + line + "\n"), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "shutting down" not in proc.stderr, proc.stderr
+  assert not workdir.exists()
+
+
+# main whose processes met (one, with a coordinator: the same jax.distributed.initialize), with
+# train a stand-in that sends itself a SIGTERM.
+_SIGTERM_ONCE_MET = """
+import runpy, signal, sys
+import cem_jax.train
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+def train_and_evaluate(config, workdir):
+  signal.raise_signal(signal.SIGTERM)
+  print("went on", file=sys.stderr)
+
+cem_jax.train.train_and_evaluate = train_and_evaluate
+sys.argv = ["main", "--config=experiments/tiny.py", "--workdir=" + sys.argv[1],
+            "--coordinator_address=127.0.0.1:" + sys.argv[2], "--num_processes=1",
+            "--process_id=0"]
+runpy.run_module("cem_jax.main", run_name="__main__")
+"""
+
+
+def test_once_the_processes_met_main_leaves_sigterm_to_jax(tmp_path):
+  # jax.distributed.initialize sets JAX's preemption notifier below Python's SIGTERM handler
+  # (with several processes the loop saves at its sync point, Orbax's reached_preemption);
+  # Python still reports main's held handler. Main restoring the default action when it
+  # stops holding SIGTERM took it from JAX: the process died (143).
+  proc = subprocess.run([sys.executable, "-c", _SIGTERM_ONCE_MET, str(tmp_path / "w"),
+                         str(closed_port())], cwd=REPO, env=subprocess_env(1),
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stderr.endswith("went on\n")
+
+
+def test_held_sigterm_stops_where_asked_and_leaves_a_taken_sigterm_alone(monkeypatch):
+  # Raised where it landed, inside jaxlib's extension initialisation, it crashed the process:
+  # held, it stops where the program asks (stop_if_sent, release), or at once in a wait
+  # (raising). Released without restoring (JAX's notifier may hold SIGTERM below Python's
+  # handler), the handler left in place does the default action.
   previous = signal.getsignal(signal.SIGTERM)
+  ended = []
+  monkeypatch.setattr(sigterm, "end_by", ended.append)
+  stop = cli.Terminated("what now")
   try:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    ran = []
+    held = sigterm.Held()
+    held.stop_if_sent(stop)  # nothing sent
+    signal.raise_signal(signal.SIGTERM)
+    assert held.sent
     with pytest.raises(cli.Terminated, match="^what now$"):
-      with cli.sigterm_stops("what now"):
+      held.stop_if_sent(stop)
+    with pytest.raises(cli.Terminated, match="^what now$"):
+      held.release(stop)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    held, ran = sigterm.Held(), []
+    with pytest.raises(cli.Terminated, match="^what now$"):
+      with held.raising(stop):
         signal.raise_signal(signal.SIGTERM)
         ran.append("the rest of the block")
-    assert ran == ["the rest of the block"]
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert ran == [] and held.sent
+    with pytest.raises(cli.Terminated, match="^what now$"):
+      held.release(stop)
+    held = sigterm.Held()
+    with held.raising(stop):
+      pass
+    signal.raise_signal(signal.SIGTERM)  # after the block: held again
+    with pytest.raises(cli.Terminated, match="^what now$"):
+      held.release(stop, restore=False)
+    handler = signal.getsignal(signal.SIGTERM)
+    assert handler == held._handle and ended == []
+    signal.raise_signal(signal.SIGTERM)
+    assert ended == [signal.SIGTERM]
+
     for taken in (signal.SIG_IGN, lambda signum, frame: None):
       signal.signal(signal.SIGTERM, taken)
-      with cli.sigterm_stops("what now"):
-        assert signal.getsignal(signal.SIGTERM) is taken
-        signal.raise_signal(signal.SIGTERM)
+      held = sigterm.Held()
       assert signal.getsignal(signal.SIGTERM) is taken
+      signal.raise_signal(signal.SIGTERM)
+      held.release(stop)
+      assert signal.getsignal(signal.SIGTERM) is taken and not held.sent
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sigterm.Held(take=False).release(stop)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
   finally:
     signal.signal(signal.SIGTERM, previous)
 
