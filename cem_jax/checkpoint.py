@@ -22,8 +22,13 @@ checks that a step fits the model before restoring it.
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import shutil
+import sys
+import threading
+import types
 
 import jax
 import orbax.checkpoint as ocp
@@ -57,6 +62,92 @@ def _listing(items: list[str], limit: int = 6) -> str:
   return shown + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
 
 
+# Orbax's package folder: what its modules log is told apart by the file it comes from.
+_ORBAX_DIR = os.path.join(os.path.dirname(os.path.dirname(ocp.__file__)), "")
+
+
+class _HeldReports(logging.Filter):
+  """What Orbax, and the asyncio loops its writes run on, report while a save is pending:
+  ERROR records (one from each writer thread that fails, a "never retrieved" for each failed
+  write) and the exceptions Python drops in their threads' callbacks ("Event loop is closed"),
+  with their tracebacks. A failed save is one line, :meth:`Checkpointer.wait`'s
+  CheckpointError with its cause chained: these told the same failure again, 25 lines (8 KB of
+  tracebacks and temporary files' paths) before and after it when the disk filled during
+  step 2's save of ``experiments/tiny.py``. Told apart by where they come from (Orbax's files,
+  the ``asyncio`` logger, a thread other than the main one), never by their wording.
+
+  Held from the save's start. Handed on as they came if the save is committed. If it fails,
+  dropped, and so is what comes later (:func:`_drop_after_failure`): the writes under way when
+  the failure is found go on in Orbax's threads and fail in their turn, some reported only as
+  the interpreter exits (7 "never retrieved" tracebacks after the run's line in 1 run of 3).
+  """
+
+  _LOGGERS = ("absl", "asyncio")  # Orbax logs through absl's logger
+
+  def __init__(self):
+    super().__init__()
+    self._records = []
+    self._unraisable = []
+    self._hook = None
+
+  def start(self) -> None:
+    for name in self._LOGGERS:
+      logging.getLogger(name).addFilter(self)
+    self._hook, sys.unraisablehook = sys.unraisablehook, self._hold
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno < logging.ERROR or not (
+        record.name == "asyncio" or record.pathname.startswith(_ORBAX_DIR)):
+      return True
+    self._records.append(record)
+    return False
+
+  def _hold(self, unraisable) -> None:
+    if threading.current_thread() is threading.main_thread():
+      self._hook(unraisable)  # e.g. a Ctrl-C dropped in a gc callback: cli.interrupted sends it
+      return
+    # Not the object: kept after the hook returns, one being finalized would live again.
+    self._unraisable.append(types.SimpleNamespace(
+        exc_type=unraisable.exc_type, exc_value=unraisable.exc_value,
+        exc_traceback=unraisable.exc_traceback, err_msg=unraisable.err_msg, object=None))
+
+  def end(self, hand_on: bool) -> None:
+    """Holds no more; ``hand_on``: what was held goes where it would have gone, else it is
+    dropped, and first what gc can free is (a failed write's future reports itself then)."""
+    if not hand_on:
+      gc.collect()
+    for name in self._LOGGERS:
+      logging.getLogger(name).removeFilter(self)
+    if sys.unraisablehook == self._hold:
+      sys.unraisablehook = self._hook
+    records, unraisable = self._records, self._unraisable
+    self._records, self._unraisable = [], []
+    if hand_on:
+      for record in records:
+        logging.getLogger(record.name).handle(record)
+      for args in unraisable:
+        sys.unraisablehook(args)
+
+
+# The reports of the last failed save, dropped until the process ends or a Checkpointer is made
+# (a new run: late reports of the old one, if any, are shown again).
+_dropping: _HeldReports | None = None
+
+
+def _drop_after_failure(held: _HeldReports | None) -> None:
+  """Keeps dropping ``held``, a failed save's reports (:class:`_HeldReports`)."""
+  global _dropping
+  _stop_dropping()
+  _dropping = held
+
+
+def _stop_dropping() -> None:
+  global _dropping
+  if _dropping is not None:
+    _dropping.end(hand_on=False)
+    _dropping = None
+
+
 class Checkpointer:
   """Saves and restores a train state (a pytree of arrays) plus JSON metadata, verified.
 
@@ -81,6 +172,11 @@ class Checkpointer:
     self.async_save = async_save
     self.read_only = read_only
     self._saving_step: int | None = None
+    _stop_dropping()
+    self._held: _HeldReports | None = None  # what Orbax reports while a save is pending
+    # A save's failure, as wait() raised it (the message only: the exception would keep what
+    # its cause's traceback holds alive, a failed write's future among them).
+    self._failed: str | None = None
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
         # A reader keeps and saves nothing (Orbax warns when read_only meets other values).
@@ -143,6 +239,8 @@ class Checkpointer:
         previous asynchronous save failed (re-raised by :meth:`wait` before this one starts);
         one line naming the folder and what to do.
     """
+    if self._failed is not None:
+      raise CheckpointError(self._failed)
     if step in self.manager.all_steps():
       return False
     if not force and not self.should_save(step):
@@ -152,6 +250,8 @@ class Checkpointer:
     self.wait()
     self._check_room(step)
     self._saving_step = step
+    self._held = _HeldReports()
+    self._held.start()
     saved = self.manager.save(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -163,16 +263,16 @@ class Checkpointer:
     return saved
 
   def _check_room(self, step: int) -> None:
-    """Refuses a save its disk has no room for, before Orbax starts: a save that fails part way
-    fails in each of Orbax's writer threads (a log line from each, and tracebacks from the
-    asyncio callbacks of the writes still under way). The room is the newest saved step's size
-    on disk, what the same state took last time: Orbax compresses each array (zstd), so the
-    arrays' own bytes overstate it (float32 weights take ~95% of theirs, bfloat16 ~84%, an
-    optimizer's zero moments ~3%) and refused saves that fit. The first save has no step to
-    measure and is not checked; one that does not fit fails in Orbax, reported by
-    :meth:`wait`, as does a later one grown past its predecessor. Single-process runs only:
-    processes that read the free space at different moments could disagree, and one that starts
-    a save waits for the others for ever."""
+    """Refuses a save its disk has no room for, before Orbax starts: one that fails part way has
+    trained on to the next save for nothing (what Orbax's threads report of it is held back,
+    :class:`_HeldReports`, and the failure said by :meth:`wait`). The room is the newest saved
+    step's size on disk, what the same state took last time: Orbax compresses each array (zstd),
+    so the arrays' own bytes overstate it (float32 weights take ~95% of theirs, bfloat16 ~84%,
+    an optimizer's zero moments ~3%) and refused saves that fit. The first save has no step to
+    measure and is not checked; one that does not fit fails in Orbax, reported by :meth:`wait`,
+    as does a later one grown past its predecessor. Single-process runs only: processes that
+    read the free space at different moments could disagree, and one that starts a save waits
+    for the others for ever."""
     if jax.process_count() != 1:
       return
     steps = self.manager.all_steps()
@@ -295,12 +395,19 @@ class Checkpointer:
     return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def wait(self) -> None:
-    """Blocks until pending saves are committed; prunes old digests.
+    """Blocks until pending saves are committed; prunes old digests. After a failed save,
+    which it raised, nothing: Orbax raises that failure again at each of its waits.
+
+    What Orbax reported while the save was pending (:class:`_HeldReports`) is handed on now if
+    it was committed; if it failed, that and what comes later is dropped.
 
     Raises:
       CheckpointError: a pending save failed (a full disk, a folder removed under it): one line
         naming the step, the folder, the cause's first line and what to do; the cause chained.
     """
+    if self._failed is not None:
+      return
+    held, self._held = self._held, None
     try:
       self.manager.wait_until_finished()
       self.manager.check_for_errors()
@@ -308,12 +415,25 @@ class Checkpointer:
     # bad-input errors are; anything else is a bug and keeps its traceback.
     except (OSError, ValueError) as e:
       step = "" if self._saving_step is None else f" step {self._saving_step}"
-      raise CheckpointError(
+      self._failed = (
           f"checkpoint{step} could not be saved in {self.directory} ({errors.one_line(e)}"
-          f"{_free_text(self.directory)}); {self._what_now()}") from e
+          f"{_free_text(self.directory)}); {self._what_now()}")
+      _drop_after_failure(held)
+      raise CheckpointError(self._failed) from e
+    except BaseException:
+      if held is not None:
+        held.end(hand_on=True)
+      raise
+    if held is not None:
+      held.end(hand_on=True)
     integrity.prune_digests(self.directory, self.manager.all_steps())
 
   def close(self) -> None:
-    """Waits for a pending asynchronous save, then closes the Orbax manager."""
+    """Waits for a pending asynchronous save (:meth:`wait`: a failed one raised once), then
+    closes the Orbax manager."""
     self.wait()
-    self.manager.close()
+    try:
+      self.manager.close()
+    except (OSError, ValueError):
+      if self._failed is None:
+        raise  # else Orbax's wait raising the failure wait() raised once, again

@@ -412,9 +412,9 @@ def load_config(name: str = "config"):
 class QuietLibraries(logging.logging.Filter):
   """Drops Orbax/TFDS records below ``level``, a Python ``logging`` level (not absl's
   verbosity numbers): dozens of INFO lines per checkpoint. Their records kept lose the
-  traceback they carry (its exception's type and first line stay, after the message): a
-  failed background save (a full disk) logs one from each of Orbax's threads, about 300
-  lines before the run's own one-line error, which the main thread raises with its cause."""
+  traceback they carry (its exception's type and first line stay, after the message): an
+  Orbax thread's failure, a traceback of dozens of lines (those of a failing save are held
+  back by :class:`cem_jax.checkpoint.Checkpointer`, its one-line error said instead)."""
 
   def __init__(self, level: int):
     super().__init__()

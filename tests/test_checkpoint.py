@@ -11,6 +11,7 @@ command line, as a user or a scheduler would restart them.
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -202,6 +203,60 @@ def test_resume_after_kill_term_and_damage_is_exact(run_setup, tmp_path):
   assert evals == ref_evals
   print(f"\nresume check: killed at {killed_at}, SIGTERM stop at {stopped_at}; "
         f"max |dloss| kill+term {delta_kill_term:.3g}, after flip {delta_flip:.3g}")
+
+
+# main with the files it writes unable to grow past 64 KiB from the save of step 10 on
+# (RLIMIT_FSIZE; SIGXFSZ ignored, so that a write past it fails with EFBIG, as one on a full
+# disk fails with ENOSPC): that save fails part way, in Orbax's writer threads. SIGINT and
+# SIGTERM at their default disposition, as a terminal's job has them (CI runs under nohup).
+_SAVE_FAILS_AT_10 = """
+import resource, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+from cem_jax import checkpoint
+
+save = checkpoint.Checkpointer.save
+
+def save_limited(self, step, *args, **kwargs):
+  if step == 10:
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**16, hard))
+  return save(self, step, *args, **kwargs)
+
+checkpoint.Checkpointer.save = save_limited
+sys.argv = ["main", *sys.argv[1:]]
+runpy.run_module("cem_jax.main", run_name="__main__")
+"""
+
+
+def test_a_save_failing_part_way_is_one_line_and_the_same_command_continues_exactly(
+    run_setup, tmp_path):
+  # Orbax's threads each logged the failure (4 ERROR lines, 4 KB, here; 25 lines with
+  # tracebacks before and after the run's line when a tmpfs filled during a tiny.py save).
+  config, env = run_setup
+  ref_dir, run_dir = tmp_path / "reference", tmp_path / "failed"
+  steps = "--config.train.num_steps=20"
+  reference = subprocess.Popen([*_cli(config, ref_dir), steps], cwd=REPO, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  failed = subprocess.run([sys.executable, "-c", _SAVE_FAILS_AT_10, *_cli(config, run_dir)[3:],
+                           steps], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+  assert failed.returncode == 1, failed.stderr[-3000:]
+  # Our own INFO and WARNING lines (absl's format), and the one error line.
+  said = [line for line in failed.stderr.splitlines() if not re.match(r"[IW]\d{4} ", line)]
+  assert len(said) == 1, failed.stderr[-3000:]
+  assert said[0].startswith(f"error: checkpoint step 10 could not be saved in "
+                            f"{run_dir / 'checkpoints'} (")
+  assert said[0].endswith("; make room there (or fix the folder), then the same command "
+                          "resumes from step 5, the newest saved")
+  resumed = subprocess.run([*_cli(config, run_dir), steps], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"resumed from {run_dir / 'checkpoints' / '5'} at step 5" in resumed.stderr
+  assert reference.wait(timeout=300) == 0, reference.stderr.read()[-3000:]
+  ref = _losses(ref_dir)
+  assert sorted(ref) == list(range(1, 21)) and _losses(run_dir) == ref
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,6 +579,115 @@ def test_a_failed_background_save_is_one_line_naming_the_folder_and_keeps_the_sa
   assert ckpt.all_steps() == [1] and ckpt.verify(1) == []
   state, _ = ckpt.restore(1, _small_state(0.0))
   np.testing.assert_array_equal(state["w"], np.arange(1000.0))
+
+
+def _reports_while_pending(unraisable_hook) -> None:
+  """What Orbax's threads report of a failing save, stood in for: an ERROR record from an Orbax
+  file, an asyncio "never retrieved" (a failed write's future, collected by gc), an exception
+  Python drops in a writer thread's callback, and one it drops in the main thread."""
+  import asyncio
+  import logging
+  import threading
+
+  from cem_jax import checkpoint
+
+  record = logging.LogRecord("absl", logging.ERROR,
+                             os.path.join(checkpoint._ORBAX_DIR, "checkpoint", "x.py"), 1,
+                             "writer thread failed", None, None)
+  logging.getLogger("absl").handle(record)
+  loop = asyncio.new_event_loop()
+  future = loop.create_future()
+  future.set_exception(OSError(28, "No space left on device"))
+  future.cycle = future  # freed by gc only
+  del future
+  loop.close()
+
+  class Dropped:
+    def __init__(self, where):
+      self.where = where
+
+    def __del__(self):
+      raise RuntimeError(f"dropped in the {self.where} thread")
+
+  thread = threading.Thread(target=lambda: Dropped("writer"))
+  thread.start()
+  thread.join()
+  Dropped("main")
+  assert [str(u.exc_value) for u in unraisable_hook.got] == ["dropped in the main thread"]
+
+
+@pytest.mark.parametrize("fails", [True, False], ids=["failed", "saved"])
+def test_what_orbax_reports_of_a_pending_save_is_dropped_if_it_fails_and_kept_if_not(
+    fails, tmp_path, monkeypatch, caplog):
+  # A disk filling during a save: Orbax's threads logged an ERROR each, asyncio a traceback
+  # per failed write (some at exit, after the run's line), Python the callbacks' exceptions
+  # ("Event loop is closed"): 25 lines before and after the one-line error. A save that
+  # is committed hands them on as they came; an exception dropped in the main thread (a Ctrl-C,
+  # which cli.interrupted sends again) is never held. After a failure, what comes later is
+  # dropped too, until a Checkpointer is made (a new run).
+  import gc
+  import logging
+
+  got = []
+  hook = lambda unraisable: got.append(  # noqa: E731
+      types.SimpleNamespace(exc_value=unraisable.exc_value))
+  hook.got = got
+  monkeypatch.setattr(sys, "unraisablehook", hook)
+  if fails:
+    ckpt = _step_2_failing_in_the_background(tmp_path, monkeypatch, OSError(28, "No space"))
+  else:
+    ckpt = _save_steps(tmp_path, steps=(1,))
+    assert ckpt.save(2, _small_state(2.0), {"step": 2}, force=True)
+
+  def asyncio_reports(what):
+    logging.getLogger("asyncio").handle(
+        logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1, what, None, None))
+
+  with caplog.at_level(logging.ERROR):
+    _reports_while_pending(hook)
+    if fails:
+      with pytest.raises(CheckpointError):
+        ckpt.wait()
+    else:
+      ckpt.wait()
+    ckpt.close()  # after a failure, without raising it again
+    asyncio_reports("later")
+    Checkpointer(str(tmp_path / "next")).close()
+    asyncio_reports("after a new Checkpointer")
+    gc.collect()  # what is still to collect would be reported now
+  reported = sorted(r.getMessage().splitlines()[0] for r in caplog.records)
+  dropped = [str(u.exc_value) for u in got]
+  if fails:
+    assert reported == ["after a new Checkpointer"]
+    assert dropped == ["dropped in the main thread"]
+  else:
+    assert reported == ["Future exception was never retrieved", "after a new Checkpointer",
+                        "later", "writer thread failed"]
+    assert dropped == ["dropped in the main thread", "dropped in the writer thread"]
+  assert sys.unraisablehook is hook
+
+
+def test_a_failed_save_is_raised_once_though_orbax_raises_it_at_every_wait(tmp_path,
+                                                                           monkeypatch):
+  # Orbax raises a failed save again at each of its waits (its finalize thread keeps the
+  # exception), close() among them: the run's abort, closing the checkpoints after the error,
+  # logged it a second time (a disk full when step 2's save started).
+  ckpt = _save_steps(tmp_path, steps=(1,))
+
+  def failing():
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(ckpt.manager, "wait_until_finished", failing)
+  with pytest.raises(CheckpointError) as first:  # as the loop's end closes the checkpoints
+    ckpt.close()
+  ckpt.wait()
+  ckpt.close()
+  with pytest.raises(CheckpointError) as again:  # no save starts after a failed one
+    ckpt.save(2, _small_state(2.0), {"step": 2}, force=True)
+  assert str(again.value) == str(first.value)
+  monkeypatch.undo()
+  ckpt.manager.close()
+  assert ckpt.all_steps() == [1]
 
 
 def test_a_save_failing_with_a_bug_keeps_its_own_exception(tmp_path, monkeypatch):
