@@ -69,6 +69,41 @@ def _cli(config: Path, workdir: Path) -> list[str]:
   return [sys.executable, "-m", "cem_jax.main", f"--config={config}", f"--workdir={workdir}"]
 
 
+class _ReferenceRun:
+  """The module's run, uninterrupted, through the command line: started in the background,
+  finished by :meth:`folder`. Read only: a test that changes a run copies it (:meth:`copy_to`)."""
+
+  def __init__(self, config: Path, env: dict, root: Path):
+    self._folder, self._stderr = root / "run", root / "stderr.txt"
+    with open(self._stderr, "w") as err:
+      self._proc = subprocess.Popen(_cli(config, self._folder), cwd=REPO, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=err)
+
+  def folder(self) -> Path:
+    returncode = self._proc.wait(timeout=300)
+    assert returncode == 0, self._stderr.read_text()[-3000:]
+    return self._folder
+
+  def copy_to(self, workdir: Path) -> None:
+    shutil.copytree(self.folder(), workdir, dirs_exist_ok=True)
+
+  def stop(self) -> None:
+    if self._proc.poll() is None:  # a test failed before waiting for it
+      self._proc.kill()
+      self._proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference_run(run_setup, tmp_path_factory):
+  """One 40-step run of ``RUN_CONFIG`` for the module's tests: the kill test's reference
+  (it starts beside the interrupted run) and the run the other tests resume, each in a copy of
+  its own. Training it once per module, not once per test, saves a run's start-up and 40
+  steps in each test that reads it."""
+  run = _ReferenceRun(*run_setup, tmp_path_factory.mktemp("reference"))
+  yield run
+  run.stop()
+
+
 def _losses(workdir: Path) -> dict[int, float]:
   lines = [m for m in read_metrics(str(workdir)) if "train/loss" in m]
   steps = [m["step"] for m in lines]
@@ -141,13 +176,12 @@ def _flip_byte(path: Path) -> None:
   path.write_bytes(bytes(data))
 
 
-def test_resume_after_kill_term_and_damage_is_exact(run_setup, tmp_path):
+def test_resume_after_kill_term_and_damage_is_exact(run_setup, reference_run, tmp_path):
   config, env = run_setup
-  ref_dir, run_dir = tmp_path / "reference", tmp_path / "interrupted"
-  reference = subprocess.Popen(_cli(config, ref_dir), cwd=REPO, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  run_dir = tmp_path / "interrupted"
 
-  # 1. SIGKILL at step >= 20 (possibly mid-save: saves are asynchronous, every 5 steps).
+  # 1. SIGKILL at step >= 20 (possibly mid-save: saves are asynchronous, every 5 steps), beside
+  # the reference run (the module's, started by the fixture).
   killed = _start_and_signal(_cli(config, run_dir), env, run_dir, 20, signal.SIGKILL)
   assert killed.returncode == -signal.SIGKILL, "the run ended before it could be killed"
   killed_at = _max_metric_step(run_dir)
@@ -177,7 +211,7 @@ def test_resume_after_kill_term_and_damage_is_exact(run_setup, tmp_path):
   finished = subprocess.run(_cli(config, run_dir), cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=300)
   assert finished.returncode == 0, finished.stderr[-3000:]
-  assert reference.wait(timeout=300) == 0, reference.stderr.read()[-3000:]
+  ref_dir = reference_run.folder()
   ref = _losses(ref_dir)
   assert sorted(ref) == list(range(1, 41))
   after_kill = _losses(run_dir)
@@ -815,12 +849,11 @@ def test_mismatch_names_the_keys(tmp_path):
   ckpt.close()
 
 
-def test_resume_with_a_changed_model_fails_and_keeps_the_run(run_setup, tmp_path):
+def test_resume_with_a_changed_model_fails_and_keeps_the_run(run_setup, reference_run,
+                                                             tmp_path):
   config, env = run_setup
-  # The module's run unchanged (its executables are in the compilation cache), then wider.
-  first = subprocess.run(_cli(config, tmp_path), cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=300)
-  assert first.returncode == 0, first.stderr[-3000:]
+  # The module's run (a copy), resumed wider.
+  reference_run.copy_to(tmp_path)
   before = {p: p.read_bytes() for p in (tmp_path / "config.json", tmp_path / "metrics.jsonl")}
   wider = subprocess.run(_cli(config, tmp_path) + ["--config.model.d_model=96"], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=300)
@@ -905,14 +938,15 @@ def test_restore_on_8_4_and_1_devices_is_bit_identical(tmp_path):
 # A save killed midway.
 
 
-def test_leftover_tmp_folder_and_uncommitted_step_after_a_kill(run_setup, tmp_path):
+def test_leftover_tmp_folder_and_uncommitted_step_after_a_kill(run_setup, reference_run,
+                                                               tmp_path):
   """A kill mid-save leaves ``<step>.orbax-checkpoint-tmp*``, and on file systems without
   atomic rename a step folder without ``commit_success.txt``, which Orbax lists as a finished
-  step. Resume must start from the newest complete step and keep saving."""
+  step. Resume must start from the newest complete step and keep saving. (Also the finished
+  run whose last step is damaged: resumed, it trains that step's steps again, exactly.)"""
   config, env = run_setup
   cmd = _cli(config, tmp_path)
-  first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-  assert first.returncode == 0, first.stderr[-3000:]
+  reference_run.copy_to(tmp_path)  # the module's finished run, a copy
   losses = _losses(tmp_path)
   ckpts = tmp_path / "checkpoints"
   assert Checkpointer(str(ckpts)).all_steps() == [30, 35, 40]
