@@ -981,7 +981,7 @@ with cli.interrupted("what to do now"):
   with workdir.Preemption() as preemption:  # start-up
     gc.callbacks.append(collecting)
     gc.collect()
-    for _ in range(500):  # 5 s: a SIGTERM sent again comes within a tenth of that
+    for _ in range(int(float(sys.argv[2]) * 100)):  # a SIGTERM sent again ends it here
       time.sleep(0.01)
     preemption.loop_starts()
     print(f"the loop saves at its first step boundary: {preemption.requested}", file=sys.stderr)
@@ -995,7 +995,11 @@ def test_a_sigterm_that_python_drops_during_start_up_is_not_forgotten(job):
   # sends the SIGTERM again: the start-up stops. A background job ignores SIGINT, and there
   # cli.interrupted sends nothing again: the SIGTERM was forgotten and the run trained to its
   # end (status 0); now the flag is set first, and the loop saves at its first step boundary.
-  proc = subprocess.run([sys.executable, "-c", _DROPPED_SIGTERM, job], cwd=REPO,
+  # How long start-up goes on after the SIGTERM: in a terminal 5 s, a ceiling (the SIGTERM
+  # sent again ends it within a tenth of that); in the background 1 s, 20 times the delay of a
+  # SIGTERM sent again (cli._REDELIVER_S), which none may be: it would end the process.
+  seconds = 5 if job == "foreground" else 20 * cli._REDELIVER_S
+  proc = subprocess.run([sys.executable, "-c", _DROPPED_SIGTERM, job, str(seconds)], cwd=REPO,
                         capture_output=True, text=True, timeout=120)
   if job == "foreground":
     assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
