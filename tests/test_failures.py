@@ -1042,8 +1042,8 @@ def test_resume_on_other_data_is_refused_and_keeps_the_run(shared_data, tmp_path
   text.write_text((shared_data / "tinyshakespeare.txt").read_text()[:60_000])
   workdir = tmp_path / "w"
   cfg = lambda steps: tiny_config("llama", **{  # noqa: E731
-      "data.files": str(text), "data.vocab_size": 400, "train.num_steps": steps,
-      "checkpoint.every_steps": 2, "train.eval_every_steps": 2})
+      "data.files": str(text), "data.vocab_size": 400, "model.num_layers": 1,
+      "train.num_steps": steps, "checkpoint.every_steps": 2, "train.eval_every_steps": 2})
   train.train_and_evaluate(cfg(2), str(workdir))
   before = read_metrics(str(workdir))
   prepared = sorted(os.listdir(workdir / "data"))
