@@ -1255,38 +1255,51 @@ def test_resume_as_another_model_is_refused_and_keeps_the_run(tmp_path, caplog, 
   assert message.endswith("): resume with the model it was trained as, or train in a new "
                           "--workdir") and "\n" not in message
   assert read_metrics(str(workdir)) == before and checkpoint.is_dir()
-  # The file as it was, moved; how the same model is computed (the kernel, the memory
-  # policy) and what only initialisation reads (the restore replaces it) may change.
+  # The file as it was, moved, and what only initialisation reads (the restore replaces it)
+  # may change: the resume trains on, with the first run's steps (compiled: cached).
   # The profiler stands in: the window is what is under test here, and jax's own stop_trace
   # has crashed a CPU process once, which in this process would take the pytest worker down
   # (test_train traces for real, in a process of its own).
   monkeypatch.setattr(jax.profiler, "start_trace", lambda *args, **kwargs: None)
   monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
   with caplog.at_level(logging.INFO):
-    train.train_and_evaluate(cfg(4, moved, **{"model.remat": "full", "model.init_std": 0.01,
-                                              "model.eta_init": 0.5,
-                                              "train.loss_block_size": 16,
+    train.train_and_evaluate(cfg(4, moved, **{"model.init_std": 0.01, "model.eta_init": 0.5,
                                               "train.profile_steps": 2,
                                               "train.profile_first_step": 2}), str(workdir))
   assert read_metrics(str(workdir))[-1]["step"] == 4
-  # Said as what it is: a compute-only change in an info line, the others in a warning.
-  said = {r.levelname: r.getMessage() for r in caplog.records
-          if "from the checkpoint's" in r.getMessage()}
-  assert said["INFO"] == ("computed differently from the checkpoint's run (the same numbers "
-                          "up to float rounding): model.remat: 'none' -> 'full', "
-                          "train.loss_block_size: 0 -> 16")
+  # Said as what it is: the others in a warning (a compute-only change in an info line: below).
+  said = _said_against_the_checkpoint(caplog)
+  assert "INFO" not in said
   assert said["WARNING"].startswith("config differs from the checkpoint's: "
                                     "model.attention_energy: ")
-  assert "model.init_std: 0.02 -> 0.01" in said["WARNING"] and "remat" not in said["WARNING"]
+  assert "model.init_std: 0.02 -> 0.01" in said["WARNING"]
   # A trace changes nothing computed; its window 2..3 is traced from the resumed step 2 on.
   assert "profile" not in said["WARNING"]
   assert any(r.getMessage().startswith("profile: trace of steps 3..3 written under ")
              for r in caplog.records)
-  # Re-run when finished, computing it otherwise: nothing trains, config.json stays the one
-  # the run trained with.
+  # Re-run when finished, computing it otherwise (the memory policy, the loss in blocks): the
+  # state is restored into the model so computed and the change said as compute-only in an
+  # info line; nothing trains, config.json stays the one the run trained with. (Trained on,
+  # the two steps would be compiled again for seconds, through the same check and restore.)
   trained_with = (workdir / "config.json").read_bytes()
-  train.train_and_evaluate(cfg(4, moved, **{"model.remat": "dots"}), str(workdir))
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    train.train_and_evaluate(cfg(4, moved, **{"model.remat": "full",
+                                              "train.loss_block_size": 16}), str(workdir))
+  said = _said_against_the_checkpoint(caplog)
+  assert said["INFO"] == ("computed differently from the checkpoint's run (the same numbers "
+                          "up to float rounding): model.remat: 'none' -> 'full', "
+                          "train.loss_block_size: 0 -> 16")
+  assert "remat" not in said["WARNING"]
+  assert any(r.getMessage().startswith(f"resumed from {workdir / 'checkpoints' / '4'} at step 4")
+             for r in caplog.records)
   assert (workdir / "config.json").read_bytes() == trained_with
+
+
+def _said_against_the_checkpoint(caplog) -> dict[str, str]:
+  """What a resume said of its config against the checkpoint's, by log level."""
+  return {r.levelname: r.getMessage() for r in caplog.records
+          if "from the checkpoint's" in r.getMessage()}
 
 
 def _scaled_energy(y, context, params, aux, scale=1.0):
