@@ -874,66 +874,74 @@ def test_resume_with_a_changed_model_fails_and_keeps_the_run(run_setup, referenc
   assert Checkpointer(str(tmp_path / "checkpoints")).all_steps() == [30, 35, 40]
 
 
+def _devices_state(mode: str, directory: str, devices: list) -> dict:
+  """A small CEM model's parameters and AdamW state, sharded over a mesh of ``devices``:
+  saved in ``directory`` as step 1 (``mode='save'``), or restored from there onto them from
+  an abstract target. Returns ``devices`` (the mesh's size), ``sharded_leaves`` (the leaves
+  not fully replicated) and ``digests`` (each leaf's sha256). Runs in a program of its own
+  (:data:`_DEVICES_SCRIPT`, on all of its devices) or in the test's process."""
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  n = len(devices)
+  mesh = Mesh(np.array(devices), ("data",))
+  cfg = tiny_config("cem", **{"model.d_model": 32, "model.mlp_dim": 64,
+                              "model.num_layers": 1, "model.num_heads": 2})
+  tx = optim.make_optimizer(cfg.train)[0]
+
+  def sharding(shape):  # shard the first axis over all devices where it divides, else replicate
+    return NamedSharding(mesh, P("data") if shape and shape[0] % n == 0 else P())
+
+  # Shapes from a concrete model: nnx.eval_shape cannot trace layers.common's
+  # softplus_inverse, a Python float of an array.
+  _, params = nnx.split(steps_lib.build_model(cfg, 64), nnx.Param)
+  ckpt = Checkpointer(directory)
+  if mode == "save":
+    @jax.jit
+    def one_update(params):  # not the initial values: the moments are not zeros
+      opt_state = tx.init(params)
+      grads = jax.tree.map(lambda x: jnp.cos(x) + 0.5, params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
+
+    state = jax.tree.map(lambda x: jax.device_put(x, sharding(x.shape)), one_update(params))
+    ckpt.save(1, state, {"step": 1}, force=True)
+  else:
+    # An abstract target built on these devices, with no checkpoint values in it.
+    target = {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x.shape)), target)
+    state, _ = ckpt.restore(ckpt.restorable_step(), target)
+    assert jax.tree.structure(state) == jax.tree.structure(target)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(target), strict=True):
+      assert got.sharding == want.sharding, (got.sharding, want.sharding)
+    state = {"params": state["params"], "opt_state": state["opt_state"]}
+  ckpt.close()
+  return {"devices": n,
+          "sharded_leaves": sum(not x.sharding.is_fully_replicated
+                                for x in jax.tree.leaves(state)),
+          "digests": {jax.tree_util.keystr(k): hashlib.sha256(np.asarray(v).tobytes()).hexdigest()
+                      for k, v in jax.tree_util.tree_leaves_with_path(state)}}
+
+
+# All of the program's devices; each run of it is a new process, with the number forced.
 _DEVICES_SCRIPT = textwrap.dedent("""
-    import hashlib, json, sys
-    import jax, numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from flax import nnx
+    import json, sys
+    import jax
     sys.path.insert(0, {tests!r})
-    from conftest import tiny_config
-    from cem_jax import optim
-    from cem_jax import steps as steps_lib
-    from cem_jax.checkpoint import Checkpointer
-
-    mode, directory = sys.argv[1], sys.argv[2]
-    n = jax.device_count()
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    cfg = tiny_config("cem", **{{"model.d_model": 32, "model.mlp_dim": 64,
-                                 "model.num_layers": 1, "model.num_heads": 2}})
-    tx = optim.make_optimizer(cfg.train)[0]
-
-    def sharding(shape):  # shard the first axis over all devices where it divides, else replicate
-      return NamedSharding(mesh, P("data") if shape and shape[0] % n == 0 else P())
-
-    def digests(tree):
-      return {{jax.tree_util.keystr(k): hashlib.sha256(np.asarray(v).tobytes()).hexdigest()
-              for k, v in jax.tree_util.tree_leaves_with_path(tree)}}
-
-    ckpt = Checkpointer(directory)
-    if mode == "save":
-      _, params = nnx.split(steps_lib.build_model(cfg, 64), nnx.Param)
-      state = {{"params": params, "opt_state": tx.init(params)}}
-      # Not the initial values: one real update, so the moments are not zeros.
-      grads = jax.tree.map(lambda x: jax.numpy.cos(x) + 0.5, params)
-      updates, state["opt_state"] = tx.update(grads, state["opt_state"], params)
-      state["params"] = jax.tree.map(lambda p, u: p + u, params, updates)
-      state = jax.tree.map(lambda x: jax.device_put(x, sharding(x.shape)), state)
-      ckpt.save(1, state, {{"step": 1}}, force=True)
-      ckpt.close()
-    else:
-      # An abstract target built on the current devices, with no checkpoint values in it.
-      # (Shapes from a concrete model: nnx.eval_shape cannot trace layers.common's
-      # softplus_inverse, a Python float of an array.)
-      _, params = nnx.split(steps_lib.build_model(cfg, 64), nnx.Param)
-      target = {{"params": params, "opt_state": jax.eval_shape(tx.init, params)}}
-      target = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x.shape)), target)
-      state, _ = ckpt.restore(ckpt.restorable_step(), target)
-      assert jax.tree.structure(state) == jax.tree.structure(target)
-      for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(target), strict=True):
-        assert got.sharding == want.sharding, (got.sharding, want.sharding)
-      state = {{"params": state["params"], "opt_state": state["opt_state"]}}
-      ckpt.close()
-    sharded = sum(1 for x in jax.tree.leaves(state) if not x.sharding.is_fully_replicated)
-    print(json.dumps({{"devices": n, "sharded_leaves": sharded, "digests": digests(state)}}))
+    from test_checkpoint import _devices_state
+    print(json.dumps(_devices_state(sys.argv[1], sys.argv[2], jax.devices())))
 """)
 
 
 def test_restore_on_8_4_and_1_devices_is_bit_identical(tmp_path):
   script = tmp_path / "devices.py"
   script.write_text(_DEVICES_SCRIPT.format(tests=str(REPO / "tests")))
-  results = [program_json([str(script), mode, str(tmp_path / "ckpt")], n, timeout=300, cwd=REPO)
-             for mode, n in (("save", 8), ("restore", 4), ("restore", 1))]
+  directory = str(tmp_path / "ckpt")
+  results = [program_json([str(script), mode, directory], n, timeout=300, cwd=REPO)
+             for mode, n in (("save", 8), ("restore", 4))]
+  # On one device: here, in the test's process (a third program would only add its start-up).
+  results.append(_devices_state("restore", directory, jax.devices()[:1]))
   assert [r["devices"] for r in results] == [8, 4, 1]
   assert results[0]["sharded_leaves"] > 0 and results[1]["sharded_leaves"] > 0
   assert results[2]["sharded_leaves"] == 0
