@@ -1681,9 +1681,12 @@ def test_evaluate_rebuilds_the_model_the_checkpoint_was_saved_from(shared_data, 
   from cem_jax import evaluate
 
   text, workdir = tmp_path / "text.txt", tmp_path / "w"
-  text.write_text((shared_data / "wikitext2_valid.txt").read_text())  # a copy to move away
-  cfg = tiny_config("cem", **{"train.num_steps": 4, "train.eval_every_steps": 4,
-                              "data.files": str(text)})
+  # A copy to move away; 200 kB of it, as the BPE trains and the tokens are written twice.
+  text.write_text((shared_data / "wikitext2_valid.txt").read_text()[:200_000])
+  # One layer: the checkpoint's model is what is under test, not its depth (its steps are then
+  # the device-limit test's, compiled once for the session).
+  cfg = tiny_config("cem", **{"model.num_layers": 1, "train.num_steps": 4,
+                              "train.eval_every_steps": 4, "data.files": str(text)})
   train.train_and_evaluate(cfg, str(workdir))
   trained = [m for m in read_metrics(str(workdir)) if "eval/loss" in m][-1]["eval/loss"]
   path = workdir / "config.json"
