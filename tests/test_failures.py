@@ -38,6 +38,7 @@ from cem_jax import (
     optim,
     preflight,
     runs,
+    sharding,
     sigterm,
     steps,
     summary,
@@ -1842,9 +1843,11 @@ def test_nonfinite_steps_are_skipped_counted_and_k_in_a_row_stop_the_run(
 
   ckpt = Checkpointer(str(tmp_path / "checkpoints"))
   assert ckpt.all_steps() == [5]
-  _, params = nnx.split(steps.build_model(cfg, 512), nnx.Param)
+  # The state's shapes as the run laid them out (no model built: nothing to compute).
   tx = optim.make_optimizer(cfg.train)[0]
-  state, meta = ckpt.restore(5, {"params": params, "opt_state": tx.init(params)})
+  _, params, opt_state, _, _ = steps.abstract_state(cfg, 512, tx,
+                                                    sharding.make_mesh(cfg.mesh))
+  state, meta = ckpt.restore(5, {"params": params, "opt_state": opt_state})
   ckpt.close()
   assert meta["step"] == 5
   assert bool(steps.all_finite(state))
