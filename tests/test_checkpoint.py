@@ -31,6 +31,7 @@ from conftest import program_json, subprocess_env, tiny_config
 from flax import nnx
 
 from cem_jax import integrity, optim
+from cem_jax import sharding as sharding_lib
 from cem_jax import steps as steps_lib
 from cem_jax.checkpoint import Checkpointer, CheckpointError
 from cem_jax.metrics import read_metrics
@@ -892,25 +893,27 @@ def _devices_state(mode: str, directory: str, devices: list) -> dict:
   def sharding(shape):  # shard the first axis over all devices where it divides, else replicate
     return NamedSharding(mesh, P("data") if shape and shape[0] % n == 0 else P())
 
-  # Shapes from a concrete model: nnx.eval_shape cannot trace layers.common's
-  # softplus_inverse, a Python float of an array.
-  _, params = nnx.split(steps_lib.build_model(cfg, 64), nnx.Param)
+  # The run's own builders (jitted, in one go), on a mesh of these devices.
+  run_mesh = sharding_lib.make_mesh(cfg.mesh, devices)
   ckpt = Checkpointer(directory)
   if mode == "save":
+    _, params, opt_state, _, _ = steps_lib.init_state(cfg, 64, tx, run_mesh)
+
     @jax.jit
-    def one_update(params):  # not the initial values: the moments are not zeros
-      opt_state = tx.init(params)
+    def one_update(params, opt_state):  # not the initial values: the moments are not zeros
       grads = jax.tree.map(lambda x: jnp.cos(x) + 0.5, params)
       updates, opt_state = tx.update(grads, opt_state, params)
       return {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
 
-    state = jax.tree.map(lambda x: jax.device_put(x, sharding(x.shape)), one_update(params))
+    state = jax.tree.map(lambda x: jax.device_put(x, sharding(x.shape)),
+                         one_update(params, opt_state))
     ckpt.save(1, state, {"step": 1}, force=True)
   else:
     # An abstract target built on these devices, with no checkpoint values in it.
-    target = {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
+    _, params, opt_state, _, _ = steps_lib.abstract_state(cfg, 64, tx, run_mesh)
     target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x.shape)), target)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x.shape)),
+        {"params": params, "opt_state": opt_state})
     state, _ = ckpt.restore(ckpt.restorable_step(), target)
     assert jax.tree.structure(state) == jax.tree.structure(target)
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(target), strict=True):
