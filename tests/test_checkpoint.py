@@ -1,9 +1,9 @@
 """Checkpoints: exact resume after SIGKILL/SIGTERM/damage, integrity, other device counts.
 
 The scripted "done when" check of issue 4 is ``test_resume_after_kill_term_and_damage_is_exact``:
-one uninterrupted 40-step run against one run that is SIGKILLed at step >= 20, has a byte of
-its newest intact checkpoint flipped, is resumed and stopped by Ctrl-C (SIGINT) at step >= 21,
-resumed and SIGTERMed at step >= 30, and resumed to the end; every train loss (logged every
+one uninterrupted 40-step run against one run that is SIGKILLed at step >= 20, resumed and
+stopped by Ctrl-C (SIGINT) at step >= 21, has a byte of its newest intact checkpoint flipped,
+is resumed and SIGTERMed at step >= 30, and resumed to the end; every train loss (logged every
 step) must match. All runs go through the command line, as a user or a scheduler would
 restart them.
 """
@@ -196,30 +196,31 @@ def test_resume_after_kill_term_and_damage_is_exact(run_setup, reference_run, tm
   killed_at = _max_metric_step(run_dir)
   assert 20 <= killed_at < 40
 
-  # 2. A flipped byte in the newest step that verifies (what the kill left may hold a newer one
-  # half written): the resume names the step and the file and restores the intact step before.
+  # 2. Same command: resumes; Ctrl-C (SIGINT) at step >= 21 stops it at once with one line
+  # and no traceback, ending by SIGINT as Python does (what the launchers and sweeps see).
+  # Step 21, not later: a step takes ~20 ms here, so the poll has well under a second.
+  ctrl_c = _start_and_signal(_cli(config, run_dir), env, run_dir, 21, signal.SIGINT)
+  assert ctrl_c.returncode == -signal.SIGINT, ctrl_c.seen + "\n" + ctrl_c.stderr[-3000:]
+  assert "resumed from" in ctrl_c.stderr
+  assert "interrupted (Ctrl-C): stopped at once" in ctrl_c.stderr
+  assert "Traceback" not in ctrl_c.stderr, ctrl_c.stderr[-3000:]
+
+  # 3. A flipped byte in the newest step that verifies (what Ctrl-C left may hold a newer one
+  # half written): the next resume names the step and the file and restores the intact step
+  # before it.
   intact = _intact_steps(ckpts)
-  assert len(intact) >= 2, intact  # steps 5, 10 and 15 were saved before step 20's
+  assert len(intact) >= 2, intact  # keep=3, and steps 5 to 15 were saved before step 20's
   flipped, restored = intact[-1], intact[-2]
   files = sorted((ckpts / str(flipped) / "state").rglob("ocdbt.process_0/d/*"),
                  key=lambda p: p.stat().st_size)
   _flip_byte(files[-1])
 
-  # 3. Same command: resumes; Ctrl-C (SIGINT) at step >= 21 stops it at once with one line
-  # and no traceback, ending by SIGINT as Python does (what the launchers and sweeps see).
-  # Step 21, not later: a step takes ~20 ms here, so the poll has well under a second.
-  ctrl_c = _start_and_signal(_cli(config, run_dir), env, run_dir, 21, signal.SIGINT)
-  assert ctrl_c.returncode == -signal.SIGINT, ctrl_c.seen + "\n" + ctrl_c.stderr[-3000:]
-  assert f"checkpoint step {flipped} is damaged" in ctrl_c.stderr
-  assert files[-1].name in ctrl_c.stderr
-  assert f"resumed from {ckpts / str(restored)} at step {restored}\n" in ctrl_c.stderr
-  assert "interrupted (Ctrl-C): stopped at once" in ctrl_c.stderr
-  assert "Traceback" not in ctrl_c.stderr, ctrl_c.stderr[-3000:]
-
   # 4. Same command: resumes; SIGTERM at step >= 30 saves at the next step boundary, exits 0.
   termed = _start_and_signal(_cli(config, run_dir), env, run_dir, 30, signal.SIGTERM)
   assert termed.returncode == 0, termed.stderr[-3000:]
-  assert "resumed from" in termed.stderr
+  assert f"checkpoint step {flipped} is damaged" in termed.stderr
+  assert files[-1].name in termed.stderr
+  assert f"resumed from {ckpts / str(restored)} at step {restored}\n" in termed.stderr
   assert "preempted (SIGTERM)" in termed.stderr
   stopped_at = _max_metric_step(run_dir)
   assert 30 <= stopped_at < 40
