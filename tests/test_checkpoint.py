@@ -71,16 +71,23 @@ def _cli(config: Path, workdir: Path) -> list[str]:
 
 
 class _ReferenceRun:
-  """The module's run, uninterrupted, through the command line: started in the background,
-  finished by :meth:`folder`. Read only: a test that changes a run copies it (:meth:`copy_to`)."""
+  """The module's run, uninterrupted, through the command line: started by :meth:`start` (in
+  the background) or :meth:`folder` (which waits for it to finish). Read only: a test that
+  changes a run copies it (:meth:`copy_to`)."""
 
   def __init__(self, config: Path, env: dict, root: Path):
+    self._cmd, self._env = _cli(config, root / "run"), env
     self._folder, self._stderr = root / "run", root / "stderr.txt"
-    with open(self._stderr, "w") as err:
-      self._proc = subprocess.Popen(_cli(config, self._folder), cwd=REPO, env=env,
-                                    stdout=subprocess.DEVNULL, stderr=err)
+    self._proc = None
+
+  def start(self) -> None:
+    if self._proc is None:
+      with open(self._stderr, "w") as err:
+        self._proc = subprocess.Popen(self._cmd, cwd=REPO, env=self._env,
+                                      stdout=subprocess.DEVNULL, stderr=err)
 
   def folder(self) -> Path:
+    self.start()
     returncode = self._proc.wait(timeout=300)
     assert returncode == 0, self._stderr.read_text()[-3000:]
     return self._folder
@@ -89,7 +96,7 @@ class _ReferenceRun:
     shutil.copytree(self.folder(), workdir, dirs_exist_ok=True)
 
   def stop(self) -> None:
-    if self._proc.poll() is None:  # a test failed before waiting for it
+    if self._proc is not None and self._proc.poll() is None:  # a test failed before waiting
       self._proc.kill()
       self._proc.wait()
 
@@ -97,8 +104,8 @@ class _ReferenceRun:
 @pytest.fixture(scope="module")
 def reference_run(run_setup, tmp_path_factory):
   """One 40-step run of ``RUN_CONFIG`` for the module's tests: the kill test's reference
-  (it starts beside the interrupted run) and the run the other tests resume, each in a copy of
-  its own. Training it once per module, not once per test, saves a run's start-up and 40
+  (it trains beside the interrupted runs) and the run the other tests resume, each in a copy
+  of its own. Training it once per module, not once per test, saves a run's start-up and 40
   steps in each test that reads it."""
   run = _ReferenceRun(*run_setup, tmp_path_factory.mktemp("reference"))
   yield run
@@ -189,9 +196,11 @@ def test_resume_after_kill_term_and_damage_is_exact(run_setup, reference_run, tm
   run_dir = tmp_path / "interrupted"
   ckpts = run_dir / "checkpoints"
 
-  # 1. SIGKILL at step >= 20 (possibly mid-save: saves are asynchronous, every 5 steps), beside
-  # the reference run (the module's, started by the fixture).
+  # 1. SIGKILL at step >= 20 (possibly mid-save: saves are asynchronous, every 5 steps).
   killed = _start_and_signal(_cli(config, run_dir), env, run_dir, 20, signal.SIGKILL)
+  # The reference trains beside the runs that follow, with the steps this one compiled (the
+  # session's cache): started together, both compiled them, on the same cores.
+  reference_run.start()
   assert killed.returncode == -signal.SIGKILL, "the run ended before it could be killed"
   killed_at = _max_metric_step(run_dir)
   assert 20 <= killed_at < 40
