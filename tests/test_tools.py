@@ -1202,6 +1202,18 @@ print(json.dumps([collectives(f.lower(x).compile().as_text()) for f in (gather, 
   assert total == {"all-reduce": [1, 16 * 4]}, total
 
 
+def _collapse_batch() -> dict:
+  """A batch of 3 windows of 8 tokens for experiments/collapse.py's layer_report: two documents
+  in the first, padding after 6 tokens in the second, one real position (no pair) in the
+  third."""
+  import numpy as np
+
+  tokens = np.random.default_rng(7).integers(1, 40, (3, 8))
+  return {"inputs": tokens, "targets": np.roll(tokens, -1, 1),
+          "segment_ids": np.array([[1] * 5 + [2] * 3, [1] * 6 + [0] * 2, [1] + [0] * 7]),
+          "weights": np.array([[1.0] * 7 + [0.0], [1.0] * 5 + [0.0] * 3, [0.0] * 8])}
+
+
 def test_collapse_measures_match_numpy_and_the_split_updates_add_up_to_the_block():
   """experiments/collapse.py: its two measures against float64 NumPy, and the attention and
   MLP updates it splits a layer into (each split it supports) against the block's own output,
@@ -1209,25 +1221,21 @@ def test_collapse_measures_match_numpy_and_the_split_updates_add_up_to_the_block
   import numpy as np
 
   collapse = _load_experiment("collapse")
-  rng = np.random.default_rng(7)
-  u = rng.normal(size=(3, 5, 4))
-  share = np.sqrt(5 * np.sum(u.mean(axis=1) ** 2)) / np.linalg.norm(u)
+  batch = _collapse_batch()
+  # The measures at the shapes layer_report gives them (d_model 16 below): each op runs
+  # eagerly, compiled once per shape.
+  u = np.random.default_rng(7).normal(size=(3, 8, 16))
+  share = np.sqrt(8 * np.sum(u.mean(axis=1) ** 2)) / np.linalg.norm(u)
   assert abs(collapse.constant_share(jax.numpy.asarray(u)) - share) < 1e-6
-  assert abs(collapse.constant_share(jax.numpy.asarray(np.repeat(u[:, :1], 5, 1))) - 1) < 1e-6
+  assert abs(collapse.constant_share(jax.numpy.asarray(np.repeat(u[:, :1], 8, 1))) - 1) < 1e-6
   assert collapse.constant_share(jax.numpy.asarray(u - u.mean(axis=1, keepdims=True))) < 1e-6
-  real = np.ones((3, 5), bool)
-  real[1, 3:] = False
-  real[2, 1:] = False  # one real position: no pair
+  real = batch["segment_ids"] > 0
   pairs = [u[b, i] @ u[b, j] / np.linalg.norm(u[b, i]) / np.linalg.norm(u[b, j])
-           for b in range(3) for i in range(5) for j in range(5)
+           for b in range(3) for i in range(8) for j in range(8)
            if i != j and real[b, i] and real[b, j]]
   got = collapse.position_collapse(jax.numpy.asarray(u), jax.numpy.asarray(real))
   assert abs(got - np.mean(pairs)) < 1e-6
 
-  tokens = rng.integers(1, 40, (2, 8))
-  batch = {"inputs": tokens, "targets": np.roll(tokens, -1, 1),
-           "segment_ids": np.array([[1] * 5 + [2] * 3, [1] * 6 + [0] * 2]),
-           "weights": np.array([[1.0] * 7 + [0.0], [1.0] * 5 + [0.0] * 3])}
   for overrides, parts in (({}, {"att", "mlp"}), ({"split": "joint"}, {"att", "mlp"}),
                            ({"mlp_condition": "layer", "embed_scale": 4.0}, {"att", "mlp"}),
                            ({"num_unique_blocks": 1, "num_layers": 3}, {"att", "mlp"}),
@@ -1238,12 +1246,14 @@ def test_collapse_measures_match_numpy_and_the_split_updates_add_up_to_the_block
     report = collapse.layer_report(model, batch)
     assert [set(layer) for layer in report["layers"]] == [parts] * cfg.num_layers, overrides
     assert report["loss"] > 0 and 0 < report["collapse"] < 1 and report["h_over_e"] > 0
+    if not overrides:
+      split_model = model  # checked again below: a model of other shapes recompiles every op
   real_split = collapse._sub_steps
   try:
     collapse._sub_steps = lambda block, x, aux: (lambda a, m: (a, 1.001 * m))(
         *real_split(block, x, aux))
     with pytest.raises(AssertionError, match="split updates miss the block's output"):
-      collapse.layer_report(DecoderLM(tiny_config().model, 40, rngs=nnx.Rngs(3)), batch)
+      collapse.layer_report(split_model, batch)
   finally:
     collapse._sub_steps = real_split
 
@@ -1255,11 +1265,8 @@ def test_collapse_report_is_the_models_own_forward_with_momentum():
   import numpy as np
 
   collapse = _load_experiment("collapse")
-  rng = np.random.default_rng(7)
-  tokens = rng.integers(1, 40, (2, 8))
-  batch = {"inputs": tokens, "targets": np.roll(tokens, -1, 1),
-           "segment_ids": np.array([[1] * 5 + [2] * 3, [1] * 6 + [0] * 2]),
-           "weights": np.array([[1.0] * 7 + [0.0], [1.0] * 5 + [0.0] * 3])}
+  batch = _collapse_batch()
+  tokens = batch["inputs"]
   for optimizer in ("heavy_ball", "nesterov"):
     cfg = tiny_config(**{"model.inner_optimizer": optimizer, "model.num_layers": 3}).model
     cfg.d_model, cfg.num_heads, cfg.mlp_dim, cfg.init_std = 16, 2, 32, 0.3
