@@ -24,11 +24,11 @@ def _setup():
                               "data.seq_len": N, "eval.max_batches": -1})
   model = steps_lib.build_model(cfg, V)
   graphdef, params = nnx.split(model, nnx.Param)
-  # non-initial parameters: every leaf moved off its init value
-  leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
-  params = jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape)
-                                     for x, k in zip(leaves, keys, strict=True)])
+  # non-initial parameters: every leaf moved off its init value (in NumPy: jax would compile
+  # a program per leaf shape for the same noise)
+  noise = np.random.default_rng(7)
+  params = jax.tree.map(lambda x: jax.numpy.asarray(
+      np.asarray(x) + 0.05 * noise.standard_normal(x.shape).astype(x.dtype)), params)
   rng = np.random.default_rng(3)
   docs = [rng.integers(2, V, size=n).astype(np.int32) for n in (23, 9, 40, 5, 17)]
   # 1 to 4 UTF-8 bytes per token (EvalWindows needs per-token bytes for bits per byte).
