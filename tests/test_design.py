@@ -172,13 +172,16 @@ def test_user_energy_update_equals_independent_gradient():
 
 def test_user_energy_trains_on_real_text(shared_data, tmp_path):
   path = os.path.join(REPO, "experiments", "sigmoid_energy.py") + ":energy"
-  cfg = tiny_config("cem", **{"model.attention_energy": path,
+  # One layer: the energy's own parameters train through jax.grad as in any number of layers.
+  # The eval's energy trace is left out: only its loss is read here.
+  cfg = tiny_config("cem", **{"model.attention_energy": path, "model.num_layers": 1,
+                              "eval.energy_trace": False,
                               "data.files": str(shared_data / "tinyshakespeare.txt")})
   train.train_and_evaluate(cfg, str(tmp_path))
   losses = [m["eval/loss"] for m in read_metrics(str(tmp_path)) if "eval/loss" in m]
   # below the uniform predictor (ln 512 nats) and still falling after step 10 (measured:
-  # 5.48 at step 10, 5.26 at step 30)
-  assert losses[-1] < losses[0] - 0.15 and losses[-1] < math.log(512) - 0.8
+  # 5.49 at step 10, 5.24 at step 30; two layers: 5.46, 5.24)
+  assert losses[-1] < losses[0] - 0.15 and losses[-1] < math.log(512) - 0.8, losses
 
 
 def test_readme_swap_an_energy_example_runs_as_written(shared_data, tmp_path):
@@ -196,8 +199,9 @@ def test_readme_swap_an_energy_example_runs_as_written(shared_data, tmp_path):
   args = command.split()[3:]  # after 'python -m cem_jax.main'
   assert args[0] == "--config=experiments/tiny.py" and "my_energy.py:energy" in args[-1]
   args[0] = f"--config={REPO}/experiments/tiny.py"
+  # A one-layer model of the tests' size (measured: eval loss 6.20 -> 5.43 over the 30 steps)
   args = [a for a in args if not a.startswith("--workdir")] + [
-      f"--workdir={tmp_path / 'w'}", "--config.model.d_model=64", "--config.model.num_layers=2",
+      f"--workdir={tmp_path / 'w'}", "--config.model.d_model=64", "--config.model.num_layers=1",
       "--config.model.mlp_dim=128", "--config.data.seq_len=64", "--config.data.vocab_size=512",
       "--config.train.num_steps=30", "--config.train.batch_size=8",
       "--config.train.eval_every_steps=10", "--config.eval.max_batches=4",
@@ -206,7 +210,7 @@ def test_readme_swap_an_energy_example_runs_as_written(shared_data, tmp_path):
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   losses = [m["eval/loss"] for m in read_metrics(str(tmp_path / "w")) if "eval/loss" in m]
-  assert losses[-1] < losses[0] - 0.2
+  assert losses[-1] < losses[0] - 0.2, losses
   # Saved absolute: evaluate/sample started from another folder reload the same file.
   with open(tmp_path / "w" / "config.json") as f:
     saved = json.load(f)["model"]
