@@ -316,13 +316,16 @@ def test_shared_sphere_model_trains_restores_and_descends_its_energy(shared_data
   (η = 0.02) every sub-step of every layer lowers its energy in eval's energy trace."""
   from cem_jax import runs
 
+  # Windows of 32 tokens and one eval, at the end, untraced (the trace read is of the model
+  # changed below): the loss still drops by 0.9 (measured).
   cfg = tiny_config("cem", **{"model.num_unique_blocks": 1, "model.manifold": "sphere",
-                              "model.num_steps": 2, "train.num_steps": 40,
-                              "train.eval_every_steps": 20, "checkpoint.every_steps": 40,
+                              "model.num_steps": 2, "train.num_steps": 40, "data.seq_len": 32,
+                              "train.eval_every_steps": 40, "eval.energy_trace": False,
+                              "checkpoint.every_steps": 40,
                               "data.files": str(shared_data / "tinyshakespeare.txt")})
   train.train_and_evaluate(cfg, str(tmp_path))
   losses = [m["train/loss"] for m in read_metrics(str(tmp_path)) if "train/loss" in m]
-  assert losses[-1] < losses[0] - 0.5
+  assert losses[-1] < losses[0] - 0.5, losses
   s = summary.summary(cfg, vocab_size=512)
   assert (s["unique_blocks"], s["num_layers"]) == (1, 2)
   config, data, graphdef, params, step = runs.load_run(str(tmp_path))
