@@ -1040,11 +1040,13 @@ def test_resume_on_other_data_is_refused_and_keeps_the_run(shared_data, tmp_path
   # Editing the text between runs retrains the BPE: the checkpoint's embeddings would train
   # on other token ids without a word. The checkpoint records what it was trained on.
   text = tmp_path / "text.txt"
-  text.write_text((shared_data / "tinyshakespeare.txt").read_text()[:60_000])
+  text.write_text((shared_data / "tinyshakespeare.txt").read_text()[:150_000])
   workdir = tmp_path / "w"
+  # The model and steps of the numerics-version and step-metadata tests below (one compile
+  # for the session's cache): a 1-layer Llama, 512 tokens, which 150 kB of text make.
   cfg = lambda steps: tiny_config("llama", **{  # noqa: E731
-      "data.files": str(text), "data.vocab_size": 400, "model.num_layers": 1,
-      "train.num_steps": steps, "checkpoint.every_steps": 2, "train.eval_every_steps": 2})
+      "data.files": str(text), "model.num_layers": 1, "train.num_steps": steps,
+      "checkpoint.every_steps": 2, "train.eval_every_steps": 2})
   train.train_and_evaluate(cfg(2), str(workdir))
   before = read_metrics(str(workdir))
   prepared = sorted(os.listdir(workdir / "data"))
@@ -1069,7 +1071,7 @@ def test_resume_on_other_data_is_refused_and_keeps_the_run(shared_data, tmp_path
   assert os.listdir(workdir / "data") == []
   shutil.move(tmp_path / "kept", workdir / "data" / prepared[0])
   # The text as it was: the run resumes.
-  text.write_text((shared_data / "tinyshakespeare.txt").read_text()[:60_000])
+  text.write_text((shared_data / "tinyshakespeare.txt").read_text()[:150_000])
   train.train_and_evaluate(cfg(4), str(workdir))
   assert read_metrics(str(workdir))[-1]["step"] == 4
 
