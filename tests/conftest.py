@@ -134,10 +134,10 @@ def tiny_config(block: str = "cem", **overrides):
 
 
 # tiny_config overrides for a run whose model size no check reads (a report's header, a
-# damaged checkpoint): one layer of width 32 on 32 tokens, 4 rows a batch. A short run trains
-# in about 60% of tiny_config's time, most of it compiling (measured: 9.5 -> 5.8 s).
+# damaged checkpoint): one layer of width 32 on 32 tokens, 4 rows a training batch. A short
+# run trains in about 60% of tiny_config's time, most of it compiling (measured: 9.5 -> 5.8 s).
 SMALL = {"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64, "model.num_layers": 1,
-         "data.seq_len": 32, "train.batch_size": 4, "eval.batch_size": 4}
+         "data.seq_len": 32, "train.batch_size": 4}
 
 
 def force_fields(config, overrides: dict) -> None:
