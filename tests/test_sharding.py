@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import program_json, subprocess_env, tiny_config
+from conftest import EMITTERS, program_json, subprocess_env, tiny_config
 
 from cem_jax import axes, distributed, sharding
 from cem_jax import config as config_lib
@@ -24,13 +24,11 @@ REPO = Path(__file__).resolve().parents[1]
 MESHES = {"llama": [(8, 1, 1), (2, 4, 1), (2, 2, 2)], "cem": [(2, 4, 1), (2, 2, 2)]}
 
 
-# The programs these tests start compile with XLA's older CPU code emitters: a train step of
-# theirs compiles 3-4x faster (s of CPU: CEM on 2 x 2 x 2 3.9 -> 1.2, Llama 2.6 -> 0.65), and
+# The programs these tests start compile with XLA's older CPU code emitters (conftest.EMITTERS):
 # the slowest tests here take about half the time. What they check, the layout XLA's
 # partitioner chooses (its collectives, the shardings) and the numbers against one device, is
 # decided before the emitters: the losses on every mesh move by at most 1e-6, and each test
-# still fails with the bug it guards. The rest of the suite keeps the emitters training uses.
-EMITTERS = ("--xla_cpu_use_fusion_emitters=false",)
+# still fails with the bug it guards.
 
 
 def _env(devices: int) -> dict:

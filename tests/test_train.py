@@ -11,7 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import tiny_config
+from conftest import EMITTERS, subprocess_env, tiny_config
 from flax import nnx
 
 from cem_jax import model_stats, optim, steps, train
@@ -74,9 +74,9 @@ def test_weight_decay_goes_by_name_not_rank():
   assert optim.decay_mask(stacked) == {"blocks": {"norm_att": {"scale": False}}, "w_q": True}
 
 
-def _run_cli(args, cwd):
+def _run_cli(args, cwd, **kwargs):
   return subprocess.run([sys.executable, "-m", "cem_jax.main", *args], cwd=cwd,
-                        capture_output=True, text=True, timeout=600)
+                        capture_output=True, text=True, timeout=600, **kwargs)
 
 
 def test_cli_trains_and_writes_the_contract_files(tmp_path, shared_data):
@@ -88,8 +88,10 @@ def test_cli_trains_and_writes_the_contract_files(tmp_path, shared_data):
       "--config.eval.max_batches=2", f"--config.data.files={shared_data / 'wikitext2_valid.txt'}",
       "--config.train.profile_steps=2", "--config.train.profile_first_step=4",
   ]
+  # The files and lines of a run, not its numbers: compiled with the older emitters (faster).
+  env = subprocess_env(xla_flags=EMITTERS)
   proc = _run_cli([f"--config={REPO}/experiments/tiny.py", f"--workdir={workdir}", *overrides],
-                  cwd=tmp_path)
+                  cwd=tmp_path, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   # The profiler's trace of steps 4 and 5, beside the TensorBoard scalars: each step marked.
   traces = list((workdir / "tensorboard" / "plugins" / "profile").glob("*/perfetto_trace.json.gz"))
@@ -115,7 +117,7 @@ def test_cli_trains_and_writes_the_contract_files(tmp_path, shared_data):
   # TensorBoard, and the schedule it will not run is not described.
   events = sorted(p.name for p in (workdir / "tensorboard").iterdir())
   again = _run_cli([f"--config={REPO}/experiments/tiny.py", f"--workdir={workdir}",
-                    *overrides], cwd=tmp_path)
+                    *overrides], cwd=tmp_path, env=env)
   assert again.returncode == 0, again.stderr[-3000:]
   assert "the run is already finished (train.num_steps=6): nothing to train" in again.stderr
   assert read_metrics(str(workdir)) == metrics
