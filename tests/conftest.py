@@ -142,11 +142,14 @@ def tiny_config(block: str = "cem", **overrides):
   return c
 
 
-# tiny_config overrides for a run whose model size no check reads (a report's header, a
-# damaged checkpoint): one layer of width 32 on 32 tokens, 4 rows a training batch. A short
-# run trains in about 60% of tiny_config's time, most of it compiling (measured: 9.5 -> 5.8 s).
-SMALL = {"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64, "model.num_layers": 1,
-         "data.seq_len": 32, "train.batch_size": 4}
+# A CEM run of T = 2 with energy-traced evals, for the tests that read a trained T's evals
+# (test_design's trace and test-time steps, test_tools' evaluate report): one config, so the
+# second of them to run in a session compiles nothing of its training (the persistent
+# compilation cache). Width 32 on 32-token windows: a traced eval runs slowly at the tests'
+# XLA level; two layers, so that the trace sums over layers.
+TRACED_T2 = {"model.num_steps": 2, "model.d_model": 32, "model.num_heads": 2,
+             "model.mlp_dim": 64, "data.seq_len": 32, "train.num_steps": 4,
+             "train.eval_every_steps": 4, "eval.max_batches": 2}
 
 
 def force_fields(config, overrides: dict) -> None:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import force_fields, tiny_config
+from conftest import TRACED_T2, force_fields, tiny_config
 from flax import nnx
 
 from cem_jax import energies, preflight, steps, train, updates
@@ -220,13 +220,8 @@ def test_readme_swap_an_energy_example_runs_as_written(shared_data, tmp_path):
 def test_eval_logs_energy_traces_and_test_time_steps(shared_data, tmp_path):
   from cem_jax import evaluate, plot
 
-  # 4 steps and 2 eval batches of 32-token windows, width 32: an energy-traced eval runs
-  # slowly at the tests' XLA level (two layers of T = 2: the trace sums over both)
-  cfg = tiny_config("cem", **{"model.num_steps": 2, "train.num_steps": 4,
-                              "train.eval_every_steps": 4, "eval.max_batches": 2,
-                              "model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64,
-                              "data.seq_len": 32,
-                              "data.files": str(shared_data / "wikitext2_valid.txt")})
+  cfg = tiny_config("cem", **TRACED_T2,
+                    **{"data.files": str(shared_data / "wikitext2_valid.txt")})
   train.train_and_evaluate(cfg, str(tmp_path))
   last = [m for m in read_metrics(str(tmp_path)) if "eval/loss" in m][-1]
   trace = energy_trace(last)

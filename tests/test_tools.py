@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from conftest import EMITTERS, SMALL, program_json, subprocess_env, tiny_config, write_metrics
+from conftest import EMITTERS, TRACED_T2, program_json, subprocess_env, tiny_config, write_metrics
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -347,9 +347,7 @@ def test_evaluate_reports_the_trained_steps_of_the_checkpoint_not_config_json(tm
   from cem_jax import train
 
   workdir = tmp_path / "w"
-  cfg = tiny_config("cem", **SMALL, **{"model.num_steps": 2, "train.num_steps": 2,
-                                       "train.eval_every_steps": 2, "eval.max_batches": 1,
-                                       "eval.energy_trace": False})
+  cfg = tiny_config("cem", **TRACED_T2)
   train.train_and_evaluate(cfg, str(workdir))
   saved = json.loads((workdir / "config.json").read_text())
   saved["model"]["num_steps"] = 5
@@ -1294,10 +1292,12 @@ def test_collapse_reads_a_bfloat16_run_and_skips_a_damaged_checkpoint(tmp_path):
   from cem_jax import train
 
   workdir = tmp_path / "run"
-  train.train_and_evaluate(tiny_config(**SMALL, **{
-      "model.dtype": "bfloat16", "train.num_steps": 4, "checkpoint.every_steps": 2,
-      "train.eval_every_steps": 4, "eval.max_batches": 1, "eval.energy_trace": False}),
-      str(workdir))
+  # One layer of width 32 on 32 tokens, its eval untraced: the report reads neither.
+  train.train_and_evaluate(tiny_config(**{
+      "model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64, "model.num_layers": 1,
+      "data.seq_len": 32, "train.batch_size": 4, "model.dtype": "bfloat16",
+      "train.num_steps": 4, "checkpoint.every_steps": 2, "train.eval_every_steps": 4,
+      "eval.max_batches": 1, "eval.energy_trace": False}), str(workdir))
   files = sorted((workdir / "checkpoints" / "2").rglob("ocdbt.process_0/d/*"),
                  key=lambda p: p.stat().st_size)
   for path in files[-3:]:  # the largest: parameters and optimizer moments
