@@ -30,6 +30,7 @@ import os
 from absl import app, flags, logging
 
 from cem_jax import cli, errors
+from cem_jax import config as config_lib
 
 GiB = 2**30
 
@@ -169,7 +170,7 @@ def compile_for(config, target: Target, vocab_size: int | None = None) -> dict:
   preflight.check(config)
   preflight.check_machine(config, platform=target.platform)
   data_parallel = train.data_parallel_devices(config, len(target.devices))
-  vocab = cli.vocab_size(config, vocab_size)
+  vocab = config_lib.vocab_size(config, vocab_size)
   mesh = sharding.make_mesh(config.mesh, target.devices)
   tx, schedule = optim.make_optimizer(config.train)
   graphdef, params, opt_state, shardings, model = steps.abstract_state(
@@ -193,6 +194,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   cli.quiet_libraries()
   with cli.user_errors():
+    if fl.vocab_size is not None:  # before jax describes the target
+      config_lib.check_flag("--vocab_size", "data.vocab_size", fl.vocab_size)
     config = cli.load_config()
     target = target_devices(fl.target)
     r = compile_for(config, target, fl.vocab_size)

@@ -30,6 +30,7 @@ from absl import app, flags
 from flax import nnx
 
 from cem_jax import cli, errors, memory, optim, preflight, profiling
+from cem_jax import config as config_lib
 from cem_jax import steps as steps_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import make_batch
@@ -350,6 +351,9 @@ def main(argv):
       raise ValueError(f"--variants={','.join(fl.variants)}: {', '.join(twice)} given twice; "
                        "allowed: each variant once")
     # Found out now, not after the first row (or the whole sweep).
+    config_lib.check_flag("--loss_block_size", "train.loss_block_size", fl.loss_block_size)
+    cli.check_given("out", fl.out, "a JSON file's path (leave the flag out for none)")
+    cli.check_given("profile_dir", fl.profile_dir, "a folder (leave the flag out for no trace)")
     out_dir = os.path.dirname(os.path.abspath(fl.out)) if fl.out else None
     if out_dir and not os.path.isdir(out_dir):
       raise ValueError(f"--out={fl.out}: folder {out_dir} does not exist")

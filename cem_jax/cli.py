@@ -47,6 +47,31 @@ def no_extra_args(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
 
 
+def check_given(name: str, value: str | None, allowed: str) -> None:
+  """Refuses a string flag given empty (``--out=``): absl hands ``''`` on, which a program read
+  as the flag left out (bench's ``--out``: no JSON written) or as the working directory
+  (``os.path.join('', ...)``: evaluate read ``./config.json``). None (left out) passes.
+
+  Raises:
+    ValueError: ``--NAME is empty; allowed: ALLOWED``.
+  """
+  if value == "":
+    raise ValueError(f"--{name} is empty; allowed: {allowed}")
+
+
+def check_folder(name: str, path: str | None, allowed: str) -> None:
+  """Refuses a folder flag that is empty (:func:`check_given`) or names no folder, before a
+  program imports jax or reads anything there. None (left out) passes.
+
+  Raises:
+    ValueError: ``--NAME=PATH: no such folder; allowed: ALLOWED`` (or ``is not a folder``).
+  """
+  check_given(name, path, allowed)
+  if path is not None and not os.path.isdir(path):
+    what = "is not a folder" if os.path.exists(path) else "no such folder"
+    raise ValueError(f"--{name}={path}: {what}; allowed: {allowed}")
+
+
 def _fail(message: str) -> None:
   print(f"error: {message}", file=sys.stderr)
   sys.exit(1)
@@ -440,16 +465,3 @@ def quiet_libraries(level: int = logging.logging.WARNING) -> None:
   # handler gets the filter too, so that a version forwarding unfiltered stays quiet.
   for h in (handler, handler.python_handler):
     h.addFilter(QuietLibraries(level))
-
-
-def vocab_size(config, flag: int | None) -> int:
-  """The vocabulary size a tool that builds no tokenizer sizes the model with: ``--vocab_size``
-  (``flag``) when given, else ``config.data.vocab_size``.
-
-  Raises:
-    ValueError: the result is < 1, one line naming ``--vocab_size``.
-  """
-  vocab = config.data.vocab_size if flag is None else flag
-  if vocab < 1:
-    raise ValueError(f"--vocab_size={vocab}; allowed: an int >= 1")
-  return vocab

@@ -379,31 +379,97 @@ def is_allowed_int(field: str, value) -> bool:
   """Whether ``value`` is what :func:`check_int` allows for ``field``: a Python ``int`` (not a
   bool, a float or a numpy integer, which ``config.json`` could not hold) >= its minimum in
   :data:`_MINIMUMS` and, where it has one, below its bound in :data:`_BELOW`."""
-  minimum, bound = _MINIMUMS[field], _BELOW.get(field, (None, ""))[0]
+  return _is_int_from(value, _MINIMUMS[field], _BELOW.get(field, (None, ""))[0])
+
+
+def _is_int_from(value, minimum: int, bound: int | None = None) -> bool:
+  """Whether ``value`` is a Python ``int`` (not a bool) >= ``minimum`` and < ``bound``."""
   return (not isinstance(value, bool) and isinstance(value, int) and value >= minimum
           and (bound is None or value < bound))
 
 
-def check_int(field: str, value) -> None:
-  """Checks one integer field as :func:`is_allowed_int` does.
+def check_int(field: str, value, name: str | None = None) -> None:
+  """Checks one integer field as :func:`is_allowed_int` does. ``name``: what the refusal calls
+  the value (a flag that stands for the field, e.g. ``--batch_size``; default ``field``).
 
   Raises:
-    ValueError: one line naming the field, the value (:func:`shown`: an int of over 4300
-      digits by its digit count) and what is allowed (:func:`allowed_int`), e.g.
+    ValueError: one line naming the field (or ``name``), the value (:func:`shown`: an int of
+      over 4300 digits by its digit count) and what is allowed (:func:`allowed_int`), e.g.
       ``seed=-1; allowed: an int >= 0 and < 2**63``.
   """
   if not is_allowed_int(field, value):
-    raise ValueError(f"{field}={shown(value)}; allowed: {allowed_int(field)}")
+    raise ValueError(f"{name or field}={shown(value)}; allowed: {allowed_int(field)}")
 
 
-def check_minus_one_or_positive(field: str, value, high: int | None = None) -> None:
+def check_writable(name: str, value) -> None:
+  """Refuses an int longer than Python's int -> str limit (:func:`_unwritable`), which the
+  rules without an upper bound let through: a message or ``config.json`` writing it later
+  failed with int -> str's ValueError, naming nothing. ``name``: the field or flag.
+
+  Raises:
+    ValueError: ``NAME=an int of N digits; allowed: an int of at most 4300 digits (...)``.
+  """
+  if _unwritable(value):
+    raise ValueError(f"{name}={shown(value)}; allowed: an int of at most "
+                     f"{sys.get_int_max_str_digits()} digits (Python's int -> str limit: "
+                     "config.json and the messages write it in decimal)")
+
+
+def check_flag(name: str, field: str, value) -> None:
+  """Checks a command-line flag that stands for the config field ``field`` (evaluate's
+  ``--max_batches`` for ``eval.max_batches``, tables' ``--steps`` for ``train.num_steps``) by
+  that field's rule (:func:`check_int`, :func:`check_minus_one_or_positive` without its
+  maximum, :func:`check_range`) and, an int, by :func:`check_writable`, as
+  :func:`validate` checks the field; the refusal names ``name``.
+
+  Raises:
+    ValueError: one line naming ``name``, the value and what is allowed.
+  """
+  if field in _MINUS_ONE_OR_POSITIVE:
+    check_minus_one_or_positive(field, value, name=name)
+  elif field in _RANGES:
+    check_range(field, value, name)
+  else:
+    check_int(field, value, name)
+  check_writable(name, value)
+
+
+def check_count(name: str, value, minimum: int = 1) -> None:
+  """Checks a command-line flag that counts something no config field holds (sample's
+  ``--max_new_tokens``, tables' ``--seeds``, prepare's ``--workers``): a Python ``int`` >=
+  ``minimum`` that Python can write in decimal (:func:`check_writable`).
+
+  Raises:
+    ValueError: one line, e.g. ``--seeds=0; allowed: an int >= 1``.
+  """
+  if not _is_int_from(value, minimum):
+    raise ValueError(f"{name}={shown(value)}; allowed: an int >= {minimum}")
+  check_writable(name, value)
+
+
+def vocab_size(config: ml_collections.ConfigDict, flag: int | None) -> int:
+  """The vocabulary size a tool that builds no tokenizer sizes the model with: ``--vocab_size``
+  (``flag``) when given, else ``config.data.vocab_size``.
+
+  Raises:
+    ValueError: ``flag`` not as ``data.vocab_size`` allows (:func:`check_flag`), one line naming
+      ``--vocab_size``.
+  """
+  if flag is None:
+    return config.data.vocab_size
+  check_flag("--vocab_size", "data.vocab_size", flag)
+  return flag
+
+
+def check_minus_one_or_positive(field: str, value, high: int | None = None,
+                                name: str | None = None) -> None:
   """Checks one field of :data:`_MINUS_ONE_OR_POSITIVE`: a Python ``int`` that is -1 (the
   value derived from others) or >= 1, and at most ``high`` (the value of the field the table
   names as its maximum) where it has one, or as :func:`check_int` allows the field
-  :data:`_POSITIVE_AS` names for it.
+  :data:`_POSITIVE_AS` names for it. ``name``: as :func:`check_int`'s.
 
   Raises:
-    ValueError: one line naming the field, the value and what is allowed, e.g.
+    ValueError: one line naming the field (or ``name``), the value and what is allowed, e.g.
       ``eval.max_batches=0; allowed: -1 (the whole split) or an int >= 1``.
   """
   meaning, most = _MINUS_ONE_OR_POSITIVE[field]
@@ -415,15 +481,15 @@ def check_minus_one_or_positive(field: str, value, high: int | None = None) -> N
     ok = is_int and 1 <= value and (high is None or value <= high)
     ints = "an int >= 1" if high is None else f"an int in 1..{shown(high)} ({most})"
   if not is_int or not (value == -1 or ok):
-    raise ValueError(f"{field}={shown(value)}; allowed: -1 ({meaning}) or {ints}")
+    raise ValueError(f"{name or field}={shown(value)}; allowed: -1 ({meaning}) or {ints}")
 
 
-def check_range(field: str, value) -> None:
-  """Checks one numeric field against :data:`_RANGES`.
+def check_range(field: str, value, name: str | None = None) -> None:
+  """Checks one numeric field against :data:`_RANGES`. ``name``: as :func:`check_int`'s.
 
   Raises:
-    ValueError: one line naming the field, the value and the allowed interval; also for
-      nan, inf, non-numbers and numbers beyond float32's range (:data:`FLOAT32_MAX`).
+    ValueError: one line naming the field (or ``name``), the value and the allowed interval;
+      also for nan, inf, non-numbers and numbers beyond float32's range (:data:`FLOAT32_MAX`).
   """
   low, low_in, high, high_in = _RANGES[field]
   allowed = f"allowed: a finite number, {_interval(low, low_in, high, high_in)}"
@@ -431,13 +497,13 @@ def check_range(field: str, value) -> None:
   # Python compares it with the bounds exactly.
   if isinstance(value, bool) or not isinstance(value, (int, float)) or (
       isinstance(value, float) and not math.isfinite(value)):
-    raise ValueError(f"{field}={shown(value)}; {allowed}")
+    raise ValueError(f"{name or field}={shown(value)}; {allowed}")
   below = low is not None and (value < low or (value == low and not low_in))
   above = high is not None and (value > high or (value == high and not high_in))
   if below or above:
-    raise ValueError(f"{field}={shown(value)}; {allowed}")
+    raise ValueError(f"{name or field}={shown(value)}; {allowed}")
   if abs(value) > FLOAT32_MAX:
-    raise ValueError(f"{field}={shown(value)} is infinite in float32, the precision it is "
+    raise ValueError(f"{name or field}={shown(value)} is infinite in float32, the precision it is "
                      f"used in; {allowed}, at most {FLOAT32_MAX:.7g}")
 
 
@@ -684,7 +750,7 @@ def check_loss_block_size(block_size, seq_len: int) -> None:
   """
   if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or (
       block_size < 0):
-    raise ValueError(f"train.loss_block_size={block_size!r}; allowed: an int >= 0 "
+    raise ValueError(f"train.loss_block_size={shown(block_size)}; allowed: an int >= 0 "
                      "(0 = all positions at once)")
   if block_size and seq_len % block_size:
     raise ValueError(f"train.loss_block_size={block_size} does not divide "
@@ -719,10 +785,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   # with no upper bound (model.d_model=0x followed by 5000 f's from the command line), then
   # failed in a message or config.json with int -> str's ValueError, naming no field.
   for field, default in flat(get_default_config()).items():
-    if type(default) is int and _unwritable(config[field]):
-      raise ValueError(f"{field}={shown(config[field])}; allowed: an int of at most "
-                       f"{sys.get_int_max_str_digits()} digits (Python's int -> str limit: "
-                       "config.json and the messages write it in decimal)")
+    if type(default) is int:
+      check_writable(field, config[field])
   m = config.model
   if m.param_dtype != "float32":
     raise ValueError(

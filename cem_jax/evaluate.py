@@ -49,10 +49,8 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
   from cem_jax.metrics import final_energy
 
   check_steps(steps)  # before seconds of loading
-  if batch_size is not None and not config_lib.is_allowed_int("eval.batch_size", batch_size):
-    raise ValueError(f"--batch_size={config_lib.shown(batch_size)}; allowed: "
-                     f"{config_lib.allowed_int('eval.batch_size')} (default: the run's "
-                     "eval.batch_size)")
+  if batch_size is not None:
+    config_lib.check_flag("--batch_size", "eval.batch_size", batch_size)
 
   def require_cem(config):
     if config.model.block != "cem":
@@ -60,7 +58,6 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
                        "model")
     if batch_size is not None:  # in the config load_run returns, which the eval below reads
       config.eval.batch_size = batch_size
-      config_lib.validate(config)  # as any config's (e.g. past 4300 digits)
     # Before the data and the parameters are made: an eval batch larger than this host
     # ended in a MemoryError traceback or the kernel's kill (exit status 137). The advice is
     # evaluate's flag: the run's config is not this command's to change.
@@ -169,8 +166,10 @@ def main(argv):
     except ValueError:
       steps = list(fl.num_steps)  # as typed: check_steps refuses them by name
     check_steps(steps)
-    if fl.max_batches < 1 and fl.max_batches != -1:
-      raise ValueError(f"--max_batches={fl.max_batches}; allowed: -1 (all) or an int >= 1")
+    config_lib.check_flag("--max_batches", "eval.max_batches", fl.max_batches)
+    if fl.batch_size is not None:
+      config_lib.check_flag("--batch_size", "eval.batch_size", fl.batch_size)
+    cli.check_folder("workdir", fl.workdir, "a trained run's folder")
     report_paths(fl.workdir)  # a folder in the way: said before the evaluation, not after
     rows = test_time_steps(fl.workdir, steps, fl.max_batches, fl.attention_impl,
                            fl.batch_size)

@@ -41,6 +41,14 @@ def main(argv):
                        "from the newest checkpoint in --workdir (checkpoint.every_steps)"), \
        cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
     _HELD.stop_if_sent(stop)  # while the flags and the config file were read
+    cli.check_given("workdir", fl.workdir, "a folder (created if missing)")
+    # '' was read as not given: the coordinator of the environment, or none.
+    cli.check_given("coordinator_address", fl.coordinator_address,
+                    "HOST:PORT (leave the flag out for $CEM_COORDINATOR_ADDRESS or JAX's)")
+    if fl.num_processes is not None:
+      config_lib.check_count("--num_processes", fl.num_processes)
+    if fl.process_id is not None:
+      config_lib.check_count("--process_id", fl.process_id, minimum=0)
     config = cli.load_config()
     # jax-free: a value the config's own rules refuse fails in a second, before jax loads
     # (train checks it again with what needs the model code: preflight.check), and so does

@@ -107,6 +107,7 @@ def plot_run(workdir: str) -> list[str]:
 def main(argv):
   cli.no_extra_args(argv)
   with cli.user_errors():
+    cli.check_folder("workdir", flags.FLAGS.workdir, "a run's folder")
     for path in plot_run(flags.FLAGS.workdir):
       print(path)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from absl import app, flags, logging
 
 from cem_jax import cli
+from cem_jax import config as config_lib
 
 
 def run(config, out: str, workers: int | None = None) -> None:
@@ -42,8 +43,8 @@ def run(config, out: str, workers: int | None = None) -> None:
   if config.data.prepared_dir:
     raise ValueError(f"data.prepared_dir={config.data.prepared_dir!r}: prepare writes to "
                      "--out; leave data.prepared_dir unset here")
-  if workers is not None and workers < 1:
-    raise ValueError(f"--workers={workers}; allowed: an int >= 1")
+  if workers is not None:
+    config_lib.check_count("--workers", workers)
   out = shard_writer.prepare(config.data, out, workers=workers)
   manifest = prepared.PreparedData.open_manifest(out, verify=False)
   for split, info in manifest["splits"].items():
@@ -58,7 +59,11 @@ def main(argv):
   cli.quiet_libraries()
   with cli.interrupted("stopped at once; the same command finishes what is missing, keeping "
                        "the shards already written"), cli.user_errors():
-    run(cli.load_config(), flags.FLAGS.out, flags.FLAGS.workers)
+    fl = flags.FLAGS
+    cli.check_given("out", fl.out, "a folder (created)")
+    if fl.workers is not None:  # before the config file runs
+      config_lib.check_count("--workers", fl.workers)
+    run(cli.load_config(), fl.out, fl.workers)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from absl import app, flags, logging
 from flax import nnx
 
 from cem_jax import cli
+from cem_jax import config as config_lib
+from cem_jax.config import check_writable, shown
 from cem_jax.model import check_num_steps
 
 
@@ -83,10 +85,11 @@ def check_sampling(temperature: float, top_k: int, top_p: float,
                      "number > 0")
   # Not an int: jax.lax.top_k's own TypeError, deep in the first sampling step.
   if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer) or top_k < 0:
-    raise ValueError(f"{flag}top_k={top_k}; allowed: 0 (off) or 1..vocab_size")
+    raise ValueError(f"{flag}top_k={shown(top_k)}; allowed: 0 (off) or 1..vocab_size")
   if vocab_size is not None and top_k > vocab_size:
-    raise ValueError(f"{flag}top_k={top_k}; allowed: 0 (off) or 1..{vocab_size} (the "
+    raise ValueError(f"{flag}top_k={shown(top_k)}; allowed: 0 (off) or 1..{vocab_size} (the "
                      "vocabulary)")
+  check_writable(f"{flag}top_k", top_k)  # no vocabulary yet: over 4300 digits is none's
   if not 0.0 < top_p <= 1.0:  # also rejects nan
     raise ValueError(f"{flag}top_p={top_p}; allowed: 0 < top_p <= 1")
   if temperature == 0.0 and (top_k or top_p < 1.0):
@@ -171,9 +174,11 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     cli.quiet_libraries(logging.logging.ERROR)  # a Python logging level
   with cli.user_errors():
-    if fl.max_new_tokens < 1:
-      raise ValueError(f"--max_new_tokens={fl.max_new_tokens}; allowed: >= 1")
+    config_lib.check_count("--max_new_tokens", fl.max_new_tokens)
     check_sampling(fl.temperature, fl.top_k, fl.top_p, flag="--")
+    # jax.random.PRNGKey takes a signed 64-bit seed (2**64 was an OverflowError traceback
+    # after the run was loaded): the run's own seed's rule.
+    config_lib.check_flag("--seed", "seed", fl.seed)
     if fl.temperature == 0.0 and fl["seed"].present:
       raise ValueError(f"--seed={fl.seed} has no effect with --temperature=0 (greedy): "
                        "the most likely token is taken; leave --seed out")
@@ -184,6 +189,7 @@ def main(argv):
     except UnicodeEncodeError as e:  # bytes the shell passed that are not UTF-8
       raise ValueError(f"--prompt={fl.prompt!r} is not UTF-8 text (at character {e.start}); "
                        "give it in UTF-8") from None
+    cli.check_folder("workdir", fl.workdir, "a trained run's folder")
     config, data, graphdef, params, step = runs.load_run(fl.workdir,
                                                          attention_impl=fl.attention_impl)
     check_sampling(fl.temperature, fl.top_k, fl.top_p, data.tokenizer.vocab_size, "--")
@@ -197,7 +203,8 @@ def main(argv):
           "model was trained on")
     if len(ids) + fl.max_new_tokens > config.data.seq_len:
       raise ValueError(
-          f"--prompt ({len(ids)} tokens) + --max_new_tokens={fl.max_new_tokens} exceeds "
+          f"--prompt ({len(ids)} tokens) + --max_new_tokens={config_lib.shown(fl.max_new_tokens)} "
+          "exceeds "
           f"data.seq_len={config.data.seq_len}, the longest context the model was trained on; "
           f"allowed: at most {config.data.seq_len - len(ids)} new tokens for this prompt")
     print(f"sampling from {fl.workdir}, checkpoint step {step}", file=sys.stderr)

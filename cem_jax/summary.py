@@ -22,6 +22,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from cem_jax import axes, cli, energies, model_stats, preflight, runs, sharding, updates
+from cem_jax import config as config_lib
 from cem_jax.model import abstract_model, known_flops_per_token
 
 
@@ -44,10 +45,9 @@ def summary(config, vocab_size: int | None = None, devices=None,
       devices.
   """
   preflight.check(config)
-  vocab = cli.vocab_size(config, vocab_size)
-  if num_devices is not None and num_devices < 1:
-    raise ValueError(f"--num_devices={num_devices}; allowed: an int >= 1 (default: this "
-                     "machine's devices)")
+  vocab = config_lib.vocab_size(config, vocab_size)
+  if num_devices is not None:
+    config_lib.check_count("--num_devices", num_devices)
   if num_devices is None:
     devices = jax.devices() if devices is None else devices
   count = len(devices) if num_devices is None else num_devices
@@ -154,6 +154,11 @@ def main(argv):
   # read-only manager (27 lines); our own warnings still show.
   cli.quiet_libraries(logging.logging.ERROR)  # a Python logging level
   with cli.user_errors():
+    if fl.vocab_size is not None:  # before a run's checkpoint is read
+      config_lib.check_flag("--vocab_size", "data.vocab_size", fl.vocab_size)
+    if fl.num_devices is not None:
+      config_lib.check_count("--num_devices", fl.num_devices)
+    cli.check_folder("workdir", fl.workdir, "a trained run's folder")
     if (fl.config is None) == (fl.workdir is None):
       raise ValueError("give one of --config=FILE.py (a config to inspect) or --workdir=DIR (a "
                        "trained run's config.json)")

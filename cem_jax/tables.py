@@ -668,12 +668,13 @@ def main(argv):
                        "command skips the finished runs and resumes it from its newest "
                        "checkpoint"), \
        cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
+    config_lib.check_count("--seeds", fl.seeds)
+    if fl.steps is not None:  # it replaces every row's train.num_steps
+      config_lib.check_flag("--steps", "train.num_steps", fl.steps)
+    cli.check_given("workdir", fl.workdir, "a folder (created if missing)")
+    cli.check_given("table", fl.table, "a table name in experiments/paper/ or a path to one")
     module = load_table(fl.table)
     name = os.path.basename(fl.table)[:-3] if fl.table.endswith(".py") else fl.table
-    if fl.seeds < 1:
-      raise ValueError(f"--seeds={fl.seeds}; allowed: an integer >= 1")
-    if fl.steps is not None and fl.steps < 1:
-      raise ValueError(f"--steps={fl.steps}; allowed: an integer >= 1 (or leave it out)")
     rows = _rows_flag(module, fl.rows)
     overrides = parse_overrides(fl.set)
     if os.path.exists(fl.workdir) and not os.path.isdir(fl.workdir):

@@ -1173,7 +1173,7 @@ def test_a_literal_meta_space_in_normalised_text_is_three_bytes_between_its_part
     (["--mode=corpus", "--out={tmp}/c.txt", "--shared={tmp}"], "--shared={tmp} holds no *.txt "
                                                                 "file"),
     (["--mode=pipeline", "--prepared_dir={tmp}", "--batch_size=0"],
-     "flag --batch_size=0: 0 is not a positive integer"),
+     "--batch_size=0; allowed: an int >= 1"),
 ])
 def test_data_benchmark_refuses_bad_arguments_in_one_line(tmp_path, args, error):
   import subprocess

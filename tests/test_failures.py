@@ -386,7 +386,8 @@ def test_validation_names_field_value_and_what_is_allowed():
     ("evaluate", ["--num_steps=1,2,1"],  # else T = 1 evaluated twice, two equal rows
      "error: --num_steps=1,2,1; allowed: comma-separated values, each an int >= 1 and < 2**8 "
      "(every step is unrolled into the compiled program) and at most once"),
-    ("evaluate", ["--max_batches=0"], "error: --max_batches=0; allowed: -1 (all) or an int >= 1"),
+    ("evaluate", ["--max_batches=0"],
+     "error: --max_batches=0; allowed: -1 (the whole split) or an int >= 1"),
     ("sample", ["--prompt="], "error: --prompt is empty; give at least one character"),
     ("sample", ["--prompt=The", "--temperature=nan"],
      "error: --temperature=nan; allowed: 0 (greedy) or a finite number > 0"),

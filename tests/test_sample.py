@@ -1,5 +1,7 @@
 """Generation: cached decoding equals recomputing the prefix; sampling filters are right."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,7 +128,9 @@ def _stand_in_run(monkeypatch, tokenizer):
   from cem_jax import runs
 
   fv = flags.FlagValues()
-  for name, default in (("workdir", "w"), ("prompt", "abc"), ("verbosity", "0"),
+  # The workdir a folder that exists (sample refuses one that does not before loading).
+  here = os.path.dirname(__file__)
+  for name, default in (("workdir", here), ("prompt", "abc"), ("verbosity", "0"),
                         ("attention_impl", "xla")):
     flags.DEFINE_string(name, default, "", flag_values=fv)
   for name, default in (("max_new_tokens", 5), ("top_k", 0), ("seed", 0)):
@@ -138,7 +142,7 @@ def _stand_in_run(monkeypatch, tokenizer):
   monkeypatch.setattr(flags, "FLAGS", fv)
   config = tiny_config(**{"data.seq_len": 8})
   def load_run(workdir, attention_impl):
-    assert (workdir, attention_impl) == ("w", "xla")  # the flags, passed on
+    assert (workdir, attention_impl) == (here, "xla")  # the flags, passed on
     return config, SimpleNamespace(tokenizer=tokenizer), None, None, 7
 
   monkeypatch.setattr(runs, "load_run", load_run)
@@ -222,7 +226,7 @@ def test_sample_refuses_flags_out_of_range_and_passes_the_rest_on(monkeypatch, c
   assert run(temperature=0.0, top_k=0, top_p=0.9) == (
       "error: --top_k=0 --top_p=0.9 have no effect with --temperature=0 (greedy); leave them at "
       "0 and 1\n")
-  assert run(max_new_tokens=0) == "error: --max_new_tokens=0; allowed: >= 1\n"
+  assert run(max_new_tokens=0) == "error: --max_new_tokens=0; allowed: an int >= 1\n"
   monkeypatch.setattr(tokenizer, "encode", lambda text: [])
   assert run() == "error: --prompt='abc' encodes to no tokens; give some text\n"
   assert len(calls) == 2  # nothing refused reached generate

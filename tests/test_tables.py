@@ -1078,8 +1078,8 @@ def test_bad_seeds_steps_or_workdir_are_refused_before_any_run(tmp_path, monkeyp
   (tmp_path / "file").write_text("")
   monkeypatch.setattr(tables, "run_table", lambda *args: pytest.fail("a run started"))
   for name, value, error in (
-      ("seeds", 0, "--seeds=0; allowed: an integer >= 1"),
-      ("steps", 0, "--steps=0; allowed: an integer >= 1 (or leave it out)"),
+      ("seeds", 0, "--seeds=0; allowed: an int >= 1"),
+      ("steps", 0, "--steps=0; allowed: an int >= 1 and < 2**31"),
       ("workdir", str(tmp_path / "file"),
        f"--workdir={tmp_path / 'file'} is a file; give a folder (created if missing)")):
     _table_flags(monkeypatch, tmp_path / "out", **{name: value})

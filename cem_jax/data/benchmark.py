@@ -34,6 +34,7 @@ from pathlib import Path
 from absl import app, flags
 
 from cem_jax import cli, cpus
+from cem_jax import config as config_lib
 from cem_jax.files import atomic_writer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,11 +143,20 @@ def main(argv):
 
 def _main() -> None:
   fl = flags.FLAGS
+  # The config's rules of the fields these flags stand for (the seed: numpy's generator).
+  config_lib.check_count("--megabytes", fl.megabytes)
+  config_lib.check_flag("--seed", "data.shuffle_seed", fl.seed)
+  config_lib.check_flag("--batch_size", "train.batch_size", fl.batch_size)
+  config_lib.check_flag("--seq_len", "data.seq_len", fl.seq_len)
+  config_lib.check_count("--steps", fl.steps)
+  for name in ("out", "files", "prepared_dir"):
+    cli.check_given(name, getattr(fl, name), "a path (leave the flag out where not needed)")
   if fl.mode in ("pipeline", "first_step") and not fl.prepared_dir:
     raise ValueError(f"--mode={fl.mode} needs --prepared_dir=FOLDER (made by --mode=prepare)")
   if fl.mode == "corpus":
     if not fl.out:
       raise ValueError("--mode=corpus needs --out=FILE")
+    cli.check_folder("shared", fl.shared, "the folder of the source texts")
     start = time.perf_counter()
     n = make_corpus(Path(fl.shared), Path(fl.out), fl.megabytes, fl.seed)
     print(f"corpus: wrote {n / 1e6:.1f} MB to {fl.out} in {time.perf_counter() - start:.1f} s")
@@ -178,14 +188,13 @@ if __name__ == "__main__":
   flags.DEFINE_enum("mode", None, ["corpus", "prepare", "pipeline", "first_step"],
                     "What to measure.")
   flags.DEFINE_string("out", None, "corpus: the text file to write; prepare: the folder.")
-  flags.DEFINE_integer("megabytes", 100, "corpus: size in MB (10^6 bytes).",
-                       lower_bound=1)
+  flags.DEFINE_integer("megabytes", 100, "corpus: size in MB (10^6 bytes).")
   flags.DEFINE_string("shared", "../shared/data", "corpus: folder of the source texts.")
   flags.DEFINE_integer("seed", 0, "corpus: shuffle seed.")
   flags.DEFINE_string("files", None, "prepare: data.files of the corpus.")
   flags.DEFINE_string("prepared_dir", None, "pipeline/first_step: prepared folder.")
-  flags.DEFINE_integer("batch_size", 64, "pipeline: rows per batch.", lower_bound=1)
-  flags.DEFINE_integer("seq_len", 1024, "pipeline: tokens per row.", lower_bound=2)
-  flags.DEFINE_integer("steps", 200, "pipeline: batches to read.", lower_bound=1)
+  flags.DEFINE_integer("batch_size", 64, "pipeline: rows per batch.")
+  flags.DEFINE_integer("seq_len", 1024, "pipeline: tokens per row.")
+  flags.DEFINE_integer("steps", 200, "pipeline: batches to read.")
   flags.mark_flag_as_required("mode")
   app.run(main, flags_parser=cli.parse_flags)

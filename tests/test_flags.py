@@ -1,0 +1,177 @@
+"""Every tool's flags are refused by the config's rules (``config.check_flag``, ``check_count``)
+and ``cli.check_given`` / ``check_folder``: one line naming the flag, the value (an int past
+Python's 4300-digit limit by its digit count) and what is allowed, exit status 1, before any
+run, data or checkpoint is read.
+
+Each tool runs once, as ``python -m cem_jax.TOOL`` runs it (its ``__main__`` block defines its
+flags and calls ``app.run``), with ``app.run`` made to run ``main`` once for each case's
+arguments: one interpreter per tool, not per case.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import subprocess_env
+
+from cem_jax import config as config_lib
+
+REPO = Path(__file__).resolve().parents[1]
+HUGE = "0x" + "f" * 4000  # absl reads it as an int of 4817 digits, past int -> str's limit
+TOO_LONG = (f"={config_lib.shown(int(HUGE, 16))}; allowed: an int of at most 4300 digits "
+            "(Python's int -> str limit: config.json and the messages write it in decimal)")
+
+# The tool's __main__ block runs once; app.run runs main once per case, its flags reset
+# between them. Its signals set as a terminal leaves them, whatever pytest's are.
+_CHILD = """
+import contextlib, io, json, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+from absl import app, flags
+tool, cases = sys.argv[1], json.load(sys.stdin)
+out, real_run = [], app.run
+def run_cases(main, argv=None, flags_parser=None):
+  for args in cases:
+    if flags.FLAGS.is_parsed():
+      flags.FLAGS.unparse_flags()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+      try:
+        real_run(main, argv=[tool, *args], flags_parser=flags_parser)
+        code = 0
+      except SystemExit as e:
+        code = e.code
+    out.append([code, err.getvalue()])
+app.run = run_cases
+runpy.run_module(f"cem_jax.{tool}", run_name="__main__")
+print(json.dumps(out))
+"""
+
+
+def _refusals(tool: str, cases: list[list[str]]) -> list[tuple[int, str]]:
+  """``(exit status, stderr)`` of ``cem_jax.TOOL`` for each of ``cases`` (its arguments)."""
+  proc = subprocess.run([sys.executable, "-c", _CHILD, tool], input=json.dumps(cases),
+                        cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return [tuple(r) for r in json.loads(proc.stdout.splitlines()[-1])]
+
+
+def _check(tool: str, cases: list[tuple[list[str], str]]) -> None:
+  got = _refusals(tool, [args for args, _ in cases])
+  assert got == [(1, f"error: {line}\n") for _, line in cases]
+
+
+def test_evaluate_refuses_bad_flags_before_loading_the_run(tmp_path):
+  # Mutations: evaluate's old --max_batches rule (< 1 and != -1) let HUGE through; without
+  # check_folder, --workdir= read ./config.json (the working directory's).
+  missing, file = tmp_path / "nothing", tmp_path / "file"
+  file.write_text("")
+  at = f"--workdir={missing}"
+  _check("evaluate", [
+      ([at, "--max_batches=0"], "--max_batches=0; allowed: -1 (the whole split) or an int >= 1"),
+      ([at, "--max_batches=-2"],
+       "--max_batches=-2; allowed: -1 (the whole split) or an int >= 1"),
+      ([at, f"--max_batches={HUGE}"], f"--max_batches{TOO_LONG}"),
+      ([at, "--batch_size=0"], "--batch_size=0; allowed: an int >= 1"),
+      ([at, f"--batch_size={HUGE}"], f"--batch_size{TOO_LONG}"),
+      (["--workdir="], "--workdir is empty; allowed: a trained run's folder"),
+      ([at], f"--workdir={missing}: no such folder; allowed: a trained run's folder"),
+      ([f"--workdir={file}"], f"--workdir={file}: is not a folder; allowed: a trained run's "
+                              "folder"),
+  ])
+
+
+def test_sample_refuses_bad_flags_before_loading_the_run(tmp_path):
+  missing = tmp_path / "nothing"
+  at = [f"--workdir={missing}", "--prompt=The"]
+  _check("sample", [
+      ([*at, "--max_new_tokens=0"], "--max_new_tokens=0; allowed: an int >= 1"),
+      ([*at, f"--max_new_tokens={HUGE}"], f"--max_new_tokens{TOO_LONG}"),
+      ([*at, "--seed=-1"], "--seed=-1; allowed: an int >= 0 and < 2**63"),
+      ([*at, f"--seed={2**63}"], f"--seed={2**63}; allowed: an int >= 0 and < 2**63"),
+      ([*at, f"--top_k={HUGE}"], f"--top_k{TOO_LONG}"),
+      (["--workdir=", "--prompt=The"], "--workdir is empty; allowed: a trained run's folder"),
+      (at, f"--workdir={missing}: no such folder; allowed: a trained run's folder"),
+  ])
+
+
+def test_plot_summary_and_aot_refuse_bad_flags(tmp_path):
+  missing = tmp_path / "nothing"
+  _check("plot", [
+      (["--workdir="], "--workdir is empty; allowed: a run's folder"),
+      ([f"--workdir={missing}"], f"--workdir={missing}: no such folder; allowed: a run's folder"),
+  ])
+  tiny = "--config=experiments/tiny.py"
+  _check("summary", [
+      ([tiny, "--vocab_size=7"], "--vocab_size=7; allowed: an int >= 8"),  # data.vocab_size's
+      ([tiny, f"--vocab_size={HUGE}"], f"--vocab_size{TOO_LONG}"),
+      ([tiny, "--num_devices=0"], "--num_devices=0; allowed: an int >= 1"),
+      ([tiny, f"--num_devices={HUGE}"], f"--num_devices{TOO_LONG}"),
+      (["--workdir="], "--workdir is empty; allowed: a trained run's folder"),
+      ([f"--workdir={missing}"],
+       f"--workdir={missing}: no such folder; allowed: a trained run's folder"),
+  ])
+  _check("aot", [
+      ([tiny, "--target=h100", "--vocab_size=0"], "--vocab_size=0; allowed: an int >= 8"),
+      ([tiny, "--target=h100", f"--vocab_size={HUGE}"], f"--vocab_size{TOO_LONG}"),
+  ])
+
+
+def test_tables_prepare_and_bench_refuse_bad_flags(tmp_path):
+  out = f"--workdir={tmp_path / 'tables'}"
+  _check("tables", [
+      (["--table=mlp", out, "--seeds=0"], "--seeds=0; allowed: an int >= 1"),
+      (["--table=mlp", out, f"--seeds={HUGE}"], f"--seeds{TOO_LONG}"),
+      (["--table=mlp", out, f"--steps={2**31}"],
+       f"--steps={2**31}; allowed: an int >= 1 and < 2**31"),
+      (["--table=mlp", out, f"--steps={HUGE}"],
+       f"--steps={config_lib.shown(int(HUGE, 16))}; allowed: an int >= 1 and < 2**31"),
+      (["--table=mlp", "--workdir="], "--workdir is empty; allowed: a folder (created if missing)"),
+      (["--table=", out], "--table is empty; allowed: a table name in experiments/paper/ or a "
+                          "path to one"),
+  ])
+  assert not (tmp_path / "tables").exists()
+  tiny, prepared = "--config=experiments/tiny.py", f"--out={tmp_path / 'prepared'}"
+  _check("prepare", [
+      ([tiny, prepared, "--workers=0"], "--workers=0; allowed: an int >= 1"),
+      ([tiny, prepared, f"--workers={HUGE}"], f"--workers{TOO_LONG}"),  # was a hang
+      ([tiny, "--out="], "--out is empty; allowed: a folder (created)"),  # was the cwd
+  ])
+  assert not (tmp_path / "prepared").exists()
+  _check("bench", [
+      (["--loss_block_size=-1"], "--loss_block_size=-1; allowed: an int >= 0"),
+      ([f"--loss_block_size={HUGE}"], f"--loss_block_size{TOO_LONG}"),
+      (["--out="], "--out is empty; allowed: a JSON file's path (leave the flag out for none)"),
+      (["--profile_dir="],
+       "--profile_dir is empty; allowed: a folder (leave the flag out for no trace)"),
+  ])
+
+
+def test_main_and_the_data_benchmark_refuse_bad_flags(tmp_path):
+  run = [f"--config={REPO / 'experiments' / 'tiny.py'}", f"--workdir={tmp_path / 'run'}"]
+  _check("main", [
+      ([run[0], "--workdir="], "--workdir is empty; allowed: a folder (created if missing)"),
+      ([*run, "--coordinator_address="],  # was read as not given, the run trained alone
+       "--coordinator_address is empty; allowed: HOST:PORT (leave the flag out for "
+       "$CEM_COORDINATOR_ADDRESS or JAX's)"),
+      ([*run, "--num_processes=0"], "--num_processes=0; allowed: an int >= 1"),
+      ([*run, f"--num_processes={HUGE}"], f"--num_processes{TOO_LONG}"),
+      ([*run, "--process_id=-1"], "--process_id=-1; allowed: an int >= 0"),
+  ])
+  assert not (tmp_path / "run").exists()
+  corpus = ["--mode=corpus", f"--out={tmp_path / 'corpus.txt'}"]
+  _check("data.benchmark", [
+      ([*corpus, "--megabytes=0"], "--megabytes=0; allowed: an int >= 1"),
+      ([*corpus, f"--megabytes={HUGE}"], f"--megabytes{TOO_LONG}"),
+      ([*corpus, "--seed=-1"], "--seed=-1; allowed: an int >= 0 and < 2**63"),
+      ([*corpus, "--seq_len=1"], "--seq_len=1; allowed: an int >= 2"),
+      ([*corpus, "--batch_size=0"], "--batch_size=0; allowed: an int >= 1"),
+      ([*corpus, "--steps=0"], "--steps=0; allowed: an int >= 1"),
+      (["--mode=corpus", "--out="],
+       "--out is empty; allowed: a path (leave the flag out where not needed)"),
+      ([*corpus, f"--shared={tmp_path / 'none'}"],
+       f"--shared={tmp_path / 'none'}: no such folder; allowed: the folder of the source texts"),
+  ])
+  assert not (tmp_path / "corpus.txt").exists()
