@@ -12,6 +12,7 @@ import dataclasses
 import glob
 import os
 
+import jax
 import ml_collections
 from absl import flags
 from flax import nnx
@@ -331,11 +332,24 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
   held = workdir_lib.prepared_folders(workdir)
   data = data_lib.build_data(config, workdir)
   check_data(meta, data, ckpt.step_dir(step), workdir, held)
-  model = steps_lib.build_model(config, data.tokenizer.vocab_size)
-  graphdef, params = nnx.split(model, nnx.Param)
-  tx, _ = optim.make_optimizer(config.train)
-  state, _ = ckpt.restore(step, {"params": params, "opt_state": tx.init(params)})
+  # The model as shapes only: the restore needs no initial values (building the model and
+  # its optimizer state eagerly took seconds, only to be overwritten).
+  graphdef, params = nnx.split(nnx.eval_shape(
+      lambda: steps_lib.build_model(config, data.tokenizer.vocab_size)), nnx.Param)
+  state, _ = ckpt.restore(step, restore_target(config.train, params))
   return config, data, graphdef, state["params"]
+
+
+def restore_target(train_config: ml_collections.ConfigDict, params) -> dict:
+  """``{'params', 'opt_state'}`` of ``params`` (an ``nnx.State`` of Params as shapes only:
+  ``nnx.eval_shape`` of the model) and the optimizer of ``train_config`` (``config.train``),
+  as ``jax.ShapeDtypeStruct`` leaves on this process's first device, where a built model's
+  arrays were: the target :meth:`cem_jax.checkpoint.Checkpointer.restore` reads a step onto,
+  with nothing initialised, allocated or compiled."""
+  tx, _ = optim.make_optimizer(train_config)
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                      {"params": params, "opt_state": jax.eval_shape(tx.init, params)})
 
 
 def _prepared_data_of(workdir: str, prepared_dir: str, identity: dict | None) -> str | None:
