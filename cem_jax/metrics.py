@@ -8,6 +8,8 @@ import json
 import math
 import os
 import re
+import signal
+import threading
 
 from absl import logging
 
@@ -30,6 +32,11 @@ class MetricsWriter:
       after its last checkpoint) are dropped so the file never shows a step twice; TensorBoard
       is told to purge its events after that step too.
     tensorboard: also write the numeric values as TensorBoard scalars.
+    hold: the signals held while TensorBoard's writer runs (:func:`_held`): delivered when
+      its call returns, so that an exception their handler raises never lands inside it.
+      Add SIGTERM where its Python handler may raise (train's start-up,
+      :class:`cem_jax.workdir.Preemption`), never where a handler set below Python's has it
+      (JAX's preemption notifier in a multi-process run): replaced, it would be lost.
 
   Raises:
     ValueError: with ``truncate_after_step``, a damaged line before the last one, as
@@ -37,9 +44,10 @@ class MetricsWriter:
   """
 
   def __init__(self, workdir: str, enabled: bool = True, truncate_after_step: int | None = None,
-               tensorboard: bool = True):
+               tensorboard: bool = True, hold: tuple[int, ...] = (signal.SIGINT,)):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.enabled = enabled
+    self._hold = hold
     self._file = None
     self._tb = None
     if not enabled:
@@ -59,7 +67,8 @@ class MetricsWriter:
 
       # TensorBoard purges the events at and after purge_step: those after the kept step.
       purge = None if truncate_after_step is None else truncate_after_step + 1
-      self._tb = SummaryWriter(tensorboard_dir(workdir), purge_step=purge)
+      with self._tensorboard(tensorboard_dir(workdir)):  # it starts its writer thread
+        self._tb = SummaryWriter(tensorboard_dir(workdir), purge_step=purge)
     if kept is not None:
       atomic_write_bytes(self.path, kept.encode())
     self._file = open(self.path, "a")
@@ -73,6 +82,8 @@ class MetricsWriter:
     Raises:
       OSError: the line or the events cannot be written (a full disk), naming the file or the
         TensorBoard folder.
+      KeyboardInterrupt: a Ctrl-C held while TensorBoard's writer ran (see ``hold``), raised
+        once the line and the events are written.
     """
     if self._file is None:
       return
@@ -82,19 +93,94 @@ class MetricsWriter:
       self._file.write(json.dumps(line, allow_nan=False) + "\n")
       self._file.flush()
     if self._tb is not None:
-      with _naming(self._tb.logdir):
+      with self._tensorboard(self._tb.logdir):
         for key, value in metrics.items():
           if isinstance(value, int | float) and not isinstance(value, bool):
             self._tb.add_scalar(key, value, int(step))
         self._tb.flush()
 
   def close(self) -> None:
-    if self._file is not None:
-      self._file.close()
-      self._file = None
-    if self._tb is not None:
-      self._tb.close()
-      self._tb = None
+    """Closes ``metrics.jsonl``, then TensorBoard's writer (its events written, its thread
+    stopped), also when the first fails; a second call does nothing.
+
+    Raises:
+      OSError: as :meth:`write`.
+      KeyboardInterrupt: as :meth:`write`, once both are closed.
+    """
+    file, self._file = self._file, None
+    tb, self._tb = self._tb, None
+    try:
+      if file is not None:
+        with _naming(self.path):
+          file.close()
+    finally:
+      if tb is not None:
+        with self._tensorboard(tb.logdir):
+          tb.close()
+
+  @contextlib.contextmanager
+  def _tensorboard(self, logdir: str):
+    """Around every call into tensorboardX: ``hold``'s signals held (:func:`_held`), an
+    OSError named (:func:`_naming`), and a warning naming ``logdir`` when the block is cut short
+    by a signal (a second Ctrl-C: the way out of a writer that hangs), whose last events may
+    then be missing."""
+    with _naming(logdir), _held(self._hold):
+      try:
+        yield
+      except BaseException as e:
+        if not isinstance(e, Exception):
+          logging.warning("TensorBoard events in %s may lack the last ones: its writer was "
+                          "stopped part way (%s); metrics.jsonl has every line", logdir,
+                          type(e).__name__)
+        raise
+
+
+@contextlib.contextmanager
+def _held(signals: tuple[int, ...]):
+  """Holds ``signals`` (SIGINT, SIGTERM) until the block ends, then sends each one that came
+  to its handler (Python's Ctrl-C handler: a KeyboardInterrupt), for a block that runs
+  tensorboardX.
+
+  Its writer hands events and its stop to a thread through ``multiprocessing.Queue``, whose
+  ``put`` enters a ``threading.Condition``: a Ctrl-C landing there, just after the lock is
+  taken, leaves the lock taken for ever (``Condition.__enter__`` is Python code, and the
+  exception leaves before the ``with`` holds it), and the next ``put`` (the stop, in ``close``
+  or tensorboardX's ``atexit``) waits for it: the run hung after "interrupted (Ctrl-C)".
+
+  A second one of a signal held is sent to its handler at once: the way out of a writer that
+  hangs (a disk that stopped answering), at the risk above. Nothing is held outside the main
+  thread (no handler can be set there, and signals run only in the main thread), nor a signal
+  whose handler was set outside Python (``signal.getsignal`` None: it could not be put back).
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  got, previous = [], {}
+  over = False
+
+  def hold(signum, frame):
+    del frame
+    if over or signum in got:  # a second one, or one after the block: its handler, now
+      if not over:
+        got.remove(signum)  # sent now, not again after the block
+      signal.signal(signum, previous[signum])
+      signal.raise_signal(signum)
+    else:
+      got.append(signum)
+
+  try:
+    for signum in signals:
+      handler = signal.getsignal(signum)
+      if handler is not None:
+        previous[signum] = handler  # first: hold may need it as soon as it is set
+        signal.signal(signum, hold)
+    yield
+  finally:
+    over = True
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+    for signum in got:
+      signal.raise_signal(signum)
 
 
 @contextlib.contextmanager
