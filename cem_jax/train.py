@@ -20,6 +20,7 @@ import dataclasses
 import math
 import os
 import shutil
+import signal
 import time
 
 import jax
@@ -532,11 +533,14 @@ def _open_metrics(run: Run, resolved: dict, is_main: bool) -> tuple[MetricsWrite
     ValueError: ``metrics.jsonl`` is damaged before its last line (see :class:`MetricsWriter`).
   """
   done_before = run.start_step >= run.config.train.num_steps
+  # SIGTERM held too where workdir.Preemption's handler has it (one process), which raises in
+  # start-up, now; with several, JAX's preemption notifier has it, below Python's handler.
+  hold = (signal.SIGINT, signal.SIGTERM) if jax.process_count() == 1 else (signal.SIGINT,)
   # A run killed before its first checkpoint starts over: drop its step-0 line too. First, so
   # that a damaged metrics.jsonl is refused before config.json is rewritten.
   writer = MetricsWriter(run.workdir, enabled=is_main,
                          truncate_after_step=run.start_step if run.start_step > 0 else -1,
-                         tensorboard=not done_before)
+                         tensorboard=not done_before, hold=hold)
   try:
     if is_main and not done_before:
       atomic_write_json(os.path.join(run.workdir, "config.json"), resolved, sort_keys=True)
@@ -778,10 +782,11 @@ class _Loop:
       self.run.ckpt.close()
     except Exception as e:  # noqa: BLE001
       logging.error("could not finish the pending checkpoint save: %s", errors.one_line(e))
-    try:
-      self.writer.close()
-    except Exception as e:  # noqa: BLE001
-      logging.error("could not close %s: %s", self.writer.path, errors.one_line(e))
+    finally:  # also after a second Ctrl-C, the way out of a save that hangs
+      try:
+        self.writer.close()
+      except Exception as e:  # noqa: BLE001
+        logging.error("could not close %s: %s", self.writer.path, errors.one_line(e))
 
   def close(self) -> None:
     """After the last step: the trace, the pending save and the metrics finish, in order."""

@@ -722,6 +722,47 @@ def test_a_sigterm_during_start_up_stops_it_as_a_failed_start_and_says_so(existe
   _assert_nothing_left(workdir, existed, prepared=when != "claiming the workdir")
 
 
+def test_a_sigterm_during_start_up_waits_for_tensorboards_call_to_return(tmp_path, monkeypatch,
+                                                                        sigterm_kills):
+  # Start-up's SIGTERM raises (cli.Terminated) where it lands: inside tensorboardX (the step-0
+  # line) it can leave the writer's queue lock taken and the clean-up's close hanging for ever
+  # (test_train's handshake test). Held until tensorboardX's call returns, it stops the start
+  # as anywhere else.
+  import tensorboardX
+
+  add_scalar, returned = tensorboardX.SummaryWriter.add_scalar, []
+
+  def sigterm_inside(self, tag, *args, **kwargs):
+    if not returned:
+      signal.raise_signal(signal.SIGTERM)
+    add_scalar(self, tag, *args, **kwargs)
+    returned.append(tag)
+
+  monkeypatch.setattr(tensorboardX.SummaryWriter, "add_scalar", sigterm_inside)
+  workdir = tmp_path / "w"
+  with pytest.raises(cli.Terminated, match="^during start-up, before the first step"):
+    train.train_and_evaluate(tiny_config("llama", **{"train.num_steps": 2}), str(workdir))
+  assert "params/total" in returned and "data/epochs" in returned  # the whole step-0 line
+  _assert_nothing_left(workdir, prepared=True)
+
+
+def test_a_second_ctrl_c_out_of_a_pending_save_still_closes_the_metrics():
+  # The second Ctrl-C is the way out of a save that hangs (workdir.interrupt_held): the
+  # metrics are closed all the same, TensorBoard's last events written by the run, not left
+  # to tensorboardX's atexit.
+  def interrupted():
+    raise KeyboardInterrupt
+
+  closed = []
+  loop = types.SimpleNamespace(
+      done=3, profiler=types.SimpleNamespace(stop=lambda done: None),
+      run=types.SimpleNamespace(ckpt=types.SimpleNamespace(close=interrupted)),
+      writer=types.SimpleNamespace(path="/w/metrics.jsonl", close=lambda: closed.append(1)))
+  with pytest.raises(KeyboardInterrupt):
+    train._Loop.abort(loop)
+  assert closed == [1]
+
+
 def test_terminated_is_one_line_and_ends_the_process_by_sigterm():
   # As a Ctrl-C: clean-up and atexit run, no traceback, and the status a SIGTERM gives.
   code = textwrap.dedent("""
