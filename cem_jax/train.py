@@ -652,7 +652,7 @@ class _Loop:
     done = step + 1
     if self.profiler.starts_at(done):
       with self.off_the_clock():  # the steps and checkpoint writes before it stay out of it
-        self.run.ckpt.wait()
+        self.wait_for_save()
         self.profiler.start()
     batch = run.shardings.global_batch(run.data.train.batch(step, self.block, self.blocks),
                                        self.global_rows)
@@ -672,7 +672,7 @@ class _Loop:
       with self.off_the_clock():
         self.save(done, force=preempted or done == self.num_steps)
     if preempted:
-      run.ckpt.wait()
+      self.wait_for_save()
       if done == self.num_steps:  # a rerun would only say so: there is nothing to resume
         logging.warning("preempted (SIGTERM) in the last step: saved the final step %d in %s; "
                         "the run is finished", done, run.ckpt.directory)
@@ -772,6 +772,17 @@ class _Loop:
     if saved:
       self.last_saved = done
 
+  def wait_for_save(self, close: bool = False) -> None:
+    """Waits for the pending save (and, ``close``, closes the checkpoints), with Ctrl-C held
+    until then (:func:`cem_jax.workdir.interrupt_held`; a second one at once). Landing inside
+    Orbax's wait, a Ctrl-C was reported as the save failing ("Save Finalize thread ...
+    failed", with a traceback), and Orbax forgot the step it was committing."""
+    with workdir_lib.interrupt_held():
+      if close:
+        self.run.ckpt.close()
+      else:
+        self.run.ckpt.wait()
+
   def abort(self) -> None:
     """On an error: saves already started passed the checks, so let them commit first; a
     trace in progress is written (it may show why)."""
@@ -791,5 +802,5 @@ class _Loop:
   def close(self) -> None:
     """After the last step: the trace, the pending save and the metrics finish, in order."""
     self.profiler.stop(self.done)  # a run preempted inside the window
-    self.run.ckpt.close()
+    self.wait_for_save(close=True)
     self.writer.close()

@@ -655,6 +655,53 @@ def test_a_sigterm_while_the_last_save_commits_lets_it_commit_and_the_run_end(tm
   ckpt.close()
 
 
+def test_a_ctrl_c_while_the_last_save_commits_stops_the_run_after_it_without_a_failure(
+    tmp_path, monkeypatch, caplog):
+  # The loop has ended; close waits in Orbax for the last save's commit. A Ctrl-C landing
+  # there was reported as the save failing (Orbax's "Save Finalize thread ... failed", with a
+  # KeyboardInterrupt traceback), and Orbax dropped the step from its list. Held until the
+  # commit, it stops the run after it. Deterministic: the commit waits until the run waits
+  # for it, and the Ctrl-C comes as the run's wait begins.
+  import threading
+
+  waiting, armed, sent = threading.Event(), [], []
+  write_digest, join, close = Checkpointer._write_digest, threading.Thread.join, Checkpointer.close
+
+  def digest_when_waited_for(self):  # Orbax's finalize thread, after the commit
+    waiting.wait(timeout=60)
+    write_digest(self)
+
+  def armed_close(self):
+    armed.append(True)
+    close(self)
+
+  def ctrl_c_then_join(self, *args, **kwargs):
+    if armed and not sent and threading.current_thread() is threading.main_thread():
+      sent.append(self.name)
+      waiting.set()
+      signal.raise_signal(signal.SIGINT)
+    return join(self, *args, **kwargs)
+
+  monkeypatch.setattr(Checkpointer, "_write_digest", digest_when_waited_for)
+  monkeypatch.setattr(Checkpointer, "close", armed_close)
+  monkeypatch.setattr(threading.Thread, "join", ctrl_c_then_join)
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+  try:
+    with caplog.at_level(logging.ERROR), pytest.raises(KeyboardInterrupt):
+      train.train_and_evaluate(tiny_config("llama", **{"train.num_steps": 2}),
+                               str(tmp_path / "w"))
+  finally:
+    signal.signal(signal.SIGINT, previous)
+    waiting.set()
+  assert sent == ["save_finalize"], sent  # Orbax's thread, the run's wait for its last save
+  assert [r.getMessage() for r in caplog.records] == []
+  monkeypatch.setattr(Checkpointer, "_write_digest", write_digest)
+  monkeypatch.setattr(Checkpointer, "close", close)
+  ckpt = Checkpointer(str(tmp_path / "w" / "checkpoints"))
+  assert ckpt.restorable_step() == 2 and ckpt.verify(2) == []
+  ckpt.close()
+
+
 @pytest.mark.parametrize("at_step", [1, 2])
 def test_a_sigterm_in_the_last_step_says_the_run_is_finished_not_to_resume_it(
     at_step, tmp_path, monkeypatch, caplog, sigterm_kills):
