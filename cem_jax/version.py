@@ -40,8 +40,10 @@ for the code before it, run beside it the same day (de3aef2).
 
 The README's main job (``experiments/tiny.py``, eval bits/byte at step 1000) under version 3,
 by machine and code: 1.7273 on 2026-12-02 and 12-03 (one machine); on an AMD EPYC with
-AVX-512, 1.7237 (2026-12-03), then 1.7240 with the loss as ``log Z - logit[target]``; on an
-AMD EPYC without AVX-512, 1.7250, then 1.7230 after the η and RMSNorm changes, then 1.7232
+AVX-512, 1.7237 (2026-12-03), then 1.7240 with the loss as ``log Z - logit[target]``, and
+1.7289 at f486133 (2026-12-07, after the η, RMSNorm and target-logit changes above; step 100:
+2.6286, step 500: 1.9334; the quick look's 100-step run there: 2.7448, as the README says); on
+an AMD EPYC without AVX-512, 1.7250, then 1.7230 after the η and RMSNorm changes, then 1.7232
 with the elementwise gradient of the target's logit (2026-12-04).
 """
 

@@ -19,8 +19,10 @@ above with its arg/override, on a 2-core CPU shared with other jobs (8.7 min for
 main job there). The wall time depends on the machine and on the load: the same job took
 12.4 min on idle cores of another 2-core machine (2026-12-03, 1.7273 bits/byte again) and
 4.7 min on an idle AMD EPYC with AVX-512 (2026-12-04; 9.6 min there the day before beside
-other jobs), which ends at 1.7237 (step 500: 1.934): XLA's CPU kernels round differently on
-that processor. Each machine repeats its own figures to the last digit.
+other jobs), which ended at 1.7237 (step 500: 1.934) and, since the float-rounding changes of
+2026-12-04 (cem_jax/version.py), at 1.7289 (step 500: 1.9334; 18 min beside other jobs,
+2026-12-07): XLA's CPU kernels round differently on that processor. Each machine repeats its
+own figures to the last digit.
 
 | run | eval bits/byte at step 500 / 1000 | version 2 | reference |
 |---|---|---|---|
