@@ -150,7 +150,18 @@ def test_tables_prepare_and_bench_refuse_bad_flags(tmp_path):
 
 
 def test_main_and_the_data_benchmark_refuse_bad_flags(tmp_path):
-  run = [f"--config={REPO / 'experiments' / 'tiny.py'}", f"--workdir={tmp_path / 'run'}"]
+  # A config the config's rules refuse (model.block): main checks its flags before it reads
+  # the config, so each case below still gets its flag's line, and were a flag's check lost
+  # the run would stop at config.validate within a second instead of training (an empty
+  # --coordinator_address, --num_processes=0 and --process_id=-1 each trained alone, and the
+  # test failed only at the subprocess's 300 s timeout).
+  refused = tmp_path / "refused.py"
+  refused.write_text("from cem_jax.config import get_default_config\n"
+                     "def get_config():\n"
+                     "  c = get_default_config()\n"
+                     "  c.model.block = 'cme'\n"
+                     "  return c\n")
+  run = [f"--config={refused}", f"--workdir={tmp_path / 'run'}"]
   _check("main", [
       ([run[0], "--workdir="], "--workdir is empty; allowed: a folder (created if missing)"),
       ([*run, "--coordinator_address="],  # was read as not given, the run trained alone
