@@ -7,9 +7,11 @@ reads a workdir, writes metrics or saves checkpoints.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 
 import jax
@@ -31,11 +33,22 @@ from cem_jax.optim import applied_updates
 # Model and sharded state
 
 
-def build_model(config, vocab_size: int, platform: str | None = None) -> DecoderLM:
-  """The model of ``config.model`` with ``vocab_size`` tokens, initialised from ``config.seed``,
-  for ``platform`` (``DecoderLM``'s: this machine's if None)."""
-  return DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(params=config.seed),
+def build_model(config, vocab_size: int, platform: str | None = None,
+                key: jax.Array | None = None) -> DecoderLM:
+  """The model of ``config.model`` with ``vocab_size`` tokens, for ``platform``
+  (``DecoderLM``'s: this machine's if None), initialised from ``key`` (a typed PRNG key
+  array, traced or not) or, if None, from ``config.seed`` (``jax.random.key(config.seed)``:
+  :func:`seed_key_data`)."""
+  return DecoderLM(config.model, vocab_size,
+                   rngs=nnx.Rngs(params=config.seed if key is None else key),
                    rules=axes.rules_from_config(config.mesh), platform=platform)
+
+
+def seed_key_data(seed: int) -> np.ndarray:
+  """The raw bits of ``jax.random.key(seed)`` (what ``nnx.Rngs(params=seed)`` starts from):
+  ``uint32 [2]`` under the default threefry implementation, a NumPy array, so that every
+  process passes the same value to a jitted function on a mesh of all processes' devices."""
+  return np.asarray(jax.random.key_data(jax.random.key(seed)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +84,11 @@ def init_state(config: ml_collections.ConfigDict, vocab_size: int, tx, mesh=None
   The model is built inside ``jax.jit`` with ``out_shardings`` (its shapes come from
   ``nnx.eval_shape``), so no process ever holds a full copy: each device computes only its
   shards. The values are :func:`build_model`'s for any mesh (same seed, same random bits; the
-  compiled arithmetic may differ in the last bit: ≤ 1e-8 measured).
+  compiled arithmetic may differ in the last bit: ≤ 1e-8 measured). The seed's key is the
+  jitted initialiser's argument, not a constant of its program: another seed of the same
+  model on the same mesh in one process runs the executable compiled for the first
+  (:func:`_params_initialiser`), and its values are those of the program with the seed
+  compiled in, bit for bit.
 
   Args:
     config: resolved config (``model``, ``seed``, ``mesh.rules``).
@@ -88,9 +105,10 @@ def init_state(config: ml_collections.ConfigDict, vocab_size: int, tx, mesh=None
   mesh = sharding_lib.make_mesh(config.mesh) if mesh is None else mesh
   graphdef, shardings, abstract_model, make_params, make_opt_state = _state_builders(
       config, vocab_size, tx, mesh)
-  shapes = jax.eval_shape(make_params)
+  seed = seed_key_data(config.seed)
+  shapes = jax.eval_shape(make_params, seed)
   memory.check_state_fits(shapes, jax.eval_shape(make_opt_state, shapes), config)
-  params = make_params()
+  params = make_params(seed)
   return graphdef, params, make_opt_state(params), shardings, abstract_model
 
 
@@ -111,7 +129,7 @@ def abstract_state(config: ml_collections.ConfigDict, vocab_size: int, tx, mesh,
   """
   graphdef, shardings, abstract_model, make_params, make_opt_state = _state_builders(
       config, vocab_size, tx, mesh, platform)
-  params = jax.eval_shape(make_params)
+  params = jax.eval_shape(make_params, seed_key_data(config.seed))
   return graphdef, params, jax.eval_shape(make_opt_state, params), shardings, abstract_model
 
 
@@ -128,10 +146,40 @@ def _state_builders(config, vocab_size: int, tx, mesh, platform: str | None = No
   shardings = StateShardings(mesh=mesh, params=param_sh, opt_state=opt_sh,
                              batch=sharding_lib.batch_sharding(mesh, rules),
                              replicated=sharding_lib.replicated(mesh))
-  make_params = jax.jit(lambda: nnx.state(build_model(config, vocab_size, platform), nnx.Param),
-                        out_shardings=param_sh)
+  make_params = _params_initialiser(config, vocab_size, platform, mesh, param_sh)
   return (graphdef, shardings, abstract_model, make_params,
           jax.jit(tx.init, out_shardings=opt_sh))
+
+
+# The jitted initialisers of the last few models, by everything their program depends on but
+# the seed, whose key is their argument: the runs of one model that differ only in seed in one
+# process (tables' --seeds) run the executable the first compiled. Bounded: tables build many
+# models in one process, and each entry holds its executable.
+_INITIALISERS: collections.OrderedDict = collections.OrderedDict()
+_INITIALISERS_KEPT = 8
+
+
+def _params_initialiser(config, vocab_size: int, platform: str | None, mesh, param_sh):
+  """The jitted ``make_params(key_data) -> params`` (``key_data``: :func:`seed_key_data`'s)
+  of :func:`build_model` with ``out_shardings=param_sh``, one per model config, mesh rules,
+  vocabulary size, platform and mesh (``param_sh`` follows from them)."""
+  model_key = json.dumps(config_lib.flat(config.model), sort_keys=True)
+  cache_key = (model_key, axes.rules_from_config(config.mesh), vocab_size, platform, mesh)
+  make_params = _INITIALISERS.pop(cache_key, None)
+  if make_params is None:
+    # A copy: the program is traced at the first call and again if jax drops its trace, and
+    # a caller may change its config in between (tables edit one per row).
+    frozen = config.copy_and_resolve_references()
+
+    def init_params(key_data):
+      model = build_model(frozen, vocab_size, platform, key=jax.random.wrap_key_data(key_data))
+      return nnx.state(model, nnx.Param)
+
+    make_params = jax.jit(init_params, out_shardings=param_sh)
+  _INITIALISERS[cache_key] = make_params
+  while len(_INITIALISERS) > _INITIALISERS_KEPT:
+    _INITIALISERS.popitem(last=False)
+  return make_params
 
 
 # ---------------------------------------------------------------------------------------------

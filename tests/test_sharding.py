@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import EMITTERS, program_json, subprocess_env, tiny_config
 
@@ -451,6 +452,81 @@ def test_a_model_built_off_the_mesh_runs_op_by_op_under_set_mesh():
   assert [r[0] for r in rows] == ["cem", "llama"], proc.stdout
   for block, full, cached in rows:
     assert float(full) <= 1e-5 and float(cached) <= 1e-5, (block, full, cached)
+
+
+SEEDS_SCRIPT = """
+import collections, json, sys
+import jax, numpy as np
+from flax import nnx
+sys.path.insert(0, sys.argv[1])
+from conftest import tiny_config
+from cem_jax import optim, sharding, steps
+
+# Executables jax made (compiled, or read from the persistent cache) by function name.
+made = collections.Counter()
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, fun_name=None, **_: made.update(
+        [fun_name] if event == "/jax/core/compile/backend_compile_duration" else []))
+cfg = tiny_config("cem", **{"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64,
+                            "model.num_layers": 1, "model.diagonal": "per_head",
+                            "model.precond": "both", "model.precond_rank": 2,
+                            "model.tie_embeddings": False})
+tx, _ = optim.make_optimizer(cfg.train)
+out = {}
+for shape in ((1, 1, 1), (1, 2, 2)):
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = shape
+  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:int(np.prod(shape))])
+  rec = out["x".join(map(str, shape))] = {"runs": []}
+  # Two seeds, then a value read only at initialisation: a model of its own.
+  for seed, init_std in ((0, 0.02), (12345, 0.02), (0, 0.05)):
+    cfg.seed, cfg.model.init_std = seed, init_std
+    before = made["jit(init_params)"]
+    _, params, _, sh, _ = steps.init_state(cfg, 512, tx, mesh)
+    compiles = made["jit(init_params)"] - before
+    # The initialiser as it was: its own jit, the seed compiled in as a constant.
+    want = jax.jit(lambda: nnx.state(steps.build_model(cfg, 512), nnx.Param),
+                   out_shardings=sh.params)()
+    eager = nnx.state(steps.build_model(cfg, 512), nnx.Param)  # op by op, on one device
+    leaves = list(zip(jax.tree.leaves(params), jax.tree.leaves(want), jax.tree.leaves(eager),
+                      strict=True))
+    rec["runs"].append({
+        "compiles": compiles,
+        "bits_differ": sum(not (a.dtype == w.dtype and np.array_equal(np.asarray(a),
+                                                                       np.asarray(w)))
+                           for a, w, _ in leaves),
+        "specs_differ": sum(a.sharding != w.sharding for a, w, _ in leaves),
+        "eager_max_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(e))))
+                              for a, _, e in leaves),
+        "embedding": np.asarray(params["embedding"].get_value())[0, :4].tolist()})
+print(json.dumps(out))
+"""
+
+
+def test_another_seed_runs_the_compiled_initialiser_and_gives_the_seeds_own_values():
+  # init_state's key is the jitted initialiser's argument: a second seed of one model on one
+  # mesh (tables' --seeds run in one process) compiles nothing (the seed as a constant of the
+  # program compiled once per seed); a value read only at initialisation (model.init_std) is
+  # another initialiser. Counted: the executables jax makes of it (compiled or read back from
+  # the persistent cache), not time. The values are bit for bit those of the initialiser as
+  # it was (its own jit, the seed a constant) and its shardings, and within float rounding
+  # of the model built op by op outside jit.
+  # Mutations: a new jit per call (or config.seed in the initialisers' key) made 2 compiles
+  # for 2 seeds; the key ignored for config.seed gave seed 12345 seed 0's values; the key
+  # without the model config gave init_std 0.05 the 0.02 initialiser's values.
+  runs = program_json(["-c", SEEDS_SCRIPT, str(REPO / "tests")], 4, timeout=300,
+                      xla_flags=EMITTERS)
+  assert sorted(runs) == ["1x1x1", "1x2x2"]
+  for mesh, rec in runs.items():
+    first, second, wider = rec["runs"]
+    assert [r["compiles"] for r in rec["runs"]] == [1, 0, 1], (mesh, rec)
+    for r in rec["runs"]:
+      assert r["bits_differ"] == 0 and r["specs_differ"] == 0, (mesh, r)
+      assert r["eager_max_diff"] <= 1e-7, (mesh, r)
+    # Each seed and init_std its own values (the references above follow config.seed).
+    assert first["embedding"] != second["embedding"], (mesh, rec)
+    assert np.allclose(np.asarray(wider["embedding"]), 2.5 * np.asarray(first["embedding"]),
+                       rtol=1e-5), (mesh, rec)
+  assert runs["1x1x1"]["runs"][0]["embedding"] == runs["1x2x2"]["runs"][0]["embedding"]
 
 
 @pytest.mark.parametrize("block", ["cem", "llama"])
