@@ -21,7 +21,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from cem_jax import errors, sigterm
+from cem_jax import errors, signals
 
 CONFIG_FLAG = "config"
 # The flags define_config_flag makes belong to the program that calls it: --help lists them
@@ -100,7 +100,7 @@ class Terminated(BaseException):
 
 
 # Said by main (interrupted) after "terminated (SIGTERM): " for a SIGTERM before training's
-# first step: before train's handler is set (cem_jax.sigterm.Held: main's imports, flags,
+# first step: before train's handler is set (cem_jax.signals.Held: main's imports, flags,
 # config file, the processes' meeting, jax's import and backend start) or in train's start-up
 # (cem_jax.workdir.Preemption).
 TERMINATED_IN_START_UP = (
@@ -212,7 +212,7 @@ def _die_by(signum: int) -> None:
   run_exitfuncs()
   sys.stdout.flush()
   sys.stderr.flush()
-  sigterm.end_by(signum)
+  signals.end_by(signum)
 
 
 def _run_config_file(spec: str):

@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 
-from cem_jax import cli, sigterm
+from cem_jax import cli, signals
 
 MODES = ("auto", "on", "off")
 ENV_ADDRESS = "CEM_COORDINATOR_ADDRESS"
@@ -152,7 +152,7 @@ def _wait_in_python(meet) -> None:
     thread.start()
     thread.join()
   except (KeyboardInterrupt, cli.Terminated) as e:
-    atexit.register(sigterm.end_by,
+    atexit.register(signals.end_by,
                     signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
     raise
   if failed:

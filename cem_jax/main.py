@@ -18,12 +18,12 @@ or explicit ``--coordinator_address=HOST:PORT --num_processes=N --process_id=I``
 
 from __future__ import annotations
 
-from cem_jax import sigterm
+from cem_jax import signals
 
 # First, run as a program: until train sets its own handler (seconds: absl's import, the flags
 # and the config file, jax's import, the processes' meeting, jax's backend start) a SIGTERM was
 # the default action, the process gone without a word (status 143).
-_HELD = sigterm.Held(take=__name__ == "__main__")
+_HELD = signals.Held(take=__name__ == "__main__")
 
 from absl import app, flags, logging  # noqa: E402
 

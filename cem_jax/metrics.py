@@ -9,10 +9,10 @@ import math
 import os
 import re
 import signal
-import threading
 
 from absl import logging
 
+from cem_jax import signals
 from cem_jax.files import atomic_write_bytes
 
 
@@ -32,8 +32,9 @@ class MetricsWriter:
       after its last checkpoint) are dropped so the file never shows a step twice; TensorBoard
       is told to purge its events after that step too.
     tensorboard: also write the numeric values as TensorBoard scalars.
-    hold: the signals held while TensorBoard's writer runs (:func:`_held`): delivered when
-      its call returns, so that an exception their handler raises never lands inside it.
+    hold: the signals held while TensorBoard's writer runs (:func:`cem_jax.signals.held`):
+      delivered when its call returns, so that an exception their handler raises never lands
+      inside it.
       Add SIGTERM where its Python handler may raise (train's start-up,
       :class:`cem_jax.workdir.Preemption`), never where a handler set below Python's has it
       (JAX's preemption notifier in a multi-process run): replaced, it would be lost.
@@ -120,11 +121,11 @@ class MetricsWriter:
 
   @contextlib.contextmanager
   def _tensorboard(self, logdir: str):
-    """Around every call into tensorboardX: ``hold``'s signals held (:func:`_held`), an
-    OSError named (:func:`_naming`), and a warning naming ``logdir`` when the block is cut short
-    by a signal (a second Ctrl-C: the way out of a writer that hangs), whose last events may
-    then be missing."""
-    with _naming(logdir), _held(self._hold):
+    """Around every call into tensorboardX: ``hold``'s signals held
+    (:func:`cem_jax.signals.held`), an OSError named (:func:`_naming`), and a warning naming
+    ``logdir`` when the block is cut short by a signal (a second Ctrl-C: the way out of a
+    writer that hangs), whose last events may then be missing."""
+    with _naming(logdir), signals.held(self._hold):
       try:
         yield
       except BaseException as e:
@@ -133,54 +134,6 @@ class MetricsWriter:
                           "stopped part way (%s); metrics.jsonl has every line", logdir,
                           type(e).__name__)
         raise
-
-
-@contextlib.contextmanager
-def _held(signals: tuple[int, ...]):
-  """Holds ``signals`` (SIGINT, SIGTERM) until the block ends, then sends each one that came
-  to its handler (Python's Ctrl-C handler: a KeyboardInterrupt), for a block that runs
-  tensorboardX.
-
-  Its writer hands events and its stop to a thread through ``multiprocessing.Queue``, whose
-  ``put`` enters a ``threading.Condition``: a Ctrl-C landing there, just after the lock is
-  taken, leaves the lock taken for ever (``Condition.__enter__`` is Python code, and the
-  exception leaves before the ``with`` holds it), and the next ``put`` (the stop, in ``close``
-  or tensorboardX's ``atexit``) waits for it: the run hung after "interrupted (Ctrl-C)".
-
-  A second one of a signal held is sent to its handler at once: the way out of a writer that
-  hangs (a disk that stopped answering), at the risk above. Nothing is held outside the main
-  thread (no handler can be set there, and signals run only in the main thread), nor a signal
-  whose handler was set outside Python (``signal.getsignal`` None: it could not be put back).
-  """
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  got, previous = [], {}
-  over = False
-
-  def hold(signum, frame):
-    del frame
-    if over or signum in got:  # a second one, or one after the block: its handler, now
-      if not over:
-        got.remove(signum)  # sent now, not again after the block
-      signal.signal(signum, previous[signum])
-      signal.raise_signal(signum)
-    else:
-      got.append(signum)
-
-  try:
-    for signum in signals:
-      handler = signal.getsignal(signum)
-      if handler is not None:
-        previous[signum] = handler  # first: hold may need it as soon as it is set
-        signal.signal(signum, hold)
-    yield
-  finally:
-    over = True
-    for signum, handler in previous.items():
-      signal.signal(signum, handler)
-    for signum in got:
-      signal.raise_signal(signum)
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from cem_jax import axes, energies, errors, memory, preflight, runs
+from cem_jax import axes, energies, errors, memory, preflight, runs, signals
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax import sharding as sharding_lib
@@ -767,17 +767,17 @@ class _Loop:
       )
     meta = runs.CheckpointMeta.saved_now(done, self.run.config.seed, self.resolved,
                                          self.run.data.identity, self.run.energies).to_dict()
-    with workdir_lib.interrupt_held():
+    with signals.held():
       saved = self.run.ckpt.save(done, state, meta, force=force)
     if saved:
       self.last_saved = done
 
   def wait_for_save(self, close: bool = False) -> None:
     """Waits for the pending save (and, ``close``, closes the checkpoints), with Ctrl-C held
-    until then (:func:`cem_jax.workdir.interrupt_held`; a second one at once). Landing inside
+    until then (:func:`cem_jax.signals.held`; a second one at once). Landing inside
     Orbax's wait, a Ctrl-C was reported as the save failing ("Save Finalize thread ...
     failed", with a traceback), and Orbax forgot the step it was committing."""
-    with workdir_lib.interrupt_held():
+    with signals.held():
       if close:
         self.run.ckpt.close()
       else:

@@ -388,38 +388,6 @@ class Preemption:
       signal.signal(signal.SIGTERM, self._previous)
 
 
-@contextlib.contextmanager
-def interrupt_held():
-  """Holds Ctrl-C (SIGINT) back until the block ends, then delivers it to the handler it had
-  (Python's: a KeyboardInterrupt), for a block that must not be cut in two.
-
-  The block: starting an asynchronous checkpoint save. Interrupted there, Orbax is left half
-  way through starting its writer threads, and one of them then fails with a traceback while
-  the run stops. A second Ctrl-C while one is held is a KeyboardInterrupt at once: the way out
-  of a block that hangs (a save waiting for a process that died). A block that raises drops
-  the held signal: its own exception already stops the run. Outside the main thread (where
-  signal handlers cannot be set) it holds nothing.
-  """
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  got = []
-
-  def hold(signum, frame):
-    del frame
-    if got:
-      raise KeyboardInterrupt
-    got.append(signum)
-
-  previous = signal.signal(signal.SIGINT, hold)
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGINT, previous)
-  if got:
-    signal.raise_signal(signal.SIGINT)
-
-
 def last_eval_in(workdir: str) -> dict:
   """The last eval line of ``workdir/metrics.jsonl`` without its ``step``; ``{}`` if none."""
   path = os.path.join(workdir, "metrics.jsonl")

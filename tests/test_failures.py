@@ -39,7 +39,7 @@ from cem_jax import (
     preflight,
     runs,
     sharding,
-    sigterm,
+    signals,
     steps,
     summary,
     train,
@@ -794,7 +794,7 @@ def test_a_sigterm_during_start_up_waits_for_tensorboards_call_to_return(tmp_pat
 
 
 def test_a_second_ctrl_c_out_of_a_pending_save_still_closes_the_metrics():
-  # The second Ctrl-C is the way out of a save that hangs (workdir.interrupt_held): the
+  # The second Ctrl-C is the way out of a save that hangs (signals.held): the
   # metrics are closed all the same, TensorBoard's last events written by the run, not left
   # to tensorboardX's atexit.
   def interrupted():
@@ -1007,11 +1007,11 @@ def test_held_sigterm_stops_where_asked_and_leaves_a_taken_sigterm_alone(monkeyp
   # handler), the handler left in place does the default action.
   previous = signal.getsignal(signal.SIGTERM)
   ended = []
-  monkeypatch.setattr(sigterm, "end_by", ended.append)
+  monkeypatch.setattr(signals, "end_by", ended.append)
   stop = cli.Terminated("what now")
   try:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    held = sigterm.Held()
+    held = signals.Held()
     held.stop_if_sent(stop)  # nothing sent
     signal.raise_signal(signal.SIGTERM)
     assert held.sent
@@ -1021,7 +1021,7 @@ def test_held_sigterm_stops_where_asked_and_leaves_a_taken_sigterm_alone(monkeyp
       held.release(stop)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
-    held, ran = sigterm.Held(), []
+    held, ran = signals.Held(), []
     with pytest.raises(cli.Terminated, match="^what now$"):
       with held.raising(stop):
         signal.raise_signal(signal.SIGTERM)
@@ -1029,7 +1029,7 @@ def test_held_sigterm_stops_where_asked_and_leaves_a_taken_sigterm_alone(monkeyp
     assert ran == [] and held.sent
     with pytest.raises(cli.Terminated, match="^what now$"):
       held.release(stop)
-    held = sigterm.Held()
+    held = signals.Held()
     with held.raising(stop):
       pass
     signal.raise_signal(signal.SIGTERM)  # after the block: held again
@@ -1042,13 +1042,13 @@ def test_held_sigterm_stops_where_asked_and_leaves_a_taken_sigterm_alone(monkeyp
 
     for taken in (signal.SIG_IGN, lambda signum, frame: None):
       signal.signal(signal.SIGTERM, taken)
-      held = sigterm.Held()
+      held = signals.Held()
       assert signal.getsignal(signal.SIGTERM) is taken
       signal.raise_signal(signal.SIGTERM)
       held.release(stop)
       assert signal.getsignal(signal.SIGTERM) is taken and not held.sent
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    sigterm.Held(take=False).release(stop)
+    signals.Held(take=False).release(stop)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
   finally:
     signal.signal(signal.SIGTERM, previous)

@@ -123,7 +123,7 @@ def test_the_package_has_no_import_cycle():
 # stage or an earlier one. A new module goes in the stage of what it owns.
 STAGES = (
     # 0: leaf helpers, importable from anywhere
-    ("axes", "errors", "files", "masks", "version", "sigterm", "cli", "distributed", "memory",
+    ("axes", "errors", "files", "masks", "version", "signals", "cli", "distributed", "memory",
      "profiling", "integrity", "checkpoint", "metrics", "sharding", "cpus"),
     ("config", "attention", "inner", "loss", "model_stats", "scales"),  # 1
     ("data",),  # 2

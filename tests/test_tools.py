@@ -14,7 +14,7 @@ from conftest import EMITTERS, TRACED_T2, program_json, subprocess_env, tiny_con
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from cem_jax import axes, cli, files, plot, preflight, runs, sharding
+from cem_jax import axes, cli, files, plot, preflight, runs, sharding, signals
 from cem_jax import config as config_lib
 from cem_jax import summary as summary_lib
 from cem_jax.model import DecoderLM
@@ -22,7 +22,6 @@ from cem_jax.model_stats import count_params
 from cem_jax.workdir import (
   Preemption,
   exclusive,
-  interrupt_held,
   last_eval_in,
   prepare_workdir,
   prepared_folders,
@@ -1021,45 +1020,60 @@ def test_preemption_hands_sigterm_back_when_the_run_ends():
   assert seen == [False] and signal.getsignal(signal.SIGTERM) is before
 
 
-def test_interrupt_held_delivers_ctrl_c_after_the_block_and_a_second_one_at_once():
+def test_held_signals_reach_their_handler_after_the_block_and_a_second_one_at_once():
   import signal
 
-  got, before = [], signal.getsignal(signal.SIGINT)
-  signal.signal(signal.SIGINT, lambda signum, frame: got.append("handler"))  # not pytest's
+  got, before = [], {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+  def handler(signum, frame):  # not pytest's
+    got.append(signal.Signals(signum).name)
+    if len(got) > 5:
+      raise KeyboardInterrupt
+
+  for signum in before:
+    signal.signal(signum, handler)
   try:
-    with interrupt_held():
+    with signals.held((signal.SIGINT, signal.SIGTERM)):
+      signal.raise_signal(signal.SIGTERM)
       signal.raise_signal(signal.SIGINT)
       got.append("block ran on")
-    assert got == ["block ran on", "handler"]  # after the block, to the handler it had
+    assert got == ["block ran on", "SIGTERM", "SIGINT"]  # after the block, to their handler
     got.clear()
-    with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: the way out of a hung block
-      with interrupt_held():
+    with signals.held():  # SIGINT only
+      signal.raise_signal(signal.SIGINT)
+      signal.raise_signal(signal.SIGTERM)  # not held: its handler at once
+      signal.raise_signal(signal.SIGINT)  # a second one: the way out of a block that hangs
+      got.append("block ran on")
+    assert got == ["SIGTERM", "SIGINT", "block ran on"]  # each once
+    got.clear()
+    got.extend(".....")  # the handler raises from now on
+    with pytest.raises(KeyboardInterrupt):
+      with signals.held():
         signal.raise_signal(signal.SIGINT)
         signal.raise_signal(signal.SIGINT)
         got.append("block ran on")
-    assert got == []
-    signal.raise_signal(signal.SIGINT)
-    assert got == ["handler"]  # handed back after a KeyboardInterrupt too
+    assert got == [*".....", "SIGINT"]
     got.clear()
     with pytest.raises(RuntimeError, match="the block's own"):
-      with interrupt_held():
+      with signals.held():
         signal.raise_signal(signal.SIGINT)
         raise RuntimeError("the block's own")
     assert got == []  # the block's exception already stops the run
     signal.raise_signal(signal.SIGINT)
-    assert got == ["handler"]  # and the handler is back
+    assert got == ["SIGINT"]  # and the handler is back
     seen = []
 
     def in_a_thread():  # signal.signal would raise there: nothing is held
-      with interrupt_held():
+      with signals.held():
         seen.append(signal.getsignal(signal.SIGINT))
 
     thread = threading.Thread(target=in_a_thread)
     thread.start()
     thread.join()
-    assert seen == [signal.getsignal(signal.SIGINT)]
+    assert seen == [handler]
   finally:
-    signal.signal(signal.SIGINT, before)
+    for signum, previous in before.items():
+      signal.signal(signum, previous)
 
 
 def test_process_slice_is_the_block_of_rows_this_process_holds():

@@ -1,4 +1,5 @@
-"""SIGTERM held back from a program's first line until the program can stop on it.
+"""Signals held back: SIGTERM from a program's first line until the program can stop on it
+(:class:`Held`), and Ctrl-C or SIGTERM around a block that must not be cut in two (:func:`held`).
 
 ``python -m cem_jax.main`` sets its own SIGTERM handler (train's
 :class:`cem_jax.workdir.Preemption`) seconds after it starts: after its imports, the flags and
@@ -81,3 +82,55 @@ def end_by(signum: int) -> None:
   (128 + signum) and ``subprocess`` (-signum) read as a death by it."""
   signal.signal(signum, signal.SIG_DFL)
   os.kill(os.getpid(), signum)
+
+
+@contextlib.contextmanager
+def held(signums: tuple[int, ...] = (signal.SIGINT,)):
+  """Holds ``signums`` (SIGINT, SIGTERM) until the block ends, then sends each one that came to
+  the handler it had (Python's Ctrl-C handler: a KeyboardInterrupt), for a block that a signal's
+  exception must not cut in two.
+
+  The blocks: starting an asynchronous checkpoint save (interrupted there, Orbax was left half
+  way through starting its writer threads, one of which then failed with a traceback) and
+  waiting for one to commit (Orbax reported the save as failed and forgot its step); every call
+  into tensorboardX (its writer hands events and its stop to a thread through a
+  ``multiprocessing.Queue``, whose ``put`` enters a ``threading.Condition`` in Python code: a
+  Ctrl-C just after the lock is taken left it taken for ever, and the next ``put``, the stop,
+  waited for it: the run hung after "interrupted (Ctrl-C)").
+
+  A second one of a signal held goes to its handler at once: the way out of a block that hangs
+  (a save waiting for a process that died, a disk that stopped answering). A block that raises
+  drops what was held: its own exception already stops the program. Nothing is held outside
+  the main thread (no handler can be set there, and handlers run only in the main thread), nor
+  a signal whose handler was set outside Python (``signal.getsignal`` None: it could not be
+  put back, e.g. JAX's preemption notifier).
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  got, previous = [], {}
+
+  def hold(signum, frame):
+    del frame
+    if signum in got:
+      got.remove(signum)  # sent now, not again after the block
+      signal.signal(signum, previous[signum])
+      signal.raise_signal(signum)
+    else:
+      got.append(signum)
+
+  try:
+    for signum in signums:
+      handler = signal.getsignal(signum)
+      if handler is not None:
+        previous[signum] = handler  # first: hold may need it as soon as it is set
+        signal.signal(signum, hold)
+    yield
+  except BaseException:
+    got.clear()
+    raise
+  finally:
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+    for signum in got:
+      signal.raise_signal(signum)
