@@ -29,7 +29,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
   """Writes ``data`` to ``path`` atomically; the folder must exist.
 
   Raises:
-    OSError: the folder is missing or not writable (``path`` is then unchanged).
+    OSError: the folder is missing or not writable, or its disk is full (``path`` is then
+      unchanged), naming ``path``.
   """
   with atomic_writer(path) as f:
     f.write(data)
@@ -129,7 +130,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
   and ``path`` is unchanged. The folder must exist; the block must close the file.
 
   Raises:
-    OSError: as :func:`atomic_write_bytes`, or nothing was written at the name.
+    OSError: as :func:`atomic_write_bytes`, or nothing was written at the name; one without a
+      file name (a full disk's ``ENOSPC``, a file-size limit's ``EFBIG``) gets ``path``.
   """
   path = os.fspath(path)
   # Said of the path asked for, not of the temporary file a failed open would name.
@@ -146,11 +148,15 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     with open(tmp, "r+b") as f:  # writable: Windows' fsync needs write access
       os.fsync(f.fileno())
     os.replace(tmp, path)
-  except BaseException:
+  except BaseException as e:
     try:
       os.remove(tmp)
     except FileNotFoundError:
       pass
+    if isinstance(e, OSError) and e.filename is None and e.errno is not None:
+      # A full disk fails the write or the close with no file name ("[Errno 28] No space left
+      # on device"): the one-line error then names the file that could not be written.
+      raise OSError(e.errno, e.strerror, path) from e
     raise
 
 

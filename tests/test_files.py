@@ -3,6 +3,7 @@
 import errno
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -138,6 +139,30 @@ def test_atomic_writer_keeps_the_old_file_on_an_exception(tmp_path):
     with files.atomic_path(path):
       pass
   assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["a.bin"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="POSIX file-size limit")
+@pytest.mark.parametrize("size", [100, 1 << 20])  # fails at the close's flush; at the write
+def test_a_write_that_fills_the_disk_names_the_file_and_leaves_it_unchanged(tmp_path, size):
+  # A full disk (here a file-size limit: EFBIG where ENOSPC would be) fails the write or the
+  # close with an OSError of no file name: main's one line read "error: [Errno 28] No space
+  # left on device" when best_eval.json found its tmpfs full.
+  import resource
+
+  path = tmp_path / "best_eval.json"
+  path.write_bytes(b"old")
+  soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+  xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the process is killed
+  try:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (10, hard))
+    with pytest.raises(OSError) as raised:
+      files.atomic_write_bytes(path, b"x" * size)
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, xfsz)
+  assert raised.value.errno == errno.EFBIG and raised.value.filename == os.fspath(path)
+  assert str(raised.value).endswith(f": {os.fspath(path)!r}")
+  assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["best_eval.json"]
 
 
 def test_sha256_file_is_the_digest_of_the_whole_file(tmp_path):
