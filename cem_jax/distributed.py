@@ -66,7 +66,8 @@ def resolve(mode: str = "auto", coordinator_address: str | None = None,
   (values not given are detected by JAX: TPU pods, SLURM, Open MPI); ``'off'`` never.
 
   Raises:
-    ValueError: an unknown mode, a non-int environment value, a coordinator given without
+    ValueError: an unknown mode, a non-int environment value, a coordinator address that is not
+      ``HOST:PORT`` (:func:`_check_address`), a coordinator given without
       ``num_processes`` and ``process_id`` (or those out of range), or under ``'auto'`` more
       than one process given without a coordinator or a cluster that starts them — one line
       naming the field.
@@ -80,6 +81,7 @@ def resolve(mode: str = "auto", coordinator_address: str | None = None,
   n = num_processes if num_processes is not None else _env_int(env, ENV_NUM_PROCESSES)
   pid = process_id if process_id is not None else _env_int(env, ENV_PROCESS_ID)
   if address is not None:
+    _check_address(address)
     if n is None or pid is None:
       raise ValueError(f"--coordinator_address={address!r} needs --num_processes and "
                        f"--process_id (or {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID})")
@@ -100,6 +102,20 @@ def resolve(mode: str = "auto", coordinator_address: str | None = None,
       kwargs["process_id"] = pid
     return kwargs
   return None
+
+
+def _check_address(address: str) -> None:
+  """Refuses a coordinator address that is not ``HOST:PORT`` (a host and a port 1..65535):
+  jax took ``nonsense`` to an IndexError traceback, ``host:abc`` to a JaxRuntimeError one,
+  ``:1234`` to a wait for the 300 s timeout, and ``host:`` or ``host:70000`` trained alone.
+
+  Raises:
+    ValueError: one line naming ``--coordinator_address`` and what is allowed.
+  """
+  host, _, port = address.rpartition(":")
+  if not (host and port.isdigit() and 1 <= int(port) <= 65535):
+    raise ValueError(f"--coordinator_address={address!r} (or {ENV_ADDRESS}); allowed: "
+                     "HOST:PORT, PORT 1..65535 (e.g. 10.0.0.1:1234, [::1]:1234)")
 
 
 def initialize(mode: str = "auto", coordinator_address: str | None = None,

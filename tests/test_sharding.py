@@ -6,6 +6,7 @@ set before jax loads; this pytest process stays single-device so other tests are
 
 import json
 import math
+import re
 import shlex
 import subprocess
 import sys
@@ -302,6 +303,15 @@ def test_distributed_resolve():
     distributed.resolve("auto", "h:1", environ={})
   with pytest.raises(ValueError, match=r"^--process_id=2 with --num_processes=2; allowed"):
     distributed.resolve("auto", "h:1", 2, 2, environ={})
+  # jax took these to tracebacks (IndexError, JaxRuntimeError), a 300 s wait, or a lone run.
+  for address in ("nonsense", "h:abc", ":1234", "h:", "h:0", "h:70000", "h:+1"):
+    with pytest.raises(ValueError, match=rf"^--coordinator_address={re.escape(repr(address))} "
+                                         r"\(or CEM_COORDINATOR_ADDRESS\); allowed: HOST:PORT"):
+      distributed.resolve("auto", address, 2, 0, environ={})
+  with pytest.raises(ValueError, match=r"^--coordinator_address='x' \(or CEM_COORDINATOR_"):
+    distributed.resolve("auto", environ={**env, "CEM_COORDINATOR_ADDRESS": "x"})
+  assert distributed.resolve("auto", "[::1]:65535", 2, 0, environ={})["coordinator_address"] == (
+      "[::1]:65535")
   with pytest.raises(ValueError, match=r"^environment variable CEM_PROCESS_ID='x'"):
     distributed.resolve("auto", environ={**env, "CEM_PROCESS_ID": "x"})
   # Several processes given without a coordinator: each would train alone as process 0.
