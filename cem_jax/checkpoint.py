@@ -76,6 +76,9 @@ class _HeldReports(logging.Filter):
   step 2's save of ``experiments/tiny.py``. Told apart by where they come from (Orbax's files,
   the ``asyncio`` logger, a thread other than the main one), never by their wording.
 
+  Orbax's record of a Ctrl-C in a wait for the save (a KeyboardInterrupt, told by its type) is
+  dropped at once: it said the save failed, and the save committed.
+
   Held from the save's start. Handed on as they came if the save is committed. If it fails,
   dropped, and so is what comes later (:func:`_drop_after_failure`): the writes under way when
   the failure is found go on in Orbax's threads and fail in their turn, some reported only as
@@ -99,6 +102,12 @@ class _HeldReports(logging.Filter):
     if record.levelno < logging.ERROR or not (
         record.name == "asyncio" or record.pathname.startswith(_ORBAX_DIR)):
       return True
+    stopped = record.exc_info[1] if record.exc_info else None
+    if stopped is not None and not isinstance(stopped, Exception):
+      # A Ctrl-C (or a cli.Terminated) raised in the main thread's wait: Orbax logs it as
+      # "Save Finalize thread (save_finalize) failed. [KeyboardInterrupt]", though the save
+      # goes on and commits; the program says the interrupt in its own line.
+      return False
     self._records.append(record)
     return False
 

@@ -732,6 +732,43 @@ def test_what_orbax_reports_of_a_pending_save_is_dropped_if_it_fails_and_kept_if
   assert sys.unraisablehook is hook
 
 
+def test_a_ctrl_c_while_waiting_for_a_save_is_not_reported_as_a_failed_save(
+    tmp_path, monkeypatch, caplog):
+  # Ctrl-C while the loop's end waited for the last save: Orbax logged "Save Finalize thread
+  # (save_finalize) failed. [KeyboardInterrupt]" before the interrupted line, and the save
+  # went on and committed. The Ctrl-C is sent from the finalize thread (our digest hook) once
+  # the main thread waits for that thread.
+  import logging
+  import threading
+  import traceback
+
+  ckpt = _save_steps(tmp_path, steps=(1,))
+  write_digest = integrity.write_digest
+  main = threading.main_thread().ident
+
+  def interrupted_then_written(directory, step):
+    for _ in range(500):  # the main thread is in Orbax's wait within a few ms
+      if "wait_until_finished" in "".join(traceback.format_stack(sys._current_frames()[main])):
+        break
+      time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)
+    write_digest(directory, step)
+
+  monkeypatch.setattr(integrity, "write_digest", interrupted_then_written)
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+  try:
+    with caplog.at_level(logging.ERROR):
+      assert ckpt.save(2, _small_state(2.0), {"step": 2}, force=True)
+      with pytest.raises(KeyboardInterrupt):
+        ckpt.wait()
+      ckpt.close()
+  finally:
+    signal.signal(signal.SIGINT, previous)
+  assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+  assert ckpt.verify(2) == []  # committed, as Orbax's record said it had not been
+
+
 def test_a_failed_save_is_raised_once_though_orbax_raises_it_at_every_wait(tmp_path,
                                                                            monkeypatch):
   # Orbax raises a failed save again at each of its waits (its finalize thread keeps the
