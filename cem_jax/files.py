@@ -144,20 +144,34 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
   # the file gets the usual permissions (umask), not mkstemp's owner-only 0600.
   tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
   try:
-    yield tmp
-    with open(tmp, "r+b") as f:  # writable: Windows' fsync needs write access
-      os.fsync(f.fileno())
+    with naming(path):  # a full disk fails the write or the close with no file name
+      yield tmp
+      with open(tmp, "r+b") as f:  # writable: Windows' fsync needs write access
+        os.fsync(f.fileno())
     os.replace(tmp, path)
-  except BaseException as e:
+  except BaseException:
     try:
       os.remove(tmp)
     except FileNotFoundError:
       pass
-    if isinstance(e, OSError) and e.filename is None and e.errno is not None:
-      # A full disk fails the write or the close with no file name ("[Errno 28] No space left
-      # on device"): the one-line error then names the file that could not be written.
-      raise OSError(e.errno, e.strerror, path) from e
     raise
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike):
+  """An ``OSError`` of the block without a file name (a full disk's ``[Errno 28] No space left
+  on device``, a file-size limit's ``EFBIG``) is raised again with ``path``: the one-line error
+  then says what could not be written.
+
+  Raises:
+    OSError: the block's, with ``path`` where it had no file name.
+  """
+  try:
+    yield
+  except OSError as e:
+    if e.filename is not None or e.errno is None:
+      raise
+    raise OSError(e.errno, e.strerror, os.fspath(path)) from e
 
 
 def read_json(path: str | os.PathLike, fix: str):
