@@ -13,7 +13,7 @@ import signal
 from absl import logging
 
 from cem_jax import signals
-from cem_jax.files import atomic_write_bytes
+from cem_jax.files import atomic_write_bytes, naming
 
 
 def tensorboard_dir(workdir: str) -> str:
@@ -90,7 +90,7 @@ class MetricsWriter:
       return
     line = {k: None if isinstance(v, float) and not math.isfinite(v) else v
             for k, v in {"step": int(step), **metrics}.items()}
-    with _naming(self.path):
+    with naming(self.path):
       self._file.write(json.dumps(line, allow_nan=False) + "\n")
       self._file.flush()
     if self._tb is not None:
@@ -112,7 +112,7 @@ class MetricsWriter:
     tb, self._tb = self._tb, None
     try:
       if file is not None:
-        with _naming(self.path):
+        with naming(self.path):
           file.close()
     finally:
       if tb is not None:
@@ -122,10 +122,10 @@ class MetricsWriter:
   @contextlib.contextmanager
   def _tensorboard(self, logdir: str):
     """Around every call into tensorboardX: ``hold``'s signals held
-    (:func:`cem_jax.signals.held`), an OSError named (:func:`_naming`), and a warning naming
-    ``logdir`` when the block is cut short by a signal (a second Ctrl-C: the way out of a
-    writer that hangs), whose last events may then be missing."""
-    with _naming(logdir), signals.held(self._hold):
+    (:func:`cem_jax.signals.held`), an OSError named (:func:`cem_jax.files.naming`), and a
+    warning naming ``logdir`` when the block is cut short by a signal (a second Ctrl-C: the
+    way out of a writer that hangs), whose last events may then be missing."""
+    with naming(logdir), signals.held(self._hold):
       try:
         yield
       except BaseException as e:
@@ -134,18 +134,6 @@ class MetricsWriter:
                           "stopped part way (%s); metrics.jsonl has every line", logdir,
                           type(e).__name__)
         raise
-
-
-@contextlib.contextmanager
-def _naming(path: str):
-  """An ``OSError`` without a file name (a full disk: ``[Errno 28] No space left on device``)
-  gets ``path``: the one-line error then says what could not be written."""
-  try:
-    yield
-  except OSError as e:
-    if e.filename is not None or e.errno is None:
-      raise
-    raise OSError(e.errno, e.strerror, path) from e
 
 
 def read_metrics(workdir: str) -> list[dict]:
