@@ -27,7 +27,7 @@ _HELD = signals.Held(take=__name__ == "__main__")
 
 from absl import app, flags, logging  # noqa: E402
 
-from cem_jax import cli  # noqa: E402
+from cem_jax import cli, distributed  # noqa: E402
 from cem_jax import config as config_lib  # noqa: E402
 
 
@@ -49,6 +49,10 @@ def main(argv):
       config_lib.check_count("--num_processes", fl.num_processes)
     if fl.process_id is not None:
       config_lib.check_count("--process_id", fl.process_id, minimum=0)
+    # jax-free: a coordinator that is not HOST:PORT or a process id out of range fails in a
+    # second, not after jax's import (initialize resolves them again, unchanged).
+    distributed.resolve(fl.distributed, fl.coordinator_address, fl.num_processes,
+                        fl.process_id)
     config = cli.load_config()
     # jax-free: a value the config's own rules refuse fails in a second, before jax loads
     # (train checks it again with what needs the model code: preflight.check), and so does
@@ -59,7 +63,7 @@ def main(argv):
     data.check_given_files(config.data)
     import jax
 
-    from cem_jax import distributed, energies, train
+    from cem_jax import energies, train
 
     # Before anything touches a device: the runtime must know all processes first. The
     # meeting waits in Python (distributed._wait_in_python), where a SIGTERM stops it at once.

@@ -202,6 +202,17 @@ def test_main_refuses_a_missing_data_file_before_jax_loads(tmp_path):
       "or its prepare did not finish); run python -m cem_jax.prepare --out=DIR again")
 
 
+def test_main_refuses_a_bad_coordinator_before_jax_loads(tmp_path):
+  # Refused by distributed.resolve only after jax's import (seconds) before.
+  assert _main_error_before_jax(tmp_path, "--coordinator_address=host:70000") == (
+      "error: --coordinator_address='host:70000' (or CEM_COORDINATOR_ADDRESS); allowed: "
+      "HOST:PORT, PORT 1..65535 (e.g. 10.0.0.1:1234, [::1]:1234)")
+  assert _main_error_before_jax(tmp_path, "--num_processes=2") == (
+      "error: --num_processes=2 (or CEM_NUM_PROCESSES) without a coordinator; allowed: with "
+      "--coordinator_address=HOST:PORT (or CEM_COORDINATOR_ADDRESS), or --distributed=on "
+      "where JAX finds it (TPU pods, SLURM, Open MPI)")
+
+
 def test_bench_imports_no_grain_and_training_no_tfds():
   # The offline GPU image has no grain, and ../shared/tools/gpu/prepare.sh does not carry
   # it: the bench (which never shuffles) must start without it. TFDS (~0.4 s to import) is
