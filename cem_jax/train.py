@@ -797,7 +797,9 @@ class _Loop:
       try:
         self.writer.close()
       except Exception as e:  # noqa: BLE001
-        logging.error("could not close %s: %s", self.writer.path, errors.one_line(e))
+        # The writer closes metrics.jsonl and TensorBoard's events: its error names the one.
+        logging.error("could not close the metrics of %s: %s", os.path.dirname(self.writer.path),
+                      errors.one_line(e))
 
   def close(self) -> None:
     """After the last step: the trace, the pending save and the metrics finish, in order."""

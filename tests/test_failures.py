@@ -332,13 +332,14 @@ def test_an_aborted_run_reports_what_its_close_fails_with_in_one_line_and_raises
       run=types.SimpleNamespace(ckpt=types.SimpleNamespace(close=fail(ValueError(
           "RESOURCE_EXHAUSTED: Error writing\n  at ...")))),
       writer=types.SimpleNamespace(path="/w/metrics.jsonl", close=fail(OSError(
-          28, "No space left on device"))))
+          28, "No space left on device", "/w/tensorboard"))))
   with caplog.at_level(logging.ERROR):
     train._Loop.abort(loop)
   assert [(r.getMessage(), r.exc_info) for r in caplog.records] == [
       ("could not finish the pending checkpoint save: ValueError: RESOURCE_EXHAUSTED: Error "
        "writing", None),
-      ("could not close /w/metrics.jsonl: OSError: [Errno 28] No space left on device", None)]
+      ("could not close the metrics of /w: OSError: [Errno 28] No space left on device: "
+       "'/w/tensorboard'", None)]
 
 
 def test_one_line_of_a_cause_and_a_bug_keeps_its_traceback(monkeypatch, capsys):
