@@ -405,13 +405,31 @@ def compile_steps(config: ml_collections.ConfigDict, train_step, eval_step, para
                                                   batch_sharding), guard, np.int32(0)),
       config, limit_bytes=limit_bytes, data_parallel=data_parallel)
   # The optimizer state stays on the device through an eval: counted beside the step.
-  eval_compiled = memory.compile_within_memory(
-      eval_step, (params, _batch_spec(config.eval.batch_size, seq_len, batch_sharding,
-                                      target_bytes=True)),
-      config, what="the eval step", limit_bytes=limit_bytes,
+  eval_compiled = compile_eval_step(
+      config, eval_step, params, batch_sharding, limit_bytes=limit_bytes,
       advice=memory.eval_advice(config, data_parallel),
       resident=memory.resident_bytes(opt_state), resident_what="optimizer state")
   return train_compiled, eval_compiled
+
+
+def compile_eval_step(config: ml_collections.ConfigDict, eval_step, params,
+                      batch_sharding=None, *, advice: str, what: str = "the eval step",
+                      **within):
+  """Compiles ``eval_step(params, batch)`` for batches of ``eval.batch_size`` windows of
+  ``data.seq_len`` (with ``target_bytes``, on ``batch_sharding``; None: uncommitted, as
+  ``python -m cem_jax.evaluate`` feeds NumPy batches) and checks that it fits one device
+  (:func:`memory.compile_within_memory`, with ``advice``, ``what`` and ``within``'s keywords:
+  ``limit_bytes``, ``resident``, ``resident_what``). ``advice`` is required: the default there
+  is the training step's. Returns the compiled program (``jax.stages.Compiled``), which the
+  calls to come use.
+
+  Raises:
+    ValueError: one line, a step that does not fit (naming ``what`` and the advice).
+  """
+  batch = _batch_spec(config.eval.batch_size, config.data.seq_len, batch_sharding,
+                      target_bytes=True)
+  return memory.compile_within_memory(eval_step, (params, batch), config, what=what,
+                                      advice=advice, **within)
 
 
 def _batch_spec(rows: int, seq_len: int, sharding, *, target_bytes: bool = False) -> dict:
