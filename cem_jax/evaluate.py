@@ -41,7 +41,10 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
     ValueError: the run is not a CEM model, ``steps`` not as :func:`check_steps` allows,
       ``batch_size`` not as ``eval.batch_size`` allows, or the eval batch does not fit this
       host's memory and swap (:func:`cem_jax.train.check_batch_fits`, before the data and the
-      parameters are made).
+      parameters are made), or a ``T_eval``'s compiled eval step does not fit the device's
+      memory (on a CPU the host's memory and swap: :func:`cem_jax.train.compile_eval_step`,
+      before any batch is evaluated); each one line naming ``--batch_size`` (or
+      ``eval.batch_size`` without it) and its value.
     FileNotFoundError, CheckpointError, ValueError: as :func:`cem_jax.runs.load_run`.
   """
   from cem_jax import runs, train
@@ -52,6 +55,9 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
   if batch_size is not None:
     config_lib.check_flag("--batch_size", "eval.batch_size", batch_size)
 
+  advice = ("give evaluate a smaller --batch_size (the whole split's figures do not depend on "
+            "it)")
+
   def require_cem(config):
     if config.model.block != "cem":
       raise ValueError(f"model.block={config.model.block!r}: test-time steps need a CEM "
@@ -59,18 +65,25 @@ def test_time_steps(workdir: str, steps: list[int], max_batches: int = -1,
     if batch_size is not None:  # in the config load_run returns, which the eval below reads
       config.eval.batch_size = batch_size
     # Before the data and the parameters are made: an eval batch larger than this host
-    # ended in a MemoryError traceback or the kernel's kill (exit status 137). The advice is
-    # evaluate's flag: the run's config is not this command's to change.
-    train.check_batch_fits(config, "eval.batch_size", advice=(
-        "give evaluate a smaller --batch_size (the whole split's figures do not depend on it)"))
+    # ended in a MemoryError traceback or the kernel's kill (exit status 137). The advice (also
+    # the device check's below) is evaluate's flag: the run's config is not this command's
+    # to change.
+    train.check_batch_fits(config, "eval.batch_size", advice=advice)
 
   config, data, graphdef, params, step = runs.load_run(workdir, require=require_cem,
                                                        attention_impl=attention_impl)
   config.eval.max_batches = max_batches
+  field = "eval.batch_size" if batch_size is None else "--batch_size"
+  # Every T_eval's step compiled and checked against the device's memory (on a CPU the host's)
+  # before any batch is evaluated: a batch too large for the device ended in XLA's
+  # out-of-memory traceback at its first batch, after the evals of the T_evals before it.
+  compiled = [train.compile_eval_step(
+      config, steps_lib.make_eval_step(graphdef, t_eval, True,
+                                       loss_block_size=config.train.loss_block_size),
+      params, what=f"the eval step of T_eval={t_eval} at {field}={config.eval.batch_size}",
+      advice=advice) for t_eval in steps]
   rows = []
-  for t_eval in steps:
-    eval_step = steps_lib.make_eval_step(graphdef, t_eval, True,
-                                         loss_block_size=config.train.loss_block_size)
+  for t_eval, eval_step in zip(steps, compiled, strict=True):
     metrics = steps_lib.eval_loop(eval_step, params, data, config)
     rows.append({"T_eval": t_eval, "step": step, "T_trained": config.model.num_steps,
                  "final_energy": final_energy(metrics),

@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -340,14 +341,23 @@ def test_an_experiment_script_refuses_an_argument_without_its_flag(tmp_path, scr
   assert not stray.exists()
 
 
-def test_evaluate_reports_the_trained_steps_of_the_checkpoint_not_config_json(tmp_path):
-  # Every start rewrites config.json, also one that changed model.num_steps and trained
-  # nothing: the report's trained T must be the one the checkpoint was trained with.
+@pytest.fixture(scope="module")
+def traced_t2_run(tmp_path_factory):
+  """``(workdir, config)`` of a CEM run of ``TRACED_T2`` trained once for the module's
+  evaluate tests, which read its checkpoint (one edits its config.json, which evaluate does
+  not read)."""
   from cem_jax import train
 
-  workdir = tmp_path / "w"
+  workdir = tmp_path_factory.mktemp("traced_t2") / "w"
   cfg = tiny_config("cem", **TRACED_T2)
   train.train_and_evaluate(cfg, str(workdir))
+  return workdir, cfg
+
+
+def test_evaluate_reports_the_trained_steps_of_the_checkpoint_not_config_json(traced_t2_run):
+  # Every start rewrites config.json, also one that changed model.num_steps and trained
+  # nothing: the report's trained T must be the one the checkpoint was trained with.
+  workdir, cfg = traced_t2_run
   saved = json.loads((workdir / "config.json").read_text())
   saved["model"]["num_steps"] = 5
   (workdir / "config.json").write_text(json.dumps(saved))
@@ -362,6 +372,48 @@ def test_evaluate_reports_the_trained_steps_of_the_checkpoint_not_config_json(tm
   assert [r["T_trained"] for r in rows] == [2]
   # one batch of --batch_size=3 windows, not of the run's eval.batch_size (16)
   assert rows[0]["eval/tokens"] == 3 * cfg.data.seq_len
+
+
+def test_evaluate_refuses_an_eval_step_too_large_for_the_device_before_any_batch(
+    traced_t2_run, monkeypatch, capsys):
+  # evaluate checked the eval batch's host arrays, never its step's device memory:
+  # --batch_size=1000000 on a tiny run ended in XLA's out-of-memory traceback (92 GB asked)
+  # at the first batch. Now each T_eval's compiled step is checked as training's are (on a
+  # CPU against the host's memory and swap, here made 1 MiB: the NumPy batches of 16 or 40
+  # windows, 10 or 25 KiB, pass the host batch check; their steps, with the parameters and
+  # the logits, do not), before any batch is evaluated: eval_loop fails the test if called.
+  from absl import flags
+
+  from cem_jax import evaluate, memory
+  from cem_jax import steps as steps_lib
+
+  workdir, _ = traced_t2_run
+  fv = flags.FlagValues()
+  flags.DEFINE_string("workdir", None, "", flag_values=fv)
+  flags.DEFINE_list("num_steps", ["1", "2", "3", "4"], "", flag_values=fv)
+  flags.DEFINE_integer("max_batches", -1, "", flag_values=fv)
+  flags.DEFINE_integer("batch_size", None, "", flag_values=fv)
+  flags.DEFINE_string("attention_impl", None, "", flag_values=fv)
+  monkeypatch.setattr(flags, "FLAGS", fv)
+  limit = 2**20
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: limit)
+  monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # no warning in the way
+  monkeypatch.setattr(steps_lib, "eval_loop",
+                      lambda *args: pytest.fail("a batch was evaluated"))
+  for args, field in (([], "eval.batch_size=16"), (["--batch_size=40"], "--batch_size=40")):
+    fv.unparse_flags()
+    fv(["evaluate", f"--workdir={workdir}", "--num_steps=2,1", *args])
+    with pytest.raises(SystemExit) as e:
+      evaluate.main(["evaluate"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    got = re.fullmatch(
+        rf"error: the eval step of T_eval=2 at {field} needs ([0-9.]+) MiB on this host's CPU "
+        r"devices \(XLA memory analysis\), more than its 1.0 MiB of memory and swap: give "
+        r"evaluate a smaller --batch_size \(the whole split's figures do not depend on it\)\n",
+        err)
+    assert got and float(got[1]) > limit / 2**20, err
 
 
 def test_the_energy_plot_is_of_the_newest_eval(tmp_path, monkeypatch):
@@ -529,7 +581,7 @@ def test_the_test_time_figure_marks_the_trained_t_and_a_failed_report_keeps_the_
 
 def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
   # --max_batches, not the run's own eval.max_batches, bounds each T_eval's eval.
-  from cem_jax import evaluate
+  from cem_jax import evaluate, train
   from cem_jax import steps as steps_lib
 
   cfg = tiny_config("cem", **{"model.num_steps": 2, "eval.max_batches": 4})
@@ -544,6 +596,7 @@ def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
   monkeypatch.setattr(runs, "load_run", load_run)
   monkeypatch.setattr(steps_lib, "make_eval_step",
                       lambda graphdef, t, trace, loss_block_size: t)
+  monkeypatch.setattr(train, "compile_eval_step", lambda config, step, params, **kw: step)
   seen = []
 
   def eval_loop(t, params, data, config):
@@ -566,7 +619,7 @@ def test_evaluate_refuses_an_eval_batch_too_large_for_the_host_before_data_or_st
   # reads every row here), from the checkpoint's config, before the data are built; the
   # advice is evaluate's --batch_size (lowering the run's eval.batch_size, as training's
   # refusal says, was not this command's to do: it reads the checkpoint's config).
-  from cem_jax import evaluate, memory
+  from cem_jax import evaluate, memory, train
   from cem_jax import steps as steps_lib
 
   built, evaluated = [], []
@@ -584,6 +637,7 @@ def test_evaluate_refuses_an_eval_batch_too_large_for_the_host_before_data_or_st
 
   monkeypatch.setattr(runs, "load_run", load_run)
   monkeypatch.setattr(steps_lib, "make_eval_step", lambda *args, **kwargs: None)
+  monkeypatch.setattr(train, "compile_eval_step", lambda *args, **kwargs: None)
   monkeypatch.setattr(steps_lib, "eval_loop", eval_loop)
   monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # no warning in the way
   row = 64 * 20  # inputs, targets, segment_ids (int32), weights, target_bytes (float32)
