@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import shutil
 import signal
 import time
 
@@ -166,7 +165,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       # A SIGTERM landing after the loop's set-up but before loop_starts took it as the flag
       # is a cli.Terminated whose line says a new workdir is removed: it was left as a run.
       if preemption.starting and run.created:
-        workdir_lib.remove_failed_start(workdir)
+        workdir_lib.remove_failed_start(workdir, run.created)
       raise
     return loop.last_eval
 
@@ -177,8 +176,9 @@ class Run:
 
   ``params`` and ``opt_state`` are the restored ones on resume (else freshly initialised);
   ``resume`` is the restored checkpoint's step (None for a fresh start) and ``meta`` its
-  metadata; ``start_step`` the first step to run (0 or ``resume``); ``created`` whether this
-  start created ``workdir`` (removed again if the start fails); ``energies`` the user
+  metadata; ``start_step`` the first step to run (0 or ``resume``); ``created`` the folders this
+  start made, deepest first (``workdir`` and those above it; removed again if the start fails;
+  empty if ``workdir`` was there); ``energies`` the user
   energies' source digests (:func:`cem_jax.energies.energy_digests`), saved with
   every checkpoint.
   """
@@ -197,7 +197,7 @@ class Run:
   start_step: int = 0
   resume: int | None = None
   meta: runs.CheckpointMeta | None = None
-  created: bool = False
+  created: tuple[str, ...] = ()
   energies: dict = dataclasses.field(default_factory=dict)
 
 
@@ -210,7 +210,8 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
 
   Nothing is written to ``workdir`` but the data it prepares (removed again if the checkpoint
   refuses them); if anything fails and ``workdir`` did not exist before, it is removed again
-  but for the prepared tokens in ``WORKDIR/data`` (:func:`_undo_start`).
+  but for the prepared tokens in ``WORKDIR/data``, and so are the empty folders above it that
+  this start made (:func:`_undo_start`).
   ``workdir`` is held for this run (:func:`cem_jax.workdir.exclusive`) until ``held`` closes.
 
   Raises:
@@ -301,11 +302,12 @@ def check_batch_fits(config: ml_collections.ConfigDict, field: str, blocks: int 
 
 
 def _claim_workdir(config: ml_collections.ConfigDict, workdir: str,
-                   held: contextlib.ExitStack) -> bool:
+                   held: contextlib.ExitStack) -> tuple[str, ...]:
   """Makes ``workdir`` if missing, checks that every process was given the same config and
   workdir, and holds it for this run (:func:`cem_jax.workdir.exclusive`) until ``held``
-  closes. Returns whether this start created it (removed again, still empty, if the check of
-  the processes fails: they disagree, or a SIGTERM, Ctrl-C or runtime error ends the wait).
+  closes. Returns the folders this start made (:func:`cem_jax.workdir.prepare_workdir`;
+  removed again, still empty, if the check of the processes fails: they disagree, or a
+  SIGTERM, Ctrl-C or runtime error ends the wait).
 
   Raises:
     ValueError: as :func:`cem_jax.workdir.prepare_workdir`,
@@ -316,7 +318,7 @@ def _claim_workdir(config: ml_collections.ConfigDict, workdir: str,
     workdir_lib.check_processes_agree(config, workdir)
   except BaseException:  # also SIGTERM or Ctrl-C while several processes wait for each other
     if created:  # nothing in it yet: as the command found it
-      shutil.rmtree(workdir, ignore_errors=True)
+      workdir_lib.remove_failed_start(workdir, created)
     raise
   held.enter_context(workdir_lib.exclusive(workdir))  # kept by the caller until the run ends
   return created
@@ -504,10 +506,11 @@ def _rows_of_this_process(shardings: steps_lib.StateShardings, global_rows: int
   return block, blocks
 
 
-def _undo_start(ckpt: Checkpointer | None, workdir: str, created: bool) -> None:
+def _undo_start(ckpt: Checkpointer | None, workdir: str, created: tuple[str, ...]) -> None:
   """After a failed start: closes ``ckpt``, removes its folder if this start created it (the
   start opens it before building the data) and, if this start created ``workdir``, the rest
-  (:func:`cem_jax.workdir.remove_failed_start`). The caller re-raises the error that caused
+  and the empty folders above it this start made (``created``,
+  :func:`cem_jax.workdir.remove_failed_start`). The caller re-raises the error that caused
   it."""
   try:
     if ckpt is not None:
@@ -517,7 +520,7 @@ def _undo_start(ckpt: Checkpointer | None, workdir: str, created: bool) -> None:
           os.rmdir(ckpt.directory)
   finally:  # a close that fails too must not leave the new workdir behind
     if created:
-      workdir_lib.remove_failed_start(workdir)
+      workdir_lib.remove_failed_start(workdir, created)
 
 
 def _log_resume(run: Run, resolved: dict) -> None:

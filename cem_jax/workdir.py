@@ -228,16 +228,18 @@ def remove_prepared_since(workdir: str, before: frozenset[str] | None) -> None:
     shutil.rmtree(os.path.join(data, name), ignore_errors=True)
 
 
-def remove_failed_start(workdir: str) -> None:
+def remove_failed_start(workdir: str, made: tuple[str, ...] = ()) -> None:
   """Removes ``workdir``, which a start that failed had created, but for the tokens prepared in
-  ``WORKDIR/data``, so that no failed start looks like a run. The tokens are kept because they
-  are valid whatever failed (a prepare removes what it cannot finish itself) and the next start
-  of this workdir reuses them: at corpus scale a failure after the data (a seq_len too long, a
-  step too large, Ctrl-C while compiling) would otherwise cost the whole tokenization again.
-  What cannot be removed stays."""
+  ``WORKDIR/data``, so that no failed start looks like a run; then those of the folders above
+  it in ``made`` (:func:`prepare_workdir`'s, deepest first) that are empty. The tokens are kept
+  because they are valid whatever failed (a prepare removes what it cannot finish itself) and
+  the next start of this workdir reuses them: at corpus scale a failure after the data (a
+  seq_len too long, a step too large, Ctrl-C while compiling) would otherwise cost the whole
+  tokenization again. What cannot be removed stays."""
   data = os.path.join(workdir, "data")
   if not (os.path.isdir(data) and os.listdir(data)):
     shutil.rmtree(workdir, ignore_errors=True)
+    remove_empty_folders(made)
     return
   for name in set(os.listdir(workdir)) - {"data"}:
     path = os.path.join(workdir, name)
@@ -248,12 +250,21 @@ def remove_failed_start(workdir: str) -> None:
         os.remove(path)
 
 
-def prepare_workdir(workdir: str) -> bool:
+def remove_empty_folders(folders: tuple[str, ...]) -> None:
+  """Removes each of ``folders`` (deepest first) that is empty: ``rmdir`` only, so never one that
+  holds something, also what another process put there meanwhile."""
+  for folder in folders:
+    with contextlib.suppress(OSError):
+      os.rmdir(folder)
+
+
+def prepare_workdir(workdir: str) -> tuple[str, ...]:
   """Creates ``workdir`` if needed and checks that files can be written in it.
 
-  Returns True if this call created it (so a failed start-up can remove it again). When it
-  cannot be made whole or written, the folders this call made (``workdir`` and the missing
-  folders above it), and only those, are removed again, if still empty.
+  Returns the folders this call made, deepest first (``workdir`` and the missing folders above
+  it, as real paths), empty if ``workdir`` was there: a failed start-up removes them again
+  (:func:`remove_failed_start`). When it cannot be made whole or written, they are removed
+  here, if still empty.
 
   Raises:
     ValueError: it cannot be created or written, or is not a UTF-8 path (one line naming
@@ -265,7 +276,6 @@ def prepare_workdir(workdir: str) -> bool:
     # ArrayRecord's and Orbax's writers take UTF-8 paths only: found out before anything exists.
     raise ValueError(f"--workdir={workdir!r} is not a UTF-8 path; choose another --workdir"
                      ) from None
-  created = not os.path.isdir(workdir)
   # What makedirs will make, deepest first. realpath, not abspath: the kernel resolves a symlink
   # before a '..' after it (link/../w is w beside link's target), abspath drops both.
   missing, path = [], os.path.realpath(workdir)
@@ -278,14 +288,12 @@ def prepare_workdir(workdir: str) -> bool:
     os.close(fd)
     os.remove(probe)
   except OSError as e:
-    for folder in missing:  # rmdir: an empty folder only, never what another process put there
-      with contextlib.suppress(OSError):
-        os.rmdir(folder)
+    remove_empty_folders(tuple(missing))
     raise ValueError(
         f"--workdir={workdir!r} is not a writable folder ({e.strerror or e}: "
         f"{e.filename or workdir}); choose another --workdir or fix its permissions"
     ) from None
-  return created
+  return tuple(missing)
 
 
 @contextlib.contextmanager

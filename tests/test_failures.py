@@ -1803,13 +1803,34 @@ def test_evaluate_rebuilds_the_model_the_checkpoint_was_saved_from(shared_data, 
 
 
 def test_cli_empty_corpus(texts, tmp_path):
+  # A new workdir deep under an empty folder that was there: the folders the start made above
+  # the workdir were left behind, empty (adversary start56's a/b); the one that was there stays.
   (tmp_path / "cfg.py").write_text(CONFIG_FILE)
-  workdir = tmp_path / "w"
+  (tmp_path / "x").mkdir()
+  workdir = tmp_path / "x" / "a" / "b" / "w"
   proc = _run_cli([f"--config={tmp_path / 'cfg.py'}", f"--workdir={workdir}",
                    f"--config.data.files={texts / 'empty.txt'}"])
   assert proc.returncode == 1
   assert _last_line(proc).startswith("error: data.files: the corpus is empty")
-  _assert_nothing_left(workdir)
+  assert os.listdir(tmp_path / "x") == []
+
+
+@pytest.mark.parametrize("failing", ["check_processes_agree", "build_data_once"])
+def test_a_failed_start_removes_the_empty_folders_it_made_above_the_workdir(failing, tmp_path,
+                                                                          monkeypatch):
+  # Only the empty ones it made: not x, which was there (empty), nor a, where something else
+  # put a file meanwhile. Failing while the processes agree (_claim_workdir) or after, at the
+  # data (_undo_start): both left x/a/b behind.
+  def failing_after_a_file_in_a(*args, **kwargs):
+    (tmp_path / "x" / "a" / "other.txt").write_text("not this start's")
+    raise ValueError("refused")
+
+  monkeypatch.setattr(workdir_lib, failing, failing_after_a_file_in_a)
+  (tmp_path / "x").mkdir()
+  with pytest.raises(ValueError, match="^refused$"):
+    train.train_and_evaluate(tiny_config("llama"), str(tmp_path / "x" / "a" / "b" / "w"))
+  assert sorted(os.listdir(tmp_path / "x")) == ["a"]
+  assert sorted(os.listdir(tmp_path / "x" / "a")) == ["other.txt"]
 
 
 def test_cli_unwritable_workdir(tmp_path):
