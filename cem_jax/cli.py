@@ -7,7 +7,6 @@ value and what is allowed, and exit status 1 — never a traceback for a typo.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import difflib
 import functools
@@ -121,9 +120,9 @@ def interrupted(what_now: str):
 
   The process ends as Python ends it on Ctrl-C (cleanup and atexit first, then death by
   SIGINT: status 130 in a shell, -2 to ``subprocess``), so launchers and sweeps see the same
-  status as before, but without the interpreter's teardown (:func:`_die_by`). Only the
-  traceback of a KeyboardInterrupt is dropped (``sys.excepthook``); any other exception keeps
-  its own.
+  status as before, but without the interpreter's teardown (:func:`cem_jax.signals.die_by`).
+  Only the traceback of a KeyboardInterrupt is dropped (``sys.excepthook``); any other
+  exception keeps its own.
 
   A :class:`Terminated` (SIGTERM where the program cannot save, raised by the program's own
   handler) is the same, as ``terminated (SIGTERM): MESSAGE``, its own message, and the process
@@ -149,14 +148,13 @@ def interrupted(what_now: str):
       # wherever the program is once the hook before is back.
       raise KeyboardInterrupt
   except KeyboardInterrupt:
-    print(f"interrupted (Ctrl-C): {what_now}", file=sys.stderr)
     sys.excepthook = _no_interrupt_traceback
-    _die_by(signal.SIGINT)
+    signals.die_interrupted(what_now)
     raise
   except Terminated as e:
     print(f"terminated (SIGTERM): {e}", file=sys.stderr)
     sys.excepthook = _no_interrupt_traceback
-    _die_by(signal.SIGTERM)
+    signals.die_by(signal.SIGTERM)
     raise
   finally:
     if hook is not None:
@@ -197,22 +195,6 @@ def _unraisable(hook, unraisable) -> None:
     _redeliver(signal.SIGTERM if issubclass(kind, Terminated) else signal.SIGINT)
     return
   hook(unraisable)
-
-
-def _die_by(signum: int) -> None:
-  """Runs the ``atexit`` functions (TensorBoard's flush, jax's clean-up), then ends the process
-  by ``signum`` (SIGINT, SIGTERM) at once, without the interpreter's teardown: a Ctrl-C
-  landing while XLA compiles left it state whose teardown crashed ("Fatal Python error:
-  Segmentation fault", status 139, in 4 tries of 4 on a CPU). Returns, for the caller to
-  re-raise and Python to end as usual, where this Python lacks CPython's
-  ``atexit._run_exitfuncs`` or signals (not POSIX)."""
-  run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
-  if run_exitfuncs is None or os.name != "posix":
-    return
-  run_exitfuncs()
-  sys.stdout.flush()
-  sys.stderr.flush()
-  signals.end_by(signum)
 
 
 def _run_config_file(spec: str):

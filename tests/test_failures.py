@@ -930,7 +930,8 @@ runpy.run_module("cem_jax.main", run_name="__main__")
 
 
 @pytest.mark.parametrize("where, signame", [
-    ("importing absl", "SIGTERM"), ("running the config file", "SIGTERM"),
+    ("importing absl", "SIGTERM"), ("importing absl", "SIGINT"),
+    ("running the config file", "SIGTERM"),
     ("as the backend starts", "SIGTERM"), ("waiting for the other process", "SIGTERM"),
     ("waiting for the other process", "SIGINT")])
 def test_a_signal_before_train_sets_its_handler_is_the_start_up_line(where, signame,
