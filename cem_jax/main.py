@@ -102,4 +102,6 @@ if __name__ == "__main__":
   flags.DEFINE_integer(
       "process_id", None, "This process's index (default: $CEM_PROCESS_ID or detected).")
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main, flags_parser=cli.parse_flags)
+  # Also while the flags are parsed (the config file runs), before main's own: a traceback.
+  with cli.interrupted(_INTERRUPTED):
+    app.run(main, flags_parser=cli.parse_flags)

@@ -931,7 +931,7 @@ runpy.run_module("cem_jax.main", run_name="__main__")
 
 @pytest.mark.parametrize("where, signame", [
     ("importing absl", "SIGTERM"), ("importing absl", "SIGINT"),
-    ("running the config file", "SIGTERM"),
+    ("running the config file", "SIGTERM"), ("running the config file", "SIGINT"),
     ("as the backend starts", "SIGTERM"), ("waiting for the other process", "SIGTERM"),
     ("waiting for the other process", "SIGINT")])
 def test_a_signal_before_train_sets_its_handler_is_the_start_up_line(where, signame,
@@ -940,14 +940,16 @@ def test_a_signal_before_train_sets_its_handler_is_the_start_up_line(where, sign
   # gone without a word (143): in main's imports, while the flags and the config file were
   # read, as jax's backend started (in Preemption.__enter__, before its handler was set), and
   # while the processes met in jax.distributed.initialize. Waiting for the others, in C++ until
-  # the runtime's 300 s timeout and its abort, Ctrl-C did nothing at all.
+  # the runtime's 300 s timeout and its abort, Ctrl-C did nothing at all. Ctrl-C in the
+  # imports (absl, ml_collections) or while the config file ran, before main's cli.interrupted,
+  # was a KeyboardInterrupt traceback (adversary start56).
   config = tmp_path / "config.py"
   config.write_text(textwrap.dedent(f"""
       import runpy, signal
 
       def get_config():
         if {where == "running the config file"}:
-          signal.raise_signal(signal.SIGTERM)
+          signal.raise_signal(signal.{signame})
         return runpy.run_path({str(REPO / "experiments" / "tiny.py")!r})["get_config"]()
   """))
   workdir = tmp_path / "w"
