@@ -47,8 +47,8 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   cli.quiet_libraries()
   stop = cli.Terminated(cli.TERMINATED_IN_START_UP)
-  with cli.interrupted(_INTERRUPTED), \
-       cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
+  # Ctrl-C and a held SIGTERM end as one line by the cli.interrupted around app.run.
+  with cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
     _HELD.stop_if_sent(stop)  # while the flags and the config file were read
     cli.check_given("workdir", fl.workdir, "a folder (created if missing)")
     # '' was read as not given: the coordinator of the environment, or none.
@@ -102,6 +102,6 @@ if __name__ == "__main__":
   flags.DEFINE_integer(
       "process_id", None, "This process's index (default: $CEM_PROCESS_ID or detected).")
   flags.mark_flags_as_required(["config", "workdir"])
-  # Also while the flags are parsed (the config file runs), before main's own: a traceback.
+  # Around app.run, not in main: the flags are parsed (the config file runs) before main.
   with cli.interrupted(_INTERRUPTED):
     app.run(main, flags_parser=cli.parse_flags)
