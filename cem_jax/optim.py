@@ -7,6 +7,9 @@ tools that build a train step (bench, evaluate).
 
 from __future__ import annotations
 
+import functools
+import json
+
 import jax
 import ml_collections
 import optax
@@ -66,7 +69,22 @@ def make_optimizer(cfg: ml_collections.ConfigDict):
   ``train`` config group. Returns ``(tx, schedule)``. ``optax.apply_if_finite`` keeps the
   parameters unchanged on a NaN/Inf gradient and counts it; the loop stops after
   ``train.max_consecutive_nonfinite``.
+
+  Equal ``train`` groups (every field, its type included) give the same ``(tx, schedule)``
+  objects: the jitted steps are cached by the optimizer's identity
+  (:func:`cem_jax.steps.make_train_step`), so the runs of one config in one process (tables'
+  seeds) reuse their compiled programs, while any other field value (the schedule's rates and
+  step counts are constants of the compiled step) is another optimizer.
   """
+  # The optimizer is built from the key itself (the group as JSON, which tells 1 from 1.0),
+  # so no field it reads can be missing from the key.
+  return _optimizer(json.dumps(json.loads(cfg.to_json()), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _optimizer(train_json: str):
+  """:func:`make_optimizer` of the ``train`` group written as ``train_json``."""
+  cfg = ml_collections.ConfigDict(json.loads(train_json))
   schedule = make_schedule(cfg)
   inner = optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip),

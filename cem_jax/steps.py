@@ -51,7 +51,7 @@ def seed_key_data(seed: int) -> np.ndarray:
   return np.asarray(jax.random.key_data(jax.random.key(seed)))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class StateShardings:
   """Where everything lives on the mesh.
 
@@ -68,6 +68,20 @@ class StateShardings:
   opt_state: object
   batch: jax.sharding.NamedSharding
   replicated: jax.sharding.NamedSharding
+
+  def _key(self) -> tuple:
+    # The trees as their structure and NamedShardings (hashable, equal by mesh and spec): an
+    # nnx.State is neither hashable nor compared by value.
+    return (self.mesh, _TreeKey.of(self.params), _TreeKey.of(self.opt_state), self.batch,
+            self.replicated)
+
+  def __eq__(self, other) -> bool:
+    """Equal where every sharding is: the jitted steps are cached on them
+    (:func:`make_train_step`)."""
+    return isinstance(other, StateShardings) and self._key() == other._key()
+
+  def __hash__(self) -> int:
+    return hash(self._key())
 
   def process_slice(self, global_rows: int) -> tuple[int, int]:
     """``(index, count)``: this process reads block ``index`` of ``count`` of every batch."""
@@ -148,7 +162,47 @@ def _state_builders(config, vocab_size: int, tx, mesh, platform: str | None = No
                              replicated=sharding_lib.replicated(mesh))
   make_params = _params_initialiser(config, vocab_size, platform, mesh, param_sh)
   return (graphdef, shardings, abstract_model, make_params,
-          jax.jit(tx.init, out_shardings=opt_sh))
+          _opt_state_initialiser(tx, _TreeKey.of(opt_sh)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _TreeKey:
+  """A pytree of hashable leaves (shardings) as a hashable value: its structure and leaves."""
+
+  treedef: object
+  leaves: tuple
+
+  @classmethod
+  def of(cls, tree) -> _TreeKey:
+    leaves, treedef = jax.tree.flatten(tree)
+    return cls(treedef, tuple(leaves))
+
+  def tree(self):
+    return jax.tree.unflatten(self.treedef, self.leaves)
+
+
+# The compiled programs of the runs of one config in one process (tables' --seeds) are made
+# once: the jitted functions below are cached on everything their programs close over, which
+# is their arguments (each built from them alone), so the key cannot miss one. Bounded:
+# tables build many models in one process, and each entry holds its executables.
+_KEPT = 8
+
+
+@functools.lru_cache(maxsize=_KEPT)
+def _opt_state_initialiser(tx, opt_sh: _TreeKey):
+  """The jitted ``tx.init(params) -> opt_state`` with ``out_shardings`` ``opt_sh``, one per
+  optimizer (by identity: :func:`cem_jax.optim.make_optimizer` gives one per ``train``
+  group) and shardings."""
+  return jax.jit(tx.init, out_shardings=opt_sh.tree())
+
+
+def forget_compiled() -> None:
+  """Drops the cached jitted initialisers and steps (and with them their executables): the
+  next runs compile afresh, as the first in a process does (tests that patch what a step
+  traces)."""
+  _INITIALISERS.clear()
+  for cached in (_opt_state_initialiser, _train_step, _eval_step):
+    cached.cache_clear()
 
 
 # The jitted initialisers of the last few models, by everything their program depends on but
@@ -192,6 +246,11 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   """Returns the jitted ``step(params, opt_state, batch, guard=0, done=0) -> (params, opt_state,
   metrics)``; ``params`` and ``opt_state`` are donated.
 
+  Calls with equal arguments (``graphdef`` and ``shardings`` by value, ``tx`` and ``schedule``
+  by identity: :func:`cem_jax.optim.make_optimizer` gives one per ``train`` group) return the
+  same jitted function, so another run of one config in one process (tables' seeds) runs the
+  programs compiled for the first; :func:`forget_compiled` drops them.
+
   The loss is the token-weighted mean of ``-log p(target)`` over the whole batch (nats). With
   ``gradient_accumulation_steps`` k > 1 the batch runs as k microbatches of ``batch / k``
   rows (microbatch i: rows i, i + k, i + 2k, ..., so each device splits its own rows) in a
@@ -230,6 +289,17 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   # A direct caller need not have run config.validate: 0 would divide the rows by zero when
   # the step is traced, far from the value that caused it.
   config_lib.check_int("train.gradient_accumulation_steps", gradient_accumulation_steps)
+  return _train_step(graphdef, tx, max_consecutive_nonfinite, shardings, schedule,
+                     gradient_accumulation_steps, loss_block_size)
+
+
+# typed: 1 and 1.0 (or True) are different constants in the program.
+@functools.lru_cache(maxsize=_KEPT, typed=True)
+def _train_step(graphdef, tx, max_consecutive_nonfinite, shardings, schedule,
+                gradient_accumulation_steps, loss_block_size):
+  """:func:`make_train_step`'s step, one per argument values: ``graphdef`` by value (the
+  model's structure and static attributes, its energies among them), ``tx`` and ``schedule``
+  by identity, ``shardings`` by value."""
   value_and_grad = _batch_value_and_grad(graphdef, gradient_accumulation_steps, shardings,
                                          loss_block_size)
 
@@ -359,8 +429,15 @@ def make_eval_step(graphdef, num_steps: int | None, energy_trace: bool = False,
   summed over the real input tokens, see :class:`cem_jax.layers.CEMBlock`) and ``token_sum``
   (the number of those tokens, ``segment_ids > 0``).
   ``num_steps`` overrides the recursive steps T of every CEM layer (test-time steps);
-  ``loss_block_size`` as in :func:`make_train_step`.
+  ``loss_block_size`` as in :func:`make_train_step`. One jitted function per argument values
+  (cached as :func:`make_train_step`'s).
   """
+  return _eval_step(graphdef, num_steps, energy_trace, shardings, loss_block_size)
+
+
+@functools.lru_cache(maxsize=_KEPT, typed=True)
+def _eval_step(graphdef, num_steps, energy_trace, shardings, loss_block_size):
+  """:func:`make_eval_step`'s step, one per argument values."""
   jit_kwargs = {}
   if shardings is not None:
     jit_kwargs = {"in_shardings": (shardings.params, shardings.batch),

@@ -102,6 +102,16 @@ def float_collectives(hlo_text: str, *dims: int) -> list[str]:
           if shape.search(result)]
 
 
+@pytest.fixture(autouse=True)
+def _steps_compiled_afresh():
+  """Each test compiles its own steps: ``cem_jax.steps`` caches the jitted steps per config for
+  a process's later runs, so a test that patches what a step traces (a loss, a kernel) would
+  otherwise run, or leave behind, a program an earlier test of the same config compiled."""
+  steps = sys.modules.get("cem_jax.steps")
+  if steps is not None:
+    steps.forget_compiled()
+
+
 @pytest.fixture
 def shared_data() -> Path:
   if not SHARED_DATA.is_dir():

@@ -12,7 +12,7 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import EMITTERS, subprocess_env, tiny_config
+from conftest import EMITTERS, program_json, subprocess_env, tiny_config
 from flax import nnx
 
 from cem_jax import model_stats, optim, steps, train
@@ -465,3 +465,73 @@ def test_a_metrics_line_or_event_that_cannot_be_written_names_its_file(tmp_path,
   assert (e.value.errno, e.value.filename) == (errno.ENOSPC, tensorboard_dir(str(tmp_path)))
   writer._tb = writer._tb.real
   writer.close()
+
+
+RUNS_SCRIPT = """
+import collections, json, sys
+import jax
+sys.path.insert(0, sys.argv[1])
+from conftest import tiny_config
+from cem_jax import steps, train
+from cem_jax.metrics import read_metrics
+
+# Executables jax made (compiled, or read from the persistent cache) by function name.
+made = collections.Counter()
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, fun_name=None, **_: made.update(
+        [fun_name] if event == "/jax/core/compile/backend_compile_duration" else []))
+STEPS = ("jit(init)", "jit(step)", "jit(eval_step)")
+SEED = {"seed": 1, "data.shuffle_seed": 1}
+RUNS = {"first": {}, "seed": SEED, "learning_rate": {**SEED, "train.learning_rate": 6e-3},
+        "seq_len": {**SEED, "data.seq_len": 32}}
+
+
+def run(name, workdir):
+  cfg = tiny_config("cem", **{"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64,
+                              "model.num_layers": 1, "data.seq_len": 16,
+                              "train.num_steps": 3, "train.warmup_steps": 1,
+                              "train.log_every_steps": 1, "train.eval_every_steps": 3,
+                              "eval.max_batches": 2, **RUNS[name]})
+  before = dict(made)
+  train.train_and_evaluate(cfg, workdir)
+  lines = [{k: v for k, v in m.items() if k.startswith(("train/loss", "train/grad_norm",
+                                                         "train/learning_rate", "eval/loss"))}
+           for m in read_metrics(workdir)]
+  return {"compiles": [made[f] - before.get(f, 0) for f in STEPS],
+          "metrics": [m for m in lines if m]}
+
+
+out = {"cached": {name: run(name, f"{sys.argv[2]}/{name}") for name in RUNS}}
+# Each again, every cached program dropped first: the uncached path, compiled for it alone.
+out["fresh"] = {}
+for name in RUNS:
+  steps.forget_compiled()
+  out["fresh"][name] = run(name, f"{sys.argv[2]}/fresh_{name}")
+print(json.dumps(out))
+"""
+
+
+def test_another_run_of_one_config_reuses_the_compiled_steps_and_others_do_not(tmp_path):
+  # The optimizer state's initialiser and the train and eval steps are cached per config in
+  # a process (tables' --seeds): another seed makes no executable of them, while a learning
+  # rate (a constant of the step's schedule) and a sequence length (the step's shapes) are
+  # programs of their own; each run's losses, gradient norms, rates and eval losses are bit
+  # for bit those of its steps compiled afresh. Counted: the executables jax makes, not time.
+  # Mutations: the step caches dropped (a jit per call) made the second seed compile 3;
+  # make_optimizer's key without the learning rate (the first run's optimizer reused) gave
+  # the learning-rate run the first run's rates and losses.
+  runs = program_json(["-c", RUNS_SCRIPT, os.path.join(REPO, "tests"), str(tmp_path)], 1,
+                      timeout=300, xla_flags=EMITTERS)
+  cached, fresh = runs["cached"], runs["fresh"]
+  assert cached["first"]["compiles"] == [1, 1, 1], cached
+  assert cached["seed"]["compiles"] == [0, 0, 0], cached
+  # A new optimizer: its state's initialiser and the train step; the eval step reads no rate.
+  assert cached["learning_rate"]["compiles"] == [1, 1, 0], cached
+  assert cached["seq_len"]["compiles"] == [0, 1, 1], cached
+  for name, rec in cached.items():
+    assert len(rec["metrics"]) == 4 and rec["metrics"] == fresh[name]["metrics"], name
+  # The runs differ where their configs do (the comparison above could not miss a mix-up).
+  first, seed, lr = (cached[n]["metrics"] for n in ("first", "seed", "learning_rate"))
+  assert first[0]["train/loss"] != seed[0]["train/loss"]
+  assert lr[0]["train/loss"] == seed[0]["train/loss"]  # same seed, before any update
+  assert lr[0]["train/learning_rate"] == 2 * seed[0]["train/learning_rate"]
