@@ -98,8 +98,9 @@ def check_state_fits(params, opt_state, config: ml_collections.ConfigDict,
   shapes on their shardings (``jax.ShapeDtypeStruct`` s), before they are made: made first,
   they failed in XLA (a RESOURCE_EXHAUSTED traceback; past 2**64 random bits a lowering
   error), or the kernel killed the process, before :func:`compile_within_memory` could speak.
-  ``limit_bytes`` as there (None: :func:`device_limit_bytes`; on CPU the state of all this
-  process's devices against the host's memory and swap).
+  ``limit_bytes`` as there (None: :func:`device_limit_bytes`; on CPU the state on all of
+  this process's devices that hold it, from its shardings, against the host's memory and
+  swap).
 
   Raises:
     ValueError: one line naming both sizes, the limit and the config values to change.
@@ -108,7 +109,7 @@ def check_state_fits(params, opt_state, config: ml_collections.ConfigDict,
   need = params_bytes + opt_bytes
   limit = device_limit_bytes() if limit_bytes is None else limit_bytes
   where = "per device, the device allows"
-  on_host = _host_need(need, limit)
+  on_host = _host_need(need, limit, _devices_holding((params, opt_state)))
   if on_host is not None:
     need, limit = on_host, host_total_bytes()
     where = "on this host's CPU devices, more than its memory and swap,"
@@ -123,14 +124,31 @@ def check_state_fits(params, opt_state, config: ml_collections.ConfigDict,
       f"model.num_layers={m.num_layers}, data.vocab_size={config.data.vocab_size})")
 
 
-def _host_need(per_device: int, limit: int | None) -> int | None:
-  """What ``per_device`` bytes on each of this process's devices take from the host's memory,
-  where that memory is the limit: with no device limit (``limit`` None) on CPU devices, which
-  share the host's RAM and swap and whose allocations no allocator caps, ``per_device`` times
-  the local device count; None elsewhere (``limit`` applies to ``per_device``)."""
+def _host_need(per_device: int, limit: int | None, devices: int) -> int | None:
+  """What ``per_device`` bytes on each of ``devices`` of this process's devices take from the
+  host's memory, where that memory is the limit: with no device limit (``limit`` None) on CPU
+  devices, which share the host's RAM and swap and whose allocations no allocator caps (each
+  holds its own copy of a replicated array), ``per_device`` times ``devices``; None elsewhere
+  (``limit`` applies to ``per_device``)."""
   if limit is not None or jax.local_devices()[0].platform != "cpu":
     return None
-  return per_device * jax.local_device_count()
+  return per_device * devices
+
+
+def _local_devices(shardings) -> int:
+  """How many of this process's devices the ``shardings`` (``jax.sharding.Sharding`` s) place
+  arrays on: those a program's or a state's bytes per device are held on. At least 1: arrays
+  without a sharding (NumPy, a ``jax.ShapeDtypeStruct`` without one) go to one device."""
+  here = jax.process_index()
+  devices = {d for s in shardings for d in s.device_set
+             if getattr(d, "process_index", here) == here}
+  return max(len(devices), 1)
+
+
+def _devices_holding(tree) -> int:
+  """:func:`_local_devices` of the arrays or ``jax.ShapeDtypeStruct`` s of ``tree``."""
+  return _local_devices([x.sharding for x in jax.tree.leaves(tree)
+                         if getattr(x, "sharding", None) is not None])
 
 
 def device_limit_bytes(device: jax.Device | None = None) -> int | None:
@@ -206,9 +224,10 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
     config: the run's config, for the fields the error names.
     what: the program's name in the log line and the error.
     limit_bytes: the device's limit in bytes; None (default) reads :func:`device_limit_bytes`
-      (none on CPU: the footprint of all this process's devices is compared with the host's
-      memory and swap, :func:`host_total_bytes`, refused beyond it, and with its free memory,
-      :func:`host_available_bytes`, with a warning beyond that).
+      (none on CPU: the footprint on all of this process's devices the program runs on, from
+      its shardings, is compared with the host's memory and swap, :func:`host_total_bytes`,
+      refused beyond it, and with its free memory, :func:`host_available_bytes`, with a
+      warning beyond that).
     data_parallel: the devices the batch is split over (which gradient accumulation steps
       the error may suggest: each device's rows must split into whole microbatches).
     advice: what the error says to change; None (default): the training step's (gradient
@@ -246,7 +265,10 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
     needs, allows = _sizes(need, limit)
     raise ValueError(f"{what} needs {needs} per device (XLA memory analysis{held}), the "
                      f"device allows {allows}: {advice}")
-  on_host = _host_need(need, limit)
+  # The program's devices, not all of this process's: python -m cem_jax.evaluate runs its eval
+  # step on one device however many forced host devices the process has.
+  on_host = _host_need(need, limit, _local_devices(
+      jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))))
   if on_host is not None:
     _check_host_memory(what, on_host, advice)
   return compiled
@@ -275,11 +297,12 @@ def check_host_batch(field: str, global_rows: int, rows: int, row_bytes: int,
 
 def _check_host_memory(what: str, need: int, advice: str,
                        where: str = "on this host's CPU devices (XLA memory analysis)") -> None:
-  """Refuses ``need`` bytes (a program's footprint on every CPU device of this process, or
-  the host arrays ``where`` names) beyond the host's RAM and swap, and warns beyond what it
-  has free: such a run failed at its first step with a traceback, or was killed by the kernel
-  (exit status 137) without a message. Only a warning below the total: free memory moves
-  with the other processes, and ``need`` is a lower bound (XLA's analysis of a CPU program).
+  """Refuses ``need`` bytes (a program's footprint on every CPU device of this process it
+  runs on, or the host arrays ``where`` names) beyond the host's RAM and swap, and warns
+  beyond what it has free: such a run failed at its first step with a traceback, or was
+  killed by the kernel (exit status 137) without a message. Only a warning below the total:
+  free memory moves with the other processes, and ``need`` is a lower bound (XLA's analysis
+  of a CPU program).
 
   Raises:
     ValueError: more than the host's RAM and swap (one line naming what to change).

@@ -25,7 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import flags
-from conftest import closed_port, quadrature_phi_silu, subprocess_env, tiny_config
+from conftest import (
+    closed_port,
+    program_json,
+    quadrature_phi_silu,
+    subprocess_env,
+    tiny_config,
+)
 from flax import nnx
 from ml_collections import config_flags
 
@@ -2140,7 +2146,7 @@ def test_a_cpu_step_larger_than_the_host_is_refused_and_than_it_has_free_warned_
   assert 0 < memory.host_available_bytes() <= memory.host_total_bytes()  # Linux's meminfo
   double = jax.jit(lambda x: x * 2)
   x = jnp.ones((4096,), jnp.float32)
-  need = memory.footprint_bytes(double.lower(x).compile()) * jax.local_device_count()
+  need = memory.footprint_bytes(double.lower(x).compile())  # on one device
   # More than the host's memory and swap: refused, as a GPU's limit (it ended in XLA's
   # traceback at the first step, e.g. 3352 GiB for seq_len 32768).
   monkeypatch.setattr(memory, "host_total_bytes", lambda: need - 1)
@@ -2161,38 +2167,85 @@ def test_a_cpu_step_larger_than_the_host_is_refused_and_than_it_has_free_warned_
         [expected] if warned else []), free
 
 
-def test_both_memory_checks_count_every_cpu_device_of_this_process_against_the_host(
-    monkeypatch):
-  # CPU devices share the host's memory: the state's check and the step's compare the sum over
-  # the process's devices (here 4) with its memory and swap, not one device's share. A limit
-  # given (a GPU's, a TPU's) is per device, the host not read.
-  from cem_jax import memory
+HOST_DEVICES_SCRIPT = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from cem_jax import memory
+from cem_jax.config import get_default_config
 
-  monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: None)
-  monkeypatch.setattr(memory, "host_available_bytes", lambda: None)
-  monkeypatch.setattr(jax, "local_device_count", lambda: 4)
-  cfg = tiny_config("llama")
-  params, opt_state = np.zeros(256, np.float32), np.zeros(512, np.float32)  # 1024 + 2048 bytes
-  monkeypatch.setattr(memory, "host_total_bytes", lambda: 4 * 3072)
-  memory.check_state_fits(params, opt_state, cfg)
-  monkeypatch.setattr(memory, "host_total_bytes", lambda: 4 * 3072 - 1)
-  with pytest.raises(ValueError, match=r"^the parameters \(1024 bytes\) and optimizer state "
-                     r"\(2048 bytes\) need 12288 bytes on this host's CPU devices, more than "
-                     r"its memory and swap, 12287 bytes: "):
-    memory.check_state_fits(params, opt_state, cfg)
-  memory.check_state_fits(params, opt_state, cfg, limit_bytes=3072)
-  with pytest.raises(ValueError, match=r" need 3072 bytes per device, the device allows 3071 "):
-    memory.check_state_fits(params, opt_state, cfg, limit_bytes=3071)
+memory.host_available_bytes = lambda: None  # no warnings: only the refusal is read
+cfg = get_default_config()
+devices = jax.devices()
 
-  double = jax.jit(lambda x: x * 2)
-  x = jnp.ones((4096,), jnp.float32)
+
+def placed(n, where):
+  # float32 [n] with no sharding, on one device, or on a mesh of k devices (replicated or split)
+  if where == "numpy":
+    return np.ones((n,), np.float32)
+  if where == "device 3":
+    return jax.ShapeDtypeStruct((n,), jnp.float32,
+                                sharding=jax.sharding.SingleDeviceSharding(devices[3]))
+  k, spec = where.split()
+  mesh = Mesh(np.array(devices[:int(k)]), ("d",))
+  return jax.ShapeDtypeStruct((n,), jnp.float32,
+                              sharding=NamedSharding(mesh, P() if spec == "replicated" else P("d")))
+
+
+def fits(check, host):
+  memory.host_total_bytes = lambda: host
+  try:
+    check()
+    return True
+  except ValueError:
+    return False
+
+
+double = jax.jit(lambda x: x * 2)
+out = {}
+for where in ("numpy", "device 3", "2 replicated", "2 split", "4 replicated", "4 split"):
+  x = placed(4096, where)
   one = memory.footprint_bytes(double.lower(x).compile())
-  monkeypatch.setattr(memory, "host_total_bytes", lambda: 4 * one)
-  memory.compile_within_memory(double, (x,), cfg, advice="lower it")
-  monkeypatch.setattr(memory, "host_total_bytes", lambda: 4 * one - 1)
-  with pytest.raises(ValueError, match=rf" needs {4 * one} bytes on this host's CPU devices "):
-    memory.compile_within_memory(double, (x,), cfg, advice="lower it")
-  memory.compile_within_memory(double, (x,), cfg, limit_bytes=one, advice="lower it")
+  step = lambda: memory.compile_within_memory(double, (x,), cfg, advice="lower it")
+  params, opt_state = placed(256, where), placed(512, where)
+  state_one = memory.resident_bytes((params, opt_state))
+  state = lambda: memory.check_state_fits(params, opt_state, cfg)
+  out[where] = {
+      "step_bytes": one, "state_bytes": state_one,
+      # The smallest host (memory and swap) each check lets through, in bytes per device.
+      "step_fits": [fits(step, k * one + d) for k in (1, 2, 4) for d in (-1, 0)],
+      "state_fits": [fits(state, k * state_one + d) for k in (1, 2, 4) for d in (-1, 0)],
+      # A device limit given (a GPU's, a TPU's) is per device: the host is not read.
+      "limited": [fits(lambda: memory.compile_within_memory(
+          double, (x,), cfg, advice="lower it", limit_bytes=one + d), 0) for d in (-1, 0)],
+  }
+print(json.dumps(out))
+"""
+
+
+def test_the_cpu_memory_checks_count_the_devices_a_program_or_state_is_on_against_the_host():
+  # CPU devices share the host's memory, and each holds its own copy of a replicated array:
+  # the step's check and the state's compare the bytes per device (XLA's memory analysis of
+  # the partitioned program; the state's shards) times the devices of this process the
+  # program or state is placed on with the host's memory and swap. Not times every device of
+  # the process: python -m cem_jax.evaluate's one-device eval step under 4 forced host devices
+  # was counted 4 times. Per device: float32 [4096] in and out, 32768 bytes whole, a half or a
+  # quarter of it split over 2 or 4 devices; the state 1024 + 2048 bytes whole.
+  # Mutation: jax.local_device_count() as the multiplier (as it was) let "numpy", "device 3"
+  # and the 2-device placements through only at 4 times their bytes.
+  runs = program_json(["-c", HOST_DEVICES_SCRIPT], 4, timeout=120, cwd=REPO)
+  on = {"numpy": 1, "device 3": 1, "2 replicated": 2, "2 split": 2, "4 replicated": 4,
+        "4 split": 4}
+  assert sorted(runs) == sorted(on)
+  for where, rec in runs.items():
+    devices = on[where]
+    split = where.endswith("split")
+    assert rec["step_bytes"] == 32768 // (devices if split else 1), (where, rec)
+    assert rec["state_bytes"] == 3072 // (devices if split else 1), (where, rec)
+    # Through at exactly the devices' bytes (k = devices, d = 0), refused a byte below.
+    want = [k > devices or (k == devices and d == 0) for k in (1, 2, 4) for d in (-1, 0)]
+    assert rec["step_fits"] == want and rec["state_fits"] == want, (where, rec)
+    assert rec["limited"] == [False, True], (where, rec)
 
 
 def test_a_batch_too_large_for_the_host_is_refused_at_start_up_counting_this_process_rows(
