@@ -7,6 +7,7 @@ Layout of ``DIR/checkpoints`` (``DIR`` = ``--workdir``)::
       meta/            JSON: step, data position, RNG seed, resolved config, data identity
     digests/<step>.json  sha256 and size of every file of step <step> (see below)
     rejected/<step>.<time_ns>/  damaged steps moved aside on resume (kept for inspection)
+    deleting/<step>/    an old step Orbax let go (``keep``), removed by the next wait or start
 
 What Orbax does and this module does not repeat: asynchronous writes, atomic commit (a step is
 written to a temporary folder and renamed when complete; leftovers of a killed save are removed
@@ -34,9 +35,16 @@ import jax
 import orbax.checkpoint as ocp
 
 from cem_jax import errors, integrity
-from cem_jax.integrity import COMMIT_MARKER, DIGEST_DIR, REJECTED_DIR, CheckpointError
+from cem_jax.integrity import (
+    COMMIT_MARKER,
+    DELETING_DIR,
+    DIGEST_DIR,
+    REJECTED_DIR,
+    CheckpointError,
+)
 
-__all__ = ["COMMIT_MARKER", "DIGEST_DIR", "REJECTED_DIR", "CheckpointError", "Checkpointer"]
+__all__ = ["COMMIT_MARKER", "DELETING_DIR", "DIGEST_DIR", "REJECTED_DIR", "CheckpointError",
+           "Checkpointer"]
 
 
 def _flat_arrays(tree) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -206,6 +214,8 @@ class Checkpointer:
         # Orbax's clean-up thread (which ``close`` does not wait for) would race a failed
         # start's removal of it.
         cleanup_tmp_directories=not read_only and not self.created,
+        # An old step is let go by one rename, never left half deleted (the module docstring).
+        todelete_subdir=None if read_only else DELETING_DIR,
         read_only=read_only,
     )
     # Handlers named up front so that a fresh process can read a step's tree metadata.
@@ -214,6 +224,7 @@ class Checkpointer:
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "meta": ocp.JsonCheckpointHandler()},
     )
+    self._remove_let_go()  # those a process that ended before removing them left
 
   # -- paths and steps --------------------------------------------------------------------------
 
@@ -436,6 +447,22 @@ class Checkpointer:
     if held is not None:
       held.end(hand_on=True)
     integrity.prune_digests(self.directory, self.manager.all_steps())
+    self._remove_let_go()
+
+  def _remove_let_go(self) -> None:
+    """Removes ``deleting/``, the old steps Orbax let go (renamed there by the process that
+    deletes: process 0), when no save is pending: there, a removal cut short leaves files that
+    no listing of steps reads. A reader removes nothing.
+
+    Raises:
+      OSError: a file there cannot be removed (naming it).
+    """
+    if self.read_only or jax.process_index() != 0:
+      return
+    try:
+      shutil.rmtree(os.path.join(self.directory, DELETING_DIR))
+    except FileNotFoundError:  # nothing let go since
+      pass
 
   def close(self) -> None:
     """Waits for a pending asynchronous save (:meth:`wait`: a failed one raised once), then

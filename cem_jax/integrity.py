@@ -5,6 +5,7 @@ The only module that knows Orbax's file names. Layout under a checkpoint folder 
     <step>/                      one Orbax step (written and committed by Orbax)
     digests/<step>.json          sha256 and size of every file of step <step>
     rejected/<step>.<time_ns>/   damaged steps moved aside on resume (kept for inspection)
+    deleting/<step>/             old steps Orbax has let go (``keep``), until removed
 
 Why: Orbax lists any integer-named folder as a finished step, so an emptied, truncated or
 bit-flipped step would be restored (or crash the restore).
@@ -40,6 +41,10 @@ from cem_jax.files import atomic_write_json, sha256_file
 
 DIGEST_DIR = "digests"
 REJECTED_DIR = "rejected"
+# Where Orbax moves an old step it lets go (CheckpointManagerOptions.todelete_subdir): one
+# rename, so that a process killed while the step is removed (a second Ctrl-C while the last save
+# commits) leaves no half-deleted step among the finished ones, only files in here.
+DELETING_DIR = "deleting"
 # Orbax's file names (orbax.checkpoint's commit protocol): the marker of a committed step where
 # rename is not atomic, the per-step metadata the commit rewrites (Orbax exports no name for
 # it; tests/test_checkpoint.py saves and verifies real steps), and the suffix of a step folder

@@ -544,6 +544,31 @@ def test_digests_follow_keep(tmp_path):
   assert sorted(p.name for p in (tmp_path / "digests").iterdir()) == ["4.json", "5.json"]
 
 
+def test_old_steps_go_through_the_deleting_folder_which_a_wait_or_a_start_empties(tmp_path):
+  # Orbax renames a step past keep into DELETING_DIR (one rename: never a half-deleted step
+  # among the finished ones, test_failures' Ctrl-C while one is removed); the wait after the
+  # commit removes it, as a training start does with one a killed process left. A reader
+  # removes nothing (it may read while the training process removes).
+  from cem_jax.checkpoint import DELETING_DIR
+
+  ckpt = Checkpointer(str(tmp_path), keep=1)
+  ckpt.save(1, _small_state(1.0), {"step": 1}, force=True)
+  ckpt.save(2, _small_state(2.0), {"step": 2}, force=True)
+  ckpt.wait()
+  assert sorted(os.listdir(tmp_path)) == ["2", "digests"]
+  ckpt.close()
+  left = tmp_path / DELETING_DIR / "1"
+  shutil.copytree(tmp_path / "2", left)  # as a process killed before removing it left it
+  (left / "state" / "manifest.ocdbt").unlink()  # and part way through
+  reader = Checkpointer(str(tmp_path), read_only=True)
+  assert reader.all_steps() == [2] and left.is_dir()
+  reader.close()
+  again = Checkpointer(str(tmp_path), keep=1)
+  assert sorted(os.listdir(tmp_path)) == ["2", "digests"]
+  assert again.restorable_step() == 2
+  again.close()
+
+
 def test_a_synchronous_save_returns_with_the_step_committed_and_a_saved_step_is_kept(tmp_path):
   ckpt = Checkpointer(str(tmp_path), async_save=False, every_steps=2)
   assert ckpt.save(1, _small_state(1.0), {"step": 1}, force=True)

@@ -40,6 +40,7 @@ from cem_jax import (
     energies,
     energy_checks,
     errors,
+    integrity,
     memory,
     optim,
     preflight,
@@ -707,6 +708,83 @@ def test_a_ctrl_c_while_the_last_save_commits_stops_the_run_after_it_without_a_f
   ckpt = Checkpointer(str(tmp_path / "w" / "checkpoints"))
   assert ckpt.restorable_step() == 2 and ckpt.verify(2) == []
   ckpt.close()
+
+
+# main training steps 1..FINAL, saving each and keeping one. The moment a thread other than the
+# main one (Orbax's finalize thread, after the last save's commit) has made step FINAL - 1 stop
+# being intact (a file of it removed, or the folder moved), that thread sends Ctrl-C again and
+# again, as a user pressing it while the run seems stuck, and goes no further: the deletion is
+# cut there when the process ends. SIGINT and SIGTERM at a terminal's dispositions (CI runs
+# under nohup).
+_CTRL_C_WHILE_AN_OLD_STEP_GOES = """
+import os, runpy, signal, sys, threading, time
+from cem_jax import integrity
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+checkpoints, final = os.path.realpath(sys.argv[1]), int(sys.argv[2])
+cut = []
+
+def cutting(fn):
+  def call(path, *args, **kwargs):
+    out = fn(path, *args, **kwargs)
+    if (not cut and threading.current_thread() is not threading.main_thread()
+        and os.path.isdir(checkpoints) and integrity.verify(checkpoints, final - 1)
+        and integrity.verify(checkpoints, final) == []):
+      cut.append(fn.__name__)
+      print("cut after", fn.__name__, file=sys.stderr, flush=True)
+      for _ in range(600):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+    return out
+  return call
+
+for name in ("unlink", "remove", "rmdir", "rename", "replace"):
+  setattr(os, name, cutting(getattr(os, name)))
+sys.argv = ["main", *sys.argv[3:]]
+runpy.run_module("cem_jax.main", run_name="__main__")
+"""
+
+
+def test_ctrl_c_while_orbax_removes_an_old_step_leaves_only_whole_steps_and_resumes(tmp_path):
+  # Orbax removes the steps past checkpoint.keep file by file in its finalize thread, after the
+  # last save's commit. A second Ctrl-C there (the first is held: signals.held) left a step
+  # folder half deleted, still listed as a finished step: Python 3.11's Thread.join,
+  # interrupted, takes the thread for finished, so the abort's wait returned at once and the
+  # process ended with the removal cut. Orbax now moves the step out of the listing in one
+  # rename (checkpoint.DELETING_DIR) before removing it. Fails with todelete_subdir dropped.
+  workdir = tmp_path / "w"
+  args = [f"--workdir={workdir}", "--config=experiments/tiny.py:llama",
+          "--config.model.d_model=32", "--config.model.mlp_dim=64",
+          "--config.model.num_layers=1", "--config.model.num_heads=2",
+          "--config.data.seq_len=32", "--config.data.vocab_size=512",
+          "--config.data.builtin=pydoc", "--config.train.batch_size=4",
+          "--config.train.eval_every_steps=3", "--config.eval.max_batches=2",
+          "--config.checkpoint.every_steps=1", "--config.checkpoint.keep=1"]
+  proc = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_AN_OLD_STEP_GOES,
+                         str(workdir / "checkpoints"), "3", *args,
+                         "--config.train.num_steps=3"],
+                        cwd=REPO, env=subprocess_env(1), capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == -signal.SIGINT, proc.stderr[-3000:]
+  assert "\ncut after " in proc.stderr, proc.stderr[-3000:]
+  reader = Checkpointer(str(workdir / "checkpoints"), read_only=True)
+  listed = reader.all_steps()
+  reader.close()
+  assert 3 in listed
+  assert {step: integrity.verify(str(workdir / "checkpoints"), step) for step in listed} == {
+      step: [] for step in listed}
+  # The same command, two steps more: resumed from step 3, nothing found damaged, and what
+  # Orbax let go is removed.
+  again = subprocess.run([sys.executable, "-m", "cem_jax.main", *args,
+                          "--config.train.num_steps=5"],
+                         cwd=REPO, env=subprocess_env(1), capture_output=True, text=True,
+                         timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "resumed from " + str(workdir / "checkpoints" / "3") in again.stderr
+  assert "damaged" not in again.stderr
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["5", "digests"]
+  assert [m["step"] for m in read_metrics(str(workdir)) if "eval/loss" in m] == [3, 5]
 
 
 @pytest.mark.parametrize("at_step", [1, 2])
