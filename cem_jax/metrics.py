@@ -3,12 +3,13 @@ beside it, TensorBoard event files in ``WORKDIR/tensorboard`` with the same scal
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
+import queue
 import re
 import signal
+import threading
 
 from absl import logging
 
@@ -32,9 +33,9 @@ class MetricsWriter:
       after its last checkpoint) are dropped so the file never shows a step twice; TensorBoard
       is told to purge its events after that step too.
     tensorboard: also write the numeric values as TensorBoard scalars.
-    hold: the signals held while TensorBoard's writer runs (:func:`cem_jax.signals.held`):
-      delivered when its call returns, so that an exception their handler raises never lands
-      inside it.
+    hold: the signals held while the run waits for TensorBoard's writer
+      (:func:`cem_jax.signals.held`): delivered when its call returns; a second one stops the
+      wait at once, the call going on in its thread (:class:`_Calls`).
       Add SIGTERM where its Python handler may raise (train's start-up,
       :class:`cem_jax.workdir.Preemption`), never where a handler set below Python's has it
       (JAX's preemption notifier in a multi-process run): replaced, it would be lost.
@@ -51,6 +52,7 @@ class MetricsWriter:
     self._hold = hold
     self._file = None
     self._tb = None
+    self._calls = None
     if not enabled:
       return
     kept = None
@@ -68,8 +70,17 @@ class MetricsWriter:
 
       # TensorBoard purges the events at and after purge_step: those after the kept step.
       purge = None if truncate_after_step is None else truncate_after_step + 1
-      with self._tensorboard(tensorboard_dir(workdir)):  # it starts its writer thread
-        self._tb = SummaryWriter(tensorboard_dir(workdir), purge_step=purge)
+      logdir = tensorboard_dir(workdir)
+
+      def start():
+        return SummaryWriter(logdir, purge_step=purge)
+
+      self._calls = _Calls()
+      try:
+        self._tb = self._tensorboard(logdir, start)
+      except BaseException:
+        self._calls.stop()
+        raise
     if kept is not None:
       atomic_write_bytes(self.path, kept.encode())
     self._file = open(self.path, "a")
@@ -94,11 +105,15 @@ class MetricsWriter:
       self._file.write(json.dumps(line, allow_nan=False) + "\n")
       self._file.flush()
     if self._tb is not None:
-      with self._tensorboard(self._tb.logdir):
+      tb = self._tb
+
+      def add():
         for key, value in metrics.items():
           if isinstance(value, int | float) and not isinstance(value, bool):
-            self._tb.add_scalar(key, value, int(step))
-        self._tb.flush()
+            tb.add_scalar(key, value, int(step))
+        tb.flush()
+
+      self._tensorboard(tb.logdir, add)
 
   def close(self) -> None:
     """Closes ``metrics.jsonl``, then TensorBoard's writer (its events written, its thread
@@ -116,24 +131,73 @@ class MetricsWriter:
           file.close()
     finally:
       if tb is not None:
-        with self._tensorboard(tb.logdir):
-          tb.close()
+        try:
+          self._tensorboard(tb.logdir, tb.close)
+        finally:
+          self._calls.stop()
 
-  @contextlib.contextmanager
-  def _tensorboard(self, logdir: str):
-    """Around every call into tensorboardX: ``hold``'s signals held
-    (:func:`cem_jax.signals.held`), an OSError named (:func:`cem_jax.files.naming`), and a
-    warning naming ``logdir`` when the block is cut short by a signal (a second Ctrl-C: the
-    way out of a writer that hangs), whose last events may then be missing."""
+  def _tensorboard(self, logdir: str, call):
+    """Runs ``call``, a call into tensorboardX, in a thread of its own (:class:`_Calls`), with
+    ``hold``'s signals held while the run waits for it (:func:`cem_jax.signals.held`), an
+    OSError named (:func:`cem_jax.files.naming`), and a warning naming ``logdir`` when the
+    wait is cut short by a signal (a second Ctrl-C: the way out of a writer that hangs),
+    the call's events then perhaps missing. Returns what ``call`` returns."""
     with naming(logdir), signals.held(self._hold):
       try:
-        yield
+        return self._calls.run(call)
       except BaseException as e:
         if not isinstance(e, Exception):
           logging.warning("TensorBoard events in %s may lack the last ones: its writer was "
                           "stopped part way (%s); metrics.jsonl has every line", logdir,
                           type(e).__name__)
         raise
+
+
+class _Calls:
+  """Runs calls, one at a time and in order, in a daemon thread, for a caller in the main
+  thread that a signal's handler may interrupt: tensorboardX's.
+
+  A handler's exception lands where the main thread is. Inside tensorboardX's queue put, just
+  after a ``threading.Condition``'s lock was taken, it left that lock taken for ever: the next
+  put (the close's stop, or tensorboardX's own atexit close) waited for it, and the run hung
+  after "interrupted (Ctrl-C)". Holding the signal until the call returned (signals.held) left
+  a second Ctrl-C, the way out of a call that hangs, landing there. Here the main thread only
+  waits, on a plain lock the call's thread releases: an exception there leaves nothing taken,
+  and the call finishes in its thread, before the next one (the close) starts.
+  """
+
+  def __init__(self):
+    self._jobs = queue.SimpleQueue()  # C: a put is whole or not made
+    threading.Thread(target=self._serve, name="cem_jax.metrics TensorBoard", daemon=True).start()
+
+  def _serve(self) -> None:
+    while (job := self._jobs.get()) is not None:
+      job()
+
+  def run(self, call):
+    """Returns ``call()`` run in the thread, or raises what it raised; a signal's exception
+    raised in the wait leaves the call going on there."""
+    done, out = threading.Lock(), []
+    done.acquire()
+
+    def job():
+      try:
+        out.append((True, call()))
+      except BaseException as e:  # noqa: BLE001 (handed to the waiting caller)
+        out.append((False, e))
+      finally:
+        done.release()
+
+    self._jobs.put(job)
+    done.acquire()
+    ok, value = out[0]
+    if not ok:
+      raise value
+    return value
+
+  def stop(self) -> None:
+    """Ends the thread after the calls already handed to it."""
+    self._jobs.put(None)
 
 
 def read_metrics(workdir: str) -> list[dict]:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -163,13 +164,16 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
 
 
 # Run by the test below in a process of its own (a hang must not hang the suite). A signal
-# whose handler raises lands, as Python runs handlers, right after the C call before it: here
-# just after a threading.Condition's lock is taken in the main thread, in its __enter__, where
-# the exception leaves the lock taken (seen in 352 of 752 real SIGINTs sent at random to a
-# loop of `with condition: pass`). The signal is sent there, at the k-th such entry in
-# MetricsWriter.write then close, for each k: deterministic, no race.
+# whose handler raises lands, as Python runs handlers, right after the C call before it: in
+# tensorboardX's queue put, just after a threading.Condition's lock is taken, where the
+# exception leaves the lock taken (seen in 352 of 752 real SIGINTs sent at random to a loop of
+# `with condition: pass`). The signal is sent to the process (as a terminal's Ctrl-C is: Linux
+# hands it to the main thread) there, at the k-th such entry in the thread that runs
+# tensorboardX's calls of MetricsWriter.write then close, for each k, once or twice (the
+# second, the way out of a call that hangs, is not held): deterministic, no race.
 _SIGNAL_IN_THE_WRITERS_HANDSHAKE = """
-import json, signal, sys, threading
+import json, os, signal, sys, threading, time
+import tensorboardX
 from cem_jax.metrics import MetricsWriter
 
 class Terminated(BaseException):  # train's start-up SIGTERM (cli.Terminated)
@@ -180,22 +184,29 @@ def terminated(signum, frame):
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
 signal.signal(signal.SIGTERM, terminated)
-main, enter, armed = threading.get_ident(), threading.Condition.__enter__, []
+enter, add_scalar, armed, callers = threading.Condition.__enter__, None, [], set()
 
 def enter_then_signal(self):
   taken = enter(self)
-  if armed and threading.get_ident() == main:
+  if armed and threading.get_ident() in callers:
     armed[0] -= 1
     if armed[0] == 0:
-      signal.raise_signal(armed[1])
+      for i in range(armed[2]):
+        time.sleep(0.05 * i)  # the main thread handles the first before the second comes
+        os.kill(os.getpid(), armed[1])
   return taken
 
-threading.Condition.__enter__ = enter_then_signal
+def recording(self, *args, **kwargs):
+  callers.add(threading.get_ident())
+  return add_scalar(self, *args, **kwargs)
 
-def run(workdir, k, signum):
+threading.Condition.__enter__ = enter_then_signal
+add_scalar, tensorboardX.SummaryWriter.add_scalar = tensorboardX.SummaryWriter.add_scalar, recording
+
+def run(workdir, k, signum, times):
   writer = MetricsWriter(workdir, hold=(signal.SIGINT, signal.SIGTERM))
   writer.write(1, {"train/loss": 2.0})
-  armed[:] = [k, signum]
+  armed[:] = [k, signum, times]
   raised = []
   try:
     writer.write(2, {"train/loss": 1.0})
@@ -207,12 +218,14 @@ def run(workdir, k, signum):
   writer.close()  # again, as train's abort does after the loop's close was interrupted
   return entries, raised
 
-entries, _ = run(sys.argv[1] + "/count", 10**6, signal.SIGINT)
+entries, _ = run(sys.argv[1] + "/count", 10**6, signal.SIGINT, 1)
 print(json.dumps({"entries": entries}), flush=True)
 for signum in (signal.SIGINT, signal.SIGTERM):
-  for k in range(1, entries + 1):
-    print(json.dumps({"k": k, "signal": signum.name,
-                      "raised": run(f"{sys.argv[1]}/{signum.name}{k}", k, signum)[1]}), flush=True)
+  for times in (1, 2):
+    for k in range(1, entries + 1):
+      raised = run(f"{sys.argv[1]}/{signum.name}{times}.{k}", k, signum, times)[1]
+      print(json.dumps({"k": k, "signal": signum.name, "times": times, "raised": raised}),
+            flush=True)
 """
 
 
@@ -220,14 +233,18 @@ def test_a_signal_inside_tensorboards_handshake_neither_hangs_the_run_nor_loses_
     tmp_path):
   # A Ctrl-C just after a checkpoint save hung a run for good (2 of 31 tries): it landed in
   # tensorboardX's queue put, which left its lock taken, and the close of train's abort (or
-  # tensorboardX's atexit) then waited for that lock for ever. The writer holds the signal
-  # until tensorboardX's call returns: raised once, after it, every line and event written.
+  # tensorboardX's atexit) then waited for that lock for ever. Holding the signal until
+  # tensorboardX's call returned still let a second one land there, and hang. tensorboardX's
+  # calls now run in a thread of their own (metrics._Calls), which no handler interrupts: a
+  # signal is raised once, in the main thread's wait, and every line and event is written,
+  # also after two. Fails (hangs at the first entry, twice) with the calls run in the main
+  # thread again.
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
   try:
     proc = subprocess.run([sys.executable, "-c", _SIGNAL_IN_THE_WRITERS_HANDSHAKE, str(tmp_path)],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True,
-                          text=True, timeout=30)  # 0.7 s when it works
+                          text=True, timeout=300)  # 3 s when it works
     hung = None
   except subprocess.TimeoutExpired as e:
     hung = e.stdout
@@ -236,22 +253,23 @@ def test_a_signal_inside_tensorboards_handshake_neither_hangs_the_run_nor_loses_
   lines = [json.loads(line) for line in proc.stdout.splitlines()]
   # write's event put; close's stop put and queue close: each a place a signal hung it.
   assert lines[0]["entries"] >= 3, lines[0]
-  assert len(lines) == 1 + 2 * lines[0]["entries"]
+  assert len(lines) == 1 + 4 * lines[0]["entries"]
   for line in lines[1:]:
     want = "KeyboardInterrupt" if line["signal"] == "SIGINT" else "Terminated"
     assert line["raised"] == [want], line  # held, then raised once, not lost
-    workdir = tmp_path / f"{line['signal']}{line['k']}"
+    workdir = tmp_path / f"{line['signal']}{line['times']}.{line['k']}"
     events = EventAccumulator(str(workdir / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2], line
     assert [m["step"] for m in read_metrics(str(workdir))] == [1, 2], line
 
 
-def test_a_second_ctrl_c_stops_tensorboards_call_at_once_and_names_what_may_be_missing(
+def test_a_second_ctrl_c_stops_the_wait_for_tensorboards_call_at_once_and_says_so(
     tmp_path, monkeypatch, caplog):
-  # One Ctrl-C inside tensorboardX waits for its call to return; a second is the way out of a
-  # writer that hangs (a disk that stopped answering), with one line naming the folder whose
-  # last events may then be missing. The handler is put back either way.
+  # One Ctrl-C during tensorboardX's call waits for it to return; a second is the way out of
+  # a writer that hangs (a disk that stopped answering), with one line naming the folder whose
+  # last events may then be missing. The call goes on in its thread, and the close after it.
+  # The handler is put back either way.
   import logging
 
   import tensorboardX
@@ -262,10 +280,14 @@ def test_a_second_ctrl_c_stops_tensorboards_call_at_once_and_names_what_may_be_m
   try:
     writer = MetricsWriter(str(tmp_path))
     flush, ctrl_cs, returned = tensorboardX.SummaryWriter.flush, [1], []
+    went_on = threading.Event()
 
     def ctrl_c_inside(self):
       for _ in range(ctrl_cs[0]):
-        signal.raise_signal(signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # to the process, as a terminal sends it
+        time.sleep(0.05)  # the main thread handles the first before the second comes
+      if ctrl_cs[0] == 2:
+        went_on.wait(timeout=120)  # hangs until the main thread has stopped waiting
       flush(self)
       returned.append(ctrl_cs[0])
 
@@ -278,12 +300,13 @@ def test_a_second_ctrl_c_stops_tensorboards_call_at_once_and_names_what_may_be_m
       with pytest.raises(KeyboardInterrupt):
         writer.write(2, {"train/loss": 1.0})
     assert returned == [1]
+    went_on.set()
     assert [r.getMessage() for r in caplog.records] == [
         f"TensorBoard events in {tensorboard_dir(str(tmp_path))} may lack the last ones: its "
         "writer was stopped part way (KeyboardInterrupt); metrics.jsonl has every line"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    monkeypatch.setattr(tensorboardX.SummaryWriter, "flush", flush)
-    writer.close()  # no Ctrl-C
+    writer.close()  # no Ctrl-C; after the call left running
+    assert returned == [1, 2]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert [m["step"] for m in read_metrics(str(tmp_path))] == [1, 2]
   finally:
