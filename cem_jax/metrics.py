@@ -45,6 +45,11 @@ class MetricsWriter:
       :func:`read_metrics` (a cut-short last line is dropped with a warning).
   """
 
+  # TensorBoard events a writer may hold for its thread: enough that a put never waits (at 10,
+  # tensorboardX's default, a write waited for ever once that thread had died), each one a
+  # scalar of a few dozen bytes.
+  _QUEUE = 1 << 16
+
   def __init__(self, workdir: str, enabled: bool = True, truncate_after_step: int | None = None,
                tensorboard: bool = True, hold: tuple[int, ...] = (signal.SIGINT,)):
     self.path = os.path.join(workdir, "metrics.jsonl")
@@ -53,6 +58,7 @@ class MetricsWriter:
     self._file = None
     self._tb = None
     self._calls = None
+    self._tb_threads = []  # tensorboardX's own (its writer's), told dead by is_alive
     if not enabled:
       return
     kept = None
@@ -73,7 +79,12 @@ class MetricsWriter:
       logdir = tensorboard_dir(workdir)
 
       def start():
-        return SummaryWriter(logdir, purge_step=purge)
+        before = set(threading.enumerate())
+        writer = SummaryWriter(logdir, purge_step=purge, max_queue=self._QUEUE)
+        # Told by the package that defines them: tensorboardX names none of its threads.
+        self._tb_threads = [t for t in threading.enumerate() if t not in before
+                            and type(t).__module__.split(".")[0] == "tensorboardX"]
+        return writer
 
       self._calls = _Calls()
       try:
@@ -93,7 +104,8 @@ class MetricsWriter:
 
     Raises:
       OSError: the line or the events cannot be written (a full disk), naming the file or the
-        TensorBoard folder.
+        TensorBoard folder; tensorboardX's writer thread has died (its own error, a traceback
+        Python printed when it died, above): one line naming the folder.
       KeyboardInterrupt: a Ctrl-C held while TensorBoard's writer ran (see ``hold``), raised
         once the line and the events are written.
     """
@@ -110,6 +122,7 @@ class MetricsWriter:
       def add():
         for key, value in metrics.items():
           if isinstance(value, int | float) and not isinstance(value, bool):
+            self._check_alive(tb.logdir, step)  # each: a dead one would take them for ever
             tb.add_scalar(key, value, int(step))
         tb.flush()
 
@@ -131,10 +144,28 @@ class MetricsWriter:
           file.close()
     finally:
       if tb is not None:
+        def close():
+          # Its thread dead, the events are lost; the close puts its stop in the queue (room
+          # there: _QUEUE) and frees the file, and tensorboardX's atexit then does nothing.
+          dead = [t for t in self._tb_threads if not t.is_alive()]
+          tb.close()
+          if dead:
+            self._check_alive(tb.logdir, None, dead)
+
         try:
-          self._tensorboard(tb.logdir, tb.close)
+          self._tensorboard(tb.logdir, close)
         finally:
           self._calls.stop()
+
+  def _check_alive(self, logdir: str, step: int | None, dead=None) -> None:
+    """Raises the OSError of a tensorboardX writer thread that died (what it raised killed it;
+    Python printed that above), instead of handing it more events."""
+    dead = dead or [t for t in self._tb_threads if not t.is_alive()]
+    if dead:
+      at = "" if step is None else f" (found writing step {step})"
+      raise OSError(f"TensorBoard events in {logdir}: tensorboardX's writer thread has died"
+                    f"{at}, with the error printed above; its last events are lost, "
+                    "metrics.jsonl has every line; fix the cause (a full disk?) and resume")
 
   def _tensorboard(self, logdir: str, call):
     """Runs ``call``, a call into tensorboardX, in a thread of its own (:class:`_Calls`), with

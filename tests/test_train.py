@@ -313,6 +313,64 @@ def test_a_second_ctrl_c_stops_the_wait_for_tensorboards_call_at_once_and_says_s
     signal.signal(signal.SIGINT, previous)
 
 
+# Run by the test below in a process of its own (a hang must not hang the suite): writes line
+# after line while tensorboardX's writer thread dies at its first event (its file's write
+# raises, as a full disk's would), then closes.
+_DEAD_TENSORBOARD_THREAD = """
+import errno, json, signal, sys
+import tensorboardX.event_file_writer
+from cem_jax.metrics import MetricsWriter
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+def full(self, event):
+  raise OSError(errno.ENOSPC, "No space left on device")
+
+writer = MetricsWriter(sys.argv[1])
+tensorboardX.event_file_writer.EventsWriter.write_event = full  # its first event was written
+out = {}
+try:
+  for step in range(1, 101):
+    writer.write(step, {"train/loss": 2.0, "train/learning_rate": 1e-3})
+except OSError as e:
+  out["write"] = [step, str(e)]
+try:
+  writer.close()
+except OSError as e:
+  out["close"] = str(e)
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_dead_tensorboard_writer_thread_is_one_line_naming_its_folder_not_a_hang(tmp_path):
+  # tensorboardX hands each event to its writer thread through a queue of 10: once that
+  # thread had died (what it raised printed by Python, then nothing), the 11th event waited
+  # for ever, and the run hung in its 3rd log line without a word of why. Fails (hangs) with
+  # the thread's check dropped and tensorboardX's default queue.
+  from cem_jax.metrics import tensorboard_dir
+
+  try:
+    proc = subprocess.run([sys.executable, "-c", _DEAD_TENSORBOARD_THREAD, str(tmp_path)],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True,
+                          text=True, timeout=300)  # 2 s when it works
+    hung = None
+  except subprocess.TimeoutExpired as e:
+    hung = e.stderr
+  assert hung is None, f"hung with tensorboardX's thread dead, having said {hung!r}"
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.splitlines()[-1])
+  step, error = out["write"]
+  said = (f"TensorBoard events in {tensorboard_dir(str(tmp_path))}: tensorboardX's writer "
+          f"thread has died (found writing step {step}), with the error printed above; its "
+          "last events are lost, metrics.jsonl has every line; fix the cause (a full disk?) "
+          "and resume")
+  assert error == said
+  assert out["close"] == said.replace(f" (found writing step {step})", "")
+  assert "No space left on device" in proc.stderr  # what killed it, as Python printed it
+  assert [m["step"] for m in read_metrics(str(tmp_path))] == list(range(1, step + 1))
+
+
 def test_a_resume_rewrites_the_steps_after_its_checkpoint_in_both_logs(tmp_path):
   # Lines past the restored step never happened: metrics.jsonl drops them and TensorBoard
   # purges them, so each step shows once, with the resumed run's value; a run killed before
