@@ -59,6 +59,7 @@ class MetricsWriter:
     self._tb = None
     self._calls = None
     self._tb_threads = []  # tensorboardX's own (its writer's), told dead by is_alive
+    self._said_dead = False
     if not enabled:
       return
     kept = None
@@ -133,7 +134,7 @@ class MetricsWriter:
     stopped), also when the first fails; a second call does nothing.
 
     Raises:
-      OSError: as :meth:`write`.
+      OSError: as :meth:`write` (a dead writer thread only if no write raised it).
       KeyboardInterrupt: as :meth:`write`, once both are closed.
     """
     file, self._file = self._file, None
@@ -147,9 +148,10 @@ class MetricsWriter:
         def close():
           # Its thread dead, the events are lost; the close puts its stop in the queue (room
           # there: _QUEUE) and frees the file, and tensorboardX's atexit then does nothing.
+          # Said once: a write that found it dead has raised it (the run's error).
           dead = [t for t in self._tb_threads if not t.is_alive()]
           tb.close()
-          if dead:
+          if dead and not self._said_dead:
             self._check_alive(tb.logdir, None, dead)
 
         try:
@@ -162,6 +164,7 @@ class MetricsWriter:
     Python printed that above), instead of handing it more events."""
     dead = dead or [t for t in self._tb_threads if not t.is_alive()]
     if dead:
+      self._said_dead = True
       at = "" if step is None else f" (found writing step {step})"
       raise OSError(f"TensorBoard events in {logdir}: tensorboardX's writer thread has died"
                     f"{at}, with the error printed above; its last events are lost, "

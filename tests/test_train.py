@@ -314,10 +314,10 @@ def test_a_second_ctrl_c_stops_the_wait_for_tensorboards_call_at_once_and_says_s
 
 
 # Run by the test below in a process of its own (a hang must not hang the suite): writes line
-# after line while tensorboardX's writer thread dies at its first event (its file's write
-# raises, as a full disk's would), then closes.
+# after line (up to sys.argv[2]) while tensorboardX's writer thread dies at its first event (its
+# file's write raises, as a full disk's would), then, once that thread is gone, closes.
 _DEAD_TENSORBOARD_THREAD = """
-import errno, json, signal, sys
+import errno, json, signal, sys, threading, time
 import tensorboardX.event_file_writer
 from cem_jax.metrics import MetricsWriter
 
@@ -331,10 +331,12 @@ writer = MetricsWriter(sys.argv[1])
 tensorboardX.event_file_writer.EventsWriter.write_event = full  # its first event was written
 out = {}
 try:
-  for step in range(1, 101):
+  for step in range(1, int(sys.argv[2]) + 1):
     writer.write(step, {"train/loss": 2.0, "train/learning_rate": 1e-3})
 except OSError as e:
   out["write"] = [step, str(e)]
+while any(type(t).__module__.startswith("tensorboardX") for t in threading.enumerate()):
+  time.sleep(0.01)
 try:
   writer.close()
 except OSError as e:
@@ -351,7 +353,7 @@ def test_a_dead_tensorboard_writer_thread_is_one_line_naming_its_folder_not_a_ha
   from cem_jax.metrics import tensorboard_dir
 
   try:
-    proc = subprocess.run([sys.executable, "-c", _DEAD_TENSORBOARD_THREAD, str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-c", _DEAD_TENSORBOARD_THREAD, str(tmp_path), "100"],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True,
                           text=True, timeout=300)  # 2 s when it works
     hung = None
@@ -366,9 +368,17 @@ def test_a_dead_tensorboard_writer_thread_is_one_line_naming_its_folder_not_a_ha
           "last events are lost, metrics.jsonl has every line; fix the cause (a full disk?) "
           "and resume")
   assert error == said
-  assert out["close"] == said.replace(f" (found writing step {step})", "")
+  assert "close" not in out  # said once, by the write (the abort's close would repeat it)
   assert "No space left on device" in proc.stderr  # what killed it, as Python printed it
   assert [m["step"] for m in read_metrics(str(tmp_path))] == list(range(1, step + 1))
+  # Found dead by the close (one write, before the thread took its event): the close says it.
+  proc = subprocess.run([sys.executable, "-c", _DEAD_TENSORBOARD_THREAD,
+                         str(tmp_path / "at_close"), "1"], cwd=REPO,
+                        env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.loads(proc.stdout.splitlines()[-1]) == {"close": said.replace(
+      f" (found writing step {step})", "").replace(str(tmp_path), str(tmp_path / "at_close"))}
 
 
 def test_a_resume_rewrites_the_steps_after_its_checkpoint_in_both_logs(tmp_path):
