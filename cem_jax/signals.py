@@ -119,11 +119,10 @@ def held(signums: tuple[int, ...] = (signal.SIGINT,)):
 
   The blocks: starting an asynchronous checkpoint save (interrupted there, Orbax was left half
   way through starting its writer threads, one of which then failed with a traceback) and
-  waiting for one to commit (Orbax reported the save as failed and forgot its step); every call
-  into tensorboardX (its writer hands events and its stop to a thread through a
-  ``multiprocessing.Queue``, whose ``put`` enters a ``threading.Condition`` in Python code: a
-  Ctrl-C just after the lock is taken left it taken for ever, and the next ``put``, the stop,
-  waited for it: the run hung after "interrupted (Ctrl-C)").
+  waiting for one to commit (Orbax reported the save as failed and forgot its step); the wait
+  for every call into tensorboardX, which runs in a thread of its own
+  (:class:`cem_jax.metrics._Calls`: inside it, a Ctrl-C could leave a lock of its queue taken
+  and the run hung), so that its events are written before the program stops.
 
   A second one of a signal held goes to its handler at once: the way out of a block that hangs
   (a save waiting for a process that died, a disk that stopped answering). A block that raises
