@@ -10,10 +10,11 @@ import queue
 import re
 import signal
 import threading
+import weakref
 
 from absl import logging
 
-from cem_jax import signals
+from cem_jax import errors, signals
 from cem_jax.files import atomic_write_bytes, naming
 
 
@@ -85,6 +86,7 @@ class MetricsWriter:
         # Told by the package that defines them: tensorboardX names none of its threads.
         self._tb_threads = [t for t in threading.enumerate() if t not in before
                             and type(t).__module__.split(".")[0] == "tensorboardX"]
+        _watch(self._tb_threads)
         return writer
 
       self._calls = _Calls()
@@ -105,8 +107,8 @@ class MetricsWriter:
 
     Raises:
       OSError: the line or the events cannot be written (a full disk), naming the file or the
-        TensorBoard folder; tensorboardX's writer thread has died (its own error, a traceback
-        Python printed when it died, above): one line naming the folder.
+        TensorBoard folder; tensorboardX's writer thread has died: one line naming the folder
+        and what killed it (not printed by Python when it died).
       KeyboardInterrupt: a Ctrl-C held while TensorBoard's writer ran (see ``hold``), raised
         once the line and the events are written.
     """
@@ -160,15 +162,17 @@ class MetricsWriter:
           self._calls.stop()
 
   def _check_alive(self, logdir: str, step: int | None, dead=None) -> None:
-    """Raises the OSError of a tensorboardX writer thread that died (what it raised killed it;
-    Python printed that above), instead of handing it more events."""
+    """Raises the OSError of a tensorboardX writer thread that died, naming what killed it,
+    instead of handing it more events."""
     dead = dead or [t for t in self._tb_threads if not t.is_alive()]
     if dead:
       self._said_dead = True
-      at = "" if step is None else f" (found writing step {step})"
-      raise OSError(f"TensorBoard events in {logdir}: tensorboardX's writer thread has died"
-                    f"{at}, with the error printed above; its last events are lost, "
-                    "metrics.jsonl has every line; fix the cause (a full disk?) and resume")
+      at = "" if step is None else f", found writing step {step}"
+      why = [errors.one_line(_died_of[t]) for t in dead if _died_of.get(t) is not None]
+      raise OSError(f"TensorBoard events in {logdir}: tensorboardX's writer thread died "
+                    f"({why[0] if why else 'no error reported'}{at}); its last events are "
+                    "lost, metrics.jsonl has every line; fix the cause (a full disk?) and "
+                    "resume")
 
   def _tensorboard(self, logdir: str, call):
     """Runs ``call``, a call into tensorboardX, in a thread of its own (:class:`_Calls`), with
@@ -185,6 +189,28 @@ class MetricsWriter:
                           "stopped part way (%s); metrics.jsonl has every line", logdir,
                           type(e).__name__)
         raise
+
+
+# tensorboardX's writer threads (MetricsWriter's) -> what killed one (None while it runs):
+# told by _excepthook, which keeps it from printing a traceback the run's one line then says.
+_died_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_hooked = []  # the threading.excepthook _excepthook hands other threads to
+
+
+def _watch(threads) -> None:
+  """Records what kills ``threads`` (:data:`_died_of`) instead of Python printing it."""
+  for thread in threads:
+    _died_of[thread] = None
+  if threading.excepthook is not _excepthook:  # first, or put back by someone since
+    _hooked[:] = [threading.excepthook]
+    threading.excepthook = _excepthook
+
+
+def _excepthook(args) -> None:
+  if args.thread is not None and args.thread in _died_of:
+    _died_of[args.thread] = args.exc_value
+  else:
+    _hooked[0](args)
 
 
 class _Calls:
