@@ -5,7 +5,8 @@ writes each split's token stream as sharded ArrayRecord files in ``DIR``, with t
 and a manifest (:mod:`cem_jax.data.shard_writer`; the format: :mod:`cem_jax.data.prepared`).
 The source is the config's:
 ``--config.data.files=GLOB``, ``--config.data.tfds_name=NAME`` or the built-in corpus.
-Encoding runs in worker processes (``--workers``; default: every CPU this process may use,
+Encoding runs in worker processes (``--workers``, at most the CPUs this process may use;
+default: every one of them,
 at most one per shard of 16M characters, so several only from 16.8M characters of text on)
 with a progress bar when stderr is a terminal. Killed,
 it leaves no manifest; run again, it writes only the missing shards; complete, it is a no-op.
@@ -22,16 +23,34 @@ from __future__ import annotations
 
 from absl import app, flags, logging
 
-from cem_jax import cli
+from cem_jax import cli, cpus
 from cem_jax import config as config_lib
+
+
+def check_workers(workers) -> None:
+  """Refuses a ``--workers`` count that is not an int >= 1 (:func:`cem_jax.config.check_count`)
+  or is above :func:`cem_jax.cpus.usable`: encoding is CPU-bound, so more processes than CPUs
+  add only memory (each a Python interpreter with one shard's text and tokens, ~100 MB), and
+  ``--workers=10**6`` started processes until the machine ran out of memory.
+
+  Raises:
+    ValueError: one line, e.g. ``--workers=64; allowed: 1..16 (the CPUs this process may
+      use)``.
+  """
+  config_lib.check_count("--workers", workers)
+  usable = cpus.usable()
+  if workers > usable:
+    raise ValueError(f"--workers={workers}; allowed: 1..{usable} (the CPUs this process may "
+                     "use: encoding is CPU-bound, more processes only take memory)")
 
 
 def run(config, out: str, workers: int | None = None) -> None:
   """Validates ``config`` as main does, prepares its data into ``out``, prints each split.
 
   Raises:
-    ValueError: a config main would reject, ``data.prepared_dir`` set, or ``workers`` < 1 (one
-      line naming the field or flag and the value); the source's own errors
+    ValueError: a config main would reject, ``data.prepared_dir`` set, or ``workers`` not
+      as :func:`check_workers` allows (one line naming the field or flag and the value); the
+      source's own errors
       (:func:`cem_jax.data.shard_writer.prepare`).
   """
   from cem_jax import preflight
@@ -44,7 +63,7 @@ def run(config, out: str, workers: int | None = None) -> None:
     raise ValueError(f"data.prepared_dir={config.data.prepared_dir!r}: prepare writes to "
                      "--out; leave data.prepared_dir unset here")
   if workers is not None:
-    config_lib.check_count("--workers", workers)
+    check_workers(workers)
   out = shard_writer.prepare(config.data, out, workers=workers)
   manifest = prepared.PreparedData.open_manifest(out, verify=False)
   for split, info in manifest["splits"].items():
@@ -62,7 +81,7 @@ def main(argv):
     fl = flags.FLAGS
     cli.check_given("out", fl.out, "a folder (created)")
     if fl.workers is not None:  # before the config file runs
-      config_lib.check_count("--workers", fl.workers)
+      check_workers(fl.workers)
     run(cli.load_config(), fl.out, fl.workers)
 
 
@@ -70,7 +89,7 @@ if __name__ == "__main__":
   # Flags are defined only when run as a program, so other tools can import the functions.
   cli.define_config_flag()
   flags.DEFINE_string("out", None, "Folder of the prepared dataset (created).")
-  flags.DEFINE_integer("workers", None, "Encoding processes (default: the usable CPUs for "
-                       "large corpora, else 1).")
+  flags.DEFINE_integer("workers", None, "Encoding processes, at most the usable CPUs "
+                       "(default: those for large corpora, else 1).")
   flags.mark_flags_as_required(["config", "out"])
   app.run(main, flags_parser=cli.parse_flags)

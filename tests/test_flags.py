@@ -16,6 +16,7 @@ from pathlib import Path
 from conftest import subprocess_env
 
 from cem_jax import config as config_lib
+from cem_jax import cpus
 
 REPO = Path(__file__).resolve().parents[1]
 HUGE = "0x" + "f" * 4000  # absl reads it as an int of 4817 digits, past int -> str's limit
@@ -134,9 +135,13 @@ def test_tables_prepare_and_bench_refuse_bad_flags(tmp_path):
   ])
   assert not (tmp_path / "tables").exists()
   tiny, prepared = "--config=experiments/tiny.py", f"--out={tmp_path / 'prepared'}"
+  usable = cpus.usable()  # the child's too: it inherits this process's affinity and cgroup
   _check("prepare", [
       ([tiny, prepared, "--workers=0"], "--workers=0; allowed: an int >= 1"),
       ([tiny, prepared, f"--workers={HUGE}"], f"--workers{TOO_LONG}"),  # was a hang
+      # each worker a process: 10**12 started processes until memory ran out
+      ([tiny, prepared, f"--workers={10**12}"], f"--workers={10**12}; allowed: 1..{usable} "
+       "(the CPUs this process may use: encoding is CPU-bound, more processes only take memory)"),
       ([tiny, "--out="], "--out is empty; allowed: a folder (created)"),  # was the cwd
   ])
   assert not (tmp_path / "prepared").exists()

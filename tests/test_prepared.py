@@ -1282,6 +1282,7 @@ def test_prepare_refuses_its_own_flags_and_passes_workers_on(tmp_path, monkeypat
 
   assert "out" not in flags.FLAGS and "workers" not in flags.FLAGS
   config, out, given = tiny_config("llama"), tmp_path / "p", []
+  monkeypatch.setattr(cpus, "usable", lambda: 3)  # --workers=2 allowed, 4 not, on any machine
   monkeypatch.setattr(shard_writer, "prepare",
                       lambda data, path, workers=None: (given.append(workers), path)[1])
   monkeypatch.setattr(prepared.PreparedData, "open_manifest", lambda path, verify=True: {
@@ -1291,6 +1292,8 @@ def test_prepare_refuses_its_own_flags_and_passes_workers_on(tmp_path, monkeypat
     prepare_cli.main(["prepare", "extra"])
   for n, prepared_dir, error in [
       (0, "", "--workers=0; allowed: an int >= 1"),
+      (4, "", "--workers=4; allowed: 1..3 (the CPUs this process may use: encoding is "
+              "CPU-bound, more processes only take memory)"),
       (None, str(tmp_path), f"data.prepared_dir={str(tmp_path)!r}: prepare writes to --out; "
                             "leave data.prepared_dir unset here")]:
     config.data.prepared_dir = prepared_dir
