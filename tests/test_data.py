@@ -654,6 +654,12 @@ def test_a_given_tokenizer_without_eos_is_refused(tmp_path):
     tokenizer_lib.load_tokenizer(path, size)
 
 
+def test_an_empty_model_is_not_a_tokenizer():
+  # SentencePiece reads no bytes as no model: 0 pieces, every id 0, a C++ log line each.
+  with pytest.raises(RuntimeError, match=r"^an empty model \(0 bytes\)$"):
+    tokenizer_lib.Tokenizer(b"")
+
+
 # ---- packing -------------------------------------------------------------------------------
 
 

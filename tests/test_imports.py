@@ -193,6 +193,10 @@ def test_main_refuses_a_missing_data_file_before_jax_loads(tmp_path):
   assert _main_error_before_jax(tmp_path, f"--config.data.tokenizer={missing}.model") == (
       f"error: data.tokenizer='{missing}.model': no such file; give a SentencePiece .model "
       "file, or data.tokenizer='' to train one")
+  (tmp_path / "empty.model").write_bytes(b"")  # was "has 0 pieces", after the text was read
+  assert _main_error_before_jax(tmp_path, f"--config.data.tokenizer={tmp_path}/empty.model") == (
+      f"error: data.tokenizer='{tmp_path}/empty.model' is empty (0 bytes); give a "
+      "SentencePiece .model file, or data.tokenizer='' to train one")
   assert _main_error_before_jax(tmp_path, f"--config.data.prepared_dir={missing}") == (
       f"error: data.prepared_dir={missing} does not exist; allowed: a folder python -m "
       "cem_jax.prepare --out=DIR wrote (or leave it empty)")

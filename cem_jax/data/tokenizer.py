@@ -70,6 +70,10 @@ class Tokenizer:
   """
 
   def __init__(self, model_proto: bytes, path: str | os.PathLike | None = None):
+    if not model_proto:
+      # SentencePiece takes no bytes for no model: a processor of 0 pieces, whose ids read
+      # as 0 with a C++ log line each ("Model is not initialized").
+      raise RuntimeError("an empty model (0 bytes)")
     self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
     self.path = Path(path) if path is not None else None
     self.vocab_size = int(self._sp.get_piece_size())
@@ -292,7 +296,7 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
 
   Raises:
     FileNotFoundError: no such file (one line naming ``data.tokenizer``).
-    ValueError: it is a folder.
+    ValueError: it is a folder or an empty file.
   """
   path = Path(os.path.expanduser(os.fspath(path)))
   if path.is_dir():
@@ -301,6 +305,9 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
   if not path.is_file():
     raise FileNotFoundError(f"data.tokenizer={os.fspath(path)!r}: no such file; give a "
                             "SentencePiece .model file, or data.tokenizer='' to train one")
+  if path.stat().st_size == 0:  # was "has 0 pieces but data.vocab_size=N", after the text
+    raise ValueError(f"data.tokenizer={os.fspath(path)!r} is empty (0 bytes); give a "
+                     "SentencePiece .model file, or data.tokenizer='' to train one")
   return path
 
 
