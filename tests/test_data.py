@@ -1190,3 +1190,28 @@ def test_data_benchmark_refuses_bad_arguments_in_one_line(tmp_path, args, error)
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines() == [f"error: {error.format(tmp=tmp_path)}"]
+
+
+def test_data_benchmark_refuses_a_batch_larger_than_the_host_before_reading_data(tmp_path):
+  # --batch_size=10**12 was numpy's MemoryError traceback (or the kernel's kill) at the first
+  # batch. The folder does not exist: the refusal comes before the data is opened.
+  import subprocess
+  import sys
+
+  from cem_jax import memory
+
+  rows, row_bytes = 10**12, 1024 * 16  # inputs, targets, segment_ids, weights: 4 bytes each
+  needs, has = memory._sizes(rows * row_bytes, memory.host_total_bytes())
+  # Its signals as a terminal leaves them, whatever pytest's are (not preexec_fn: a fork of
+  # this process, which jax's threads make unsafe).
+  as_in_a_terminal = ("import runpy, signal, sys; "
+                      "signal.signal(signal.SIGINT, signal.default_int_handler); "
+                      "signal.signal(signal.SIGTERM, signal.SIG_DFL); sys.argv[0] = 'benchmark'; "
+                      "runpy.run_module('cem_jax.data.benchmark', run_name='__main__')")
+  proc = subprocess.run([sys.executable, "-c", as_in_a_terminal, "--mode=pipeline",
+                         f"--prepared_dir={tmp_path / 'none'}", f"--batch_size={rows}"],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  assert (proc.returncode, proc.stderr.strip().splitlines()[-1:]) == (1, [
+      f"error: --batch_size={rows} needs {needs} on this host (this process's {rows} rows of "
+      f"the batch, {row_bytes} bytes each in NumPy), more than its {has} of memory and swap: "
+      f"lower --batch_size={rows} or --seq_len=1024"]), proc.stderr[-2000:]

@@ -77,10 +77,25 @@ def _peak_rss_gb(who: int) -> float:
 
 
 def _pipeline(prepared_dir: str, batch: int, seq_len: int, steps: int) -> None:
+  """Prints the tokens/s of ``steps`` training batches of ``batch`` x ``seq_len`` read from
+  ``prepared_dir``.
+
+  Raises:
+    ValueError: one batch's host arrays exceed this machine's memory and swap
+      (:func:`cem_jax.memory.check_host_batch`: it was a MemoryError traceback, or the
+      kernel's kill), checked before the data is opened; the data's own errors.
+  """
+  import numpy as np
+
+  from cem_jax import memory
   from cem_jax.config import get_default_config
-  from cem_jax.data import build_data
+  from cem_jax.data import build_data, make_batch
   from cem_jax.data.prepared import PreparedData
 
+  probe = make_batch(np.zeros((1, 2), np.int32), np.ones((1, 2), np.int32))
+  memory.check_host_batch("--batch_size", batch, batch,
+                          seq_len * sum(v.dtype.itemsize for v in probe.values()), seq_len,
+                          f"lower --batch_size={batch} or --seq_len={seq_len}")
   config = get_default_config()
   config.data.prepared_dir = prepared_dir
   config.data.seq_len, config.train.batch_size = seq_len, batch
