@@ -1192,26 +1192,45 @@ def test_data_benchmark_refuses_bad_arguments_in_one_line(tmp_path, args, error)
   assert proc.stderr.strip().splitlines() == [f"error: {error.format(tmp=tmp_path)}"]
 
 
-def test_data_benchmark_refuses_a_batch_larger_than_the_host_before_reading_data(tmp_path):
-  # --batch_size=10**12 was numpy's MemoryError traceback (or the kernel's kill) at the first
-  # batch. The folder does not exist: the refusal comes before the data is opened.
+# Its signals as a terminal leaves them, whatever pytest's are (not Popen's preexec_fn: a fork
+# of the test process, which jax's threads make unsafe).
+_BENCHMARK_AS_IN_A_TERMINAL = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "signal.signal(signal.SIGTERM, signal.SIG_DFL); sys.argv[0] = 'benchmark'; "
+    "runpy.run_module('cem_jax.data.benchmark', run_name='__main__')")
+
+
+def _benchmark_error(cwd: Path, *args: str) -> tuple[int, str]:
+  """``(exit status, last stderr line)`` of ``python -m cem_jax.data.benchmark ARGS``."""
   import subprocess
   import sys
 
+  proc = subprocess.run([sys.executable, "-c", _BENCHMARK_AS_IN_A_TERMINAL, *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=120)
+  return proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1]
+
+
+def test_data_benchmark_refuses_a_batch_larger_than_the_host_before_reading_data(tmp_path):
+  # --batch_size=10**12 was numpy's MemoryError traceback (or the kernel's kill) at the first
+  # batch. The folder does not exist: the refusal comes before the data is opened.
   from cem_jax import memory
 
   rows, row_bytes = 10**12, 1024 * 16  # inputs, targets, segment_ids, weights: 4 bytes each
   needs, has = memory._sizes(rows * row_bytes, memory.host_total_bytes())
-  # Its signals as a terminal leaves them, whatever pytest's are (not preexec_fn: a fork of
-  # this process, which jax's threads make unsafe).
-  as_in_a_terminal = ("import runpy, signal, sys; "
-                      "signal.signal(signal.SIGINT, signal.default_int_handler); "
-                      "signal.signal(signal.SIGTERM, signal.SIG_DFL); sys.argv[0] = 'benchmark'; "
-                      "runpy.run_module('cem_jax.data.benchmark', run_name='__main__')")
-  proc = subprocess.run([sys.executable, "-c", as_in_a_terminal, "--mode=pipeline",
-                         f"--prepared_dir={tmp_path / 'none'}", f"--batch_size={rows}"],
-                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
-  assert (proc.returncode, proc.stderr.strip().splitlines()[-1:]) == (1, [
+  assert _benchmark_error(tmp_path, "--mode=pipeline", f"--prepared_dir={tmp_path / 'none'}",
+                          f"--batch_size={rows}") == (1, (
       f"error: --batch_size={rows} needs {needs} on this host (this process's {rows} rows of "
       f"the batch, {row_bytes} bytes each in NumPy), more than its {has} of memory and swap: "
-      f"lower --batch_size={rows} or --seq_len=1024"]), proc.stderr[-2000:]
+      f"lower --batch_size={rows} or --seq_len=1024"))
+
+
+def test_data_benchmark_refuses_a_corpus_larger_than_the_free_disk(tmp_path):
+  # --megabytes=10**9 wrote until the disk was full (every other user's disk too), then failed.
+  (tmp_path / "a.txt").write_text("some text\n")
+  out = tmp_path / "new" / "corpus.txt"  # its folder not made yet: the disk above it counts
+  code, line = _benchmark_error(tmp_path, "--mode=corpus", f"--shared={tmp_path}",
+                                f"--out={out}", "--megabytes=1000000000")
+  assert code == 1 and re.fullmatch(
+      r"error: --megabytes=1000000000 is more than the \d+ MB free on the disk of "
+      rf"{re.escape(str(out))}; lower it or write --out elsewhere", line), line
+  assert sorted(os.listdir(tmp_path)) == ["a.txt"]

@@ -25,6 +25,7 @@ import collections
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,11 +46,19 @@ def make_corpus(shared: Path, out: Path, megabytes: int, seed: int = 0) -> int:
   """Writes ~``megabytes`` MB of shuffled lines of ``shared/*.txt`` to ``out``; returns bytes.
 
   Raises:
-    ValueError: no ``*.txt`` in ``shared`` (naming the folder).
+    ValueError: no ``*.txt`` in ``shared`` (naming the folder), or ``megabytes`` more than the
+      disk of ``out`` has free.
     OSError: ``out`` cannot be written (it is then unchanged, and no temporary file is left).
   """
   import numpy as np
 
+  # Streamed until the disk is full, --megabytes=10**9 failed only after it had filled it,
+  # for every other user of that disk too.
+  folder = next(p for p in (out.parent.absolute(), *out.parent.absolute().parents) if p.exists())
+  free = shutil.disk_usage(folder).free
+  if megabytes * 10**6 > free:
+    raise ValueError(f"--megabytes={megabytes} is more than the {free // 10**6} MB free on the "
+                     f"disk of {os.fspath(out)}; lower it or write --out elsewhere")
   files = sorted(shared.glob("*.txt"))
   if not files:
     raise ValueError(f"--shared={os.fspath(shared)} holds no *.txt file")
