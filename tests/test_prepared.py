@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -704,6 +705,29 @@ def test_out_that_is_a_file_is_a_one_line_error_naming_the_flag(tmp_path):
   with pytest.raises(ValueError, match=rf"^--out={afile / 'sub'}: cannot create the folder"):
     shard_writer.prepare(config.data, afile / "sub")
   assert afile.read_text() == "x"
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
+def test_out_that_cannot_be_written_in_is_a_one_line_error_naming_the_flag(tmp_path, monkeypatch,
+                                                                           code):
+  # A read-only folder (which root's permissions cannot make: a read-only mount, here its
+  # errors) or a full disk at the first write: was OSError's line naming a temporary file.
+  corpus, kept, new = tmp_path / "c.txt", tmp_path / "kept", tmp_path / "new"
+  corpus.write_text(_text(200))
+  kept.mkdir()
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+
+  def cannot_write(path, *args, **kwargs):
+    raise OSError(code, os.strerror(code), f"{path}.123.abc.tmp")
+
+  monkeypatch.setattr(shard_writer, "atomic_write_json", cannot_write)
+  for out in (kept, new):
+    with pytest.raises(ValueError) as e:
+      shard_writer.prepare(config.data, out)
+    assert str(e.value) == (f"--out={out}: cannot write in the folder ({os.strerror(code)}); "
+                            "choose a folder you can write in")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt", "kept"]  # new: removed again
+  assert not any(kept.iterdir())
 
 
 def test_out_holding_other_files_is_refused_and_left_as_it_was(tmp_path):

@@ -352,7 +352,8 @@ def _claim(out_dir: Path, fp: str, flag: str) -> bool:
 
   Raises:
     ValueError: ``out_dir`` holds another dataset, holds shards beside a damaged
-      ``prepare.json`` and no intact manifest, or is not empty and holds no prepared dataset.
+      ``prepare.json`` and no intact manifest, is not empty and holds no prepared dataset, or
+      cannot be written in (read-only, no permission, full).
   """
   progress = out_dir / PROGRESS
   previous = _saved_field(progress, "fingerprint")
@@ -381,7 +382,11 @@ def _claim(out_dir: Path, fp: str, flag: str) -> bool:
   elif any(out_dir.iterdir()):
     raise ValueError(f"{_named(out_dir, flag)} is not empty and holds no prepared dataset; "
                      f"{_fix(flag, 'choose an empty or new folder')}")
-  _write_progress(out_dir, fp)
+  try:
+    _write_progress(out_dir, fp)
+  except OSError as e:  # the first write: a read-only folder was OSError's line naming a .tmp
+    raise ValueError(f"{_named(out_dir, flag)}: cannot write in the folder ({e.strerror}); "
+                     f"{_fix(flag, 'choose a folder you can write in')}") from None
   return True
 
 
@@ -412,8 +417,8 @@ def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD
 
   Raises:
     ValueError: bad config values or input (one line naming the field or file), or
-      ``out_dir`` is a file, cannot be created, holds another dataset, is not empty and
-      holds no prepared dataset, or another process is preparing data in it.
+      ``out_dir`` is a file, cannot be created or written in, holds another dataset, is not
+      empty and holds no prepared dataset, or another process is preparing data in it.
     ConnectionError: a TFDS catalog dataset is not prepared and there is no network.
     FileNotFoundError: ``data.tokenizer`` names no file.
   """
@@ -431,8 +436,17 @@ def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD
   except OSError as e:
     raise ValueError(f"{_named(out_dir, flag)}: cannot create the folder ({e.strerror}); "
                      f"{_fix(flag, 'choose a folder that can be created')}") from None
+
+  def remove_if_made_and_empty() -> None:
+    if made_dir and not any(out_dir.iterdir()):
+      out_dir.rmdir()
+
   with _exclusive(out_dir, flag):
-    made_progress = _claim(out_dir, fp, flag)
+    try:
+      made_progress = _claim(out_dir, fp, flag)
+    except ValueError:  # a new folder whose first write failed (a full disk): nothing in it
+      remove_if_made_and_empty()
+      raise
     if manifest_path.is_file():
       try:
         PreparedData.open(out_dir)
@@ -450,8 +464,7 @@ def prepare(data_config, out_dir: str | os.PathLike, *, shard_chars: int = SHARD
       # kill they leave the work (a trained tokenizer) to the next run.
       if not _holds_data(out_dir):
         _remove_leftovers(out_dir, progress=made_progress, tokenizer=made_tokenizer)
-        if made_dir and not any(out_dir.iterdir()):
-          out_dir.rmdir()
+        remove_if_made_and_empty()
       raise
 
 
