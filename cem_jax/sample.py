@@ -218,9 +218,10 @@ if __name__ == "__main__":
   flags.DEFINE_string("workdir", None, "A trained run's folder.")
   flags.DEFINE_string("prompt", None, "Text to continue (at least one character).")
   flags.DEFINE_integer("max_new_tokens", 100, "Tokens to generate.")
-  flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
-  flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0: all).")
-  flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1: off).")
+  flags.DEFINE_float("temperature", 0.8, "Sampling temperature, finite and >= 0; 0 = greedy "
+                     "(the most likely token; --top_k, --top_p and --seed then left out).")
+  flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens, 1..vocab_size (0: all).")
+  flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass, 0 < top_p <= 1 (1: off).")
   flags.DEFINE_integer("seed", 0, "Sampling seed (refused with --temperature=0: greedy).")
   flags.DEFINE_bool("no_cache", False, "Recompute the prefix at every token.")
   from cem_jax import runs

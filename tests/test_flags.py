@@ -93,6 +93,14 @@ def test_sample_refuses_bad_flags_before_loading_the_run(tmp_path):
       ([*at, "--seed=-1"], "--seed=-1; allowed: an int >= 0 and < 2**63"),
       ([*at, f"--seed={2**63}"], f"--seed={2**63}; allowed: an int >= 0 and < 2**63"),
       ([*at, f"--top_k={HUGE}"], f"--top_k{TOO_LONG}"),
+      ([*at, "--top_k=-1"], "--top_k=-1; allowed: 0 (off) or 1..vocab_size"),
+      # float flags: absl takes nan, inf and any sign
+      *[([*at, f"--temperature={t}"], f"--temperature={float(t)}; allowed: 0 (greedy) or a "
+                                      "finite number > 0") for t in ("nan", "inf", "-1")],
+      *[([*at, f"--top_p={p}"], f"--top_p={float(p)}; allowed: 0 < top_p <= 1")
+        for p in ("0", "1.5", "nan", "-inf")],
+      ([*at, "--temperature=0", "--top_p=0.5"], "--top_k=0 --top_p=0.5 have no effect with "
+       "--temperature=0 (greedy); leave them at 0 and 1"),
       (["--workdir=", "--prompt=The"], "--workdir is empty; allowed: a trained run's folder"),
       (at, f"--workdir={missing}: no such folder; allowed: a trained run's folder"),
   ])
