@@ -1029,6 +1029,14 @@ def _set(m, keys, value):
     pytest.param(lambda m: _set(m, ["record_tokens"], 2048), 300,
                  r"/manifest\.json: format 1 with 2048-token records; this version reads "
                  r"format 1 with 1024;", id="record-tokens"),
+    pytest.param(lambda m: _set(m, ["record_tokens"], "1024"), 300,
+                 r"/manifest\.json: damaged manifest: record_tokens is \"1024\", not an "
+                 "integer", id="record-tokens-a-string"),
+    pytest.param(lambda m: _set(m, ["format_version"], None), 300,
+                 r"/manifest\.json: damaged manifest: format_version is missing",
+                 id="no-format"),
+    pytest.param(lambda m: {}, 300, r"/manifest\.json: damaged manifest: format_version is "
+                 "missing", id="empty-object"),
     pytest.param(lambda m: _set(m, ["tokenizer"], None), 300,
                  r"/manifest\.json: damaged manifest: tokenizer is missing", id="no-tokenizer"),
     pytest.param(lambda m: _set(m, ["splits", "train", "shards", 0, "size"], "9"), 300,

@@ -381,8 +381,16 @@ class PreparedData:
     if not isinstance(manifest, dict):
       raise BadPreparedData(
           f"{path}: damaged manifest: it is {json.dumps(manifest)[:40]}, not an object")
-    if manifest.get("format_version") != FORMAT_VERSION or manifest.get(
-        "record_tokens") != RECORD_TOKENS:
+    # Missing or not ints (a hand edit, another program's JSON), they were named as another
+    # format: "format None with None-token records", or for the string "1024" "with
+    # 1024-token records; this version reads format 1 with 1024".
+    if error := _schema_error(manifest, {"format_version": int}, ""):
+      raise BadPreparedData(f"{path}: damaged manifest: {error}")
+    if manifest["format_version"] == FORMAT_VERSION and (
+        error := _schema_error(manifest, {"record_tokens": int}, "")):
+      raise BadPreparedData(f"{path}: damaged manifest: {error}")
+    if manifest["format_version"] != FORMAT_VERSION or manifest[
+        "record_tokens"] != RECORD_TOKENS:
       raise BadPreparedData(
           f"{path}: format {manifest.get('format_version')} with {manifest.get('record_tokens')}"
           f"-token records; this version reads format {FORMAT_VERSION} with {RECORD_TOKENS}")
