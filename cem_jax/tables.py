@@ -350,7 +350,9 @@ def check_runs(module, scale: str, seeds: int, steps: int | None = None,
       raise ValueError(f"--set={key}=... overrides what the rows set themselves (row {row!r}: "
                        f"{key}={own[row].get(key)!r}); leave that key to the rows")
   for row in rows or module.ROWS:
-    for seed in range(seeds):
+    # A run's seed sets only seed and data.shuffle_seed, whose rules are ranges: the first and
+    # the last seed stand for all (each in turn: --seeds=10**21 checked for ever, silently).
+    for seed in sorted({0, seeds - 1}):
       try:
         cfg = row_config(module, row, scale, seed, steps, overrides)
         preflight.check(cfg)
@@ -380,9 +382,11 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
     logging.warning("table %s: rows %s have a finished seed %d in %s; the table shows seeds "
                     "0..%d (--seeds=%d): give --seeds=%d or more to include it", table,
                     ", ".join(more), seeds, workdir, seeds - 1, seeds, seeds + 1)
-  runs = [(row, seed) for row in (rows or module.ROWS) for seed in range(seeds)]
+  # Made as they train: a list of every (row, seed) first took --seeds' count in memory.
+  runs = ((row, seed) for row in (rows or module.ROWS) for seed in range(seeds))
   results = []
-  for row, seed in tqdm(runs, desc=f"table {table}", unit="run"):
+  for row, seed in tqdm(runs, desc=f"table {table}", unit="run",
+                        total=len(rows or module.ROWS) * seeds):
     out = run_dir(workdir, table, row, seed)
     result_path = os.path.join(out, "result.json")
     cfg = row_config(module, row, scale, seed, steps, overrides)
@@ -660,6 +664,19 @@ def _rows_flag(module, value: str | None) -> list[str] | None:
   return rows
 
 
+def check_seeds(seeds) -> None:
+  """Refuses a ``--seeds`` count that is not an int >= 1 (:func:`cem_jax.config.check_count`)
+  or whose last run's seed (run S has seed S) the config's seed rule refuses.
+
+  Raises:
+    ValueError: one line, e.g. ``--seeds=0; allowed: an int >= 1``.
+  """
+  config_lib.check_count("--seeds", seeds)
+  if not config_lib.is_allowed_int("seed", seeds - 1):
+    raise ValueError(f"--seeds={seeds}; allowed: an int >= 1 and <= 2**63 (run S has seed S, "
+                     "and a seed is < 2**63)")
+
+
 def main(argv):
   cli.no_extra_args(argv)
   cli.quiet_libraries()
@@ -668,7 +685,7 @@ def main(argv):
                        "command skips the finished runs and resumes it from its newest "
                        "checkpoint"), \
        cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
-    config_lib.check_count("--seeds", fl.seeds)
+    check_seeds(fl.seeds)
     if fl.steps is not None:  # it replaces every row's train.num_steps
       config_lib.check_flag("--steps", "train.num_steps", fl.steps)
     cli.check_given("workdir", fl.workdir, "a folder (created if missing)")

@@ -133,6 +133,10 @@ def test_tables_prepare_and_bench_refuse_bad_flags(tmp_path):
   _check("tables", [
       (["--table=mlp", out, "--seeds=0"], "--seeds=0; allowed: an int >= 1"),
       (["--table=mlp", out, f"--seeds={HUGE}"], f"--seeds{TOO_LONG}"),
+      # run S has seed S: was checked seed by seed, for ever, with no word
+      (["--table=mlp", out, f"--seeds={10**21}"],
+       f"--seeds={10**21}; allowed: an int >= 1 and <= 2**63 (run S has seed S, and a seed is "
+       "< 2**63)"),
       (["--table=mlp", out, f"--steps={2**31}"],
        f"--steps={2**31}; allowed: an int >= 1 and < 2**31"),
       (["--table=mlp", out, f"--steps={HUGE}"],

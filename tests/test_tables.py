@@ -1215,3 +1215,27 @@ def test_gpu_tables_checks_of_two_corpora_train_in_folders_of_their_own(tmp_path
     key = hashlib.sha256(str(tmp_path / corpus).encode()).hexdigest()[:8]
     seen.append(str(tmp_path / "tmp" / "cem_gpu_tables_check" / f"tiny_steps2_{key}"))
   assert (tmp_path / "log").read_text().split() == seen and seen[0] != seen[1]
+
+
+def test_check_runs_checks_the_first_and_last_seed_of_each_row(monkeypatch):
+  # A run's seed sets only seed and data.shuffle_seed (ranges): --seeds=10**21 was checked seed
+  # by seed, for ever, before anything was said. The seeds each row's config was checked with:
+  module = tables.load_table("mlp")
+  checked, row_config = [], tables.row_config
+
+  def counted(module, row, scale, seed, *args):
+    checked.append(seed)
+    assert len(checked) < 100, "check_runs went through the seeds one by one"
+    return row_config(module, row, scale, seed, *args)
+
+  monkeypatch.setattr(tables, "row_config", counted)
+  tables.check_runs(module, "tiny", 2**63)
+  rows = len(module.ROWS)
+  assert checked == [0] * rows + [0, 2**63 - 1] * rows  # each row's own, then each row's
+  del checked[:]
+  tables.check_runs(module, "tiny", 1)
+  assert checked == [0] * rows * 2
+  del checked[:]
+  with pytest.raises(ValueError, match=r"^row '\w+': seed=9223372036854775808; allowed: an int "
+                                       r">= 0 and < 2\*\*63$"):
+    tables.check_runs(module, "tiny", 2**63 + 1)
