@@ -128,6 +128,20 @@ def quadrature_phi_silu(z):
   return z / 2.0 * np.sum(weights * s / (1.0 + np.exp(-s)), axis=-1)
 
 
+def np_rope(x, pos, theta=10_000.0, inverse=False):
+  """RoFormer's rotation (arXiv:2104.09864) in the rotate-half layout, float64, from the
+  formula: pair ``(m, m + h/2)`` of ``x`` ``[b, t, heads, h]`` turned by ``pos · theta^(-2m/h)``
+  (``pos`` ``[b, t]``; ``inverse``: by minus that angle). A reference for ``apply_rope``."""
+  x = np.asarray(x, np.float64)
+  half = x.shape[-1] // 2
+  angle = np.asarray(pos, np.float64)[:, :, None, None] * theta ** (-2.0 * np.arange(half)
+                                                                     / x.shape[-1])
+  sin, cos = np.sin(angle), np.cos(angle)
+  sin = -sin if inverse else sin
+  a, b = x[..., :half], x[..., half:]
+  return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
 def tiny_config(block: str = "cem", **overrides):
   """A config that trains in seconds: d_model 64, 2 layers, seq_len 64, batch 8."""
   from cem_jax.config import get_default_config

@@ -23,24 +23,12 @@ from cem_jax.energies import (
   make_mask,
 )
 from cem_jax.model import DecoderLM
-from tests.conftest import tiny_config
+from tests.conftest import np_rope, tiny_config
 
 TOL = 1e-5
 
 
 # ---- float64 NumPy reference ----------------------------------------------------------------
-
-def np_rope(x, pos, theta, inverse=False):
-  x = np.asarray(x, np.float64)
-  half = x.shape[-1] // 2
-  freq = theta ** (-np.arange(half) * 2.0 / x.shape[-1])
-  ang = np.asarray(pos, np.float64)[:, :, None, None] * freq
-  sin, cos = np.sin(ang), np.cos(ang)
-  if inverse:
-    sin = -sin
-  a, b = x[..., :half], x[..., half:]
-  return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
-
 
 def np_softmax(s, mask):
   s = np.where(mask, s, -np.inf)

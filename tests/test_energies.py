@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import quadrature_phi_silu, tiny_config
+from conftest import np_rope, quadrature_phi_silu, tiny_config
 
 from cem_jax import energies, energy_checks, preflight, updates
 from cem_jax.energies import (
@@ -91,6 +91,81 @@ def test_attention_update_is_attention_with_tied_weights():
   got = updates.autodiff_update(interaction_energy)(y, y, params,
                                                     _aux(make_mask(None, T, B), rope=False))
   assert _rel(got, expected) <= 1e-5
+
+
+def _np_interaction(y, c, params, mask, pos, form, key_pos=None):
+  """CEM_MATH.md §1 in float64: ``E = -Σ_{b,i,k} (η_k/β_k) log Σ_{j∈N(i)} exp(β_k s_kij)`` and
+  ``-∇_y E``, from the formulas (not the code): RoPE on (queries at ``pos``, keys at
+  ``key_pos``, default ``pos``), rows seeing no key give 0."""
+  y, c = np.asarray(y, np.float64), np.asarray(c, np.float64)
+  p = {n: np.asarray(a, np.float64) for n, a in params.items()}
+  mask = np.asarray(mask, bool)[:, None]  # [b, 1, i, j]
+  q = np_rope(np.einsum("bid,dhe->bihe", y, p["w_q"]), pos)
+  k = np_rope(np.einsum("bjd,dhe->bjhe", c, p["w_k"]), pos if key_pos is None else key_pos)
+  s = np.einsum("bihe,bjhe->bhij", q, k)
+  if form != "none":
+    dg = p["diag"]
+    s = s + np.einsum("bid,hd,bjd->bhij", y, dg, c)
+    if form == "distance":  # -½ Σ_m d_m (y_m - c_jm)² = cross - ½ Σ d y² - ½ Σ d c²
+      s = s - 0.5 * (np.einsum("bid,hd->bhi", y * y, dg)[..., None]
+                     + np.einsum("bjd,hd->bhj", c * c, dg)[:, :, None])
+  bs = s * p["beta"][:, None, None]
+  top = np.max(np.where(mask, bs, -np.inf), axis=-1, keepdims=True)
+  top = np.where(np.isfinite(top), top, 0.0)
+  e = np.where(mask, np.exp(bs - top), 0.0)
+  total = e.sum(-1)
+  seen = total > 0
+  lse = np.where(seen, top[..., 0] + np.log(np.where(seen, total, 1.0)), 0.0)
+  energy = -np.sum(lse * (p["eta"] / p["beta"])[:, None])
+  a = e / np.where(seen, total, 1.0)[..., None]  # softmax over N(i); 0 on a row seeing none
+  agg = np_rope(np.einsum("bhij,bjhe->bihe", a, k), pos, inverse=True)
+  update = np.einsum("bihe,dhe->bid", agg * p["eta"][:, None], p["w_q"])
+  if form != "none":
+    cagg = np.einsum("bhij,bjd->bihd", a, c)
+    if form == "distance":
+      cagg = cagg - y[:, :, None] * seen.transpose(0, 2, 1)[..., None]
+    update = update + np.einsum("bihd,hd->bid", cagg * p["eta"][:, None], p["diag"])
+  return energy, update
+
+
+# block 4 of 9 keys: three blocks, the last padded; 0: the dense scores.
+@pytest.mark.parametrize("block,form", [(0, "none"), (0, "distance"), (4, "none"),
+                                        (4, "bilinear"), (4, "distance")])
+def test_interaction_energy_and_its_gradient_equal_the_float64_maths(block, form):
+  """The energy's value and -∇_y E against CEM_MATH.md §1 in float64, dense and over key
+  blocks, with RoPE, documents, padding and strict causality (rows that see no key), at a
+  temperature β ≠ 1/√d_h and step sizes η ≠ 1. Fused = autodiff tests cannot see a wrong
+  value (a missing 1/β, a row constant not scaled by β), only a wrong gradient."""
+  y, c, params = _attention_inputs(seed=zlib.crc32(f"value-{block}-{form}".encode()),
+                                   diag=form != "none")
+  mask = make_mask(SEGMENTS, T, B, strict=True)
+  aux = _aux(mask, rope=True, form="bilinear" if form == "none" else form)
+  aux = aux.replace(energy_block_size=block)
+  want_e, want_u = _np_interaction(y, c, params, mask, aux.positions, form)
+  got_e, grad = jax.jit(jax.value_and_grad(interaction_energy))(y, c, params, aux)
+  assert abs(float(got_e) - want_e) <= 1e-5 * abs(want_e), (float(got_e), want_e)
+  assert _rel(-grad, want_u) <= 1e-5
+
+
+def test_new_tokens_against_a_cached_context_equal_the_float64_maths():
+  """Cached decoding: ``y`` holds 3 new tokens at positions 5, 6, 7 and the context the 9
+  cached positions 0..8 (8 not yet visible). RoPE turns each key by its own position
+  (``aux.key_positions``), each query by its; in training the two are one array, so only a
+  context longer than ``y`` tells them apart. Energy, autodiff and fused updates against
+  CEM_MATH.md §1 in float64, distance diagonal included."""
+  _, c, params = _attention_inputs(seed=17, diag=True)
+  y = jax.random.normal(jax.random.PRNGKey(18), (B, 3, D))
+  query, keys = jnp.arange(5, 8), jnp.arange(T)
+  aux = EnergyAux(mask=jnp.broadcast_to(keys[None, :] <= query[:, None], (B, 3, T)),
+                  positions=jnp.broadcast_to(query, (B, 3)),
+                  key_positions=jnp.broadcast_to(keys, (B, T)), rope_theta=10_000.0,
+                  diagonal_form="distance")
+  want_e, want_u = _np_interaction(y, c, params, aux.mask, aux.positions, "distance",
+                                   key_pos=aux.key_positions)
+  got_e, grad = jax.jit(jax.value_and_grad(interaction_energy))(y, c, params, aux)
+  assert abs(float(got_e) - want_e) <= 1e-5 * abs(want_e), (float(got_e), want_e)
+  assert _rel(-grad, want_u) <= 1e-5
+  assert _rel(jax.jit(interaction_fused_update)(y, c, params, aux), want_u) <= 1e-5
 
 
 def test_phi_silu_matches_quadrature():
@@ -1338,6 +1413,24 @@ def test_rope_keeps_float64_inputs_in_float64():
     np.testing.assert_allclose(np.asarray(back), x, rtol=0, atol=1e-12)
   assert apply_rope(jnp.asarray(x, jnp.bfloat16), jnp.asarray(pos), 10_000.0).dtype == (
       jnp.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim", [4, 16])
+def test_rope_turns_pair_m_by_position_times_theta_to_the_minus_2m_over_head_dim(head_dim):
+  """apply_rope against RoFormer's formula (conftest.np_rope), at a base other than Llama's,
+  and the property attention relies on: a rotated query·key product depends on positions
+  only through i - j."""
+  rng = np.random.default_rng(head_dim)
+  x = rng.normal(size=(2, 6, 3, head_dim))
+  pos = rng.integers(0, 300, size=(2, 6))  # float32 angles of ~300 rad are good to ~3e-5
+  got = apply_rope(jnp.asarray(x, jnp.float32), jnp.asarray(pos, jnp.int32), 500.0)
+  np.testing.assert_allclose(np.asarray(got, np.float64), np_rope(x, pos, 500.0), rtol=0,
+                             atol=2e-4)
+  q, k = jnp.asarray(x[:1, :1], jnp.float32), jnp.asarray(x[1:, :1], jnp.float32)
+  dots = [float(jnp.sum(apply_rope(q, jnp.full((1, 1), i), 500.0)
+                        * apply_rope(k, jnp.full((1, 1), i - 7), 500.0))) for i in (7, 30, 250)]
+  np.testing.assert_allclose(dots, dots[0], rtol=0,
+                             atol=1e-4 * float(jnp.linalg.norm(q) * jnp.linalg.norm(k)))
 
 
 @pytest.mark.parametrize("head_dim", [3, 7])  # 3 broadcast to a wrong shape, 7 failed in jnp
