@@ -7,6 +7,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import np_rope
 from flax import nnx
 
 from cem_jax.config import get_default_config
@@ -312,6 +313,43 @@ def _np_cem_block(block, cfg, x, steps):
   return y
 
 
+def _np_llama_block(block, x, mask, pos, theta):
+  """The pre-norm Llama block ``h = x + attn(norm(x)); y = h + mlp(norm(h))`` in float64 from
+  its definition: RoPE on queries and keys, scale 1/√d_h, SwiGLU ``W_down(silu(W_gate x) ⊙
+  W_up x)``; a query row with no visible key attends to nothing (0)."""
+  f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+  a, m = block.attn, block.mlp
+  x = f64(x)
+  xn = _np_rmsnorm(x, f64(block.norm_att.scale[...]), block.norm_att.eps)
+  q = np_rope(np.einsum("bid,dhe->bihe", xn, f64(a.w_q[...])), pos, theta)
+  k = np_rope(np.einsum("bjd,dhe->bjhe", xn, f64(a.w_k[...])), pos, theta)
+  v = np.einsum("bjd,dhe->bjhe", xn, f64(a.w_v[...]))
+  s = np.einsum("bihe,bjhe->bhij", q, k) / np.sqrt(q.shape[-1])
+  seen = np.asarray(mask, bool)[:, None]
+  e = np.where(seen, np.exp(s - np.max(np.where(seen, s, -np.inf), -1, keepdims=True)), 0.0)
+  p = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
+  h = x + np.einsum("bihe,hed->bid", np.einsum("bhij,bjhe->bihe", p, v), f64(a.w_o[...]))
+  hn = _np_rmsnorm(h, f64(block.norm_mlp.scale[...]), block.norm_mlp.eps)
+  gate = hn @ f64(m.w_gate[...])
+  return h + (gate / (1.0 + np.exp(-gate)) * (hn @ f64(m.w_up[...]))) @ f64(m.w_down[...])
+
+
+def test_llama_block_with_rope_equals_the_float64_definition():
+  """The baseline's own check with RoPE on (the tied CEM = Llama equivalence holds only
+  without it: the CEM update's value is the rotated key), documents and padding, random norm
+  scales."""
+  cfg = model_cfg(block="llama", rope=True, rope_theta=500.0)
+  block = LlamaBlock(cfg, rngs=nnx.Rngs(3))
+  for norm, key in ((block.norm_att, 16), (block.norm_mlp, 17)):
+    norm.scale[...] = 1.0 + 0.3 * jax.random.normal(jax.random.PRNGKey(key), (D,))
+  seg = jnp.array([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3])
+  aux = DecoderLM(cfg, V, rngs=nnx.Rngs(0)).make_aux(seg, B, T)
+  x = _x(7)
+  want = _np_llama_block(block, x, aux.mask, aux.positions, 500.0)
+  got = nnx.jit(lambda b, x: b(x, aux).y)(block, x)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 PER_STEP_CASES = {
     "eta_per_step": dict(eta_per_step=True),
     "precond_per_step": dict(precond="both", precond_rank=2, precond_shared=False),
@@ -400,3 +438,18 @@ def test_learned_beta_and_preconditioner_start_at_their_documented_values():
   v = _x(5)
   for pc in (block.precond_att, block.precond_mlp):
     np.testing.assert_allclose(np.asarray(pc(v, 0)), np.asarray(v), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("diagonal", ["per_head", "shared"])
+def test_a_diagonal_starts_at_zero_and_each_head_reads_its_own(diagonal):
+  """CEM_MATH.md §1: ``d_k = 0`` at initialisation (a block with a diagonal starts as the block
+  without one); once trained, 'per_head' hands head k its own row and 'shared' hands every
+  head the same vector."""
+  attn = CEMBlock(model_cfg(diagonal=diagonal), rngs=nnx.Rngs(0)).attn
+  shape = (H, D) if diagonal == "per_head" else (D,)
+  assert attn.diag.shape == shape
+  np.testing.assert_array_equal(np.asarray(attn.diag[...]), np.zeros(shape))
+  trained = jax.random.normal(jax.random.PRNGKey(14), shape)
+  attn.diag[...] = trained
+  np.testing.assert_array_equal(np.asarray(attn.energy_params(1, jnp.float32)["diag"]),
+                                np.broadcast_to(np.asarray(trained), (H, D)))
