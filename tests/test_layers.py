@@ -453,3 +453,101 @@ def test_a_diagonal_starts_at_zero_and_each_head_reads_its_own(diagonal):
   attn.diag[...] = trained
   np.testing.assert_array_equal(np.asarray(attn.energy_params(1, jnp.float32)["diag"]),
                                 np.broadcast_to(np.asarray(trained), (H, D)))
+
+
+PROBE_ENERGY = '''
+import jax.numpy as jnp
+
+
+def probe(y, context, params, aux):
+  """Per token i: 1 + 2·(keys i sees) + Σ_m (y_im + ½)² + 3 Σ_m (c_im - ¼)², summed. Not 0 at
+  a padding token (y = c = 0, no key): 1 + d/4 + 3d/16."""
+  seen = jnp.sum(aux.mask, axis=-1)
+  return jnp.sum(1.0 + 2.0 * seen + jnp.sum((y + 0.5) ** 2, -1)
+                 + 3.0 * jnp.sum((context - 0.25) ** 2, -1))
+'''
+
+
+@pytest.mark.parametrize("document_mask", [True, False])
+def test_energy_trace_of_a_padded_batch_is_the_sum_over_its_real_tokens(tmp_path, document_mask):
+  """CEMBlock._energy sums a user energy over the real tokens: padding is evaluated at
+  y = c = 0 seeing no key, seen by none, and what one such token contributes (padding_energy)
+  is taken off per padding token. Checked with an energy that is not 0 at padding and reads
+  the mask, against the float64 sum over the real tokens alone; padding leads row 2, so real
+  queries would see padded keys under document_mask=False without the key mask."""
+  path = tmp_path / "probe.py"
+  path.write_text(PROBE_ENERGY)
+  cfg = model_cfg(attention_energy=f"{path}:probe", document_mask=document_mask)
+  block = CEMBlock(cfg, rngs=nnx.Rngs(0))
+  block.norm_att.scale[...] = 1.0 + 0.3 * jax.random.normal(jax.random.PRNGKey(15), (D,))
+  seg = np.array([[1] * 5 + [2] * 4 + [0] * 3, [0] * 3 + [1] * 9])
+  real = seg > 0
+  model = DecoderLM(cfg, V, rngs=nnx.Rngs(0))
+  aux = model.make_aux(jnp.asarray(seg) if document_mask else None, B, T)
+  aux = aux.replace(real=jnp.asarray(real))  # as DecoderLM does
+  x = _x(6)
+  got = float(nnx.jit(lambda b, x: b(x, aux, trace=True).trace)(block, x)[0]["att_before"])
+  view = _np_rmsnorm(np.asarray(x, np.float64), np.asarray(block.norm_att.scale[...]),
+                     cfg.norm_eps)
+  i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+  sees = (j <= i) & real[:, :, None] & real[:, None, :]
+  if document_mask:
+    sees &= seg[:, :, None] == seg[:, None, :]
+  per_token = (1.0 + 2.0 * sees.sum(-1) + np.sum((view + 0.5) ** 2, -1)
+               + 3.0 * np.sum((view - 0.25) ** 2, -1))
+  want = per_token[real].sum()
+  assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_energy_trace_of_one_step_equals_the_float64_energies():
+  """The trace's four energies against CEM_MATH.md §1, §2 and §4 in float64, at random norm
+  scales and step sizes: E_att of norm_att(y) against the fixed context norm_att(x), before
+  and after the attention step; E_mlp (ReLU potential, Φ = ½relu²) of norm_mlp(y) gated by
+  norm_mlp of the state entering the MLP step, before and after it."""
+  cfg = model_cfg(rope=False, mlp_energy="relu")
+  block = CEMBlock(cfg, rngs=nnx.Rngs(0))
+  ks = jax.random.split(jax.random.PRNGKey(19), 4)
+  block.norm_att.scale[...] = 1.0 + 0.3 * jax.random.normal(ks[0], (D,))
+  block.norm_mlp.scale[...] = 1.0 + 0.3 * jax.random.normal(ks[1], (D,))
+  block.attn.eta[...] = 0.8 * jax.random.normal(ks[2], block.attn.eta.shape)
+  block.mlp.eta[...] = 0.8 * jax.random.normal(ks[3], block.mlp.eta.shape)
+  x = _x(8)
+  aux = DecoderLM(cfg, V, rngs=nnx.Rngs(0)).make_aux(None, B, T)
+  trace = nnx.jit(lambda b, x: b(x, aux, trace=True).trace)(block, x)  # eager: 4x the time
+
+  f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+  wq, wk, w, g = (f64(a[...]) for a in (block.attn.w_q, block.attn.w_k, block.mlp.w,
+                                           block.mlp.g))
+  eta_att, eta_mlp = np.logaddexp(0.0, f64(block.attn.eta[...])[0]), np.logaddexp(
+      0.0, f64(block.mlp.eta[...])[0])
+  norm_att = lambda v: _np_rmsnorm(v, f64(block.norm_att.scale[...]), cfg.norm_eps)  # noqa: E731
+  norm_mlp = lambda v: _np_rmsnorm(v, f64(block.norm_mlp.scale[...]), cfg.norm_eps)  # noqa: E731
+  beta = 1.0 / np.sqrt(D // H)
+  keys = np.einsum("bjd,dhe->bjhe", norm_att(f64(x)), wk)
+  causal = np.arange(T)[None, :] <= np.arange(T)[:, None]
+
+  def attention(v):  # (E_att, -∇_g E_att) at g = norm_att(v)
+    s = beta * np.einsum("bihe,bjhe->bhij", np.einsum("bid,dhe->bihe", norm_att(v), wq), keys)
+    s = np.where(causal, s, -np.inf)
+    top = s.max(-1, keepdims=True)
+    lse = top[..., 0] + np.log(np.exp(s - top).sum(-1))
+    a = np.exp(s - lse[..., None])
+    heads = np.einsum("bhij,bjhe->bihe", a, keys) * eta_att[:, None]
+    return -np.sum(lse * (eta_att / beta)[:, None]), np.einsum("bihe,dhe->bid", heads, wq)
+
+  def mlp(v, gate):  # (E_mlp, -∇_g E_mlp) at g = norm_mlp(v)
+    pre, up = norm_mlp(v) @ w, gate @ g
+    return -eta_mlp * np.sum(up * 0.5 * np.maximum(pre, 0) ** 2), eta_mlp * (
+        np.maximum(pre, 0) * up) @ w.T
+
+  att_before, u = attention(f64(x))
+  y1 = f64(x) + u
+  gate = norm_mlp(y1)
+  mlp_before, u = mlp(y1, gate)
+  y2 = y1 + u
+  want = {"att_before": att_before, "att_after": attention(y1)[0], "mlp_before": mlp_before,
+          "mlp_after": mlp(y2, gate)[0]}
+  got = {k: float(v) for k, v in trace[0].items()}
+  assert got.keys() == want.keys()
+  for key in want:
+    assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (key, got[key], want[key])
