@@ -269,17 +269,34 @@ def _np_precondition(v, p, u, eps):
 
 
 def _np_cem_block(block, cfg, x, steps):
-  """CEM_MATH.md §4 Algorithm 1 in float64 NumPy (rope off, no diagonal, fixed context,
-  Lie–Trotter, pre-norm, gate = the state entering the MLP step), written from the maths.
+  """CEM_MATH.md §4 Algorithm 1 in float64 NumPy (rope off, no diagonal, pre-norm, plain
+  gradient steps), written from the maths, under ``cfg``'s context, split and gate:
+
+  - ``context``: 'fixed' keys ``norm_att(x)`` for every step; 'coevolve' ``norm_att`` of the
+    state entering each step (after the previous step's MLP sub-step).
+  - ``split``: 'lie_trotter' attention then MLP, the MLP at the state after attention;
+    'joint' one step ``y + u_att(y) + u_mlp(y)``, both at the state entering the step.
+  - ``mlp_condition``: the gate input, 'step' ``norm_mlp`` of the point the MLP update is
+    taken at; 'layer' ``norm_mlp(x)`` for every step.
+  - ``cem_attention`` / ``cem_mlp`` False: that sub-step is the standard untied sub-layer of
+    ``norm(y)`` (its own keys from the current state, no η, no P) added to the residual.
+
   Per-step parameters (η, P) of step t are those of step min(t, T - 1): steps beyond the
   trained T reuse the LAST trained step's (CEMBlock's docstring)."""
+  # options this reference does not model must not pass silently as if it did
+  modelled = dict(rope=False, diagonal="none", norm_mode="prenorm", inner_optimizer="gd",
+                  manifold="euclidean", strict_causal=False, learn_beta=False, learn_eta=True,
+                  attention_energy="softmax", mlp_energy="silu")
+  assert {k: cfg[k] for k in modelled} == modelled, "an option this reference does not model"
   f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
   # copy of step t: 0 when shared (one copy), else min(t, T - 1)
   at = lambda copies, t: copies[min(t, cfg.num_steps - 1) if len(copies) > 1 else 0]  # noqa: E731
   wq, wk = f64(block.attn.w_q[...]), f64(block.attn.w_k[...])
-  w, g = f64(block.mlp.w[...]), f64(block.mlp.g[...])
-  eta_att = np.logaddexp(0.0, f64(block.attn.eta[...]))  # [copies, H]
-  eta_mlp = np.logaddexp(0.0, f64(block.mlp.eta[...]))  # [copies]
+  if cfg.cem_attention:
+    eta_att = np.logaddexp(0.0, f64(block.attn.eta[...]))  # [copies, H]
+  if cfg.cem_mlp:
+    w, g = f64(block.mlp.w[...]), f64(block.mlp.g[...])
+    eta_mlp = np.logaddexp(0.0, f64(block.mlp.eta[...]))  # [copies]
   s_att, s_mlp = f64(block.norm_att.scale[...]), f64(block.norm_mlp.scale[...])
   eps, beta = cfg.norm_eps, 1.0 / np.sqrt(wq.shape[-1])
   pre = {}
@@ -296,42 +313,71 @@ def _np_cem_block(block, cfg, x, steps):
   x = f64(x)
   n = x.shape[1]
   visible = np.arange(n)[None, :] <= np.arange(n)[:, None]  # [i, j]: j <= i
-  keys = np.einsum("bjd,dhe->bjhe", _np_rmsnorm(x, s_att, eps), wk)
-  y = x.copy()
-  for t in range(steps):
-    q = np.einsum("bid,dhe->bihe", _np_rmsnorm(y, s_att, eps), wq)
+  def att_update(v, keys, t):
+    if not cfg.cem_attention:
+      mask = np.broadcast_to(visible, (v.shape[0], n, n))
+      return _np_llama_attention(block.attn, _np_rmsnorm(v, s_att, eps), mask, None, None)
+    q = np.einsum("bid,dhe->bihe", _np_rmsnorm(v, s_att, eps), wq)
     scores = beta * np.einsum("bihe,bjhe->bhij", q, keys)
     scores = np.where(visible, scores, -np.inf)
     a = np.exp(scores - scores.max(-1, keepdims=True))
     a /= a.sum(-1, keepdims=True)
     heads = np.einsum("bhij,bjhe->bihe", a, keys) * at(eta_att, t)[:, None]
-    y = y + apply_p("att", np.einsum("bihe,dhe->bid", heads, wq), t)
-    gm = _np_rmsnorm(y, s_mlp, eps)
+    return apply_p("att", np.einsum("bihe,dhe->bid", heads, wq), t)
+
+  def mlp_update(v, t):
+    gm = _np_rmsnorm(v, s_mlp, eps)
+    if not cfg.cem_mlp:
+      return _np_swiglu(block.mlp, gm)
+    gate = _np_rmsnorm(x, s_mlp, eps) if cfg.mlp_condition == "layer" else gm
     pre_act = gm @ w
-    hidden = pre_act / (1.0 + np.exp(-pre_act)) * (gm @ g)
-    y = y + apply_p("mlp", at(eta_mlp, t) * hidden @ w.T, t)
+    hidden = pre_act / (1.0 + np.exp(-pre_act)) * (gate @ g)
+    return apply_p("mlp", at(eta_mlp, t) * hidden @ w.T, t)
+
+  y = x.copy()
+  for t in range(steps):
+    state = y if cfg.context == "coevolve" else x
+    keys = np.einsum("bjd,dhe->bjhe", _np_rmsnorm(state, s_att, eps), wk)
+    if cfg.split == "joint":
+      y = y + att_update(y, keys, t) + mlp_update(y, t)
+    else:
+      y = y + att_update(y, keys, t)
+      y = y + mlp_update(y, t)
   return y
 
 
-def _np_llama_block(block, x, mask, pos, theta):
-  """The pre-norm Llama block ``h = x + attn(norm(x)); y = h + mlp(norm(h))`` in float64 from
-  its definition: RoPE on queries and keys, scale 1/√d_h, SwiGLU ``W_down(silu(W_gate x) ⊙
-  W_up x)``; a query row with no visible key attends to nothing (0)."""
+def _np_llama_attention(attn, xn, mask, pos, theta):
+  """The untied attention ``W_O(softmax(q kᵀ/√d_h) v)`` of the normalised ``xn`` in float64:
+  RoPE on queries and keys (none with ``theta=None``); a query row with no visible key
+  (``mask`` ``[batch, i, j]``) attends to nothing (0)."""
   f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
-  a, m = block.attn, block.mlp
-  x = f64(x)
-  xn = _np_rmsnorm(x, f64(block.norm_att.scale[...]), block.norm_att.eps)
-  q = np_rope(np.einsum("bid,dhe->bihe", xn, f64(a.w_q[...])), pos, theta)
-  k = np_rope(np.einsum("bjd,dhe->bjhe", xn, f64(a.w_k[...])), pos, theta)
-  v = np.einsum("bjd,dhe->bjhe", xn, f64(a.w_v[...]))
+  q = np.einsum("bid,dhe->bihe", xn, f64(attn.w_q[...]))
+  k = np.einsum("bjd,dhe->bjhe", xn, f64(attn.w_k[...]))
+  if theta is not None:
+    q, k = np_rope(q, pos, theta), np_rope(k, pos, theta)
+  v = np.einsum("bjd,dhe->bjhe", xn, f64(attn.w_v[...]))
   s = np.einsum("bihe,bjhe->bhij", q, k) / np.sqrt(q.shape[-1])
   seen = np.asarray(mask, bool)[:, None]
   e = np.where(seen, np.exp(s - np.max(np.where(seen, s, -np.inf), -1, keepdims=True)), 0.0)
   p = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
-  h = x + np.einsum("bihe,hed->bid", np.einsum("bhij,bjhe->bihe", p, v), f64(a.w_o[...]))
-  hn = _np_rmsnorm(h, f64(block.norm_mlp.scale[...]), block.norm_mlp.eps)
-  gate = hn @ f64(m.w_gate[...])
-  return h + (gate / (1.0 + np.exp(-gate)) * (hn @ f64(m.w_up[...]))) @ f64(m.w_down[...])
+  return np.einsum("bihe,hed->bid", np.einsum("bhij,bjhe->bihe", p, v), f64(attn.w_o[...]))
+
+
+def _np_swiglu(mlp, hn):
+  """SwiGLU ``W_down(silu(W_gate hn) ⊙ W_up hn)`` in float64."""
+  f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+  gate = hn @ f64(mlp.w_gate[...])
+  return (gate / (1.0 + np.exp(-gate)) * (hn @ f64(mlp.w_up[...]))) @ f64(mlp.w_down[...])
+
+
+def _np_llama_block(block, x, mask, pos, theta):
+  """The pre-norm Llama block ``h = x + attn(norm(x)); y = h + mlp(norm(h))`` in float64 from
+  its definition (:func:`_np_llama_attention`, :func:`_np_swiglu`)."""
+  x = np.asarray(x, np.float64)
+  scale = lambda norm: np.asarray(norm.scale[...], np.float64)  # noqa: E731
+  h = x + _np_llama_attention(block.attn, _np_rmsnorm(x, scale(block.norm_att),
+                                                      block.norm_att.eps), mask, pos, theta)
+  return h + _np_swiglu(block.mlp, _np_rmsnorm(h, scale(block.norm_mlp), block.norm_mlp.eps))
 
 
 def test_llama_block_with_rope_equals_the_float64_definition():
@@ -348,6 +394,59 @@ def test_llama_block_with_rope_equals_the_float64_definition():
   want = _np_llama_block(block, x, aux.mask, aux.positions, 500.0)
   got = nnx.jit(lambda b, x: b(x, aux).y)(block, x)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def _perturb_every_param(block, seed, scale=0.25):
+  """Adds deterministic normal(0, scale) noise to every parameter of ``block``: at
+  initialisation the two norms' scales are equal (a swapped norm passes), diagonals are 0 and
+  step sizes and preconditioners identical across heads, steps and sub-layers."""
+  state = nnx.state(block, nnx.Param)
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  moved = [v + scale * jax.random.normal(k, v.shape, v.dtype) for v, k in zip(leaves, keys,
+                                                                             strict=True)]
+  nnx.update(block, jax.tree.unflatten(treedef, moved))
+
+
+# T = 2 (per-step η and P) wherever the options differ between steps: a fixed and a
+# co-evolving context, a layer and a step gate are the same at the first step.
+OPTION_CASES = {
+    "layer_gate": dict(mlp_condition="layer"),
+    "layer_gate_t2": dict(mlp_condition="layer", num_steps=2),
+    "coevolve_t2": dict(context="coevolve", num_steps=2),
+    "coevolve_layer_gate_t2": dict(context="coevolve", mlp_condition="layer", num_steps=2),
+    "joint_t2": dict(split="joint", num_steps=2),
+    "joint_layer_gate_t2": dict(split="joint", mlp_condition="layer", num_steps=2),
+    "joint_coevolve_t2": dict(split="joint", context="coevolve", num_steps=2),
+    # the controls: a standard sub-layer inside the recursive block (its keys from the
+    # current state at every step, no step size, no preconditioner)
+    "llama_attention_layer_gate_t2": dict(cem_attention=False, mlp_condition="layer",
+                                          num_steps=2, precond="mlp"),
+    "llama_attention_joint_t2": dict(cem_attention=False, split="joint", num_steps=2,
+                                     precond="mlp"),
+    "llama_mlp_coevolve_t2": dict(cem_mlp=False, context="coevolve", num_steps=2,
+                                  precond="attention"),
+}
+
+
+@pytest.mark.parametrize("update_mode", ["fused", "autodiff"])
+@pytest.mark.parametrize("case", OPTION_CASES.values(), ids=OPTION_CASES.keys())
+def test_context_gate_and_split_options_equal_the_float64_algorithm(case, update_mode):
+  """model.mlp_condition, model.context, model.split and the standard sub-layers of
+  model.cem_attention/cem_mlp=False against the float64 Algorithm 1 (_np_cem_block) at
+  non-initial parameters: every weight, norm scale, per-step η and P moved, so the attention's
+  and the MLP's norms differ and each step has its own η and P. A gate or context through the
+  wrong norm or from the wrong state, or a dropped residual, fails here (the tied-Llama
+  equivalence runs only the defaults at initial norm scales)."""
+  options = dict(eta_per_step=True, precond="both", precond_rank=2, precond_shared=False)
+  cfg = model_cfg(rope=False, update_mode=update_mode, **(options | case))
+  block = CEMBlock(cfg, rngs=nnx.Rngs(0))
+  _perturb_every_param(block, 21)
+  aux = DecoderLM(cfg, V, rngs=nnx.Rngs(0)).make_aux(None, B, T)
+  x = _x(10)
+  got = nnx.jit(lambda b, x: b(x, aux).y)(block, x)  # eager: several times the time
+  np.testing.assert_allclose(np.asarray(got), _np_cem_block(block, cfg, x, cfg.num_steps),
+                             rtol=1e-4, atol=1e-5)
 
 
 PER_STEP_CASES = {
