@@ -278,6 +278,8 @@ def _np_cem_block(block, cfg, x, steps):
     'joint' one step ``y + u_att(y) + u_mlp(y)``, both at the state entering the step.
   - ``mlp_condition``: the gate input, 'step' ``norm_mlp`` of the point the MLP update is
     taken at; 'layer' ``norm_mlp(x)`` for every step.
+  - ``strict_causal``: position i sees j < i (the first token nothing: its update is 0);
+    ``learn_beta``: β_k = softplus(raw β_k) in the scores, η = 1 (``learn_eta`` False).
   - ``cem_attention`` / ``cem_mlp`` False: that sub-step is the standard untied sub-layer of
     ``norm(y)`` (its own keys from the current state, no η, no P) added to the residual.
 
@@ -285,20 +287,23 @@ def _np_cem_block(block, cfg, x, steps):
   trained T reuse the LAST trained step's (CEMBlock's docstring)."""
   # options this reference does not model must not pass silently as if it did
   modelled = dict(rope=False, diagonal="none", norm_mode="prenorm", inner_optimizer="gd",
-                  manifold="euclidean", strict_causal=False, learn_beta=False, learn_eta=True,
-                  attention_energy="softmax", mlp_energy="silu")
+                  manifold="euclidean", attention_energy="softmax", mlp_energy="silu")
   assert {k: cfg[k] for k in modelled} == modelled, "an option this reference does not model"
   f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
   # copy of step t: 0 when shared (one copy), else min(t, T - 1)
   at = lambda copies, t: copies[min(t, cfg.num_steps - 1) if len(copies) > 1 else 0]  # noqa: E731
   wq, wk = f64(block.attn.w_q[...]), f64(block.attn.w_k[...])
+  eta = lambda sub, one: (np.logaddexp(0.0, f64(sub.eta[...])) if cfg.learn_eta  # noqa: E731
+                          else np.ones((1,) + one))
   if cfg.cem_attention:
-    eta_att = np.logaddexp(0.0, f64(block.attn.eta[...]))  # [copies, H]
+    eta_att = eta(block.attn, (wq.shape[1],))  # [copies, H]
+    beta = (np.logaddexp(0.0, f64(block.attn.beta[...])) if cfg.learn_beta
+            else np.full(wq.shape[1], 1.0 / np.sqrt(wq.shape[-1])))  # [H]
   if cfg.cem_mlp:
     w, g = f64(block.mlp.w[...]), f64(block.mlp.g[...])
-    eta_mlp = np.logaddexp(0.0, f64(block.mlp.eta[...]))  # [copies]
+    eta_mlp = eta(block.mlp, ())  # [copies]
   s_att, s_mlp = f64(block.norm_att.scale[...]), f64(block.norm_mlp.scale[...])
-  eps, beta = cfg.norm_eps, 1.0 / np.sqrt(wq.shape[-1])
+  eps = cfg.norm_eps
   pre = {}
   for name in ("att", "mlp"):
     pc = getattr(block, f"precond_{name}")
@@ -312,16 +317,17 @@ def _np_cem_block(block, cfg, x, steps):
 
   x = f64(x)
   n = x.shape[1]
-  visible = np.arange(n)[None, :] <= np.arange(n)[:, None]  # [i, j]: j <= i
+  i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+  visible = j < i if cfg.strict_causal else j <= i  # [i, j]
   def att_update(v, keys, t):
     if not cfg.cem_attention:
       mask = np.broadcast_to(visible, (v.shape[0], n, n))
       return _np_llama_attention(block.attn, _np_rmsnorm(v, s_att, eps), mask, None, None)
     q = np.einsum("bid,dhe->bihe", _np_rmsnorm(v, s_att, eps), wq)
-    scores = beta * np.einsum("bihe,bjhe->bhij", q, keys)
-    scores = np.where(visible, scores, -np.inf)
-    a = np.exp(scores - scores.max(-1, keepdims=True))
-    a /= a.sum(-1, keepdims=True)
+    scores = beta[:, None, None] * np.einsum("bihe,bjhe->bhij", q, keys)
+    top = np.max(np.where(visible, scores, -np.inf), -1, keepdims=True)
+    a = np.where(visible, np.exp(scores - np.where(visible.any(-1)[:, None], top, 0.0)), 0.0)
+    a /= np.maximum(a.sum(-1, keepdims=True), 1e-300)  # a row that sees no key: a = 0
     heads = np.einsum("bhij,bjhe->bihe", a, keys) * at(eta_att, t)[:, None]
     return apply_p("att", np.einsum("bihe,dhe->bid", heads, wq), t)
 
@@ -418,6 +424,9 @@ OPTION_CASES = {
     "joint_t2": dict(split="joint", num_steps=2),
     "joint_layer_gate_t2": dict(split="joint", mlp_condition="layer", num_steps=2),
     "joint_coevolve_t2": dict(split="joint", context="coevolve", num_steps=2),
+    "strict_layer_gate": dict(strict_causal=True, mlp_condition="layer"),
+    "strict_learn_beta_coevolve_t2": dict(strict_causal=True, learn_beta=True, learn_eta=False,
+                                          eta_per_step=False, context="coevolve", num_steps=2),
     # the controls: a standard sub-layer inside the recursive block (its keys from the
     # current state at every step, no step size, no preconditioner)
     "llama_attention_layer_gate_t2": dict(cem_attention=False, mlp_condition="layer",
