@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from cem_jax import axes, memory
+from cem_jax import axes, energies, memory
 from cem_jax import config as config_lib
 from cem_jax import sharding as sharding_lib
 from cem_jax.loss import blockwise_cross_entropy, perplexity
@@ -249,7 +249,8 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   Calls with equal arguments (``graphdef`` and ``shardings`` by value, ``tx`` and ``schedule``
   by identity: :func:`cem_jax.optim.make_optimizer` gives one per ``train`` group) return the
   same jitted function, so another run of one config in one process (tables' seeds) runs the
-  programs compiled for the first; :func:`forget_compiled` drops them.
+  programs compiled for the first; :func:`forget_compiled` drops them. A model with a user's
+  energy gets a step traced afresh at every call (:func:`_cacheable`).
 
   The loss is the token-weighted mean of ``-log p(target)`` over the whole batch (nats). With
   ``gradient_accumulation_steps`` k > 1 the batch runs as k microbatches of ``batch / k``
@@ -289,8 +290,27 @@ def make_train_step(graphdef, tx, max_consecutive_nonfinite: int | None = None,
   # A direct caller need not have run config.validate: 0 would divide the rows by zero when
   # the step is traced, far from the value that caused it.
   config_lib.check_int("train.gradient_accumulation_steps", gradient_accumulation_steps)
-  return _train_step(graphdef, tx, max_consecutive_nonfinite, shardings, schedule,
-                     gradient_accumulation_steps, loss_block_size)
+  make = _train_step if _cacheable(graphdef) else _train_step.__wrapped__
+  return make(graphdef, tx, max_consecutive_nonfinite, shardings, schedule,
+              gradient_accumulation_steps, loss_block_size)
+
+
+def _cacheable(graphdef) -> bool:
+  """Whether ``graphdef``'s steps may be cached: its energies are all built-in.
+
+  A user's energy (registered, or a ``'file.py:function'``) may read Python state that its
+  function object does not carry: a module global or a closed-over dict changed between two
+  runs of one process (a script, a table file setting a row's knob) is the same function, the
+  same graphdef, and a cached step would run the value it was first traced with. No key can
+  hold what arbitrary Python reads, so those steps are traced afresh, as every run's were
+  before the cache (one without a closed form was anyway: its jax.grad update is a new closure
+  per model). The built-in energies read only their arguments.
+  """
+  attributes = getattr(graphdef, "attributes", None)
+  if attributes is None:  # another flax's layout: nothing known, nothing kept
+    return False
+  specs = [getattr(value, "value", None) for _, value in attributes]
+  return all(s.builtin for s in specs if isinstance(s, energies.EnergySpec))
 
 
 # typed: 1 and 1.0 (or True) are different constants in the program.
@@ -432,7 +452,8 @@ def make_eval_step(graphdef, num_steps: int | None, energy_trace: bool = False,
   ``loss_block_size`` as in :func:`make_train_step`. One jitted function per argument values
   (cached as :func:`make_train_step`'s).
   """
-  return _eval_step(graphdef, num_steps, energy_trace, shardings, loss_block_size)
+  make = _eval_step if _cacheable(graphdef) else _eval_step.__wrapped__
+  return make(graphdef, num_steps, energy_trace, shardings, loss_block_size)
 
 
 @functools.lru_cache(maxsize=_KEPT, typed=True)

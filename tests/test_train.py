@@ -642,3 +642,60 @@ def test_another_run_of_one_config_reuses_the_compiled_steps_and_others_do_not(t
   assert first[0]["train/loss"] != seed[0]["train/loss"]
   assert lr[0]["train/loss"] == seed[0]["train/loss"]  # same seed, before any update
   assert lr[0]["train/learning_rate"] == 2 * seed[0]["train/learning_rate"]
+
+
+# A user energy that reads Python state its function object does not carry (a table file or
+# a script setting a knob between runs): the built-in interaction energy times KNOB["scale"],
+# with its closed form (a stable function: an autodiff update is a new closure per model).
+KNOB = {"scale": 1.0}
+KNOB_ENERGY = "test_train_knob_energy"
+
+
+def _knob_energy(y, context, params, aux):
+  from cem_jax.energies import interaction
+  return KNOB["scale"] * interaction.interaction_energy(y, context, params, aux)
+
+
+def _knob_energy_fused(y, context, params, aux):
+  from cem_jax.energies import interaction
+  return KNOB["scale"] * interaction.fused_update(y, context, params, aux)
+
+
+def test_a_user_energy_reading_python_state_gets_steps_traced_for_each_run(monkeypatch):
+  # Two runs of one config in one process, a user energy's global changed between them: the
+  # same graphdef, so the step cache gave the second run the program traced with the first
+  # value (its losses those of scale 1 while the energy said 4). Each run's train and eval
+  # losses must be those of its steps compiled afresh for the value it ran with.
+  # Mutation: make_train_step/make_eval_step caching every graphdef (steps._cacheable always
+  # True) gave the scale-4 run the scale-1 losses.
+  import numpy as np
+
+  from cem_jax import energies
+  from cem_jax.data.packing import make_batch
+  if KNOB_ENERGY not in energies.names():
+    energies.register(KNOB_ENERGY, "attention", _knob_energy, _knob_energy_fused)
+  monkeypatch.setitem(KNOB, "scale", 1.0)
+  cfg = tiny_config("cem", **{"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64,
+                              "model.num_layers": 1, "model.num_steps": 2,
+                              "model.attention_energy": KNOB_ENERGY, "data.seq_len": 16})
+  tx, _ = optim.make_optimizer(cfg.train)
+  graphdef, params, opt_state, shardings, _ = steps.init_state(cfg, 512, tx)
+  rng = np.random.default_rng(3)
+  tokens = rng.integers(0, 512, (8, 17), dtype=np.int32)
+  batch = make_batch(tokens, np.ones((8, 17), np.int32), np.full((8, 17), 3.0, np.float32))
+  batch = shardings.global_batch(batch, 8)
+
+  def losses():
+    train_step = steps.make_train_step(graphdef, tx, shardings=shardings)
+    eval_step = steps.make_eval_step(graphdef, None, shardings=shardings)
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # the train step donates its inputs
+    _, _, metrics = train_step(copy(params), copy(opt_state), batch, 0, 0)
+    return float(metrics["loss"]), float(eval_step(params, batch)["loss_sum"])
+
+  first = losses()
+  KNOB["scale"] = 4.0
+  second = losses()
+  steps.forget_compiled()
+  fresh = losses()
+  assert second == fresh
+  assert second[0] != first[0] and second[1] != first[1]  # the knob changes the losses
