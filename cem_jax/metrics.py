@@ -59,6 +59,7 @@ class MetricsWriter:
     self._file = None
     self._tb = None
     self._calls = None
+    self._hook = None  # the _Hook held while TensorBoard's writer is open
     self._tb_threads = []  # tensorboardX's own (its writer's), told dead by is_alive
     self._said_dead = False
     if not enabled:
@@ -90,10 +91,12 @@ class MetricsWriter:
         return writer
 
       self._calls = _Calls()
+      self._hook = _Hook.hold()
       try:
         self._tb = self._tensorboard(logdir, start)
       except BaseException:
         self._calls.stop()
+        self._release_hook()
         raise
     if kept is not None:
       atomic_write_bytes(self.path, kept.encode())
@@ -160,6 +163,12 @@ class MetricsWriter:
           self._tensorboard(tb.logdir, close)
         finally:
           self._calls.stop()
+          self._release_hook()
+
+  def _release_hook(self) -> None:
+    hook, self._hook = self._hook, None
+    if hook is not None:
+      hook.release()
 
   def _check_alive(self, logdir: str, step: int | None, dead=None) -> None:
     """Raises the OSError of a tensorboardX writer thread that died, naming what killed it,
@@ -192,25 +201,55 @@ class MetricsWriter:
 
 
 # tensorboardX's writer threads (MetricsWriter's) -> what killed one (None while it runs):
-# told by _excepthook, which keeps it from printing a traceback the run's one line then says.
+# told by a _Hook, which keeps it from printing a traceback the run's one line then says.
 _died_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_hooked = []  # the threading.excepthook _excepthook hands other threads to
 
 
 def _watch(threads) -> None:
-  """Records what kills ``threads`` (:data:`_died_of`) instead of Python printing it."""
+  """Records what kills ``threads`` (:data:`_died_of`) instead of Python printing it, while a
+  :class:`_Hook` is held."""
   for thread in threads:
     _died_of[thread] = None
-  if threading.excepthook is not _excepthook:  # first, or put back by someone since
-    _hooked[:] = [threading.excepthook]
-    threading.excepthook = _excepthook
 
 
-def _excepthook(args) -> None:
-  if args.thread is not None and args.thread in _died_of:
-    _died_of[args.thread] = args.exc_value
-  else:
-    _hooked[0](args)
+class _Hook:
+  """A ``threading.excepthook`` that keeps the exceptions of :data:`_died_of`'s threads and
+  hands every other thread's to ``prev``, the hook it replaced.
+
+  Held by each open MetricsWriter and put back (``prev`` again) when the last lets go, so runs
+  one after another in a process (tables' seeds) leave the hook as they found it. Each keeps
+  its own ``prev``: a hook someone installed over this one, handing on to it, is never
+  handed to again by a later one (the one ``prev`` for all made ours and theirs call each
+  other until RecursionError).
+  """
+
+  top = None  # the _Hook installed last, while threading.excepthook is it
+
+  def __init__(self, prev):
+    self.prev, self.holders = prev, 0
+
+  def __call__(self, args) -> None:
+    if args.thread is not None and args.thread in _died_of:
+      _died_of[args.thread] = args.exc_value
+    else:
+      self.prev(args)
+
+  @classmethod
+  def hold(cls) -> _Hook:
+    """The hook on top (installed now if another is: first, or put over ours since), held."""
+    if cls.top is None or threading.excepthook is not cls.top:
+      cls.top = cls(threading.excepthook)
+      threading.excepthook = cls.top
+    cls.top.holders += 1
+    return cls.top
+
+  def release(self) -> None:
+    """Lets go; the last holder puts back the hook it replaced, unless another was put over
+    it (that one hands on to this, which then hands everything on)."""
+    self.holders -= 1
+    if self.holders == 0 and threading.excepthook is self:
+      threading.excepthook = self.prev
+      type(self).top = None
 
 
 class _Calls:

@@ -397,6 +397,54 @@ def test_what_kills_another_thread_still_goes_to_the_hook_before(tmp_path, monke
   assert [type(e) for e in seen] == [ZeroDivisionError]
 
 
+def test_writers_one_after_another_leave_the_thread_hook_as_they_found_it(tmp_path,
+                                                                          monkeypatch):
+  # Runs in one process (tables' seeds) each open a writer. The hook that keeps tensorboardX's
+  # threads' exceptions was installed for good, and each later writer under a hook put over
+  # it took that one as the hook before: a hook that hands on to the one it replaced (a
+  # logging set-up's, between two runs) and ours then called each other until RecursionError,
+  # and that thread's error was never shown. Mutations: the close not putting the hook back
+  # (the hook after close is not the one before); one shared hook-before for every install
+  # (RecursionError, the user's hook called ~500 times).
+  from cem_jax.metrics import MetricsWriter
+
+  seen = []
+  before = lambda args: seen.append(("before", type(args.exc_value)))  # noqa: E731
+  monkeypatch.setattr(threading, "excepthook", before)
+
+  def fail_in_a_thread():
+    failing = threading.Thread(target=lambda: 1 / 0)
+    failing.start()
+    failing.join()
+
+  first = MetricsWriter(str(tmp_path / "a"))
+  second = MetricsWriter(str(tmp_path / "b"))  # open at once: one hook, held twice
+  assert threading.excepthook is not before and threading.excepthook.prev is before
+  first.close()
+  assert threading.excepthook.prev is before
+  second.close()
+  assert threading.excepthook is before
+  fail_in_a_thread()
+  assert seen == [("before", ZeroDivisionError)]
+
+  # A hook installed over a writer's, handing on to it, then a later run's writer.
+  seen.clear()
+  third = MetricsWriter(str(tmp_path / "c"))
+  ours = threading.excepthook
+
+  def theirs(args):
+    seen.append(("theirs", type(args.exc_value)))
+    ours(args)
+
+  threading.excepthook = theirs
+  third.close()  # theirs is on top: ours stays under it, handing everything on
+  fourth = MetricsWriter(str(tmp_path / "d"))
+  fail_in_a_thread()
+  fourth.close()
+  assert threading.excepthook is theirs
+  assert seen == [("theirs", ZeroDivisionError), ("before", ZeroDivisionError)]
+
+
 def test_a_resume_rewrites_the_steps_after_its_checkpoint_in_both_logs(tmp_path):
   # Lines past the restored step never happened: metrics.jsonl drops them and TensorBoard
   # purges them, so each step shows once, with the resumed run's value; a run killed before
