@@ -252,6 +252,10 @@ class _Hook:
       type(self).top = None
 
 
+# The longest a signal waits for the main thread to see it while it waits for a call.
+_SIGNAL_CHECK_SECS = 0.1
+
+
 class _Calls:
   """Runs calls, one at a time and in order, in a daemon thread, for a caller in the main
   thread that a signal's handler may interrupt: tensorboardX's.
@@ -288,7 +292,11 @@ class _Calls:
         done.release()
 
     self._jobs.put(job)
-    done.acquire()
+    # In slices: a signal's handler runs when this thread next runs Python, and a blocking
+    # acquire wakes for it only where the kernel delivered it to this thread, while a process's
+    # signal may go to any of its threads (the second Ctrl-C then waited for the call to end).
+    while not done.acquire(timeout=_SIGNAL_CHECK_SECS):
+      pass
     ok, value = out[0]
     if not ok:
       raise value
