@@ -90,6 +90,21 @@ def program_json(args: list[str], devices: int, timeout: float = 120,
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def count_compiles():
+  """A ``collections.Counter`` of the executables jax makes from here on (compiled, or read
+  from the persistent cache), by function name (``'jit(step)'``): for programs that check
+  what is compiled again, not how long it takes."""
+  import collections
+
+  import jax
+
+  made = collections.Counter()
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, secs, fun_name=None, **_: made.update(
+          [fun_name] if event == "/jax/core/compile/backend_compile_duration" else []))
+  return made
+
+
 def float_collectives(hlo_text: str, *dims: int) -> list[str]:
   """``'kind result'`` of each collective in a compiled program's HLO text whose result is a
   float array with a shape starting with ``dims``: e.g. ``(8, 32)``, a batch's 8 rows of 32

@@ -465,18 +465,14 @@ def test_a_model_built_off_the_mesh_runs_op_by_op_under_set_mesh():
 
 
 SEEDS_SCRIPT = """
-import collections, json, sys
+import json, sys
 import jax, numpy as np
 from flax import nnx
 sys.path.insert(0, sys.argv[1])
-from conftest import tiny_config
+from conftest import count_compiles, tiny_config
 from cem_jax import optim, sharding, steps
 
-# Executables jax made (compiled, or read from the persistent cache) by function name.
-made = collections.Counter()
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, secs, fun_name=None, **_: made.update(
-        [fun_name] if event == "/jax/core/compile/backend_compile_duration" else []))
+made = count_compiles()
 cfg = tiny_config("cem", **{"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64,
                             "model.num_layers": 1, "model.diagonal": "per_head",
                             "model.precond": "both", "model.precond_rank": 2,

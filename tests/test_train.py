@@ -76,6 +76,19 @@ def test_weight_decay_goes_by_name_not_rank():
   assert optim.decay_mask(stacked) == {"blocks": {"norm_att": {"scale": False}}, "w_q": True}
 
 
+def _script_unless_hung(when: str, script: str, *args: str) -> subprocess.CompletedProcess:
+  """``python -c script *args`` in a process of its own (a hang must not hang the suite),
+  finished with status 0; a test failure saying what it had written if it ran 300 s."""
+  try:
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO}, capture_output=True,
+                          text=True, timeout=300)
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f"hung {when}, having said {e.stdout!r} {e.stderr!r}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc
+
+
 def _run_cli(args, cwd, **kwargs):
   return subprocess.run([sys.executable, "-m", "cem_jax.main", *args], cwd=cwd,
                         capture_output=True, text=True, timeout=600, **kwargs)
@@ -241,15 +254,8 @@ def test_a_signal_inside_tensorboards_handshake_neither_hangs_the_run_nor_loses_
   # thread again.
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-  try:
-    proc = subprocess.run([sys.executable, "-c", _SIGNAL_IN_THE_WRITERS_HANDSHAKE, str(tmp_path)],
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True,
-                          text=True, timeout=300)  # 3 s when it works
-    hung = None
-  except subprocess.TimeoutExpired as e:
-    hung = e.stdout
-  assert hung is None, f"hung after a signal inside tensorboardX's calls, having said {hung!r}"
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = _script_unless_hung("after a signal inside tensorboardX's calls",
+                             _SIGNAL_IN_THE_WRITERS_HANDSHAKE, str(tmp_path))  # 3 s
   lines = [json.loads(line) for line in proc.stdout.splitlines()]
   # write's event put; close's stop put and queue close: each a place a signal hung it.
   assert lines[0]["entries"] >= 3, lines[0]
@@ -354,15 +360,8 @@ def test_a_dead_tensorboard_writer_thread_is_one_line_naming_its_folder_not_a_ha
   # the thread's check dropped and tensorboardX's default queue.
   from cem_jax.metrics import tensorboard_dir
 
-  try:
-    proc = subprocess.run([sys.executable, "-c", _DEAD_TENSORBOARD_THREAD, str(tmp_path), "100"],
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True,
-                          text=True, timeout=300)  # 2 s when it works
-    hung = None
-  except subprocess.TimeoutExpired as e:
-    hung = e.stderr
-  assert hung is None, f"hung with tensorboardX's thread dead, having said {hung!r}"
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = _script_unless_hung("with tensorboardX's thread dead", _DEAD_TENSORBOARD_THREAD,
+                             str(tmp_path), "100")  # 2 s
   out = json.loads(proc.stdout.splitlines()[-1])
   step, error = out["write"]
   said = (f"TensorBoard events in {tensorboard_dir(str(tmp_path))}: tensorboardX's writer "
@@ -625,18 +624,13 @@ def test_a_metrics_line_or_event_that_cannot_be_written_names_its_file(tmp_path,
 
 
 RUNS_SCRIPT = """
-import collections, json, sys
-import jax
+import json, sys
 sys.path.insert(0, sys.argv[1])
-from conftest import tiny_config
+from conftest import count_compiles, tiny_config
 from cem_jax import steps, train
 from cem_jax.metrics import read_metrics
 
-# Executables jax made (compiled, or read from the persistent cache) by function name.
-made = collections.Counter()
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, secs, fun_name=None, **_: made.update(
-        [fun_name] if event == "/jax/core/compile/backend_compile_duration" else []))
+made = count_compiles()
 STEPS = ("jit(init)", "jit(step)", "jit(eval_step)")
 SEED = {"seed": 1, "data.shuffle_seed": 1}
 RUNS = {"first": {}, "seed": SEED, "learning_rate": {**SEED, "train.learning_rate": 6e-3},
