@@ -820,8 +820,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
   g = m.num_unique_blocks
   if g > 0 and m.num_layers % g:
+    divisors = ", ".join(str(d) for d in range(1, m.num_layers + 1) if m.num_layers % d == 0)
     raise ValueError(f"model.num_unique_blocks={g} does not divide model.num_layers="
-                     f"{m.num_layers}; each block is reused num_layers / G times")
+                     f"{m.num_layers} (each block is reused num_layers / G times); allowed: -1 "
+                     f"(a block per layer) or a divisor of {m.num_layers}: {divisors}")
   _check_unused(config)
   axes.check_mesh_sizes(config.mesh)
   axes.rules_from_config(config.mesh)

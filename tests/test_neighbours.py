@@ -354,7 +354,7 @@ INVALID = [
     ({"model.num_unique_blocks": 0}, r"model.num_unique_blocks=0; allowed: -1"),
     ({"model.num_unique_blocks": 3}, r"model.num_unique_blocks=3; allowed: -1 .* 1..2"),
     ({"model.num_layers": 4, "model.num_unique_blocks": 3},
-     r"model.num_unique_blocks=3 does not divide model.num_layers=4"),
+     r"model.num_unique_blocks=3 does not divide model.num_layers=4 .*; allowed: -1 .* 1, 2, 4$"),
     ({"model.inner_optimizer": "nesterov", "model.momentum_init": 1.0},
      r"model.momentum_init=1.0; allowed: a finite number, 0 < value < 1"),
     ({"model.momentum_init": 0.9},
