@@ -170,6 +170,33 @@ def test_user_energy_update_equals_independent_gradient():
   assert float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want))) <= 1e-5
 
 
+_QUARTIC = """import jax.numpy as jnp
+
+
+def energy(y, context, params, aux):
+  z = jnp.einsum("btd,df->btf", y, params["w"], preferred_element_type=jnp.float32)
+  gx = jnp.einsum("btd,df->btf", context, params["g"], preferred_element_type=jnp.float32)
+  return -params["eta"] * jnp.sum(gx * (z**2 / 2 - z**4 / 12))
+"""
+
+
+def test_user_mlp_energy_update_is_its_gradient_by_hand(tmp_path):
+  # The MLP slot's promise: a user's element-wise energy, no closed form, gets -∇_y E from
+  # jax.grad. Φ(z) = z²/2 - z⁴/12 gives -∇_y E = η Wᵀ((z - z³/3) ⊙ Gx), in float64 NumPy.
+  (tmp_path / "quartic_mlp.py").write_text(_QUARTIC)
+  cfg = model_cfg(mlp_energy=f"{tmp_path}/quartic_mlp.py:energy")
+  block = CEMBlock(cfg, rngs=nnx.Rngs(3))
+  assert block.mlp_spec.fused_update is None
+  block.mlp.eta[...] = jnp.full_like(block.mlp.eta[...], softplus_inverse(0.37))
+  params = block.mlp.energy_params(0, jnp.float32)
+  y, c = 0.5 * _x(11), _x(12)
+  got = np.asarray(block.mlp_update(y, c, params, _aux(cfg)), np.float64)
+  w, g = (np.asarray(params[k], np.float64) for k in ("w", "g"))
+  z = np.asarray(y, np.float64) @ w
+  want = 0.37 * ((z - z**3 / 3) * (np.asarray(c, np.float64) @ g)) @ w.T
+  assert np.max(np.abs(got - want)) / np.max(np.abs(want)) <= 1e-5
+
+
 def test_user_energy_trains_on_real_text(shared_data, tmp_path):
   path = os.path.join(REPO, "experiments", "sigmoid_energy.py") + ":energy"
   # One layer: the energy's own parameters train through jax.grad as in any number of layers.
