@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 from absl import app, flags, logging
 
@@ -117,7 +118,9 @@ def target_devices(target: str) -> Target:
                         target_config=GPU_TARGET_CONFIGS[name])
     return Target(devices, "gpu", int(fraction * GPU_MEMORY_BYTES[name]),
                   devices[0].device_kind)
-  if not count:
+  # Every TPU generation is named v<digit>...; another name (b200:8) is not worth installing
+  # libtpu to be told so.
+  if not count or not re.fullmatch(r"v\d+[a-z]*", name, re.IGNORECASE):
     raise ValueError(f"--target={target}; allowed: a TPU slice as libtpu names it "
                      f"(e.g. v5e:16x16), or {', '.join(GPU_TARGET_CONFIGS)}[:N]")
   # jax runs a v4 or v5p chip's two TensorCores as one device (megacore); libtpu describes

@@ -130,6 +130,9 @@ def test_splash_is_compiled_for_a_tpu_slice_described_not_present(monkeypatch, b
     ("H100:0", "--target=H100:0: the GPU count '0'; allowed: an int >= 1"),
     ("a100", "--target=a100; allowed: a TPU slice as libtpu names it (e.g. v5e:16x16), or "
              "h100, h200[:N]"),
+    # Not a TPU's name either: refused here, not after installing libtpu to look it up.
+    ("b200:8", "--target=b200:8; allowed: a TPU slice as libtpu names it (e.g. v5e:16x16), or "
+               "h100, h200[:N]"),
 ])
 def test_a_bad_target_is_one_line(target, error):
   with pytest.raises(ValueError) as e:
