@@ -285,9 +285,14 @@ def test_file_text_changed_since_identified_or_during_its_read_is_an_error(tmp_p
     assert "".join(text_lib.read_text("/proc/cpuinfo"))
 
 
-def test_file_errors(tmp_path):
+def test_file_errors(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match=r"glob '.*nothing\*\.txt' matches no file$"):
     resolve_files(f"{tmp_path}/nothing*.txt")
+  monkeypatch.chdir(tmp_path)  # a relative glob names the folder it was looked for from
+  with pytest.raises(ValueError) as e:
+    resolve_files("../data/*.txt")
+  assert str(e.value) == (f"data.files: glob '../data/*.txt' matches no file (relative to the "
+                          f"working directory {tmp_path})")
   with pytest.raises(ValueError) as e:  # a folder: the files in it, not the folder
     resolve_files(f"{tmp_path}/")
   assert str(e.value) == (f"data.files: glob '{tmp_path}/' matches no file ('{tmp_path}/' is a "

@@ -134,6 +134,8 @@ def resolve_files(files: str) -> list[Path]:
       folder = os.path.isdir(os.path.expanduser(pattern))
       hint = (f" ({pattern!r} is a folder; allowed: globs of files, e.g. "
               f"{os.path.join(pattern, '*.txt')!r})" if folder else "")
+      if not os.path.isabs(os.path.expanduser(pattern)):  # e.g. ../shared/data run elsewhere
+        hint += f" (relative to the working directory {os.getcwd()})"
       raise ValueError(f"data.files: glob {pattern!r} matches no file{hint}")
     for path in matches:
       if path not in seen:
