@@ -215,5 +215,5 @@ if __name__ == "__main__":
   flags.DEFINE_string("target", None, "The devices to compile for: a TPU slice (e.g. "
                       "v5e:16x16) or h100/h200[:N] (module docstring).")
   flags.DEFINE_integer("vocab_size", None, "The tokenizer's size (default: data.vocab_size).")
-  flags.mark_flags_as_required(["config", "target"])
+  cli.require("config", "target")
   app.run(main, flags_parser=cli.parse_flags)

@@ -35,6 +35,27 @@ def define_config_flag() -> None:
                                   lock_config=True)
 
 
+# The flags each program marked required (:func:`require`), for parse_flags' one line.
+_REQUIRED: list[str] = []
+
+
+def require(*names: str) -> None:
+  """``flags.mark_flags_as_required(names)``, and a left-out one is one line from
+  :func:`parse_flags` (``--NAME is required: HELP``) instead of absl's ``Flag --NAME must have
+  a value other than None``."""
+  flags.mark_flags_as_required(list(names))
+  _REQUIRED.extend(n for n in names if n not in _REQUIRED)
+
+
+def _missing_required() -> str | None:
+  """The first required flag left out, as ``--NAME is required: HELP``; None if none is."""
+  for name in _REQUIRED:
+    flag = flags.FLAGS[name]
+    if flag.value is None:
+      return f"--{name} is required: {flag.help.rstrip('.')}"
+  return None
+
+
 def no_extra_args(argv: list[str]) -> None:
   """Refuses positional arguments (absl passes them on in ``argv[1:]``: a flag missing its
   ``--``, or a space in a flag's value, would otherwise be dropped without a word).
@@ -360,7 +381,8 @@ def _config_cause(given: list[str], argv) -> str | None:
 def parse_flags(argv):
   """absl flag parsing with one-line errors; pass as ``app.run(main, flags_parser=...)``.
 
-  Covers: a bad flag value (absl's own message, first line), a ``--config`` file that is
+  Covers: a required flag left out (:func:`require`), a bad flag value (absl's own message,
+  first line), a ``--config`` file that is
   missing, not a ``.py`` file, or whose code or ``get_config`` raises (its message, naming the
   file), a ``--config.KEY=VALUE`` whose value is not of the field's type (what is allowed),
   and a misspelt ``--config.KEY`` override (the field that does not exist and the closest
@@ -375,7 +397,7 @@ def parse_flags(argv):
   except flags.Error as e:
     # ml_collections loads the file while parsing each --config: run the files by themselves to
     # learn whether one fails and why (None: they load, the error is another flag's).
-    _fail(_config_cause(given, argv) or errors.first_line(e))
+    _fail(_config_cause(given, argv) or _missing_required() or errors.first_line(e))
   except Exception:
     # ml_collections lets what the config file's get_config raises (a NameError, an
     # ImportError, a SyntaxError...) escape unwrapped, and a missing file surfaces as an

@@ -202,5 +202,5 @@ if __name__ == "__main__":
   from cem_jax import runs
   runs.define_attention_impl_flag()
   flags.adopt_module_key_flags(runs)  # listed by --help with evaluate's own
-  flags.mark_flag_as_required("workdir")
+  cli.require("workdir")
   app.run(main, flags_parser=cli.parse_flags)

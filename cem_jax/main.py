@@ -101,7 +101,7 @@ if __name__ == "__main__":
       "num_processes", None, "Number of processes (default: $CEM_NUM_PROCESSES or detected).")
   flags.DEFINE_integer(
       "process_id", None, "This process's index (default: $CEM_PROCESS_ID or detected).")
-  flags.mark_flags_as_required(["config", "workdir"])
+  cli.require("config", "workdir")
   # Around app.run, not in main: the flags are parsed (the config file runs) before main.
   with cli.interrupted(_INTERRUPTED):
     app.run(main, flags_parser=cli.parse_flags)

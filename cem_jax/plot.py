@@ -115,5 +115,5 @@ def main(argv):
 if __name__ == "__main__":
   # Flags are defined only when run as a program, so other tools can import the functions.
   flags.DEFINE_string("workdir", None, "A run's folder (holds metrics.jsonl).")
-  flags.mark_flag_as_required("workdir")
+  cli.require("workdir")
   app.run(main, flags_parser=cli.parse_flags)

@@ -91,5 +91,5 @@ if __name__ == "__main__":
   flags.DEFINE_string("out", None, "Folder of the prepared dataset (created).")
   flags.DEFINE_integer("workers", None, "Encoding processes, at most the usable CPUs "
                        "(default: those for large corpora, else 1).")
-  flags.mark_flags_as_required(["config", "out"])
+  cli.require("config", "out")
   app.run(main, flags_parser=cli.parse_flags)

@@ -227,5 +227,5 @@ if __name__ == "__main__":
   from cem_jax import runs
   runs.define_attention_impl_flag()
   flags.adopt_module_key_flags(runs)  # listed by --help with sample's own
-  flags.mark_flags_as_required(["workdir", "prompt"])
+  cli.require("workdir", "prompt")
   app.run(main, flags_parser=cli.parse_flags)

@@ -731,5 +731,5 @@ if __name__ == "__main__":
                       "every row); the table shows every row finished in --workdir.")
   flags.DEFINE_multi_string("set", [], "KEY=VALUE applied to every row's config, e.g. "
                             "--set=data.prepared_dir=/data/corpus (repeatable).")
-  flags.mark_flags_as_required(["table", "workdir"])
+  cli.require("table", "workdir")
   app.run(main, flags_parser=cli.parse_flags)

@@ -109,6 +109,8 @@ def test_sample_refuses_bad_flags_before_loading_the_run(tmp_path):
 def test_plot_summary_and_aot_refuse_bad_flags(tmp_path):
   missing = tmp_path / "nothing"
   _check("plot", [
+      # A required flag left out: its help, not absl's 'must have a value other than None'.
+      ([], "--workdir is required: A run's folder (holds metrics.jsonl)"),
       (["--workdir="], "--workdir is empty; allowed: a run's folder"),
       ([f"--workdir={missing}"], f"--workdir={missing}: no such folder; allowed: a run's folder"),
   ])
@@ -123,6 +125,9 @@ def test_plot_summary_and_aot_refuse_bad_flags(tmp_path):
        f"--workdir={missing}: no such folder; allowed: a trained run's folder"),
   ])
   _check("aot", [
+      ([tiny], "--target is required: The devices to compile for: a TPU slice (e.g. "
+               "v5e:16x16) or h100/h200[:N] (module docstring)"),
+      (["--target=h100"], "--config is required: Experiment config file[:arg]"),
       ([tiny, "--target=h100", "--vocab_size=0"], "--vocab_size=0; allowed: an int >= 8"),
       ([tiny, "--target=h100", f"--vocab_size={HUGE}"], f"--vocab_size{TOO_LONG}"),
   ])

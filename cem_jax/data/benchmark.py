@@ -220,5 +220,5 @@ if __name__ == "__main__":
   flags.DEFINE_integer("batch_size", 64, "pipeline: rows per batch.")
   flags.DEFINE_integer("seq_len", 1024, "pipeline: tokens per row.")
   flags.DEFINE_integer("steps", 200, "pipeline: batches to read.")
-  flags.mark_flag_as_required("mode")
+  cli.require("mode")
   app.run(main, flags_parser=cli.parse_flags)
