@@ -21,7 +21,6 @@ import atexit
 import functools
 import os
 import signal
-import threading
 
 from cem_jax import cli, signals
 
@@ -143,9 +142,10 @@ def initialize(mode: str = "auto", coordinator_address: str | None = None,
 
 def _wait_in_python(meet) -> None:
   """Runs ``meet`` (``jax.distributed.initialize``) in a thread of its own while the calling
-  thread waits for it in Python, where signal handlers run: the meeting waits in C++, where
-  Ctrl-C did nothing and a SIGTERM handler ran only when it ended (the others came, or the
-  300 s timeout's abort).
+  thread waits for it in Python, where signal handlers run (:class:`cem_jax.signals.Calls`,
+  which wakes also for a signal the kernel gave another thread): the meeting waits in C++,
+  where Ctrl-C did nothing and a SIGTERM handler ran only when it ended (the others came, or
+  the 300 s timeout's abort).
 
   Stopped by Ctrl-C or a :class:`cem_jax.cli.Terminated` (SIGTERM), the process ends by that
   signal before jax's ``atexit`` clean-up (``atexit`` runs the last registered first): it shut
@@ -155,24 +155,15 @@ def _wait_in_python(meet) -> None:
   Raises:
     what ``meet`` raises, or the exception that stopped the wait.
   """
-  failed = []
-
-  def run():
-    try:
-      meet()
-    except BaseException as e:  # raised again in the waiting thread
-      failed.append(e)
-
-  thread = threading.Thread(target=run, name="jax.distributed.initialize", daemon=True)
+  calls = signals.Calls("jax.distributed.initialize")
   try:
-    thread.start()
-    thread.join()
+    calls.run(meet)
   except (KeyboardInterrupt, cli.Terminated) as e:
     atexit.register(signals.end_by,
                     signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
     raise
-  if failed:
-    raise failed[0]
+  finally:
+    calls.stop()
 
 
 def sync_processes(name: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import queue
 import re
 import signal
 import threading
@@ -36,7 +35,7 @@ class MetricsWriter:
     tensorboard: also write the numeric values as TensorBoard scalars.
     hold: the signals held while the run waits for TensorBoard's writer
       (:func:`cem_jax.signals.held`): delivered when its call returns; a second one stops the
-      wait at once, the call going on in its thread (:class:`_Calls`).
+      wait at once, the call going on in its thread (:class:`cem_jax.signals.Calls`).
       Add SIGTERM where its Python handler may raise (train's start-up,
       :class:`cem_jax.workdir.Preemption`), never where a handler set below Python's has it
       (JAX's preemption notifier in a multi-process run): replaced, it would be lost.
@@ -90,7 +89,7 @@ class MetricsWriter:
         _watch(self._tb_threads)
         return writer
 
-      self._calls = _Calls()
+      self._calls = signals.Calls("cem_jax.metrics TensorBoard")
       self._hook = _Hook.hold()
       try:
         self._tb = self._tensorboard(logdir, start)
@@ -184,11 +183,12 @@ class MetricsWriter:
                     "resume")
 
   def _tensorboard(self, logdir: str, call):
-    """Runs ``call``, a call into tensorboardX, in a thread of its own (:class:`_Calls`), with
-    ``hold``'s signals held while the run waits for it (:func:`cem_jax.signals.held`), an
-    OSError named (:func:`cem_jax.files.naming`), and a warning naming ``logdir`` when the
-    wait is cut short by a signal (a second Ctrl-C: the way out of a writer that hangs),
-    the call's events then perhaps missing. Returns what ``call`` returns."""
+    """Runs ``call``, a call into tensorboardX, in a thread of its own
+    (:class:`cem_jax.signals.Calls`), with ``hold``'s signals held while the run waits for it
+    (:func:`cem_jax.signals.held`), an OSError named (:func:`cem_jax.files.naming`), and a
+    warning naming ``logdir`` when the wait is cut short by a signal (a second Ctrl-C: the way
+    out of a writer that hangs), the call's events then perhaps missing. Returns what ``call``
+    returns."""
     with naming(logdir), signals.held(self._hold):
       try:
         return self._calls.run(call)
@@ -250,61 +250,6 @@ class _Hook:
     if self.holders == 0 and threading.excepthook is self:
       threading.excepthook = self.prev
       type(self).top = None
-
-
-# The longest a signal waits for the main thread to see it while it waits for a call.
-_SIGNAL_CHECK_SECS = 0.1
-
-
-class _Calls:
-  """Runs calls, one at a time and in order, in a daemon thread, for a caller in the main
-  thread that a signal's handler may interrupt: tensorboardX's.
-
-  A handler's exception lands where the main thread is. Inside tensorboardX's queue put, just
-  after a ``threading.Condition``'s lock was taken, it left that lock taken for ever: the next
-  put (the close's stop, or tensorboardX's own atexit close) waited for it, and the run hung
-  after "interrupted (Ctrl-C)". Holding the signal until the call returned (signals.held) left
-  a second Ctrl-C, the way out of a call that hangs, landing there. Here the main thread only
-  waits, on a plain lock the call's thread releases: an exception there leaves nothing taken,
-  and the call finishes in its thread, before the next one (the close) starts.
-  """
-
-  def __init__(self):
-    self._jobs = queue.SimpleQueue()  # C: a put is whole or not made
-    threading.Thread(target=self._serve, name="cem_jax.metrics TensorBoard", daemon=True).start()
-
-  def _serve(self) -> None:
-    while (job := self._jobs.get()) is not None:
-      job()
-
-  def run(self, call):
-    """Returns ``call()`` run in the thread, or raises what it raised; a signal's exception
-    raised in the wait leaves the call going on there."""
-    done, out = threading.Lock(), []
-    done.acquire()
-
-    def job():
-      try:
-        out.append((True, call()))
-      except BaseException as e:  # noqa: BLE001 (handed to the waiting caller)
-        out.append((False, e))
-      finally:
-        done.release()
-
-    self._jobs.put(job)
-    # In slices: a signal's handler runs when this thread next runs Python, and a blocking
-    # acquire wakes for it only where the kernel delivered it to this thread, while a process's
-    # signal may go to any of its threads (the second Ctrl-C then waited for the call to end).
-    while not done.acquire(timeout=_SIGNAL_CHECK_SECS):
-      pass
-    ok, value = out[0]
-    if not ok:
-      raise value
-    return value
-
-  def stop(self) -> None:
-    """Ends the thread after the calls already handed to it."""
-    self._jobs.put(None)
 
 
 def read_metrics(workdir: str) -> list[dict]:

@@ -1,5 +1,6 @@
 """Signals held back: SIGTERM from a program's first line until the program can stop on it
-(:class:`Held`), and Ctrl-C or SIGTERM around a block that must not be cut in two (:func:`held`).
+(:class:`Held`), and Ctrl-C or SIGTERM around a block that must not be cut in two (:func:`held`);
+and waits of the main thread that a signal still reaches (:class:`Calls`).
 
 ``python -m cem_jax.main`` sets its own SIGTERM handler (train's
 :class:`cem_jax.workdir.Preemption`) seconds after it starts: after its imports, the flags and
@@ -16,9 +17,81 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import queue
 import signal
 import sys
 import threading
+
+# The longest a signal's handler waits for the main thread to see it while that thread waits for
+# a call (Calls.run).
+SIGNAL_CHECK_SECS = 0.1
+
+
+class Calls:
+  """Runs calls, one at a time and in order, in a daemon thread of its own, for a caller in the
+  main thread that must stay reachable by signals while it waits: a call into tensorboardX
+  (:class:`cem_jax.metrics.MetricsWriter`), Orbax's wait for a save to commit
+  (:meth:`cem_jax.checkpoint.Checkpointer.wait`), the meeting of the processes
+  (:func:`cem_jax.distributed.initialize`).
+
+  The caller waits on a plain lock the call's thread releases, in slices of
+  :data:`SIGNAL_CHECK_SECS` seconds. Python runs a signal's handler when the main thread next
+  runs Python; a blocking wait (a lock's acquire, ``Thread.join``, ``queue.Queue.get``, a wait in
+  C++) wakes for a signal only where the kernel delivered it to the waiting thread, while a
+  process's signal (Ctrl-C, ``kill``) may go to any of its threads: the second Ctrl-C, the way
+  out of a wait that hangs, waited for the wait to end. A handler's exception raised in the
+  wait leaves nothing taken (inside tensorboardX's queue put it left a lock taken, and the run
+  hung), and the call goes on in its thread, before the next one starts. One thread for all
+  calls: Orbax raises a failed save once per thread that waits for it.
+
+  Args:
+    name: the thread's name (in a stack dump).
+  """
+
+  def __init__(self, name: str):
+    self._name = name
+    self._jobs = None  # the queue of the thread serving it: started by the first call
+
+  @staticmethod
+  def _serve(jobs) -> None:
+    while (job := jobs.get()) is not None:
+      job()
+
+  def run(self, call, *args):
+    """Returns ``call(*args)`` run in the thread.
+
+    Raises:
+      what ``call`` raised, with its traceback; what a signal's handler raises while the
+      caller waits (KeyboardInterrupt): the call then goes on, what it returns is dropped.
+    """
+    if self._jobs is None:  # in this order: interrupted, the next call starts one again
+      jobs = queue.SimpleQueue()  # C: a put is whole or not made
+      threading.Thread(target=self._serve, args=(jobs,), name=self._name, daemon=True).start()
+      self._jobs = jobs
+    done, out = threading.Lock(), []
+    done.acquire()
+
+    def job():
+      try:
+        out.append((True, call(*args)))
+      except BaseException as e:  # noqa: BLE001 (handed to the waiting caller)
+        out.append((False, e))
+      finally:
+        done.release()
+
+    self._jobs.put(job)
+    while not done.acquire(timeout=SIGNAL_CHECK_SECS):
+      pass
+    ok, value = out[0]
+    if not ok:
+      raise value
+    return value
+
+  def stop(self) -> None:
+    """Ends the thread after the calls already handed to it; a later call starts another."""
+    jobs, self._jobs = self._jobs, None
+    if jobs is not None:
+      jobs.put(None)
 
 
 class Held:

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import types
 from pathlib import Path
@@ -949,8 +950,10 @@ def test_a_sigterm_while_main_imports_jax_is_the_start_up_line(tmp_path):
 # main with a signal sent at a chosen point of its start-up (sys.argv[1]), before train sets its
 # handler: while absl is first looked for (main's imports), while the config file runs (the
 # flags), as jax's backend starts (its first jax.process_count), or while process 0 of two
-# waits for the other inside jax.distributed.initialize's C++ (the other never comes). SIGINT
-# and SIGTERM at their default disposition, as a terminal's job has them (CI runs under nohup).
+# waits for the other inside jax.distributed.initialize's C++ (the other never comes). Sent
+# (sys.argv[6]) to the main thread, or to the thread that sends it, where the kernel may deliver
+# a process's signal (only the wait for the other sends from a thread of its own). SIGINT and
+# SIGTERM at their default disposition, as a terminal's job has them (CI runs under nohup).
 _SIGNAL_IN_START_UP = """
 import atexit, importlib.machinery, linecache, runpy, signal, sys, threading, time
 
@@ -958,9 +961,10 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.signal(signal.SIGTERM, signal.SIG_DFL)
 atexit.register(lambda: print("jax imported:", "jax" in sys.modules))
 where, workdir, config, port, signum = sys.argv[1:5] + [getattr(signal, sys.argv[5])]
+to = threading.main_thread if sys.argv[6] == "main thread" else threading.current_thread
 
 def send():
-  signal.pthread_kill(threading.main_thread().ident, signum)
+  signal.pthread_kill(to().ident, signum)
 
 def sending_first(fn):
   def call(*args, **kwargs):
@@ -1013,12 +1017,16 @@ runpy.run_module("cem_jax.main", run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("where, signame", [
-    ("importing absl", "SIGTERM"), ("importing absl", "SIGINT"),
-    ("running the config file", "SIGTERM"), ("running the config file", "SIGINT"),
-    ("as the backend starts", "SIGTERM"), ("waiting for the other process", "SIGTERM"),
-    ("waiting for the other process", "SIGINT")])
-def test_a_signal_before_train_sets_its_handler_is_the_start_up_line(where, signame,
+@pytest.mark.parametrize("where, signame, to", [
+    ("importing absl", "SIGTERM", "main thread"), ("importing absl", "SIGINT", "main thread"),
+    ("running the config file", "SIGTERM", "main thread"),
+    ("running the config file", "SIGINT", "main thread"),
+    ("as the backend starts", "SIGTERM", "main thread"),
+    ("waiting for the other process", "SIGTERM", "main thread"),
+    ("waiting for the other process", "SIGINT", "main thread"),
+    ("waiting for the other process", "SIGTERM", "another thread"),
+    ("waiting for the other process", "SIGINT", "another thread")])
+def test_a_signal_before_train_sets_its_handler_is_the_start_up_line(where, signame, to,
                                                                       tmp_path):
   # Before train's handler (workdir.Preemption) SIGTERM was the default action, the process
   # gone without a word (143): in main's imports, while the flags and the config file were
@@ -1026,7 +1034,9 @@ def test_a_signal_before_train_sets_its_handler_is_the_start_up_line(where, sign
   # while the processes met in jax.distributed.initialize. Waiting for the others, in C++ until
   # the runtime's 300 s timeout and its abort, Ctrl-C did nothing at all. Ctrl-C in the
   # imports (absl, ml_collections) or while the config file ran, before main's cli.interrupted,
-  # was a KeyboardInterrupt traceback (adversary start56).
+  # was a KeyboardInterrupt traceback (adversary start56). The wait for the others stops also
+  # for a signal the kernel gave another thread: a blocking join there never woke (fails, the
+  # 120 s timeout, with the join back).
   config = tmp_path / "config.py"
   config.write_text(textwrap.dedent(f"""
       import runpy, signal
@@ -1038,7 +1048,7 @@ def test_a_signal_before_train_sets_its_handler_is_the_start_up_line(where, sign
   """))
   workdir = tmp_path / "w"
   proc = subprocess.run([sys.executable, "-c", _SIGNAL_IN_START_UP, where, str(workdir),
-                         str(config), str(closed_port()), signame], cwd=REPO,
+                         str(config), str(closed_port()), signame, to], cwd=REPO,
                         env=subprocess_env(1), capture_output=True, text=True, timeout=120)
   signum = getattr(signal, signame)
   assert proc.returncode == -signum, proc.stderr[-2000:]
@@ -1086,6 +1096,48 @@ def test_once_the_processes_met_main_leaves_sigterm_to_jax(tmp_path):
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stderr.endswith("went on\n")
+
+
+def test_a_signal_the_kernel_gives_another_thread_stops_the_wait_for_a_call_at_once():
+  # signals.Calls: the main thread waits for a call in another thread. A blocking wait there
+  # woke for a signal only where the kernel delivered it to the main thread; one sent to
+  # another thread (pthread_kill here, as the kernel may deliver a process's Ctrl-C) was seen
+  # when the call ended. The call goes on after the wait is stopped, and the calls stay in
+  # order, each in the same thread. Fails (the call returned first, after its 60 s) with a
+  # blocking acquire.
+  go, seen = threading.Event(), []
+
+  def blocked():
+    seen.append(threading.current_thread().name)
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+    go.wait(timeout=60)
+    seen.append("returned")
+
+  def failing():
+    seen.append(threading.current_thread().name)
+    raise ZeroDivisionError("in the call")
+
+  calls = signals.Calls("the calls")
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      calls.run(blocked)
+  finally:
+    signal.signal(signal.SIGINT, previous)
+  assert seen == ["the calls"]  # the call still waits
+  go.set()
+  with pytest.raises(ZeroDivisionError, match="^in the call$") as raised:
+    calls.run(failing)
+  assert seen == ["the calls", "returned", "the calls"]
+  assert raised.traceback[-1].name == "failing"
+  assert calls.run(lambda a, b: a + b, 1, 2) == 3
+  first = calls.run(threading.current_thread)
+  calls.stop()
+  first.join(timeout=60)
+  assert not first.is_alive()  # stopped
+  again = calls.run(threading.current_thread)  # a call after the stop starts another
+  assert again is not first and again.name == "the calls"
+  calls.stop()
 
 
 def test_held_sigterm_stops_where_asked_and_leaves_a_taken_sigterm_alone(monkeypatch):

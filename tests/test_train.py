@@ -291,7 +291,7 @@ def test_a_second_ctrl_c_stops_the_wait_for_tensorboards_call_at_once_and_says_s
     def ctrl_c_inside(self):
       for _ in range(ctrl_cs[0]):
         os.kill(os.getpid(), signal.SIGINT)  # to the process, as a terminal sends it
-        # Several metrics._SIGNAL_CHECK_SECS: two signals before the main thread runs its
+        # Several signals.SIGNAL_CHECK_SECS: two signals before the main thread runs its
         # handler are one, and it may wait that long to see one sent to another thread.
         time.sleep(0.5)
       if ctrl_cs[0] == 2:
