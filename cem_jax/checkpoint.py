@@ -34,7 +34,7 @@ import types
 import jax
 import orbax.checkpoint as ocp
 
-from cem_jax import errors, integrity
+from cem_jax import errors, integrity, signals
 from cem_jax.integrity import (
     COMMIT_MARKER,
     DELETING_DIR,
@@ -194,6 +194,7 @@ class Checkpointer:
     # A save's failure, as wait() raised it (the message only: the exception would keep what
     # its cause's traceback holds alive, a failed write's future among them).
     self._failed: str | None = None
+    self._waits = signals.Calls("cem_jax.checkpoint wait")  # the waits for Orbax's threads
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
         # A reader keeps and saves nothing (Orbax warns when read_only meets other values).
@@ -421,15 +422,22 @@ class Checkpointer:
     What Orbax reported while the save was pending (:class:`_HeldReports`) is handed on now if
     it was committed; if it failed, that and what comes later is dropped.
 
+    A signal's exception while it waits (a Ctrl-C, also one the kernel gave another thread)
+    stops the wait at once, the save going on in Orbax's threads.
+
     Raises:
       CheckpointError: a pending save failed (a full disk, a folder removed under it): one line
         naming the step, the folder, the cause's first line and what to do; the cause chained.
+      KeyboardInterrupt: a Ctrl-C's, raised while it waits.
     """
     if self._failed is not None:
       return
     held, self._held = self._held, None
     try:
-      self.manager.wait_until_finished()
+      # In a thread of its own (signals.Calls): Orbax joins its finalize thread, a wait no
+      # Ctrl-C sent to another thread wakes, and a Ctrl-C that interrupts the join makes Python
+      # 3.11 take that thread for finished (a later wait returned at once).
+      self._waits.run(self.manager.wait_until_finished)
       self.manager.check_for_errors()
     # What a disk or a folder raises (tensorstore's errors are ValueErrors), as main's
     # bad-input errors are; anything else is a bug and keeps its traceback.
@@ -469,7 +477,9 @@ class Checkpointer:
     closes the Orbax manager."""
     self.wait()
     try:
-      self.manager.close()
+      self._waits.run(self.manager.close)  # it waits for Orbax's threads again
     except (OSError, ValueError):
       if self._failed is None:
         raise  # else Orbax's wait raising the failure wait() raised once, again
+    finally:
+      self._waits.stop()

@@ -652,6 +652,7 @@ class _Loop:
     self.t_start = self.t_log = _clock()
     self.step_at_log = run.start_step
     self.paused = 0.0  # seconds of evals and saves since the last log: not training time
+    self.save_left = False  # a save the user stopped waiting for (leaving_the_save)
 
   def _compile_ahead(self) -> None:
     """Compiles the steps now, for the shapes and shardings of the calls to come (they reuse
@@ -788,7 +789,7 @@ class _Loop:
       )
     meta = runs.CheckpointMeta.saved_now(done, self.run.config.seed, self.resolved,
                                          self.run.data.identity, self.run.energies).to_dict()
-    with signals.held():
+    with signals.held(), self.leaving_the_save():
       saved = self.run.ckpt.save(done, state, meta, force=force)
     if saved:
       self.last_saved = done
@@ -798,20 +799,38 @@ class _Loop:
     until then (:func:`cem_jax.signals.held`; a second one at once). Landing inside
     Orbax's wait, a Ctrl-C was reported as the save failing ("Save Finalize thread ...
     failed", with a traceback), and Orbax forgot the step it was committing."""
-    with signals.held():
+    with signals.held(), self.leaving_the_save():
       if close:
         self.run.ckpt.close()
       else:
         self.run.ckpt.wait()
 
+  @contextlib.contextmanager
+  def leaving_the_save(self):
+    """A signal's exception out of the block's wait for a pending save (the second Ctrl-C, the
+    way out of a save that hangs: the first is held) marks the save left (``save_left``):
+    :meth:`abort` does not wait for it again."""
+    try:
+      yield
+    except Exception:
+      raise
+    except BaseException:
+      self.save_left = True
+      raise
+
   def abort(self) -> None:
-    """On an error: saves already started passed the checks, so let them commit first; a
-    trace in progress is written (it may show why)."""
+    """On an error: saves already started passed the checks, so let them commit first (not a
+    save a second Ctrl-C left, :meth:`leaving_the_save`); a trace in progress is written (it
+    may show why)."""
     self.profiler.stop(self.done)  # never raises: a trace it cannot write is logged
     # The original error matters more: what these raise (the same full disk, say) is one line
     # each, not a traceback through Orbax's threads, and does not replace it.
     try:
-      self.run.ckpt.close()
+      if self.save_left:  # waiting again would need a third Ctrl-C
+        logging.warning("checkpoint save left unfinished by a second Ctrl-C: a rerun resumes "
+                        "from the newest step intact in %s", self.run.ckpt.directory)
+      else:
+        self.run.ckpt.close()
     except Exception as e:  # noqa: BLE001
       logging.error("could not finish the pending checkpoint save: %s", errors.one_line(e))
     finally:  # also after a second Ctrl-C, the way out of a save that hangs

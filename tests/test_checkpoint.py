@@ -762,7 +762,8 @@ def test_a_ctrl_c_while_waiting_for_a_save_is_not_reported_as_a_failed_save(
   # Ctrl-C while the loop's end waited for the last save: Orbax logged "Save Finalize thread
   # (save_finalize) failed. [KeyboardInterrupt]" before the interrupted line, and the save
   # went on and committed. The Ctrl-C is sent from the finalize thread (our digest hook) once
-  # the main thread waits for that thread.
+  # the main thread waits for that thread (in Checkpointer.wait; Orbax's wait runs in a thread
+  # of its own, signals.Calls).
   import logging
   import threading
   import traceback
@@ -773,7 +774,8 @@ def test_a_ctrl_c_while_waiting_for_a_save_is_not_reported_as_a_failed_save(
 
   def interrupted_then_written(directory, step):
     for _ in range(500):  # the main thread is in Orbax's wait within a few ms
-      if "wait_until_finished" in "".join(traceback.format_stack(sys._current_frames()[main])):
+      stack = traceback.format_stack(sys._current_frames()[main])
+      if any("cem_jax/checkpoint.py" in f and ", in wait\n" in f for f in stack):
         break
       time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGINT)

@@ -336,7 +336,7 @@ def test_an_aborted_run_reports_what_its_close_fails_with_in_one_line_and_raises
     return close
 
   loop = types.SimpleNamespace(
-      done=3, profiler=types.SimpleNamespace(stop=lambda done: None),
+      done=3, save_left=False, profiler=types.SimpleNamespace(stop=lambda done: None),
       run=types.SimpleNamespace(ckpt=types.SimpleNamespace(close=fail(ValueError(
           "RESOURCE_EXHAUSTED: Error writing\n  at ...")))),
       writer=types.SimpleNamespace(path="/w/metrics.jsonl", close=fail(OSError(
@@ -670,7 +670,8 @@ def test_a_ctrl_c_while_the_last_save_commits_stops_the_run_after_it_without_a_f
   # there was reported as the save failing (Orbax's "Save Finalize thread ... failed", with a
   # KeyboardInterrupt traceback), and Orbax dropped the step from its list. Held until the
   # commit, it stops the run after it. Deterministic: the commit waits until the run waits
-  # for it, and the Ctrl-C comes as the run's wait begins.
+  # for it, and the Ctrl-C comes as the run's wait begins, sent to the thread that joins Orbax's
+  # for the main one (signals.Calls), where the kernel may deliver a process's signal.
   import threading
 
   waiting, armed, sent = threading.Event(), [], []
@@ -685,7 +686,7 @@ def test_a_ctrl_c_while_the_last_save_commits_stops_the_run_after_it_without_a_f
     close(self)
 
   def ctrl_c_then_join(self, *args, **kwargs):
-    if armed and not sent and threading.current_thread() is threading.main_thread():
+    if armed and not sent and threading.current_thread().name == "cem_jax.checkpoint wait":
       sent.append(self.name)
       waiting.set()
       signal.raise_signal(signal.SIGINT)
@@ -788,6 +789,68 @@ def test_ctrl_c_while_orbax_removes_an_old_step_leaves_only_whole_steps_and_resu
   assert [m["step"] for m in read_metrics(str(workdir)) if "eval/loss" in m] == [3, 5]
 
 
+# main training steps 1..2 whose last save never commits: the digest hook (Orbax's finalize
+# thread, before the commit) hangs, as on a disk that stopped answering, after it has sent
+# Ctrl-C twice, 0.5 s apart (two before the main thread runs its handler are one), either to
+# the process, as a terminal sends it, or to its own thread (pthread_kill), where the kernel may
+# deliver a process's signal. SIGINT and SIGTERM at a terminal's dispositions (CI runs under
+# nohup).
+_TWO_CTRL_CS_IN_A_SAVE_THAT_HANGS = """
+import os, runpy, signal, sys, threading, time
+from cem_jax import integrity
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+to_thread = sys.argv[1] == "thread"
+
+def hangs(directory, step):
+  for _ in range(2):
+    time.sleep(0.5)
+    if to_thread:
+      signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+    else:
+      os.kill(os.getpid(), signal.SIGINT)
+  print("two Ctrl-Cs sent", file=sys.stderr, flush=True)
+  threading.Event().wait()
+
+integrity.write_digest = hangs
+sys.argv = ["main", *sys.argv[2:]]
+runpy.run_module("cem_jax.main", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sent_to", ["process", "thread"])
+def test_a_second_ctrl_c_ends_a_run_whose_last_save_hangs(sent_to, tmp_path):
+  # The second Ctrl-C is the way out of a save that hangs (signals.held). It got the run out of
+  # the loop's wait, then the abort waited for that save again, for ever (in Orbax's close:
+  # Python 3.11's Thread.join, interrupted, had taken the finalize thread for finished); and a
+  # Ctrl-C the kernel gave another thread never woke the main thread's blocking join at all.
+  # Fails (hangs until the timeout) with the abort waiting again, or with the wait for the save
+  # a blocking one in the main thread (the signal sent to a thread).
+  workdir = tmp_path / "w"
+  args = [f"--workdir={workdir}", "--config=experiments/tiny.py:llama",
+          "--config.model.d_model=32", "--config.model.mlp_dim=64",
+          "--config.model.num_layers=1", "--config.model.num_heads=2",
+          "--config.data.seq_len=32", "--config.data.vocab_size=512",
+          "--config.data.builtin=pydoc", "--config.train.batch_size=4",
+          "--config.eval.max_batches=2", "--config.train.num_steps=2"]
+  try:
+    proc = subprocess.run([sys.executable, "-c", _TWO_CTRL_CS_IN_A_SAVE_THAT_HANGS, sent_to,
+                           *args], cwd=REPO, env=subprocess_env(1), capture_output=True,
+                          text=True, timeout=300)
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f"hung after two Ctrl-Cs in a save that hangs, having said {e.stderr!r}")
+  assert proc.returncode == -signal.SIGINT, proc.stderr[-3000:]
+  assert "two Ctrl-Cs sent" in proc.stderr, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert proc.stderr.splitlines()[-1].startswith("interrupted (Ctrl-C): "), proc.stderr[-3000:]
+  assert ("] checkpoint save left unfinished by a second Ctrl-C: a rerun resumes from the newest "
+          f"step intact in {workdir / 'checkpoints'}\n") in proc.stderr, proc.stderr[-3000:]
+  metrics = read_metrics(str(workdir))  # step 2's train and eval lines: closed by the run
+  assert [m["step"] for m in metrics] == [0, 2, 2] and "eval/loss" in metrics[-1]
+  assert not (workdir / "checkpoints" / "2").exists()
+
+
 @pytest.mark.parametrize("at_step", [1, 2])
 def test_a_sigterm_in_the_last_step_says_the_run_is_finished_not_to_resume_it(
     at_step, tmp_path, monkeypatch, caplog, sigterm_kills):
@@ -888,7 +951,7 @@ def test_a_second_ctrl_c_out_of_a_pending_save_still_closes_the_metrics():
 
   closed = []
   loop = types.SimpleNamespace(
-      done=3, profiler=types.SimpleNamespace(stop=lambda done: None),
+      done=3, save_left=False, profiler=types.SimpleNamespace(stop=lambda done: None),
       run=types.SimpleNamespace(ckpt=types.SimpleNamespace(close=interrupted)),
       writer=types.SimpleNamespace(path="/w/metrics.jsonl", close=lambda: closed.append(1)))
   with pytest.raises(KeyboardInterrupt):
@@ -2124,6 +2187,7 @@ def test_a_save_after_k_nonfinite_steps_or_of_non_finite_parameters_is_refused()
                                  params=params, opt_state={}, resolved={})
     loop.check_guard = lambda: train._Loop.check_guard(loop)
     loop.saved_text = lambda: train._Loop.saved_text(loop)
+    loop.leaving_the_save = lambda: train._Loop.leaving_the_save(loop)
     return loop
 
   finite = {"w": jnp.ones(2), "b": jnp.zeros(2)}

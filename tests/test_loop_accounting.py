@@ -417,7 +417,8 @@ def test_an_error_inside_the_window_still_writes_the_trace(monkeypatch):
   profiler = StepProfiler("/tmp/unused", first=2, num_steps=4, start_step=0)
   profiler.start()
   closer = lambda what: types.SimpleNamespace(close=lambda: events.append(what))  # noqa: E731
-  loop = types.SimpleNamespace(profiler=profiler, done=3, writer=closer("metrics closed"),
+  loop = types.SimpleNamespace(profiler=profiler, done=3, save_left=False,
+                               writer=closer("metrics closed"),
                                run=types.SimpleNamespace(ckpt=closer("checkpoints closed")))
   train._Loop.abort(loop)
   assert events == ["start", "written", "checkpoints closed", "metrics closed"]
