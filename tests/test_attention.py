@@ -204,8 +204,11 @@ def _training_aux(kind, impl="xla", rope=True, block=0, form="bilinear"):
                    strict_causal=strict, attention_impl=impl, energy_block_size=block)
 
 
+# "causal": plain causal structure (model.document_mask=False), the update's is_causal-only
+# kernel call; without it scale=1 could be lost there unseen (both kernels changed alike).
 @pytest.mark.parametrize("impl,kind", [("xla", "documents"), ("splash", "documents"),
-                                       ("splash", "strict_documents")])
+                                       ("splash", "strict_documents"), ("xla", "causal"),
+                                       ("splash", "causal")])
 def test_fused_cem_update_with_each_kernel_equals_the_reference_gradient(impl, kind):
   d = 16
   r = np.random.default_rng(7)
@@ -252,6 +255,32 @@ def test_auto_is_xla_on_cpu_and_logs_one_line_with_the_reason(caplog):
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention:")]
   assert lines == ["attention: xla (auto: platform cpu has no flash kernel here, XLA "
                    "attention); cached decoding: xla"]
+
+
+@pytest.mark.parametrize("form,width", [("bilinear", 16 + 64), ("distance", 16 + 64 + 1)])
+def test_a_diagonal_model_stays_on_xla_and_its_log_line_says_it_is_the_augmented_head(
+    caplog, form, width):
+  # Issue 12: the per-head diagonal's augmented head (d_h + d + 1) is beyond flash head
+  # sizes; the model keeps it on XLA on every platform and says so in its one log line (not
+  # "cpu has no flash kernel", which would hide that a GPU would not run cuDNN for it either).
+  # d_model 64, 4 heads: d_h 16.
+  from cem_jax import model as model_lib
+
+  cfg = tiny_config("cem", **{"model.diagonal": "per_head", "model.diagonal_form": form,
+                              "model.dtype": "bfloat16"}).model
+  model_lib._LOGGED.clear()
+  with caplog.at_level(logging.INFO, logger="absl"):
+    m = DecoderLM(cfg, 64, rngs=nnx.Rngs(0))
+  why = (f"auto: the CEM diagonal attends with one augmented head of width {width} (d_h + "
+         "d_model, + 1 in the distance form), beyond flash kernels' head sizes")
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention:")]
+  assert lines == [f"attention: xla ({why}); cached decoding: xla"]
+  for platform in ("gpu", "tpu"):  # bf16, head_dim 16: cuDNN / splash would take Llama's
+    assert model_lib.resolve_attention(cfg, m.blocks, platform=platform) == ("xla", why)
+  cfg.attention_impl = "cudnn"  # explicit: refused when the model is built, not at trace
+  with pytest.raises(ValueError, match=rf"^model.attention_impl='cudnn' cannot run: .*"
+                                       rf"augmented head of width {width} "):
+    model_lib.resolve_attention(cfg, m.blocks, platform="gpu")
 
 
 @pytest.mark.parametrize("platform,dtype,extra,want", [
