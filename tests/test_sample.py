@@ -279,6 +279,21 @@ def test_filters_keep_exactly_the_defined_tokens_under_ties(logits, top_k, top_p
     assert len(kept) == top_k
 
 
+def test_top_p_just_below_1_never_lets_a_token_top_k_removed_back_in():
+  # The largest float32 below 1: the kept tokens' softmax, summed in float32, can fall short of
+  # it by rounding, so the mass before a removed token is < top_p and the nucleus alone would
+  # keep it. Top-k must still keep exactly k (the float64 reference's tokens) in every row.
+  top_p = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
+  logits = np.random.default_rng(11).standard_normal((256, 8)).astype(np.float32)
+  k = 3
+  top = -np.sort(-logits, axis=-1)[:, :k]
+  mass = np.asarray(jnp.sum(jax.nn.softmax(jnp.asarray(top), axis=-1), axis=-1))
+  assert (mass < np.float32(top_p)).any()  # the rounding the test is about occurs
+  out = np.asarray(sample.filter_logits(jnp.asarray(logits), 1.0, k, top_p))
+  for row, got in zip(logits, out, strict=True):
+    assert np.flatnonzero(np.isfinite(got)).tolist() == _kept_reference(row.tolist(), k, top_p)
+
+
 def test_top_k_1_with_a_tie_always_samples_the_same_token():
   logits = jnp.asarray([[5.0, 5.0, 0.0, -1.0]])
   keys = jax.random.split(jax.random.PRNGKey(0), 64)
