@@ -162,3 +162,22 @@ def test_the_loop_trains_with_the_configured_accumulation_and_loss_blocks(tmp_pa
   train.train_and_evaluate(cfg, str(tmp_path / "w"))
   losses = [m["train/loss"] for m in read_metrics(str(tmp_path / "w")) if "train/loss" in m]
   assert built == [(4, 8), (8,)] and len(losses) == 2 and all(np.isfinite(losses))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_batch_with_no_weighted_target_is_a_zero_loss_not_a_skipped_update(k):
+  # Every target at a document boundary (a window of empty documents: EOS after EOS) weighs
+  # 0. The mean over no tokens is taken as 0 with a zero gradient; 0/0 made the loss NaN, and
+  # apply_if_finite counted a non-finite step (enough of them stop the run as diverged).
+  cfg = tiny_config("llama", **{"model.d_model": 16, "model.num_heads": 2, "model.mlp_dim": 32,
+                                "model.num_layers": 1, "data.seq_len": N})
+  graphdef, params = nnx.split(steps.build_model(cfg, V), nnx.Param)
+  batch = dict(_batch(), weights=np.zeros((B, N), np.float32))
+  tx = optax.apply_if_finite(optax.sgd(0.5), 10)
+  kept = jax.tree.map(jnp.copy, params)
+  step = steps.make_train_step(graphdef, tx, gradient_accumulation_steps=k)
+  new, opt_state, metrics = step(params, tx.init(kept), batch)
+  assert float(metrics["loss"]) == 0.0 and float(metrics["grad_norm"]) == 0.0
+  assert int(metrics["nonfinite_total"]) == 0
+  for got, before in zip(jax.tree.leaves(new), jax.tree.leaves(kept), strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(before))
