@@ -230,7 +230,10 @@ def test_in_bfloat16_the_heads_gradient_is_summed_over_blocks_in_float32():
     assert error(block_size) < 1.5 * whole, (block_size, error(block_size), whole)
 
 
-def test_bf16_logits_are_accumulated_and_kept_in_float32():
+# Blocks: the forward product, its recomputation in the backward pass and the two gradient
+# products (the head is cast back to bf16 from its float32 copy inside each block).
+@pytest.mark.parametrize("block_size,products", [(0, 3), (4, 4)])
+def test_bf16_logits_are_accumulated_and_kept_in_float32(block_size, products):
   # Logits of magnitude ~10 from bf16 operands: rounded to bf16 they would be off by up to
   # 2^-9 of their size (~0.02); accumulated in float32 they match the float64 product of the
   # same bf16 operands to float32 rounding.
@@ -244,11 +247,13 @@ def test_bf16_logits_are_accumulated_and_kept_in_float32():
   # The gradient's products multiply bf16 by bf16 (float32 by bf16 runs as a float32 product
   # on a GPU), and the gradients come back in bf16.
   targets = rng.integers(0, 50, (2, 8)).astype(np.int32)
-  f = lambda h, w: loss.blockwise_cross_entropy(h, w, targets, np.ones((2, 8), np.float32))[0]
+  f = lambda h, w: loss.blockwise_cross_entropy(h, w, targets, np.ones((2, 8), np.float32),
+                                              block_size)[0]
   jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(hidden, head)
   dots = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
-  assert len(dots) == 3 and all({v.aval.dtype for v in e.invars} == {jnp.dtype(jnp.bfloat16)}
-                                for e in dots), [[v.aval.dtype for v in e.invars] for e in dots]
+  bf16 = {jnp.dtype(jnp.bfloat16)}
+  assert len(dots) == products and all({v.aval.dtype for v in e.invars} == bf16 for e in dots), [
+      [v.aval.dtype for v in e.invars] for e in dots]
   assert all(g.dtype == jnp.bfloat16 for g in jax.grad(f, argnums=(0, 1))(hidden, head))
 
 
