@@ -1145,6 +1145,9 @@ def test_process_slice_is_the_block_of_rows_this_process_holds():
   # Rows 0, 1 and 3 span a block of 4 but are not all of it: no (index, count) describes them.
   assert sharding.process_slice(Rows(slice(0, 2), slice(3, 4)), 8) == (0, 1)
   assert sharding.process_slice(Rows(slice(2, 3), slice(3, 4)), 8) == (1, 4)
+  # Rows 2..5: one run of 4 rows, but not one of the two blocks of 4 (rows 0..3 or 4..7):
+  # (0, 2) would read rows 0..3, half of them another process's.
+  assert sharding.process_slice(Rows(slice(2, 4), slice(4, 6)), 8) == (0, 1)
 
 
 def test_recursion_report_tables_are_the_committed_reports_and_match_numpy():
