@@ -22,6 +22,8 @@ position's update at once and causality follows from the mask alone.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -58,7 +60,7 @@ class EnergyAux:
       device under ``shard_map`` (splash); None: the default rules' (static).
     attention_interpret: run splash in Pallas's interpret mode; None: off a TPU (this
       machine's backend), False when compiling for a TPU from another machine (static).
-    energy_block_size: key block of the interaction energy's online log-sum-exp
+    energy_block_size: query and key block of the interaction energy's online log-sum-exp
       (:func:`blockwise_logsumexp`); 0 = dense scores (static).
   """
 
@@ -109,26 +111,28 @@ def masked_logsumexp(scores: jax.Array, mask: jax.Array) -> jax.Array:
 
 def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask: jax.Array, block_size: int,
                         scale: jax.Array | float = 1.0) -> jax.Array:
-  """``log Σ_j exp(scale_h q_i · k_j)`` over visible keys, one key block at a time (online).
+  """``log Σ_j exp(scale_h q_i · k_j)`` over visible keys, one block at a time (online).
 
   Equal to ``masked_logsumexp(scale * einsum('bthe,bshe->bhts', q, k), mask[:, None])`` (tested to
   1e-5 in float32, gradients included; a row with no visible key gives exactly 0 and a zero
-  gradient), but ``jax.grad`` keeps only ``[batch, heads, t]`` running maxima and sums per
-  key block instead of the ``[batch, heads, t, s]`` scores: a ``lax.scan`` over key blocks
-  whose body is ``jax.checkpoint``-ed (memory-efficient attention, Rabe & Staats 2021,
-  arXiv:2112.05682, applied to an energy). Use it in a user energy whose scores are a dot
-  product: fold temperatures into ``q``, extra score terms into extra columns of ``q`` and
-  ``k``, and add per-query constants outside (``lse(s + a_i) = lse(s) + a_i``).
+  gradient), but ``jax.grad`` keeps only running maxima and sums per block instead of the
+  ``[batch, heads, t, s]`` scores: a ``lax.scan`` over query blocks of a ``lax.scan`` over
+  key blocks, both bodies ``jax.checkpoint``-ed (memory-efficient attention, Rabe & Staats
+  2021, arXiv:2112.05682, applied to an energy), so a second derivative (a training step
+  through ``jax.grad`` of the energy) also needs memory linear in ``t``. Use it in a user
+  energy whose scores are a dot product: fold temperatures into ``q``, extra score terms into
+  extra columns of ``q`` and ``k``, and add per-query constants outside
+  (``lse(s + a_i) = lse(s) + a_i``).
 
   Args:
     q: ``[batch, t, heads, e]`` float; the scores are formed in float32
       (``preferred_element_type``) whatever its dtype.
     k: ``[batch, s, heads, e]``, same dtype as ``q``.
     mask: ``[batch, t, s]`` bool, True where query ``i`` sees key ``j``.
-    block_size: keys per block (>= 1; at most ``s`` is used; ``s`` is padded with invisible
-      keys to a multiple), or 0 for the dense ``[batch, heads, t, s]`` scores at once
-      (``model.energy_block_size``'s default: an energy passes ``aux.energy_block_size`` on
-      and follows the setting).
+    block_size: keys and queries per block (>= 1; at most ``s`` keys and ``t`` queries are
+      used; ``s`` is padded with invisible keys, ``t`` with rows sliced off, to multiples),
+      or 0 for the dense ``[batch, heads, t, s]`` scores at once (``model.energy_block_size``'s
+      default: an energy passes ``aux.energy_block_size`` on and follows the setting).
     scale: a float or ``[heads]`` float32 inverse temperature, applied to the float32 scores.
   Returns:
     ``[batch, heads, t]`` float32.
@@ -143,20 +147,24 @@ def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask: jax.Array, block_size:
   if block_size == 0:
     scores = jnp.einsum("bthe,bshe->bhts", q, k, preferred_element_type=jnp.float32)
     return masked_logsumexp(scores * scale, mask[:, None])
-  block_size = min(block_size, s)  # never pad a short sequence up to one long block
-  nb = -(-s // block_size)
-  pad = nb * block_size - s
-  if pad:
+  # Never pad a short sequence (a decoding step's one query) up to one long block.
+  bq, bk = min(block_size, t), min(block_size, s)
+  nq, nb = -(-t // bq), -(-s // bk)
+  pad_q, pad = nq * bq - t, nb * bk - s
+  if pad or pad_q:  # invisible keys; query rows that see nothing (0, sliced off below)
     k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))
-  k_blocks = jnp.moveaxis(k.reshape(b, nb, block_size, h, e), 1, 0)
-  m_blocks = jnp.moveaxis(mask.reshape(b, t, nb, block_size), 2, 0)
+    q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
+    mask = jnp.pad(mask, ((0, 0), (0, pad_q), (0, pad)))
+  k_blocks = jnp.moveaxis(k.reshape(b, nb, bk, h, e), 1, 0)
+  q_blocks = jnp.moveaxis(q.reshape(b, nq, bq, h, e), 1, 0)
+  # [nq, nb, b, bq, bk]: query block, key block, then the rows and columns of each.
+  m_blocks = jnp.moveaxis(mask.reshape(b, nq, bq, nb, bk), (1, 3), (0, 1))
 
   @jax.checkpoint
-  def body(carry, xs):
-    run_max, run_sum = carry  # [b, h, t]: max over visible keys so far (-inf: none), Σ exp
+  def key_block(qb, carry, xs):
+    run_max, run_sum = carry  # [b, h, bq]: max over visible keys so far (-inf: none), Σ exp
     kb, mb = xs
-    scores = jnp.einsum("bthe,bshe->bhts", q, kb, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bthe,bshe->bhts", qb, kb, preferred_element_type=jnp.float32)
     scores = scores * scale
     mb = mb[:, None]
     # The shift is a constant for the gradient (softmax = exp(s - lse) either way).
@@ -168,8 +176,19 @@ def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask: jax.Array, block_size:
     rescale = jnp.exp(jnp.where(jnp.isfinite(run_max), run_max - shift, -jnp.inf))
     return (new_max, run_sum * rescale + jnp.sum(p, axis=-1)), None
 
-  init = (jnp.full((b, h, t), -jnp.inf, jnp.float32), jnp.zeros((b, h, t), jnp.float32))
-  (run_max, run_sum), _ = jax.lax.scan(body, init, (k_blocks, m_blocks))
-  any_visible = jnp.isfinite(run_max)
-  shift = jnp.where(any_visible, run_max, 0.0)
-  return jnp.where(any_visible, shift + jnp.log(jnp.where(any_visible, run_sum, 1.0)), 0.0)
+  # Query blocks too, each checkpointed: a second derivative (a training step through
+  # jax.grad of the energy) then keeps one query block's per-key-block residuals at a time,
+  # not every query's (memory ~linear in seq_len, measured in tests/test_energies.py).
+  @jax.checkpoint
+  def query_block(_, xs):
+    qb, mq = xs
+    init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32),
+            jnp.zeros((b, h, bq), jnp.float32))
+    (run_max, run_sum), _ = jax.lax.scan(functools.partial(key_block, qb), init,
+                                         (k_blocks, mq))
+    any_visible = jnp.isfinite(run_max)
+    shift = jnp.where(any_visible, run_max, 0.0)
+    return None, jnp.where(any_visible, shift + jnp.log(jnp.where(any_visible, run_sum, 1.0)), 0.0)
+
+  _, lse = jax.lax.scan(query_block, None, (q_blocks, m_blocks))  # [nq, b, h, bq]
+  return jnp.moveaxis(lse, 0, 2).reshape(b, h, nq * bq)[..., :t]

@@ -22,9 +22,9 @@ error. For the same reason the energy forms every score with float32 accumulatio
 (``preferred_element_type``) and the diagonal terms from float32 inputs.
 
 With ``aux.energy_block_size > 0`` the energy is evaluated by
-:func:`cem_jax.energies.base.blockwise_logsumexp` over key blocks, so ``jax.grad`` of it (the
-autodiff update) needs memory linear in seq_len instead of the ``[batch, heads, n, n]``
-scores; same value and gradient as the dense form.
+:func:`cem_jax.energies.base.blockwise_logsumexp` over query and key blocks, so ``jax.grad`` of
+it (the autodiff update), and a training step through that, need memory linear in seq_len
+instead of the ``[batch, heads, n, n]`` scores; same value and gradient as the dense form.
 """
 
 from __future__ import annotations
