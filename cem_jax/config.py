@@ -116,8 +116,9 @@ def get_default_config() -> ml_collections.ConfigDict:
   # 'cudnn' | 'splash'. The model logs one line with its choice and why; an explicit choice
   # that cannot run is an error at start-up.
   m.attention_impl = "auto"
-  # Key block of the interaction energy's online log-sum-exp (0 = dense scores): jax.grad of
-  # the energy (update_mode='autodiff') then needs memory linear in seq_len.
+  # Query and key block of the interaction energy's online log-sum-exp (0 = dense scores):
+  # jax.grad of the energy (update_mode='autodiff'), and training through it, then need
+  # memory linear in seq_len.
   m.energy_block_size = 0
 
   # ---- data --------------------------------------------------------------------------------
