@@ -673,7 +673,8 @@ def test_model_energy_block_size_reaches_the_energy_of_a_model():
   # way to the training aux (equal values, n^2 memory) passed every test. A CEM model with the
   # autodiff update (jax.grad of the energy in its forward pass), XLA's memory analysis at 4x
   # the sequence. Measured (CPU, jax 0.10.2): dense 1.12 -> 16.9 MB (15x), blocks of 64
-  # 0.61 -> 3.2 MB (5.2x; the [1, n, n] bool mask is the rest).
+  # 0.39 -> 2.2 MB (5.7x; the [1, n, n] bool mask is most of it; 0.61 -> 3.2 MB before queries
+  # were blocked too).
   dense = _model_forward_temp_bytes(1024, 0)
   blockwise = _model_forward_temp_bytes(1024, 64)
   assert dense / _model_forward_temp_bytes(256, 0) > 10
