@@ -561,9 +561,19 @@ def _inline_pool(started=None, eager=False):
       return False
 
     def imap(self, fn, jobs):
-      return map(fn, list(jobs) if eager else jobs)
+      return _Results(map(fn, list(jobs) if eager else jobs))
 
   return Pool
+
+
+class _Results:
+  """What a pool's ``imap`` returns, as prepare reads it: ``next(timeout)``."""
+
+  def __init__(self, results):
+    self._results = results
+
+  def next(self, timeout=None):
+    return next(self._results)
 
 
 def test_a_rerun_in_workers_lists_the_shards_in_order(tmp_path, monkeypatch):
@@ -908,6 +918,44 @@ def test_kill_9_of_prepare_ends_its_workers(tmp_path):
     for pid in workers:
       with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGKILL)
+
+
+# The Ctrl-C the kernel gives one of the pool's threads, not the main thread (pthread_kill here).
+_CTRL_C_TO_ANOTHER_THREAD = """
+import os, signal, threading, time
+from pathlib import Path
+def send():
+  while len([p for p in Path(os.environ["PIDS"]).iterdir() if p.name.isdigit()]) < 2:
+    time.sleep(0.1)
+  signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+threading.Thread(target=send, daemon=True).start()
+"""
+
+
+def test_a_ctrl_c_another_thread_gets_stops_prepare_at_once(tmp_path):
+  # prepare waited for the pool's next shard in a blocking next(): a Ctrl-C the kernel gave
+  # another thread woke it only when the shard being encoded was written (60 s here; fails so
+  # with the blocking wait back).
+  corpus, pids = tmp_path / "c.txt", tmp_path / "pids"
+  corpus.write_text(_text(3000))
+  pids.mkdir()
+  (tmp_path / "slow_shard.py").write_text(_SLOW_SHARD.format(pids=os.fspath(pids)))
+  script = _PREPARE_WITH_SLOW_WORKERS.replace(
+      "import slow_shard\n", "import slow_shard\n" + _CTRL_C_TO_ANOTHER_THREAD)
+  assert script != _PREPARE_WITH_SLOW_WORKERS
+  start = time.monotonic()
+  proc = subprocess.run(
+      [sys.executable, "-c", script, os.fspath(corpus), os.fspath(tmp_path / "p"),
+       os.fspath(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120,
+      env={**os.environ, "PYTHONPATH": os.fspath(REPO), "PIDS": os.fspath(pids)})
+  assert "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]
+  assert proc.returncode != 0
+  assert time.monotonic() - start < 45, proc.stderr[-2000:]
+  workers = [int(p.name) for p in pids.iterdir() if p.name.isdigit()]
+  deadline = time.monotonic() + 10
+  while any(map(_alive, workers)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not any(map(_alive, workers))
 
 
 def test_workdir_folder_of_another_fingerprint_is_refused(tmp_path):

@@ -34,7 +34,7 @@ import numpy as np
 from array_record.python import array_record_module
 from tqdm import tqdm
 
-from cem_jax import cpus, errors
+from cem_jax import cpus, errors, signals
 from cem_jax.data import packing, sources
 from cem_jax.data import tokenizer as tokenizer_lib
 from cem_jax.data.prepared import (
@@ -534,7 +534,7 @@ def _encode_shards(splits, out_dir: Path, model: bytes, tok_sha: str, dtype: str
       with _sigint_ignored():
         pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(
             workers, initializer=_init_pool_worker, initargs=(model, os.getpid())))
-      done = pool.imap(_encode_and_write, jobs())
+      done = _in_slices(pool.imap(_encode_and_write, jobs()))
     else:
       _init_worker(model)
       done = map(_encode_and_write, jobs())
@@ -543,6 +543,20 @@ def _encode_shards(splits, out_dir: Path, model: bytes, tok_sha: str, dtype: str
       results[split].append(meta)
       bar.update(meta["characters"])
   return results
+
+
+def _in_slices(results) -> Iterator:
+  """A pool's ``imap`` results, waited for in :data:`cem_jax.signals.SIGNAL_CHECK_SECS` slices:
+  a blocking ``next()`` woke for a Ctrl-C only where the kernel delivered it to the main
+  thread, while the pool's own threads may get it (then prepare went on until the shard being
+  encoded was written)."""
+  while True:
+    try:
+      yield results.next(timeout=signals.SIGNAL_CHECK_SECS)
+    except multiprocessing.TimeoutError:
+      continue
+    except StopIteration:
+      return
 
 
 def _split_info(results: dict[str, list[dict]], source: str) -> dict[str, dict]:
