@@ -748,6 +748,17 @@ runpy.run_module("cem_jax.main", run_name="__main__")
 """
 
 
+def _tiny_llama_main_args(workdir, *more: str) -> list[str]:
+  """``cem_jax.main``'s flags for a 1-layer Llama on pydoc (seconds a step on CPU), then
+  ``more``."""
+  return [f"--workdir={workdir}", "--config=experiments/tiny.py:llama",
+          "--config.model.d_model=32", "--config.model.mlp_dim=64",
+          "--config.model.num_layers=1", "--config.model.num_heads=2",
+          "--config.data.seq_len=32", "--config.data.vocab_size=512",
+          "--config.data.builtin=pydoc", "--config.train.batch_size=4",
+          "--config.eval.max_batches=2", *more]
+
+
 def test_ctrl_c_while_orbax_removes_an_old_step_leaves_only_whole_steps_and_resumes(tmp_path):
   # Orbax removes the steps past checkpoint.keep file by file in its finalize thread, after the
   # last save's commit. A second Ctrl-C there (the first is held: signals.held) left a step
@@ -756,13 +767,8 @@ def test_ctrl_c_while_orbax_removes_an_old_step_leaves_only_whole_steps_and_resu
   # process ended with the removal cut. Orbax now moves the step out of the listing in one
   # rename (checkpoint.DELETING_DIR) before removing it. Fails with todelete_subdir dropped.
   workdir = tmp_path / "w"
-  args = [f"--workdir={workdir}", "--config=experiments/tiny.py:llama",
-          "--config.model.d_model=32", "--config.model.mlp_dim=64",
-          "--config.model.num_layers=1", "--config.model.num_heads=2",
-          "--config.data.seq_len=32", "--config.data.vocab_size=512",
-          "--config.data.builtin=pydoc", "--config.train.batch_size=4",
-          "--config.train.eval_every_steps=3", "--config.eval.max_batches=2",
-          "--config.checkpoint.every_steps=1", "--config.checkpoint.keep=1"]
+  args = _tiny_llama_main_args(workdir, "--config.train.eval_every_steps=3",
+                               "--config.checkpoint.every_steps=1", "--config.checkpoint.keep=1")
   proc = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_AN_OLD_STEP_GOES,
                          str(workdir / "checkpoints"), "3", *args,
                          "--config.train.num_steps=3"],
@@ -828,12 +834,7 @@ def test_a_second_ctrl_c_ends_a_run_whose_last_save_hangs(sent_to, tmp_path):
   # Fails (hangs until the timeout) with the abort waiting again, or with the wait for the save
   # a blocking one in the main thread (the signal sent to a thread).
   workdir = tmp_path / "w"
-  args = [f"--workdir={workdir}", "--config=experiments/tiny.py:llama",
-          "--config.model.d_model=32", "--config.model.mlp_dim=64",
-          "--config.model.num_layers=1", "--config.model.num_heads=2",
-          "--config.data.seq_len=32", "--config.data.vocab_size=512",
-          "--config.data.builtin=pydoc", "--config.train.batch_size=4",
-          "--config.eval.max_batches=2", "--config.train.num_steps=2"]
+  args = _tiny_llama_main_args(workdir, "--config.train.num_steps=2")
   try:
     proc = subprocess.run([sys.executable, "-c", _TWO_CTRL_CS_IN_A_SAVE_THAT_HANGS, sent_to,
                            *args], cwd=REPO, env=subprocess_env(1), capture_output=True,

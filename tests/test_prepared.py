@@ -882,6 +882,13 @@ def _alive(pid: int) -> bool:
   return state not in ("Z", "X")  # a zombie is dead, only not reaped by its new parent
 
 
+def _all_dead_within(seconds: float, pids: list[int]) -> bool:
+  deadline = time.monotonic() + seconds
+  while any(map(_alive, pids)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  return not any(map(_alive, pids))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_kill_9_of_prepare_ends_its_workers(tmp_path):
   # Workers that outlived a killed prepare went on writing shards into the folder, whose lock
@@ -908,10 +915,7 @@ def test_kill_9_of_prepare_ends_its_workers(tmp_path):
     assert [(pids / str(pid)).read_text() for pid in workers] == ["True", "True"]
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 10
-    while any(map(_alive, workers)) and time.monotonic() < deadline:
-      time.sleep(0.1)
-    assert not any(map(_alive, workers))
+    assert _all_dead_within(10, workers)
   finally:
     proc.kill()
     proc.wait()
@@ -952,10 +956,7 @@ def test_a_ctrl_c_another_thread_gets_stops_prepare_at_once(tmp_path):
   assert proc.returncode != 0
   assert time.monotonic() - start < 45, proc.stderr[-2000:]
   workers = [int(p.name) for p in pids.iterdir() if p.name.isdigit()]
-  deadline = time.monotonic() + 10
-  while any(map(_alive, workers)) and time.monotonic() < deadline:
-    time.sleep(0.1)
-  assert not any(map(_alive, workers))
+  assert _all_dead_within(10, workers)
 
 
 def test_workdir_folder_of_another_fingerprint_is_refused(tmp_path):
