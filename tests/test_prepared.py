@@ -889,15 +889,22 @@ def _all_dead_within(seconds: float, pids: list[int]) -> bool:
   return not any(map(_alive, pids))
 
 
+def _slow_shards(tmp_path):
+  """``(corpus, pids)``: a text of several shards, and the folder where each worker of
+  ``_PREPARE_WITH_SLOW_WORKERS`` (``slow_shard.py``, written here) lists its pid."""
+  corpus, pids = tmp_path / "c.txt", tmp_path / "pids"
+  corpus.write_text(_text(3000))
+  pids.mkdir()
+  (tmp_path / "slow_shard.py").write_text(_SLOW_SHARD.format(pids=os.fspath(pids)))
+  return corpus, pids
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_kill_9_of_prepare_ends_its_workers(tmp_path):
   # Workers that outlived a killed prepare went on writing shards into the folder, whose lock
   # died with it. Here each worker sleeps in its first shard: alive 60 s unless it dies with
   # its parent.
-  corpus, pids = tmp_path / "c.txt", tmp_path / "pids"
-  corpus.write_text(_text(3000))
-  pids.mkdir()
-  (tmp_path / "slow_shard.py").write_text(_SLOW_SHARD.format(pids=os.fspath(pids)))
+  corpus, pids = _slow_shards(tmp_path)
   proc = subprocess.Popen(
       [sys.executable, "-c", _PREPARE_WITH_SLOW_WORKERS, os.fspath(corpus),
        os.fspath(tmp_path / "p"), os.fspath(tmp_path)], cwd=REPO,
@@ -936,14 +943,12 @@ threading.Thread(target=send, daemon=True).start()
 """
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_ctrl_c_another_thread_gets_stops_prepare_at_once(tmp_path):
   # prepare waited for the pool's next shard in a blocking next(): a Ctrl-C the kernel gave
   # another thread woke it only when the shard being encoded was written (60 s here; fails so
   # with the blocking wait back).
-  corpus, pids = tmp_path / "c.txt", tmp_path / "pids"
-  corpus.write_text(_text(3000))
-  pids.mkdir()
-  (tmp_path / "slow_shard.py").write_text(_SLOW_SHARD.format(pids=os.fspath(pids)))
+  corpus, pids = _slow_shards(tmp_path)
   script = _PREPARE_WITH_SLOW_WORKERS.replace(
       "import slow_shard\n", "import slow_shard\n" + _CTRL_C_TO_ANOTHER_THREAD)
   assert script != _PREPARE_WITH_SLOW_WORKERS
