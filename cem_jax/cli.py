@@ -48,7 +48,12 @@ def require(*names: str) -> None:
 
 
 def _missing_required() -> str | None:
-  """The first required flag left out, as ``--NAME is required: HELP``; None if none is."""
+  """The first required flag left out, as ``--NAME is required: HELP``; None if none is, or
+  if parsing failed before absl's checks of the values (an unknown flag, a value absl refuses:
+  that flag's own error is the one to tell; a required flag is None then whether given or not).
+  """
+  if not flags.FLAGS.is_parsed():  # absl marks the flags parsed just before it checks them
+    return None
   for name in _REQUIRED:
     flag = flags.FLAGS[name]
     if flag.value is None:

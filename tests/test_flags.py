@@ -208,3 +208,18 @@ def test_main_and_the_data_benchmark_refuse_bad_flags(tmp_path):
        f"--shared={tmp_path / 'none'}: no such folder; allowed: the folder of the source texts"),
   ])
   assert not (tmp_path / "corpus.txt").exists()
+
+
+def test_a_flag_absl_refuses_is_not_called_a_required_one_left_out():
+  # absl stops at an unknown flag or a value it refuses before it checks the required flags,
+  # all of which are None then, given or not: '--mode=bogus' was '--mode is required', and a
+  # misspelt '--workdr=...' was '--workdir is required' instead of absl's 'Did you mean'.
+  got = _refusals("data.benchmark", [["--mode=bogus"], []])
+  assert got[0][0] == 1 and "--mode=bogus" in got[0][1] and "required" not in got[0][1], got
+  assert got[1] == (1, "error: --mode is required: <corpus|prepare|pipeline|first_step>: What "
+                       "to measure\n")
+  # ... and a --flagfile that cannot be opened (the required flag may well be in it).
+  (code, err), (code2, err2) = _refusals("plot", [["--workdr=somewhere"],
+                                                  ["--flagfile=/nonexistent/flags.txt"]])
+  assert code == 1 and "'workdr'" in err and "required" not in err, err
+  assert code2 == 1 and "/nonexistent/flags.txt" in err2 and "required" not in err2, err2
