@@ -194,7 +194,7 @@ def held(signums: tuple[int, ...] = (signal.SIGINT,)):
   way through starting its writer threads, one of which then failed with a traceback) and
   waiting for one to commit (Orbax reported the save as failed and forgot its step); the wait
   for every call into tensorboardX, which runs in a thread of its own
-  (:class:`cem_jax.metrics._Calls`: inside it, a Ctrl-C could leave a lock of its queue taken
+  (:class:`Calls`: inside it, a Ctrl-C could leave a lock of its queue taken
   and the run hung), so that its events are written before the program stops.
 
   A second one of a signal held goes to its handler at once: the way out of a block that hangs

@@ -248,7 +248,7 @@ def test_a_signal_inside_tensorboards_handshake_neither_hangs_the_run_nor_loses_
   # tensorboardX's queue put, which left its lock taken, and the close of train's abort (or
   # tensorboardX's atexit) then waited for that lock for ever. Holding the signal until
   # tensorboardX's call returned still let a second one land there, and hang. tensorboardX's
-  # calls now run in a thread of their own (metrics._Calls), which no handler interrupts: a
+  # calls now run in a thread of their own (signals.Calls), which no handler interrupts: a
   # signal is raised once, in the main thread's wait, and every line and event is written,
   # also after two. Fails (hangs at the first entry, twice) with the calls run in the main
   # thread again.
