@@ -23,14 +23,29 @@ def make_mask(
   and ``segment_ids > 0`` (0 marks padding) when ``segment_ids`` (``[batch, seq_len]`` int)
   is given. Source: CEM_MATH.md sections 1 and 7.
   """
-  i = jnp.arange(seq_len)[:, None]
-  j = jnp.arange(seq_len)[None, :]
+  index = jnp.arange(seq_len)
+  return mask_block(segment_ids, index, index, batch, strict=strict)
+
+
+def mask_block(segment_ids: jax.Array | None, rows: jax.Array, cols: jax.Array, batch: int,
+               *, strict: bool = False) -> jax.Array:
+  """``make_mask(segment_ids, seq_len, batch, strict=strict)[:, rows][:, :, cols]`` without
+  the ``seq_len x seq_len`` mask: ``[batch, len(rows), len(cols)]`` bool, for a kernel that
+  visits the mask one block at a time (:func:`cem_jax.energies.blockwise_logsumexp`).
+
+  Args:
+    segment_ids: ``[batch, seq_len]`` int, or None (no documents, no padding).
+    rows, cols: ``[m]`` and ``[n]`` int query and key positions in ``[0, seq_len)``.
+    batch: rows of the batch (used when ``segment_ids`` is None).
+    strict: ``j < i`` instead of ``j <= i``.
+  """
+  i, j = rows[:, None], cols[None, :]
   causal = (j < i) if strict else (j <= i)
-  mask = jnp.broadcast_to(causal, (batch, seq_len, seq_len))
+  mask = jnp.broadcast_to(causal, (batch, rows.shape[0], cols.shape[0]))
   if segment_ids is not None:
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    real = (segment_ids[:, :, None] > 0) & (segment_ids[:, None, :] > 0)
-    mask = mask & same & real
+    seg_i, seg_j = segment_ids[:, rows], segment_ids[:, cols]
+    mask = mask & (seg_i[:, :, None] == seg_j[:, None, :]) & (seg_i[:, :, None] > 0) & (
+        seg_j[:, None, :] > 0)
   return mask
 
 

@@ -109,7 +109,7 @@ def masked_logsumexp(scores: jax.Array, mask: jax.Array) -> jax.Array:
   return jnp.where(any_visible, row_max + jnp.log(total), 0.0)
 
 
-def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask: jax.Array, block_size: int,
+def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask, block_size: int,
                         scale: jax.Array | float = 1.0) -> jax.Array:
   """``log Σ_j exp(scale_h q_i · k_j)`` over visible keys, one block at a time (online).
 
@@ -128,7 +128,10 @@ def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask: jax.Array, block_size:
     q: ``[batch, t, heads, e]`` float; the scores are formed in float32
       (``preferred_element_type``) whatever its dtype.
     k: ``[batch, s, heads, e]``, same dtype as ``q``.
-    mask: ``[batch, t, s]`` bool, True where query ``i`` sees key ``j``.
+    mask: ``[batch, t, s]`` bool, True where query ``i`` sees key ``j``; or a function of
+      ``(rows, cols)`` (``[m]`` and ``[n]`` int32 query and key indices, in range) giving that
+      mask's ``[batch, m, n]`` block (:func:`cem_jax.masks.mask_block`), so that no
+      ``[batch, t, s]`` array is built (with ``block_size`` 0 it is called once, for all).
     block_size: keys and queries per block (>= 1; at most ``s`` keys and ``t`` queries are
       used; ``s`` is padded with invisible keys, ``t`` with rows sliced off, to multiples),
       or 0 for the dense ``[batch, heads, t, s]`` scores at once (``model.energy_block_size``'s
@@ -145,6 +148,8 @@ def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask: jax.Array, block_size:
   s = k.shape[1]
   scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (h,))[None, :, None, None]
   if block_size == 0:
+    if callable(mask):
+      mask = mask(jnp.arange(t), jnp.arange(s))
     scores = jnp.einsum("bthe,bshe->bhts", q, k, preferred_element_type=jnp.float32)
     return masked_logsumexp(scores * scale, mask[:, None])
   # Never pad a short sequence (a decoding step's one query) up to one long block.
@@ -154,19 +159,39 @@ def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask: jax.Array, block_size:
   if pad or pad_q:  # invisible keys; query rows that see nothing (0, sliced off below)
     k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
     q = jnp.pad(q, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
-    mask = jnp.pad(mask, ((0, 0), (0, pad_q), (0, pad)))
+    if not callable(mask):
+      mask = jnp.pad(mask, ((0, 0), (0, pad_q), (0, pad)))
   k_blocks = jnp.moveaxis(k.reshape(b, nb, bk, h, e), 1, 0)
   q_blocks = jnp.moveaxis(q.reshape(b, nq, bq, h, e), 1, 0)
-  # [nq, nb, b, bq, bk]: query block, key block, then the rows and columns of each.
-  m_blocks = jnp.moveaxis(mask.reshape(b, nq, bq, nb, bk), (1, 3), (0, 1))
+  if callable(mask):
+    made = mask
+
+    def block_mask(iq, ik):  # made where it is used, from the blocks' indices
+      rows, cols = iq * bq + jnp.arange(bq), ik * bk + jnp.arange(bk)
+      inside = (rows < t)[:, None] & (cols < s)[None, :]
+      return made(jnp.minimum(rows, t - 1), jnp.minimum(cols, s - 1)) & inside[None]
+
+    query_masks = jnp.arange(nq)  # what a query block is given: its index
+
+    def key_masks(iq):  # what a key block of query block iq is given: its index
+      return jnp.arange(nb)
+  else:
+    def block_mask(iq, mb):  # the array's block, sliced by the scans
+      return mb
+
+    # [nq, nb, b, bq, bk]: query block, key block, then the rows and columns of each.
+    query_masks = jnp.moveaxis(mask.reshape(b, nq, bq, nb, bk), (1, 3), (0, 1))
+
+    def key_masks(mq):
+      return mq
 
   @jax.checkpoint
-  def key_block(qb, carry, xs):
+  def key_block(qb, iq, carry, xs):
     run_max, run_sum = carry  # [b, h, bq]: max over visible keys so far (-inf: none), Σ exp
-    kb, mb = xs
+    kb, mk = xs
     scores = jnp.einsum("bthe,bshe->bhts", qb, kb, preferred_element_type=jnp.float32)
     scores = scores * scale
-    mb = mb[:, None]
+    mb = block_mask(iq, mk)[:, None]
     # The shift is a constant for the gradient (softmax = exp(s - lse) either way).
     blk_max = jax.lax.stop_gradient(jnp.max(jnp.where(mb, scores, -jnp.inf), axis=-1))
     new_max = jnp.maximum(run_max, blk_max)
@@ -178,17 +203,18 @@ def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask: jax.Array, block_size:
 
   # Query blocks too, each checkpointed: a second derivative (a training step through
   # jax.grad of the energy) then keeps one query block's per-key-block residuals at a time,
-  # not every query's (memory ~linear in seq_len, measured in tests/test_energies.py).
+  # not every query's (memory ~linear in seq_len, measured in tests/test_attention.py).
   @jax.checkpoint
   def query_block(_, xs):
     qb, mq = xs
+    iq = mq if callable(mask) else None
     init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32),
             jnp.zeros((b, h, bq), jnp.float32))
-    (run_max, run_sum), _ = jax.lax.scan(functools.partial(key_block, qb), init,
-                                         (k_blocks, mq))
+    (run_max, run_sum), _ = jax.lax.scan(functools.partial(key_block, qb, iq), init,
+                                         (k_blocks, key_masks(mq)))
     any_visible = jnp.isfinite(run_max)
     shift = jnp.where(any_visible, run_max, 0.0)
     return None, jnp.where(any_visible, shift + jnp.log(jnp.where(any_visible, run_sum, 1.0)), 0.0)
 
-  _, lse = jax.lax.scan(query_block, None, (q_blocks, m_blocks))  # [nq, b, h, bq]
+  _, lse = jax.lax.scan(query_block, None, (q_blocks, query_masks))  # [nq, b, h, bq]
   return jnp.moveaxis(lse, 0, 2).reshape(b, h, nq * bq)[..., :t]

@@ -29,13 +29,15 @@ instead of the ``[batch, heads, n, n]`` scores; same value and gradient as the d
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from cem_jax import attention
 from cem_jax.energies.base import EnergyAux, blockwise_logsumexp, masked_logsumexp
 from cem_jax.energies.rope import apply_rope
-from cem_jax.masks import visible_rows
+from cem_jax.masks import mask_block, visible_rows
 
 
 def _project(y, context, params, aux):
@@ -113,10 +115,18 @@ def _blockwise_energy(y, context, params, aux):
   diag = params.get("diag")
   if diag is not None:
     q, k, row_const = _augmented_head(y, context, q, k, diag, aux.diagonal_form)
-  lse = blockwise_logsumexp(q, k, aux.mask, aux.energy_block_size, beta)  # [b, h, t]
+  mask = aux.mask
+  if aux.is_causal:  # training: each block made from the documents, aux.mask left unread
+    mask = functools.partial(mask_block, aux.segment_ids, batch=y.shape[0],
+                             strict=aux.strict_causal)
+  lse = blockwise_logsumexp(q, k, mask, aux.energy_block_size, beta)  # [b, h, t]
   if row_const is not None:  # lse(s + a_i) = lse(s) + a_i on rows that see a key
-    visible = jnp.any(aux.mask, axis=-1)[:, None, :]
-    lse = lse + jnp.where(visible, beta[None, :, None] * row_const, 0.0)
+    visible = visible_rows(None if aux.is_causal else aux.mask, is_causal=aux.is_causal,
+                           strict=aux.strict_causal, segment_ids=aux.segment_ids,
+                           shape=y.shape[:2])
+    if visible is not None:
+      row_const = jnp.where(visible[:, None, :], row_const, 0.0)
+    lse = lse + beta[None, :, None] * row_const
   weight = params["eta"].astype(jnp.float32) / beta
   return -jnp.sum(lse * weight[None, :, None])
 
