@@ -163,35 +163,21 @@ def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask, block_size: int,
       mask = jnp.pad(mask, ((0, 0), (0, pad_q), (0, pad)))
   k_blocks = jnp.moveaxis(k.reshape(b, nb, bk, h, e), 1, 0)
   q_blocks = jnp.moveaxis(q.reshape(b, nq, bq, h, e), 1, 0)
-  if callable(mask):
-    made = mask
 
-    def block_mask(iq, ik):  # made where it is used, from the blocks' indices
-      rows, cols = iq * bq + jnp.arange(bq), ik * bk + jnp.arange(bk)
-      inside = (rows < t)[:, None] & (cols < s)[None, :]
-      return made(jnp.minimum(rows, t - 1), jnp.minimum(cols, s - 1)) & inside[None]
-
-    query_masks = jnp.arange(nq)  # what a query block is given: its index
-
-    def key_masks(iq):  # what a key block of query block iq is given: its index
-      return jnp.arange(nb)
-  else:
-    def block_mask(iq, mb):  # the array's block, sliced by the scans
-      return mb
-
-    # [nq, nb, b, bq, bk]: query block, key block, then the rows and columns of each.
-    query_masks = jnp.moveaxis(mask.reshape(b, nq, bq, nb, bk), (1, 3), (0, 1))
-
-    def key_masks(mq):
-      return mq
+  def block_mask(iq, ik):  # [b, bq, bk] of query block iq and key block ik, where it is used
+    if not callable(mask):
+      return jax.lax.dynamic_slice(mask, (0, iq * bq, ik * bk), (b, bq, bk))
+    rows, cols = iq * bq + jnp.arange(bq), ik * bk + jnp.arange(bk)
+    inside = (rows < t)[:, None] & (cols < s)[None, :]
+    return mask(jnp.minimum(rows, t - 1), jnp.minimum(cols, s - 1)) & inside[None]
 
   @jax.checkpoint
   def key_block(qb, iq, carry, xs):
     run_max, run_sum = carry  # [b, h, bq]: max over visible keys so far (-inf: none), Σ exp
-    kb, mk = xs
+    kb, ik = xs
     scores = jnp.einsum("bthe,bshe->bhts", qb, kb, preferred_element_type=jnp.float32)
     scores = scores * scale
-    mb = block_mask(iq, mk)[:, None]
+    mb = block_mask(iq, ik)[:, None]
     # The shift is a constant for the gradient (softmax = exp(s - lse) either way).
     blk_max = jax.lax.stop_gradient(jnp.max(jnp.where(mb, scores, -jnp.inf), axis=-1))
     new_max = jnp.maximum(run_max, blk_max)
@@ -206,15 +192,14 @@ def blockwise_logsumexp(q: jax.Array, k: jax.Array, mask, block_size: int,
   # not every query's (memory ~linear in seq_len, measured in tests/test_attention.py).
   @jax.checkpoint
   def query_block(_, xs):
-    qb, mq = xs
-    iq = mq if callable(mask) else None
+    qb, iq = xs
     init = (jnp.full((b, h, bq), -jnp.inf, jnp.float32),
             jnp.zeros((b, h, bq), jnp.float32))
     (run_max, run_sum), _ = jax.lax.scan(functools.partial(key_block, qb, iq), init,
-                                         (k_blocks, key_masks(mq)))
+                                         (k_blocks, jnp.arange(nb)))
     any_visible = jnp.isfinite(run_max)
     shift = jnp.where(any_visible, run_max, 0.0)
     return None, jnp.where(any_visible, shift + jnp.log(jnp.where(any_visible, run_sum, 1.0)), 0.0)
 
-  _, lse = jax.lax.scan(query_block, None, (q_blocks, query_masks))  # [nq, b, h, bq]
+  _, lse = jax.lax.scan(query_block, None, (q_blocks, jnp.arange(nq)))  # [nq, b, h, bq]
   return jnp.moveaxis(lse, 0, 2).reshape(b, h, nq * bq)[..., :t]
