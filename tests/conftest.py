@@ -16,11 +16,16 @@ import pytest
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-# Less XLA optimisation: the tests' tiny programs compile about twice as fast, and the suite
-# takes a third less time. What the tests check does not move: the golden numbers agree to
-# rel 1e-5 and the memory checks hold at both levels. XLA_FLAGS that set their own
-# --xla_backend_optimization_level (say =3) test at that level instead.
-FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+# Less XLA optimisation and XLA's older CPU code emitters: the tests' tiny programs compile
+# several times faster (a train step 3-4x with the emitters alone: CEM on 2 x 2 x 2 devices 3.9
+# -> 1.2 s of CPU, Llama 2.6 -> 0.65). The optimisation level took a third off the suite; the
+# emitters in its own process too (not only in the programs it starts) another fifth (2 cores,
+# 2026-12-07: 15 min 34 s -> 12 min 14 s). What the tests check does not move: these change the
+# code emitted, not the maths, the layouts or the memory plans, and test_golden.py checks the
+# golden numbers once more as training compiles them (no flag set), to rel 1e-5. XLA_FLAGS
+# that set their own --xla_backend_optimization_level (say =3) test at that level instead.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                "--xla_cpu_use_fusion_emitters=false")
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -58,33 +63,21 @@ def _temporary_files_in_pytest_folder(tmp_path_factory):
   tempfile.tempdir = saved
 
 
-# For the programs some tests start (subprocess_env's xla_flags): XLA's older CPU code emitters,
-# with which a train step compiles 3-4x faster (s of CPU: CEM on 2 x 2 x 2 3.9 -> 1.2, Llama 2.6
-# -> 0.65). For tests whose checks XLA's code emitters cannot move: the layout its partitioner
-# chooses (test_sharding: the losses on every mesh move by at most 1e-6) and what a program
-# writes and says (a CLI's files, a report's header, a damaged checkpoint skipped). The rest
-# of the suite, the energy checks of a user's energy included, keeps the emitters training uses.
-EMITTERS = ("--xla_cpu_use_fusion_emitters=false",)
-
-
-def subprocess_env(devices: int = 1, xla_flags: tuple[str, ...] = (), **extra: str) -> dict:
+def subprocess_env(devices: int = 1, **extra: str) -> dict:
   """The environment for a program a test starts: this session's (its XLA flags and
-  compilation cache), on the CPU with ``devices`` forced host devices, plus ``xla_flags``
-  (``--name=value`` each; a flag the session's XLA_FLAGS set already keeps its value there)
-  and the environment variables ``extra``."""
+  compilation cache), on the CPU with ``devices`` forced host devices, plus the environment
+  variables ``extra``."""
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
            if not f.startswith(_DEVICE_COUNT_FLAG)]
-  flags += [f for f in xla_flags if not any(g.startswith(f.split("=")[0] + "=") for g in flags)]
   flags.append(f"{_DEVICE_COUNT_FLAG}={devices}")
   return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags), **extra)
 
 
-def program_json(args: list[str], devices: int, timeout: float = 120,
-                 xla_flags: tuple[str, ...] = (), **run_kwargs):
-  """Runs ``python *args`` on ``devices`` forced CPU devices with ``xla_flags``
-  (:func:`subprocess_env`) and returns the JSON its last line of stdout holds; a failed run
+def program_json(args: list[str], devices: int, timeout: float = 120, **run_kwargs):
+  """Runs ``python *args`` on ``devices`` forced CPU devices (:func:`subprocess_env`) and
+  returns the JSON its last line of stdout holds; a failed run
   fails the test with its stderr's tail."""
-  proc = subprocess.run([sys.executable, *args], env=subprocess_env(devices, xla_flags),
+  proc = subprocess.run([sys.executable, *args], env=subprocess_env(devices),
                         capture_output=True, text=True, timeout=timeout, **run_kwargs)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -13,7 +13,11 @@ change: then bump ``NUMERICS_VERSION`` in ``cem_jax/version.py`` (saying what ch
 ``GOLDEN_PRINT=1 python -m pytest tests/test_golden.py -s``.
 """
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,20 +77,52 @@ def _run(block):
   return out
 
 
-@pytest.mark.parametrize("block", list(CONFIGS))
-def test_golden_loss_and_grad_norm(block):
-  got = _run(block)
-  if os.environ.get("GOLDEN_PRINT"):
-    print(f"\n    ({NUMERICS_VERSION}, {block!r}): "
-          f"{ {k: got[k] for k in (1, 2, STEPS)} },")
+def _check(block, got, compiled):
   want = GOLDEN.get((NUMERICS_VERSION, block))
   assert want, (f"no golden numbers for numerics version {NUMERICS_VERSION}: pin them with "
                 "GOLDEN_PRINT=1 python -m pytest tests/test_golden.py -s")
   for k, (loss, grad_norm) in want.items():
     assert got[k][0] == pytest.approx(loss, rel=1e-5) and got[k][1] == pytest.approx(
         grad_norm, rel=1e-5), (
-        f"{block} step {k}: (loss, grad_norm) = {got[k]}, pinned {(loss, grad_norm)} for "
-        f"numerics version {NUMERICS_VERSION}. An unchanged config now trains to different "
-        "numbers: a bug if this change was meant to keep the numerics; if it is a deliberate "
-        "numerics change, bump NUMERICS_VERSION in cem_jax/version.py (say what changed) and "
-        "re-pin (see this file's docstring)")
+        f"{block} step {k}, {compiled}: (loss, grad_norm) = {got[k]}, pinned "
+        f"{(loss, grad_norm)} for numerics version {NUMERICS_VERSION}. An unchanged config now "
+        "trains to different numbers: a bug if this change was meant to keep the numerics; if "
+        "it is a deliberate numerics change, bump NUMERICS_VERSION in cem_jax/version.py (say "
+        "what changed) and re-pin (see this file's docstring)")
+
+
+@pytest.mark.parametrize("block", list(CONFIGS))
+def test_golden_loss_and_grad_norm(block):
+  got = _run(block)
+  if os.environ.get("GOLDEN_PRINT"):
+    print(f"\n    ({NUMERICS_VERSION}, {block!r}): "
+          f"{ {k: got[k] for k in (1, 2, STEPS)} },")
+  _check(block, got, "compiled as the suite compiles")
+
+
+TRAINING_COMPILE_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import test_golden
+print(json.dumps({"xla_flags": os.environ.get("XLA_FLAGS"),
+                  "runs": {"cem": test_golden._run("cem")}}))
+"""
+
+
+def test_golden_numbers_hold_as_training_compiles_them():
+  # The suite compiles with less optimisation and XLA's older CPU code emitters
+  # (conftest.FAST_COMPILE), for speed; a run of main compiles with XLA's defaults. The same
+  # numbers both ways are what lets the rest of the suite stand for training. The CEM model
+  # only, whose step runs the same kinds of ops as Llama's (the attention kernel, RMSNorm,
+  # AdamW) and its energies besides: 16 s of CPU here, and Llama's would be another 14.
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+  tests = Path(__file__).resolve().parent
+  proc = subprocess.run([sys.executable, "-c", TRAINING_COMPILE_SCRIPT, str(tests)],
+                        env=dict(env, JAX_PLATFORMS="cpu"), cwd=tests.parent,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["xla_flags"] is None  # XLA's defaults
+  for block, got in out["runs"].items():
+    _check(block, {int(k): v for k, v in got.items()}, "compiled as training compiles")

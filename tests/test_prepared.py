@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sentencepiece as spm
-from conftest import EMITTERS, closed_port, fake_catalog, subprocess_env, tiny_config
+from conftest import closed_port, fake_catalog, subprocess_env, tiny_config
 
 from cem_jax import cpus, files
 from cem_jax.config import get_default_config
@@ -1307,10 +1307,10 @@ def test_prepare_cli_then_main_from_prepared_dir(tmp_path):
   with pytest.raises(ValueError) as afile:
     prepare_cli.run(config, str(corpus))
   assert str(afile.value) == f"--out={corpus} is a file; choose a new or empty folder"
-  run = subprocess.run(  # what it reads and writes, not its numbers: the faster emitters
+  run = subprocess.run(
       [sys.executable, "-m", "cem_jax.main", f"--config={tmp_path / 'cfg.py'}",
        f"--workdir={tmp_path / 'w'}", f"--config.data.prepared_dir={tmp_path / 'p'}"],
-      cwd=REPO, env=subprocess_env(xla_flags=EMITTERS, PYTHONPATH=os.fspath(REPO)),
+      cwd=REPO, env=subprocess_env(PYTHONPATH=os.fspath(REPO)),
       capture_output=True, text=True, timeout=600)
   assert run.returncode == 0, run.stderr[-2000:]
   assert not (tmp_path / "w" / "data").exists()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EMITTERS, program_json, subprocess_env, tiny_config
+from conftest import program_json, subprocess_env, tiny_config
 
 from cem_jax import axes, distributed, sharding
 from cem_jax import config as config_lib
@@ -26,15 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 MESHES = {"llama": [(8, 1, 1), (2, 4, 1), (2, 2, 2)], "cem": [(2, 4, 1), (2, 2, 2)]}
 
 
-# The programs these tests start compile with XLA's older CPU code emitters (conftest.EMITTERS):
-# the slowest tests here take about half the time. What they check, the layout XLA's
-# partitioner chooses (its collectives, the shardings) and the numbers against one device, is
-# decided before the emitters: the losses on every mesh move by at most 1e-6, and each test
-# still fails with the bug it guards.
-
-
 def _env(devices: int) -> dict:
-  return subprocess_env(devices, EMITTERS, PYTHONPATH=str(REPO))
+  return subprocess_env(devices, PYTHONPATH=str(REPO))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,8 +512,7 @@ def test_another_seed_runs_the_compiled_initialiser_and_gives_the_seeds_own_valu
   # Mutations: a new jit per call (or config.seed in the initialisers' key) made 2 compiles
   # for 2 seeds; the key ignored for config.seed gave seed 12345 seed 0's values; the key
   # without the model config gave init_std 0.05 the 0.02 initialiser's values.
-  runs = program_json(["-c", SEEDS_SCRIPT, str(REPO / "tests")], 4, timeout=300,
-                      xla_flags=EMITTERS)
+  runs = program_json(["-c", SEEDS_SCRIPT, str(REPO / "tests")], 4, timeout=300)
   assert sorted(runs) == ["1x1x1", "1x2x2"]
   for mesh, rec in runs.items():
     first, second, wider = rec["runs"]
@@ -643,7 +635,7 @@ def test_a_diagonal_with_batch_and_heads_on_one_mesh_axis_gives_the_one_device_s
   # is minus the gradient) now equals one device's, for either diagonal.
   diagonals = ["per_head", "shared"]
   runs = program_json(["-c", SHARED_AXIS_SCRIPT, str(REPO / "tests"), *diagonals], 8,
-                      timeout=300, xla_flags=EMITTERS)
+                      timeout=300)
   assert sorted(runs) == sorted(f"{d} {m}" for d in diagonals for m in ("1x1x1", "2x2x2"))
   for diagonal in diagonals:
     one, mesh = runs[f"{diagonal} 1x1x1"], runs[f"{diagonal} 2x2x2"]
@@ -729,8 +721,7 @@ def test_a_vocabulary_rule_on_a_batch_axis_keeps_the_rows_on_their_devices():
   # 1 x 4 x 2 the token lookup into the table so split summed the whole batch's embeddings over
   # all 8 devices (all-reduce f32[8,32,32], in the training and the eval step); the lookup's
   # table is now split likewise only over the vocabulary's axes that do not split the rows.
-  runs = program_json(["-c", VOCAB_RULES_SCRIPT, str(REPO / "tests")], 8, timeout=600,
-                      xla_flags=EMITTERS)
+  runs = program_json(["-c", VOCAB_RULES_SCRIPT, str(REPO / "tests")], 8, timeout=600)
   assert len(runs) == 5, runs
   for name, rec in runs.items():
     one, mesh = rec["one"], rec["mesh"]

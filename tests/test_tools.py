@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from conftest import EMITTERS, TRACED_T2, program_json, subprocess_env, tiny_config, write_metrics
+from conftest import TRACED_T2, program_json, subprocess_env, tiny_config, write_metrics
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -363,7 +363,7 @@ def test_evaluate_reports_the_trained_steps_of_the_checkpoint_not_config_json(tr
   (workdir / "config.json").write_text(json.dumps(saved))
   proc = subprocess.run([sys.executable, "-m", "cem_jax.evaluate", f"--workdir={workdir}",
                          "--num_steps=1", "--max_batches=1", "--batch_size=3"],
-                        env=subprocess_env(xla_flags=EMITTERS), capture_output=True, text=True,
+                        env=subprocess_env(), capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   report = (workdir / "test_time_steps.md").read_text()
@@ -1376,7 +1376,7 @@ def test_collapse_reads_a_bfloat16_run_and_skips_a_damaged_checkpoint(tmp_path):
     path.write_bytes(bytes(data))
   root = Path(__file__).resolve().parents[1]
   proc = subprocess.run([sys.executable, str(root / "experiments" / "collapse.py"),
-                         f"--workdir={workdir}"], env=subprocess_env(xla_flags=EMITTERS),
+                         f"--workdir={workdir}"], env=subprocess_env(),
                         capture_output=True, text=True, timeout=300, cwd=root)
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = proc.stdout.splitlines()

@@ -13,7 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import EMITTERS, program_json, subprocess_env, tiny_config
+from conftest import program_json, subprocess_env, tiny_config
 from flax import nnx
 
 from cem_jax import model_stats, optim, steps, train
@@ -103,8 +103,7 @@ def test_cli_trains_and_writes_the_contract_files(tmp_path, shared_data):
       "--config.eval.max_batches=2", f"--config.data.files={shared_data / 'wikitext2_valid.txt'}",
       "--config.train.profile_steps=2", "--config.train.profile_first_step=4",
   ]
-  # The files and lines of a run, not its numbers: compiled with the older emitters (faster).
-  env = subprocess_env(xla_flags=EMITTERS)
+  env = subprocess_env()
   proc = _run_cli([f"--config={REPO}/experiments/tiny.py", f"--workdir={workdir}", *overrides],
                   cwd=tmp_path, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -672,7 +671,7 @@ def test_another_run_of_one_config_reuses_the_compiled_steps_and_others_do_not(t
   # make_optimizer's key without the learning rate (the first run's optimizer reused) gave
   # the learning-rate run the first run's rates and losses.
   runs = program_json(["-c", RUNS_SCRIPT, os.path.join(REPO, "tests"), str(tmp_path)], 1,
-                      timeout=300, xla_flags=EMITTERS)
+                      timeout=300)
   cached, fresh = runs["cached"], runs["fresh"]
   assert cached["first"]["compiles"] == [1, 1, 1], cached
   assert cached["seed"]["compiles"] == [0, 0, 0], cached
