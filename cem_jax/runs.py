@@ -256,28 +256,43 @@ def newest_meta(workdir: str) -> tuple[str | None, CheckpointMeta]:
     ckpt.close()
 
 
+# How many steps in a row load_run chooses and finds pruned before it gives up: a run still
+# training with checkpoint.keep=1 deletes each step as soon as the next one commits, every
+# step with checkpoint.every_steps=1; each try costs about one restore (0.2-0.4 s for the
+# tests' tiny model on a CPU), and a try that finds its step there reads it.
+PRUNED_TRIES = 20
+
+
 def load_run(workdir: str, require=None, attention_impl: str | None = None):
   """Returns ``(config, data, graphdef, params, step)`` of the newest checkpoint in ``workdir``.
 
   The model is rebuilt from the config saved *in that checkpoint*, not from
   ``config.json``, which every start that trains rewrites (a run still training may be past
   that checkpoint, or the file edited by hand). Fields missing from an older run's config take
-  today's defaults. The data are the tokens the checkpoint records it was trained on, read
-  from the run's ``data.prepared_dir`` or its ``data/`` folder, so the raw text (and a given
-  tokenizer file) may have moved; otherwise they are built from the config, and must be the
-  tokens the checkpoint records. ``require``, if given, is called with the checkpoint's
-  config before the data and the model are built (seconds), to refuse a run at once by
-  raising ValueError. ``attention_impl`` replaces the run's ``model.attention_impl`` (None:
-  the run's own), e.g. 'auto' to evaluate on a CPU a run trained with 'cudnn' on a GPU: the
-  kernel computes the same function and holds no parameter (``config.RESUME_MAY_CHANGE``).
-  A user energy the start-up checks refuse for what it computes (a look-ahead, a closed form
-  that is not its gradient, ...: :class:`cem_jax.energy_checks.EnergyRefusal`) is named in a
-  warning and the run is read: it was trained so, perhaps before the check existed, and
-  evaluating it is how to see what that did; resuming it is refused, as training is.
+  today's defaults. The parameters are restored as soon as that config is known (the model's
+  shapes take its ``data.vocab_size``, which every tokenizer it may have trained with has):
+  a run still training (``checkpoint.keep`` 1, a save each step) may prune the chosen step at
+  any moment, so the time between choosing it and reading it is the config's checks and the
+  restore, not the data's build (a tokenizer trained, seconds); a step
+  pruned before it was read is chosen again, the newest, up to :data:`PRUNED_TRIES` in a
+  row. The data are then the tokens the checkpoint records it was trained on, read from the
+  run's ``data.prepared_dir`` or its ``data/`` folder, so the raw text (and a given tokenizer
+  file) may have moved; otherwise they are built from the config, and must be the tokens the
+  checkpoint records. ``require``, if given, is called with the checkpoint's config before
+  the parameters and the data are read, to refuse a run at once by raising ValueError.
+  ``attention_impl`` replaces the run's ``model.attention_impl`` (None: the run's own), e.g.
+  'auto' to evaluate on a CPU a run trained with 'cudnn' on a GPU: the kernel computes the
+  same function and holds no parameter (``config.RESUME_MAY_CHANGE``). A user energy the
+  start-up checks refuse for what it computes (a look-ahead, a closed form that is not its
+  gradient, ...: :class:`cem_jax.energy_checks.EnergyRefusal`) is named in a warning and the
+  run is read: it was trained so, perhaps before the check existed, and evaluating it is how
+  to see what that did; resuming it is refused, as training is.
 
   Raises:
     FileNotFoundError: no checkpoint in ``workdir``.
-    CheckpointError: checkpoints exist but none is intact.
+    CheckpointError: checkpoints exist but none is intact; the run pruned each of the
+      :data:`PRUNED_TRIES` steps chosen in a row before it was read (one line naming the first
+      and the last, and ``checkpoint.keep``).
     ValueError: no ``config.json`` in ``workdir`` (as :func:`run_config`); the saved config
       has fields this version of cem_jax does not know, or fails validation (a user energy
       that cannot be imported, or fails in a layout the model calls it with); a user energy was
@@ -289,27 +304,42 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False,
                                      read_only=True)
   try:
-    # A run still training may prune the step chosen while the data and model are built:
-    # then the newest step is chosen again.
-    for attempt in range(3):
-      step = ckpt.restorable_step()  # the newest *verified* step
-      if step is None:  # found before the data are built (a tokenizer trained for nothing)
-        raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
-      try:
-        config, data, graphdef, params = _build_from(ckpt, step, path, workdir, require,
-                                                     attention_impl)
-        break
-      except (OSError, ValueError):
-        if attempt == 2 or os.path.isdir(ckpt.step_dir(step)):
-          raise
+    step, meta, config, graphdef, params = _restore_newest(ckpt, workdir, path, require,
+                                                           attention_impl)
   finally:
     ckpt.close()
-  return config, data, graphdef, params, step
+  return config, _data_of(config, meta, workdir, ckpt.step_dir(step)), graphdef, params, step
 
 
-def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
-                attention_impl: str | None = None):
-  """``load_run`` for one step: ``(config, data, graphdef, params)``."""
+def _restore_newest(ckpt, workdir: str, config_json: str, require, attention_impl):
+  """``(step, meta, config, graphdef, params)`` of ``ckpt``'s newest intact step, chosen
+  again while each chosen one is pruned before it is read (:func:`load_run`)."""
+  pruned = []
+  while True:
+    step = ckpt.restorable_step()  # the newest *verified* step
+    if step is None:  # found before the data are built (a tokenizer trained for nothing)
+      raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
+    try:
+      return (step, *_restore_step(ckpt, step, config_json, require, attention_impl))
+    # Any type: a step deleted part way through its read fails in Orbax as it happens to
+    # (a FileNotFoundError, tensorstore's ValueError, an AttributeError on metadata it found
+    # missing); told by the step's folder being gone, never by the wording.
+    except Exception as e:
+      if os.path.isdir(ckpt.step_dir(step)):
+        raise
+      pruned.append(step)
+      if len(pruned) == PRUNED_TRIES:
+        raise checkpoint_lib.CheckpointError(
+            f"--workdir={workdir}: the run pruned each of the {len(pruned)} steps chosen in a "
+            f"row (the first step {pruned[0]}, the last {pruned[-1]}) before it could be "
+            "read: a run still training keeps only its newest checkpoint.keep steps and saves "
+            "faster than they are read here; read it once it has stopped, or train with "
+            "--config.checkpoint.keep=2 or more") from e
+
+
+def _restore_step(ckpt, step: int, config_json: str, require=None,
+                  attention_impl: str | None = None):
+  """``(meta, config, graphdef, params)`` of ``ckpt``'s step ``step``, without the data."""
   meta = read_meta(ckpt, step)
   saved, where = meta.config, f"checkpoint {ckpt.step_dir(step)}"
   if saved is None:  # saved before checkpoints held their config
@@ -323,6 +353,18 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
                          "load it with the energy it was trained with")
   if require is not None:
     require(config)
+  # The model as shapes only: the restore needs no initial values (building the model and
+  # its optimizer state eagerly took seconds, only to be overwritten).
+  graphdef, params = nnx.split(nnx.eval_shape(
+      lambda: steps_lib.build_model(config, config.data.vocab_size)), nnx.Param)
+  state, _ = ckpt.restore(step, restore_target(config.train, params))
+  return meta, config, graphdef, state["params"]
+
+
+def _data_of(config, meta: CheckpointMeta, workdir: str, checkpoint: str):
+  """The data of the run of ``config`` whose checkpoint in folder ``checkpoint`` (metadata
+  ``meta``) :func:`load_run` restored: the tokens it records, or those built from ``config``
+  (whose ``data`` it may point at the prepared folder found)."""
   found = _prepared_data_of(workdir, config.data.prepared_dir, meta.data)
   if found:
     # The tokens the checkpoint was trained on: the raw text and a given tokenizer file need
@@ -331,13 +373,8 @@ def _build_from(ckpt, step: int, config_json: str, workdir: str, require=None,
     d.prepared_dir, d.files, d.tfds_name, d.tokenizer = found, "", "", ""
   held = workdir_lib.prepared_folders(workdir)
   data = data_lib.build_data(config, workdir)
-  check_data(meta, data, ckpt.step_dir(step), workdir, held)
-  # The model as shapes only: the restore needs no initial values (building the model and
-  # its optimizer state eagerly took seconds, only to be overwritten).
-  graphdef, params = nnx.split(nnx.eval_shape(
-      lambda: steps_lib.build_model(config, data.tokenizer.vocab_size)), nnx.Param)
-  state, _ = ckpt.restore(step, restore_target(config.train, params))
-  return config, data, graphdef, state["params"]
+  check_data(meta, data, checkpoint, workdir, held)
+  return data
 
 
 def restore_target(train_config: ml_collections.ConfigDict, params) -> dict:

@@ -480,6 +480,66 @@ def test_evaluate_and_sample_load_the_newest_intact_step_and_leave_the_run_as_it
   assert any(not np.array_equal(initial[k], want[k]) for k in want)
 
 
+@pytest.mark.parametrize("pruned_while", ["restore", "data"])
+def test_load_run_reads_a_run_that_prunes_the_steps_it_chooses(reference_run, tmp_path,
+                                                                 monkeypatch, pruned_while):
+  # A run still training with checkpoint.keep=1 deletes a step as the next one commits. Faked
+  # here on the module's run (steps 30, 35, 40) by moving the chosen step's folder aside as
+  # Orbax's pruning does (and one moved aside before back, the run's newer save):
+  # "restore": at each of the first 5 restores, which fail in Orbax as they happen to; load_run
+  # chooses again past 3 tries and reads the step that stays. "data": while the data are built,
+  # each time: the parameters were read before, so the first step chosen is the one loaded.
+  from cem_jax import data as data_lib
+  from cem_jax import runs
+
+  reference_run.copy_to(tmp_path)
+  checkpoints, aside = tmp_path / "checkpoints", tmp_path / "aside"
+  aside.mkdir()
+
+  def prune(step: int) -> None:
+    for back in aside.iterdir():
+      back.rename(checkpoints / back.name)
+    (checkpoints / str(step)).rename(aside / str(step))
+
+  want = {}
+  for step in (35, 40):
+    reader = Checkpointer(str(checkpoints), read_only=True)
+    want[step] = reader.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore()))["state"]["params"]
+    reader.close()
+  pruned = []
+  if pruned_while == "restore":
+    real = Checkpointer.restore
+
+    def restore(self, step, target):
+      if len(pruned) < 5:
+        pruned.append(step)
+        prune(step)
+      return real(self, step, target)
+
+    monkeypatch.setattr(Checkpointer, "restore", restore)
+  else:
+    real = data_lib.build_data
+
+    def build_data(config, workdir):
+      newest = max(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+      pruned.append(newest)
+      prune(newest)
+      return real(config, workdir)
+
+    monkeypatch.setattr(data_lib, "build_data", build_data)
+  _, _, _, params, step = runs.load_run(str(tmp_path))
+  assert (pruned, step) == (([40, 35, 40, 35, 40], 35) if pruned_while == "restore" else
+                            ([40], 40))
+  leaves = lambda tree: jax.tree.leaves(jax.tree.map(np.asarray, tree))
+  got = leaves(params)
+  assert len(got) == len(leaves(want[step]))
+  for a, b in zip(got, leaves(want[step]), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert any(not np.array_equal(a, b) for a, b in zip(got, leaves(want[75 - step]),
+                                                      strict=True))
+
+
 def test_no_intact_step_is_a_clear_error(tmp_path):
   _save_steps(tmp_path, steps=(1, 2, 3)).close()
   _truncate(tmp_path / "1")

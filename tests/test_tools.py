@@ -722,18 +722,23 @@ def test_evaluate_refuses_step_counts_that_are_not_integers_by_the_values_typed(
       "(every step is unrolled into the compiled program) and at most once")
 
 
-def test_a_run_whose_chosen_step_keeps_vanishing_is_tried_three_times_then_its_error_raised(
+def test_a_run_that_prunes_every_step_chosen_is_a_one_line_error_after_the_bounded_tries(
     tmp_path, monkeypatch):
-  # A run still training may prune the step load_run chose while it builds the data: it
-  # chooses again, twice, then reports the last error as it is (not a crash of its own).
+  # A run still training with checkpoint.keep=1 may prune each step load_run chooses before it
+  # is read: it chooses the newest again, PRUNED_TRIES times in a row, then says so in one line
+  # (not the last pruned step's Orbax error). A failure of a step still there is no pruning:
+  # raised at once, as it is.
   from cem_jax import checkpoint, runs
 
-  class Pruned:  # every step it names is gone by the time it is read
+  chosen = []
+
+  class Training:  # each step it names is gone by the time it is read; the run saves on
     def __init__(self, directory, **kwargs):
       self.directory = directory
 
     def restorable_step(self):
-      return 7
+      chosen.append(7 + len(chosen))
+      return chosen[-1]
 
     def step_dir(self, step):
       return os.path.join(self.directory, str(step))
@@ -741,18 +746,27 @@ def test_a_run_whose_chosen_step_keeps_vanishing_is_tried_three_times_then_its_e
     def close(self):
       pass
 
-  calls = []
-
-  def build_from(ckpt, step, *args):
-    calls.append(step)
-    raise FileNotFoundError(f"{ckpt.step_dir(step)}: pruned while read")
+  def restore_step(ckpt, step, *args):
+    raise AttributeError(f"{ckpt.step_dir(step)}: pruned while read")  # any type
 
   (tmp_path / "config.json").write_text("{}")
-  monkeypatch.setattr(checkpoint, "Checkpointer", Pruned)
-  monkeypatch.setattr(runs, "_build_from", build_from)
-  with pytest.raises(FileNotFoundError, match=r"/checkpoints/7: pruned while read$"):
+  monkeypatch.setattr(checkpoint, "Checkpointer", Training)
+  monkeypatch.setattr(runs, "_restore_step", restore_step)
+  last = 7 + runs.PRUNED_TRIES - 1
+  with pytest.raises(checkpoint.CheckpointError) as e:
     runs.load_run(str(tmp_path))
-  assert calls == [7, 7, 7]
+  assert str(e.value) == (
+      f"--workdir={tmp_path}: the run pruned each of the {runs.PRUNED_TRIES} steps chosen in a "
+      f"row (the first step 7, the last {last}) before it could be read: a run still training "
+      "keeps only its newest checkpoint.keep steps and saves faster than they are read here; "
+      "read it once it has stopped, or train with --config.checkpoint.keep=2 or more")
+  assert chosen == list(range(7, last + 1)) and runs.PRUNED_TRIES >= 10
+  assert isinstance(e.value.__cause__, AttributeError)
+  chosen.clear()
+  (tmp_path / "checkpoints" / "7").mkdir(parents=True)  # there: its own error, at once
+  with pytest.raises(AttributeError, match=r"/checkpoints/7: pruned while read$"):
+    runs.load_run(str(tmp_path))
+  assert chosen == [7]
 
 
 @pytest.mark.parametrize("in_checkpoint", [True, False])
@@ -777,7 +791,7 @@ def test_a_saved_config_with_fields_unknown_here_is_refused_naming_them_and_wher
 
   where = f"checkpoint {tmp_path}/checkpoints/4" if in_checkpoint else str(config_json)
   with pytest.raises(ValueError) as e:
-    runs._build_from(Saved(), 4, str(config_json), str(tmp_path), require)
+    runs._restore_step(Saved(), 4, str(config_json), require)
   assert str(e.value) == (f"{where}: config fields model.new_width, train.new_rate are unknown "
                           "to this version of cem_jax; use the version that trained it")
 
@@ -798,7 +812,7 @@ def test_a_damaged_config_json_of_a_run_without_a_config_in_its_checkpoint_is_on
       return str(tmp_path / "checkpoints" / str(step))
 
   with pytest.raises(ValueError) as e:
-    runs._build_from(Saved(), 4, str(config_json), str(tmp_path))
+    runs._restore_step(Saved(), 4, str(config_json))
   assert str(e.value).startswith(f"{config_json} is not valid JSON (")
   assert str(e.value).endswith("); restore it from the run's command")
 
