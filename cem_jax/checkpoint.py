@@ -257,7 +257,8 @@ class Checkpointer:
     Raises:
       CheckpointError: no room for the step on the folder's disk (single-process runs, from
         the second save: checked before Orbax writes anything, :meth:`_check_room`), or the
-        previous asynchronous save failed (re-raised by :meth:`wait` before this one starts);
+        previous asynchronous save failed (re-raised by :meth:`wait` before this one starts;
+        one failed with a bug, raised by :meth:`wait` as its own exception, is refused so);
         one line naming the folder and what to do.
     """
     if self._failed is not None:
@@ -266,8 +267,10 @@ class Checkpointer:
       return False
     if not force and not self.should_save(step):
       return False
-    # Orbax would wait for the previous save anyway; waiting here first lets the digest hook know
-    # which step it is finalizing, and prunes digests of steps Orbax has since deleted.
+    # Orbax would wait for the previous save anyway, in manager.save, in this thread: a join no
+    # Ctrl-C the kernel gives another thread wakes. Waiting here first (signals.Calls) leaves it
+    # nothing to wait for, lets the digest hook know which step it is finalizing, and prunes
+    # digests of steps Orbax has since deleted.
     self.wait()
     self._check_room(step)
     self._saving_step = step
@@ -428,11 +431,14 @@ class Checkpointer:
     Raises:
       CheckpointError: a pending save failed (a full disk, a folder removed under it): one line
         naming the step, the folder, the cause's first line and what to do; the cause chained.
+      Exception: a pending save failed for another reason (a bug): its own exception. Like a
+        CheckpointError, raised once: :meth:`save` then refuses (one line naming it).
       KeyboardInterrupt: a Ctrl-C's, raised while it waits.
     """
     if self._failed is not None:
       return
     held, self._held = self._held, None
+    step = "" if self._saving_step is None else f" step {self._saving_step}"
     try:
       # In a thread of its own (signals.Calls): Orbax joins its finalize thread, a wait no
       # Ctrl-C sent to another thread wakes, and a Ctrl-C that interrupts the join makes Python
@@ -442,13 +448,22 @@ class Checkpointer:
     # What a disk or a folder raises (tensorstore's errors are ValueErrors), as main's
     # bad-input errors are; anything else is a bug and keeps its traceback.
     except (OSError, ValueError) as e:
-      step = "" if self._saving_step is None else f" step {self._saving_step}"
       self._failed = (
           f"checkpoint{step} could not be saved in {self.directory} ({errors.one_line(e)}"
           f"{_free_text(self.directory)}); {self._what_now()}")
       _drop_after_failure(held)
       raise CheckpointError(self._failed) from e
-    except BaseException:
+    except Exception as e:
+      # A bug: its own exception, with its traceback, and what Orbax reported of it. Recorded
+      # all the same: Orbax raises it again once in each thread that waits, the main thread's
+      # wait inside the next manager.save among them (that save then not made).
+      self._failed = (f"checkpoint{step} could not be saved in {self.directory}: its save "
+                      f"failed with {errors.one_line(e)} (raised before, with its traceback); "
+                      "no save starts after a failed one")
+      if held is not None:
+        held.end(hand_on=True)
+      raise
+    except BaseException:  # a signal's: the save goes on in Orbax's threads
       if held is not None:
         held.end(hand_on=True)
       raise

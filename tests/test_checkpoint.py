@@ -887,9 +887,57 @@ def test_a_save_failing_with_a_bug_keeps_its_own_exception(tmp_path, monkeypatch
   with pytest.raises(TypeError) as e:
     ckpt.wait()
   assert e.value is bug
+  # Raised once, as a disk's failure: the next save is refused in one line naming it. Orbax
+  # raises it again once per thread that waits: the next save's own wait in the main thread
+  # raised this TypeError a second time, and that save was not made (the one after was).
   monkeypatch.undo()
+  with pytest.raises(CheckpointError) as refused:
+    ckpt.save(3, _small_state(3.0), {"step": 3}, force=True)
+  assert str(refused.value) == (
+      f"checkpoint step 2 could not be saved in {tmp_path}: its save failed with TypeError: "
+      "unsupported operand type(s) (raised before, with its traceback); no save starts after a "
+      "failed one")
+  ckpt.wait()
   ckpt.close()
   assert ckpt.all_steps() == [1]
+
+
+def test_a_save_started_while_the_last_one_hangs_stops_for_a_ctrl_c_given_another_thread(
+    tmp_path, monkeypatch):
+  # Orbax's manager.save first waits for the previous save, a join in the caller's thread that
+  # a Ctrl-C the kernel gives another thread does not wake (the second Ctrl-C, the way out of a
+  # save that hangs, waited for it to end). save() waits before it, in slices (signals.Calls):
+  # the KeyboardInterrupt comes at once. Step 2's digest (Orbax's finalize thread) hangs until
+  # released, 3 s after the start at most.
+  import threading
+
+  ckpt = _save_steps(tmp_path, steps=(1,))
+  write_digest, release = integrity.write_digest, threading.Event()
+
+  def hangs(directory, step):
+    release.wait()
+    write_digest(directory, step)
+
+  monkeypatch.setattr(integrity, "write_digest", hangs)
+  assert ckpt.save(2, _small_state(2.0), {"step": 2}, force=True)
+  watchdog = threading.Timer(3.0, release.set)
+  watchdog.start()
+  ctrl_c = threading.Timer(0.3, lambda: signal.pthread_kill(threading.get_ident(),
+                                                            signal.SIGINT))
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+  try:
+    start = time.monotonic()
+    ctrl_c.start()
+    with pytest.raises(KeyboardInterrupt):
+      ckpt.save(3, _small_state(3.0), {"step": 3}, force=True)
+    took = time.monotonic() - start
+  finally:
+    signal.signal(signal.SIGINT, previous)
+    release.set()
+    watchdog.cancel()
+  assert took < 1.5, f"the Ctrl-C stopped the save after {took:.1f} s"
+  ckpt.close()
+  assert ckpt.all_steps() == [1, 2] and ckpt.verify(2) == []  # step 3: not begun
 
 
 def test_read_only_reader_skips_damage_and_touches_nothing(tmp_path):
