@@ -202,11 +202,12 @@ def main(argv):
           f"one new token fits in data.seq_len={config.data.seq_len}, the longest context the "
           "model was trained on")
     if len(ids) + fl.max_new_tokens > config.data.seq_len:
+      room = config.data.seq_len - len(ids)
       raise ValueError(
-          f"--prompt ({len(ids)} tokens) + --max_new_tokens={config_lib.shown(fl.max_new_tokens)} "
-          "exceeds "
-          f"data.seq_len={config.data.seq_len}, the longest context the model was trained on; "
-          f"allowed: at most {config.data.seq_len - len(ids)} new tokens for this prompt")
+          f"--prompt ({len(ids)} token{'s' * (len(ids) != 1)}) + --max_new_tokens="
+          f"{config_lib.shown(fl.max_new_tokens)} exceeds data.seq_len={config.data.seq_len}, "
+          "the longest context the model was trained on; "
+          f"allowed: at most {room} new token{'s' * (room != 1)} for this prompt")
     print(f"sampling from {fl.workdir}, checkpoint step {step}", file=sys.stderr)
     new = generate(graphdef, params, np.asarray([ids]), fl.max_new_tokens,
                    rng=jax.random.PRNGKey(fl.seed), temperature=fl.temperature,
