@@ -44,7 +44,9 @@ AVX-512, 1.7237 (2026-12-03), then 1.7240 with the loss as ``log Z - logit[targe
 1.7289 at f486133 (2026-12-07, after the η, RMSNorm and target-logit changes above; step 100:
 2.6286, step 500: 1.9334; the quick look's 100-step run there: 2.7448, as the README says); on
 an AMD EPYC without AVX-512, 1.7250, then 1.7230 after the η and RMSNorm changes, then 1.7232
-with the elementwise gradient of the target's logit (2026-12-04).
+with the elementwise gradient of the target's logit (2026-12-04); on an Intel Xeon with
+AVX-512, 1.7253 at 52302b4 (2026-12-07; step 100: 2.6234, step 500: 1.9405; the quick look's
+100-step run there: 2.7381, as the README says).
 """
 
 NUMERICS_VERSION = 3
