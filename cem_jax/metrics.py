@@ -260,8 +260,8 @@ def read_metrics(workdir: str) -> list[dict]:
 
   Raises:
     ValueError: an earlier line is not a JSON object (``NaN`` and ``Infinity`` are not JSON)
-      with an integer ``step`` (one line naming
-      the file, the line number and its text).
+      with an integer ``step`` and ``train/*`` and ``eval/*`` values that are finite numbers
+      or null (one line naming the file, the line number and its text or key).
   """
   lines, _ = _parse_metrics(os.path.join(workdir, "metrics.jsonl"))
   return [m for _, m in lines]
@@ -322,8 +322,27 @@ def _parse_metrics(path: str) -> tuple[list[tuple[str, dict]], str | None]:
     if not isinstance(step, int) or isinstance(step, bool):
       raise ValueError(f"{path}:{i + 1} is not a JSON object with an integer \"step\": "
                        f"{text[:80]!r}; repair or delete that line")
+    key = _not_a_figure(line)
+    if key is not None:
+      raise ValueError(f"{path}:{i + 1}: \"{key}\" is {json.dumps(line[key])[:40]}; allowed: "
+                       "a finite number, or null (a value that was not finite); repair or "
+                       "delete that line")
     out.append((text, line))
   return out, None
+
+
+def _not_a_figure(line: dict) -> str | None:
+  """The first ``train/*`` or ``eval/*`` key of ``line`` whose value is not a finite number or
+  null, or None. The writer writes only those there; a string, a bool or a list is a hand edit
+  that plot drew as a category axis, and ``1e400`` (json reads inf) a loss no run logs."""
+  for key, value in line.items():
+    if not key.startswith(("train/", "eval/")) or value is None:
+      continue
+    if isinstance(value, bool) or not isinstance(value, int | float):
+      return key
+    if isinstance(value, float) and not math.isfinite(value):
+      return key
+  return None
 
 
 _ENERGY_KEY = re.compile(r"eval/energy/layer(\d+)/step(\d+)/(att|mlp)_(before|after)")

@@ -518,7 +518,15 @@ def test_resume_drops_a_cut_short_last_line_with_a_warning(tmp_path, caplog):
      r"JSON; a non-finite value is written as null\): "),
     ('{"step": 2, "train/loss": -Infinity}\n', r"metrics\.jsonl:2 is not valid JSON "
      r"\(-Infinity is not JSON"),
-], ids=["not JSON", "no step", "NaN", "-Infinity"])
+    # Hand edits json reads as values: plot drew a string loss as a category axis, and a
+    # string bits/byte was a traceback-free but file-less "Unknown format code 'f'".
+    ('{"step": 2, "train/loss": "2.0"}\n', r"metrics\.jsonl:2: \"train/loss\" is \"2\.0\"; "
+     r"allowed: a finite number, or null"),
+    ('{"step": 2, "eval/loss": 2.0, "eval/bits_per_byte": true}\n',
+     r"metrics\.jsonl:2: \"eval/bits_per_byte\" is true; allowed: "),
+    ('{"step": 2, "train/loss": 1e400}\n', r"metrics\.jsonl:2: \"train/loss\" is Infinity; "),
+    ('{"step": 2, "eval/loss": [2.0]}\n', r"metrics\.jsonl:2: \"eval/loss\" is \[2\.0\]; "),
+], ids=["not JSON", "no step", "NaN", "-Infinity", "string loss", "bool bpb", "1e400", "list"])
 def test_resume_refuses_a_damaged_line_before_the_last_as_read_metrics_does(
     tmp_path, damage, error):
   from cem_jax.metrics import MetricsWriter
