@@ -18,6 +18,10 @@ where ``EXTRA`` is everything after ``--``. Runs go one after the other: ``--lau
 copied before the first run, and again before the next after a failed run; ``WORKDIR``
 absolute). ``EXTRA`` may not set a key the sweep sets (it would win in every run).
 
+Before the first run starts, every run's config is checked by the config's own rules
+(``cem_jax.config.validate``, as ``main`` does first): a value ``main`` would refuse in the
+last run is a one-line error naming it, not a failure after the runs before it have trained.
+
 A run is finished, and skipped, when ``WORKDIR/NAME/metrics.jsonl`` has its final eval line
 (``step`` == ``train.num_steps``) and ``WORKDIR/NAME/checkpoints/<train.num_steps>`` exists.
 An unfinished run resumes from its checkpoint. A run folder holding a checkpoint of a run
@@ -209,10 +213,27 @@ def check_same_run(spec: str, run_dir: str, overrides: dict, extra: list[str]) -
   """
   if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
     return  # nothing to resume or skip: spares the parse
+  from cem_jax import energies, workdir
+
+  config = run_config(spec, run_dir, overrides, extra)
+  try:
+    if config is None:
+      return
+    energies.absolute_paths(config.model)
+  except Exception:  # noqa: BLE001 - main parses the same flags and reports them in one line
+    return
+  try:
+    workdir.check_same_run(run_dir, config)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
+
+
+def run_config(spec: str, run_dir: str, overrides: dict, extra: list[str]):
+  """The config ``main`` reads for a run: the file's, its overrides and ``EXTRA``'s
+  ``--config.KEY=VALUE`` flags, parsed by ``main``'s own parser; None when they do not parse
+  (``main`` reports that in one line)."""
   from absl import flags
   from ml_collections import config_flags
-
-  from cem_jax import energies, workdir
 
   argv = ["sweep", *(a for a in main_args(spec, run_dir, overrides, extra)
                      if a.startswith(("--config=", "--config.")))]
@@ -221,14 +242,30 @@ def check_same_run(spec: str, run_dir: str, overrides: dict, extra: list[str]) -
                                   sys_argv=argv)
   try:
     values(argv)
-    config = values.config
-    energies.absolute_paths(config.model)
+    return values.config
   except Exception:  # noqa: BLE001 - main parses the same flags and reports them in one line
-    return
-  try:
-    workdir.check_same_run(run_dir, config)
-  except ValueError as e:
-    raise SystemExit(f"error: {e}") from None
+    return None
+
+
+def check_configs(spec: str, workdir: str, runs: list[tuple[str, dict]],
+                  extra: list[str]) -> None:
+  """Refuses the sweep before its first run when a run's config breaks the config's own rules
+  (``cem_jax.config.validate``, jax-free, as ``main`` checks first): a bad value in the 5th of
+  5 runs failed only once the four before it had trained.
+
+  Raises:
+    SystemExit: one line naming the run and the field, its value and what is allowed.
+  """
+  from cem_jax import config as config_lib
+
+  for name, overrides in runs:
+    config = run_config(spec, os.path.join(workdir, name), overrides, extra)
+    if config is None:
+      continue
+    try:
+      config_lib.validate(config)
+    except ValueError as e:
+      raise SystemExit(f"error: run {name}: {e}; no run was started") from None
 
 
 def main_args(config: str, run_dir: str, overrides: dict, extra: list[str]) -> list[str]:
@@ -358,6 +395,7 @@ def main(argv: list[str]) -> int:
   module, arg = load_config_module(args.config)
   runs = expand(module, arg)
   check_extra(runs, extra)
+  check_configs(args.config, args.workdir, runs, extra)
   failed, first = [], True
   for name, overrides in runs:
     run_dir = os.path.join(args.workdir, name)

@@ -832,11 +832,29 @@ def test_sweep_takes_a_relative_energy_file_for_the_absolute_one_main_saved(tmp_
   # command line is the same run (skipped as finished), not refused as another config.
   energy = tmp_path / "my_energy.py"
   cfg, work, _ = _finished_b_run(tmp_path, attention_energy=f"{energy}:energy")
+  # CEM runs only: the energy flag after -- would make SWEEP_CONFIG's llama run one that the
+  # sweep refuses before any run (check_configs).
+  cfg.write_text(SWEEP_CONFIG + '\n\ndef get_sweep(arg="a"):\n'
+                 '  return [{"train.learning_rate": 1e-3}]\n')
   relative = os.path.relpath(energy, REPO)  # the sweep, as main, runs in the repository
   proc = _launch("sweep.py", f"--config={cfg}:b", f"--workdir={work}", "--dry_run", "--",
                  f"--config.model.attention_energy={relative}:energy")
   assert proc.returncode == 0 and proc.stdout.splitlines()[0] == (
       "skip train.learning_rate=0.001 (finished: step 10)"), proc.stderr
+
+
+def test_sweep_refuses_a_run_that_main_would_refuse_before_any_run_starts(tmp_path):
+  # A NaN learning rate in the last run failed only once the runs before it had trained (a
+  # day of a real sweep): now one line naming the run and the field, and nothing started.
+  cfg = tmp_path / "sweep_cfg.py"
+  cfg.write_text(SWEEP_CONFIG + '\n\ndef get_sweep(arg="a"):\n'
+                 '  return [{"train.learning_rate": 1e-3}, {"train.learning_rate": 0.0}]\n')
+  work = tmp_path / "sw"
+  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run")
+  assert proc.returncode == 1 and proc.stdout == "", (proc.stdout, proc.stderr)
+  assert proc.stderr == ("error: run train.learning_rate=0.0: train.learning_rate=0.0; allowed: "
+                         "a finite number, 0 < value; no run was started\n")
+  assert not work.exists()
 
 
 def test_sweep_leaves_a_flag_it_cannot_parse_to_main_not_a_traceback_of_its_own(tmp_path):
