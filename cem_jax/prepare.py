@@ -21,6 +21,8 @@ config that main would reject prepares nothing. Exit status 0 when done, 1 with 
 
 from __future__ import annotations
 
+import shlex
+
 from absl import app, flags, logging
 
 from cem_jax import cli, cpus
@@ -69,7 +71,8 @@ def run(config, out: str, workers: int | None = None) -> None:
   for split, info in manifest["splits"].items():
     print(f"{split}: {info['documents']} documents, {info['bytes']} bytes of text, "
           f"{info['tokens']} tokens in {len(info['shards'])} shards")
-  print(f"prepared {out}; train with --config.data.prepared_dir={out}")
+  # Quoted: a folder with a space or a quote in its name pastes into the shell as one word.
+  print(f"prepared {out}; train with {shlex.quote(f'--config.data.prepared_dir={out}')}")
 
 
 def main(argv):

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -1393,6 +1394,12 @@ def test_prepare_refuses_its_own_flags_and_passes_workers_on(tmp_path, monkeypat
   assert capsys.readouterr().out == (
       "train: 2 documents, 10 bytes of text, 5 tokens in 2 shards\n"
       f"prepared {out}; train with --config.data.prepared_dir={out}\n")
+  # A folder with a space: the flag it prints is one shell word, ready to paste (unquoted,
+  # the shell split it and main read a prepared_dir of the text before the space).
+  spaced = tmp_path / "my data ü"
+  prepare_cli.run(config, spaced, 2)
+  hint = capsys.readouterr().out.splitlines()[-1].split("; train with ")[1]
+  assert shlex.split(hint) == [f"--config.data.prepared_dir={spaced}"]
 
 
 def test_the_open_files_limit_is_raised_for_the_shards_or_the_hard_limit_named(monkeypatch):
