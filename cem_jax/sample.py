@@ -39,6 +39,9 @@ def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: floa
   # The ranking is taken from the logits themselves, the probabilities from the scaled ones
   # shifted to a maximum of 0: a tiny temperature then tends to greedy (no inf - inf), and a
   # huge one cannot collapse the ranking into ties.
+  # Past float32's largest the cast to float32 is inf (the same limit: every kept token alike)
+  # and NumPy warned "overflow encountered in cast" from inside jax on the user's terminal.
+  temperature = min(temperature, float(np.finfo(np.float32).max))
   logits = logits.astype(jnp.float32)
   shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
   # 0 stays 0 where a temperature below float32's range is flushed to 0 (0/0 would be nan).

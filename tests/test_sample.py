@@ -1,6 +1,7 @@
 """Generation: cached decoding equals recomputing the prefix; sampling filters are right."""
 
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,16 @@ def test_extreme_settings_keep_the_tokens_their_limits_define(temperature, top_k
   keys = jax.random.split(jax.random.PRNGKey(0), 64)
   tokens = {int(sample._choose(logits, k, temperature, top_k, top_p)[0]) for k in keys}
   assert tokens <= want and (len(want) == 1 or tokens == want)
+
+
+def test_a_temperature_past_float32s_range_samples_uniformly_without_a_warning():
+  # 1e300 became inf in float32 with NumPy's "overflow encountered in cast" printed by
+  # sample's command from inside jax; the limit (all kept tokens alike) is float32's largest.
+  logits = jnp.asarray([[1.0, 3.0, 2.0, 0.0]])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    out = np.asarray(sample.filter_logits(logits, 1e300, 0, 1.0))
+  np.testing.assert_allclose(out, np.zeros((1, 4)), atol=1e-30)
 
 
 def test_temperature_sampling_is_seeded_and_validates_length():
