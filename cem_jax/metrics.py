@@ -296,6 +296,9 @@ def _parse_metrics(path: str) -> tuple[list[tuple[str, dict]], str | None]:
   Raises:
     ValueError: as :func:`read_metrics`.
   """
+  if os.path.isdir(path):  # else "[Errno 21] Is a directory", saying nothing of what to do
+    raise ValueError(f"{path} is a folder; allowed: the run's metrics file (one JSON object a "
+                     "line); move the folder away")
   with open(path, "rb") as f:
     raw = f.read().split(b"\n")
   out = []

@@ -541,6 +541,18 @@ def test_resume_refuses_a_damaged_line_before_the_last_as_read_metrics_does(
   assert path.read_text() == text  # the evidence is left as it was
 
 
+def test_a_metrics_file_that_is_a_folder_is_one_line_saying_what_to_do(tmp_path):
+  # plot printed "[Errno 21] Is a directory: ..." and a resume the same, naming no remedy.
+  from cem_jax.metrics import MetricsWriter
+
+  (tmp_path / "metrics.jsonl").mkdir()
+  for read in (lambda: read_metrics(str(tmp_path)),
+               lambda: MetricsWriter(str(tmp_path), truncate_after_step=3, tensorboard=False)):
+    with pytest.raises(ValueError, match=r"metrics\.jsonl is a folder; allowed: the run's "
+                       r"metrics file \(one JSON object a line\); move the folder away$"):
+      read()
+
+
 def test_a_whole_last_line_that_is_not_json_is_damage_not_a_kill(tmp_path):
   # A kill cuts only the line being written, before its newline: a last line with its newline
   # that does not parse was damaged later, and is refused as an earlier one is.
