@@ -74,8 +74,11 @@ def load_table(table: str):
   """
   path = table if table.endswith(".py") else os.path.join(PAPER_DIR, f"{table}.py")
   if not os.path.isfile(path):
-    known = sorted(f[:-3] for f in os.listdir(PAPER_DIR) if f.endswith(".py"))
-    raise ValueError(f"--table={table!r}: no file {path}; known tables: {', '.join(known)}")
+    known = ", ".join(sorted(f[:-3] for f in os.listdir(PAPER_DIR) if f.endswith(".py")))
+    if os.path.exists(table):  # a file of another kind, or a folder: "no file X.py" misled
+      raise ValueError(f"--table={table!r} is not a .py file; allowed: a table's name "
+                       f"({known}) or the path of a .py file defining ROWS and get_config(arg)")
+    raise ValueError(f"--table={table!r}: no file {path}; known tables: {known}")
   spec = importlib.util.spec_from_file_location(f"cem_table_{os.path.basename(path)[:-3]}",
                                                 path)
   module = importlib.util.module_from_spec(spec)

@@ -387,6 +387,20 @@ def test_unknown_table_is_a_clear_error():
     tables.load_table("nope")
 
 
+@pytest.mark.parametrize("name", ["table.txt", "folder.py"])
+def test_a_table_path_that_is_no_python_file_says_so(tmp_path, name):
+  # Was "no file table.txt.py" for a table.txt that is there, and "no file" for a folder.
+  path = tmp_path / name
+  path.mkdir() if name == "folder.py" else path.write_text("ROWS = {}\n")
+  with pytest.raises(ValueError) as e:
+    tables.load_table(str(path))
+  known = ", ".join(sorted(f[:-3] for f in os.listdir(tables.PAPER_DIR) if f.endswith(".py")))
+  assert "attention" in known
+  assert str(e.value) == (f"--table={str(path)!r} is not a .py file; allowed: a table's name "
+                          f"({known}) or the path of a .py file defining ROWS and "
+                          "get_config(arg)")
+
+
 def test_a_table_file_whose_code_raises_is_one_line_naming_it(tmp_path):
   # --table=PATH is the user's file: an import it lacks, or a bug in its get_config, was a
   # traceback (only a SyntaxError was one line).
