@@ -229,7 +229,7 @@ def _run_config_file(spec: str):
   Returns ``(config, None)``, or ``(None, one line naming the file)`` when it raises: the
   cause of ml_collections rejecting ``--config``, found without reading its message.
   """
-  path, _, arg = spec.partition(":")
+  path, colon, arg = spec.partition(":")
   try:
     module_spec = importlib.util.spec_from_file_location("cem_jax_cli_config", path)
     if module_spec is None:  # not a .py file, e.g. a run's config.json
@@ -238,7 +238,13 @@ def _run_config_file(spec: str):
                     "with :ARG for get_config(ARG)")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    return module.get_config(*([arg] if arg else [])), None
+    if not callable(getattr(module, "get_config", None)):  # was "module 'cem_jax_cli_config'
+      # has no attribute 'get_config'", naming a module the user never wrote
+      return None, (f"--{CONFIG_FLAG}={spec}: defines no get_config(); allowed: a .py file "
+                    "whose get_config() returns the config (e.g. experiments/tiny.py)")
+    # FILE: passes '' as ml_collections does (get_config('')): left out, the file's error
+    # for it was not found here and ml_collections' multi-line one was cut to its first line.
+    return module.get_config(*([arg] if colon else [])), None
   except Exception as e:  # the user's file: any exception is its message to the user
     message = errors.last_line(e)
     return None, (message if path in message else f"--{CONFIG_FLAG}={spec}: {message}")

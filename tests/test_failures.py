@@ -267,6 +267,20 @@ def test_a_config_that_is_not_a_python_file_is_one_line(tmp_path):
   _assert_nothing_left(tmp_path / "w")
 
 
+def test_a_config_file_without_get_config_or_given_an_empty_arg_is_one_line(tmp_path):
+  # A script of experiments/ (collapse.py) as --config named "module 'cem_jax_cli_config'";
+  # tiny.py: (an empty ARG) was ml_collections' "Error whilst parsing config file:", cut there.
+  path = tmp_path / "script.py"
+  path.write_text("X = 1\n")
+  assert cli._run_config_file(str(path)) == (None, (
+      f"--config={path}: defines no get_config(); allowed: a .py file whose get_config() "
+      "returns the config (e.g. experiments/tiny.py)"))
+  tiny = os.path.join(REPO, "experiments", "tiny.py")
+  config, cause = cli._run_config_file(f"{tiny}:")
+  assert config is None and cause.endswith("experiments/tiny.py:; allowed args: cem, llama")
+  assert cli._run_config_file(tiny)[0].model.block == "cem"
+
+
 def test_library_info_records_are_dropped_and_ours_and_their_warnings_kept():
   rec = lambda path, level: logging.LogRecord("x", level, path, 1, "m", None, None)  # noqa: E731
   quiet = cli.QuietLibraries(logging.WARNING)
