@@ -59,8 +59,10 @@ LAUNCH = os.path.join(REPO, "launch")
 
 
 def load_config_module(spec: str):
-  """``FILE[:ARG]`` → ``(module, arg or None)``; the module is imported from its path."""
-  path, _, arg = spec.partition(":")
+  """``FILE[:ARG]`` → ``(module, ARG)``, ARG None without the colon (``FILE:`` is ``''``, as
+  ``main``'s ml_collections reads it: the sweep ran get_config() and printed runs that main
+  then refused one by one); the module is imported from its path."""
+  path, colon, arg = spec.partition(":")
   if not os.path.isfile(path):
     raise SystemExit(f"error: --config={spec!r}: no such file {path!r}")
   if REPO not in sys.path:
@@ -73,7 +75,7 @@ def load_config_module(spec: str):
     module_spec.loader.exec_module(module)
   except Exception as e:  # noqa: BLE001 - the user's file: one line, not our traceback
     raise SystemExit(f"error: --config={spec!r}: {path}: {one_line(e)}") from None
-  return module, (arg or None)
+  return module, (arg if colon else None)
 
 
 def _call(fn, arg):

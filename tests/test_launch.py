@@ -857,6 +857,15 @@ def test_sweep_refuses_a_run_that_main_would_refuse_before_any_run_starts(tmp_pa
   assert not work.exists()
 
 
+def test_sweep_passes_an_empty_arg_on_as_main_does(tmp_path):
+  # FILE: ran get_config() here and printed runs main then refused (get_config('')) one by one.
+  proc = _launch("sweep.py", "--config=experiments/lr_sweep.py:", f"--workdir={tmp_path}",
+                 "--dry_run")
+  assert (proc.returncode, proc.stdout) == (1, "")
+  assert proc.stderr == ("error: get_config() raised ValueError: experiments/lr_sweep.py:; "
+                         "allowed args: full, short\n")
+
+
 def test_sweep_leaves_a_flag_it_cannot_parse_to_main_not_a_traceback_of_its_own(tmp_path):
   # An unknown key after -- (a typo) is main's to report, in one line, when the run starts;
   # the sweep's check of the folder must not end in a traceback on it.
