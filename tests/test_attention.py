@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cem_jax import attention, preflight, updates
+from cem_jax import attention, masks, preflight, updates
 from cem_jax.energies import (
   EnergyAux,
   blockwise_logsumexp,
@@ -599,6 +599,31 @@ def test_blockwise_distance_energy_under_strict_causality_equals_the_reference()
   got_e, grad = jax.jit(jax.value_and_grad(interaction_energy))(y, c, params, aux)
   assert abs(float(got_e) - want_e) <= TOL * abs(want_e)
   assert rel(-grad, want_u) <= TOL
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_visible_rows_from_the_structure_are_the_rows_of_the_numpy_mask_that_see_a_key(strict):
+  # Training's distance-form energy takes the rows that see a key from the structure
+  # (visible_rows without a mask), never from a [b, t, t] mask. Each row's answer against a
+  # NumPy mask: padding, a document's first token under strict causality (also one whose id
+  # comes back later in the window), position 0 and 1. Fails with position 1 taken for a first
+  # token, with the first tokens of later documents left in, or with a returning document's
+  # second run taken for a new first token.
+  seg = np.array([[1, 1, 1, 2, 2, 2, 0, 0],
+                  [3, 3, 1, 1, 3, 3, 2, 0],
+                  [5, 5, 5, 5, 5, 5, 5, 5],
+                  [0, 0, 4, 4, 0, 4, 4, 1]], np.int32)
+  b, t = seg.shape
+  pos = np.arange(t)
+  causal = pos[None, :] < pos[:, None] if strict else pos[None, :] <= pos[:, None]
+  mask = causal & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+  got = masks.visible_rows(None, is_causal=True, strict=strict, segment_ids=jnp.asarray(seg),
+                           shape=(b, t))
+  np.testing.assert_array_equal(np.asarray(got), mask.any(-1))
+  # Without documents: only position 0 under strict causality sees nothing.
+  got = masks.visible_rows(None, is_causal=True, strict=strict, segment_ids=None, shape=(b, t))
+  want = np.broadcast_to(pos > 0 if strict else pos >= 0, (b, t))
+  assert (got is None and not strict) or np.array_equal(np.asarray(got), want)
 
 
 @pytest.mark.parametrize("block_size", [-1, -128])
