@@ -61,6 +61,19 @@ def test_cached_logits_match_the_full_forward():
   _assert_cached_logits_match_the_full_forward(nnx.merge(graphdef, params))
 
 
+def test_cached_logits_match_the_full_forward_with_every_parameter_moved():
+  # At initialisation a block's two norm scales are both ones, so a cached path that normalises
+  # with the wrong one matches the full forward there. Every parameter moved (seeded, by up to
+  # ~50%): fails with the Llama block's cached MLP input taken through norm_att.
+  graphdef, params = _model(dict(block="llama"))
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(4), len(leaves))
+  leaves = [p * (1.0 + 0.5 * jax.random.normal(k, p.shape, p.dtype))
+            for p, k in zip(leaves, keys, strict=True)]
+  _assert_cached_logits_match_the_full_forward(
+      nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)))
+
+
 def test_top_k_and_top_p_filters():
   logits = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1]]))
   k2 = sample.filter_logits(logits, 1.0, 2, 1.0)
