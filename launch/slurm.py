@@ -143,4 +143,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  import exits  # beside this script, which python runs with its folder first on sys.path
+  exits.run(main)

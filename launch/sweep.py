@@ -468,4 +468,5 @@ def _is_eval(loss, bits_per_byte, step) -> bool:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  import exits  # beside this script, which python runs with its folder first on sys.path
+  exits.run(main)

@@ -251,4 +251,5 @@ def _launch(args: argparse.Namespace, main_args: list[str], tarball: str) -> int
   return 0
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  import exits  # beside this script, which python runs with its folder first on sys.path
+  exits.run(main)

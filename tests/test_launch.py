@@ -521,7 +521,8 @@ def test_tpu_pod_remote_paths_under_home_include_a_tilde(path, remote):
 def test_tpu_pod_outside_a_git_tree_or_without_git_is_one_line(tmp_path):
   # The files to copy are git's list: without it, one line, not a traceback.
   (tmp_path / "launch").mkdir()
-  (tmp_path / "launch" / "tpu_pod.py").write_text((REPO / "launch" / "tpu_pod.py").read_text())
+  for name in ("tpu_pod.py", "exits.py"):
+    (tmp_path / "launch" / name).write_text((REPO / "launch" / name).read_text())
   (tmp_path / "c.py").write_text("")
   (tmp_path / "constraints.txt").write_text("")
   cmd = [sys.executable, "launch/tpu_pod.py", "--tpu=t", "--zone=z", "--dry_run", "--",
@@ -1271,3 +1272,25 @@ def test_a_signal_as_the_run_starts_reaches_it(monkeypatch):
   finally:
     signal.signal(signal.SIGTERM, previous)
   assert got == (-signal.SIGTERM, signal.SIGTERM) and outside == []
+
+
+@pytest.mark.parametrize("script,args", [
+    ("local.py", ["--num_processes=2", "--port=4321", "--dry_run", "--", "python", "x.py"]),
+    ("slurm.py", ["--dry_run", "--", f"--config={REPO}/experiments/tiny.py", "--workdir=/w"]),
+    ("tpu_pod.py", ["--tpu=t", "--zone=z", "--dry_run", "--", "--config=experiments/tiny.py",
+                    "--workdir=/w"]),
+    ("sweep.py", ["--config=experiments/lr_sweep.py:short", "--workdir={tmp}", "--dry_run"]),
+], ids=["local", "slurm", "tpu_pod", "sweep"])
+def test_a_dry_run_whose_reader_has_gone_ends_with_status_1_and_no_traceback(script, args,
+                                                                             tmp_path):
+  # `--dry_run | head -1`: the pipe is closed before the script writes. Each printed a
+  # BrokenPipeError traceback (and Python a second one at exit).
+  read, write = os.pipe()
+  os.close(read)
+  try:
+    proc = subprocess.run([sys.executable, f"launch/{script}",
+                           *[a.format(tmp=tmp_path) for a in args]], cwd=REPO, stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+  finally:
+    os.close(write)
+  assert (proc.returncode, proc.stderr) == (1, ""), proc.stderr[-2000:]
