@@ -198,20 +198,17 @@ def test_sample_takes_a_prompt_and_new_tokens_up_to_seq_len_and_no_more(monkeypa
   assert e.value.code == 1
   assert capsys.readouterr().err.endswith("allowed: at most 5 new tokens for this prompt\n")
   # One token is said as one: a 1-token prompt, and a 7-token one that leaves room for one.
-  fv.max_new_tokens = 8
-  monkeypatch.setattr(tokenizer, "encode", lambda text: [1])
-  with pytest.raises(SystemExit):
-    sample.main([])
-  assert capsys.readouterr().err == (
-      "error: --prompt (1 token) + --max_new_tokens=8 exceeds data.seq_len=8, the longest "
-      "context the model was trained on; allowed: at most 7 new tokens for this prompt\n")
-  fv.max_new_tokens = 2
-  monkeypatch.setattr(tokenizer, "encode", lambda text: list(range(1, 8)))
-  with pytest.raises(SystemExit):
-    sample.main([])
-  assert capsys.readouterr().err.endswith(
-      "--prompt (7 tokens) + --max_new_tokens=2 exceeds data.seq_len=8, the longest context "
-      "the model was trained on; allowed: at most 1 new token for this prompt\n")
+  for prompt, new_tokens, said in (
+      ([1], 8, "(1 token) + --max_new_tokens=8 exceeds data.seq_len=8, the longest context the "
+               "model was trained on; allowed: at most 7 new tokens for this prompt"),
+      (list(range(1, 8)), 2, "(7 tokens) + --max_new_tokens=2 exceeds data.seq_len=8, the "
+                             "longest context the model was trained on; allowed: at most 1 new "
+                             "token for this prompt")):
+    fv.max_new_tokens = new_tokens
+    monkeypatch.setattr(tokenizer, "encode", lambda text, ids=prompt: ids)
+    with pytest.raises(SystemExit):
+      sample.main([])
+    assert capsys.readouterr().err == f"error: --prompt {said}\n"
   # A prompt that fills the context leaves no room: said of the prompt, not as "-1 new tokens".
   fv.max_new_tokens = 1
   monkeypatch.setattr(tokenizer, "encode", lambda text: list(range(1, 9)))
