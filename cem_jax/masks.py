@@ -44,8 +44,8 @@ def mask_block(segment_ids: jax.Array | None, rows: jax.Array, cols: jax.Array, 
   mask = jnp.broadcast_to(causal, (batch, rows.shape[0], cols.shape[0]))
   if segment_ids is not None:
     seg_i, seg_j = segment_ids[:, rows], segment_ids[:, cols]
-    mask = mask & (seg_i[:, :, None] == seg_j[:, None, :]) & (seg_i[:, :, None] > 0) & (
-        seg_j[:, None, :] > 0)
+    # Same document and not padding: seg_j > 0 with seg_i == seg_j implies seg_i > 0.
+    mask = mask & (seg_i[:, :, None] == seg_j[:, None, :]) & (seg_j[:, None, :] > 0)
   return mask
 
 
