@@ -38,6 +38,9 @@ def mask_block(segment_ids: jax.Array | None, rows: jax.Array, cols: jax.Array, 
     rows, cols: ``[m]`` and ``[n]`` int query and key positions in ``[0, seq_len)``.
     batch: rows of the batch (used when ``segment_ids`` is None).
     strict: ``j < i`` instead of ``j <= i``.
+  Returns:
+    ``[batch, len(rows), len(cols)]`` bool, True where query ``rows[a]`` sees key ``cols[c]``.
+  Source: CEM_MATH.md sections 1 and 7 (as :func:`make_mask`).
   """
   i, j = rows[:, None], cols[None, :]
   causal = (j < i) if strict else (j <= i)
