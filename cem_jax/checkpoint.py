@@ -44,7 +44,7 @@ from cem_jax.integrity import (
 )
 
 __all__ = ["COMMIT_MARKER", "DELETING_DIR", "DIGEST_DIR", "REJECTED_DIR", "CheckpointError",
-           "Checkpointer"]
+           "Checkpointer", "HeldReads"]
 
 
 def _flat_arrays(tree) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -95,8 +95,13 @@ class _HeldReports(logging.Filter):
 
   _LOGGERS = ("absl", "asyncio")  # Orbax logs through absl's logger
 
-  def __init__(self):
+  def __init__(self, level: int = logging.ERROR, main_thread: bool = False):
+    """``level``: the least a record held is (a read's warnings too, :class:`HeldReads`);
+    ``main_thread``: an exception of type Exception dropped in the main thread is held too
+    (a read's coroutines, collected there), a signal's (KeyboardInterrupt) never is."""
     super().__init__()
+    self._level = level
+    self._main_thread = main_thread
     self._records = []
     self._unraisable = []
     self._hook = None
@@ -107,7 +112,7 @@ class _HeldReports(logging.Filter):
     self._hook, sys.unraisablehook = sys.unraisablehook, self._hold
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if record.levelno < logging.ERROR or not (
+    if record.levelno < self._level or not (
         record.name == "asyncio" or record.pathname.startswith(_ORBAX_DIR)):
       return True
     stopped = record.exc_info[1] if record.exc_info else None
@@ -120,13 +125,20 @@ class _HeldReports(logging.Filter):
     return False
 
   def _hold(self, unraisable) -> None:
-    if threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is threading.main_thread() and not (
+        self._main_thread and isinstance(unraisable.exc_value, Exception)):
       self._hook(unraisable)  # e.g. a Ctrl-C dropped in a gc callback: cli.interrupted sends it
       return
     # Not the object: kept after the hook returns, one being finalized would live again.
     self._unraisable.append(types.SimpleNamespace(
         exc_type=unraisable.exc_type, exc_value=unraisable.exc_value,
         exc_traceback=unraisable.exc_traceback, err_msg=unraisable.err_msg, object=None))
+
+  def forget(self) -> None:
+    """Drops what was held so far and goes on holding. Without a ``gc.collect()`` (0.2 s in
+    a test process, as long as a tiny step's read): what a failed read left to collect is
+    held when it is collected."""
+    self._records, self._unraisable = [], []
 
   def end(self, hand_on: bool) -> None:
     """Holds no more; ``hand_on``: what was held goes where it would have gone, else it is
@@ -152,7 +164,8 @@ _dropping: _HeldReports | None = None
 
 
 def _drop_after_failure(held: _HeldReports | None) -> None:
-  """Keeps dropping ``held``, a failed save's reports (:class:`_HeldReports`)."""
+  """Keeps dropping ``held``, a failed save's reports or a dropped read's
+  (:class:`_HeldReports`)."""
   global _dropping
   _stop_dropping()
   _dropping = held
@@ -163,6 +176,47 @@ def _stop_dropping() -> None:
   if _dropping is not None:
     _dropping.end(hand_on=False)
     _dropping = None
+
+
+class HeldReads:
+  """What Orbax, and the asyncio loops and TensorStore threads its reads run on, report while
+  the block reads steps (:meth:`Checkpointer.restore`, :meth:`Checkpointer.read_meta`), held
+  for a reader that reads again when a read fails for a reason it expected:
+  :func:`cem_jax.runs.load_run`, whose chosen step a run still training pruned while it was read.
+  Such a read reported it in up to a hundred lines ("Event loop is closed" and "Encountered
+  error while reading array index" tracebacks, asyncio's "never retrieved", Orbax's warning
+  that an item "could not be restored") before a retry read the next step without a fault.
+
+  Held: Orbax's records of WARNING and above, asyncio's, and the exceptions Python drops in
+  any thread (a signal's, KeyboardInterrupt, excepted: it goes through at once); told apart as
+  :class:`_HeldReports` tells them, never by their wording. :meth:`drop` drops what the failed
+  read reported. At the end of the block, what is held is handed on as it came if the block
+  raised (the read that failed last, or one that failed otherwise: the reports explain it) or
+  nothing was dropped; if the block ends after a :meth:`drop`, it is dropped, and so is what
+  comes later, until a :class:`Checkpointer` is made: a dropped read's TensorStore threads may
+  still report its end.
+
+  Use: ``with HeldReads() as held: ... held.drop() ...``; in the main thread.
+  """
+
+  def __init__(self):
+    self._held = _HeldReports(logging.WARNING, main_thread=True)
+    self._dropped = False
+
+  def __enter__(self) -> HeldReads:
+    self._held.start()
+    return self
+
+  def drop(self) -> None:
+    """Drops what was reported so far (a failed read that will be made again)."""
+    self._held.forget()
+    self._dropped = True
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if exc_type is None and self._dropped:
+      _drop_after_failure(self._held)
+    else:
+      self._held.end(hand_on=True)
 
 
 class Checkpointer:

@@ -315,26 +315,31 @@ def _restore_newest(ckpt, workdir: str, config_json: str, require, attention_imp
   """``(step, meta, config, graphdef, params)`` of ``ckpt``'s newest intact step, chosen
   again while each chosen one is pruned before it is read (:func:`load_run`)."""
   pruned = []
-  while True:
-    step = ckpt.restorable_step()  # the newest *verified* step
-    if step is None:  # found before the data are built (a tokenizer trained for nothing)
-      raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
-    try:
-      return (step, *_restore_step(ckpt, step, config_json, require, attention_impl))
-    # Any type: a step deleted part way through its read fails in Orbax as it happens to
-    # (a FileNotFoundError, tensorstore's ValueError, an AttributeError on metadata it found
-    # missing); told by the step's folder being gone, never by the wording.
-    except Exception as e:
-      if os.path.isdir(ckpt.step_dir(step)):
-        raise
-      pruned.append(step)
-      if len(pruned) == PRUNED_TRIES:
-        raise checkpoint_lib.CheckpointError(
-            f"--workdir={workdir}: the run pruned each of the {len(pruned)} steps chosen in a "
-            f"row (the first step {pruned[0]}, the last {pruned[-1]}) before it could be "
-            "read: a run still training keeps only its newest checkpoint.keep steps and saves "
-            "faster than they are read here; read it once it has stopped, or train with "
-            "--config.checkpoint.keep=2 or more") from e
+  # What Orbax reports of a read that a pruning cut (up to a hundred lines of tracebacks) is
+  # dropped when the newest step is read again; what the last read reported, if it fails too,
+  # or a read that fails otherwise, is shown with its error.
+  with checkpoint_lib.HeldReads() as held:
+    while True:
+      step = ckpt.restorable_step()  # the newest *verified* step
+      if step is None:  # found before the data are built (a tokenizer trained for nothing)
+        raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
+      try:
+        return (step, *_restore_step(ckpt, step, config_json, require, attention_impl))
+      # Any type: a step deleted part way through its read fails in Orbax as it happens to
+      # (a FileNotFoundError, tensorstore's ValueError, an AttributeError on metadata it found
+      # missing); told by the step's folder being gone, never by the wording.
+      except Exception as e:
+        if os.path.isdir(ckpt.step_dir(step)):
+          raise
+        pruned.append(step)
+        if len(pruned) == PRUNED_TRIES:
+          raise checkpoint_lib.CheckpointError(
+              f"--workdir={workdir}: the run pruned each of the {len(pruned)} steps chosen in "
+              f"a row (the first step {pruned[0]}, the last {pruned[-1]}) before it could be "
+              "read: a run still training keeps only its newest checkpoint.keep steps and "
+              "saves faster than they are read here; read it once it has stopped, or train "
+              "with --config.checkpoint.keep=2 or more") from e
+        held.drop()
 
 
 def _restore_step(ckpt, step: int, config_json: str, require=None,

@@ -769,6 +769,105 @@ def test_a_run_that_prunes_every_step_chosen_is_a_one_line_error_after_the_bound
   assert chosen == [7]
 
 
+def _report_as_a_cut_read(what: str) -> None:
+  """What Orbax's read of a step a pruning cuts reports, stood in for, each kind naming
+  ``what``: Orbax's warning (an item "could not be restored"), asyncio's "never retrieved",
+  an exception Python drops in a TensorStore thread ("Event loop is closed") and one it drops
+  in the main thread (a read's coroutine, collected there)."""
+  import asyncio
+  import logging
+
+  from cem_jax import checkpoint
+
+  logging.getLogger("absl").handle(logging.LogRecord(
+      "absl", logging.WARNING, os.path.join(checkpoint._ORBAX_DIR, "checkpoint", "x.py"), 1,
+      f"{what}: could not be restored", None, None))
+  logging.getLogger("asyncio").handle(logging.LogRecord(
+      "asyncio", logging.ERROR, asyncio.base_events.__file__, 1,
+      f"{what}: never retrieved", None, None))
+
+  class Dropped:
+    def __init__(self, where):
+      self.where = where
+
+    def __del__(self):
+      raise RuntimeError(f"{what}: dropped in the {self.where} thread")
+
+  thread = threading.Thread(target=lambda: Dropped("tensorstore"))
+  thread.start()
+  thread.join()
+  Dropped("main")
+
+
+@pytest.mark.parametrize("last", ["read", "pruned", "failed"])
+def test_what_orbax_reports_of_a_read_cut_by_pruning_is_dropped_when_the_step_is_read_again(
+    tmp_path, monkeypatch, caplog, last):
+  # A read of a step that the run still training (checkpoint.keep=1) pruned meanwhile: up to a
+  # hundred lines of Orbax's and TensorStore's tracebacks ("Event loop is closed", ...) on
+  # stderr, then load_run read the newest step fine. Dropped now, with what comes after it
+  # (until a Checkpointer is made); shown with the error when the last read fails: every
+  # chosen step pruned ("pruned": only the last read's), or a step still there ("failed").
+  import logging
+  import types
+
+  from cem_jax import checkpoint
+
+  real_checkpointer = checkpoint.Checkpointer
+  chosen, dropped = [], []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: dropped.append(str(u.exc_value)))
+  pruned_reads = {"read": 2, "pruned": runs.PRUNED_TRIES, "failed": 1}[last]
+
+  class Training:  # each step it names is pruned while read, then one stays (or fails)
+    def __init__(self, directory, **kwargs):
+      self.directory = directory
+
+    def restorable_step(self):
+      chosen.append(len(chosen) + 1)
+      if len(chosen) > pruned_reads:
+        os.makedirs(self.step_dir(chosen[-1]))
+      return chosen[-1]
+
+    def step_dir(self, step):
+      return os.path.join(self.directory, str(step))
+
+    def close(self):
+      pass
+
+  def restore_step(ckpt, step, *args):
+    _report_as_a_cut_read(f"read {step}")
+    if not os.path.isdir(ckpt.step_dir(step)) or last == "failed":
+      raise ValueError(f"read {step} failed")
+    return types.SimpleNamespace(), "config", "graphdef", "params"
+
+  (tmp_path / "config.json").write_text("{}")
+  monkeypatch.setattr(checkpoint, "Checkpointer", Training)
+  monkeypatch.setattr(runs, "_restore_step", restore_step)
+  monkeypatch.setattr(runs, "_data_of", lambda *args: "data")
+  with caplog.at_level(logging.WARNING):
+    if last == "read":
+      assert runs.load_run(str(tmp_path))[4] == 3
+    else:
+      with pytest.raises((checkpoint.CheckpointError, ValueError)):
+        runs.load_run(str(tmp_path))
+    _report_as_a_cut_read("later")
+    monkeypatch.setattr(checkpoint, "Checkpointer", real_checkpointer)
+    checkpoint.Checkpointer(str(tmp_path / "next")).close()
+    _report_as_a_cut_read("after a new Checkpointer")
+  shown = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+           and r.getMessage().endswith(("could not be restored", "never retrieved"))]
+  kinds = lambda what: [f"{what}: could not be restored", f"{what}: never retrieved"]
+  threads = lambda what: [f"{what}: dropped in the tensorstore thread",
+                          f"{what}: dropped in the main thread"]
+  after = "after a new Checkpointer"
+  if last == "read":  # nothing of reads 1 and 2, nor what came after them
+    assert (shown, dropped) == (kinds(after), threads(after))
+  else:  # the last read's, as it came, and what comes later
+    final = f"read {chosen[-1]}"
+    assert len(chosen) == (runs.PRUNED_TRIES if last == "pruned" else 2)
+    assert shown == kinds(final) + kinds("later") + kinds(after)
+    assert dropped == threads(final) + threads("later") + threads(after)
+
+
 @pytest.mark.parametrize("in_checkpoint", [True, False])
 def test_a_saved_config_with_fields_unknown_here_is_refused_naming_them_and_where(
     tmp_path, in_checkpoint):
