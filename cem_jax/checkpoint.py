@@ -249,6 +249,10 @@ class Checkpointer:
     # its cause's traceback holds alive, a failed write's future among them).
     self._failed: str | None = None
     self._waits = signals.Calls("cem_jax.checkpoint wait")  # the waits for Orbax's threads
+    # The reads (restore, read_meta), in a thread of their own: a read that hangs (a disk that
+    # stopped answering) must not hold back close()'s wait, queued behind it, after the signal
+    # that stopped the wait for it.
+    self._reads = signals.Calls("cem_jax.checkpoint read")
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
         # A reader keeps and saves nothing (Orbax warns when read_only meets other values).
@@ -455,22 +459,33 @@ class Checkpointer:
     Returns:
       ``(state, meta)``: the state with ``target``'s structure and the saved JSON metadata.
 
+    The read runs in a thread of its own (:class:`cem_jax.signals.Calls`): Orbax's restore
+    waits in C++ (TensorStore), where a Ctrl-C or SIGTERM the kernel gave another thread, or
+    even this one, ran its handler only once the read returned, minutes for a large step on a
+    slow disk, never for one that hangs; this thread waits in slices a signal's handler runs
+    between, and a handler's exception stops the wait at once, the read going on in its
+    thread, its result dropped.
+
     Raises:
       CheckpointError: the saved tree does not fit ``target`` (see ``check_compatible``).
+      what a signal's handler raises while it waits (KeyboardInterrupt,
+        :class:`cem_jax.cli.Terminated`).
     """
     self.check_compatible(step, target)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-    out = self.manager.restore(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                meta=ocp.args.JsonRestore()),
-    )
+    out = self._read(step, ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                              meta=ocp.args.JsonRestore()))
     return out["state"], out["meta"]
 
   def read_meta(self, step: int) -> dict:
     """The JSON metadata of step ``step`` alone (step, seed, resolved config, data identity),
-    without its arrays: what a reader needs to rebuild the model it was saved from."""
-    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    without its arrays: what a reader needs to rebuild the model it was saved from. Read as
+    :meth:`restore` reads, a signal's exception stopping the wait."""
+    return self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def _read(self, step: int, args):
+    """Orbax's restore of ``step`` with ``args``, waited for in slices (:meth:`restore`)."""
+    return self._reads.run(lambda: self.manager.restore(step, args=args))
 
   def wait(self) -> None:
     """Blocks until pending saves are committed; prunes old digests. After a failed save,
@@ -552,3 +567,4 @@ class Checkpointer:
         raise  # else Orbax's wait raising the failure wait() raised once, again
     finally:
       self._waits.stop()
+      self._reads.stop()

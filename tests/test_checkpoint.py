@@ -1318,3 +1318,55 @@ def test_newest_intact_moves_every_newer_damaged_step_and_names_each_first_probl
   with pytest.raises(OSError, match="read-only file system"):
     integrity.newest_intact(str(tmp_path), [1, 2], read_only=False)
   assert sent == [-1, -2]
+
+
+class _Stopped(Exception):
+  pass
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("read", ["restore", "read_meta"])
+def test_a_signal_given_to_another_thread_stops_a_read_that_hangs_at_once(
+    tmp_path, monkeypatch, signum, read):
+  # train's start-up restore (and a tool's load_run) waited in Orbax's restore, in C++: a
+  # SIGTERM or Ctrl-C the kernel gave another thread of the process ran its handler only once
+  # the read returned (minutes for a large step on a slow disk; never for one that hangs). The
+  # read hangs here inside Orbax's handler; the signal goes to a thread of its own, after
+  # 0.2 s (pthread_kill, where the kernel may deliver a process's signal); its handler's
+  # exception must stop the wait at once, and close() must not wait for the read. Fails with
+  # the read made in the main thread: the handler ran 3 s later, once the read gave up.
+  import threading
+
+  ckpt = _save_steps(tmp_path, steps=(1,))
+  released, gave_up = threading.Event(), []
+
+  def hangs(*args, **kwargs):
+    def send():
+      time.sleep(0.2)
+      signal.pthread_kill(threading.get_ident(), signum)
+
+    threading.Thread(target=send).start()
+    if not released.wait(3.0):
+      gave_up.append(time.monotonic())
+    raise OSError("the disk stopped answering")
+
+  def stop(signum, frame):
+    raise _Stopped
+
+  hung = ocp.StandardCheckpointHandler if read == "restore" else ocp.JsonCheckpointHandler
+  monkeypatch.setattr(hung, "restore", hangs)
+  previous = signal.signal(signum, stop)
+  try:
+    start = time.monotonic()
+    with pytest.raises(_Stopped):
+      if read == "restore":
+        ckpt.restore(1, _small_state(0.0))
+      else:
+        ckpt.read_meta(1)
+    took = time.monotonic() - start
+    ckpt.close()
+    closed = time.monotonic() - start
+  finally:
+    signal.signal(signum, previous)
+    released.set()
+  assert gave_up == [] and took < 1.5 and closed < 2.5, (gave_up, took, closed)
