@@ -273,11 +273,12 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
   shapes take its ``data.vocab_size``, which every tokenizer it may have trained with has):
   a run still training (``checkpoint.keep`` 1, a save each step) may prune the chosen step at
   any moment, so the time between choosing it and reading it is the config's checks and the
-  restore, not the data's build (a tokenizer trained, seconds); a step
-  pruned before it was read is chosen again, the newest, up to :data:`PRUNED_TRIES` in a
-  row. The data are then the tokens the checkpoint records it was trained on, read from the
-  run's ``data.prepared_dir`` or its ``data/`` folder, so the raw text (and a given tokenizer
-  file) may have moved; otherwise they are built from the config, and must be the tokens the
+  restore, not the data's build (a tokenizer trained, seconds); a step pruned while it was
+  chosen or before it was read is chosen again, the newest, up to :data:`PRUNED_TRIES` in a
+  row, what Orbax reported of its read dropped (:class:`cem_jax.checkpoint.HeldReads`). The
+  data are then the tokens the checkpoint records it was trained on, read from the run's
+  ``data.prepared_dir`` or its ``data/`` folder, so the raw text (and a given tokenizer file)
+  may have moved; otherwise they are built from the config, and must be the tokens the
   checkpoint records. ``require``, if given, is called with the checkpoint's config before
   the parameters and the data are read, to refuse a run at once by raising ValueError.
   ``attention_impl`` replaces the run's ``model.attention_impl`` (None: the run's own), e.g.
@@ -301,8 +302,7 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
   """
   path = _config_json(workdir)
   # Read-only: the run may still be training here; its in-flight saves must not be touched.
-  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False,
-                                     read_only=True)
+  ckpt = _reader(os.path.join(workdir, "checkpoints"))
   try:
     step, meta, config, graphdef, params = _restore_newest(ckpt, workdir, path, require,
                                                            attention_impl)
@@ -315,14 +315,40 @@ def _restore_newest(ckpt, workdir: str, config_json: str, require, attention_imp
   """``(step, meta, config, graphdef, params)`` of ``ckpt``'s newest intact step, chosen
   again while each chosen one is pruned before it is read (:func:`load_run`)."""
   pruned = []
+
+  def again(step: int, error: Exception) -> None:
+    """Records ``step`` as pruned while chosen or read: raises ``error``'s one line after
+    :data:`PRUNED_TRIES` in a row."""
+    pruned.append(step)
+    if len(pruned) == PRUNED_TRIES:
+      raise checkpoint_lib.CheckpointError(
+          f"--workdir={workdir}: the run pruned each of the {len(pruned)} steps chosen in "
+          f"a row (the first step {pruned[0]}, the last {pruned[-1]}) before it could be "
+          "read: a run still training keeps only its newest checkpoint.keep steps and "
+          "saves faster than they are read here; read it once it has stopped, or train "
+          "with --config.checkpoint.keep=2 or more") from error
+    held.drop()
+
   # What Orbax reports of a read that a pruning cut (up to a hundred lines of tracebacks) is
   # dropped when the newest step is read again; what the last read reported, if it fails too,
   # or a read that fails otherwise, is shown with its error.
   with checkpoint_lib.HeldReads() as held:
     while True:
-      step = ckpt.restorable_step()  # the newest *verified* step
-      if step is None:  # found before the data are built (a tokenizer trained for nothing)
-        raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
+      listed = _step_folders(ckpt.directory)
+      try:
+        step = ckpt.restorable_step()  # the newest *verified* step
+        if step is None:  # found before the data are built (a tokenizer trained for nothing)
+          raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
+      # A step pruned while it was chosen fails as it happens to: Orbax's FileNotFoundError
+      # (its metadata gone), no step listed, or, its files gone while they were verified, it
+      # is damaged and none is intact (keep=1); told by a step folder listed before being
+      # gone now.
+      except (checkpoint_lib.CheckpointError, OSError) as e:
+        gone = listed - _step_folders(ckpt.directory)
+        if not gone:
+          raise
+        again(max(gone), e)
+        continue
       try:
         return (step, *_restore_step(ckpt, step, config_json, require, attention_impl))
       # Any type: a step deleted part way through its read fails in Orbax as it happens to
@@ -331,15 +357,30 @@ def _restore_newest(ckpt, workdir: str, config_json: str, require, attention_imp
       except Exception as e:
         if os.path.isdir(ckpt.step_dir(step)):
           raise
-        pruned.append(step)
-        if len(pruned) == PRUNED_TRIES:
-          raise checkpoint_lib.CheckpointError(
-              f"--workdir={workdir}: the run pruned each of the {len(pruned)} steps chosen in "
-              f"a row (the first step {pruned[0]}, the last {pruned[-1]}) before it could be "
-              "read: a run still training keeps only its newest checkpoint.keep steps and "
-              "saves faster than they are read here; read it once it has stopped, or train "
-              "with --config.checkpoint.keep=2 or more") from e
-        held.drop()
+        again(step, e)
+
+
+def _reader(directory: str) -> checkpoint_lib.Checkpointer:
+  """A read-only Checkpointer of ``directory``, made again while a step Orbax lists as it
+  starts is pruned meanwhile (its FileNotFoundError, a step's metadata gone, as
+  :func:`_restore_newest` finds it), up to :data:`PRUNED_TRIES` times."""
+  for _ in range(PRUNED_TRIES - 1):
+    listed = _step_folders(directory)
+    try:
+      return checkpoint_lib.Checkpointer(directory, async_save=False, read_only=True)
+    except OSError:
+      if not listed - _step_folders(directory):
+        raise
+  return checkpoint_lib.Checkpointer(directory, async_save=False, read_only=True)
+
+
+def _step_folders(directory: str) -> set[int]:
+  """The steps whose folders ``directory`` (a run's ``checkpoints/``) holds now, committed or
+  not; none if it does not exist."""
+  try:
+    return {int(name) for name in os.listdir(directory) if name.isdigit()}
+  except FileNotFoundError:
+    return set()
 
 
 def _restore_step(ckpt, step: int, config_json: str, require=None,

@@ -868,6 +868,61 @@ def test_what_orbax_reports_of_a_read_cut_by_pruning_is_dropped_when_the_step_is
     assert dropped == threads(final) + threads("later") + threads(after)
 
 
+@pytest.mark.parametrize("error", [FileNotFoundError, "CheckpointError", None])
+def test_a_step_pruned_while_load_run_chooses_it_is_chosen_again(tmp_path, monkeypatch, error):
+  # Beside a run training with checkpoint.keep=1 and every_steps=1, 5 loads of ~250 failed
+  # while the newest step was chosen, before any read: Orbax's FileNotFoundError (the step's
+  # metadata gone), the step's files gone while verified ("no intact checkpoint"), or no step
+  # listed ("no checkpoint"); also as Orbax listed the steps when load_run opened the
+  # folder (the same FileNotFoundError). Chosen again as a step pruned while read is. An
+  # error with no step gone is raised at once.
+  from cem_jax import checkpoint
+
+  checkpoints, calls, opened = tmp_path / "checkpoints", [], []
+  (checkpoints / "0").mkdir(parents=True)
+  (checkpoints / "1").mkdir()
+  error = checkpoint.CheckpointError if error == "CheckpointError" else error
+
+  class Training:  # prunes the newest step as it is chosen, twice, as it saves the next
+    def __init__(self, directory, **kwargs):
+      self.directory = directory
+      opened.append(directory)
+      if len(opened) == 1:  # as Orbax lists the steps
+        (checkpoints / "0").rmdir()
+        raise FileNotFoundError(f"{directory}/0")
+
+    def restorable_step(self):
+      calls.append(len(calls) + 1)
+      if calls[-1] < 3:
+        (checkpoints / str(calls[-1] + 1)).mkdir()
+        (checkpoints / str(calls[-1])).rmdir()
+        if error is None:
+          return None
+        raise error(f"step {calls[-1]} gone")
+      if calls[-1] == 4:
+        if error is None:
+          return None
+        raise error("damaged, nothing gone")
+      return calls[-1]
+
+    def step_dir(self, step):
+      return os.path.join(self.directory, str(step))
+
+    def close(self):
+      pass
+
+  (tmp_path / "config.json").write_text("{}")
+  monkeypatch.setattr(checkpoint, "Checkpointer", Training)
+  monkeypatch.setattr(runs, "_restore_step", lambda *args: (None, "config", "g", "params"))
+  monkeypatch.setattr(runs, "_data_of", lambda *args: "data")
+  assert runs.load_run(str(tmp_path))[4] == 3 and calls == [1, 2, 3] and len(opened) == 2
+  with pytest.raises(error or FileNotFoundError,
+                     match=(f"^--workdir={tmp_path}: no checkpoint in {checkpoints}$"
+                            if error is None else "^damaged, nothing gone$")):
+    runs.load_run(str(tmp_path))
+  assert calls == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("in_checkpoint", [True, False])
 def test_a_saved_config_with_fields_unknown_here_is_refused_naming_them_and_where(
     tmp_path, in_checkpoint):
