@@ -5,8 +5,8 @@ blocks before anything is compiled for training:
   (``jax.eval_shape``), with inputs and weights in ``model.dtype`` as the layer passes them,
   on both layouts the model calls it with: training (``y`` and
   ``context`` of equal length) and cached decoding (``y`` the new tokens, ``context`` and
-  ``aux.mask``'s key axis the whole cache), and must return a float scalar (the update: an
-  array shaped like ``y``);
+  ``aux.mask``'s key axis the whole cache), and must return a float32 or float64 scalar (the
+  update: an array shaped like ``y``);
 - a fused update not built into cem_jax (``<function>_fused_update`` next to a
   ``'file.py:function'`` energy, or one given to :func:`cem_jax.energies.register`) is
   evaluated on small random inputs and compared with ``-jax.grad(energy)`` w.r.t. ``y``: a
@@ -306,7 +306,10 @@ def _evaluate_shape(field, spec, fn, what, y, context, shapes, aux, decoding):
 
 def _check_energy_shape(field, spec, y, context, shapes, aux, decoding):
   out = _evaluate_shape(field, spec, spec.energy, "", y, context, shapes, aux, decoding)
-  where = f" on {_where(y, context, aux, decoding)}" if decoding else ""
+  # The probe's shapes, not the config's batch: a [batch] energy shows as (1,), which reads
+  # as the batch axis only beside y's own shape.
+  where = (f" on {_where(y, context, aux, decoding)}" if decoding
+           else f" for y of shape {list(y.shape)} ([batch, seq_len, d_model])")
   if not hasattr(out, "shape") or out.shape != ():
     shape = getattr(out, "shape", type(out).__name__)
     raise ValueError(f"{field}={spec.name!r} returns shape {shape}{where}; an energy must "
@@ -314,6 +317,12 @@ def _check_energy_shape(field, spec, y, context, shapes, aux, decoding):
   if not jnp.issubdtype(out.dtype, jnp.floating):
     raise ValueError(f"{field}={spec.name!r} returns dtype {out.dtype}{where}; an energy must "
                      "return a float scalar")
+  if jnp.finfo(out.dtype).bits < 32:
+    # A bfloat16 value keeps ~3 digits: the energy trace and the slope check's central
+    # differences would read rounding, and the latter refused it as a wrong gradient.
+    raise ValueError(f"{field}={spec.name!r} returns dtype {out.dtype}{where}; an energy must "
+                     "return a float32 (or float64) scalar: accumulate in float32, e.g. "
+                     "preferred_element_type=jnp.float32 or .astype(jnp.float32) before the sum")
 
 
 # _WatchedAux counts reads of energy_block_size while "on" (only inside the traced energy, not

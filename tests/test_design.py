@@ -332,12 +332,19 @@ def integer(y, context, params, aux):
   return jnp.sum(y).astype(jnp.int32)
 def broken(y, context, params, aux):
   return params["no_such_param"].sum()
+def half(y, context, params, aux):
+  return (jnp.sum(params["eta"]) * jnp.sum(y * y)).astype(jnp.bfloat16)
 '''
 
 
 @pytest.mark.parametrize("name,message", [
-    ("vector", r"returns shape \(1, 4\); an energy must return a scalar"),
-    ("integer", r"returns dtype int32; an energy must return a float scalar"),
+    ("vector", r"returns shape \(1, 4\) for y of shape \[1, 4, 64\] \(\[batch, seq_len, "
+               r"d_model\]\); an energy must return a scalar"),
+    ("integer", r"returns dtype int32 for y of shape \[1, 4, 64\] .*; an energy must return a "
+                r"float scalar$"),
+    # bfloat16 passed, then the slope check refused its rounded value as a wrong gradient.
+    ("half", r"returns dtype bfloat16 for y .*; an energy must return a float32 \(or float64\) "
+             r"scalar: accumulate in float32"),
     ("broken", r"failed on \[batch, seq_len, d_model\] inputs: KeyError"),
 ])
 def test_bad_user_energies_fail_before_compilation(tmp_path, name, message):

@@ -819,7 +819,8 @@ def f32_only(y, context, params, aux):  # lax.mul takes no mixed dtypes: bf16 in
 
 def bf16_only(y, context, params, aux):  # runs in a bfloat16 model, not in float32
   pre, gate = _pre_gate(y, context, params)
-  return jax.lax.mul(jnp.sum(gate * jnp.tanh(pre)), -params["eta"].astype(jnp.bfloat16))
+  value = jax.lax.mul(jnp.sum(gate * jnp.tanh(pre)), -params["eta"].astype(jnp.bfloat16))
+  return value.astype(jnp.float32)  # a bfloat16 value is refused before the numerical checks
 
 
 def per_row(y, context, params, aux):  # one energy per batch row: [batch], not a scalar
@@ -995,7 +996,8 @@ def test_energy_of_one_value_per_batch_row_is_refused_at_start_up(tmp_path):
   # would pass start-up and fail when the train step compiles.
   message = _refusal(_user_config(tmp_path, attention_energy="per_row"))
   assert message == (f"model.attention_energy='{tmp_path}/user_fused.py:per_row' returns shape "
-                     "(1,); an energy must return a scalar (sum over batch and positions)")
+                     "(1,) for y of shape [1, 4, 64] ([batch, seq_len, d_model]); an energy must "
+                     "return a scalar (sum over batch and positions)")
 
 
 def test_energy_block_size_an_energy_never_reads_is_refused(tmp_path):
