@@ -362,8 +362,13 @@ def test_a_user_energy_path_or_name_that_cannot_serve_is_one_line(tmp_path):
   user.write_text("energy = 3\ndef quad(y, context, params, aux):\n  return (y * y).sum()\n"
                   "quad_fused_update = 'not a function'\n")
   with pytest.raises(ValueError, match=rf"^model\.mlp_energy='{user}:energy': module "
-                                       rf"'{user}' has no function 'energy'$"):
+                                       rf"'{user}' has no function 'energy' \('energy' is int; "
+                                       r"its functions: quad\)$"):
     energies.get(f"{user}:energy", "mlp", "model.mlp_energy")
+  with pytest.raises(ValueError, match=rf"^model\.mlp_energy='{user}:qaud': module "
+                                       rf"'{user}' has no function 'qaud' \(its functions: "
+                                       r"quad\)$"):  # a misspelt name: what to write instead
+    energies.get(f"{user}:qaud", "mlp", "model.mlp_energy")
   with pytest.raises(ValueError, match=r"^model\.mlp_energy='__main__:energy': module "
                                        r"'__main__' has no function 'energy' \(__main__ is the "
                                        r"program running, .*; name a function of a script by "

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -151,6 +152,17 @@ def names(kind: str | None = None) -> list[str]:
   return sorted(n for n, s in _REGISTRY.items() if kind is None or s.kind == kind)
 
 
+def _functions_hint(module, fn_name: str, found) -> str:
+  """What the module has instead, for a misspelt or non-function name: the type of what
+  ``fn_name`` is, and the module's own public functions (not its imports, not closed forms)."""
+  own = sorted(n for n, v in vars(module).items()
+               if inspect.isfunction(v) and v.__module__ == module.__name__
+               and not n.startswith("_") and not n.endswith("_fused_update"))
+  parts = [f"{fn_name!r} is {type(found).__name__}"] if found is not None else []
+  parts.append(f"its functions: {', '.join(own)}" if own else "it defines no function")
+  return f" ({'; '.join(parts)})"
+
+
 def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
   """Looks up ``name`` for slot ``kind``.
 
@@ -177,6 +189,8 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
       hint = (f" (__main__ is the program running, {getattr(module, '__file__', 'no file')}; "
               "name a function of a script by its 'file.py:function')"
               if module_name == "__main__" else "")
+      if module_name != "__main__":
+        hint = _functions_hint(module, fn_name, fn)
       raise ValueError(f"{field}={name!r}: module {module_name!r} has no function {fn_name!r}"
                        f"{hint}")
     fused = getattr(module, f"{fn_name}_fused_update", None)
