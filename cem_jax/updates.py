@@ -1,4 +1,6 @@
-"""Updates derived from energies: ``-η P ∇_y E(y | context)`` (CEM_MATH.md sections 1-5).
+"""Updates derived from energies: ``-∇_y E(y | context)`` and the preconditioner ``P`` the layer
+applies to it (CEM_MATH.md sections 1-5). CEM_MATH's ``-η P ∇_y E`` has the step size ``η``
+inside ``E`` here: the energy carries it (``params['eta']``), the update adds none.
 
 The context is held fixed in the sense of CEM: the update differentiates the ``y`` argument
 only (``jax.grad(..., argnums=0)``). It is *not* wrapped in ``stop_gradient``: the training
