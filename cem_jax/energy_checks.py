@@ -656,9 +656,12 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
     fresh = _random_params(shapes, rng)
     unread = frozenset(name for name in params if np.array_equal(before, values(train(
         y, context, {**params, name: fresh[name]}, seg))[0]))
-  except Exception as e:  # the shape checks ran this code already: rare
-    raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs"
-                     f"{_float32_note(m)}: {one_line(e)}") from e
+  except Exception as e:
+    # The shape checks ran this code on one row: what fails here is mostly an axis that
+    # broadcast against the batch of 1 (e.g. eta[:, None, None] against [batch, heads, t]).
+    raise ValueError(f"{field}={spec.name!r}: its update failed on random float32 inputs, y "
+                     f"{list(y.shape)} [batch, seq_len, d_model] (batch {batch}: the shape "
+                     f"checks ran batch 1){_float32_note(m)}: {one_line(e)}") from e
   return _Runs(trained, e_trained, decoded, e_decoded, before, e_before, after, e_after, keep,
                seg, unread, e_padding, slopes, across)
 

@@ -828,6 +828,11 @@ def bf16_only(y, context, params, aux):  # runs in a bfloat16 model, not in floa
   return value.astype(jnp.float32)  # a bfloat16 value is refused before the numerical checks
 
 
+def eta_on_batch(y, context, params, aux):  # eta [heads] put on the batch axis of [b, h, t]
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  return -jnp.sum(params["eta"][:, None, None] * jnp.sum(q * q, -1).transpose(0, 2, 1))
+
+
 def per_row(y, context, params, aux):  # one energy per batch row: [batch], not a scalar
   return -0.5 * jnp.sum(y * y, axis=(1, 2))
 
@@ -996,6 +1001,16 @@ def test_energy_with_its_own_causal_mask_is_refused_at_start_up(tmp_path):
   assert "build masks from aux.mask" in message
 
 
+def test_energy_broadcasting_an_axis_against_the_batch_names_the_shapes(tmp_path):
+  # [heads, 1, 1] against [batch, heads, t] passes the shape checks' batch of 1 and fails
+  # only at the numerical checks' batch of 2: the line says which y that was.
+  message = _refusal(_user_config(tmp_path, attention_energy="eta_on_batch"))
+  assert message.startswith(
+      f"model.attention_energy='{tmp_path}/user_fused.py:eta_on_batch': its update failed on "
+      "random float32 inputs, y [2, 7, 64] [batch, seq_len, d_model] (batch 2: the shape "
+      "checks ran batch 1): TypeError: "), message
+
+
 def test_energy_of_one_value_per_batch_row_is_refused_at_start_up(tmp_path):
   # jax.grad needs a scalar: a [batch] energy (one axis, unlike test_design's [batch, seq])
   # would pass start-up and fail when the train step compiles.
@@ -1039,7 +1054,8 @@ def test_energy_that_fails_in_the_models_dtype_is_refused_at_start_up(tmp_path):
   message = _refusal(_user_config(tmp_path, mlp_energy="bf16_only", dtype="bfloat16"))
   assert message.startswith(
       f"model.mlp_energy='{tmp_path}/user_fused.py:bf16_only': its update failed on random "
-      "float32 inputs (the numerical start-up checks run in float32 whatever model.dtype; "
+      "float32 inputs, y [2, 7, 64] [batch, seq_len, d_model] (batch 2: the shape checks ran "
+      "batch 1) (the numerical start-up checks run in float32 whatever model.dtype; "
       "write the energy for any float dtype, e.g. cast constants with y.dtype): TypeError: ")
 
 
