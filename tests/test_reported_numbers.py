@@ -108,6 +108,25 @@ def test_parameter_counts_and_flops_are_the_hand_counts(overrides):
   assert model_stats.flops_per_token(m, vocab, n) == _hand_flops(m.to_dict(), vocab, n)
 
 
+
+@pytest.mark.parametrize("table", ["attention", "end_to_end"])
+def test_a_tables_aggregated_row_reports_the_hand_counts_of_its_own_config(table):
+  # Mutations: aggregate counting FLOPs at seq_len + 1 or another row's config, a part's
+  # parameters swapped; the committed-table test above reads TABLE.md, not aggregate.
+  from cem_jax import tables
+
+  module = tables.load_table(table)
+  results = [{"row": row, "seed": 0, "eval/loss": 3.0, "eval/bits_per_byte": 1.0,
+              "tokens_per_sec": 1.0} for row in module.ROWS]
+  rows = tables.aggregate(module, "tiny", results)
+  assert [r["row"] for r in rows] == list(module.ROWS)
+  for r in rows:
+    config = tables.row_config(module, r["row"], "tiny", 0).to_dict()
+    vocab, n = config["data"]["vocab_size"], config["data"]["seq_len"]
+    counts = _hand_counts(config["model"], vocab)
+    assert {k: r[k] for k in counts} == counts, r["row"]
+    assert r["flops_per_token"] == _hand_flops(config["model"], vocab, n), r["row"]
+
 def _cells(line: str) -> list[str]:
   return [c.strip() for c in line.strip().strip("|").split("|")]
 
