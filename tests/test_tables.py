@@ -774,11 +774,12 @@ def test_a_preempted_run_writes_no_result_and_stops_the_table(tmp_path, shared_d
   workdir = tmp_path / "out"
   trained = []
 
-  def preempted_training(cfg, out):  # SIGTERM after step 3 of 5: an eval at 3, no final one
-    trained.append(out)
+  def preempted_training(cfg, out):  # SIGTERM after step 4 of 5: evals at 2 and 4, no final
+    trained.append(out)  # one (an eval a step short of the end is not the final eval)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
-      f.write(json.dumps({"step": 3, "eval/loss": 4.0, "eval/bits_per_byte": 2.0}) + "\n")
+      for step in (2, 4):
+        f.write(json.dumps({"step": step, "eval/loss": 4.0, "eval/bits_per_byte": 2.0}) + "\n")
     return {"eval/loss": 4.0, "eval/bits_per_byte": 2.0}
 
   monkeypatch.setattr(tables.train, "train_and_evaluate", preempted_training)
@@ -824,7 +825,8 @@ def test_the_statistics_of_a_row_and_its_curve_against_numpy(tmp_path):
   toy.write_text(TOY.replace("FILES", "''"))
   module = tables.load_table(str(toy))
   workdir = str(tmp_path / "out")
-  loss = {"llama": np.array([3.0, 2.0, 2.6]), "cem": np.array([2.5, 2.25, 2.0])}
+  # cem's mean (2.2167) is not its median (2.25): a median would be read as the mean
+  loss = {"llama": np.array([3.0, 2.0, 2.6]), "cem": np.array([2.5, 2.25, 1.9])}
   bpb = {"llama": np.array([1.5, 1.1, 1.2]), "cem": np.array([1.0, 0.9, 1.3])}
   results = []
   for row in ("llama", "cem"):
@@ -915,14 +917,18 @@ def test_the_markdown_rows_units_signs_and_spreads_by_hand(tmp_path):
   assert open(paths[1]).read().splitlines()[2].split(",")[5] == ""
 
 
-def test_a_rows_rate_leaves_out_the_first_log(tmp_path, shared_data, monkeypatch):
+def test_a_rows_rate_leaves_out_the_first_log_and_its_loss_is_the_last_eval(tmp_path, shared_data,
+                                                                             monkeypatch):
   module = _toy_table(tmp_path, shared_data)
 
   def trained(cfg, out):  # the first log's rate is the warm-up: left out of the median
     os.makedirs(out, exist_ok=True)
-    final = {"eval/loss": 3.0, "eval/bits_per_byte": 1.5}
-    # cem logs once (say --steps below train.log_every_steps): that rate is all there is
-    logs = {"llama": ((1, 1.0), (2, 100.0), (3, 90.0)), "cem": ((3, 50.0),)}
+    # the last eval (what result.json and the table report), and an earlier better one
+    final = {"eval/loss": 3.0, "eval/bits_per_byte": 1.5, "eval/best_loss": 2.5,
+             "eval/best_bits_per_byte": 1.25, "eval/best_step": 3}
+    # cem logs once (say --steps below train.log_every_steps): that rate is all there is.
+    # llama's rates after the first: median 90, mean 70 (a mean would follow one slow log).
+    logs = {"llama": ((1, 1.0), (2, 100.0), (3, 90.0), (4, 20.0)), "cem": ((3, 50.0),)}
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
       for step, rate in logs[cfg.model.block]:
         f.write(json.dumps({"step": step, "train/tokens_per_sec": rate}) + "\n")
@@ -931,7 +937,8 @@ def test_a_rows_rate_leaves_out_the_first_log(tmp_path, shared_data, monkeypatch
 
   monkeypatch.setattr(tables.train, "train_and_evaluate", trained)
   results = tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"))
-  assert [r["tokens_per_sec"] for r in results] == [95.0, 50.0]
+  assert [r["tokens_per_sec"] for r in results] == [90.0, 50.0]
+  assert [(r["eval/loss"], r["eval/bits_per_byte"]) for r in results] == [(3.0, 1.5)] * 2
 
 
 def test_row_config_saves_a_set_energy_file_absolute(tmp_path, monkeypatch):
