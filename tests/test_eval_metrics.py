@@ -96,7 +96,7 @@ def test_energy_steps_keep_each_sub_steps_own_before_and_after():
   line = {"step": 5, "eval/loss": 1.0}
   values = {(0, 1, "att"): (-1.0, -3.0), (0, 2, "att"): (-2.0, -2.5),  # the MLP step raised it
             (0, 1, "mlp"): (4.0, 1.0), (0, 2, "mlp"): (2.0, 0.5), (1, 1, "att"): (0.0, -1.0),
-            (1, 2, "att"): (-0.5, -0.75), (1, 1, "mlp"): (1.0, 0.0), (1, 2, "mlp"): (0.5, 0.25)}
+            (1, 2, "att"): (-0.5, -1.75), (1, 1, "mlp"): (1.0, 0.0), (1, 2, "mlp"): (0.5, 0.25)}
   for (layer, step, part), (before, after) in values.items():
     line[f"eval/energy/layer{layer}/step{step}/{part}_before"] = before
     line[f"eval/energy/layer{layer}/step{step}/{part}_after"] = after
@@ -104,8 +104,9 @@ def test_energy_steps_keep_each_sub_steps_own_before_and_after():
   assert steps[0]["att"] == [(-1.0, -3.0), (-2.0, -2.5)]
   assert steps[1]["mlp"] == [(1.0, 0.0), (0.5, 0.25)]
   assert energy_trace(line)[0]["att"] == [-1.0, -3.0, -2.5]
-  # after each sub-layer's last step, summed: -2.5 + 0.5 (layer 0), -0.75 + 0.25 (layer 1)
-  assert final_energy(line) == pytest.approx(-2.5)
+  # after each sub-layer's last step, summed: -2.5 + 0.5 (layer 0), -1.75 + 0.25 (layer 1);
+  # no single term (nor one layer's) equals the sum
+  assert final_energy(line) == pytest.approx(-3.5)
   assert energy_steps({"step": 5, "eval/loss": 1.0}) == {}
   # A half missing (a cut or hand-edited line) is None, as a non-finite (null) value is.
   assert energy_steps({"eval/energy/layer0/step1/att_before": 2.0}) == {0: {"att": [(2.0, None)]}}
