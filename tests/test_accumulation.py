@@ -32,6 +32,9 @@ def _batch():
   # is not the batch mean.
   weights[1::2, 2:] = 0.0
   segments[1::2, 3:] = 0
+  # Weights are float32: a half-weighted target counts half in the mean (a count of the
+  # weighted targets would count it whole).
+  weights[0, :4] = 0.5
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments,
           "weights": weights}
 
