@@ -530,6 +530,7 @@ def test_the_ratios_are_each_row_step_time_over_llama_and_cem_fused_at_its_shape
     cells[c[0], c[2]] = c[-2:]  # (variant, seq_len): [x llama, x cem_fused]
     if (c[0], c[2]) == ("llama", "64"):
       assert c[9:11] == ["12.3%", "512"]  # MFU in percent, peak memory in MiB
+      assert (c[4], c[8]) == ("1.00M", "1.0000")  # 10⁶ parameters (not 2²⁰), 10⁹ FLOPs
     elif c[0] == "cem_fused":
       assert c[9:11] == ["n/a", "n/a"]  # not known: said, not 0
   assert cells["cem_autodiff", "64"] == ["6.00", "2.00"]  # slower than llama reads > 1
