@@ -601,14 +601,18 @@ def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
 
   def eval_loop(t, params, data, config):
     seen.append((t, config.eval.max_batches))
+    # one layer's energy trace: the final energy is att + mlp after step t, -3t
+    energy = {f"eval/energy/layer0/step{s}/{part}_{when}": -float(s) * (2 if part == "att" else 1)
+              for s in range(1, t + 1) for part in ("att", "mlp") for when in ("before", "after")}
     return {"eval/loss": float(t), "eval/perplexity": 1.0, "eval/bits_per_byte": 0.5,
-            "eval/tokens": 64 * t}
+            "eval/tokens": 64 * t, **energy}
 
   monkeypatch.setattr(steps_lib, "eval_loop", eval_loop)
   rows = evaluate.test_time_steps("w", [1, 3], max_batches=2, attention_impl="xla")
   assert seen == [(1, 2), (3, 2)]
-  assert [(r["T_eval"], r["eval/loss"], r["step"], r["T_trained"], r["eval/tokens"])
-          for r in rows] == [(1, 1.0, 30, 2, 64), (3, 3.0, 30, 2, 192)]
+  assert [(r["T_eval"], r["eval/loss"], r["step"], r["T_trained"], r["eval/tokens"],
+           r["final_energy"]) for r in rows] == [(1, 1.0, 30, 2, 64, -3.0),
+                                                  (3, 3.0, 30, 2, 192, -9.0)]
 
 
 def test_evaluate_refuses_an_eval_batch_too_large_for_the_host_before_data_or_state(
