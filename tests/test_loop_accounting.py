@@ -92,6 +92,33 @@ def test_on_a_tie_the_earliest_eval_is_the_best_live_and_on_resume(tmp_path, mon
   assert [m["eval/best_step"] for m in read_metrics(str(workdir)) if "eval/loss" in m] == [2] * 3
 
 
+
+def test_each_eval_line_and_the_result_hold_their_own_eval_beside_the_best(tmp_path,
+                                                                           monkeypatch):
+  # Evals of 2, 1 and 3 nats at steps 2, 4 and 6: the last is not the best, so a line (or the
+  # returned result, which tables write to result.json) holding the best's loss in place of
+  # its own fails here; a run whose loss only falls could not tell them apart.
+  losses = iter([2.0, 1.0, 3.0])
+  real_eval_loop = steps.eval_loop
+
+  def scripted(*args, **kwargs):
+    loss = next(losses)
+    return {**real_eval_loop(*args, **kwargs), "eval/loss": loss, "eval/bits_per_byte": loss / 2}
+
+  monkeypatch.setattr(steps, "eval_loop", scripted)
+  cfg = tiny_config("llama", **{"model.d_model": 16, "model.num_heads": 2, "model.mlp_dim": 32,
+                                "model.num_layers": 1, "train.num_steps": 6,
+                                "train.eval_every_steps": 2, "train.log_every_steps": 2,
+                                "checkpoint.every_steps": 6, "eval.max_batches": 1})
+  final = train.train_and_evaluate(cfg, str(tmp_path / "run"))
+  evals = [(m["step"], m["eval/loss"], m["eval/bits_per_byte"], m["eval/best_loss"],
+            m["eval/best_bits_per_byte"], m["eval/best_step"])
+           for m in read_metrics(str(tmp_path / "run")) if "eval/loss" in m]
+  assert evals == [(2, 2.0, 1.0, 2.0, 1.0, 2), (4, 1.0, 0.5, 1.0, 0.5, 4),
+                   (6, 3.0, 1.5, 1.0, 0.5, 4)]
+  assert (final["eval/loss"], final["eval/bits_per_byte"], final["eval/best_loss"],
+          final["eval/best_bits_per_byte"], final["eval/best_step"]) == (3.0, 1.5, 1.0, 0.5, 4)
+
 def test_a_non_finite_eval_is_never_the_best():
   nan, inf = float("nan"), float("inf")
   line = lambda step, loss: {"step": step, "eval/loss": loss, "eval/bits_per_byte": loss}  # noqa: E731
