@@ -595,15 +595,17 @@ def test_test_time_steps_evaluate_max_batches_at_every_t(monkeypatch):
 
   monkeypatch.setattr(runs, "load_run", load_run)
   monkeypatch.setattr(steps_lib, "make_eval_step",
-                      lambda graphdef, t, trace, loss_block_size: t)
+                      lambda graphdef, t, trace, loss_block_size: (t, trace))
   monkeypatch.setattr(train, "compile_eval_step", lambda config, step, params, **kw: step)
   seen = []
 
-  def eval_loop(t, params, data, config):
+  def eval_loop(step, params, data, config):
+    t, trace = step
     seen.append((t, config.eval.max_batches))
-    # one layer's energy trace: the final energy is att + mlp after step t, -3t
+    # a step made with the energy trace reports one layer's: att + mlp after step t is -3t
     energy = {f"eval/energy/layer0/step{s}/{part}_{when}": -float(s) * (2 if part == "att" else 1)
-              for s in range(1, t + 1) for part in ("att", "mlp") for when in ("before", "after")}
+              for s in range(1, t + 1) for part in ("att", "mlp") for when in ("before", "after")
+              if trace}
     return {"eval/loss": float(t), "eval/perplexity": 1.0, "eval/bits_per_byte": 0.5,
             "eval/tokens": 64 * t, **energy}
 
