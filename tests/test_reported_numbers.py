@@ -83,6 +83,7 @@ CASES = [
     dict(block="cem", diagonal="shared"),
     dict(block="cem", precond="both", precond_rank=3, precond_shared=False, num_steps=2),
     dict(block="cem", precond="mlp", precond_rank=0),
+    dict(block="cem", precond="mlp", precond_rank=2, num_steps=2),
     dict(block="cem", precond="attention", precond_rank=5, num_steps=2),
     dict(block="cem", mlp_condition="layer", num_steps=3),
     dict(block="cem", mlp_condition="layer", cem_mlp=False, num_steps=2),
