@@ -121,6 +121,9 @@ def test_a_cut_that_falls_on_a_line_start_stays_there():
   assert split_documents(["abcdefghij\nxy\nz\n"], 0.3125) == (["abcdefghij\n"], ["xy\nz\n"])
   # One character earlier, inside the line "abcdefghij\n": moved to the start of "xy" too.
   assert split_documents(["abcdefghij\nxy\nz\n"], 0.375) == (["abcdefghij\n"], ["xy\nz\n"])
+  # 16 * 0.71875 = 11.5: the cut is int(11.5) = 11, the start of "xy" (rounded to 12, inside
+  # "xy", it would move on to "z").
+  assert split_documents(["abcdefghij\nxy\nz\n"], 0.28125) == (["abcdefghij\n"], ["xy\nz\n"])
 
 
 def test_pydoc_source(tmp_path):
