@@ -229,6 +229,15 @@ def test_the_rate_leaves_out_evals_and_saves_and_mfu_is_the_model_flops_over_the
   # Without a known peak (a CPU) there is no train/mfu: test_train.py's command-line run.
 
 
+
+def test_the_mfu_peak_is_that_of_every_device_of_the_run_not_the_first(monkeypatch):
+  # train/mfu divides by the peak of all the global batch's devices: over the first one's it
+  # read 8x too high on 8 GPUs. The training test above has one CPU device (the first is all
+  # of them), so three H200s are stood in.
+  h200 = types.SimpleNamespace(device_kind="NVIDIA H200")
+  monkeypatch.setattr(train.jax, "devices", lambda: [h200] * 3)
+  assert train._mfu_peak(tiny_config("llama")) == 3 * 989e12
+
 def test_no_mfu_for_a_model_whose_flops_are_not_modelled(tmp_path, monkeypatch):
   # A user energy's operations are not in model_stats' count: its MFU would be the built-in's.
   monkeypatch.setattr(train, "peak_flops", lambda devices: 1e9 * len(devices))
