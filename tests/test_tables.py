@@ -873,6 +873,12 @@ def test_a_rows_delta_pairs_only_the_seeds_the_baseline_has(tmp_path):
   # Its Markdown cell: one paired seed has no spread ("± 0.0000" read as none), and says so.
   paths = tables.write_outputs(str(tmp_path), "t", rows, {"cem": [(1, 2.0)]}, "header")
   assert open(paths[0]).read().splitlines()[5].split(" | ")[7] == "-0.5000 (1 of 2 seeds)"
+  # TABLE.csv's columns named here, not read back from tables.COLUMNS: a column dropped
+  # there would pass a comparison with itself
+  assert csv.DictReader(open(paths[1])).fieldnames == [
+      "row", "params", "non_embedding_params", "attention_params", "mlp_params",
+      "flops_per_token", "eval_loss_mean", "eval_loss_std", "delta_loss_mean", "delta_loss_std",
+      "perplexity", "bits_per_byte_mean", "bits_per_byte_std", "tokens_per_sec", "seeds"]
   assert list(csv.DictReader(open(paths[1])))[1].keys() == set(tables.COLUMNS)
   _, cem = tables.aggregate(module, "tiny", [_result("llama", 1, 3.0), _result("cem", 0, 2.5)])
   assert math.isnan(cem["delta_loss_mean"]) and cem["delta_loss_std"] == 0.0
