@@ -20,7 +20,15 @@ import dataclasses
 import math
 import os
 import signal
+import sys
 import time
+
+if __name__ == "__main__":
+  # Run as a program this module imported its dependencies and ended with status 0, nothing
+  # trained, which reads as a finished run: the program is cem_jax.main. Before jax's import
+  # (seconds), so the mistake costs none.
+  sys.exit("error: cem_jax.train is the training loop, not a program: train with "
+           "python -m cem_jax.main --config=FILE --workdir=DIR (README, 'Run a config')")
 
 import jax
 import ml_collections
@@ -846,3 +854,4 @@ class _Loop:
     self.profiler.stop(self.done)  # a run preempted inside the window
     self.wait_for_save(close=True)
     self.writer.close()
+

@@ -121,6 +121,25 @@ def _parse(tmp_path, *args):
   return holder.value
 
 
+def test_python_m_cem_jax_train_is_refused_naming_main(tmp_path):
+  """The loop's module run as a program trained nothing and ended with status 0, a finished
+  run to a script (adv60): one line naming cem_jax.main, status 1, no workdir made."""
+  workdir = tmp_path / "w"
+
+  def as_a_terminal_leaves_them():
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+  proc = subprocess.run([sys.executable, "-m", "cem_jax.train", "--config=experiments/tiny.py",
+                         f"--workdir={workdir}"], cwd=REPO, capture_output=True, text=True,
+                        timeout=120, preexec_fn=as_a_terminal_leaves_them)
+  assert proc.returncode == 1, proc.stderr
+  assert proc.stderr.strip().splitlines() == [
+      "error: cem_jax.train is the training loop, not a program: train with python -m "
+      "cem_jax.main --config=FILE --workdir=DIR (README, 'Run a config')"]
+  assert not workdir.exists()
+
+
 def test_every_config_field_is_overridable_from_the_command_line(tmp_path):
   """No field defaults to None (ml_collections cannot parse a value for a None field): an
   'unset' field has a typed sentinel ('' or -1), so it can still be set on the command line."""
