@@ -9,6 +9,7 @@ config. Nothing here builds a model or runs a step.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 import json
 import os
@@ -267,8 +268,8 @@ def prepare_workdir(workdir: str) -> tuple[str, ...]:
   here, if still empty.
 
   Raises:
-    ValueError: it cannot be created or written, or is not a UTF-8 path (one line naming
-      ``--workdir`` and the reason).
+    ValueError: it cannot be created or written, is not a UTF-8 path, or has a ``[...]`` that
+      Orbax's writer reads as a glob pattern (one line naming ``--workdir`` and the reason).
   """
   try:
     os.path.abspath(workdir).encode("utf-8")
@@ -276,6 +277,14 @@ def prepare_workdir(workdir: str) -> tuple[str, ...]:
     # ArrayRecord's and Orbax's writers take UTF-8 paths only: found out before anything exists.
     raise ValueError(f"--workdir={workdir!r} is not a UTF-8 path; choose another --workdir"
                      ) from None
+  absolute = os.path.abspath(workdir)
+  # Orbax finds a step's per-process arrays by globbing below the step's folder, the folder's
+  # path part of the pattern: under a path that does not match itself ('[1]' matches '1') it
+  # found none, merged nothing, and every checkpoint saved was unreadable at the first resume.
+  if not fnmatch.fnmatchcase(absolute, absolute):
+    raise ValueError(f"--workdir={workdir!r}: its '[...]' is a glob pattern to Orbax's "
+                     "checkpoint writer, which would save checkpoints no resume can read; "
+                     "choose a --workdir without '[' and ']' (or rename the folder)")
   # What makedirs will make, deepest first. realpath, not abspath: the kernel resolves a symlink
   # before a '..' after it (link/../w is w beside link's target), abspath drops both.
   missing, path = [], os.path.realpath(workdir)

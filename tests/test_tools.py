@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -998,6 +999,20 @@ def test_preparing_a_workdir_says_whether_it_made_it_and_leaves_nothing_in_it(tm
   with pytest.raises(ValueError, match=r"^--workdir='.*x\\udcffy' is not a UTF-8 path; "):
     prepare_workdir(bad)
   assert sorted(os.listdir(tmp_path)) == ["w"]
+  # Orbax globs below a step's folder: under '[1]' (which matches '1') it merged no arrays,
+  # and the first resume found none (adv60). Refused before anything is made; '*', '?' and a
+  # lone '[' match themselves and are kept.
+  for name in ("br[1]", "a[b]c/w"):
+    with pytest.raises(ValueError) as e:
+      prepare_workdir(str(tmp_path / name))
+    assert str(e.value) == (
+        f"--workdir='{tmp_path / name}': its '[...]' is a glob pattern to Orbax's checkpoint "
+        "writer, which would save checkpoints no resume can read; choose a --workdir without "
+        "'[' and ']' (or rename the folder)")
+  assert sorted(os.listdir(tmp_path)) == ["w"]
+  for name in ("st*r?", "br["):
+    assert prepare_workdir(str(tmp_path / name))
+    shutil.rmtree(tmp_path / name)
   # A path through a file: the message names the folder that could not be made, and why.
   (tmp_path / "a_file").write_text("x")
   nested = tmp_path / "a_file" / "w" / "sub"
