@@ -797,6 +797,7 @@ class _Loop:
       )
     meta = runs.CheckpointMeta.saved_now(done, self.run.config.seed, self.resolved,
                                          self.run.data.identity, self.run.energies).to_dict()
+    self.writer.sync()  # first: no checkpoint of step done without its lines on the disk
     with signals.held(), self.leaving_the_save():
       saved = self.run.ckpt.save(done, state, meta, force=force)
     if saved:

@@ -2218,7 +2218,8 @@ def test_a_save_after_k_nonfinite_steps_or_of_non_finite_parameters_is_refused()
 
   def loop(guard, params):
     loop = types.SimpleNamespace(run=run, guard=np.int32(guard), max_bad=3, last_saved=5,
-                                 params=params, opt_state={}, resolved={})
+                                 params=params, opt_state={}, resolved={},
+                                 writer=types.SimpleNamespace(sync=lambda: None))
     loop.check_guard = lambda: train._Loop.check_guard(loop)
     loop.saved_text = lambda: train._Loop.saved_text(loop)
     loop.leaving_the_save = lambda: train._Loop.leaving_the_save(loop)

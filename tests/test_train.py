@@ -175,6 +175,41 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
   assert read_metrics(str(tmp_path))[1]["step"] == 20
 
 
+def test_a_save_first_puts_the_metrics_lines_on_the_disk(tmp_path, monkeypatch):
+  """A crash of the machine keeps Orbax's synced checkpoint of step s but may lose the
+  flushed, unsynced lines up to s: the resume then went on with those steps missing (adv60).
+  _Loop.save fsyncs metrics.jsonl (MetricsWriter.sync) before it starts the save."""
+  import types
+
+  from cem_jax.metrics import MetricsWriter
+
+  events = []
+  real_fsync = os.fsync
+  monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", fd)), real_fsync(fd)))
+  writer = MetricsWriter(str(tmp_path), tensorboard=False)
+  writer.write(5, {"train/loss": 2.5})
+  writer.sync()
+  assert events == [("fsync", writer._file.fileno())]
+  events.clear()
+
+  class Checkpoints:
+    def save(self, step, state, meta, force):
+      events.append(("save", step))
+      return True
+
+  loop = object.__new__(train._Loop)
+  loop.guard, loop.max_bad = jnp.zeros((), jnp.int32), 3
+  loop.params, loop.opt_state = {"w": jnp.ones(2)}, {}
+  loop.resolved, loop.save_left, loop.last_saved, loop.writer = {}, False, None, writer
+  loop.run = types.SimpleNamespace(config=types.SimpleNamespace(seed=0), energies={},
+                                   data=types.SimpleNamespace(identity={}), ckpt=Checkpoints())
+  loop.save(5, force=False)
+  assert events == [("fsync", writer._file.fileno()), ("save", 5)]
+  assert loop.last_saved == 5
+  writer.close()
+  writer.sync()  # closed: nothing to put on the disk
+
+
 # Run by the test below in a process of its own (a hang must not hang the suite). A signal
 # whose handler raises lands, as Python runs handlers, right after the C call before it: in
 # tensorboardX's queue put, just after a threading.Condition's lock is taken, where the
