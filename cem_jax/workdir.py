@@ -13,6 +13,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -268,8 +269,9 @@ def prepare_workdir(workdir: str) -> tuple[str, ...]:
   here, if still empty.
 
   Raises:
-    ValueError: it cannot be created or written, is not a UTF-8 path, or has a ``[...]`` that
-      Orbax's writer reads as a glob pattern (one line naming ``--workdir`` and the reason).
+    ValueError: it cannot be created or written, is not a UTF-8 path, is a URL
+      (``gs://...``), or has what Orbax's writer misreads: a ``[...]`` (a glob pattern) or a
+      ``gs:/`` (one line naming ``--workdir`` and the reason).
   """
   try:
     os.path.abspath(workdir).encode("utf-8")
@@ -277,7 +279,18 @@ def prepare_workdir(workdir: str) -> tuple[str, ...]:
     # ArrayRecord's and Orbax's writers take UTF-8 paths only: found out before anything exists.
     raise ValueError(f"--workdir={workdir!r} is not a UTF-8 path; choose another --workdir"
                      ) from None
+  if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", workdir):
+    # os.makedirs made ./gs:/bucket/run, and tensorboardX's import of google-cloud-storage for
+    # its own gs:// writer failed after the data and the compilation, in a traceback.
+    raise ValueError(f"--workdir={workdir!r} is a URL; allowed: a folder of this machine's "
+                     "file system (a bucket mounted there, e.g. with gcsfuse, on a pod)")
   absolute = os.path.abspath(workdir)
+  # Orbax's array writer rewrites every 'gs:/' in a path to 'gs://' (a Cloud Storage URL):
+  # under .../logs:/run the first save failed, after checkpoint.every_steps steps.
+  if "gs:/" in absolute + "/":
+    raise ValueError(f"--workdir={workdir!r}: Orbax's checkpoint writer reads the 'gs:/' in "
+                     f"its path {absolute!r} as a Cloud Storage URL and its first save would "
+                     "fail; choose a --workdir without a folder name ending in 'gs:'")
   # Orbax finds a step's per-process arrays by globbing below the step's folder, the folder's
   # path part of the pattern: under a path that does not match itself ('[1]' matches '1') it
   # found none, merged nothing, and every checkpoint saved was unreadable at the first resume.

@@ -1010,7 +1010,22 @@ def test_preparing_a_workdir_says_whether_it_made_it_and_leaves_nothing_in_it(tm
         "writer, which would save checkpoints no resume can read; choose a --workdir without "
         "'[' and ']' (or rename the folder)")
   assert sorted(os.listdir(tmp_path)) == ["w"]
-  for name in ("st*r?", "br["):
+  # A URL made ./gs:/b/run and ended in tensorboardX's ImportError traceback; a folder
+  # named 'logs:' failed the first save (Orbax writes its 'gs:/' as 'gs://').
+  for url in ("gs://b/run", "s3://b/run"):
+    with pytest.raises(ValueError) as e:
+      prepare_workdir(url)
+    assert str(e.value) == (f"--workdir='{url}' is a URL; allowed: a folder of this machine's "
+                            "file system (a bucket mounted there, e.g. with gcsfuse, on a pod)")
+  for name in ("logs:/run", "logs:"):
+    with pytest.raises(ValueError) as e:
+      prepare_workdir(str(tmp_path / name))
+    assert str(e.value) == (
+        f"--workdir='{tmp_path / name}': Orbax's checkpoint writer reads the 'gs:/' in its "
+        f"path '{tmp_path / name}' as a Cloud Storage URL and its first save would fail; "
+        "choose a --workdir without a folder name ending in 'gs:'")
+  assert sorted(os.listdir(tmp_path)) == ["w"]
+  for name in ("st*r?", "br[", "col:on", "gs", "a:/b"):
     assert prepare_workdir(str(tmp_path / name))
     shutil.rmtree(tmp_path / name)
   # A path through a file: the message names the folder that could not be made, and why.
