@@ -233,11 +233,18 @@ class Checkpointer:
 
   Attributes:
     created: True if ``directory`` did not exist and this Checkpointer created it.
+
+  Raises:
+    ValueError: ``directory`` is there and is not a folder (a file, a broken link).
   """
 
   def __init__(self, directory: str, keep: int = 3, every_steps: int = 1,
                async_save: bool = True, read_only: bool = False):
     self.directory = os.path.abspath(directory)
+    if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
+      # Orbax's own error was "[Errno 20] Not a directory: '.../checkpoints/deleting'".
+      raise ValueError(f"{self.directory} is not a folder; allowed: the run's checkpoints "
+                       "folder (one subfolder a saved step); move it away")
     # True if this Checkpointer makes the folder: a failed start may then remove it again.
     self.created = not read_only and not os.path.isdir(self.directory)
     self.async_save = async_save

@@ -385,6 +385,22 @@ def _digest_lists_no_file(step_dir: Path) -> str:
   return _edit_digest(step_dir, lambda d: d.update(files={}))
 
 
+@pytest.mark.parametrize("read_only", [False, True], ids=["training", "reader"])
+def test_a_checkpoints_path_that_is_a_file_or_a_broken_link_is_one_line_naming_it(
+    read_only, tmp_path):
+  # Orbax's error named checkpoints/deleting with no fix (adv60: a file named checkpoints in
+  # the workdir). Refused before Orbax touches it: the file is left as it was.
+  (tmp_path / "checkpoints").write_text("notes\n")
+  os.symlink(tmp_path / "gone", tmp_path / "link")
+  for name in ("checkpoints", "link"):
+    with pytest.raises(ValueError) as e:
+      Checkpointer(str(tmp_path / name), read_only=read_only)
+    assert str(e.value) == (f"{tmp_path / name} is not a folder; allowed: the run's "
+                            "checkpoints folder (one subfolder a saved step); move it away")
+  assert (tmp_path / "checkpoints").read_text() == "notes\n"
+  assert sorted(os.listdir(tmp_path)) == ["checkpoints", "link"]
+
+
 @pytest.mark.parametrize("damage", [_empty, _truncate, _flip, _no_commit_marker, _no_digest,
                                     _digest_files_a_list, _digest_entry_without_size,
                                     _digest_size_a_string, _digest_lists_no_file])
