@@ -855,4 +855,3 @@ class _Loop:
     self.profiler.stop(self.done)  # a run preempted inside the window
     self.wait_for_save(close=True)
     self.writer.close()
-
