@@ -729,6 +729,20 @@ def test_evaluate_refuses_step_counts_that_are_not_integers_by_the_values_typed(
       "(every step is unrolled into the compiled program) and at most once")
 
 
+class _ReaderStandIn:
+  """A read-only Checkpointer as :func:`cem_jax.runs.load_run` uses it, stood in for: the
+  tests below say which step ``restorable_step`` names and what its read does."""
+
+  def __init__(self, directory, **kwargs):
+    self.directory = directory
+
+  def step_dir(self, step):
+    return os.path.join(self.directory, str(step))
+
+  def close(self):
+    pass
+
+
 def test_a_run_that_prunes_every_step_chosen_is_a_one_line_error_after_the_bounded_tries(
     tmp_path, monkeypatch):
   # A run still training with checkpoint.keep=1 may prune each step load_run chooses before it
@@ -739,19 +753,10 @@ def test_a_run_that_prunes_every_step_chosen_is_a_one_line_error_after_the_bound
 
   chosen = []
 
-  class Training:  # each step it names is gone by the time it is read; the run saves on
-    def __init__(self, directory, **kwargs):
-      self.directory = directory
-
+  class Training(_ReaderStandIn):  # each step it names is gone by the time it is read
     def restorable_step(self):
       chosen.append(7 + len(chosen))
       return chosen[-1]
-
-    def step_dir(self, step):
-      return os.path.join(self.directory, str(step))
-
-    def close(self):
-      pass
 
   def restore_step(ckpt, step, *args):
     raise AttributeError(f"{ckpt.step_dir(step)}: pruned while read")  # any type
@@ -824,21 +829,12 @@ def test_what_orbax_reports_of_a_read_cut_by_pruning_is_dropped_when_the_step_is
   monkeypatch.setattr(sys, "unraisablehook", lambda u: dropped.append(str(u.exc_value)))
   pruned_reads = {"read": 2, "pruned": runs.PRUNED_TRIES, "failed": 1}[last]
 
-  class Training:  # each step it names is pruned while read, then one stays (or fails)
-    def __init__(self, directory, **kwargs):
-      self.directory = directory
-
+  class Training(_ReaderStandIn):  # each step it names is pruned while read, then one stays
     def restorable_step(self):
       chosen.append(len(chosen) + 1)
       if len(chosen) > pruned_reads:
         os.makedirs(self.step_dir(chosen[-1]))
       return chosen[-1]
-
-    def step_dir(self, step):
-      return os.path.join(self.directory, str(step))
-
-    def close(self):
-      pass
 
   def restore_step(ckpt, step, *args):
     _report_as_a_cut_read(f"read {step}")
@@ -890,9 +886,9 @@ def test_a_step_pruned_while_load_run_chooses_it_is_chosen_again(tmp_path, monke
   (checkpoints / "1").mkdir()
   error = checkpoint.CheckpointError if error == "CheckpointError" else error
 
-  class Training:  # prunes the newest step as it is chosen, twice, as it saves the next
+  class Training(_ReaderStandIn):  # prunes the newest step as it is chosen, twice
     def __init__(self, directory, **kwargs):
-      self.directory = directory
+      super().__init__(directory)
       opened.append(directory)
       if len(opened) == 1:  # as Orbax lists the steps
         (checkpoints / "0").rmdir()
@@ -911,12 +907,6 @@ def test_a_step_pruned_while_load_run_chooses_it_is_chosen_again(tmp_path, monke
           return None
         raise error("damaged, nothing gone")
       return calls[-1]
-
-    def step_dir(self, step):
-      return os.path.join(self.directory, str(step))
-
-    def close(self):
-      pass
 
   (tmp_path / "config.json").write_text("{}")
   monkeypatch.setattr(checkpoint, "Checkpointer", Training)
