@@ -357,6 +357,24 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.error("--launcher=tpu_pod needs --tpu=NAME and --zone=ZONE")
   if args.num_processes < 1:
     parser.error(f"--num_processes={args.num_processes}; allowed: an int >= 1")
+  # Each launcher reads only its own options (run_command): another's would be ignored.
+  if args.launcher == "local":
+    for name in ("tpu", "zone", "project"):
+      if getattr(args, name):
+        parser.error(f"--{name}={getattr(args, name)!r} applies to --launcher=tpu_pod only; "
+                     "leave it out with --launcher=local")
+  else:
+    for name in ("num_processes", "devices_per_process"):
+      if getattr(args, name) != 1:
+        parser.error(f"--{name}={getattr(args, name)} applies to --launcher=local only (a pod "
+                     "runs one process per worker, on its own devices); leave it out")
+  if args.devices_per_process < 1:
+    parser.error(f"--devices_per_process={args.devices_per_process}; allowed: an int >= 1")
+  if args.devices_per_process != 1 and args.num_processes == 1:
+    # One process is a plain cem_jax.main, whose devices launch/local.py does not set.
+    parser.error(f"--devices_per_process={args.devices_per_process} has no effect with "
+                 "--num_processes=1 (one plain process on this machine's devices); allowed: 1, "
+                 "or --num_processes >= 2")
   extra = argv[split + 1:]
   for flag in ("--workdir", "--config"):
     if any(a == flag or a.startswith(flag + "=") for a in extra):

@@ -930,6 +930,35 @@ def test_sweep_refuses_a_pod_without_its_name_and_zone_or_no_processes(tmp_path,
   assert proc.returncode == 2 and proc.stderr.strip().endswith(message), proc.stderr
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--tpu=t"], "--tpu='t' applies to --launcher=tpu_pod only; leave it out with "
+                  "--launcher=local"),
+    (["--num_processes=2", "--zone=z"], "--zone='z' applies to --launcher=tpu_pod only"),
+    (["--project=p"], "--project='p' applies to --launcher=tpu_pod only"),
+    (["--launcher=tpu_pod", "--tpu=t", "--zone=z", "--num_processes=2"],
+     "--num_processes=2 applies to --launcher=local only (a pod runs one process per worker, "
+     "on its own devices); leave it out"),
+    (["--launcher=tpu_pod", "--tpu=t", "--zone=z", "--devices_per_process=4"],
+     "--devices_per_process=4 applies to --launcher=local only"),
+    (["--devices_per_process=4"], "--devices_per_process=4 has no effect with "
+                                  "--num_processes=1 (one plain process on this machine's "
+                                  "devices); allowed: 1, or --num_processes >= 2"),
+    (["--num_processes=2", "--devices_per_process=0"],
+     "--devices_per_process=0; allowed: an int >= 1")])
+def test_sweep_refuses_an_option_its_launcher_would_ignore(capsys, args, message):
+  # run_command reads --tpu/--zone/--project for a pod only, the process and device counts
+  # locally only, and the device count only through launch/local.py (several processes).
+  with pytest.raises(SystemExit) as e:
+    _script("sweep").parse_args(["--config=experiments/tiny.py", "--workdir=/w", *args])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert f" error: {message}" in err, err
+  # What each launcher does read is still accepted.
+  for ok in (["--num_processes=2", "--devices_per_process=4"],
+             ["--launcher=tpu_pod", "--tpu=t", "--zone=z", "--project=p"]):
+    _script("sweep").parse_args(["--config=experiments/tiny.py", "--workdir=/w", *ok])
+
+
 def _sweep_file(tmp_path: Path, sweep: str) -> Path:
   cfg = tmp_path / "c.py"
   cfg.write_text("import numpy as np\nfrom cem_jax.config import get_default_config\n\n\n"
