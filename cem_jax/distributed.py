@@ -68,13 +68,25 @@ def resolve(mode: str = "auto", coordinator_address: str | None = None,
     ValueError: an unknown mode, a non-int environment value, a coordinator address that is not
       ``HOST:PORT`` (:func:`_check_address`), a coordinator given without
       ``num_processes`` and ``process_id`` (or those out of range), or under ``'auto'`` more
-      than one process given without a coordinator or a cluster that starts them — one line
-      naming the field.
+      than one process (or a process id other than 0) given without a coordinator or a
+      cluster that starts them, or under ``'off'`` any of the three given (a flag or its
+      ``CEM_*`` variable, which ``'off'`` would ignore) — one line naming the field.
   """
   env = os.environ if environ is None else environ
   if mode not in MODES:
     raise ValueError(f"--distributed={mode!r}; allowed: {', '.join(MODES)}")
   if mode == "off":
+    # 'off' reads none of them: a process given an id or a coordinator would train alone as
+    # process 0 (launch/local.py's processes each, all writing one --workdir).
+    for name, value, env_name in (("coordinator_address", coordinator_address, ENV_ADDRESS),
+                                  ("num_processes", num_processes, ENV_NUM_PROCESSES),
+                                  ("process_id", process_id, ENV_PROCESS_ID)):
+      if value is not None or env.get(env_name):
+        named = (f"--{name}={value!r}" if value is not None
+                 else f"environment variable {env_name}={env[env_name]!r}")
+        raise ValueError(f"{named} has no effect with --distributed=off (one process, "
+                         "jax.distributed not started); leave it out, or use "
+                         "--distributed=auto or on")
     return None
   address = coordinator_address or env.get(ENV_ADDRESS) or None
   n = num_processes if num_processes is not None else _env_int(env, ENV_NUM_PROCESSES)
@@ -93,6 +105,12 @@ def resolve(mode: str = "auto", coordinator_address: str | None = None,
     raise ValueError(f"--num_processes={n} (or {ENV_NUM_PROCESSES}) without a coordinator; "
                      f"allowed: with --coordinator_address=HOST:PORT (or {ENV_ADDRESS}), or "
                      "--distributed=on where JAX finds it (TPU pods, SLURM, Open MPI)")
+  if mode == "auto" and pid and cluster_processes(env) == 1:
+    # Left to 'auto' it would train alone as process 0, not as the process it was told it is.
+    raise ValueError(f"--process_id={pid} (or {ENV_PROCESS_ID}) without a coordinator; allowed: "
+                     f"0 (one process), or with --coordinator_address=HOST:PORT (or "
+                     f"{ENV_ADDRESS}) and --num_processes, or --distributed=on where JAX finds "
+                     "the others (TPU pods, SLURM, Open MPI)")
   if mode == "on" or cluster_processes(env) > 1:
     kwargs = {}
     if n is not None:

@@ -280,7 +280,7 @@ def test_rows_are_split_only_over_mesh_axes_whose_product_divides_them():
 
 def test_distributed_resolve():
   assert distributed.resolve("auto", environ={}) is None
-  assert distributed.resolve("off", "h:1", 2, 0, environ={}) is None
+  assert distributed.resolve("off", environ={}) is None
   env = {"CEM_COORDINATOR_ADDRESS": "127.0.0.1:5", "CEM_NUM_PROCESSES": "2",
          "CEM_PROCESS_ID": "1"}
   assert distributed.resolve("auto", environ=env) == {
@@ -314,6 +314,34 @@ def test_distributed_resolve():
                                          r"a coordinator; allowed: with --coordinator_address"):
       distributed.resolve("auto", *given, environ=environ)
   assert distributed.resolve("auto", None, 1, 0, environ={}) is None  # one process: as it is
+
+
+def test_distributed_refuses_what_it_would_ignore():
+  # 'off' starts no jax.distributed: a process given a coordinator, a count or an id (a flag,
+  # or the variable launch/local.py sets) trained alone as process 0, all in one --workdir.
+  for given, environ, named in (
+      (("h:1", 2, 0), {}, "--coordinator_address='h:1'"),
+      ((None, 2, None), {}, "--num_processes=2"),
+      ((None, None, 1), {}, "--process_id=1"),
+      ((None, None, None), {"CEM_PROCESS_ID": "1"}, "environment variable CEM_PROCESS_ID='1'"),
+      ((None, None, None), {"CEM_COORDINATOR_ADDRESS": "h:1"},
+       "environment variable CEM_COORDINATOR_ADDRESS='h:1'")):
+    with pytest.raises(ValueError) as e:
+      distributed.resolve("off", *given, environ=environ)
+    assert str(e.value) == (f"{named} has no effect with --distributed=off (one process, "
+                            "jax.distributed not started); leave it out, or use "
+                            "--distributed=auto or on")
+  # 'auto' with no coordinator and no cluster is one process: an id other than 0 was ignored.
+  for given, environ in (((None, None, 3), {}), ((None, 1, 1), {}),
+                         ((None, None, None), {"CEM_PROCESS_ID": "2"})):
+    with pytest.raises(ValueError, match=r"^--process_id=\d \(or CEM_PROCESS_ID\) without a "
+                                         r"coordinator; allowed: 0 \(one process\), or with "):
+      distributed.resolve("auto", *given, environ=environ)
+  assert distributed.resolve("auto", None, None, 0, environ={}) is None
+  # Where JAX finds the others, the id is handed on.
+  slurm = {"SLURM_NTASKS": "4", "SLURM_STEP_NODELIST": "n[1-2]"}
+  assert distributed.resolve("auto", None, None, 3, environ=slurm) == {"process_id": 3}
+  assert distributed.resolve("on", None, None, 3, environ={}) == {"process_id": 3}
 
 
 def test_a_batch_script_outside_srun_is_one_process():
