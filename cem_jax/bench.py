@@ -251,13 +251,19 @@ def run(preset: str, variants: list[str], out: str | None = None,
 
   Raises:
     KeyError: an unknown ``preset`` or variant name (``main`` checks them first).
-    ValueError: no variants; a row's config or kernel that cannot run here
+    ValueError: no variants; ``document_mask`` given with only variants that set their own;
+      a row's config or kernel that cannot run here
       (``preflight.check``, the model's kernel choice), before any row is measured.
     RowsFailed: after the whole sweep, when a row failed (one line naming the rows; the
       figures of the others are in ``out`` and printed).
   """
   if not variants:
     raise ValueError(f"no variants to run; allowed: one or more of {', '.join(VARIANTS)}")
+  if document_mask is not None and all("document_mask" in VARIANTS[v] for v in variants):
+    # The variants' own value wins (_model_config): the flag would change no row.
+    raise ValueError(f"--document_mask={str(document_mask).lower()} has no effect on "
+                     f"--variants={','.join(variants)}: each sets its own model.document_mask; "
+                     "leave it out, or add a variant that does not set it (e.g. llama)")
   p = dict(PRESETS[preset])
   if document_mask is not None:
     p["document_mask"] = document_mask

@@ -353,6 +353,15 @@ def test_document_mask_overrides_the_preset_but_not_a_variant_that_sets_its_own(
   rows = bench.run("tiny", ["llama", "llama_docs"], document_mask=False)  # the preset's: True
   assert {(r["variant"], r["document_mask"]) for r in rows} == {("llama", False),
                                                                 ("llama_docs", True)}
+  # Given with only variants that set their own, it would change no row: refused, no row run.
+  for mask in (False, True):
+    with pytest.raises(ValueError) as e:
+      bench.run("tiny", ["llama_docs", "cem_fused_docs"], document_mask=mask)
+    assert str(e.value) == (f"--document_mask={str(mask).lower()} has no effect on "
+                            "--variants=llama_docs,cem_fused_docs: each sets its own "
+                            "model.document_mask; leave it out, or add a variant that does not "
+                            "set it (e.g. llama)")
+  assert {r["document_mask"] for r in bench.run("tiny", ["llama_docs"])} == {True}  # its own
   # --document_mask=false reaches run() as False, =true as True, none as None (the preset's).
   given = []
   monkeypatch.setattr(bench, "run", lambda *args: given.append(args[3]))
