@@ -210,6 +210,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"{a!r}: no file {file!r} in {REPO}; allowed: a path relative to this "
                      "repository (the workers run in its copy, --remote_dir) or an absolute "
                      "one every worker sees")
+  # The install options are read only by the set-up that --no_sync skips and --no_install
+  # cuts to the unpacking (setup_script, commands): another value there would be ignored.
+  skipped = "--no_sync (nothing is copied or set up)" if not args.sync else (
+      "--no_install (nothing is installed)" if not args.install else None)
+  if skipped:
+    for name in ("python", "jax_requirement", "constraints"):
+      if getattr(args, name) != parser.get_default(name):
+        parser.error(f"--{name}={getattr(args, name)!r} has no effect with {skipped}; leave it "
+                     "out")
+    if not args.sync and not args.install:
+      parser.error("--no_install has no effect with --no_sync (nothing is copied or set up); "
+                   "leave it out")
   if (args.sync and args.install and args.constraints and not args.constraints.startswith("/")
       and not os.path.isfile(os.path.join(REPO, args.constraints))):
     parser.error(f"--constraints={args.constraints!r}: no such file in {REPO}; allowed: a path "

@@ -395,6 +395,28 @@ def test_tpu_pod_no_install_only_unpacks_the_code():
   assert setup[-1] == f"--command={UNPACK}"
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--no_install", "--jax_requirement=jax[tpu]==0.4.30"],
+     "--jax_requirement='jax[tpu]==0.4.30' has no effect with --no_install (nothing is "
+     "installed); leave it out"),
+    (["--no_install", "--constraints="], "--constraints='' has no effect with --no_install"),
+    (["--no_sync", "--python=python3.12"],
+     "--python='python3.12' has no effect with --no_sync (nothing is copied or set up)"),
+    (["--no_sync", "--no_install"], "--no_install has no effect with --no_sync (nothing is "
+                                    "copied or set up); leave it out")])
+def test_tpu_pod_refuses_an_install_option_it_would_skip(capsys, args, message):
+  # setup_script's install options are read only when the code is copied and installed.
+  with pytest.raises(SystemExit) as e:
+    _script("tpu_pod").parse_args(["--tpu=t", "--zone=z", "--dry_run", *args, "--", *MAIN_ARGS])
+  assert e.value.code == 2
+  assert f" error: {message}" in capsys.readouterr().err.strip().splitlines()[-1]
+  # Where they are read, they are taken; the defaults are taken with either flag.
+  tpu_pod = _script("tpu_pod")
+  for ok in (["--jax_requirement=jax[tpu]==0.4.30", "--python=python3.12"],
+             ["--no_install", "--constraints=constraints.txt"], ["--no_sync", "--venv=v"]):
+    tpu_pod.parse_args(["--tpu=t", "--zone=z", "--dry_run", *ok, "--", *MAIN_ARGS])
+
+
 def test_tpu_pod_stops_at_the_first_failed_command(monkeypatch, capsys):
   # A failed copy must not start training on the workers' old code, and the launcher (which
   # sweep.py's exit status relies on) exits with the failure's status.
