@@ -109,6 +109,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   for name in ("nodes", "gpus_per_node"):
     if getattr(args, name) < 1:
       parser.error(f"--{name}={getattr(args, name)}; allowed: an int >= 1")
+  if args.cpus_per_task < 0:  # sbatch took the line and refused the job
+    parser.error(f"--cpus_per_task={args.cpus_per_task}; allowed: 0 (the cluster's default) or "
+                 "an int >= 1")
+  if args.dry_run and not args.submit:  # main returns after the dry run's print
+    parser.error("--no_submit has no effect with --dry_run (it writes and submits nothing); "
+                 "leave one out")
   for name in ("job_name", "time", "partition", "account", "output"):
     value = getattr(args, name)
     if value and not _SBATCH_VALUE.fullmatch(value):  # '$' would pass a final \n

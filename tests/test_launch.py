@@ -660,7 +660,7 @@ def test_slurm_rejects_values_sbatch_cannot_quote():
 
 
 @pytest.mark.parametrize("arg", ["--output=a b.out", "--job_name=x;y", "--job_name=x\n",
-                                 "--nodes=0", "--gpus_per_node=0"])
+                                 "--nodes=0", "--gpus_per_node=0", "--cpus_per_task=-1"])
 def test_slurm_refuses_each_value_sbatch_cannot_take(arg):
   proc = _launch("slurm.py", arg, "--dry_run", "--", "--config=experiments/tiny.py", "--workdir=/w")
   name, value = arg.split("=", 1)
@@ -705,6 +705,16 @@ def test_slurm_cpus_per_task_only_when_given():
   lines = _launch("slurm.py", "--cpus_per_task=6", *main).stdout.splitlines()
   assert "#SBATCH --cpus-per-task=6" in lines
   assert "cpus-per-task" not in _launch("slurm.py", *main).stdout
+
+
+def test_slurm_refuses_no_submit_with_a_dry_run():
+  # The dry run writes and submits nothing: --no_submit would change nothing.
+  proc = _launch("slurm.py", "--no_submit", "--dry_run", "--", "--config=experiments/tiny.py",
+                 "--workdir=/w")
+  assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "slurm.py: error: --no_submit has no effect with --dry_run (it writes and submits "
+      "nothing); leave one out")
 
 
 # ---------------------------------------------------------------------------------------------
