@@ -274,6 +274,31 @@ def test_rows_are_split_only_over_mesh_axes_whose_product_divides_them():
   assert axes.dividing_axes((), 8, shape) is None
 
 
+def test_a_mesh_axis_two_logical_axes_map_to_is_used_by_the_first_only():
+  # NamedSharding rejects a spec naming a mesh axis twice: the later dimension is replicated,
+  # and of a tuple rule only the axes not yet used remain (written out by hand).
+  from jax.sharding import PartitionSpec as P
+
+  rules = (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "fsdp"), ("vocab", "tensor"))
+  assert sharding.logical_to_spec(("embed", "mlp"), rules) == P("fsdp", None)
+  assert sharding.logical_to_spec(("mlp", "vocab", "embed"), rules) == P("fsdp", "tensor", None)
+  assert sharding.logical_to_spec(("embed", "batch"), rules) == P("fsdp", "data")
+  assert sharding.logical_to_spec(("batch", "embed"), rules) == P(("data", "fsdp"), None)
+  assert sharding.logical_to_spec((None, "embed"), rules) == P(None, "fsdp")
+
+
+def test_global_batch_gives_jax_this_process_rows_and_the_global_row_count(monkeypatch):
+  # One process of four holds 2 of 8 rows: jax must be told the global shape [8, ...], not the
+  # local one (with one process the two agree, so only a spy tells them apart).
+  seen = []
+  monkeypatch.setattr(sharding.jax, "make_array_from_process_local_data",
+                      lambda sh, v, shape: seen.append((sh, v.shape, shape)) or shape)
+  local = {"inputs": np.zeros((2, 5), np.int32), "weights": np.zeros((2, 5), np.float32)}
+  out = sharding.global_batch(local, "S", 8)
+  assert out == {"inputs": (8, 5), "weights": (8, 5)}
+  assert seen == [("S", (2, 5), (8, 5)), ("S", (2, 5), (8, 5))]
+
+
 # ---------------------------------------------------------------------------------------------
 # jax.distributed start-up decisions (no processes started).
 

@@ -1342,6 +1342,9 @@ def test_process_slice_is_the_block_of_rows_this_process_holds():
   # Rows 2..5: one run of 4 rows, but not one of the two blocks of 4 (rows 0..3 or 4..7):
   # (0, 2) would read rows 0..3, half of them another process's.
   assert sharding.process_slice(Rows(slice(2, 4), slice(4, 6)), 8) == (0, 1)
+  # Spans listed by start: one that ends before an earlier one (rows 0..3 and 2) still
+  # lies in its block, rows 0..3 of 8.
+  assert sharding.process_slice(Rows(slice(2, 3), slice(0, 4)), 8) == (0, 2)
 
 
 def test_recursion_report_tables_are_the_committed_reports_and_match_numpy():
