@@ -1290,6 +1290,34 @@ def test_write_digest_hashes_the_newest_temporary_folder_of_its_step(tmp_path):
       "state/data": {"size": 10, "sha256": hashlib.sha256(b"0123456789").hexdigest()}}
 
 
+def test_only_process_0_writes_or_prunes_digests_and_a_save_in_progress_keeps_its_own(
+    tmp_path, monkeypatch):
+  # Every process runs Orbax's hook: process 1 writing too would race process 0 on the same
+  # file. prune_digests keeps the digests of the kept steps and of any step newer than them
+  # (its save is being finalized), and removes the rest.
+  from cem_jax import integrity
+
+  folder = tmp_path / "3"
+  folder.mkdir()
+  (folder / "x").write_bytes(b"abc")
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  integrity.write_digest(str(tmp_path), 3)
+  assert not (tmp_path / integrity.DIGEST_DIR).exists()
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  integrity.write_digest(str(tmp_path), 3)
+  assert json.loads((tmp_path / integrity.DIGEST_DIR / "3.json").read_text())["files"] == {
+      "x": {"size": 3, "sha256": hashlib.sha256(b"abc").hexdigest()}}
+  digests = tmp_path / integrity.DIGEST_DIR
+  for step in (1, 2, 4, 5, 6):
+    (digests / f"{step}.json").write_text("{}")
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  integrity.prune_digests(str(tmp_path), [2, 4])
+  assert len(os.listdir(digests)) == 6
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  integrity.prune_digests(str(tmp_path), [2, 4])
+  assert sorted(os.listdir(digests)) == ["2.json", "4.json", "5.json", "6.json"]
+
+
 def test_newest_intact_moves_every_newer_damaged_step_and_names_each_first_problem(
     tmp_path, monkeypatch):
   # Every damaged step newer than the one restored is moved aside, not only the newest: one
