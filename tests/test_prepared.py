@@ -1475,6 +1475,32 @@ def test_prepare_rebuilds_a_shard_damaged_in_place(tmp_path):
   build_data(config, tmp_path / "wd")
 
 
+def test_prepare_rebuilds_a_shard_rewritten_as_valid_records_of_its_size(tmp_path):
+  # One token changed and the shard written again as ArrayRecord: the file reads cleanly
+  # (no chunk hash fails, unlike a bit flip) and keeps its size, records and last record's
+  # length; only its sha256 tells a re-run to encode it again.
+  from array_record.python import array_record_module
+
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(2000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  out = shard_writer.prepare(config.data, tmp_path / "p", shard_chars=20_000)
+  shard = sorted(out.glob("train-*.array_record"))[1]
+  good = shard.read_bytes()
+  reader = array_record_module.ArrayRecordReader(os.fspath(shard))
+  records = reader.read(list(range(reader.num_records())))
+  reader.close()
+  first = np.frombuffer(records[0], "<u2").copy()
+  first[0] = (first[0] + 1) % 300
+  writer = array_record_module.ArrayRecordWriter(os.fspath(shard), shard_writer.WRITER_OPTIONS)
+  for record in [first.tobytes(), *records[1:]]:
+    writer.write(record)
+  writer.close()
+  assert shard.read_bytes() != good and shard.stat().st_size == len(good)
+  shard_writer.prepare(config.data, out, shard_chars=20_000)
+  assert shard.read_bytes() == good
+
+
 def test_prepare_rebuilds_a_damaged_trained_tokenizer(tmp_path):
   # "run prepare again to rebuild it": the re-run used to load the damaged tokenizer.model it
   # had trained (a bit flip: SentencePiece or a UnicodeDecodeError failed every re-run).
