@@ -1583,6 +1583,21 @@ def test_a_shard_of_whole_records_counts_them_as_arrayrecord_does(prepared_300, 
     assert tokens.tolist() == [[eos] * 3, [eos, -1, -1]] and valid.tolist() == [3, 1]
 
 
+def test_a_sidecar_one_whole_record_short_of_its_shard_is_not_taken(prepared_300, tmp_path):
+  # 2048 empty documents: two full records. A sidecar that says one record of 1024 tokens
+  # agrees with the shard's size, sha256 and the length of the record it names as the last;
+  # only ArrayRecord's count of records tells it from the shard.
+  shard_writer._init_worker((prepared_300 / "tokenizer.model").read_bytes())
+  docs = 2 * prepared.RECORD_TOKENS
+  task = {"split": "train", "index": 0, "pieces": [""] * docs, "ends": [True] * docs}
+  meta = shard_writer._encode_and_write((task, os.fspath(tmp_path), "<u2", "0" * 64))
+  assert (meta["tokens"], meta["records"]) == (docs, 2)
+  assert shard_writer._done(tmp_path, task, "0" * 64, "<u2") == meta
+  sidecar = tmp_path / "train-00000.json"
+  sidecar.write_text(json.dumps(meta | {"tokens": docs - prepared.RECORD_TOKENS, "records": 1}))
+  assert shard_writer._done(tmp_path, task, "0" * 64, "<u2") is None
+
+
 @pytest.mark.parametrize("vocab,dtype", [(8, "<u2"), (65_535, "<u2"), (65_536, "<u2"),
                                          (65_537, "<u4"), (100_000, "<u4"), (1 << 20, "<u4")])
 def test_the_token_dtype_holds_every_id_of_the_vocabulary(vocab, dtype):
