@@ -1159,6 +1159,11 @@ def _set(m, keys, value):
     pytest.param(lambda m: _set(m, ["sources", "files", 0, "path"], 7), 300,
                  r"/manifest\.json: damaged manifest: sources\.files\[0\]\.path is 7, not a "
                  r"string", id="source-path"),
+    # The ids the manifest records for the tokenizer must be the tokenizer's own.
+    *(pytest.param(lambda m, key=key: _set(m, ["tokenizer", key], m["tokenizer"][key] + 1), 300,
+                   rf": inconsistent prepared data: tokenizer\.model has {key} \d+, "
+                   rf"manifest\.json says \d+", id=f"tokenizer-{key}")
+      for key in ("eos_id", "pad_id")),
 ])
 def test_a_hand_edited_manifest_is_a_one_line_error_naming_the_folder(
     edit, vocab, message, prepared_300, tmp_path):
