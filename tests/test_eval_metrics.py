@@ -141,3 +141,31 @@ def test_the_eval_loop_reads_max_batches_and_caps_the_perplexity():
     assert m["eval/loss"] == 800.0 and m["eval/tokens"] == 10 * len(want)
     assert m["eval/perplexity"] == math.exp(80.0)  # exp(800) overflows a float
     assert m["eval/bits_per_byte"] == pytest.approx(800.0 / 2.0 / math.log(2))
+
+
+def test_the_sharded_eval_loop_reads_this_process_block_and_makes_each_batch_global():
+  # Process 2 of 4 (its devices hold rows 4..5 of every global batch of 8): it must read
+  # block 2 of 4 of every eval batch and hand each to the step as the global [8, ...] batch.
+  calls = []
+
+  class Shardings:  # stand-in for steps.StateShardings
+    def process_slice(self, rows):
+      calls.append(("slice", rows))
+      return 2, 4
+
+    def global_batch(self, local, rows):
+      return {"local": local["i"], "rows": rows}
+
+  def eval_batches(bs, index, count, max_batches):
+    calls.append(("read", bs, index, count, max_batches))
+    return ({"i": i} for i in range(3))
+
+  def eval_step(params, batch):
+    calls.append(("step", batch))
+    return {"loss_sum": 1.0, "weight_sum": 1.0, "byte_sum": 1.0}
+
+  cfg = tiny_config(**{"eval.batch_size": 8, "eval.max_batches": 3})
+  steps_lib.eval_loop(eval_step, None, types.SimpleNamespace(eval_batches=eval_batches), cfg,
+                      Shardings())
+  assert calls == [("slice", 8), ("read", 8, 2, 4, 3)] + [
+      ("step", {"local": i, "rows": 8}) for i in range(3)]
