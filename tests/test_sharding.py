@@ -274,6 +274,21 @@ def test_rows_are_split_only_over_mesh_axes_whose_product_divides_them():
   assert axes.dividing_axes((), 8, shape) is None
 
 
+def test_a_mesh_over_given_devices_lays_them_out_in_order_under_the_mesh_axis_names():
+  # The subset/target path of make_mesh (not jax.make_mesh): devices 0..7 in the order given
+  # fill [data, fsdp, tensor] = [2, 4, 1] row by row. Losses cannot see a wrong layout (any
+  # sharding computes the same numbers), so it is checked here, on stand-in devices.
+  class Device:
+    def __init__(self, i):
+      self.id, self.platform, self.device_kind = i, "cpu", "cpu"
+
+  devices = [Device(i) for i in range(8)]
+  mesh = sharding.make_mesh(tiny_config("cem", **{"mesh.fsdp": 4}).mesh, devices)
+  assert mesh.axis_names == ("data", "fsdp", "tensor")
+  assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+  assert [[d.id for d in row] for row in mesh.devices[:, :, 0]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 def test_a_mesh_axis_two_logical_axes_map_to_is_used_by_the_first_only():
   # NamedSharding rejects a spec naming a mesh axis twice: the later dimension is replicated,
   # and of a tuple rule only the axes not yet used remain (written out by hand).
