@@ -392,6 +392,10 @@ def test_a_batch_script_outside_srun_is_one_process():
   assert distributed.cluster_processes(batch_script) == 1
   assert distributed.resolve("auto", environ=batch_script) is None
   assert distributed.cluster_processes({**batch_script, "SLURM_STEP_NODELIST": "gpu01"}) == 16
+  # A count that is not an int is no count: the next launcher's is read, else one process.
+  odd = {"SLURM_NTASKS": "16(x2)", "SLURM_STEP_NODELIST": "gpu01"}
+  assert distributed.cluster_processes(odd) == 1
+  assert distributed.cluster_processes({**odd, "OMPI_COMM_WORLD_SIZE": "4"}) == 4
 
 
 # ---------------------------------------------------------------------------------------------
