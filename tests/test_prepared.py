@@ -1463,35 +1463,18 @@ def test_processes_other_than_0_open_the_data_process_0_verified_by_sizes(monkey
   assert sent == [0, 1]
 
 
-def test_prepare_rebuilds_a_shard_damaged_in_place(tmp_path):
-  # A bit flip keeps the shard's size: only its sha256 tells a re-run to write it again.
-  corpus = tmp_path / "c.txt"
-  corpus.write_text(_text(2000))
-  config = _config(files=os.fspath(corpus), vocab_size=300)
-  out = shard_writer.prepare(config.data, tmp_path / "p", shard_chars=20_000)
-  shard = sorted(out.glob("train-*.array_record"))[1]
-  good = shard.read_bytes()
-  data = bytearray(good)
+def _flip_a_bit(shard) -> None:
+  """A bit flip: riegeli's chunk hash fails when the shard is read."""
+  data = bytearray(shard.read_bytes())
   data[len(data) // 2] ^= 0xFF
   shard.write_bytes(bytes(data))
-  shard_writer.prepare(config.data, out, shard_chars=20_000)
-  assert shard.read_bytes() == good
-  config.data.prepared_dir = os.fspath(out)
-  build_data(config, tmp_path / "wd")
 
 
-def test_prepare_rebuilds_a_shard_rewritten_as_valid_records_of_its_size(tmp_path):
-  # One token changed and the shard written again as ArrayRecord: the file reads cleanly
-  # (no chunk hash fails, unlike a bit flip) and keeps its size, records and last record's
-  # length; only its sha256 tells a re-run to encode it again.
+def _rewrite_one_token(shard) -> None:
+  """One token changed and the shard written again as ArrayRecord: it reads cleanly and keeps
+  its size, records and last record's length."""
   from array_record.python import array_record_module
 
-  corpus = tmp_path / "c.txt"
-  corpus.write_text(_text(2000))
-  config = _config(files=os.fspath(corpus), vocab_size=300)
-  out = shard_writer.prepare(config.data, tmp_path / "p", shard_chars=20_000)
-  shard = sorted(out.glob("train-*.array_record"))[1]
-  good = shard.read_bytes()
   reader = array_record_module.ArrayRecordReader(os.fspath(shard))
   records = reader.read(list(range(reader.num_records())))
   reader.close()
@@ -1501,9 +1484,24 @@ def test_prepare_rebuilds_a_shard_rewritten_as_valid_records_of_its_size(tmp_pat
   for record in [first.tobytes(), *records[1:]]:
     writer.write(record)
   writer.close()
+
+
+@pytest.mark.parametrize("damage", [_flip_a_bit, _rewrite_one_token],
+                         ids=["bit_flip", "valid_records"])
+def test_prepare_rebuilds_a_shard_damaged_in_place(tmp_path, damage):
+  # Damage that keeps the shard's size: only its sha256 tells a re-run to encode it again.
+  corpus = tmp_path / "c.txt"
+  corpus.write_text(_text(2000))
+  config = _config(files=os.fspath(corpus), vocab_size=300)
+  out = shard_writer.prepare(config.data, tmp_path / "p", shard_chars=20_000)
+  shard = sorted(out.glob("train-*.array_record"))[1]
+  good = shard.read_bytes()
+  damage(shard)
   assert shard.read_bytes() != good and shard.stat().st_size == len(good)
   shard_writer.prepare(config.data, out, shard_chars=20_000)
   assert shard.read_bytes() == good
+  config.data.prepared_dir = os.fspath(out)
+  build_data(config, tmp_path / "wd")
 
 
 def test_prepare_rebuilds_a_damaged_trained_tokenizer(tmp_path):
