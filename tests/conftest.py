@@ -198,6 +198,25 @@ def write_metrics(folder, lines: list[dict]) -> None:
   (Path(folder) / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
 
 
+def drop_exceptions(message: str, thread: str) -> None:
+  """Makes Python drop a RuntimeError ``"{message}dropped in the {where} thread"`` from a
+  ``__del__`` twice, as a library's threads and collected coroutines do: first in a thread
+  named ``thread`` (where it ends), then in the main thread; ``sys.unraisablehook`` gets each."""
+  import threading
+
+  class Dropped:
+    def __init__(self, where):
+      self.where = where
+
+    def __del__(self):
+      raise RuntimeError(f"{message}dropped in the {self.where} thread")
+
+  worker = threading.Thread(target=lambda: Dropped(thread))
+  worker.start()
+  worker.join()
+  Dropped("main")
+
+
 def closed_port() -> int:
   """A local TCP port nothing listens on (an offline stand-in for a network address)."""
   with socket.socket() as s:

@@ -27,7 +27,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import program_json, subprocess_env, tiny_config
+from conftest import drop_exceptions, program_json, subprocess_env, tiny_config
 from flax import nnx
 
 from cem_jax import integrity, optim
@@ -753,7 +753,6 @@ def _reports_while_pending(unraisable_hook) -> None:
   Python drops in a writer thread's callback, and one it drops in the main thread."""
   import asyncio
   import logging
-  import threading
 
   from cem_jax import checkpoint
 
@@ -767,18 +766,7 @@ def _reports_while_pending(unraisable_hook) -> None:
   future.cycle = future  # freed by gc only
   del future
   loop.close()
-
-  class Dropped:
-    def __init__(self, where):
-      self.where = where
-
-    def __del__(self):
-      raise RuntimeError(f"dropped in the {self.where} thread")
-
-  thread = threading.Thread(target=lambda: Dropped("writer"))
-  thread.start()
-  thread.join()
-  Dropped("main")
+  drop_exceptions("", "writer")
   assert [str(u.exc_value) for u in unraisable_hook.got] == ["dropped in the main thread"]
 
 

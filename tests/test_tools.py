@@ -12,7 +12,14 @@ from pathlib import Path
 
 import jax
 import pytest
-from conftest import TRACED_T2, program_json, subprocess_env, tiny_config, write_metrics
+from conftest import (
+  TRACED_T2,
+  drop_exceptions,
+  program_json,
+  subprocess_env,
+  tiny_config,
+  write_metrics,
+)
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -797,18 +804,7 @@ def _report_as_a_cut_read(what: str) -> None:
   logging.getLogger("asyncio").handle(logging.LogRecord(
       "asyncio", logging.ERROR, asyncio.base_events.__file__, 1,
       f"{what}: never retrieved", None, None))
-
-  class Dropped:
-    def __init__(self, where):
-      self.where = where
-
-    def __del__(self):
-      raise RuntimeError(f"{what}: dropped in the {self.where} thread")
-
-  thread = threading.Thread(target=lambda: Dropped("tensorstore"))
-  thread.start()
-  thread.join()
-  Dropped("main")
+  drop_exceptions(f"{what}: ", "tensorstore")
 
 
 @pytest.mark.parametrize("last", ["read", "pruned", "failed"])
