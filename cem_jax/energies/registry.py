@@ -188,9 +188,7 @@ def get(name: str, kind: str, field: str = "energy") -> EnergySpec:
       # '__main__' is whichever program runs: the script that trained is not it in evaluate.
       hint = (f" (__main__ is the program running, {getattr(module, '__file__', 'no file')}; "
               "name a function of a script by its 'file.py:function')"
-              if module_name == "__main__" else "")
-      if module_name != "__main__":
-        hint = _functions_hint(module, fn_name, fn)
+              if module_name == "__main__" else _functions_hint(module, fn_name, fn))
       raise ValueError(f"{field}={name!r}: module {module_name!r} has no function {fn_name!r}"
                        f"{hint}")
     fused = getattr(module, f"{fn_name}_fused_update", None)
