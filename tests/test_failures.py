@@ -1230,11 +1230,25 @@ def test_a_signal_the_kernel_gives_another_thread_stops_the_wait_for_a_call_at_o
   assert calls.run(lambda a, b: a + b, 1, 2) == 3
   first = calls.run(threading.current_thread)
   calls.stop()
-  first.join(timeout=60)
-  assert not first.is_alive()  # stopped
+  # Ended when stop returns: a daemon thread still waking as the interpreter exits aborted the
+  # process (a resumed run that had nothing to train, in about 1 of 2 ends).
+  assert not first.is_alive()
   again = calls.run(threading.current_thread)  # a call after the stop starts another
   assert again is not first and again.name == "the calls"
   calls.stop()
+  assert not again.is_alive()
+  # A call whose wait was interrupted goes on: stop does not wait for it.
+  go.clear()
+  with pytest.raises(KeyboardInterrupt):
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+      calls.run(blocked)
+    finally:
+      signal.signal(signal.SIGINT, previous)
+  held = time.monotonic()
+  calls.stop()
+  assert time.monotonic() - held < 30
+  go.set()
 
 
 def test_held_sigterm_stops_where_asked_and_leaves_a_taken_sigterm_alone(monkeypatch):
