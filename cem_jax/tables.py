@@ -241,6 +241,12 @@ def _same_config(run: str, config) -> bool:
   return workdir_lib.config_changes(run, config) == []
 
 
+def _finite_number(value) -> bool:
+  """A finite int or float (not a bool): what a table computes with. Python's json reads NaN
+  and Infinity, which ``statistics.stdev`` cannot take and strict JSON does not have."""
+  return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _read_result(path: str, digest: str | None = None, config=None) -> dict:
   """A finished run's ``result.json``, checked: valid JSON with :data:`RESULT_KEYS` (numbers
   where the table computes with them), and
@@ -253,14 +259,13 @@ def _read_result(path: str, digest: str | None = None, config=None) -> dict:
   missing = [k for k in RESULT_KEYS if k not in result] if isinstance(result, dict) else ["all"]
   if missing:
     raise ValueError(f"{path} lacks {', '.join(missing)}; delete it to train that run again")
-  number = lambda v: isinstance(v, int | float) and not isinstance(v, bool)
   wrong = [f"{k}={result[k]!r}" for k in ("eval/loss", "eval/bits_per_byte", "tokens_per_sec")
-           if not number(result[k])]
+           if not _finite_number(result[k])]
   wrong += [f"seed={result['seed']!r}"] if type(result["seed"]) is not int else []
   wrong += [f"row={result['row']!r}"] if not isinstance(result["row"], str) else []
   if wrong:  # else a TypeError deep in the table's statistics
     raise ValueError(f"{path} has {', '.join(wrong)}; allowed: a string row, an integer seed "
-                     "and numbers; delete it to train that run again")
+                     "and finite numbers; delete it to train that run again")
   digests = result.get("energy_digests", {})
   if not (isinstance(digests, dict) and all(isinstance(v, str) for v in digests.values())):
     raise ValueError(f"{path} has energy_digests={digests!r}; allowed: an object of strings; "
@@ -375,7 +380,8 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
     ValueError: as :func:`check_runs`, before any run trains; a finished run's
       ``result.json`` damaged or trained with another config (one line naming the file and
       the fix); and as :func:`cem_jax.train.train_and_evaluate` for a run that trains.
-    FloatingPointError: as :func:`cem_jax.train.train_and_evaluate`.
+    FloatingPointError: as :func:`cem_jax.train.train_and_evaluate`, or a run whose final
+      eval is not finite (nothing recorded for it).
   """
   check_runs(module, scale, seeds, steps, rows, overrides)
   os.makedirs(workdir, exist_ok=True)  # after the checks: a refused command leaves no folder
@@ -453,6 +459,8 @@ def _trained_result(label: str, out: str, config, row: str, seed: int, digest: s
 
   Raises:
     ValueError, FloatingPointError: as :func:`cem_jax.train.train_and_evaluate`.
+    FloatingPointError: its final eval loss or bits per byte is not finite (one line naming
+      the run; no ``result.json`` is written).
   """
   logging.info("%s -> %s", label, out)
   trained_with = energies.energy_digests(config)
@@ -463,6 +471,14 @@ def _trained_result(label: str, out: str, config, row: str, seed: int, digest: s
     logging.warning("%s stopped before step %d (preempted); rerun the same command to resume "
                     "it", label, config.train.num_steps)
     return None
+  bad = [f"{k}={final.get(k)!r}" for k in ("eval/loss", "eval/bits_per_byte")
+         if not _finite_number(final.get(k))]
+  if bad:  # finite parameters, a non-finite eval (e.g. bf16 logits overflowing): diverged
+    # Not recorded: result.json would hold NaN (not JSON) and the row's mean and std with it.
+    raise FloatingPointError(
+        f"{label}: its final eval at step {config.train.num_steps} is not finite ("
+        f"{', '.join(bad)}); no result.json written; lower train.learning_rate (or change the "
+        f"row), then delete {out} to train it again")
   rates = [m["train/tokens_per_sec"] for m in read_metrics(out) if "train/tokens_per_sec" in m]
   return {"row": row, "seed": seed, **final, "config_digest": digest,
           "numerics_version": NUMERICS_VERSION, "data_source": source_record(config),

@@ -451,7 +451,8 @@ def test_a_damaged_result_is_a_clear_error_not_a_crash(tmp_path, shared_data):
     tables._read_result(str(bad))
   assert str(e.value) == (
       f"{bad} has eval/loss='3.0', eval/bits_per_byte=None, tokens_per_sec=True, seed='0'; "
-      "allowed: a string row, an integer seed and numbers; delete it to train that run again")
+      "allowed: a string row, an integer seed and finite numbers; delete it to train that run "
+      "again")
   # The energy record edited by hand: named, not an AttributeError when it is compared.
   for digests in (["x"], {"model.attention_energy": 1}):
     bad.write_text(json.dumps({"row": "llama", "seed": 0, "eval/loss": 3.0,
@@ -477,7 +478,7 @@ def test_a_result_with_integer_numbers_is_read_and_a_bool_seed_or_a_number_row_r
     with pytest.raises(ValueError) as e:
       tables._read_result(str(path))
     assert str(e.value) == (f"{path} has {shown}; allowed: a string row, an integer seed and "
-                            "numbers; delete it to train that run again")
+                            "finite numbers; delete it to train that run again")
 
 
 def test_a_result_from_another_config_is_not_reused_silently(tmp_path, shared_data):
@@ -945,6 +946,46 @@ def test_a_rows_rate_leaves_out_the_first_log_and_its_loss_is_the_last_eval(tmp_
   results = tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"))
   assert [r["tokens_per_sec"] for r in results] == [90.0, 50.0]
   assert [(r["eval/loss"], r["eval/bits_per_byte"]) for r in results] == [(3.0, 1.5)] * 2
+
+
+def test_a_run_whose_final_eval_is_not_finite_is_refused_not_recorded_as_nan(tmp_path,
+                                                                            shared_data,
+                                                                            monkeypatch):
+  # Finite parameters, a NaN final eval (bf16 logits overflowing): result.json held NaN (not
+  # JSON), and every later table command ended in statistics.stdev's AttributeError traceback.
+  module = _toy_table(tmp_path, shared_data)
+  out = tmp_path / "out"
+
+  def trained(cfg, run):
+    os.makedirs(run, exist_ok=True)
+    final = {"eval/loss": 3.0 + cfg.seed, "eval/bits_per_byte": 1.5}
+    if cfg.model.block == "cem" and cfg.seed == 1:
+      final["eval/loss"] = math.nan
+    shown = {k: None if math.isnan(v) else v for k, v in final.items()}  # as the writer does
+    write_metrics(run, [{"step": cfg.train.num_steps, "train/tokens_per_sec": 9.0},
+                        {"step": cfg.train.num_steps, **shown}])
+    return final
+
+  monkeypatch.setattr(tables.train, "train_and_evaluate", trained)
+  run = tables.run_dir(str(out), "toy", "cem", 1)
+  with pytest.raises(FloatingPointError) as e:
+    tables.run_table(module, "toy", "tiny", 2, str(out))
+  assert str(e.value) == (
+      "table toy: row cem seed 1: its final eval at step 5 is not finite (eval/loss=nan); no "
+      f"result.json written; lower train.learning_rate (or change the row), then delete {run} "
+      "to train it again")
+  assert not os.path.exists(os.path.join(run, "result.json"))
+  # One written so by older code (json.dumps writes NaN, json.load reads it): named in one
+  # line, not a traceback from the row's statistics.
+  for value, shown in ((math.nan, "nan"), (math.inf, "inf")):
+    with open(os.path.join(run, "result.json"), "w") as f:
+      json.dump({"row": "cem", "seed": 1, "eval/loss": value, "eval/bits_per_byte": 1.5,
+                 "tokens_per_sec": 1.0, "config_digest": "x"}, f)
+    with pytest.raises(ValueError) as e:
+      tables.finished_results(module, "toy", "tiny", 2, str(out))
+    assert str(e.value) == (f"{run}/result.json has eval/loss={shown}; allowed: a string row, "
+                            "an integer seed and finite numbers; delete it to train that run "
+                            "again")
 
 
 def test_row_config_saves_a_set_energy_file_absolute(tmp_path, monkeypatch):
