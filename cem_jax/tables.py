@@ -90,7 +90,31 @@ def load_table(table: str):
     raise ValueError(f"--table={table!r}: {path}: {errors.one_line(e)}") from None
   if not hasattr(module, "ROWS") or not hasattr(module, "get_config"):
     raise ValueError(f"--table={table!r}: {path} must define ROWS and get_config(arg)")
+  _check_rows(table, path, module.ROWS)
   return module
+
+
+def _check_rows(table: str, path: str, rows) -> None:
+  """Refuses a table's ``ROWS`` that is not a non-empty dict or list of distinct names that
+  can be a folder and an item of ``--rows`` and of ``get_config("ROW,SCALE")``: a row listed
+  twice trained into one folder and showed twice in the table, each time with every seed
+  counted twice (its std over the duplicates).
+
+  Raises:
+    ValueError: one line naming ``--table``, the file and the rows.
+  """
+  allowed = ("allowed: a dict or list of row names, each once, none empty or holding ',' "
+             "or '/'")
+  if isinstance(rows, str) or not isinstance(rows, dict | list | tuple) or not rows:
+    raise ValueError(f"--table={table!r}: {path}: ROWS={rows!r}; {allowed}")
+  names = list(rows)
+  bad = [r for r in names if not isinstance(r, str) or not r or "," in r or os.sep in r
+         or r in (".", "..")]
+  twice = sorted({r for r in names if names.count(r) > 1 and r not in bad}, key=str)
+  if bad or twice:
+    what = ([f"{', '.join(map(repr, twice))} listed twice"] if twice else []) + (
+        [f"{', '.join(map(repr, bad))} not a row name"] if bad else [])
+    raise ValueError(f"--table={table!r}: {path}: ROWS has {'; '.join(what)}; {allowed}")
 
 
 def parse_overrides(pairs: list[str]) -> dict:
