@@ -587,8 +587,14 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
   return rows
 
 
-def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, header: str) -> list:
+def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, header: str,
+                  seeds: int | None = None, missing: list[str] | tuple = ()) -> list:
   """Writes ``TABLE.md``, ``TABLE.csv`` and ``TABLE.png`` in ``workdir``; returns the paths.
+
+  ``seeds``: the seeds the table was asked for (``--seeds``): a row with fewer finished runs
+  says "(k of N seeds)" in its eval loss cell; ``missing``: the table's rows without a finished
+  run, named under the table. Either way a table of a partial set says so (with ``--rows`` it
+  shows whatever else is finished in ``workdir``).
 
   A ``TABLE.md`` that differs from the new one only in the date of its header (``written
   YYYY-MM-DD``) is left as it is: rebuilding a committed table from its committed runs changes
@@ -614,16 +620,25 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
     text = spread(r["delta_loss_mean"], r["delta_loss_std"], paired, "+.4f")
     return text if paired == r["seeds"] else f"{text} ({paired} of {r['seeds']} seeds)"
 
+  def loss(r: dict) -> str:
+    text = spread(r["eval_loss_mean"], r["eval_loss_std"], r["seeds"], ".4f")
+    if seeds is None or r["seeds"] >= seeds:
+      return text
+    return f"{text} ({r['seeds']} of {seeds} seeds)"
+
   for r in rows:
     lines.append(
         f"| {r['row']} | {r['params'] / 1e6:.3f}M | {r['non_embedding_params'] / 1e6:.3f}M | "
         f"{r['attention_params'] / 1e6:.3f}M | {r['mlp_params'] / 1e6:.3f}M | "
         f"{model_stats.gflop_text(r['flops_per_token'])} | "
-        f"{spread(r['eval_loss_mean'], r['eval_loss_std'], r['seeds'], '.4f')} | "
+        f"{loss(r)} | "
         f"{delta(r)} | "
         f"{r['perplexity']:.2f} | "
         f"{spread(r['bits_per_byte_mean'], r['bits_per_byte_std'], r['seeds'], '.4f')} | "
         f"{r['tokens_per_sec']:.0f} |")
+  if missing:
+    lines += ["", f"Not in the table (no run finished with this command's config in {workdir}): "
+              f"{', '.join(missing)}."]
   if any(r["flops_per_token"] is None for r in rows):
     lines += ["", "GFLOP/token n/a: a row with a user energy, whose own operations the "
               "analytic count (cem_jax.model_stats) does not model."]
@@ -757,7 +772,9 @@ def main(argv):
     # another config, in a row's folder).
     curves = eval_curves(fl.workdir, name, module, fl.seeds, [r["row"] for r in table_rows],
                          {(r["row"], r["seed"]) for r in results})
-    paths = write_outputs(fl.workdir, name, table_rows, curves, header)
+    shown = {r["row"] for r in table_rows}
+    paths = write_outputs(fl.workdir, name, table_rows, curves, header, fl.seeds,
+                          [r for r in module.ROWS if r not in shown])
   print(open(paths[0]).read())
   print("\n".join(paths))
 

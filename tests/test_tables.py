@@ -1123,7 +1123,7 @@ def test_the_tables_curves_are_of_the_runs_in_the_table_only(tmp_path, monkeypat
   monkeypatch.setattr(tables, "run_table", lambda *args: [result])
   drawn = []
 
-  def write_outputs(workdir, table, rows, curves, header):
+  def write_outputs(workdir, table, rows, curves, header, seeds=None, missing=()):
     drawn.append(curves)
     (tmp_path / "toy.md").write_text(header)
     return [str(tmp_path / "toy.md")]
@@ -1131,6 +1131,37 @@ def test_the_tables_curves_are_of_the_runs_in_the_table_only(tmp_path, monkeypat
   monkeypatch.setattr(tables, "write_outputs", write_outputs)
   tables.main([])
   assert drawn == [{"llama": [(5, 3.0)]}]  # not (5, 6.0), the mean with the killed seed
+
+
+def test_a_table_of_a_partial_set_of_runs_says_which_seeds_and_rows_it_lacks(tmp_path,
+                                                                            monkeypatch):
+  # --rows=llama --seeds=3 shows every row finished in the workdir: cem with 1 of its 3 seeds
+  # read "2.5000" under a "3 seed(s)" header, and a row with no finished run just was not there.
+  toy = tmp_path / "toy.py"
+  toy.write_text(TOY.replace("FILES", "''"))
+  module = tables.load_table(str(toy))
+  workdir = tmp_path / "out"
+  losses = {("llama", 0): 3.0, ("llama", 1): 2.0, ("llama", 2): 2.6, ("cem", 0): 2.5}
+  for (row, seed), loss in losses.items():
+    out = tables.run_dir(str(workdir), "toy", row, seed)
+    os.makedirs(out)
+    write_metrics(out, [{"step": 5, "eval/loss": loss}])
+    tables._write_json(os.path.join(out, "result.json"), {
+        "row": row, "seed": seed, "eval/loss": loss, "eval/bits_per_byte": 1.0,
+        "tokens_per_sec": 1.0, "numerics_version": NUMERICS_VERSION,
+        "config_digest": tables.config_digest(tables.row_config(module, row, "tiny", seed))})
+  _table_flags(monkeypatch, workdir, table=str(toy), seeds=3, rows="llama")
+  monkeypatch.setattr(tables, "run_table", lambda *args: [])  # finished: nothing to train
+  tables.main([])
+  md = (workdir / "toy.md").read_text().splitlines()
+  assert [line.split(" | ")[6] for line in md[4:6]] == ["2.5333 ± 0.5033",
+                                                        "2.5000 (1 of 3 seeds)"]
+  assert len(md) == 6  # every row there: no note under the table
+  shutil.rmtree(tables.run_dir(str(workdir), "toy", "cem", 0))
+  tables.main([])
+  md = (workdir / "toy.md").read_text().splitlines()
+  assert md[4:] == [md[4], "", f"Not in the table (no run finished with this command's config "
+                    f"in {workdir}): cem."]
 
 
 def test_a_run_of_the_table_without_an_eval_loss_in_its_metrics_is_one_line(tmp_path):
