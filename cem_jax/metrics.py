@@ -277,7 +277,9 @@ def read_metrics(workdir: str) -> list[dict]:
   Raises:
     ValueError: an earlier line is not a JSON object (``NaN`` and ``Infinity`` are not JSON)
       with an integer ``step`` and ``train/*`` and ``eval/*`` values that are finite numbers
-      or null (one line naming the file, the line number and its text or key).
+      or null, or its step is below the line before's, or repeats a key of the lines before
+      at the same step (two runs' lines in one file); one line naming the file, the line
+      number and its text or key.
   """
   lines, _ = _parse_metrics(os.path.join(workdir, "metrics.jsonl"))
   return [m for _, m in lines]
@@ -346,6 +348,23 @@ def _parse_metrics(path: str) -> tuple[list[tuple[str, dict]], str | None]:
       raise ValueError(f"{path}:{i + 1}: \"{key}\" is {json.dumps(line[key])[:40]}; allowed: "
                        "a finite number, or null (a value that was not finite); repair or "
                        "delete that line")
+    if out and step < out[-1][1]["step"]:
+      # The writer's steps only rise (a resume drops the lines after its checkpoint first):
+      # a step going back is two runs' lines in one file, which a plot drew as a zigzag and
+      # a table's curve averaged into the same steps.
+      raise ValueError(f"{path}:{i + 1}: step {step} after step {out[-1][1]['step']}; allowed: "
+                       "steps in the order the run wrote them (two runs' lines in one file?); "
+                       "repair or delete the lines out of order")
+    seen = set()
+    for _, m in reversed(out):  # the lines of this step: the last ones, steps only rising
+      if m["step"] != step:
+        break
+      seen |= m.keys()
+    again = sorted(k for k in line if k != "step" and k in seen)
+    if again:  # the writer logs a step's train line and its eval line once each
+      raise ValueError(f"{path}:{i + 1}: step {step} again with {again[0]!r}; allowed: one "
+                       "train and one eval line a step (two runs' lines in one file?); repair "
+                       "or delete the repeated line")
     out.append((text, line))
   return out, None
 

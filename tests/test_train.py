@@ -561,7 +561,14 @@ def test_resume_drops_a_cut_short_last_line_with_a_warning(tmp_path, caplog):
      r"metrics\.jsonl:2: \"eval/bits_per_byte\" is true; allowed: "),
     ('{"step": 2, "train/loss": 1e400}\n', r"metrics\.jsonl:2: \"train/loss\" is Infinity; "),
     ('{"step": 2, "eval/loss": [2.0]}\n', r"metrics\.jsonl:2: \"eval/loss\" is \[2\.0\]; "),
-], ids=["not JSON", "no step", "NaN", "-Infinity", "string loss", "bool bpb", "1e400", "list"])
+    # Two runs' lines in one file (the writer's steps only rise, one train and one eval line a
+    # step): plot drew a zigzag, a table's curve averaged both into the same steps.
+    ('{"step": 0, "train/loss": 2.0}\n', r"metrics\.jsonl:2: step 0 after step 1; allowed: "
+     r"steps in the order the run wrote them \(two runs' lines in one file\?\); repair"),
+    ('{"step": 1, "eval/loss": 2.0, "train/loss": 2.0}\n', r"metrics\.jsonl:2: step 1 again "
+     r"with 'train/loss'; allowed: one train and one eval line a step"),
+], ids=["not JSON", "no step", "NaN", "-Infinity", "string loss", "bool bpb", "1e400", "list",
+        "step back", "step again"])
 def test_resume_refuses_a_damaged_line_before_the_last_as_read_metrics_does(
     tmp_path, damage, error):
   from cem_jax.metrics import MetricsWriter
