@@ -660,15 +660,33 @@ def from_saved(saved: dict, where: str) -> ml_collections.ConfigDict:
   the keys it predates keep their defaults (the old behaviour).
 
   Raises:
-    ValueError: ``saved`` has fields this version of cem_jax does not know (one line).
+    ValueError: ``saved`` is not a JSON object, has fields this version of cem_jax does not
+      know, or a value of another type than its field's (one line naming ``where``).
   """
+  check_saved(saved, where)
   config = get_default_config()
   unknown = sorted(set(flat(saved)) - set(flat(config)))
   if unknown:
     raise ValueError(f"{where}: config fields {', '.join(unknown)} are unknown to this "
                      "version of cem_jax; use the version that trained it")
-  config.update(saved)
+  try:
+    config.update(saved)
+  except (TypeError, ValueError, AttributeError) as e:  # ml_collections: a value of another type
+    raise ValueError(f"{where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; "
+                     "allowed: the config the run saved, each value of its field's type") from None
   return config
+
+
+def check_saved(saved, where: str) -> None:
+  """Refuses a saved config (a run's ``config.json``, named ``where``) that is not a JSON
+  object: read as one, a list or a number was an AttributeError traceback.
+
+  Raises:
+    ValueError: one line naming ``where`` and what it holds.
+  """
+  if not isinstance(saved, dict):
+    raise ValueError(f"{where} holds a JSON {type(saved).__name__}, not a config; allowed: "
+                     "the JSON object of config groups a run saves")
 
 
 def with_defaults(saved: ml_collections.ConfigDict | dict) -> dict:

@@ -344,12 +344,14 @@ def config_changes(workdir: str, config: ml_collections.ConfigDict) -> list[str]
   run, as :func:`cem_jax.config.run_changes` says; None when it has no ``config.json``.
 
   Raises:
-    ValueError: ``config.json`` is not valid JSON (one line naming it).
+    ValueError: ``config.json`` is not valid JSON, or not a JSON object (one line naming it).
   """
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     return None
-  return config_lib.run_changes(read_json(path, "delete that run to train it again"), config)
+  saved = read_json(path, "delete that run to train it again")
+  config_lib.check_saved(saved, path)
+  return config_lib.run_changes(saved, config)
 
 
 def check_same_run(workdir: str, config: ml_collections.ConfigDict) -> None:

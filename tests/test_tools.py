@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from cem_jax import axes, cli, files, plot, preflight, runs, sharding, signals
 from cem_jax import config as config_lib
 from cem_jax import summary as summary_lib
+from cem_jax import workdir as workdir_lib
 from cem_jax.model import DecoderLM
 from cem_jax.model_stats import count_params
 from cem_jax.workdir import (
@@ -120,6 +121,21 @@ def test_inspect_a_trained_run_from_its_config_json(tmp_path):
                                        r"to this version of cem_jax; use the version that "
                                        r"trained it$"):
     runs.run_config(str(run))
+  # Valid JSON of another shape, or a value of another type (edited by hand): one line naming
+  # the file, not an AttributeError or ml_collections' TypeError traceback.
+  bad_type = {**saved.to_dict(), "model": {**saved.model.to_dict(), "d_model": "big"}}
+  for text, said in (("[]", " holds a JSON list, not a config; allowed: the JSON object of "
+                            "config groups a run saves"),
+                     (json.dumps(bad_type), ": Could not override field 'd_model'")):
+    (run / "config.json").write_text(text)
+    with pytest.raises(ValueError) as e:
+      runs.run_config(str(run))
+    assert str(e.value).startswith(f"{run}/config.json{said}") and "\n" not in str(e.value)
+  # The table and sweep tools' check of a run folder (its config.json against the run's).
+  (run / "config.json").write_text("[]")
+  (run / "checkpoints" / "5").mkdir()  # a run started: its config is checked
+  with pytest.raises(ValueError, match=rf"^{run}/config.json holds a JSON list, not a config"):
+    workdir_lib.check_same_run(str(run), saved)
   # One rule for every tool that reads a run: inspect's config, evaluate's and sample's load.
   for read in (runs.run_config, runs.load_run):
     with pytest.raises(ValueError, match=rf"^--workdir={tmp_path}: no config.json \(not a "
