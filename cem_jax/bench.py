@@ -34,7 +34,7 @@ from cem_jax import config as config_lib
 from cem_jax import steps as steps_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import make_batch
-from cem_jax.files import atomic_write_json
+from cem_jax.files import atomic_write_json, check_can_write
 from cem_jax.model import DecoderLM, abstract_model, known_flops_per_token
 from cem_jax.model_stats import count_params, gflop_text, peak_flops
 
@@ -154,6 +154,11 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
   (:func:`cem_jax.profiling.kernel_summary`), or ``kernels_error``: why not (a CPU has no
   device process in its trace).
 
+  Raises:
+    ValueError: the step does not fit the device's memory (on a CPU, the host's memory and
+      swap), as :func:`cem_jax.memory.compile_within_memory` finds it after compiling, before
+      any step runs: :func:`run` records it as the row's error.
+
   Keys: ``attention`` and ``attention_reason`` (the kernel its step runs at this seq_len:
   ``DecoderLM.kernel_at``), ``params``,
   ``compile_s`` (seconds), ``step_ms`` (milliseconds: the mean of ``steps`` steps run back to
@@ -170,7 +175,13 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
   model, step, params, opt_state, batch = train_step_inputs(config, vocab_size)
   b, n = config.train.batch_size, config.data.seq_len
   t0 = time.perf_counter()
-  compiled = step.lower(params, opt_state, batch).compile()
+  # Refused here, a row's error, where the step cannot fit: on a CPU the first step of
+  # --preset=gpu125m (43 GiB) had the kernel kill the whole sweep (exit status 137, no line).
+  compiled = memory.compile_within_memory(
+      step, (params, opt_state, batch), config, what=f"the training step at seq_len {n}, "
+      f"batch {b}, d_model {config.model.d_model}",
+      advice="run a smaller --preset on this machine, or give --loss_block_size (now "
+             f"{config.train.loss_block_size}) to make the logits in blocks")
   compile_s = time.perf_counter() - t0
   synced = []
   for i in range(warmup + steps):
@@ -365,6 +376,12 @@ def main(argv):
       raise ValueError(f"--out={fl.out}: folder {out_dir} does not exist")
     if fl.out and os.path.isdir(fl.out):
       raise ValueError(f"--out={fl.out} is a folder; give the JSON file's path")
+    if fl.out:  # else found after the first row's compile and steps (minutes on a GPU)
+      try:
+        check_can_write(fl.out)
+      except OSError as e:
+        raise ValueError(f"--out={fl.out}: cannot write a file in {out_dir} ({e.strerror}); "
+                         "give a path in a writable folder") from None
     if fl.profile_dir and os.path.exists(fl.profile_dir) and not os.path.isdir(fl.profile_dir):
       raise ValueError(f"--profile_dir={fl.profile_dir} is a file; give a folder (created if "
                        "missing)")

@@ -122,6 +122,22 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     yield f
 
 
+def check_can_write(path: str | os.PathLike) -> None:
+  """Creates and removes a temporary file beside ``path`` as an atomic write of ``path``
+  would (:func:`atomic_path`), so that a program that writes ``path`` only after minutes of
+  work (a benchmark's first row) finds an unwritable folder at its start. ``path`` itself is
+  not touched.
+
+  Raises:
+    OSError: the folder is missing, read-only or cannot hold files (e.g. ``/proc``), naming
+      the temporary file.
+  """
+  tmp = f"{os.fspath(path)}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+  with open(tmp, "xb"):
+    pass
+  os.remove(tmp)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[str]:
   """The name of a temporary file, for a writer that opens files by name (e.g. an

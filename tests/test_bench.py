@@ -459,6 +459,8 @@ def test_a_row_times_steps_back_to_back_after_warmup_in_mib_with_a_null_nan_loss
     now[0] += next(durations)
     return p, o, {"loss": jnp.float32(jnp.nan)}
 
+  # Read by the memory check beside the footprint (the devices the program holds it on).
+  step.input_shardings = step.output_shardings = ()
   compiled = type("Lowered", (), {"compile": lambda self: step})()
   fake = type("Step", (), {"lower": lambda self, *a: compiled})()
   monkeypatch.setattr(bench.steps_lib, "make_train_step", lambda *a, **k: fake)
@@ -477,6 +479,38 @@ def test_a_row_times_steps_back_to_back_after_warmup_in_mib_with_a_null_nan_loss
   # DOCUMENTS_PER_WINDOW equal documents, ids 1..4, in every row of the window.
   (segment_ids,) = batches
   assert bench.DOCUMENTS_PER_WINDOW == 4 and set(np.unique(segment_ids)) == {1, 2, 3, 4}
+
+
+def test_a_row_whose_step_does_not_fit_the_host_is_refused_before_its_first_step(monkeypatch):
+  # --preset=gpu125m on a CPU: its 1024-token row's step needs 43 GiB (XLA's analysis); on a
+  # 24 GiB host the first step had the kernel kill the whole sweep (exit status 137, no line).
+  tiny = dict(bench.PRESETS["tiny"], d_model=32, num_layers=1, mlp_dim=64, tokens_per_batch=64)
+  config = bench._model_config(tiny, bench.VARIANTS["llama"], 32, 32)
+  ran = []
+
+  def step(p, o, b):
+    ran.append(1)
+    return p, o, {"loss": jnp.float32(1.0)}
+
+  step.input_shardings = step.output_shardings = ()
+  compiled = type("Lowered", (), {"compile": lambda self: step})()
+  fake = type("Step", (), {"lower": lambda self, *a: compiled})()
+  monkeypatch.setattr(bench.steps_lib, "make_train_step", lambda *a, **k: fake)
+  monkeypatch.setattr(bench, "DecoderLM", _StandInModel)
+  monkeypatch.setattr(bench.memory, "footprint_bytes", lambda c: 43 * 2**30)
+  monkeypatch.setattr(bench.memory, "device_limit_bytes", lambda device=None: None)
+  monkeypatch.setattr(bench.memory, "host_total_bytes", lambda: 24 * 2**30)
+  with pytest.raises(ValueError) as e:
+    bench.bench_one(config, 512, steps=3, warmup=1)
+  assert str(e.value) == (
+      "the training step at seq_len 32, batch 2, d_model 32 needs 43.00 GiB on this host's CPU "
+      "devices (XLA memory analysis), more than its 24.00 GiB of memory and swap: run a smaller "
+      "--preset on this machine, or give --loss_block_size (now 0) to make the logits in blocks")
+  assert ran == []  # refused before any step
+  monkeypatch.setattr(bench.memory, "host_total_bytes", lambda: 64 * 2**30)
+  monkeypatch.setattr(bench.memory, "host_available_bytes", lambda: 64 * 2**30)
+  assert bench.bench_one(config, 512, steps=3, warmup=1)["peak_memory_mb"] == 43 * 1024
+  assert len(ran) == 3 + 1 + 3  # steps waited for, warm-up, back to back
 
 
 def test_abstract_step_inputs_hold_no_arrays_and_lower_to_the_concrete_program():
@@ -601,6 +635,9 @@ def test_analytic_flops_of_coevolve_diagonal_and_an_explicit_head_width_by_hand(
     (["--out={tmp}/missing/b.json"], "--out={tmp}/missing/b.json: folder {tmp}/missing does "
                                      "not exist"),
     (["--out={tmp}"], "--out={tmp} is a folder; give the JSON file's path"),
+    # A folder that cannot hold a file: found after the first row's compile and steps (minutes
+    # on a GPU), as "No such file or directory: '/proc/b.json.PID.HEX.tmp'".
+    (["--out=/proc/b.json"], "--out=/proc/b.json: cannot write a file in /proc ("),
     (["--profile_dir={tmp}/f"], "--profile_dir={tmp}/f is a file; give a folder (created if "
                                 "missing)"),
 ])
