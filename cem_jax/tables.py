@@ -22,7 +22,11 @@ not (``main`` refuses to resume it) and whatever its config, is moved aside to
 line saying so. Then
 ``WORKDIR/TABLE.{md,csv,png}`` are written: parameters (total, non-embedding, attention,
 MLP), analytic FLOPs per token, eval loss (mean ± std over seeds), perplexity, bits per byte and
-training tokens/s; the plot has one eval-loss curve per row (mean over seeds).
+training tokens/s; the plot has one eval-loss curve per row (mean over seeds). A table of a
+partial set says so (with ``--rows`` it shows every row finished in ``WORKDIR``): a row with
+fewer finished seeds than ``--seeds`` reads "(k of N seeds)", and the rows with none are named
+under the table. A run whose final eval is not finite stops the command (FloatingPointError,
+one line) and records nothing.
 """
 
 from __future__ import annotations
