@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 
 from absl import app, flags
@@ -75,13 +76,22 @@ def plot_run(workdir: str) -> list[str]:
   """Writes the plots of ``workdir``; returns their paths.
 
   Raises:
-    FileNotFoundError: ``workdir/metrics.jsonl`` does not exist.
+    FileNotFoundError: ``workdir/metrics.jsonl`` does not exist (naming a run inside when
+      ``workdir`` is a sweep's or a table's folder of runs).
     ValueError: ``workdir`` or ``workdir/plots`` is a file; ``metrics.jsonl`` holds no losses
       yet, none that is finite, or a damaged line before the last.
   """
   if os.path.isfile(workdir):  # else "no metrics.jsonl" would send the user to train there
     raise ValueError(f"--workdir={workdir} is a file; give a run's folder (holds metrics.jsonl)")
   if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    # A table's or a sweep's folder holds runs: "train there first" sent the user to train in it.
+    inside = sorted(glob.glob(os.path.join(glob.escape(workdir), "*", "metrics.jsonl"))
+                    + glob.glob(os.path.join(glob.escape(workdir), "*", "*", "*",
+                                             "metrics.jsonl")))
+    if inside:
+      raise FileNotFoundError(f"--workdir={workdir}: no metrics.jsonl; it is a folder of "
+                              f"{len(inside)} runs: give one run's folder, e.g. "
+                              f"--workdir={os.path.dirname(inside[0])}")
     raise FileNotFoundError(f"--workdir={workdir}: no metrics.jsonl (train there first)")
   metrics = read_metrics(workdir)
   if not any("train/loss" in m or "eval/loss" in m for m in metrics):

@@ -495,6 +495,18 @@ def test_plot_refuses_a_folder_without_metrics_or_without_losses(tmp_path):
   # "every loss is null" message of a run that diverged.
   with pytest.raises(FileNotFoundError, match=r"no metrics\.jsonl \(train there first\)$"):
     plot.plot_run(str(tmp_path))
+  # A table's folder (TABLE/ROW/seedS) or a sweep's (NAME): named as a folder of runs, one
+  # given, not "train there first".
+  for top, folders in (("tables", ["toy/b/seed0", "toy/a/seed1", "toy/a/seed0"]),
+                       ("sweep", ["lr=0.3", "lr=0.1"])):
+    for run in folders:
+      (tmp_path / top / run).mkdir(parents=True)
+      write_metrics(tmp_path / top / run, [{"step": 5, "eval/loss": 3.0}])
+    with pytest.raises(FileNotFoundError) as e:
+      plot.plot_run(str(tmp_path / top))
+    assert str(e.value) == (f"--workdir={tmp_path / top}: no metrics.jsonl; it is a folder of "
+                            f"{len(folders)} runs: give one run's folder, e.g. "
+                            f"--workdir={tmp_path / top / min(folders)}")
   (tmp_path / "a_file").write_text("")
   with pytest.raises(ValueError) as e:
     plot.plot_run(str(tmp_path / "a_file"))
