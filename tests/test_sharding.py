@@ -443,9 +443,11 @@ for shape in [(1, 1, 1)] + {meshes!r}:
   rec = {{"init_max_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                               for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(eager)))}}
   # Each parameter's sharding, the number of distinct shards, and its moment's sharding.
-  # Sharded init: what one device computes and keeps (no device ever holds a full copy).
-  init = jax.jit(lambda: nnx.state(steps.build_model(cfg, vocab), nnx.Param),
-                 out_shardings=sh.params).lower().compile().memory_analysis()
+  # Sharded init: what one device computes and keeps (no device ever holds a full copy). The
+  # initialiser init_state ran, lowered again: its program is read back from the compilation
+  # cache, not compiled a second time as a program of its own.
+  init = steps._params_initialiser(cfg, vocab, None, mesh, sh.params).lower(
+      steps.seed_key_data(cfg.seed)).compile().memory_analysis()
   rec["init_bytes"] = {{"full": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),
                        "output": init.output_size_in_bytes, "temp": init.temp_size_in_bytes}}
   rules = axes.rules_from_config(cfg.mesh)
