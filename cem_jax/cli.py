@@ -35,6 +35,16 @@ def define_config_flag() -> None:
                                   lock_config=True)
 
 
+def define_attention_impl_flag(choices) -> None:
+  """Defines ``--attention_impl`` of the tools that load a run (evaluate, sample:
+  :func:`cem_jax.runs.load_run`'s ``attention_impl``), one of ``choices``
+  (``config.ATTENTION_IMPLEMENTATIONS``). Here, not beside ``load_run``: a tool defines its
+  flags without importing jax, so that a bad flag is refused in a fraction of a second."""
+  flags.DEFINE_enum("attention_impl", None, choices,
+                    "The attention kernel to run the model with (default: the run's own "
+                    "model.attention_impl), e.g. auto on a CPU for a run trained with cudnn.")
+
+
 # The flags each program marked required (:func:`require`), for parse_flags' one line.
 _REQUIRED: list[str] = []
 

@@ -199,8 +199,6 @@ if __name__ == "__main__":
   flags.DEFINE_integer("max_batches", -1, "Eval batches (-1: all).")
   flags.DEFINE_integer("batch_size", None, "Rows of an eval batch (default: the run's "
                        "eval.batch_size; the whole split's figures do not depend on it).")
-  from cem_jax import runs
-  runs.define_attention_impl_flag()
-  flags.adopt_module_key_flags(runs)  # listed by --help with evaluate's own
+  cli.define_attention_impl_flag(config_lib.ATTENTION_IMPLEMENTATIONS)
   cli.require("workdir")
   app.run(main, flags_parser=cli.parse_flags)

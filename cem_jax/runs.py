@@ -14,7 +14,6 @@ import os
 
 import jax
 import ml_collections
-from absl import flags
 from flax import nnx
 
 from cem_jax import checkpoint as checkpoint_lib
@@ -201,14 +200,6 @@ def check_data(meta: CheckpointMeta, data, checkpoint: str, workdir: str,
   except ValueError:
     workdir_lib.remove_prepared_since(workdir, prepared_before)
     raise
-
-
-def define_attention_impl_flag() -> None:
-  """``--attention_impl`` of the tools that load a run (evaluate, sample: :func:`load_run`'s
-  ``attention_impl``)."""
-  flags.DEFINE_enum("attention_impl", None, config_lib.ATTENTION_IMPLEMENTATIONS,
-                    "The attention kernel to run the model with (default: the run's own "
-                    "model.attention_impl), e.g. auto on a CPU for a run trained with cudnn.")
 
 
 def run_config(workdir: str) -> ml_collections.ConfigDict:

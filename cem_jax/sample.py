@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
-from flax import nnx
 
 from cem_jax import cli
 from cem_jax import config as config_lib
 from cem_jax.config import check_writable, shown
-from cem_jax.model import check_num_steps
+
+# jax, flax and the model are imported where they are used: the command line's flags are
+# checked before (a bad flag is refused in a fraction of a second, not after jax's start-up).
+if TYPE_CHECKING:
+  import jax
 
 
 def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -36,6 +38,9 @@ def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: floa
   same on every call. ``top_k`` <= 0 and ``top_p`` >= 1 disable those filters;
   ``temperature`` must be > 0.
   """
+  import jax
+  import jax.numpy as jnp
+
   # The ranking is taken from the logits themselves, the probabilities from the scaled ones
   # shifted to a maximum of 0: a tiny temperature then tends to greedy (no inf - inf), and a
   # huge one cannot collapse the ranking into ties.
@@ -66,6 +71,9 @@ def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: floa
 
 
 def _choose(logits, rng, temperature, top_k, top_p):
+  import jax
+  import jax.numpy as jnp
+
   if temperature <= 0.0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   return jax.random.categorical(rng, filter_logits(logits, temperature, top_k, top_p)).astype(
@@ -115,6 +123,12 @@ def generate(graphdef, params, prompt: np.ndarray, max_new_tokens: int, *, rng=N
       ``[0, vocab_size)``, ``max_new_tokens`` < 1, or sampling settings out of range
       (:func:`check_sampling`).
   """
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from cem_jax.model import check_num_steps
+
   prompt = np.asarray(prompt)
   if prompt.ndim != 2 or prompt.shape[1] < 1:
     raise ValueError(f"prompt must be [batch, prompt_len >= 1], got shape {prompt.shape}")
@@ -168,8 +182,6 @@ def generate(graphdef, params, prompt: np.ndarray, max_new_tokens: int, *, rng=N
 
 def main(argv):
   cli.no_extra_args(argv)
-  from cem_jax import runs
-
   fl = flags.FLAGS
   if not fl["verbosity"].present:
     # The text is the output: Orbax logs every restore (INFO) and its read-only mode
@@ -193,6 +205,9 @@ def main(argv):
       raise ValueError(f"--prompt={fl.prompt!r} is not UTF-8 text (at character {e.start}); "
                        "give it in UTF-8") from None
     cli.check_folder("workdir", fl.workdir, "a trained run's folder")
+    import jax
+
+    from cem_jax import runs
     config, data, graphdef, params, step = runs.load_run(fl.workdir,
                                                          attention_impl=fl.attention_impl)
     check_sampling(fl.temperature, fl.top_k, fl.top_p, data.tokenizer.vocab_size, "--")
@@ -228,8 +243,6 @@ if __name__ == "__main__":
   flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass, 0 < top_p <= 1 (1: off).")
   flags.DEFINE_integer("seed", 0, "Sampling seed (refused with --temperature=0: greedy).")
   flags.DEFINE_bool("no_cache", False, "Recompute the prefix at every token.")
-  from cem_jax import runs
-  runs.define_attention_impl_flag()
-  flags.adopt_module_key_flags(runs)  # listed by --help with sample's own
+  cli.define_attention_impl_flag(config_lib.ATTENTION_IMPLEMENTATIONS)
   cli.require("workdir", "prompt")
   app.run(main, flags_parser=cli.parse_flags)

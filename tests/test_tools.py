@@ -63,7 +63,7 @@ def test_inspect_totals_equal_the_built_model(overrides):
 
 @pytest.mark.parametrize("tool", ["sample", "evaluate"])
 def test_the_tools_that_load_a_run_list_attention_impl_in_their_help(tool):
-  # Defined once in runs; both tools adopt it, or absl's --help would leave it out.
+  # Defined once in cli (for its caller), or absl's --help would leave it out of a tool's own.
   proc = subprocess.run([sys.executable, "-m", f"cem_jax.{tool}", "--help"],
                         capture_output=True, text=True, timeout=300)
   own = proc.stdout.split("Try --helpfull")[0]
