@@ -55,11 +55,14 @@ def run(config, out: str, workers: int | None = None) -> None:
       source's own errors
       (:func:`cem_jax.data.shard_writer.prepare`).
   """
+  # The checks main runs before training: data prepared from a config main rejects (or
+  # from an option it would silently ignore) is a wasted, misleading preparation. The
+  # config's own rules first, as main checks them: before jax loads (seconds), for
+  # preflight's checks of the model code.
+  config_lib.validate(config)
   from cem_jax import preflight
   from cem_jax.data import prepared, shard_writer
 
-  # The checks main runs before training: data prepared from a config main rejects (or
-  # from an option it would silently ignore) is a wasted, misleading preparation.
   preflight.check(config)
   if config.data.prepared_dir:
     raise ValueError(f"data.prepared_dir={config.data.prepared_dir!r}: prepare writes to "

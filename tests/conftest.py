@@ -73,6 +73,16 @@ def subprocess_env(devices: int = 1, **extra: str) -> dict:
   return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags), **extra)
 
 
+# ``python -c RUN_MODULE_REPORTING_JAX MODULE ARGS...`` runs ``python -m MODULE ARGS...`` (runpy,
+# as -m does) and prints its exit status and which of jax and flax it imported, e.g. ``1 []``:
+# for the tools' refusals that must come before jax's seconds of start-up.
+RUN_MODULE_REPORTING_JAX = (
+    "import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n"
+    "  runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+    "except SystemExit as e:\n"
+    "  print(e.code, sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax'}))")
+
+
 def program_json(args: list[str], devices: int, timeout: float = 120, **run_kwargs):
   """Runs ``python *args`` on ``devices`` forced CPU devices (:func:`subprocess_env`) and
   returns the JSON its last line of stdout holds; a failed run

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from absl import flags
 from conftest import (
+    RUN_MODULE_REPORTING_JAX,
     closed_port,
     program_json,
     quadrature_phi_silu,
@@ -448,11 +449,7 @@ def test_tool_flags_are_checked_before_the_run_is_loaded(tmp_path, tool, args, e
   # The workdir does not exist: the flag error must come first, alone, on one line, and
   # before jax or flax is imported (jax's start-up took 4 s of CPU; the error 0.3 s).
   # Mutation: sample importing jax at its top again printed '1 ['jax']' for its cases.
-  code = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n"
-          "  runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
-          "except SystemExit as e:\n"
-          "  print(e.code, sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax'}))")
-  proc = subprocess.run([sys.executable, "-c", code, f"cem_jax.{tool}",
+  proc = subprocess.run([sys.executable, "-c", RUN_MODULE_REPORTING_JAX, f"cem_jax.{tool}",
                          f"--workdir={tmp_path / 'nothing'}", *args], cwd=REPO,
                         capture_output=True, text=True, timeout=300)
   assert proc.stdout.strip() == "1 []", proc.stdout[-2000:] + proc.stderr[-2000:]
