@@ -16,14 +16,14 @@ a pod's sharding can be read on a laptop), checked as ``main`` would check it on
 
 from __future__ import annotations
 
-import jax
 import ml_collections
 from absl import app, flags, logging
-from flax import nnx
 
-from cem_jax import axes, cli, energies, model_stats, preflight, runs, sharding, updates
+from cem_jax import cli
 from cem_jax import config as config_lib
-from cem_jax.model import abstract_model, known_flops_per_token
+
+# jax, flax and the model code are imported where they are used: a bad flag or config file is
+# refused in a fraction of a second, not after jax's start-up.
 
 
 def summary(config, vocab_size: int | None = None, devices=None,
@@ -44,6 +44,12 @@ def summary(config, vocab_size: int | None = None, devices=None,
     ValueError: an invalid config, ``num_devices`` < 1, or a mesh that does not fit the
       devices.
   """
+  import jax
+  from flax import nnx
+
+  from cem_jax import axes, model_stats, preflight, sharding
+  from cem_jax.model import abstract_model, known_flops_per_token
+
   preflight.check(config)
   vocab = config_lib.vocab_size(config, vocab_size)
   if num_devices is not None:
@@ -89,6 +95,8 @@ def summary(config, vocab_size: int | None = None, devices=None,
 def _energies(m) -> list[dict]:
   """The CEM slots' energies (``field``, ``name``, ``update``: 'closed form' or 'jax.grad',
   ``builtin``), as the model resolves them; [] for a Llama block."""
+  from cem_jax import energies, updates
+
   if m.block != "cem":
     return []
   out = []
@@ -141,6 +149,8 @@ def check_energies_unedited(workdir: str, config: ml_collections.ConfigDict) -> 
     ValueError: one line naming the checkpoint and the energies.
     CheckpointError: checkpoints exist but none is intact.
   """
+  from cem_jax import runs
+
   checkpoint, meta = runs.newest_meta(workdir)
   if checkpoint is not None:
     runs.refuse_edited_energies(meta, config, checkpoint, "the summary would describe a model "
@@ -165,6 +175,8 @@ def main(argv):
     if fl.workdir is None:
       config = cli.load_config()
     else:
+      from cem_jax import runs
+
       config = runs.run_config(fl.workdir)
       check_energies_unedited(fl.workdir, config)
     print(format_summary(summary(config, fl.vocab_size, num_devices=fl.num_devices)))
