@@ -93,6 +93,44 @@ def program_json(args: list[str], devices: int, timeout: float = 120, **run_kwar
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# The tool's __main__ block runs once; app.run runs main once per case, its flags reset
+# between them. Its signals set as a terminal leaves them, whatever pytest's are.
+_TOOL_CASES = """
+import contextlib, io, json, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+from absl import app, flags
+tool, cases = sys.argv[1], json.load(sys.stdin)
+out, real_run = [], app.run
+def run_cases(main, argv=None, flags_parser=None):
+  for args in cases:
+    if flags.FLAGS.is_parsed():
+      flags.FLAGS.unparse_flags()
+    out_, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out_), contextlib.redirect_stderr(err):
+      try:
+        real_run(main, argv=[tool, *args], flags_parser=flags_parser)
+        code = 0
+      except SystemExit as e:
+        code = e.code
+    out.append([code, out_.getvalue(), err.getvalue()])
+app.run = run_cases
+runpy.run_module(f"cem_jax.{tool}", run_name="__main__")
+print(json.dumps(out))
+"""
+
+
+def tool_runs(tool: str, cases: list[list[str]]) -> list[tuple[int, str, str]]:
+  """``(exit status, stdout, stderr)`` of ``python -m cem_jax.TOOL`` for each of ``cases`` (its
+  arguments), in one interpreter (one jax start-up for all cases of a tool that imports it):
+  its ``__main__`` block runs once, ``app.run`` runs ``main`` once per case."""
+  proc = subprocess.run([sys.executable, "-c", _TOOL_CASES, tool], input=json.dumps(cases),
+                        cwd=Path(__file__).resolve().parents[1], env=subprocess_env(),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return [tuple(r) for r in json.loads(proc.stdout.splitlines()[-1])]
+
+
 def count_compiles():
   """A ``collections.Counter`` of the executables jax makes from here on (compiled, or read
   from the persistent cache), by function name (``'jit(step)'``): for programs that check

@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import tool_runs
 from flax import nnx
 
 from cem_jax import bench, model_stats
@@ -628,7 +629,7 @@ def test_analytic_flops_of_coevolve_diagonal_and_an_explicit_head_width_by_hand(
     assert flops() == 3 * (2 * d * hd + 2 * (step + 4 * n * 2 * width)) + 2 * d * vocab, form
 
 
-@pytest.mark.parametrize("args,error", [
+_BAD_ARGUMENTS = [
     (["--variants=llama,gpt"], "--variants=gpt; allowed: one or more of llama, "),
     (["--variants=llama,cem_fused,llama"],
      "--variants=llama,cem_fused,llama: llama given twice; allowed: each variant once"),
@@ -640,18 +641,28 @@ def test_analytic_flops_of_coevolve_diagonal_and_an_explicit_head_width_by_hand(
     (["--out=/proc/b.json"], "--out=/proc/b.json: cannot write a file in /proc ("),
     (["--profile_dir={tmp}/f"], "--profile_dir={tmp}/f is a file; give a folder (created if "
                                 "missing)"),
-])
-def test_bad_arguments_are_refused_before_any_row_runs(tmp_path, args, error):
-  import subprocess
-  import sys
+]
 
-  (tmp_path / "f").write_text("")
-  proc = subprocess.run([sys.executable, "-m", "cem_jax.bench", "--preset=tiny",
-                         *(a.format(tmp=tmp_path) for a in args)],
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 1 and proc.stdout == ""
-  assert proc.stderr.strip().splitlines()[-1].startswith(
-      "error: " + error.format(tmp=tmp_path)), proc.stderr[-500:]
+
+@pytest.fixture(scope="module")
+def bench_refusals(tmp_path_factory):
+  """``(folder, {case: (exit status, stdout, stderr)})`` of ``python -m cem_jax.bench
+  --preset=tiny`` for each of ``_BAD_ARGUMENTS``, in one interpreter (bench imports jax: 3 s
+  of start-up a case otherwise); ``folder`` holds the file ``f`` and stands for ``{tmp}``."""
+  tmp = tmp_path_factory.mktemp("bench_args")
+  (tmp / "f").write_text("")
+  cases = [["--preset=tiny", *(a.format(tmp=tmp) for a in args)] for args, _ in _BAD_ARGUMENTS]
+  return tmp, dict(enumerate(tool_runs("bench", cases)))
+
+
+@pytest.mark.parametrize("case", range(len(_BAD_ARGUMENTS)),
+                         ids=[str(args) for args, _ in _BAD_ARGUMENTS])
+def test_bad_arguments_are_refused_before_any_row_runs(bench_refusals, case):
+  tmp, runs = bench_refusals
+  code, out, err = runs[case]
+  error = _BAD_ARGUMENTS[case][1]
+  assert code == 1 and out == ""
+  assert err.strip().splitlines()[-1].startswith("error: " + error.format(tmp=tmp)), err[-500:]
 
 
 # Each measured table in docs/PERFORMANCE.md and the JSON it was copied from: (the heading of

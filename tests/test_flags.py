@@ -8,55 +8,19 @@ flags and calls ``app.run``), with ``app.run`` made to run ``main`` once for eac
 arguments: one interpreter per tool, not per case.
 """
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
-from conftest import subprocess_env
+from conftest import tool_runs
 
 from cem_jax import config as config_lib
 from cem_jax import cpus
 
-REPO = Path(__file__).resolve().parents[1]
 HUGE = "0x" + "f" * 4000  # absl reads it as an int of 4817 digits, past int -> str's limit
 TOO_LONG = (f"={config_lib.shown(int(HUGE, 16))}; allowed: an int of at most 4300 digits "
             "(Python's int -> str limit: config.json and the messages write it in decimal)")
 
-# The tool's __main__ block runs once; app.run runs main once per case, its flags reset
-# between them. Its signals set as a terminal leaves them, whatever pytest's are.
-_CHILD = """
-import contextlib, io, json, runpy, signal, sys
-signal.signal(signal.SIGINT, signal.default_int_handler)
-signal.signal(signal.SIGTERM, signal.SIG_DFL)
-from absl import app, flags
-tool, cases = sys.argv[1], json.load(sys.stdin)
-out, real_run = [], app.run
-def run_cases(main, argv=None, flags_parser=None):
-  for args in cases:
-    if flags.FLAGS.is_parsed():
-      flags.FLAGS.unparse_flags()
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-      try:
-        real_run(main, argv=[tool, *args], flags_parser=flags_parser)
-        code = 0
-      except SystemExit as e:
-        code = e.code
-    out.append([code, err.getvalue()])
-app.run = run_cases
-runpy.run_module(f"cem_jax.{tool}", run_name="__main__")
-print(json.dumps(out))
-"""
-
-
 def _refusals(tool: str, cases: list[list[str]]) -> list[tuple[int, str]]:
   """``(exit status, stderr)`` of ``cem_jax.TOOL`` for each of ``cases`` (its arguments)."""
-  proc = subprocess.run([sys.executable, "-c", _CHILD, tool], input=json.dumps(cases),
-                        cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                        timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return [tuple(r) for r in json.loads(proc.stdout.splitlines()[-1])]
+  return [(code, err) for code, _, err in tool_runs(tool, cases)]
 
 
 def _check(tool: str, cases: list[tuple[list[str], str]]) -> None:
