@@ -196,8 +196,10 @@ def newest_intact(directory: str, steps, read_only: bool) -> int | None:
 
   Newer damaged steps are reported with ``logging.warning`` (step and file) and, unless
   ``read_only``, moved to ``rejected/`` (:func:`move_aside`), so that training can save those
-  step numbers again. With several processes, process 0 does this (with its own ``steps``)
-  and every process returns its answer once the move is done; all must call it.
+  step numbers again. A step whose folder is gone once verified (pruned by a run still saving
+  there, beside which a reader lists steps) is not damaged: skipped without a warning. With
+  several processes, process 0 does this (with its own ``steps``) and every process returns
+  its answer once the move is done; all must call it.
 
   Raises:
     CheckpointError: steps exist but none is intact (one line listing each step's first
@@ -228,17 +230,24 @@ def newest_intact(directory: str, steps, read_only: bool) -> int | None:
 def _newest_intact(directory: str, steps, read_only: bool) -> int | None:
   """:func:`newest_intact` on this process alone."""
   steps = sorted(steps, reverse=True)
-  rejected = {}
+  rejected, first = {}, {}
   for step in steps:
     problems = verify(directory, step)
     if not problems:
       break
+    if not os.path.isdir(step_dir(directory, step)):
+      # Listed, gone now: pruned (checkpoint.keep) by the run saving here while it was
+      # verified, its files missing or its folder with them (a reader beside a run still
+      # training). Nothing is wrong with it: no warning that calls it damaged, nothing to move.
+      first[step] = "gone since it was listed (pruned by a run saving there, or removed)"
+      continue
     rejected[step] = problems
+    first[step] = problems[0]
     logging.warning("checkpoint step %d is damaged, not restoring it: %s", step,
                     "; ".join(problems))
   else:
     if steps:
-      summary = "; ".join(f"step {s}: {p[0]}" for s, p in rejected.items())
+      summary = "; ".join(f"step {s}: {p}" for s, p in first.items())
       raise CheckpointError(
           f"{directory}: no intact checkpoint ({summary}); move the folder away to "
           "start over, or restore a backup"

@@ -1352,6 +1352,48 @@ def test_newest_intact_moves_every_newer_damaged_step_and_names_each_first_probl
   assert sent == [-1, -2]
 
 
+
+@pytest.mark.parametrize("cut", ["folder", "files"])
+@pytest.mark.parametrize("read_only", [True, False])
+def test_a_step_pruned_while_verified_is_skipped_without_being_called_damaged(
+    tmp_path, caplog, monkeypatch, cut, read_only):
+  # Beside a run training with checkpoint.keep=1, a reader verifies the step it listed as the
+  # run prunes it (Orbax renames it into deleting/): its folder is gone before the check
+  # ("folder") or while its files are read ("files"). It is not damaged: "checkpoint step N is
+  # damaged" was warned before each such retry in 2 of ~250 loads. The older step is used;
+  # nothing is moved aside. With no other step, the error names what happened.
+  from cem_jax import integrity
+
+  for step in (1, 2, 3):
+    _hand_made_step(tmp_path, step)
+  real_verify = integrity.verify
+
+  def pruned_as_verified(directory, step):
+    if step == 3:
+      if cut == "folder":
+        (tmp_path / "3").rename(tmp_path / "pruned")
+        return real_verify(directory, step)
+      problems = real_verify(directory, step)  # read intact, then gone before it is used
+      (tmp_path / "3").rename(tmp_path / "pruned")
+      return problems + [f"{tmp_path / '3'}/state/data: missing"]
+    return real_verify(directory, step)
+
+  monkeypatch.setattr(integrity, "verify", pruned_as_verified)
+  with caplog.at_level("WARNING"):
+    assert integrity.newest_intact(str(tmp_path), [1, 2, 3], read_only) == 2
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
+    assert sorted(os.listdir(tmp_path)) == ["1", "2", "digests", "pruned"]
+    (tmp_path / "pruned").rename(tmp_path / "3")
+    (tmp_path / "2" / "state" / "data").write_bytes(b"damaged")  # still there: damaged
+    with pytest.raises(CheckpointError) as e:
+      integrity.newest_intact(str(tmp_path), [2, 3], read_only)
+  assert str(e.value).startswith(
+      f"{tmp_path}: no intact checkpoint (step 3: gone since it was listed (pruned by a run "
+      f"saving there, or removed); step 2: {tmp_path / '2'}/state/data: 7 bytes, ")
+  assert [r.getMessage().split(":")[0] for r in caplog.records
+          if r.levelname == "WARNING"] == ["checkpoint step 2 is damaged, not restoring it"]
+
+
 class _Stopped(Exception):
   pass
 
