@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import time
 
 import jax
 import ml_collections
@@ -229,29 +230,33 @@ def _config_json(workdir: str) -> str:
 
 def newest_meta(workdir: str) -> tuple[str | None, CheckpointMeta]:
   """``(folder, metadata)`` of the newest intact checkpoint in ``workdir``, read without
-  touching the run (it may be training); ``(None, CheckpointMeta())`` without one.
+  touching the run (it may be training); ``(None, CheckpointMeta())`` without one. A step the
+  run prunes while it is chosen or read is chosen again, as :func:`load_run` does.
 
   Raises:
-    CheckpointError: checkpoints exist but none is intact.
+    CheckpointError: checkpoints exist but none is intact; the run pruned every step chosen
+      (as :func:`load_run`).
   """
   directory = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(directory):
     return None, CheckpointMeta()
-  ckpt = checkpoint_lib.Checkpointer(directory, async_save=False, read_only=True)
+  ckpt = _reader(directory)
   try:
-    step = ckpt.restorable_step()
-    if step is None:
-      return None, CheckpointMeta()
-    return ckpt.step_dir(step), read_meta(ckpt, step)
+    step, meta = _read_newest(ckpt, workdir, lambda step: read_meta(ckpt, step))
   finally:
     ckpt.close()
+  return (None, CheckpointMeta()) if step is None else (ckpt.step_dir(step), meta)
 
 
-# How many steps in a row load_run chooses and finds pruned before it gives up: a run still
-# training with checkpoint.keep=1 deletes each step as soon as the next one commits, every
-# step with checkpoint.every_steps=1; each try costs about one restore (0.2-0.4 s for the
-# tests' tiny model on a CPU), and a try that finds its step there reads it.
+# When a reader gives up on a run that prunes each step it chooses before it is read (a run
+# still training with checkpoint.keep=1 deletes each step as soon as the next one commits,
+# every step with checkpoint.every_steps=1): after PRUNED_TRIES steps in a row *and*
+# PRUNED_SECONDS. Each try costs about one restore (0.2-0.4 s for the tests' tiny model on a
+# CPU); beside such a run, 2 readers on 2 busy cores needed up to 12 tries a load, so a bound
+# of tries alone (20: 5-8 s) gave up on a reader that wins within seconds more. A read slower
+# than every save never wins: it says so after the seconds.
 PRUNED_TRIES = 20
+PRUNED_SECONDS = 30.0
 
 
 def load_run(workdir: str, require=None, attention_impl: str | None = None):
@@ -265,8 +270,9 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
   a run still training (``checkpoint.keep`` 1, a save each step) may prune the chosen step at
   any moment, so the time between choosing it and reading it is the config's checks and the
   restore, not the data's build (a tokenizer trained, seconds); a step pruned while it was
-  chosen or before it was read is chosen again, the newest, up to :data:`PRUNED_TRIES` in a
-  row, what Orbax reported of its read dropped (:class:`cem_jax.checkpoint.HeldReads`). The
+  chosen or before it was read is chosen again, the newest, until :data:`PRUNED_TRIES` in a
+  row and :data:`PRUNED_SECONDS` (:func:`_read_newest`), what Orbax reported of its read
+  dropped (:class:`cem_jax.checkpoint.HeldReads`). The
   data are then the tokens the checkpoint records it was trained on, read from the run's
   ``data.prepared_dir`` or its ``data/`` folder, so the raw text (and a given tokenizer file)
   may have moved; otherwise they are built from the config, and must be the tokens the
@@ -282,9 +288,10 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
 
   Raises:
     FileNotFoundError: no checkpoint in ``workdir``.
-    CheckpointError: checkpoints exist but none is intact; the run pruned each of the
-      :data:`PRUNED_TRIES` steps chosen in a row before it was read (one line naming the first
-      and the last, and ``checkpoint.keep``).
+    CheckpointError: checkpoints exist but none is intact; the run pruned each step chosen
+      in a row, at least :data:`PRUNED_TRIES` over :data:`PRUNED_SECONDS`, before it was read
+      (one line naming ``workdir``, the tries and seconds, the first and last step, and what
+      to do).
     ValueError: no ``config.json`` in ``workdir`` (as :func:`run_config`); the saved config
       has fields this version of cem_jax does not know, or fails validation (a user energy
       that cannot be imported, or fails in a layout the model calls it with); a user energy was
@@ -295,29 +302,41 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
   # Read-only: the run may still be training here; its in-flight saves must not be touched.
   ckpt = _reader(os.path.join(workdir, "checkpoints"))
   try:
-    step, meta, config, graphdef, params = _restore_newest(ckpt, workdir, path, require,
-                                                           attention_impl)
+    step, restored = _read_newest(
+        ckpt, workdir, lambda step: _restore_step(ckpt, step, path, require, attention_impl))
   finally:
     ckpt.close()
+  if step is None:  # found before the data are built (a tokenizer trained for nothing)
+    raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
+  meta, config, graphdef, params = restored
   return config, _data_of(config, meta, workdir, ckpt.step_dir(step)), graphdef, params, step
 
 
-def _restore_newest(ckpt, workdir: str, config_json: str, require, attention_impl):
-  """``(step, meta, config, graphdef, params)`` of ``ckpt``'s newest intact step, chosen
-  again while each chosen one is pruned before it is read (:func:`load_run`)."""
-  pruned = []
+def _read_newest(ckpt, workdir: str, read):
+  """``(step, read(step))`` of ``ckpt``'s newest intact step, ``(None, None)`` if it has
+  none; a step pruned while it is chosen or read (by a run still training in ``workdir``) is
+  chosen again, the newest, until :data:`PRUNED_TRIES` in a row and :data:`PRUNED_SECONDS`,
+  what Orbax reported of each pruned read dropped (:class:`cem_jax.checkpoint.HeldReads`).
+
+  Raises:
+    CheckpointError: every step chosen was pruned (one line naming ``workdir``, the tries and
+      the seconds, the first and last step, and what to do), or none is intact.
+    what ``read`` raises for a step still there, as it is.
+  """
+  pruned, started = [], time.monotonic()
 
   def again(step: int, error: Exception) -> None:
-    """Records ``step`` as pruned while chosen or read: raises ``error``'s one line after
-    :data:`PRUNED_TRIES` in a row."""
+    """Records ``step`` as pruned while chosen or read: raises ``error``'s one line once the
+    tries and the seconds are spent."""
     pruned.append(step)
-    if len(pruned) == PRUNED_TRIES:
+    seconds = time.monotonic() - started
+    if len(pruned) >= PRUNED_TRIES and seconds >= PRUNED_SECONDS:
       raise checkpoint_lib.CheckpointError(
           f"--workdir={workdir}: the run pruned each of the {len(pruned)} steps chosen in "
-          f"a row (the first step {pruned[0]}, the last {pruned[-1]}) before it could be "
-          "read: a run still training keeps only its newest checkpoint.keep steps and "
-          "saves faster than they are read here; read it once it has stopped, or train "
-          "with --config.checkpoint.keep=2 or more") from error
+          f"a row over {seconds:.1f} s (the first step {pruned[0]}, the last {pruned[-1]}) "
+          "before it could be read: a run still training keeps only its newest "
+          "checkpoint.keep steps and saves faster than they are read here; read it once it "
+          "has stopped, or train with --config.checkpoint.keep=2 or more") from error
     held.drop()
 
   # What Orbax reports of a read that a pruning cut (up to a hundred lines of tracebacks) is
@@ -326,22 +345,25 @@ def _restore_newest(ckpt, workdir: str, config_json: str, require, attention_imp
   with checkpoint_lib.HeldReads() as held:
     while True:
       listed = _step_folders(ckpt.directory)
+      # A step pruned while it was chosen fails as it happens to: Orbax's FileNotFoundError
+      # (its metadata gone), no step listed, or, its folder gone while it was verified, none
+      # is intact (keep=1); told by a step folder listed before being gone now.
       try:
         step = ckpt.restorable_step()  # the newest *verified* step
-        if step is None:  # found before the data are built (a tokenizer trained for nothing)
-          raise FileNotFoundError(f"--workdir={workdir}: no checkpoint in {ckpt.directory}")
-      # A step pruned while it was chosen fails as it happens to: Orbax's FileNotFoundError
-      # (its metadata gone), no step listed, or, its files gone while they were verified, it
-      # is damaged and none is intact (keep=1); told by a step folder listed before being
-      # gone now.
       except (checkpoint_lib.CheckpointError, OSError) as e:
         gone = listed - _step_folders(ckpt.directory)
         if not gone:
           raise
         again(max(gone), e)
         continue
+      if step is None:
+        gone = listed - _step_folders(ckpt.directory)
+        if not gone:
+          return None, None
+        again(max(gone), FileNotFoundError(f"no checkpoint in {ckpt.directory}"))
+        continue
       try:
-        return (step, *_restore_step(ckpt, step, config_json, require, attention_impl))
+        return step, read(step)
       # Any type: a step deleted part way through its read fails in Orbax as it happens to
       # (a FileNotFoundError, tensorstore's ValueError, an AttributeError on metadata it found
       # missing); told by the step's folder being gone, never by the wording.
@@ -354,7 +376,7 @@ def _restore_newest(ckpt, workdir: str, config_json: str, require, attention_imp
 def _reader(directory: str) -> checkpoint_lib.Checkpointer:
   """A read-only Checkpointer of ``directory``, made again while a step Orbax lists as it
   starts is pruned meanwhile (its FileNotFoundError, a step's metadata gone, as
-  :func:`_restore_newest` finds it), up to :data:`PRUNED_TRIES` times."""
+  :func:`_read_newest` finds it), up to :data:`PRUNED_TRIES` times."""
   for _ in range(PRUNED_TRIES - 1):
     listed = _step_folders(directory)
     try:

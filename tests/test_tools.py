@@ -780,19 +780,25 @@ class _ReaderStandIn:
     pass
 
 
-def test_a_run_that_prunes_every_step_chosen_is_a_one_line_error_after_the_bounded_tries(
-    tmp_path, monkeypatch):
+@pytest.mark.parametrize("tick", [1.0, 10.0])
+def test_a_run_that_prunes_every_step_chosen_is_a_one_line_error_after_the_tries_and_seconds(
+    tmp_path, monkeypatch, tick):
   # A run still training with checkpoint.keep=1 may prune each step load_run chooses before it
-  # is read: it chooses the newest again, PRUNED_TRIES times in a row, then says so in one line
-  # (not the last pruned step's Orbax error). A failure of a step still there is no pruning:
-  # raised at once, as it is.
+  # is read: it chooses the newest again until PRUNED_TRIES in a row *and* PRUNED_SECONDS have
+  # passed (a clock that ticks 1 s a try: 30 tries; 10 s a try: 20), then says so in one line
+  # naming the tries and seconds (not the last pruned step's Orbax error). 20 tries alone
+  # (5-8 s) gave up on readers beside such a run that needed up to 12 on 2 busy cores. A failure
+  # of a step still there is no pruning: raised at once, as it is.
+  import types
+
   from cem_jax import checkpoint, runs
 
-  chosen = []
+  chosen, clock = [], [0.0]
 
   class Training(_ReaderStandIn):  # each step it names is gone by the time it is read
     def restorable_step(self):
       chosen.append(7 + len(chosen))
+      clock[0] += tick
       return chosen[-1]
 
   def restore_step(ckpt, step, *args):
@@ -801,21 +807,62 @@ def test_a_run_that_prunes_every_step_chosen_is_a_one_line_error_after_the_bound
   (tmp_path / "config.json").write_text("{}")
   monkeypatch.setattr(checkpoint, "Checkpointer", Training)
   monkeypatch.setattr(runs, "_restore_step", restore_step)
-  last = 7 + runs.PRUNED_TRIES - 1
+  monkeypatch.setattr(runs, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+  assert (runs.PRUNED_TRIES, runs.PRUNED_SECONDS) == (20, 30.0)
+  tries = 30 if tick == 1.0 else 20
   with pytest.raises(checkpoint.CheckpointError) as e:
     runs.load_run(str(tmp_path))
   assert str(e.value) == (
-      f"--workdir={tmp_path}: the run pruned each of the {runs.PRUNED_TRIES} steps chosen in a "
-      f"row (the first step 7, the last {last}) before it could be read: a run still training "
-      "keeps only its newest checkpoint.keep steps and saves faster than they are read here; "
-      "read it once it has stopped, or train with --config.checkpoint.keep=2 or more")
-  assert chosen == list(range(7, last + 1)) and runs.PRUNED_TRIES >= 10
+      f"--workdir={tmp_path}: the run pruned each of the {tries} steps chosen in a row over "
+      f"{tries * tick:.1f} s (the first step 7, the last {7 + tries - 1}) before it could be "
+      "read: a run still training keeps only its newest checkpoint.keep steps and saves faster "
+      "than they are read here; read it once it has stopped, or train with "
+      "--config.checkpoint.keep=2 or more")
+  assert chosen == list(range(7, 7 + tries))
   assert isinstance(e.value.__cause__, AttributeError)
   chosen.clear()
   (tmp_path / "checkpoints" / "7").mkdir(parents=True)  # there: its own error, at once
   with pytest.raises(AttributeError, match=r"/checkpoints/7: pruned while read$"):
     runs.load_run(str(tmp_path))
   assert chosen == [7]
+
+
+def test_newest_meta_chooses_again_a_step_pruned_while_it_is_read(tmp_path, monkeypatch):
+  # inspect --workdir reads the newest checkpoint's metadata (summary.check_energies_unedited)
+  # beside a run that may still be training: a step pruned (checkpoint.keep=1) between being
+  # chosen and its metadata read was Orbax's FileNotFoundError, a traceback, where load_run
+  # chose again. Now chosen again as load_run does; a step still there that fails is raised
+  # at once; no step at all is (None, CheckpointMeta()).
+  from cem_jax import checkpoint
+
+  checkpoints, chosen = tmp_path / "checkpoints", []
+  checkpoints.mkdir()
+
+  class Training(_ReaderStandIn):  # the first two steps it names are pruned as they are read
+    def restorable_step(self):
+      if not chosen and not any(checkpoints.iterdir()):
+        return None
+      chosen.append(len(chosen) + 1)
+      (checkpoints / str(chosen[-1])).mkdir()
+      return chosen[-1]
+
+    def read_meta(self, step):
+      if len(chosen) < 3:
+        (checkpoints / str(step)).rmdir()
+        raise FileNotFoundError(f"{self.step_dir(step)}/meta: no such file")
+      return {"step": step, "seed": 5, "numerics_version": 2}
+
+  monkeypatch.setattr(checkpoint, "Checkpointer", Training)
+  assert runs.newest_meta(str(tmp_path)) == (None, runs.CheckpointMeta())
+  (checkpoints / "0").mkdir()
+  assert runs.newest_meta(str(tmp_path)) == (
+      str(checkpoints / "3"), runs.CheckpointMeta(step=3, seed=5, numerics_version=2))
+  assert chosen == [1, 2, 3]
+  chosen.clear()
+  monkeypatch.setattr(Training, "read_meta", lambda self, step: [step])  # there, damaged
+  with pytest.raises(ValueError, match=r"/checkpoints/1: damaged metadata: a list, not an "):
+    runs.newest_meta(str(tmp_path))
+  assert chosen == [1]
 
 
 def _report_as_a_cut_read(what: str) -> None:
@@ -872,6 +919,7 @@ def test_what_orbax_reports_of_a_read_cut_by_pruning_is_dropped_when_the_step_is
   monkeypatch.setattr(checkpoint, "Checkpointer", Training)
   monkeypatch.setattr(runs, "_restore_step", restore_step)
   monkeypatch.setattr(runs, "_data_of", lambda *args: "data")
+  monkeypatch.setattr(runs, "PRUNED_SECONDS", 0.0)  # gives up after the tries alone
   with caplog.at_level(logging.WARNING):
     if last == "read":
       assert runs.load_run(str(tmp_path))[4] == 3
