@@ -284,6 +284,10 @@ _BELOW = {
     # (2**31 and up was an OverflowError in the first step) and the decay's length
     "train.warmup_steps": (2**31, "2**31"),
     "train.num_steps": (2**31, "2**31"),
+    # token ids are int32 (the data's windows, the embedding's lookup), and SentencePiece
+    # takes its vocab_size as an int32: 2**31 was its "cannot parse as int" in the tokenizer's
+    # training, and inspect --vocab_size printed a table for any size
+    "data.vocab_size": (2**31, "2**31"),
 }
 
 

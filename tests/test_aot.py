@@ -279,4 +279,4 @@ def test_a_tpu_targets_limit_is_its_chips_hbm_and_an_unlisted_chip_is_one_line(
 def test_a_vocabulary_of_no_tokens_is_refused_before_anything_compiles():
   with pytest.raises(ValueError) as e:
     aot.compile_for(tiny_config("llama"), _cpu_target(), vocab_size=0)
-  assert str(e.value) == "--vocab_size=0; allowed: an int >= 8"
+  assert str(e.value) == "--vocab_size=0; allowed: an int >= 8 and < 2**31"

@@ -43,6 +43,7 @@ def test_numbers_out_of_range_are_one_line_errors(field, value):
     ("model.num_unique_blocks", 2),  # tiny_config: 2 layers
     ("train.max_consecutive_nonfinite", 2**31 - 2),  # trains (main, 2 steps)
     ("train.warmup_steps", 2**31 - 1),  # optim.make_schedule takes it
+    ("data.vocab_size", 2**31 - 1),
     ("model.num_steps", 2**8 - 1), ("eval.num_steps", 2**8 - 1)])
 def test_numbers_at_the_edges_of_their_ranges_are_accepted(field, value):
   config_lib.validate(tiny_config("cem", **({"model.precond": "both"} if "precond" in field
@@ -233,7 +234,10 @@ def test_flat_config_equals_the_json_it_is_saved_as():
     ("data.validation_fraction", 0.0,
      r"^data.validation_fraction=0.0; allowed: a finite number, 0 < value <= 0.5$"),
     ("data.seq_len", 1, r"^data.seq_len=1; allowed: an int >= 2$"),
-    ("data.vocab_size", 7, r"^data.vocab_size=7; allowed: an int >= 8$"),
+    ("data.vocab_size", 7, r"^data.vocab_size=7; allowed: an int >= 8 and < 2\*\*31$"),
+    # token ids are int32, and SentencePiece's vocab_size: "cannot parse as int" in training
+    ("data.vocab_size", 2**31,
+     r"^data.vocab_size=2147483648; allowed: an int >= 8 and < 2\*\*31$"),
     ("checkpoint.every_steps", 0, r"^checkpoint.every_steps=0; allowed: an int >= 1$"),
     ("train.eval_every_steps", 0, r"^train.eval_every_steps=0; allowed: an int >= 1$"),
     ("eval.max_batches", -2,  # else the run trains, then fails at its first eval

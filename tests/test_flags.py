@@ -80,8 +80,11 @@ def test_plot_summary_and_aot_refuse_bad_flags(tmp_path):
   ])
   tiny = "--config=experiments/tiny.py"
   _check("summary", [
-      ([tiny, "--vocab_size=7"], "--vocab_size=7; allowed: an int >= 8"),  # data.vocab_size's
-      ([tiny, f"--vocab_size={HUGE}"], f"--vocab_size{TOO_LONG}"),
+      # data.vocab_size's rule; token ids are int32: any larger size printed a table
+      ([tiny, "--vocab_size=7"], "--vocab_size=7; allowed: an int >= 8 and < 2**31"),
+      ([tiny, f"--vocab_size={2**31}"], f"--vocab_size={2**31}; allowed: an int >= 8 and < 2**31"),
+      ([tiny, f"--vocab_size={HUGE}"],
+       f"--vocab_size={config_lib.shown(int(HUGE, 16))}; allowed: an int >= 8 and < 2**31"),
       ([tiny, "--num_devices=0"], "--num_devices=0; allowed: an int >= 1"),
       ([tiny, f"--num_devices={HUGE}"], f"--num_devices{TOO_LONG}"),
       (["--workdir="], "--workdir is empty; allowed: a trained run's folder"),
@@ -92,8 +95,10 @@ def test_plot_summary_and_aot_refuse_bad_flags(tmp_path):
       ([tiny], "--target is required: The devices to compile for: a TPU slice (e.g. "
                "v5e:16x16) or h100/h200[:N] (module docstring)"),
       (["--target=h100"], "--config is required: Experiment config file[:arg]"),
-      ([tiny, "--target=h100", "--vocab_size=0"], "--vocab_size=0; allowed: an int >= 8"),
-      ([tiny, "--target=h100", f"--vocab_size={HUGE}"], f"--vocab_size{TOO_LONG}"),
+      ([tiny, "--target=h100", "--vocab_size=0"],
+       "--vocab_size=0; allowed: an int >= 8 and < 2**31"),
+      ([tiny, "--target=h100", f"--vocab_size={HUGE}"],
+       f"--vocab_size={config_lib.shown(int(HUGE, 16))}; allowed: an int >= 8 and < 2**31"),
   ])
 
 

@@ -1333,7 +1333,7 @@ def test_prepare_cli_then_main_from_prepared_dir(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("--config.data.validation_fraction=0.7",
      "error: data.validation_fraction=0.7; allowed: a finite number, 0 < value <= 0.5"),
-    ("--config.data.vocab_size=4", "error: data.vocab_size=4; allowed: an int >= 8"),
+    ("--config.data.vocab_size=4", "error: data.vocab_size=4; allowed: an int >= 8 and < 2**31"),
     ("--config.data.tokenizer_model_type=unigram",  # with data.tokenizer set: ignored
      "error: data.tokenizer_model_type='unigram' has no effect with data.tokenizer set (the "
      "given model is used as it is, not trained); leave it at 'bpe'"),
