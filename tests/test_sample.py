@@ -315,6 +315,25 @@ def test_filters_keep_exactly_the_defined_tokens_under_ties(logits, top_k, top_p
     assert len(kept) == top_k
 
 
+
+@pytest.mark.parametrize("top_k", [0, 30])
+def test_top_p_keeps_the_lowest_ids_of_a_tie_cut_in_a_large_vocabulary(top_k):
+  # 40 tokens tied at the top of 4096, at random ids, the nucleus cut inside the tie: the kept
+  # set is the tied tokens of the lowest ids (the float64 reference's), on every backend. The
+  # small rows above cannot tell a stable sort from an unstable one (XLA's CPU sort of a few
+  # entries keeps ties in order anyway); 4096 entries it reorders: with stable=False this
+  # kept 21 other tied tokens in each row.
+  rng = np.random.default_rng(3)
+  logits = np.zeros((4, 4096), np.float32)
+  for row in logits:
+    row[rng.choice(4096, 40, replace=False)] = 10.0
+  top_p = 20.5 * np.exp(10.0) / (40 * np.exp(10.0) + 4056)  # 20.5 tied tokens' mass
+  out = np.asarray(sample.filter_logits(jnp.asarray(logits), 1.0, top_k, float(top_p)))
+  for row, got in zip(logits, out, strict=True):
+    kept = np.flatnonzero(np.isfinite(got)).tolist()
+    assert kept == _kept_reference(row.tolist(), top_k, top_p)
+    assert len(kept) == (21 if top_k == 0 else 16)
+
 def test_top_p_just_below_1_never_lets_a_token_top_k_removed_back_in():
   # The largest float32 below 1: the kept tokens' softmax, summed in float32, can fall short of
   # it by rounding, so the mass before a removed token is < top_p and the nucleus alone would
