@@ -164,14 +164,14 @@ def _collect() -> None:
   """``gc.collect()``. Python's RuntimeWarning that a coroutine was never awaited, for each of
   Orbax's that it frees (a cut read's: printed on stderr by the next Checkpointer, the one
   report :class:`_HeldReports` does not hold, being a warning), is dropped, told by the
-  coroutine's file; any other warning it raises goes on through the warnings filters."""
+  coroutine's file; any other warning it raises is shown (recorded under the filters in
+  force, shown once recorded)."""
   with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
     gc.collect()
   for w in caught:
     code = getattr(w.source, "cr_code", None)
     if code is None or not code.co_filename.startswith(_ORBAX_DIR):
-      warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+      warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
 
 
 # The reports of the last failed save, dropped until the process ends or a Checkpointer is made
