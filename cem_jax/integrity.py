@@ -197,7 +197,8 @@ def newest_intact(directory: str, steps, read_only: bool) -> int | None:
   Newer damaged steps are reported with ``logging.warning`` (step and file) and, unless
   ``read_only``, moved to ``rejected/`` (:func:`move_aside`), so that training can save those
   step numbers again. A step whose folder is gone once verified (pruned by a run still saving
-  there, beside which a reader lists steps) is not damaged: skipped without a warning. With
+  there, beside which a reader lists steps) is not damaged: skipped, with a warning that says
+  so only when not ``read_only`` (a resume: no run prunes beside it). With
   several processes, process 0 does this (with its own ``steps``) and every process returns
   its answer once the move is done; all must call it.
 
@@ -240,6 +241,9 @@ def _newest_intact(directory: str, steps, read_only: bool) -> int | None:
       # verified, its files missing or its folder with them (a reader beside a run still
       # training). Nothing is wrong with it: no warning that calls it damaged, nothing to move.
       first[step] = "gone since it was listed (pruned by a run saving there, or removed)"
+      if not read_only:  # the run resuming is the one that saves here: another removed it
+        logging.warning("checkpoint step %d was removed while it was verified (by another "
+                        "process?), not restoring it", step)
       continue
     rejected[step] = problems
     first[step] = problems[0]
