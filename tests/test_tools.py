@@ -827,6 +827,45 @@ def test_a_run_that_prunes_every_step_chosen_is_a_one_line_error_after_the_tries
   assert chosen == [7]
 
 
+def test_load_runs_tries_build_the_model_again_only_for_another_config(tmp_path, monkeypatch):
+  # A try after a pruning takes the config, shapes and target of the step before when it was
+  # saved with the same config and energies (its checks passed): its window is two reads.
+  # Step 3, saved with another config (a resume that changed train.num_steps), is checked and
+  # built again: require sees it, and its shapes are its own.
+  from cem_jax import checkpoint
+  from cem_jax import steps as steps_lib
+
+  checkpoints, chosen, required, builds = tmp_path / "checkpoints", [], [], []
+  checkpoints.mkdir()
+  saved = {step: tiny_config("llama", **{"train.num_steps": 4 if step < 3 else 6}).to_dict()
+           for step in (1, 2, 3)}
+
+  class Training(_ReaderStandIn):  # steps 1 and 2 are pruned as they are restored
+    def restorable_step(self):
+      chosen.append(len(chosen) + 1)
+      (checkpoints / str(chosen[-1])).mkdir()
+      return chosen[-1]
+
+    def read_meta(self, step):
+      return {"step": step, "config": saved[step]}
+
+    def restore(self, step, target):
+      if step < 3:
+        (checkpoints / str(step)).rmdir()
+        raise FileNotFoundError(f"{self.step_dir(step)}: pruned")
+      return {"params": target["params"]}, {}
+
+  real_build = steps_lib.build_model
+  monkeypatch.setattr(steps_lib, "build_model", lambda *a: builds.append(1) or real_build(*a))
+  monkeypatch.setattr(checkpoint, "Checkpointer", Training)
+  monkeypatch.setattr(runs, "_data_of", lambda *args: "data")
+  (tmp_path / "config.json").write_text("{}")
+  config, _, _, params, step = runs.load_run(
+      str(tmp_path), require=lambda c: required.append(c.train.num_steps))
+  assert (step, chosen, required, len(builds)) == (3, [1, 2, 3], [4, 6], 2)
+  assert config.train.num_steps == 6 and params is not None
+
+
 def test_newest_meta_chooses_again_a_step_pruned_while_it_is_read(tmp_path, monkeypatch):
   # inspect --workdir reads the newest checkpoint's metadata (summary.check_energies_unedited)
   # beside a run that may still be training: a step pruned (checkpoint.keep=1) between being
