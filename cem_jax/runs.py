@@ -270,7 +270,8 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
   shapes take its ``data.vocab_size``, which every tokenizer it may have trained with has):
   a run still training (``checkpoint.keep`` 1, a save each step) may prune the chosen step at
   any moment, so the time between choosing it and reading it is the config's checks and the
-  restore, not the data's build (a tokenizer trained, seconds); a step pruned while it was
+  restore (on a try after a pruning, the reads alone: :func:`_restore_step`), not the data's
+  build (a tokenizer trained, seconds); a step pruned while it was
   chosen or before it was read is chosen again, the newest, until :data:`PRUNED_TRIES` in a
   row and :data:`PRUNED_SECONDS` (:func:`_read_newest`), what Orbax reported of its read
   dropped (:class:`cem_jax.checkpoint.HeldReads`). The
