@@ -583,13 +583,16 @@ class Checkpointer:
 
   def close(self) -> None:
     """Waits for a pending asynchronous save (:meth:`wait`: a failed one raised once), then
-    closes the Orbax manager."""
-    self.wait()
+    closes the Orbax manager. The threads of its waits and reads end either way, also when the
+    wait raises: one left idle was woken while the interpreter exited, and aborted the process
+    (:meth:`cem_jax.signals.Calls.stop`)."""
     try:
-      self._waits.run(self.manager.close)  # it waits for Orbax's threads again
-    except (OSError, ValueError):
-      if self._failed is None:
-        raise  # else Orbax's wait raising the failure wait() raised once, again
+      self.wait()
+      try:
+        self._waits.run(self.manager.close)  # it waits for Orbax's threads again
+      except (OSError, ValueError):
+        if self._failed is None:
+          raise  # else Orbax's wait raising the failure wait() raised once, again
     finally:
       self._waits.stop()
       self._reads.stop()

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import types
 from pathlib import Path
@@ -872,13 +873,18 @@ def test_a_failed_save_is_raised_once_though_orbax_raises_it_at_every_wait(tmp_p
   # exception), close() among them: the run's abort, closing the checkpoints after the error,
   # logged it a second time (a disk full when step 2's save started).
   ckpt = _save_steps(tmp_path, steps=(1,))
+  waited_in = []
 
   def failing():
+    waited_in.append(threading.current_thread())
     raise OSError(28, "No space left on device")
 
   monkeypatch.setattr(ckpt.manager, "wait_until_finished", failing)
   with pytest.raises(CheckpointError) as first:  # as the loop's end closes the checkpoints
     ckpt.close()
+  # That close, raising, still ended the thread its wait ran in: one left idle, woken while
+  # the interpreter exits, aborts the process ("FATAL: exception not rethrown").
+  assert waited_in[0] is not threading.main_thread() and not waited_in[0].is_alive()
   ckpt.wait()
   ckpt.close()
   with pytest.raises(CheckpointError) as again:  # no save starts after a failed one
