@@ -1248,9 +1248,8 @@ def test_a_signal_the_kernel_gives_another_thread_stops_the_wait_for_a_call_at_o
       calls.run(blocked)
     finally:
       signal.signal(signal.SIGINT, previous)
-  held = time.monotonic()
   calls.stop()
-  assert time.monotonic() - held < 30
+  assert seen[-1] == "the calls"  # stop returned while the call still waits (no clock read)
   go.set()
 
 
