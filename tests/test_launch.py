@@ -19,7 +19,7 @@ HOSTILE = "--config.data.files=a b;rm -rf x"
 MAIN_ARGS = ["--config=experiments/tiny.py", "--workdir=/mnt/runs/t w", HOSTILE]
 
 
-def _launch(script: str, *args: str, timeout: float = 60,
+def _launch(script: str, *args: str, timeout: float = 300,
             env: dict | None = None) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, f"launch/{script}", *args], cwd=REPO,
                         capture_output=True, text=True, timeout=timeout, env=env)
@@ -102,14 +102,13 @@ if i == 1:  # fails once the others have written their pids, however slowly they
     time.sleep(0.05)
   sys.exit(3)
 time.sleep(120)
+open(pid + ".slept", "w").close()  # not stopped: the launcher waited for it to end
 """
-  start = time.monotonic()
   proc = _launch("local.py", "--num_processes=3", "--kill_grace_s=1", "--",
                  sys.executable, "-c", code)
-  elapsed = time.monotonic() - start
   assert proc.returncode == 3
   assert "process 1 exited with status 3; stopping the others" in proc.stderr
-  assert elapsed < 30
+  assert not list(tmp_path.glob("*.slept"))  # read from the processes, not a clock
   for i in (0, 2):
     pid = int((tmp_path / f"pid{i}").read_text())
     with pytest.raises(ProcessLookupError):
@@ -204,7 +203,7 @@ def test_local_killed_with_sigkill_takes_its_processes_with_it(tmp_path):
   launcher = subprocess.Popen([sys.executable, "launch/local.py", "--num_processes=2", "--",
                                sys.executable, "-c", code], cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.monotonic() + 60
+  deadline = time.monotonic() + 120  # two Python starts on a loaded machine
   while len(list(tmp_path.glob("[0-9]"))) < 2 and time.monotonic() < deadline:
     time.sleep(0.1)
   pids = [int(f.read_text()) for f in tmp_path.glob("[0-9]")]
@@ -261,7 +260,7 @@ def test_local_stopped_by_sigterm_stops_its_processes_and_exits_128_plus_15(tmp_
   launcher = subprocess.Popen([sys.executable, "launch/local.py", "--num_processes=2",
                                "--kill_grace_s=1", "--", sys.executable, "-c", code], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-  deadline = time.monotonic() + 60
+  deadline = time.monotonic() + 120  # two Python starts on a loaded machine
   # Each pid file is written whole under a temporary name and renamed, so present means complete.
   while len(list(tmp_path.glob("[0-9]"))) < 2 and time.monotonic() < deadline:
     time.sleep(0.1)
@@ -522,13 +521,13 @@ def test_tpu_pod_takes_a_relative_config_as_a_file_of_the_repository_it_copies(t
   (tmp_path / "mine.py").write_text("")
   proc = subprocess.run([sys.executable, str(REPO / "launch" / "tpu_pod.py"), "--tpu=t",
                          "--zone=z", "--dry_run", "--", "--config=mine.py:x", "--workdir=/w"],
-                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2, proc.stderr
   assert f"error: '--config=mine.py:x': no file 'mine.py' in {REPO}" in proc.stderr
   proc = subprocess.run([sys.executable, str(REPO / "launch" / "tpu_pod.py"), "--tpu=t",
                          "--zone=z", "--dry_run", "--", "--config=experiments/tiny.py:llama",
                          f"--config.data.files={tmp_path}/a.txt", "--workdir=/w"],
-                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr
 
 
@@ -550,11 +549,11 @@ def test_tpu_pod_outside_a_git_tree_or_without_git_is_one_line(tmp_path):
   cmd = [sys.executable, "launch/tpu_pod.py", "--tpu=t", "--zone=z", "--dry_run", "--",
          "--config=c.py", "--workdir=/w"]
   env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tmp_path.parent))
-  proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+  proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
   assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
   assert proc.stderr.startswith(f"launch/tpu_pod.py: {tmp_path} is not a git working tree (")
   assert proc.stderr.count("\n") == 1 and "pass --no_sync" in proc.stderr
-  proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+  proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                         env=dict(env, PATH=str(tmp_path)))
   assert proc.returncode == 1 and proc.stderr.startswith(
       "launch/tpu_pod.py: git not found on PATH"), proc.stderr
@@ -685,12 +684,12 @@ def test_slurm_refuses_relative_paths_that_the_job_would_read_in_another_folder(
     main = [a if a == arg else a.replace("=", f"={REPO}/" if "config" in a else "=/", 1)
             for a in main]
     proc = subprocess.run([*slurm, *main], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=60)
+                          timeout=300)
     assert proc.returncode == 2 and "#SBATCH" not in proc.stdout, proc.stdout
     assert (f"error: '{arg}' is relative, and the job runs in --repo={REPO}, not in this "
             f"folder ({tmp_path})") in proc.stderr, proc.stderr
   proc = subprocess.run([*slurm, f"--config={REPO}/experiments/tiny.py", "--workdir=/w"],
-                        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr
   # From the repository: relative paths are its own; a config that is not there is refused.
   proc = _launch("slurm.py", "--dry_run", "--", "--config=experiments/nope.py:x", "--workdir=w")

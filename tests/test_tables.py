@@ -1327,7 +1327,7 @@ def test_gpu_tables_checks_of_two_corpora_train_in_folders_of_their_own(tmp_path
     env.pop("WORKDIR", None)
     proc = subprocess.run(["bash", os.path.join(repo, "experiments", "gpu_tables.sh"),
                            str(tmp_path / corpus), str(tmp_path / f"out_{corpus}"), "mlp"],
-                          env=env, capture_output=True, text=True, timeout=60)
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     key = hashlib.sha256(str(tmp_path / corpus).encode()).hexdigest()[:8]
     seen.append(str(tmp_path / "tmp" / "cem_gpu_tables_check" / f"tiny_steps2_{key}"))
