@@ -97,9 +97,18 @@ class MetricsWriter:
         self._calls.stop()
         self._release_hook()
         raise
-    if kept is not None:
-      atomic_write_bytes(self.path, kept.encode())
-    self._file = open(self.path, "a")
+    try:
+      if kept is not None:
+        atomic_write_bytes(self.path, kept.encode())
+      self._file = open(self.path, "a")
+    except BaseException:
+      # TensorBoard's writer is open: closed (its thread and Calls' ended, the hook let go),
+      # not left to the interpreter's exit. What its close raises too would hide this error.
+      try:
+        self.close()
+      except Exception:  # noqa: BLE001, S110
+        pass
+      raise
 
   def write(self, step: int, metrics: dict) -> None:
     """Writes ``{"step": step, **metrics}`` as one line and flushes it.

@@ -316,6 +316,21 @@ def test_a_second_ctrl_c_stops_the_wait_for_tensorboards_call_at_once_and_says_s
 
   from cem_jax.metrics import MetricsWriter, tensorboard_dir
 
+  # Two signals sent before the main thread runs its handler are one: each Ctrl-C waits for
+  # the handler cem_jax.signals set (held's) to have run, not a fixed sleep a loaded machine
+  # may outlast. Only cem_jax's handlers are wrapped: the others are put back as they were.
+  set_handler, handled = signal.signal, threading.Semaphore(0)
+
+  def counting(signum, handler):
+    if signum == signal.SIGINT and getattr(handler, "__module__", None) == "cem_jax.signals":
+      inner = handler
+
+      def handler(signum, frame):
+        handled.release()
+        return inner(signum, frame)
+    return set_handler(signum, handler)
+
+  monkeypatch.setattr(signal, "signal", counting)
   previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
   try:
     writer = MetricsWriter(str(tmp_path))
@@ -325,9 +340,7 @@ def test_a_second_ctrl_c_stops_the_wait_for_tensorboards_call_at_once_and_says_s
     def ctrl_c_inside(self):
       for _ in range(ctrl_cs[0]):
         os.kill(os.getpid(), signal.SIGINT)  # to the process, as a terminal sends it
-        # Several signals.SIGNAL_CHECK_SECS: two signals before the main thread runs its
-        # handler are one, and it may wait that long to see one sent to another thread.
-        time.sleep(0.5)
+        assert handled.acquire(timeout=120)  # seen by the main thread: the next is another
       if ctrl_cs[0] == 2:
         went_on.wait(timeout=120)  # hangs until the main thread has stopped waiting
       flush(self)
@@ -593,6 +606,22 @@ def test_a_metrics_file_that_is_a_folder_is_one_line_saying_what_to_do(tmp_path)
     with pytest.raises(ValueError, match=r"metrics\.jsonl is a folder; allowed: the run's "
                        r"metrics file \(one JSON object a line\); move the folder away$"):
       read()
+
+
+def test_a_writer_whose_file_cannot_be_opened_closes_tensorboards_writer_first(tmp_path):
+  # MetricsWriter starts TensorBoard's writer before it opens metrics.jsonl: a file that could
+  # not be opened left that writer's thread and its Calls thread running for the interpreter's
+  # exit (where a daemon thread woken aborts the process: signals.Calls.stop), and the thread
+  # hook held. Fails with the open's error not closing the writer.
+  from cem_jax.metrics import MetricsWriter
+
+  hook, before = threading.excepthook, set(threading.enumerate())
+  (tmp_path / "metrics.jsonl").mkdir()  # open(..., "a") fails; no resume: no read before it
+  with pytest.raises(IsADirectoryError):
+    MetricsWriter(str(tmp_path))
+  left = [t for t in threading.enumerate() if t not in before and (
+      t.name.startswith("cem_jax.metrics") or type(t).__module__.split(".")[0] == "tensorboardX")]
+  assert left == [] and threading.excepthook is hook
 
 
 def test_a_whole_last_line_that_is_not_json_is_damage_not_a_kill(tmp_path):
