@@ -833,10 +833,12 @@ def test_ctrl_c_while_orbax_removes_an_old_step_leaves_only_whole_steps_and_resu
 
 # main training steps 1..2 whose last save never commits: the digest hook (Orbax's finalize
 # thread, before the commit) hangs, as on a disk that stopped answering, after it has sent
-# Ctrl-C twice, 0.5 s apart (two before the main thread runs its handler are one), either to
-# the process, as a terminal sends it, or to its own thread (pthread_kill), where the kernel may
-# deliver a process's signal. SIGINT and SIGTERM at a terminal's dispositions (CI runs under
-# nohup).
+# Ctrl-C twice, either to the process, as a terminal sends it, or to its own thread
+# (pthread_kill), where the kernel may deliver a process's signal. No fixed sleeps, which a
+# loaded machine may outlast: the first is sent once the main thread waits for the save
+# (signals.Calls.run under Loop.wait_for_save), the second once the main thread has run the
+# first's handler (held's, counted: two signals before the main thread runs its handler are
+# one). SIGINT and SIGTERM at a terminal's dispositions (CI runs under nohup).
 _TWO_CTRL_CS_IN_A_SAVE_THAT_HANGS = """
 import os, runpy, signal, sys, threading, time
 from cem_jax import integrity
@@ -844,14 +846,34 @@ from cem_jax import integrity
 signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.signal(signal.SIGTERM, signal.SIG_DFL)
 to_thread = sys.argv[1] == "thread"
+set_handler, handled = signal.signal, threading.Semaphore(0)
+
+def counting(signum, handler):  # cem_jax.signals' handlers only: others are compared by identity
+  if signum == signal.SIGINT and getattr(handler, "__module__", None) == "cem_jax.signals":
+    inner = handler
+    def handler(signum, frame):
+      handled.release()
+      return inner(signum, frame)
+  return set_handler(signum, handler)
+
+signal.signal = counting
+
+def waiting_for_the_save():
+  names, frame = [], sys._current_frames().get(threading.main_thread().ident)
+  while frame is not None:
+    names.append((frame.f_code.co_name, os.path.basename(frame.f_code.co_filename)))
+    frame = frame.f_back
+  return ("wait_for_save", "train.py") in names and ("run", "signals.py") in names
 
 def hangs(directory, step):
+  while not waiting_for_the_save():
+    time.sleep(0.05)
   for _ in range(2):
-    time.sleep(0.5)
     if to_thread:
       signal.pthread_kill(threading.get_ident(), signal.SIGINT)
     else:
       os.kill(os.getpid(), signal.SIGINT)
+    handled.acquire()
   print("two Ctrl-Cs sent", file=sys.stderr, flush=True)
   threading.Event().wait()
 
