@@ -4,10 +4,12 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -244,6 +246,26 @@ def force_fields(config, overrides: dict) -> None:
 def write_metrics(folder, lines: list[dict]) -> None:
   """``folder/metrics.jsonl`` holding ``lines``, one JSON object a line, as the loop writes it."""
   (Path(folder) / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+
+
+def counting_sigint_handlers():
+  """Returns ``(counting, handled)``: ``counting`` stands in for ``signal.signal`` and makes
+  each SIGINT handler cem_jax.signals sets release ``handled`` when it runs; other handlers are
+  set as given (compared by identity). Two signals sent before the main thread runs its handler
+  are one: a test's second Ctrl-C waits on ``handled`` for the first's, not a fixed sleep a
+  loaded machine may outlast."""
+  set_handler, handled = signal.signal, threading.Semaphore(0)
+
+  def counting(signum, handler):
+    if signum == signal.SIGINT and getattr(handler, "__module__", None) == "cem_jax.signals":
+      inner = handler
+
+      def handler(signum, frame):
+        handled.release()
+        return inner(signum, frame)
+    return set_handler(signum, handler)
+
+  return counting, handled
 
 
 def drop_exceptions(message: str, thread: str) -> None:

@@ -846,17 +846,10 @@ from cem_jax import integrity
 signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.signal(signal.SIGTERM, signal.SIG_DFL)
 to_thread = sys.argv[1] == "thread"
-set_handler, handled = signal.signal, threading.Semaphore(0)
+sys.path.append("tests")  # run from the repository's root
+from conftest import counting_sigint_handlers
 
-def counting(signum, handler):  # cem_jax.signals' handlers only: others are compared by identity
-  if signum == signal.SIGINT and getattr(handler, "__module__", None) == "cem_jax.signals":
-    inner = handler
-    def handler(signum, frame):
-      handled.release()
-      return inner(signum, frame)
-  return set_handler(signum, handler)
-
-signal.signal = counting
+signal.signal, handled = counting_sigint_handlers()
 
 def waiting_for_the_save():
   names, frame = [], sys._current_frames().get(threading.main_thread().ident)

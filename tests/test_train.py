@@ -13,7 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import program_json, subprocess_env, tiny_config
+from conftest import counting_sigint_handlers, program_json, subprocess_env, tiny_config
 from flax import nnx
 
 from cem_jax import model_stats, optim, steps, train
@@ -316,20 +316,9 @@ def test_a_second_ctrl_c_stops_the_wait_for_tensorboards_call_at_once_and_says_s
 
   from cem_jax.metrics import MetricsWriter, tensorboard_dir
 
-  # Two signals sent before the main thread runs its handler are one: each Ctrl-C waits for
-  # the handler cem_jax.signals set (held's) to have run, not a fixed sleep a loaded machine
-  # may outlast. Only cem_jax's handlers are wrapped: the others are put back as they were.
-  set_handler, handled = signal.signal, threading.Semaphore(0)
-
-  def counting(signum, handler):
-    if signum == signal.SIGINT and getattr(handler, "__module__", None) == "cem_jax.signals":
-      inner = handler
-
-      def handler(signum, frame):
-        handled.release()
-        return inner(signum, frame)
-    return set_handler(signum, handler)
-
+  # Each Ctrl-C waits for the handler cem_jax.signals set (held's) to have run: two sent
+  # before the main thread runs its handler are one (conftest.counting_sigint_handlers).
+  counting, handled = counting_sigint_handlers()
   monkeypatch.setattr(signal, "signal", counting)
   previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
   try:
