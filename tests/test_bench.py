@@ -410,6 +410,16 @@ class _StandInModel(nnx.Module):
     return self.attention_impl, self.attention_reason
 
 
+def _stand_in_step(monkeypatch, step) -> None:
+  """bench_one builds _StandInModel and compiles to ``step`` (nothing real to build or
+  compile); its shardings, read by the memory check beside the footprint, are empty."""
+  step.input_shardings = step.output_shardings = ()
+  compiled = type("Lowered", (), {"compile": lambda self: step})()
+  fake = type("Step", (), {"lower": lambda self, *a: compiled})()
+  monkeypatch.setattr(bench.steps_lib, "make_train_step", lambda *a, **k: fake)
+  monkeypatch.setattr(bench, "DecoderLM", _StandInModel)
+
+
 def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(monkeypatch,
                                                                                tmp_path):
   # The figures' arithmetic, on a stand-in model and step (nothing real to build or compile)
@@ -422,10 +432,7 @@ def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(m
     now[0] += 0.5
     return p, o, {"loss": jnp.float32(1.0)}
 
-  compiled = type("Lowered", (), {"compile": lambda self: step})()
-  fake = type("Step", (), {"lower": lambda self, *a: compiled})()
-  monkeypatch.setattr(bench.steps_lib, "make_train_step", lambda *a, **k: fake)
-  monkeypatch.setattr(bench, "DecoderLM", _StandInModel)
+  _stand_in_step(monkeypatch, step)
   monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
   monkeypatch.setattr(bench, "peak_flops", lambda: 1e9)
   r = bench.bench_one(config, 512, steps=3, warmup=1)
@@ -460,12 +467,7 @@ def test_a_row_times_steps_back_to_back_after_warmup_in_mib_with_a_null_nan_loss
     now[0] += next(durations)
     return p, o, {"loss": jnp.float32(jnp.nan)}
 
-  # Read by the memory check beside the footprint (the devices the program holds it on).
-  step.input_shardings = step.output_shardings = ()
-  compiled = type("Lowered", (), {"compile": lambda self: step})()
-  fake = type("Step", (), {"lower": lambda self, *a: compiled})()
-  monkeypatch.setattr(bench.steps_lib, "make_train_step", lambda *a, **k: fake)
-  monkeypatch.setattr(bench, "DecoderLM", _StandInModel)
+  _stand_in_step(monkeypatch, step)
   monkeypatch.setattr(bench.memory, "footprint_bytes", lambda c: 3 * 2**20)
   batches = []
   make_batch = bench.make_batch
@@ -493,11 +495,7 @@ def test_a_row_whose_step_does_not_fit_the_host_is_refused_before_its_first_step
     ran.append(1)
     return p, o, {"loss": jnp.float32(1.0)}
 
-  step.input_shardings = step.output_shardings = ()
-  compiled = type("Lowered", (), {"compile": lambda self: step})()
-  fake = type("Step", (), {"lower": lambda self, *a: compiled})()
-  monkeypatch.setattr(bench.steps_lib, "make_train_step", lambda *a, **k: fake)
-  monkeypatch.setattr(bench, "DecoderLM", _StandInModel)
+  _stand_in_step(monkeypatch, step)
   monkeypatch.setattr(bench.memory, "footprint_bytes", lambda c: 43 * 2**30)
   monkeypatch.setattr(bench.memory, "device_limit_bytes", lambda device=None: None)
   monkeypatch.setattr(bench.memory, "host_total_bytes", lambda: 24 * 2**30)
@@ -540,10 +538,7 @@ def test_a_row_waits_for_the_device_work_of_the_steps_it_times(monkeypatch):
     now[0], queued[0] = now[0] + queued[0], 0.0
     return tree
 
-  compiled = type("Lowered", (), {"compile": lambda self: step})()
-  fake = type("Step", (), {"lower": lambda self, *a: compiled})()
-  monkeypatch.setattr(bench.steps_lib, "make_train_step", lambda *a, **k: fake)
-  monkeypatch.setattr(bench, "DecoderLM", _StandInModel)
+  _stand_in_step(monkeypatch, step)
   monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
   monkeypatch.setattr(bench.jax, "block_until_ready", wait)
   r = bench.bench_one(config, 512, steps=3, warmup=1)
