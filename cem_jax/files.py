@@ -99,6 +99,13 @@ def saved_figure(path: str | os.PathLike, **subplots_kw) -> Iterator[tuple]:
 _TEMPORARY_NAME = re.compile(r"(.+)\.[0-9]+\.[0-9a-f]{12}\.tmp")
 
 
+def _temporary_name(path: str) -> str:
+  """A new temporary file name for an atomic write of ``path`` (:data:`_TEMPORARY_NAME`).
+  Unique (not tempfile.mkstemp): concurrent writers never share a temporary file, and the file
+  gets the usual permissions (umask), not mkstemp's owner-only 0600."""
+  return f"{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+
+
 def temporary_of(name: str | os.PathLike) -> str | None:
   """Returns the name of the file that the temporary file ``name`` of an atomic write was to
   replace (a writer killed before the rename leaves it behind), or None when ``name`` is not
@@ -132,7 +139,7 @@ def check_can_write(path: str | os.PathLike) -> None:
     OSError: the folder is missing, read-only or cannot hold files (e.g. ``/proc``), naming
       the temporary file.
   """
-  tmp = f"{os.fspath(path)}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+  tmp = _temporary_name(os.fspath(path))
   with open(tmp, "xb"):
     pass
   os.remove(tmp)
@@ -156,9 +163,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     raise FileNotFoundError(errno.ENOENT, f"no folder {folder} to write into", path)
   if os.path.isdir(path):
     raise IsADirectoryError(errno.EISDIR, "a folder is in the way of the file", path)
-  # A unique name (not tempfile.mkstemp): concurrent writers never share a temporary file, and
-  # the file gets the usual permissions (umask), not mkstemp's owner-only 0600.
-  tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+  tmp = _temporary_name(path)
   try:
     with naming(path):  # a full disk fails the write or the close with no file name
       yield tmp
