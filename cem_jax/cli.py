@@ -17,7 +17,7 @@ import sys
 import threading
 
 import ml_collections
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 from cem_jax import errors, signals
@@ -75,11 +75,15 @@ def no_extra_args(argv: list[str]) -> None:
   """Refuses positional arguments (absl passes them on in ``argv[1:]``: a flag missing its
   ``--``, or a space in a flag's value, would otherwise be dropped without a word).
 
+  One ``error: ...`` line and exit status 1, as every other bad flag: an ``app.UsageError``
+  made absl print the program's whole usage (30-50 lines) above the one line that mattered.
+
   Raises:
-    app.UsageError: naming the arguments.
+    SystemExit: status 1, after ``error: unexpected arguments: ARGS; allowed: ...`` on stderr.
   """
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    _fail(f"unexpected arguments: {' '.join(argv[1:])}; allowed: only --NAME=VALUE flags "
+          "(a flag missing its --, or a space in a value not quoted?)")
 
 
 def check_given(name: str, value: str | None, allowed: str) -> None:

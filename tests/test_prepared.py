@@ -1383,7 +1383,7 @@ def test_prepare_refuses_its_own_flags_and_passes_workers_on(tmp_path, monkeypat
   # prepare's own checks and output, in this process (each program started above costs
   # seconds). Importing cem_jax.prepare defines no flags: main's are defined only when it
   # runs as a program, so this worker's absl flags stay as they were.
-  from absl import app, flags
+  from absl import flags
 
   from cem_jax import prepare as prepare_cli
 
@@ -1395,8 +1395,10 @@ def test_prepare_refuses_its_own_flags_and_passes_workers_on(tmp_path, monkeypat
   monkeypatch.setattr(prepared.PreparedData, "open_manifest", lambda path, verify=True: {
       "splits": {"train": {"documents": 2, "bytes": 10, "tokens": 5, "shards": ["a", "b"]}}})
 
-  with pytest.raises(app.UsageError, match="^unexpected arguments: extra$"):
+  with pytest.raises(SystemExit) as stopped:
     prepare_cli.main(["prepare", "extra"])
+  assert stopped.value.code == 1
+  assert capsys.readouterr().err.startswith("error: unexpected arguments: extra; allowed: ")
   for n, prepared_dir, error in [
       (0, "", "--workers=0; allowed: an int >= 1"),
       (4, "", "--workers=4; allowed: 1..3 (the CPUs this process may use: encoding is "
