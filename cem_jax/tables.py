@@ -310,10 +310,14 @@ def _trained_otherwise(path: str, result: dict, digest: str | None, config) -> s
   is given)."""
   trained = os.path.normpath(os.path.join(os.path.dirname(path),
                                           result.get("reused_from", ".")))
-  if digest is not None and result["config_digest"] != digest and not (
-      config is not None and _same_config(trained, config)):
-    return (f"{path} was trained with another config (e.g. another --steps or --scale, or an "
-            "edited table file); use a new --workdir, or delete that run to train it again")
+  if digest is not None and result["config_digest"] != digest:
+    # None: no config to compare, or the run has no config.json to compare it with.
+    changes = workdir_lib.config_changes(trained, config) if config is not None else None
+    if changes != []:
+      what = (workdir_lib.changes_shown(changes) if changes else
+              "e.g. another --steps or --scale, or an edited table file")
+      return (f"{path} was trained with another config ({what}); use a new --workdir, or "
+              "delete that run to train it again")
   other = _other_source(result, config) if config is not None else None
   if other:
     return (f"{path} was trained on other text ({other}); use a new --workdir, or delete that "

@@ -354,6 +354,13 @@ def config_changes(workdir: str, config: ml_collections.ConfigDict) -> list[str]
   return config_lib.run_changes(saved, config)
 
 
+def changes_shown(changes: list[str]) -> str:
+  """The first three of :func:`config_changes`' ``"key: old -> new"`` strings, and how many
+  more, for a one-line refusal."""
+  more = f"; and {len(changes) - 3} more" if len(changes) > 3 else ""
+  return "; ".join(changes[:3]) + more
+
+
 def check_same_run(workdir: str, config: ml_collections.ConfigDict) -> None:
   """Refuses a run folder that holds a checkpoint of a run started with a config other than
   ``config`` (:func:`config_changes`), for the tools that resume or skip runs by their folder
@@ -369,9 +376,8 @@ def check_same_run(workdir: str, config: ml_collections.ConfigDict) -> None:
     return
   changes = config_changes(workdir, config)
   if changes:
-    shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3
-                                      else "")
-    raise ValueError(f"{workdir} holds a run started with another config ({shown}); it is "
+    raise ValueError(f"{workdir} holds a run started with another config "
+                     f"({changes_shown(changes)}); it is "
                      "not this run and resuming it would mix the two: use the command that "
                      "started it, a new --workdir, or delete that run to train it again")
 

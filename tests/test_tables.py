@@ -511,6 +511,29 @@ def test_a_result_from_another_config_is_not_reused_silently(tmp_path, shared_da
     tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"))
 
 
+def test_a_result_from_another_config_names_the_keys_that_differ(tmp_path):
+  # "was trained with another config (e.g. another --steps or --scale, ...)" left the user to
+  # diff two config.json files: the refusal names the keys, as a resume refusal does.
+  run = tmp_path / "seed0"
+  run.mkdir()
+  (run / "config.json").write_text(tiny_config("llama", **{"train.num_steps": 2}).to_json())
+  path = run / "result.json"
+  path.write_text(json.dumps({"row": "llama", "seed": 0, "eval/loss": 3.0,
+                              "eval/bits_per_byte": 1.5, "tokens_per_sec": 1.0,
+                              "config_digest": "of --steps=2",
+                              "numerics_version": NUMERICS_VERSION}))
+  now = tiny_config("llama", **{"train.num_steps": 3, "train.learning_rate": 1e-3})
+  with pytest.raises(ValueError) as e:
+    tables._read_result(str(path), "of --steps=3", now)
+  assert str(e.value) == (f"{path} was trained with another config (train.learning_rate: 0.003 "
+                          "-> 0.001; train.num_steps: 2 -> 3); use a new --workdir, or delete "
+                          "that run to train it again")
+  assert tables._read_result(str(path), "of --steps=2", now)["row"] == "llama"  # same digest
+  (run / "config.json").unlink()  # nothing to compare with: the digests alone refuse it
+  with pytest.raises(ValueError, match=r"another config \(e.g. another --steps or --scale, "):
+    tables._read_result(str(path), "of --steps=3", now)
+
+
 def test_an_unfinished_run_from_another_config_is_refused_not_resumed_as_a_mix(tmp_path,
                                                                               shared_data,
                                                                               monkeypatch):
