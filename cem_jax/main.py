@@ -3,7 +3,8 @@
 Any config key can be overridden: ``--config.model.num_layers=2 --config.data.files=a.txt``;
 a misspelt key or a value of the wrong type fails while the flags are parsed, a value the
 config's rules refuse (``config.validate``) right after, and a missing ``data.tokenizer`` file
-or ``data.prepared_dir`` folder next, all before jax is imported.
+or ``data.prepared_dir`` folder or a ``data.files`` glob matching no file next, all before jax
+is imported.
 Rerunning the same command resumes from the newest intact checkpoint in ``DIR``. Exit status: 0
 when done or stopped by SIGTERM after saving (preemption), 1 with a one-line ``error: ...`` for
 bad input or a diverged run; SIGTERM during start-up (nothing to save; from the first line of

@@ -26,6 +26,7 @@ import numpy as np
 from cem_jax.config import check_int, check_minus_one_or_positive
 from cem_jax.data import packing, shard_writer, sources
 from cem_jax.data import prepared as prepared_lib
+from cem_jax.data import text as text_lib
 from cem_jax.data import tokenizer as tokenizer_lib
 
 # Rounds of grain's cipher. Its default, 4 (MapDataset.shuffle's), mixes too little: the
@@ -317,18 +318,23 @@ class Data:
 
 def check_given_files(data_config) -> None:
   """Refuses a ``data.prepared_dir`` with no manifest or, without one, a ``data.tokenizer`` that
-  names no file: what :func:`build_data` would refuse after the text is read, checked first
+  names no file, and a ``data.files`` glob that matches no file: what :func:`build_data` would
+  refuse after jax loaded (a misspelt path cost ~10 s) or the text was read, checked first
   (``main`` checks them before jax loads). With ``data.prepared_dir`` the given tokenizer is
-  compared with the folder's when it is opened (``prepared.check_fits``).
+  compared with the folder's when it is opened (``prepared.check_fits``); the files given
+  beside it are read there too (their sha256 against the manifest's), so they must exist.
 
   Raises:
-    ValueError, FileNotFoundError: as :func:`cem_jax.data.prepared.manifest_file` and
-      :func:`cem_jax.data.tokenizer.tokenizer_file` (one line).
+    ValueError, FileNotFoundError: as :func:`cem_jax.data.prepared.manifest_file`,
+      :func:`cem_jax.data.tokenizer.tokenizer_file` and
+      :func:`cem_jax.data.text.resolve_files` (one line).
   """
   if data_config.prepared_dir:
     prepared_lib.manifest_file(data_config.prepared_dir)
   elif data_config.tokenizer:
     tokenizer_lib.tokenizer_file(data_config.tokenizer)
+  if data_config.files:
+    text_lib.resolve_files(data_config.files)
 
 
 def build_data(config, workdir: str | os.PathLike, verify: bool = True) -> Data:
