@@ -60,13 +60,16 @@ def run(config, out: str, workers: int | None = None) -> None:
   # config's own rules first, as main checks them: before jax loads (seconds), for
   # preflight's checks of the model code.
   config_lib.validate(config)
+  if config.data.prepared_dir:
+    raise ValueError(f"data.prepared_dir={config.data.prepared_dir!r}: prepare writes to "
+                     "--out; leave data.prepared_dir unset here")
+  from cem_jax import data
+
+  data.check_given_files(config.data)  # a misspelt data.files glob: before jax, as in main
   from cem_jax import preflight
   from cem_jax.data import prepared, shard_writer
 
   preflight.check(config)
-  if config.data.prepared_dir:
-    raise ValueError(f"data.prepared_dir={config.data.prepared_dir!r}: prepare writes to "
-                     "--out; leave data.prepared_dir unset here")
   if workers is not None:
     check_workers(workers)
   out = shard_writer.prepare(config.data, out, workers=workers)

@@ -1350,8 +1350,10 @@ def test_prepare_cli_then_main_from_prepared_dir(tmp_path):
     ("--config.model.d_model=66",  # a model main cannot build: its data would go unused
      "error: model.d_model=66 is not divisible by model.num_heads=4; change one or set "
      "model.head_dim"),
+    ("--config.data.files=/nonexistent_cem_jax/*.txt",  # was refused after jax loaded
+     "error: data.files: glob '/nonexistent_cem_jax/*.txt' matches no file"),
 ], ids=["validation-fraction", "vocab-size", "ignored-model-type", "ignored-tfds-key",
-        "model"])
+        "model", "files-glob"])
 def test_prepare_cli_validates_the_config_first_and_writes_nothing(override, message, tmp_path):
   # prepare checks the config as main does: data prepared from a config main rejects, or with
   # an option it silently ignores, would be a wasted and misleading preparation. Refused
