@@ -86,6 +86,27 @@ def no_extra_args(argv: list[str]) -> None:
           "(a flag missing its --, or a space in a value not quoted?)")
 
 
+def script_args(argv: list[str], doc: str | None, usage: str) -> list[str]:
+  """The positional arguments of a script that takes no flags (``python experiments/X.py ARG
+  ...``): ``-h`` or ``--help`` prints ``doc`` (the script's docstring) and exits with status 0;
+  any other argument that starts with ``-`` is one ``error: ...`` line naming it and ``usage``,
+  status 1. Such an argument was taken as a value: ``attention_kernels.py --help`` ran the
+  benchmark and wrote its JSON to a file named ``--help``.
+
+  Raises:
+    SystemExit: 0 after the help, 1 after the error line.
+  """
+  args = argv[1:]
+  if any(a in ("-h", "--help") for a in args):
+    print((doc or usage).strip())
+    sys.exit(0)
+  flagged = [a for a in args if a.startswith("-") and a != "-"]
+  if flagged:
+    _fail(f"unexpected flag {flagged[0]!r}; allowed: {usage} (positional arguments; --help "
+          "for more)")
+  return args
+
+
 def check_given(name: str, value: str | None, allowed: str) -> None:
   """Refuses a string flag given empty (``--out=``): absl hands ``''`` on, which a program read
   as the flag left out (bench's ``--out``: no JSON written) or as the working directory

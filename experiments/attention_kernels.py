@@ -111,4 +111,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  from cem_jax import cli
+
+  main([sys.argv[0], *cli.script_args(sys.argv, __doc__,
+                                      "python experiments/attention_kernels.py [OUT.json]")])

@@ -133,6 +133,10 @@ def main(dump_dir: str) -> None:
 
 
 if __name__ == "__main__":
-  if len(sys.argv) != 2:
-    sys.exit("usage: python experiments/collectives.py XLA_DUMP_DIR")
-  main(sys.argv[1])
+  from cem_jax import cli
+
+  usage = "python experiments/collectives.py XLA_DUMP_DIR"
+  args = cli.script_args(sys.argv, __doc__, usage)
+  if len(args) != 1:
+    sys.exit(f"usage: {usage}")
+  main(args[0])

@@ -370,4 +370,6 @@ def main(variant: str = "cem_fused", seq_len: int = 1024, tokens_per_batch: int 
 
 
 if __name__ == "__main__":
-  main(*parse_args(sys.argv[1:]))
+  from cem_jax import cli
+
+  main(*parse_args(cli.script_args(sys.argv, __doc__, USAGE)))

@@ -2781,6 +2781,23 @@ def test_a_numerics_version_saved_as_a_string_of_this_version_resumes():
                           tiny_config("cem"), "ck")
 
 
+def test_a_positional_script_answers_help_and_refuses_a_flag(capsys):
+  # experiments/attention_kernels.py took `--help` as its OUT path: it ran the benchmark and
+  # wrote a file named --help; collectives.py looked for XLA dumps in a folder "--help".
+  usage = "python experiments/x.py [OUT.json]"
+  assert cli.script_args(["x.py", "a.json", "-"], "Doc.", usage) == ["a.json", "-"]
+  for given in ("-h", "--help"):
+    with pytest.raises(SystemExit) as stopped:
+      cli.script_args(["x.py", "a.json", given], "  What x does.\n", usage)
+    assert stopped.value.code == 0
+    assert capsys.readouterr() == ("What x does.\n", "")
+  with pytest.raises(SystemExit) as stopped:
+    cli.script_args(["x.py", "--out=a.json", "-v"], "Doc.", usage)
+  assert stopped.value.code == 1
+  assert capsys.readouterr().err == (f"error: unexpected flag '--out=a.json'; allowed: {usage} "
+                                     "(positional arguments; --help for more)\n")
+
+
 @pytest.mark.parametrize("tool", ["summary", "evaluate", "sample", "tables", "plot", "bench"])
 def test_every_tool_refuses_stray_arguments(tool, capsys):
   # absl hands positional arguments to main: a flag missing its "--" (`workdir=w`) or a space
