@@ -204,6 +204,10 @@ def test_main_refuses_a_missing_data_file_before_jax_loads(tmp_path):
   assert _main_error_before_jax(tmp_path, f"--config.data.prepared_dir={tmp_path}/empty") == (
       f"error: data.prepared_dir={tmp_path}/empty: no manifest.json (not a prepared dataset, "
       "or its prepare did not finish); run python -m cem_jax.prepare --out=DIR again")
+  (tmp_path / "notes.txt").write_text("not a model")  # was refused after the text was read
+  assert _main_error_before_jax(tmp_path, f"--config.data.tokenizer={tmp_path}/notes.txt") == (
+      f"error: data.tokenizer='{tmp_path}/notes.txt' is not a SentencePiece model (it does not "
+      "parse as one); give a SentencePiece .model file, or data.tokenizer='' to train one")
   # A misspelt data.files glob was refused once jax had loaded (~10 s; 18 s on busy cores).
   assert _main_error_before_jax(tmp_path, f"--config.data.files={missing}/*.txt") == (
       f"error: data.files: glob '{missing}/*.txt' matches no file")

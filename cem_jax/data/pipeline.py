@@ -318,7 +318,8 @@ class Data:
 
 def check_given_files(data_config) -> None:
   """Refuses a ``data.prepared_dir`` with no manifest or, without one, a ``data.tokenizer`` that
-  names no file, and a ``data.files`` glob that matches no file: what :func:`build_data` would
+  is no SentencePiece model of ``data.vocab_size`` pieces with an EOS piece, and a
+  ``data.files`` glob that matches no file: what :func:`build_data` would
   refuse after jax loaded (a misspelt path cost ~10 s) or the text was read, checked first
   (``main`` checks them before jax loads). With ``data.prepared_dir`` the given tokenizer is
   compared with the folder's when it is opened (``prepared.check_fits``); the files given
@@ -326,13 +327,15 @@ def check_given_files(data_config) -> None:
 
   Raises:
     ValueError, FileNotFoundError: as :func:`cem_jax.data.prepared.manifest_file`,
-      :func:`cem_jax.data.tokenizer.tokenizer_file` and
+      :func:`cem_jax.data.tokenizer.load_tokenizer` and
       :func:`cem_jax.data.text.resolve_files` (one line).
   """
   if data_config.prepared_dir:
     prepared_lib.manifest_file(data_config.prepared_dir)
   elif data_config.tokenizer:
-    tokenizer_lib.tokenizer_file(data_config.tokenizer)
+    # Read, not only found: a file that is no model, or of another vocab_size, was refused
+    # after jax loaded and the text was read (~30 s on busy cores).
+    tokenizer_lib.load_tokenizer(data_config.tokenizer, data_config.vocab_size)
   if data_config.files:
     text_lib.resolve_files(data_config.files)
 

@@ -30,7 +30,7 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
-from cem_jax import cpus, errors
+from cem_jax import cpus
 from cem_jax.config import TOKENIZER_MODEL_TYPES as MODEL_TYPES
 
 TRAIN_CHUNK_CHARS = 2000
@@ -322,9 +322,11 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int) -> Tokenizer:
   path = tokenizer_file(path)
   try:
     tok = Tokenizer.from_file(path)
-  except RuntimeError as e:
-    raise ValueError(f"data.tokenizer={os.fspath(path)!r} is not a SentencePiece model: "
-                     f"{errors.first_line(e)}") from None
+  except RuntimeError:
+    # sentencepiece's own text names its C++ source line, not the file or the fix.
+    raise ValueError(f"data.tokenizer={os.fspath(path)!r} is not a SentencePiece model (it "
+                     "does not parse as one); give a SentencePiece .model file, or "
+                     "data.tokenizer='' to train one") from None
   if tok.vocab_size != vocab_size:
     raise ValueError(f"data.tokenizer={os.fspath(path)!r} has {tok.vocab_size} pieces but "
                      f"data.vocab_size={vocab_size}; they must be equal")
