@@ -1852,6 +1852,95 @@ def test_what_an_energy_reads_through_containers_objects_and_partials_is_pinned(
   assert proc.stdout.strip().splitlines()[-1] == repr([first[n] for n in names])
 
 
+DEFAULTS_AND_NESTED = """
+import jax.numpy as jnp
+
+SCALE = {scale}
+KW_SCALE = {kw_scale}
+TAU = {tau}
+
+
+def by_default(y, context, params, aux, scale=SCALE):
+  return scale * jnp.sum(y ** 2)
+
+
+def by_keyword(y, context, params, aux, *, scale=KW_SCALE):
+  return scale * jnp.sum(y ** 2)
+
+
+def in_a_lambda(y, context, params, aux):
+  f = lambda x: TAU * x  # noqa: E731
+  return jnp.sum(f(y) ** 2)
+
+
+def in_a_generator(y, context, params, aux):
+  return sum(jnp.sum(t * y ** 2) for t in (TAU,))
+
+
+def _c(x):
+  return x * DEEP
+
+
+def _b(x):
+  return _c(x)
+
+
+def _a(x):
+  return _b(x)
+
+
+DEEP = {deep}
+
+
+def in_a_chain(y, context, params, aux):  # DEEP is read 4 helpers down
+  return jnp.sum(_a(y) ** 2)
+"""
+
+
+def test_defaults_and_the_names_a_lambda_or_generator_reads_are_pinned(tmp_path):
+  # None of these edits changes a function's own source: a default is evaluated where the
+  # function is defined (SCALE is not among the names its code reads), and a lambda's or a
+  # generator's names are those of its own code object, a constant of the function's code.
+  base = {"scale": "2.0", "kw_scale": "2.0", "tau": "2.0", "deep": "2.0"}
+  names = ("by_default", "by_keyword", "in_a_lambda", "in_a_generator", "in_a_chain")
+
+  def digests(**edit):
+    path = tmp_path / f"d{len(list(tmp_path.iterdir()))}.py"
+    path.write_text(DEFAULTS_AND_NESTED.format(**{**base, **edit}))
+    return {n: energies.source_digest(f"{path}:{n}", "attention") for n in names}
+
+  first = digests()
+  assert first == digests() and len(set(first.values())) == len(names)
+  changed = lambda **edit: {n for n, d in digests(**edit).items() if d != first[n]}  # noqa: E731
+  assert changed(scale="3.0") == {"by_default"}  # __defaults__
+  assert changed(kw_scale="3.0") == {"by_keyword"}  # __kwdefaults__
+  assert changed(tau="3.0") == {"in_a_lambda", "in_a_generator"}  # nested code's names
+  assert changed(deep="3.0") == {"in_a_chain"}  # helpers of helpers, to a depth
+
+
+def test_a_function_of_another_module_counts_by_name_only(tmp_path, monkeypatch):
+  import importlib.util
+
+  # An upgrade of jax (or an edit of a helper file) must not refuse a resume: what an energy
+  # reads from another module is pinned by its name, not its source. The same energy file
+  # text, read once against each of two versions of the helper module, has one digest.
+  energy = ("import jax.numpy as jnp\nfrom cem_jax_digest_helper import smooth\n\n\n"
+            "def energy(y, context, params, aux):\n  return jnp.sum(smooth(y))\n")
+  found = []
+  for i, body in enumerate(("x ** 2", "x ** 4")):
+    helper = tmp_path / f"v{i}" / "cem_jax_digest_helper.py"  # a file: its source is read
+    helper.parent.mkdir()
+    helper.write_text(f"def smooth(x):\n  return {body}\n")
+    spec = importlib.util.spec_from_file_location("cem_jax_digest_helper", helper)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "cem_jax_digest_helper", module)
+    path = tmp_path / f"h{i}.py"
+    path.write_text(energy)
+    found.append(energies.source_digest(f"{path}:energy", "attention"))
+  assert found[0] is not None and found[0] == found[1]
+
+
 def test_a_checkpoint_of_the_first_digest_version_resumes_unless_the_function_changed(
     tmp_path):
   # Checkpoints saved before version 2 hold source-only digests: compared as such, the same
