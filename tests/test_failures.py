@@ -2932,6 +2932,31 @@ def test_a_result_json_without_a_digest_version_is_compared_at_this_codes(tmp_pa
   assert runs.edited_energies(record, cfg, "result.json") == []
 
 
+def test_a_user_energy_the_record_lacks_or_that_is_gone_now_counts_as_changed(tmp_path):
+  # A record names the user energies of its run; one that a slot uses now but the record
+  # lacks (a record without a config to compare, e.g. a result.json) is not the energy that
+  # run trained with, and neither is one recorded that is now a built-in.
+  path = tmp_path / "e.py"
+  path.write_text("import jax.numpy as jnp\n\n\ndef energy(y, context, params, aux):\n"
+                  "  return -0.5 * jnp.sum(params['eta'] * y ** 2)\n")
+  both = tiny_config("cem", **{"model.mlp_energy": f"{path}:energy",
+                               "model.attention_energy": f"{path}:energy"})
+  now = energies.energy_digests(both)
+  assert sorted(now) == ["model.attention_energy", "model.mlp_energy"]
+  only_mlp = {"model.mlp_energy": now["model.mlp_energy"]}
+  version = energies.DIGEST_VERSION
+  short = now["model.attention_energy"][:12]
+  assert energies.changed_energies(only_mlp, version, both, None, "r.json") == [
+      f"model.attention_energy: its source, or a constant or helper it reads, changed (sha256 "
+      f"none -> {short})"]
+  mlp_builtin = tiny_config("cem", **{"model.attention_energy": f"{path}:energy"})
+  assert energies.changed_energies(now, version, mlp_builtin, None, "r.json") == [
+      f"model.mlp_energy: its source, or a constant or helper it reads, changed (sha256 "
+      f"{now['model.mlp_energy'][:12]} -> none)"]
+  assert energies.changed_energies(now, version, both, None, "r.json") == []
+  assert energies.changed_energies({}, version, both, None, "r.json") == []  # not recorded
+
+
 def test_a_failed_start_removes_all_but_its_prepared_tokens(tmp_path):
   # Mutation (adversary s50): workdir.remove_failed_start leaving config.json, metrics and
   # checkpoints behind when tokens were prepared (a failed start that looks like a run).
