@@ -2905,6 +2905,8 @@ def test_every_tool_refuses_stray_arguments(tool, capsys):
     ({"numerics_version": None}, "numerics_version=None; allowed: an integer >= 0"),
     ({"numerics_version": 3.7}, "numerics_version=3.7; allowed: an integer >= 0"),
     ({"step": "four"}, "step='four'; allowed: an integer >= 0"),
+    ({"step": -1}, "step=-1; allowed: an integer >= 0"),  # a hand edit: no step is negative
+    ({"numerics_version": -3}, "numerics_version=-3; allowed: an integer >= 0"),
     ({"energy_digest_version": True}, "energy_digest_version=True; allowed: an integer >= 0"),
     ({"config": [1]}, "config is a list, not an object"),
     ({"energies": "x"}, "energies is a str, not an object"),
