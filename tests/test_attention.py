@@ -776,3 +776,39 @@ def test_the_splash_kernel_is_built_for_the_heads_one_device_holds(monkeypatch, 
     jax.eval_shape(lambda q: attention.dot_product_attention(
         q, q, q, scale=1.0, implementation="splash", is_causal=True, partition=partition), q)
   assert built == [(128, local_heads)]
+
+
+def test_a_mesh_axis_that_splits_the_rows_is_not_given_to_the_heads_too():
+  # A mesh axis may split one dimension only (a PartitionSpec naming it twice is invalid):
+  # with rules that map both batch and heads to it, the rows take it where it divides them
+  # and the heads only where the rows stay whole.
+  from jax.sharding import PartitionSpec
+
+  partition, mesh_shape = (("data", "tensor"), ("tensor",)), {"data": 2, "tensor": 2}
+  assert attention.rows_and_heads_spec((4, 128, 4, 8), partition, mesh_shape) == (
+      PartitionSpec(("data", "tensor"), None, None, None))
+  assert attention.rows_and_heads_spec((2, 128, 4, 8), partition, mesh_shape) == (
+      PartitionSpec(None, None, ("tensor",), None))
+
+
+@pytest.mark.parametrize("impl", ["xla", "cudnn", "splash"])
+def test_no_mask_and_no_causal_structure_is_a_one_line_error(impl):
+  # Without either there is nothing to say which keys a query sees: no kernel may guess one
+  # (the XLA path would otherwise build a plain causal mask from segment_ids=None).
+  q = jnp.zeros((1, 128, 1, 8))
+  with pytest.raises(ValueError, match=r"^dot_product_attention needs a mask or "
+                                       r"is_causal=True$"):
+    attention.dot_product_attention(q, q, q, scale=1.0, implementation=impl)
+
+
+@pytest.mark.parametrize("impl", ["xla", "splash"])
+def test_bfloat16_inputs_give_a_bfloat16_output_near_the_float64_reference(impl):
+  # The output is in q's dtype on every path: a float32 one would upcast the rest of a
+  # bfloat16 layer (its matmuls, its activations' memory) without a word.
+  q, k, v, _ = (x.astype(jnp.bfloat16) for x in _qkv(seed=5))
+  kwargs, mask = _structure("documents")
+  out = attention.dot_product_attention(q, k, v, scale=0.3, implementation=impl, **kwargs)
+  assert out.dtype == jnp.bfloat16
+  ref = np_attention(*(np.asarray(x.astype(jnp.float32)) for x in (q, k, v)), mask, 0.3,
+                     np.zeros(q.shape))[0]
+  assert rel(out.astype(jnp.float32), ref) <= 2e-2
