@@ -509,6 +509,25 @@ def test_a_kernel_this_machine_cannot_run_is_refused_before_the_data_is_built(tm
   assert list(workdir.iterdir()) == []
 
 
+def test_the_machine_check_judges_the_platform_it_is_given_not_this_ones():
+  # python -m cem_jax.aot checks a TPU or GPU target's kernel from a CPU machine: the target's
+  # platform decides, as jax.default_backend() does when none is given.
+  splash = tiny_config("llama", **{"model.attention_impl": "splash", "data.seq_len": 128})
+  preflight.check_machine(splash, platform="tpu")
+  with pytest.raises(ValueError, match=r"splash attention is a TPU kernel, this machine's "
+                                       r"platform is gpu "):
+    preflight.check_machine(splash, platform="gpu")
+  with pytest.raises(ValueError, match=r"platform is cpu "):
+    preflight.check_machine(splash)
+
+
+def test_the_start_up_check_runs_the_configs_own_rules_first():
+  # preflight.check is what programs call: config.validate's rules are part of it.
+  with pytest.raises(ValueError, match=r"^model.precond_rank=2 has no effect with "
+                                       r"model.precond='none'"):
+    preflight.check(tiny_config("cem", **{"model.precond_rank": 2}))
+
+
 # ---- blockwise (online) log-sum-exp --------------------------------------------------------
 
 # 48 does not divide 128: padded keys and queries; 0: the dense scores
