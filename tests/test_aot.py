@@ -6,6 +6,7 @@ below runs instead of skipping). Here the same path runs with this machine's CPU
 target, against the start-up compilation of ``cem_jax.train``.
 """
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -213,6 +214,8 @@ def test_a_gpu_targets_limit_is_the_share_jax_preallocates_of_its_memory(monkeyp
   assert aot.target_devices("h200").memory_bytes == int(0.75 * 150110011392)
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
   assert aot.target_devices("h100:2").memory_bytes == int(0.5 * 84978434048)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "1")  # all of it: (0, 1] includes 1
+  assert aot.target_devices("h200").memory_bytes == 150110011392
 
 
 def test_v4_and_v5p_are_described_one_device_per_chip_as_jax_runs_them(monkeypatch):
@@ -259,6 +262,10 @@ def test_a_gpu_target_is_described_with_its_count_of_gpus_in_one_node(monkeypatc
   for target in ("h200:8", "h100"):
     aot.target_devices(target)
   assert asked == {"h200:8": ("cuda", "1x1x8", True), "h100": ("cuda", "1x1x1", False)}
+  # XLA's description of each GPU holds its own memory, the figure the check compares with.
+  for name in ("h100", "h200"):
+    memory = re.search(r"device_memory_size: (\d+)", aot.GPU_TARGET_CONFIGS[name]).group(1)
+    assert int(memory) == aot.GPU_MEMORY_BYTES[name], name
 
 
 @pytest.mark.parametrize("kind, gib", [("TPU v4", 32), ("TPU v5 lite", 16), ("TPU v5", 95),
