@@ -146,6 +146,12 @@ UNUSED = [
      r"^model.cem_attention=False applies to CEM blocks only; model.block='llama' needs "),
     ({"model.precond_rank": 2},
      r"^model.precond_rank=2 has no effect with model.precond='none'; set model.precond to "),
+    ({"model.precond_rank": 1},  # the smallest rank that adds anything
+     r"^model.precond_rank=1 has no effect with model.precond='none'; set model.precond to "),
+    # β and η scale the same energy: learning both only adds a direction of no effect
+    ({"model.learn_beta": True},
+     r"^model.learn_beta=True and model.learn_eta=True are redundant \(CEM_MATH.md §1\); set "
+     r"model.learn_eta=False to learn the temperature$"),
     ({"model.cem_mlp": False, "model.precond": "both"},
      r"^model.precond='both' preconditions an energy step that model.cem_mlp=False replaces"),
     ({"model.block": "llama", "model.norm_mode": "chain"}, r"model.norm_mode='chain' applies"),
