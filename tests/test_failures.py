@@ -7,7 +7,9 @@ line; the rest call ``train_and_evaluate`` directly (the same code, without a ne
 Also here: the non-finite guard, and regression tests reduced from public bug reports.
 """
 
+import collections
 import errno
+import io
 import logging
 import os
 import re
@@ -2412,6 +2414,9 @@ def test_footprint_counts_arguments_outputs_and_temporaries_once_with_donation()
   donated = memory.footprint_bytes(jax.jit(f, donate_argnums=0).lower(x, x).compile())
   assert 12 * mib <= plain < 12 * mib + 1024  # two 4 MiB arguments, one 4 MiB output
   assert 8 * mib <= donated < 8 * mib + 1024  # the output reuses the donated argument
+  # A temporary: a @ a, 4 MiB, lives between the two products.
+  chained = memory.footprint_bytes(jax.jit(lambda a: (a @ a).T @ a).lower(x).compile())
+  assert 12 * mib <= chained < 12 * mib + 1024
 
 
 def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, monkeypatch,
@@ -2777,6 +2782,59 @@ def test_the_device_limit_is_the_backends_bytes_limit_and_none_where_it_reports_
                                            2**35, "bytes_in_use": 5})) == 2**34
   assert memory.device_limit_bytes(device(None)) is None  # CPU
   assert memory.device_limit_bytes(device({})) is None
+
+
+def test_host_memory_is_meminfos_figures_in_kib_and_none_where_one_is_missing(monkeypatch):
+  # /proc/meminfo's "kB" are KiB: 1000 would undercount a 64 GiB host by 1.6 GiB, and a step
+  # that does not fit would pass. Its sums need every field they name.
+  meminfo = {"all": "MemTotal:       16384 kB\nMemFree:          512 kB\n"
+                    "MemAvailable:    4096 kB\nSwapTotal:       2048 kB\n",
+             "no swap line": "MemTotal:       16384 kB\nMemAvailable:    4096 kB\n"}
+  for name, text in meminfo.items():
+    monkeypatch.setattr(memory, "open", lambda path, text=text, **kw: (
+        io.StringIO(text) if path == "/proc/meminfo" else open(path, **kw)), raising=False)
+    assert memory.host_available_bytes() == 4096 * 1024, name
+    assert memory.host_total_bytes() == ((16384 + 2048) * 1024 if name == "all" else None)
+  monkeypatch.undo()
+  # This machine's, against the file read here.
+  fields = {}
+  with open("/proc/meminfo", encoding="ascii") as f:
+    for line in f:
+      key, _, rest = line.partition(":")
+      fields[key] = int(rest.split()[0]) * 1024
+  assert memory.host_total_bytes() == fields["MemTotal"] + fields["SwapTotal"]
+
+
+def test_the_cpu_checks_count_only_this_process_devices_and_at_least_one():
+  # Another process's devices hold their shards in that host's memory, not this one's.
+  here = jax.process_index()
+  device = collections.namedtuple("Device", "id process_index")
+  mixed = types.SimpleNamespace(device_set={device(0, here), device(1, here),
+                                            device(2, here + 1), device(3, here + 1)})
+  assert memory._local_devices([mixed]) == 2
+  assert memory._local_devices([]) == 1  # NumPy arrays: one device
+
+
+def test_only_cpu_devices_without_a_limit_are_judged_against_the_hosts_memory(monkeypatch):
+  # CPU devices share the host's RAM (each its own copy of a replicated array); an accelerator
+  # that reports no limit keeps its arrays in its own memory, not the host's.
+  assert memory._host_need(100, None, 3) == 300  # this machine's CPU devices
+  assert memory._host_need(100, 2**30, 3) is None  # a device limit applies per device
+  monkeypatch.setattr(jax, "local_devices", lambda *a, **k: [types.SimpleNamespace(
+      platform="gpu")])
+  assert memory._host_need(100, None, 3) is None
+
+
+def test_an_error_is_out_of_memory_by_its_status_code_not_a_mention():
+  # A jaxlib without error_code_string puts the code's name first in the message; an error of
+  # another code that quotes the words (e.g. in a nested cause) is not one.
+  assert memory._is_out_of_memory(Exception("RESOURCE_EXHAUSTED: Out of memory allocating"))
+  assert not memory._is_out_of_memory(Exception("INTERNAL: RESOURCE_EXHAUSTED in a callee"))
+  coded = Exception("no code in the text")
+  coded.error_code_string = "RESOURCE_EXHAUSTED"
+  assert memory._is_out_of_memory(coded)
+  coded.error_code_string = "INTERNAL"
+  assert not memory._is_out_of_memory(coded)
 
 
 def test_resident_bytes_count_one_device_shard_of_each_array():
