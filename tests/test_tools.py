@@ -829,6 +829,15 @@ def test_a_run_that_prunes_every_step_chosen_is_a_one_line_error_after_the_tries
   assert chosen == [7]
 
 
+def test_the_step_folders_are_the_all_digit_names_only(tmp_path):
+  # What tells a pruned step: Orbax's in-flight saves ("4.orbax-checkpoint-tmp-17") and other
+  # files beside the steps are no step (int() of one would fail the read of a run mid-save).
+  assert runs._step_folders(str(tmp_path / "none")) == set()
+  for name in ("3", "12", "4.orbax-checkpoint-tmp-17", "tmp", "digests"):
+    (tmp_path / name).mkdir()
+  assert runs._step_folders(str(tmp_path)) == {3, 12}
+
+
 def test_load_runs_tries_build_the_model_again_only_for_another_config(tmp_path, monkeypatch):
   # A try after a pruning takes the config, shapes and target of the step before when it was
   # saved with the same config and energies (its checks passed): its window is two reads.
