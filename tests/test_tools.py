@@ -829,6 +829,35 @@ def test_a_run_that_prunes_every_step_chosen_is_a_one_line_error_after_the_tries
   assert chosen == [7]
 
 
+def test_steps_pruned_together_while_one_is_chosen_count_as_the_newest(tmp_path, monkeypatch):
+  # keep=1 beside a save every step: the folders of two steps may go while one is chosen; the
+  # step chosen was the newest of them, and the error's first and last steps name those.
+  import types
+
+  from cem_jax import checkpoint
+
+  checkpoints, clock, pair = tmp_path / "checkpoints", [0.0], [10]
+  for step in (10, 11):
+    (checkpoints / str(step)).mkdir(parents=True)
+
+  class Training(_ReaderStandIn):  # both steps listed are pruned, two newer ones saved
+    def restorable_step(self):
+      clock[0] += 10.0
+      for step in (pair[0], pair[0] + 1):
+        (checkpoints / str(step)).rmdir()
+        (checkpoints / str(step + 2)).mkdir()
+      pair[0] += 2
+      raise checkpoint.CheckpointError("no intact step")
+
+  monkeypatch.setattr(checkpoint, "Checkpointer", Training)
+  monkeypatch.setattr(runs, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+  (tmp_path / "config.json").write_text("{}")
+  with pytest.raises(checkpoint.CheckpointError, match=r"each of the 20 steps chosen in a row "
+                                                      r"over 200.0 s \(the first step 11, the "
+                                                      r"last 49\)"):
+    runs.load_run(str(tmp_path))
+
+
 def test_the_step_folders_are_the_all_digit_names_only(tmp_path):
   # What tells a pruned step: Orbax's in-flight saves ("4.orbax-checkpoint-tmp-17") and other
   # files beside the steps are no step (int() of one would fail the read of a run mid-save).
