@@ -11,6 +11,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -1141,6 +1142,14 @@ def test_each_process_compares_its_config_and_process_0s_file(tmp_path):
   other.train.learning_rate *= 2
   assert workdir.process_mismatch(str(tmp_path), other, digest, "abc") == 1
   assert workdir.processes_digest(cfg) == workdir.processes_digest(tiny_config())
+  # A network mount may show process 0's file late: it is waited for, up to wait_s.
+  late = tmp_path / ".processes_see_this_late"
+  writer = threading.Timer(0.5, late.write_text, args=("late",))
+  writer.start()
+  try:
+    assert workdir.process_mismatch(str(tmp_path), cfg, digest, "late", wait_s=30) == 0
+  finally:
+    writer.join()
 
 
 def test_a_killed_starts_file_is_removed_by_the_next_start_and_one_under_way_is_not(

@@ -1397,6 +1397,8 @@ def test_a_run_folder_of_another_config_names_three_changes_and_counts_the_rest(
   three = {"model.d_model": 32, "train.batch_size": 4, "train.num_steps": 40}
   for changed, shown in (
       (three, "model.d_model: 64 -> 32; train.batch_size: 8 -> 4; train.num_steps: 30 -> 40"),
+      ({**three, "seed": 3},  # one past three: counted, not dropped
+       "model.d_model: 64 -> 32; seed: 0 -> 3; train.batch_size: 8 -> 4; and 1 more"),
       ({**three, "seed": 3, "train.warmup_steps": 7},
        "model.d_model: 64 -> 32; seed: 0 -> 3; train.batch_size: 8 -> 4; and 2 more")):
     with pytest.raises(ValueError) as e:
