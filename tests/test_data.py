@@ -760,6 +760,11 @@ def test_a_train_split_of_whole_windows_keeps_its_last_window():
   assert packing.count_windows(10, 4, keep_tail=False, split="train") == 2
   windows = pack(_distinct_docs([4, 4]), 4, EOS, PAD, keep_tail=False, split="train")
   assert windows.tokens.tolist() == [[1000, 1001, 1002, 1003, EOS], [2000, 2001, 2002, 2003, EOS]]
+  # Kept tail or not, whole windows get no window of padding after them (nothing to predict).
+  assert packing.count_windows(10, 4, keep_tail=True, split="validation") == 2
+  kept = pack(_distinct_docs([4, 4]), 4, EOS, PAD, keep_tail=True, split="validation")
+  assert kept.tokens.tolist() == windows.tokens.tolist()
+  assert packing.count_windows(11, 4, keep_tail=True, split="validation") == 3  # 1 token more
 
 
 def test_seq_len_longer_than_the_data(tmp_path):
