@@ -1530,6 +1530,20 @@ def test_a_name_is_registered_once_and_a_failed_import_is_retried(tmp_path):
   assert float(energies.get(f"{path}:energy", "attention").energy(y, None, None, None)) == 2.5
 
 
+def test_an_energy_file_is_imported_once_and_its_digest_is_of_the_code_that_runs(tmp_path):
+  # A table or a run looks its energy up many times; the file edited meanwhile (the next
+  # experiment's) must not be run half-way through, nor its digest stand for code that never
+  # ran: Python keeps the module it imported, and so does the digest.
+  path = tmp_path / "kept.py"
+  path.write_text("import jax.numpy as jnp\n\n\ndef energy(y, context, params, aux):\n"
+                  "  return 0.5 * jnp.sum(y * y)\n")
+  name = f"{path}:energy"
+  first, digest = energies.get(name, "attention"), energies.source_digest(name, "attention")
+  path.write_text(path.read_text().replace("0.5 *", "2.0 *"))
+  assert energies.get(name, "attention").energy is first.energy
+  assert energies.source_digest(name, "attention") == digest
+
+
 def test_an_energy_file_failing_to_import_with_a_long_message_is_refused_in_one_line(tmp_path):
   """The import's exception is quoted as its type and first line (cem_jax.errors.one_line): a
   message over several lines (jax's and XLA's do) made a refusal of as many lines."""
