@@ -2876,7 +2876,8 @@ def test_a_resume_logs_each_changed_key_but_what_only_observes(caplog):
   run = types.SimpleNamespace(resume=2, start_step=2, meta=runs.CheckpointMeta(config=old),
                               config=now, ckpt=ckpt)
   now.train.learning_rate = 0.001
-  now.train.profile_steps = 2  # records a trace, computes nothing: not mentioned
+  # which steps record a trace: computes nothing, not mentioned
+  now.train.profile_steps, now.train.profile_first_step = 2, 7
   now.data.files = "/new/a.txt"  # a resume names every field that differs, paths included
   now.model.remat = "full"
   with caplog.at_level(logging.INFO):
