@@ -1170,7 +1170,8 @@ def test_a_killed_starts_file_is_removed_by_the_next_start_and_one_under_way_is_
   (tmp_path / ".processes_see_this_fedcba9876543210").write_text("")  # not written yet
   under_way = tmp_path / ".processes_see_this_aaaaaaaaaaaaaaaa"
   under_way.write_text("aaaaaaaaaaaaaaaa")
-  (tmp_path / "metrics.jsonl").write_text("")
+  # The run's own files, unlocked and not empty like a killed start's, are not one.
+  (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
   seen = []
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(jax, "process_index", lambda: 0)
