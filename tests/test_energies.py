@@ -1305,6 +1305,12 @@ def test_an_energy_in_the_wrong_slot_names_the_slots_parameters(tmp_path):
       "inputs: KeyError: 'w_q'; model.mlp_energy's params have the keys eta, g, w (an "
       "attention energy gets w_q, w_k, eta, beta and diag when configured; an MLP energy w, "
       "g, eta)")
+  # 'diag' without model.diagonal: a key of the slot when configured, said so.
+  message = _refusal(_user_config(tmp_path, attention_energy="diag_quad"))
+  assert message.endswith(
+      "inputs: KeyError: 'diag'; model.attention_energy's params have the keys beta, eta, w_k, "
+      "w_q (an attention energy gets w_q, w_k, eta, beta and diag when configured; an MLP "
+      "energy w, g, eta)"), message
 
 
 def test_an_update_not_finite_only_in_cached_decoding_is_refused_as_not_finite(tmp_path):
