@@ -1536,6 +1536,15 @@ def test_a_name_is_registered_once_and_a_failed_import_is_retried(tmp_path):
   assert float(energies.get(f"{path}:energy", "attention").energy(y, None, None, None)) == 2.5
 
 
+def test_a_misspelt_energy_name_lists_the_files_energies_not_their_closed_forms(tmp_path):
+  # A closed form is found by its energy's name; naming it as the energy is no fix to offer.
+  path = tmp_path / "pair.py"
+  path.write_text("def energy(y, context, params, aux):\n  return (y * y).sum()\n\n\n"
+                  "def energy_fused_update(y, context, params, aux):\n  return -2.0 * y\n")
+  with pytest.raises(ValueError, match=r"has no function 'enrgy' \(its functions: energy\)$"):
+    energies.get(f"{path}:enrgy", "attention", "model.attention_energy")
+
+
 def test_an_energy_file_is_imported_once_and_its_digest_is_of_the_code_that_runs(tmp_path):
   # A table or a run looks its energy up many times; the file edited meanwhile (the next
   # experiment's) must not be run half-way through, nor its digest stand for code that never
