@@ -490,6 +490,14 @@ def test_an_explicit_head_dim_is_used_however_small(head_dim):
   assert axes.head_dim_of(tiny_config("cem").model) == 64 // 4
 
 
+def test_a_tool_sizes_its_model_with_the_configs_vocabulary_unless_told_another():
+  cfg = tiny_config(**{"data.vocab_size": 300})
+  assert config_lib.vocab_size(cfg, None) == 300
+  assert config_lib.vocab_size(cfg, 512) == 512
+  with pytest.raises(ValueError, match=r"^--vocab_size=7; allowed: an int >= 8 and < 2\*\*31$"):
+    config_lib.vocab_size(cfg, 7)
+
+
 def test_run_changes_compares_each_data_file_by_its_file_name():
   # The same files from another checkout or machine are the same run; another first file is
   # another run, even with the same last file.
