@@ -787,6 +787,12 @@ def gate_cumsum(y, context, params, aux):  # an MLP energy mixing tokens
   return -params["eta"] * jnp.sum(gate * jnp.tanh(jnp.einsum("btd,df->btf", y, params["w"])))
 
 
+def gate_own_window(y, context, params, aux):  # an MLP energy masking by y's own length
+  sees = jnp.tril(jnp.ones((y.shape[1], y.shape[1]), bool)) & aux.mask
+  h = jnp.einsum("btd,df->btf", y, params["w"]) * jnp.sum(sees, -1)[..., None]
+  return -params["eta"] * jnp.sum(jnp.tanh(h))
+
+
 # An exact closed form (jax.grad itself) of an energy that mixes tokens: the fused check passes,
 # the causal one must still refuse it.
 cumsum_exact = gate_cumsum
@@ -999,6 +1005,15 @@ def test_energy_with_its_own_causal_mask_is_refused_at_start_up(tmp_path):
       "longer than y, as in cached decoding (python -m cem_jax.sample) (y [1, 2, 64], "
       "context [1, 8, 64], aux.mask [1, 2, 8]): ValueError: Incompatible shapes")
   assert "build masks from aux.mask" in message
+
+
+def test_an_mlp_energy_failing_in_cached_decoding_is_told_the_mask_is_wider_than_y(tmp_path):
+  # An MLP's context is y's own tokens in both layouts: what differs when decoding is aux.mask.
+  message = _refusal(_user_config(tmp_path, mlp_energy="gate_own_window"))
+  assert message.startswith(
+      f"model.mlp_energy='{tmp_path}/user_fused.py:gate_own_window' failed on inputs with "
+      "aux.mask wider than y, as in cached decoding (python -m cem_jax.sample) (y [1, 2, 64], "
+      "context [1, 2, 64], aux.mask [1, 2, 8]): "), message
 
 
 def test_energy_broadcasting_an_axis_against_the_batch_names_the_shapes(tmp_path):
