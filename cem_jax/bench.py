@@ -24,19 +24,17 @@ import statistics
 import sys
 import time
 
-import jax
 import numpy as np
 from absl import app, flags
-from flax import nnx
 
-from cem_jax import cli, errors, memory, optim, preflight, profiling
+# Without jax (and flax, and the modules that import them: those are imported in the functions
+# that run the model): `python -m cem_jax.bench` refuses a bad flag in a fraction of a second,
+# not after jax's seconds of import.
+from cem_jax import cli, errors
 from cem_jax import config as config_lib
-from cem_jax import steps as steps_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import make_batch
 from cem_jax.files import atomic_write_json, check_can_write
-from cem_jax.model import DecoderLM, abstract_model, known_flops_per_token
-from cem_jax.model_stats import count_params, gflop_text, peak_flops
 
 VARIANTS = {
     "llama": dict(block="llama"),
@@ -126,6 +124,13 @@ def train_step_inputs(config, vocab_size: int, abstract: bool = False,
     of ``train.batch_size`` windows of ``data.seq_len`` random int32 tokens (seed 0), each
     packing :data:`DOCUMENTS_PER_WINDOW` equal documents.
   """
+  import jax
+  from flax import nnx
+
+  from cem_jax import optim
+  from cem_jax import steps as steps_lib
+  from cem_jax.model import DecoderLM
+
   build = lambda: DecoderLM(config.model, vocab_size, rngs=nnx.Rngs(0),
                             platform=platform)
   model = nnx.eval_shape(build) if abstract else build()
@@ -172,6 +177,12 @@ def bench_one(config, vocab_size: int, steps: int, warmup: int,
   XLA's memory analysis; None when not reported) and ``loss`` (nats/token of the last step;
   None if not finite: strict JSON has no NaN).
   """
+  import jax
+
+  from cem_jax import memory, profiling
+  from cem_jax.model import known_flops_per_token
+  from cem_jax.model_stats import count_params, peak_flops
+
   model, step, params, opt_state, batch = train_step_inputs(config, vocab_size)
   b, n = config.train.batch_size, config.data.seq_len
   t0 = time.perf_counter()
@@ -275,6 +286,11 @@ def run(preset: str, variants: list[str], out: str | None = None,
     raise ValueError(f"--document_mask={str(document_mask).lower()} has no effect on "
                      f"--variants={','.join(variants)}: each sets its own model.document_mask; "
                      "leave it out, or add a variant that does not set it (e.g. llama)")
+  import jax
+
+  from cem_jax import preflight
+  from cem_jax.model import abstract_model
+
   p = dict(PRESETS[preset])
   if document_mask is not None:
     p["document_mask"] = document_mask
@@ -330,6 +346,8 @@ def run(preset: str, variants: list[str], out: str | None = None,
 
 def format_table(rows: list[dict]) -> str:
   """A markdown table of the rows, with step-time ratios against Llama and fused CEM."""
+  from cem_jax.model_stats import gflop_text
+
   base = {(r["seq_len"], r["d_model"], r["variant"]): r["step_ms"] for r in rows
           if "error" not in r}
   lines = ["| variant | attention | seq_len | d_model | params | compile s | step ms | "

@@ -3,15 +3,19 @@
 import gzip
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import tool_runs
+from conftest import RUN_MODULE_REPORTING_JAX, subprocess_env, tool_runs
 from flax import nnx
 
-from cem_jax import bench, model_stats
+from cem_jax import bench, memory, model_stats, profiling
+from cem_jax import model as model_lib
+from cem_jax import steps as steps_lib
 from cem_jax.model import DecoderLM
 
 
@@ -114,16 +118,16 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
                      r"data\.seq_len=32"):  # before any row is measured
     bench.run("tiny", ["llama"], str(out), loss_block_size=5)
   assert not out.exists()
-  built, real = [], bench.steps_lib.make_train_step
+  built, real = [], steps_lib.make_train_step
 
   def spy(*args, **kwargs):
     built.append(kwargs.get("loss_block_size"))
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(bench.steps_lib, "make_train_step", spy)
+  monkeypatch.setattr(steps_lib, "make_train_step", spy)
   # --profile_dir: traced steps come after the timed ones (no clock reading inside a trace)
   events, real_clock = [], bench.time.perf_counter
-  real_start, real_stop = bench.jax.profiler.start_trace, bench.jax.profiler.stop_trace
+  real_start, real_stop = jax.profiler.start_trace, jax.profiler.stop_trace
 
   def clock():
     events.append("clock")
@@ -139,17 +143,17 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
 
   # An aid never stops the work it watches: a summary failing otherwise than with a ValueError
   # (a TypeError, a MemoryError) lost the row's timing to "error".
-  real_summary = bench.profiling.kernel_summary
+  real_summary = profiling.kernel_summary
 
   def summary(trace_dir, steps):
     if trace_dir.endswith("cem_fused_32_32"):
       raise MemoryError("trace too large")
     return real_summary(trace_dir, steps)
 
-  monkeypatch.setattr(bench.profiling, "kernel_summary", summary)
+  monkeypatch.setattr(profiling, "kernel_summary", summary)
   monkeypatch.setattr(bench.time, "perf_counter", clock)
-  monkeypatch.setattr(bench.jax.profiler, "start_trace", start)
-  monkeypatch.setattr(bench.jax.profiler, "stop_trace", stop)
+  monkeypatch.setattr(jax.profiler, "start_trace", start)
+  monkeypatch.setattr(jax.profiler, "stop_trace", stop)
   rows = bench.run("tiny", ["llama", "cem_fused", "cem_autodiff"], str(out),
                    document_mask=False, loss_block_size=8, profile_dir=str(tmp_path / "prof"))
   monkeypatch.setattr(bench.time, "perf_counter", real_clock)
@@ -205,8 +209,8 @@ def test_a_trace_that_fails_costs_no_row_its_figures(tmp_path, monkeypatch):
   def stop():
     raise OSError("No space left on device")
 
-  monkeypatch.setattr(bench.jax.profiler, "start_trace", start)
-  monkeypatch.setattr(bench.jax.profiler, "stop_trace", stop)
+  monkeypatch.setattr(jax.profiler, "start_trace", start)
+  monkeypatch.setattr(jax.profiler, "stop_trace", stop)
   rows = bench.run("tiny", ["llama", "cem_fused"], str(tmp_path / "b.json"),
                    profile_dir=str(tmp_path / "prof"))
   assert [r["profile_error"] for r in rows] == [
@@ -416,8 +420,8 @@ def _stand_in_step(monkeypatch, step) -> None:
   step.input_shardings = step.output_shardings = ()
   compiled = type("Lowered", (), {"compile": lambda self: step})()
   fake = type("Step", (), {"lower": lambda self, *a: compiled})()
-  monkeypatch.setattr(bench.steps_lib, "make_train_step", lambda *a, **k: fake)
-  monkeypatch.setattr(bench, "DecoderLM", _StandInModel)
+  monkeypatch.setattr(steps_lib, "make_train_step", lambda *a, **k: fake)
+  monkeypatch.setattr(model_lib, "DecoderLM", _StandInModel)
 
 
 def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(monkeypatch,
@@ -434,7 +438,7 @@ def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(m
 
   _stand_in_step(monkeypatch, step)
   monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
-  monkeypatch.setattr(bench, "peak_flops", lambda: 1e9)
+  monkeypatch.setattr(model_stats, "peak_flops", lambda: 1e9)
   r = bench.bench_one(config, 512, steps=3, warmup=1)
   # Llama, L=1, d=32, f=64, n=32, V=512: L(8d² + 6df + 4nd) + 2dV
   assert r["flops_per_token"] == 8 * 32**2 + 6 * 32 * 64 + 4 * 32 * 32 + 2 * 32 * 512
@@ -468,7 +472,7 @@ def test_a_row_times_steps_back_to_back_after_warmup_in_mib_with_a_null_nan_loss
     return p, o, {"loss": jnp.float32(jnp.nan)}
 
   _stand_in_step(monkeypatch, step)
-  monkeypatch.setattr(bench.memory, "footprint_bytes", lambda c: 3 * 2**20)
+  monkeypatch.setattr(memory, "footprint_bytes", lambda c: 3 * 2**20)
   batches = []
   make_batch = bench.make_batch
   monkeypatch.setattr(bench, "make_batch",
@@ -496,9 +500,9 @@ def test_a_row_whose_step_does_not_fit_the_host_is_refused_before_its_first_step
     return p, o, {"loss": jnp.float32(1.0)}
 
   _stand_in_step(monkeypatch, step)
-  monkeypatch.setattr(bench.memory, "footprint_bytes", lambda c: 43 * 2**30)
-  monkeypatch.setattr(bench.memory, "device_limit_bytes", lambda device=None: None)
-  monkeypatch.setattr(bench.memory, "host_total_bytes", lambda: 24 * 2**30)
+  monkeypatch.setattr(memory, "footprint_bytes", lambda c: 43 * 2**30)
+  monkeypatch.setattr(memory, "device_limit_bytes", lambda device=None: None)
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: 24 * 2**30)
   with pytest.raises(ValueError) as e:
     bench.bench_one(config, 512, steps=3, warmup=1)
   assert str(e.value) == (
@@ -506,8 +510,8 @@ def test_a_row_whose_step_does_not_fit_the_host_is_refused_before_its_first_step
       "devices (XLA memory analysis), more than its 24.00 GiB of memory and swap: run a smaller "
       "--preset on this machine, or give --loss_block_size (now 0) to make the logits in blocks")
   assert ran == []  # refused before any step
-  monkeypatch.setattr(bench.memory, "host_total_bytes", lambda: 64 * 2**30)
-  monkeypatch.setattr(bench.memory, "host_available_bytes", lambda: 64 * 2**30)
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: 64 * 2**30)
+  monkeypatch.setattr(memory, "host_available_bytes", lambda: 64 * 2**30)
   assert bench.bench_one(config, 512, steps=3, warmup=1)["peak_memory_mb"] == 43 * 1024
   assert len(ran) == 3 + 1 + 3  # steps waited for, warm-up, back to back
 
@@ -540,7 +544,7 @@ def test_a_row_waits_for_the_device_work_of_the_steps_it_times(monkeypatch):
 
   _stand_in_step(monkeypatch, step)
   monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
-  monkeypatch.setattr(bench.jax, "block_until_ready", wait)
+  monkeypatch.setattr(jax, "block_until_ready", wait)
   r = bench.bench_one(config, 512, steps=3, warmup=1)
   assert r["step_ms"] == 500.0 and r["step_ms_synced"] == 500.0
 
@@ -642,8 +646,8 @@ _BAD_ARGUMENTS = [
 @pytest.fixture(scope="module")
 def bench_refusals(tmp_path_factory):
   """``(folder, {case: (exit status, stdout, stderr)})`` of ``python -m cem_jax.bench
-  --preset=tiny`` for each of ``_BAD_ARGUMENTS``, in one interpreter (bench imports jax: 3 s
-  of start-up a case otherwise); ``folder`` holds the file ``f`` and stands for ``{tmp}``."""
+  --preset=tiny`` for each of ``_BAD_ARGUMENTS``, in one interpreter (one start-up for all);
+  ``folder`` holds the file ``f`` and stands for ``{tmp}``."""
   tmp = tmp_path_factory.mktemp("bench_args")
   (tmp / "f").write_text("")
   cases = [["--preset=tiny", *(a.format(tmp=tmp) for a in args)] for args, _ in _BAD_ARGUMENTS]
@@ -658,6 +662,29 @@ def test_bad_arguments_are_refused_before_any_row_runs(bench_refusals, case):
   error = _BAD_ARGUMENTS[case][1]
   assert code == 1 and out == ""
   assert err.strip().splitlines()[-1].startswith("error: " + error.format(tmp=tmp)), err[-500:]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--variant=llama"], "error: Unknown command line flag 'variant'. Did you mean: variants ?"),
+    (["--preset=huge"],
+     "error: flag --preset=huge: value should be one of <tiny|cpu|gpu125m|gpu125m_64k>"),
+    (["--variants=gpt"], "error: --variants=gpt; allowed: one or more of llama, cem_fused, "
+                         "cem_autodiff, cem_fused_T2, cem_fused_diag, cem_autodiff_blocks, "
+                         "llama_docs, cem_fused_docs"),
+    (["--loss_block_size=-1"], "error: --loss_block_size=-1; allowed: an int >= 0"),
+    (["--document_mask=true", "--variants=llama_docs"],
+     "error: --document_mask=true has no effect on --variants=llama_docs: each sets its own "
+     "model.document_mask; leave it out, or add a variant that does not set it (e.g. llama)"),
+])
+def test_bad_flags_are_refused_before_jax_is_imported(args, expected):
+  # A mistyped flag or value cost jax's import (3 s of CPU) before its one line; now 0.3 s.
+  # Mutation: bench importing jax (or cem_jax.model) at its top again printed "1 ['jax']"
+  # for every case.
+  proc = subprocess.run([sys.executable, "-c", RUN_MODULE_REPORTING_JAX, "cem_jax.bench",
+                         *args], cwd=Path(__file__).resolve().parents[1],
+                        env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  assert proc.stdout.strip() == "1 []", proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines() == [expected]
 
 
 # Each measured table in docs/PERFORMANCE.md and the JSON it was copied from: (the heading of
