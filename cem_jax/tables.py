@@ -45,20 +45,19 @@ import shutil
 import statistics
 import time
 
-import jax
 import ml_collections
 from absl import app, flags, logging
 from tqdm import tqdm
 
-from cem_jax import cli, energies, errors, model_stats, preflight, runs, train
+# Without jax (and flax, and the modules that import them: those are imported in the functions
+# that build, train or compare runs): `python -m cem_jax.tables` refuses a bad flag in a
+# fraction of a second, not after jax's seconds of import.
+from cem_jax import cli, errors
 from cem_jax import config as config_lib
-from cem_jax import workdir as workdir_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import pipeline, prepared, sources
 from cem_jax.files import atomic_write_json, atomic_write_text, read_json, saved_figure
-from cem_jax.loss import perplexity
 from cem_jax.metrics import has_final_eval, read_metrics
-from cem_jax.model import abstract_model, known_flops_per_token
 from cem_jax.version import NUMERICS_VERSION
 
 PAPER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -167,6 +166,8 @@ def row_config(module, row: str, scale: str, seed: int, steps: int | None = None
   for key, value in (overrides or {}).items():
     group, _, name = key.rpartition(".")
     (c[group] if group else c)[name] = value
+  from cem_jax import energies
+
   energies.absolute_paths(c.model)  # a --set energy file is reloaded by evaluate/sample
   c.seed = seed
   c.data.shuffle_seed = seed
@@ -180,6 +181,9 @@ def row_config(module, row: str, scale: str, seed: int, steps: int | None = None
 
 def parameter_counts(config) -> dict:
   """Total, non-embedding, attention and MLP parameters of ``config``'s model (no allocation)."""
+  from cem_jax import model_stats
+  from cem_jax.model import abstract_model
+
   return model_stats.parameter_counts(
       abstract_model(config.model, config.data.vocab_size))
 
@@ -192,6 +196,8 @@ def run_dir(workdir: str, table: str, row: str, seed: int) -> str:
 def config_digest(config) -> str:
   """:func:`cem_jax.workdir.config_digest` of the resolved config as 64 hex digits (the
   ``config_digest`` of a ``result.json``): equal digests mean the same training run."""
+  from cem_jax import workdir as workdir_lib
+
   return workdir_lib.config_digest(config).hex()
 
 
@@ -257,6 +263,8 @@ def _edited_energies(path: str, result: dict, config) -> list[str]:
   Raises:
     ValueError: ``path`` records a digest version this code does not know.
   """
+  from cem_jax import runs
+
   return runs.edited_energies(runs.result_record(result), config, path)
 
 
@@ -266,6 +274,8 @@ def _same_config(run: str, config) -> bool:
   folder of ``data.files``, so that runs trained in another checkout, e.g. the committed
   ``results/tiny``, count, and :data:`cem_jax.config.COMPUTE_ONLY` and
   :data:`cem_jax.config.OBSERVE_ONLY`)."""
+  from cem_jax import workdir as workdir_lib
+
   return workdir_lib.config_changes(run, config) == []
 
 
@@ -308,6 +318,8 @@ def _trained_otherwise(path: str, result: dict, digest: str | None, config) -> s
   """Why the run of ``result`` (read from ``path``) is not one of ``config`` (digest
   ``digest``), as one line naming the file and what to do; None when it is (or when neither
   is given)."""
+  from cem_jax import workdir as workdir_lib
+
   trained = os.path.normpath(os.path.join(os.path.dirname(path),
                                           result.get("reused_from", ".")))
   if digest is not None and result["config_digest"] != digest:
@@ -342,6 +354,8 @@ def _free_name(path: str) -> str:
 def _trained_version(out: str) -> int | None:
   """The numerics version run folder ``out`` was trained under: its ``result.json``'s, else
   (unfinished) its first metrics line's; None when it has neither (never started)."""
+  from cem_jax import runs
+
   result_path = os.path.join(out, "result.json")
   if os.path.exists(result_path):
     return runs.numerics_version_of(_read_result(result_path))
@@ -354,6 +368,8 @@ def _trained_version(out: str) -> int | None:
 def _finished_run(workdir: str, digest: str, config) -> str | None:
   """The directory of a finished run under ``workdir`` trained with ``config`` under the
   current numerics version, if any."""
+  from cem_jax import runs
+
   for path in sorted(glob.glob(os.path.join(workdir, "*", "*", "seed*", "result.json"))):
     result = _read_result(path)
     if "reused_from" not in result and runs.numerics_version_of(result) == NUMERICS_VERSION and (
@@ -381,6 +397,8 @@ def check_runs(module, scale: str, seeds: int, steps: int | None = None,
   for key in sorted(overrides or {}):
     if key in runner:  # row_config sets it after the overrides: the --set would be ignored
       raise ValueError(f"--set={key}=... is set for every run by {runner[key]}; leave it out")
+  from cem_jax import preflight  # after the flags' own checks: it imports jax
+
   own = {row: config_lib.flat(row_config(module, row, scale, 0, steps))
          for row in rows or module.ROWS}
   for key in sorted(overrides or {}):
@@ -416,6 +434,8 @@ def run_table(module, table: str, scale: str, seeds: int, workdir: str,
       eval is not finite (nothing recorded for it).
   """
   check_runs(module, scale, seeds, steps, rows, overrides)
+  from cem_jax import workdir as workdir_lib  # after the checks of the flags: it imports jax
+
   os.makedirs(workdir, exist_ok=True)  # after the checks: a refused command leaves no folder
   more = [row for row in (rows or module.ROWS)
           if os.path.exists(os.path.join(run_dir(workdir, table, row, seeds), "result.json"))]
@@ -494,6 +514,8 @@ def _trained_result(label: str, out: str, config, row: str, seed: int, digest: s
     FloatingPointError: its final eval loss or bits per byte is not finite (one line naming
       the run; no ``result.json`` is written).
   """
+  from cem_jax import energies, train
+
   logging.info("%s -> %s", label, out)
   trained_with = energies.energy_digests(config)
   final = train.train_and_evaluate(config, out)
@@ -528,6 +550,8 @@ def finished_results(module, table: str, scale: str, seeds: int, workdir: str,
   Raises:
     ValueError: a ``result.json`` is damaged (as :func:`_read_result`: one line naming it).
   """
+  from cem_jax import runs
+
   out = []
   for row in module.ROWS:
     for seed in range(seeds):
@@ -562,6 +586,9 @@ def aggregate(module, scale: str, results: list[dict], steps: int | None = None,
   analytic forward FLOPs (:func:`cem_jax.model.known_flops_per_token`: None for a row with a
   user energy, whose own operations are not modelled).
   """
+  from cem_jax.loss import perplexity
+  from cem_jax.model import known_flops_per_token
+
   names = [r for r in (rows or module.ROWS) if any(x["row"] == r for x in results)]
   if not names:  # no row has a result yet: no baseline either
     return []
@@ -607,6 +634,8 @@ def write_outputs(workdir: str, table: str, rows: list[dict], curves: dict, head
   A ``TABLE.md`` that differs from the new one only in the date of its header (``written
   YYYY-MM-DD``) is left as it is: rebuilding a committed table from its committed runs changes
   no tracked file, and the date stays the day its figures were first written."""
+  from cem_jax import model_stats
+
   base = os.path.join(workdir, table)
   csv_text = io.StringIO(newline="")
   writer = csv.DictWriter(csv_text, fieldnames=COLUMNS, extrasaction="ignore")
@@ -770,6 +799,8 @@ def main(argv):
       results = finished_results(module, name, fl.scale, fl.seeds, fl.workdir, fl.steps,
                                  overrides)
     table_rows = aggregate(module, fl.scale, results, fl.steps, None, overrides)
+    import jax  # imported by the runs trained above (or by aggregate's model)
+
     device = jax.devices()[0].device_kind
     when = time.strftime("%Y-%m-%d", time.gmtime())
     command = command_line(fl.table, fl.scale, fl.seeds, fl.workdir, fl.steps, rows, fl.set)

@@ -115,17 +115,20 @@ def run_cases(main, argv=None, flags_parser=None):
         code = 0
       except SystemExit as e:
         code = e.code
-    out.append([code, out_.getvalue(), err.getvalue()])
+    loaded = sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax'})
+    out.append([code, out_.getvalue(), err.getvalue(), loaded])
 app.run = run_cases
 runpy.run_module(f"cem_jax.{tool}", run_name="__main__")
 print(json.dumps(out))
 """
 
 
-def tool_runs(tool: str, cases: list[list[str]]) -> list[tuple[int, str, str]]:
-  """``(exit status, stdout, stderr)`` of ``python -m cem_jax.TOOL`` for each of ``cases`` (its
-  arguments), in one interpreter (one jax start-up for all cases of a tool that imports it):
-  its ``__main__`` block runs once, ``app.run`` runs ``main`` once per case."""
+def tool_runs(tool: str, cases: list[list[str]]) -> list[tuple[int, str, str, list[str]]]:
+  """``(exit status, stdout, stderr, loaded)`` of ``python -m cem_jax.TOOL`` for each of
+  ``cases`` (its arguments), in one interpreter (one jax start-up for all cases of a tool that
+  imports it): its ``__main__`` block runs once, ``app.run`` runs ``main`` once per case.
+  ``loaded``: which of jax and flax the interpreter had imported once the case ended (by then or
+  by an earlier case: a refusal that comes before them has ``[]``)."""
   proc = subprocess.run([sys.executable, "-c", _TOOL_CASES, tool], input=json.dumps(cases),
                         cwd=Path(__file__).resolve().parents[1], env=subprocess_env(),
                         capture_output=True, text=True, timeout=300)

@@ -658,7 +658,7 @@ def bench_refusals(tmp_path_factory):
                          ids=[str(args) for args, _ in _BAD_ARGUMENTS])
 def test_bad_arguments_are_refused_before_any_row_runs(bench_refusals, case):
   tmp, runs = bench_refusals
-  code, out, err = runs[case]
+  code, out, err, _ = runs[case]
   error = _BAD_ARGUMENTS[case][1]
   assert code == 1 and out == ""
   assert err.strip().splitlines()[-1].startswith("error: " + error.format(tmp=tmp)), err[-500:]

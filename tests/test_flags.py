@@ -18,14 +18,18 @@ HUGE = "0x" + "f" * 4000  # absl reads it as an int of 4817 digits, past int -> 
 TOO_LONG = (f"={config_lib.shown(int(HUGE, 16))}; allowed: an int of at most 4300 digits "
             "(Python's int -> str limit: config.json and the messages write it in decimal)")
 
-def _refusals(tool: str, cases: list[list[str]]) -> list[tuple[int, str]]:
-  """``(exit status, stderr)`` of ``cem_jax.TOOL`` for each of ``cases`` (its arguments)."""
-  return [(code, err) for code, _, err in tool_runs(tool, cases)]
+def _refusals(tool: str, cases: list[list[str]]) -> list[tuple[int, str, list[str]]]:
+  """``(exit status, stderr, jax and flax if imported)`` of ``cem_jax.TOOL`` for each of
+  ``cases`` (its arguments)."""
+  return [(code, err, loaded) for code, _, err, loaded in tool_runs(tool, cases)]
 
 
 def _check(tool: str, cases: list[tuple[list[str], str]]) -> None:
+  # Each refusal before jax's import (seconds of CPU; the refusal a fraction of one).
+  # Mutation: tables or bench importing jax at its top again gave ['jax'] (and 'flax') in
+  # every case of its own.
   got = _refusals(tool, [args for args, _ in cases])
-  assert got == [(1, f"error: {line}\n") for _, line in cases]
+  assert got == [(1, f"error: {line}\n", []) for _, line in cases]
 
 
 def test_evaluate_refuses_bad_flags_before_loading_the_run(tmp_path):
@@ -118,6 +122,16 @@ def test_tables_prepare_and_bench_refuse_bad_flags(tmp_path):
       (["--table=mlp", "--workdir="], "--workdir is empty; allowed: a folder (created if missing)"),
       (["--table=", out], "--table is empty; allowed: a table name in experiments/paper/ or a "
                           "path to one"),
+      (["--table=mlp", out, "--seed=2"], "Unknown command line flag 'seed'. Did you mean: seeds ?"),
+      (["--table=mlp", out, "--scale=huge"],
+       "flag --scale=huge: value should be one of <tiny|gpu|small|paper>"),
+      (["--table=mlp", out, "--rows=zzz"], "--rows='zzz': not rows of the table: zzz; allowed: "
+                                           "swiglu, cem_tied, swiglu_matched, cem_widened, each "
+                                           "at most once"),
+      (["--table=mlp", out, "--set=train.lr=3"],
+       "--set='train.lr=3': no config key 'train.lr'; did you mean train.learning_rate?"),
+      (["--table=mlp", out, "--set=seed=3"],
+       "--set=seed=... is set for every run by --seeds (run S has seed S); leave it out"),
   ])
   assert not (tmp_path / "tables").exists()
   tiny, prepared = "--config=experiments/tiny.py", f"--out={tmp_path / 'prepared'}"
@@ -186,9 +200,9 @@ def test_a_flag_absl_refuses_is_not_called_a_required_one_left_out():
   got = _refusals("data.benchmark", [["--mode=bogus"], []])
   assert got[0][0] == 1 and "--mode=bogus" in got[0][1] and "required" not in got[0][1], got
   assert got[1] == (1, "error: --mode is required: <corpus|prepare|pipeline|first_step>: What "
-                       "to measure\n")
+                       "to measure\n", [])
   # ... and a --flagfile that cannot be opened (the required flag may well be in it).
-  (code, err), (code2, err2) = _refusals("plot", [["--workdr=somewhere"],
+  (code, err, _), (code2, err2, _) = _refusals("plot", [["--workdr=somewhere"],
                                                   ["--flagfile=/nonexistent/flags.txt"]])
   assert code == 1 and "'workdr'" in err and "required" not in err, err
   assert code2 == 1 and "/nonexistent/flags.txt" in err2 and "required" not in err2, err2

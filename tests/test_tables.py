@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config, write_metrics
 
-from cem_jax import energies, model_stats, tables
+from cem_jax import energies, model_stats, tables, train
 from cem_jax.version import NUMERICS_VERSION
 
 D, L, F, H = 128, 4, 512, 4  # the tiny scale
@@ -319,7 +319,7 @@ def test_runner_writes_the_three_files_and_reruns_nothing(tmp_path, shared_data,
   def no_training(*args, **kwargs):
     raise AssertionError("a finished run was trained again")
 
-  monkeypatch.setattr(tables.train, "train_and_evaluate", no_training)
+  monkeypatch.setattr(train, "train_and_evaluate", no_training)
   again = tables.run_table(module, "toy", "tiny", 2, workdir)
   assert again == results
   # Fewer seeds than were finished: said, since the table would leave seed 1 out.
@@ -546,7 +546,7 @@ def test_an_unfinished_run_from_another_config_is_refused_not_resumed_as_a_mix(t
   started = tables.row_config(module, "llama", "tiny", 0, steps=60)
   (run / "config.json").write_text(started.to_json())
   trained = []
-  monkeypatch.setattr(tables.train, "train_and_evaluate", lambda cfg, out: trained.append(out))
+  monkeypatch.setattr(train, "train_and_evaluate", lambda cfg, out: trained.append(out))
   with pytest.raises(ValueError) as e:
     tables.run_table(module, "toy", "tiny", 1, str(workdir), steps=30, rows=["llama"])
   assert str(e.value).startswith(
@@ -590,7 +590,7 @@ def test_reusing_a_run_moves_the_rows_unfinished_run_beside_one_moved_aside_befo
     (folder / "checkpoints" / "1").mkdir(parents=True)
     (folder / "config.json").write_text(cfg.to_json())
   (row.parent / "seed0.partial" / "earlier").write_text("")
-  monkeypatch.setattr(tables.train, "train_and_evaluate",
+  monkeypatch.setattr(train, "train_and_evaluate",
                       lambda *args: pytest.fail("a reusable run was trained"))
   [result] = tables.run_table(module, "again", "tiny", 1, str(workdir), rows=["llama"])
   assert result["reused_from"] == os.path.join("..", "..", "..", "toy", "llama", "seed0")
@@ -742,7 +742,7 @@ def test_a_run_from_older_numerics_is_retrained_not_reused(tmp_path, shared_data
       f.write(json.dumps({"step": 5, "eval/loss": 2.0, "eval/bits_per_byte": 1.0}) + "\n")
     return {"eval/loss": 2.0, "eval/bits_per_byte": 1.0}
 
-  monkeypatch.setattr(tables.train, "train_and_evaluate", fake_training)
+  monkeypatch.setattr(train, "train_and_evaluate", fake_training)
   first = tables.run_table(module, "toy", "tiny", 1, str(workdir))
   assert len(trained) == 2 and all(r["numerics_version"] == NUMERICS_VERSION for r in first)
   # the same rows again: current numerics, nothing retrained; another table reuses them
@@ -824,7 +824,7 @@ def test_a_preempted_run_writes_no_result_and_stops_the_table(tmp_path, shared_d
         f.write(json.dumps({"step": step, "eval/loss": 4.0, "eval/bits_per_byte": 2.0}) + "\n")
     return {"eval/loss": 4.0, "eval/bits_per_byte": 2.0}
 
-  monkeypatch.setattr(tables.train, "train_and_evaluate", preempted_training)
+  monkeypatch.setattr(train, "train_and_evaluate", preempted_training)
   assert tables.run_table(module, "toy", "tiny", 1, str(workdir)) is None
   assert len(trained) == 1  # the table stopped at the preempted run
   assert not (workdir / "toy" / "llama" / "seed0" / "result.json").exists()
@@ -983,7 +983,7 @@ def test_a_rows_rate_leaves_out_the_first_log_and_its_loss_is_the_last_eval(tmp_
       f.write(json.dumps({"step": cfg.train.num_steps, **final}) + "\n")
     return final
 
-  monkeypatch.setattr(tables.train, "train_and_evaluate", trained)
+  monkeypatch.setattr(train, "train_and_evaluate", trained)
   results = tables.run_table(module, "toy", "tiny", 1, str(tmp_path / "out"))
   assert [r["tokens_per_sec"] for r in results] == [90.0, 50.0]
   assert [(r["eval/loss"], r["eval/bits_per_byte"]) for r in results] == [(3.0, 1.5)] * 2
@@ -1007,7 +1007,7 @@ def test_a_run_whose_final_eval_is_not_finite_is_refused_not_recorded_as_nan(tmp
                         {"step": cfg.train.num_steps, **shown}])
     return final
 
-  monkeypatch.setattr(tables.train, "train_and_evaluate", trained)
+  monkeypatch.setattr(train, "train_and_evaluate", trained)
   run = tables.run_dir(str(out), "toy", "cem", 1)
   with pytest.raises(FloatingPointError) as e:
     tables.run_table(module, "toy", "tiny", 2, str(out))
