@@ -25,7 +25,10 @@ blocks before anything is compiled for training:
   slope along itself is not that of the energy's value (central differences,
   :data:`SLOPE_RTOL`: a wrong ``jax.custom_jvp`` rule or a ``stop_gradient`` on ``y``), or
   that is 0 while the energy's value changes along a random direction
-  (:data:`ZERO_UPDATE_RTOL`: a rule or a ``stop_gradient`` that drops the derivative).
+  (:data:`ZERO_UPDATE_RTOL`: a rule or a ``stop_gradient`` that drops the derivative);
+- an attention energy not built into cem_jax, under ``model.rope=True``, that computes the same
+  at any ``aux.rope_theta`` (:func:`_check_rope_read`): a ``model.rope_theta`` other than the
+  default is refused (it would train the same model), the default's RoPE said to have no effect.
 Built-ins (``EnergySpec.builtin``) skip the numerical checks: tests/test_energies.py verifies
 them.
 """
@@ -157,7 +160,9 @@ def validate_energies(config, saved_run: bool = False) -> None:
       under ``model.diagonal`` (``'eta'``, ``'beta'`` under ``model.learn_eta``,
       ``learn_beta``), whose value at a padding token is not finite, whose update's slope
       along itself is not the energy's (:data:`SLOPE_RTOL`), or whose update is 0 while its
-      value changes with ``y`` (:data:`ZERO_UPDATE_RTOL`).
+      value changes with ``y`` (:data:`ZERO_UPDATE_RTOL`); ``model.rope_theta`` other than the
+      default with a user's attention energy that computes the same at any
+      ``aux.rope_theta`` (:func:`_check_rope_read`).
   """
   m = config.model
   slots = []
@@ -201,6 +206,8 @@ def _check_slot(field, kind, spec, update, m, seq_len: int) -> None:
       _check_update_shape(field, spec, y, context, shapes, aux, decoding)
   if kind == "attention" and m.energy_block_size > 0 and not spec.builtin:
     _check_block_size_read(field, spec, m, shapes, seq_len)
+  if kind == "attention" and m.rope and not spec.builtin:
+    _check_rope_read(field, spec, m, shapes)
   numeric = _param_shapes(kind, m, jnp.float32)
   if fused and not spec.builtin:
     _check_fused_values(field, spec, kind, m, numeric)
@@ -377,6 +384,49 @@ def _check_block_size_read(field, spec, m, shapes, seq_len: int):
         f"{spec.name!r}: neither the energy nor its gradient reads aux.energy_block_size "
         "(pass it to cem_jax.energies.blockwise_logsumexp for memory linear in seq_len); set "
         "model.energy_block_size=0")
+
+
+def _same_at_another_rope_theta(spec, m, shapes) -> bool:
+  """Whether the energy computes the same at another ``aux.rope_theta`` (half
+  ``model.rope_theta``): its program traced abstractly (``jax.make_jaxpr``, nothing compiled or
+  run) is the same, constants included. A base it uses shows as a literal or a constant (or
+  other operations) that differ; an energy that only tests it against None computes the same."""
+  aux = _abstract_aux(m, _ABSTRACT_BATCH, _ABSTRACT_SEQ, False)
+  y, context = _abstract_inputs("attention", m, _ABSTRACT_BATCH, _ABSTRACT_SEQ, aux)
+
+  def program(theta):
+    closed = jax.make_jaxpr(spec.energy)(y, context, shapes, aux.replace(rope_theta=theta))
+    return str(closed.jaxpr), [np.asarray(c) for c in closed.consts]
+
+  (text, consts), (other_text, other_consts) = program(m.rope_theta), program(m.rope_theta / 2)
+  return text == other_text and len(consts) == len(other_consts) and all(
+      a.shape == b.shape and np.array_equal(a, b) for a, b in zip(consts, other_consts,
+                                                                   strict=True))
+
+
+def _check_rope_read(field, spec, m, shapes) -> None:
+  """A user's attention energy under ``model.rope=True`` that computes the same at any
+  ``aux.rope_theta`` (:func:`_same_at_another_rope_theta`) applies no RoPE of the config's: a
+  ``model.rope_theta`` other than the default would train the same model as the default, and
+  is refused; at the default, that ``model.rope=True`` has no effect on it is said in a warning
+  (the README's quadratic energy sees order through ``aux.mask`` alone, as it says).
+
+  Raises:
+    EnergyRefusal: one line naming ``model.rope_theta``, its value, the field and the energy.
+  """
+  if not _same_at_another_rope_theta(spec, m, shapes):
+    return
+  default = get_default_config().model.rope_theta
+  rotate = ("rotate queries and keys with cem_jax.energies.apply_rope at aux.rope_theta "
+            "(README, Swap an energy)")
+  if m.rope_theta != default:
+    raise EnergyRefusal(
+        f"model.rope_theta={m.rope_theta!r} has no effect on {field}={spec.name!r}: the energy "
+        f"computes the same at any aux.rope_theta; {rotate}, or leave model.rope_theta at "
+        f"{default!r}")
+  logging.warning("model.rope=True has no effect on %s=%r: the energy computes the same at any "
+                  "aux.rope_theta; %s if that is not meant, or set model.rope=False", field,
+                  spec.name, rotate)
 
 
 def _check_update_shape(field, spec, y, context, shapes, aux, decoding):

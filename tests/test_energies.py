@@ -1650,6 +1650,74 @@ def test_a_weight_the_energy_never_reads_is_named_at_start_up(tmp_path, caplog):
   assert not [r for r in caplog.records if "never reads" in r.getMessage()]
 
 
+# Attention energies for the RoPE check: the README's quadratic energy (no RoPE) but for how
+# each one treats aux.rope_theta.
+ROPE_USES = '''
+import jax.numpy as jnp
+import numpy as np
+
+
+def _quad(y, context, params, aux, scale=1.0):
+  q = jnp.einsum("btd,dhk->bthk", y, params["w_q"])
+  k = jnp.einsum("bsd,dhk->bshk", context, params["w_k"]) * scale
+  s = jnp.einsum("bthk,bshk->bhts", q, k) * params["beta"][:, None, None]
+  s = jnp.where(aux.mask[:, None], s, 0.0)
+  n = jnp.maximum(aux.mask.sum(-1), 1)[:, None, :]
+  return -0.5 * jnp.sum(params["eta"][:, None] * jnp.sum(s**2, -1) / n)
+
+
+def tests_none(y, context, params, aux):  # reads aux.rope_theta, but only against None
+  return _quad(y, context, params, aux) * (1.0 if aux.rope_theta is not None else 2.0)
+
+
+def numpy_constant(y, context, params, aux):  # the base only in a NumPy array (a constant)
+  scale = np.full(params["w_k"].shape[-1], np.log(aux.rope_theta) / np.log(1e4), np.float32)
+  return _quad(y, context, params, aux, scale)
+'''
+
+
+def test_a_rope_base_the_attention_energy_computes_nothing_with_is_refused(tmp_path, caplog):
+  """The README's quadratic energy applies no RoPE: with model.rope_theta=500000 it trained
+  the same model as at the default, without a word. Refused in one line naming the field, the
+  value and the energy (a saved run: warned, read anyway); at the default base, that
+  model.rope=True does nothing to it is a warning, so the README's example runs as written."""
+  readme = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+  section = readme[readme.index("## Swap an energy"):]
+  (tmp_path / "my_energy.py").write_text(re.search(r"```python\n(.*?)```", section, re.S)[1])
+  (tmp_path / "rope_uses.py").write_text(ROPE_USES)
+  mine, none_only = f"{tmp_path}/my_energy.py:energy", f"{tmp_path}/rope_uses.py:tests_none"
+
+  def said(cfg, **kwargs) -> list[str]:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      preflight.check(cfg, **kwargs)
+    return [r.getMessage() for r in caplog.records if "rope" in r.getMessage()]
+
+  base = {"model.rope_theta": 500000.0}
+  for name in (mine, none_only):
+    refusal = (f"model.rope_theta=500000.0 has no effect on model.attention_energy='{name}': "
+               "the energy computes the same at any aux.rope_theta; rotate queries and keys "
+               "with cem_jax.energies.apply_rope at aux.rope_theta (README, Swap an energy), "
+               "or leave model.rope_theta at 10000.0")
+    cfg = tiny_config("cem", **{"model.attention_energy": name, **base})
+    assert _refusal(cfg) == refusal, name
+    assert said(cfg, saved_run=True) == [f"{refusal} (a start-up check that training refuses; "
+                                         "this saved run is read anyway)"], name
+    assert said(tiny_config("cem", **{"model.attention_energy": name})) == [
+        f"model.rope=True has no effect on model.attention_energy='{name}': the energy computes "
+        "the same at any aux.rope_theta; rotate queries and keys with "
+        "cem_jax.energies.apply_rope at aux.rope_theta (README, Swap an energy) if that is not "
+        "meant, or set model.rope=False"], name
+  # Without RoPE configured nothing is said; an energy computing with the base (RoPE at
+  # aux.rope_theta, or the base in a NumPy constant) passes at any base, and so does the
+  # built-in one.
+  assert said(tiny_config("cem", **{"model.attention_energy": mine, "model.rope": False})) == []
+  for name in (_user_config(tmp_path, attention_energy="quad").model.attention_energy,
+               f"{tmp_path}/rope_uses.py:numpy_constant", "softmax"):
+    assert said(tiny_config("cem", **{"model.attention_energy": name, **base})) == [], name
+    assert said(tiny_config("cem", **{"model.attention_energy": name})) == [], name
+
+
 def test_check_programs_take_the_cpu_options_only_on_the_cpu(monkeypatch):
   """The numerical checks compile at the CPU backend's level 0; a process without a CPU backend
   (JAX_PLATFORMS=tpu) hands its accelerator compiler no options of the CPU's."""
