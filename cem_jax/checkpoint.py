@@ -18,7 +18,10 @@ What it adds: **integrity**, run by :mod:`cem_jax.integrity` (the only module th
 Orbax's file names): every step gets a sha256 digest before Orbax commits it, and on resume the
 newest step whose files match their digest is restored; damaged newer steps are reported and
 moved to ``rejected/``. This module only wires that in (the digest hook, the list of steps) and
-checks that a step fits the model before restoring it.
+checks that a step fits the model before restoring it. A reader (``read_only``: evaluate,
+sample) restores the parameters alone (:meth:`Checkpointer.restore` with ``partial``): the
+optimizer state beside them in ``state/`` is neither read nor allocated (the digest check still
+reads every file of the step once).
 """
 
 from __future__ import annotations
@@ -247,7 +250,8 @@ class Checkpointer:
       multiples of it (and at a multi-host preemption sync point).
     async_save: False waits for each save to finish before :meth:`save` returns.
     read_only: for tools that only restore (e.g. evaluating a run that may still be training):
-      nothing is created, cleaned up or moved aside; damaged steps are only skipped.
+      nothing is created, cleaned up or moved aside; damaged steps are only skipped; a part of
+      a state can be restored alone (:meth:`restore` with ``partial``).
 
   Attributes:
     created: True if ``directory`` did not exist and this Checkpointer created it.
@@ -302,10 +306,14 @@ class Checkpointer:
         todelete_subdir=None if read_only else DELETING_DIR,
         read_only=read_only,
     )
-    # Handlers named up front so that a fresh process can read a step's tree metadata.
+    # Handlers named up front so that a fresh process can read a step's tree metadata. A
+    # reader reads the state's files (StandardSave's) with the PyTree handler StandardSave
+    # writes through: its PyTreeRestore can leave items out (partial_restore), the Standard
+    # handler's cannot.
     self.manager = ocp.CheckpointManager(
         self.directory, options=options,
-        item_handlers={"state": ocp.StandardCheckpointHandler(),
+        item_handlers={"state": (ocp.PyTreeCheckpointHandler() if read_only
+                                 else ocp.StandardCheckpointHandler()),
                        "meta": ocp.JsonCheckpointHandler()},
     )
     self._remove_let_go()  # those a process that ended before removing them left
@@ -441,8 +449,9 @@ class Checkpointer:
 
   # -- restoring --------------------------------------------------------------------------------
 
-  def check_compatible(self, step: int, target) -> None:
-    """Compares step ``step``'s saved tree (keys, shapes, dtypes) with ``target``'s.
+  def check_compatible(self, step: int, target, partial: bool = False) -> None:
+    """Compares step ``step``'s saved tree (keys, shapes, dtypes) with ``target``'s; with
+    ``partial``, only the saved items ``target`` (a dict) has (e.g. ``params``).
 
     Raises:
       CheckpointError: one line naming the keys missing on either side and those whose shape or
@@ -450,6 +459,8 @@ class Checkpointer:
     """
     saved = _flat_arrays(self.manager.item_metadata(step)["state"].tree)
     want = _flat_arrays(target)
+    if partial:
+      saved = {k: v for k, v in saved.items() if k.split("/")[0] in target}
     # Parameters first: a changed model shows there, its optimizer moments only repeat it.
     order = lambda k: (not k.startswith("params/"), k)
     missing = sorted(set(want) - set(saved), key=order)
@@ -472,7 +483,7 @@ class Checkpointer:
         "or config.json) or use a new --workdir"
     )
 
-  def restore(self, step: int, target) -> tuple[object, dict]:
+  def restore(self, step: int, target, partial: bool = False) -> tuple[object, dict]:
     """Restores ``(state, meta)`` of step ``step`` onto ``target``.
 
     Args:
@@ -480,6 +491,9 @@ class Checkpointer:
       target: a pytree like the saved state, of ``jax.Array`` or ``jax.ShapeDtypeStruct``
         (with ``sharding``) leaves, built on the *current* devices: the restored arrays get its
         structure (e.g. optax's state types, not plain dicts), shapes, dtypes and shardings.
+      partial: ``target`` is a dict of some of the saved items (``{'params': ...}``): only
+        those are checked and read, the others (the optimizer state) are left on disk, neither
+        read nor allocated. Only a ``read_only`` Checkpointer restores a part.
 
     Returns:
       ``(state, meta)``: the state with ``target``'s structure and the saved JSON metadata.
@@ -493,13 +507,21 @@ class Checkpointer:
 
     Raises:
       CheckpointError: the saved tree does not fit ``target`` (see ``check_compatible``).
+      ValueError: ``partial`` on a Checkpointer that is not ``read_only`` (a bug).
       what a signal's handler raises while it waits (KeyboardInterrupt,
         :class:`cem_jax.cli.Terminated`).
     """
-    self.check_compatible(step, target)
+    if partial and not self.read_only:
+      raise ValueError("a partial restore needs a read_only Checkpointer (its PyTree handler)")
+    self.check_compatible(step, target, partial)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-    out = self._read(step, ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                              meta=ocp.args.JsonRestore()))
+    if self.read_only:
+      state = ocp.args.PyTreeRestore(
+          item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+          partial_restore=partial)
+    else:
+      state = ocp.args.StandardRestore(abstract)
+    out = self._read(step, ocp.args.Composite(state=state, meta=ocp.args.JsonRestore()))
     return out["state"], out["meta"]
 
   def read_meta(self, step: int) -> dict:

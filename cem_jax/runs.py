@@ -21,7 +21,7 @@ from flax import nnx
 from cem_jax import checkpoint as checkpoint_lib
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
-from cem_jax import energies, optim, preflight
+from cem_jax import energies, preflight
 from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
 from cem_jax.files import read_json
@@ -266,7 +266,8 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
   The model is rebuilt from the config saved *in that checkpoint*, not from
   ``config.json``, which every start that trains rewrites (a run still training may be past
   that checkpoint, or the file edited by hand). Fields missing from an older run's config take
-  today's defaults. The parameters are restored as soon as that config is known (the model's
+  today's defaults. The parameters alone are restored (the optimizer state beside them is
+  neither read nor allocated), as soon as that config is known (the model's
   shapes take its ``data.vocab_size``, which every tokenizer it may have trained with has):
   a run still training (``checkpoint.keep`` 1, a save each step) may prune the chosen step at
   any moment, so the time between choosing it and reading it is the config's checks and the
@@ -429,10 +430,12 @@ def _restore_step(ckpt, step: int, config_json: str, require=None,
     # its optimizer state eagerly took seconds, only to be overwritten).
     graphdef, params = nnx.split(nnx.eval_shape(
         lambda: steps_lib.build_model(config, config.data.vocab_size)), nnx.Param)
-    target = restore_target(config.train, params)
+    target = restore_target(params)
     if built is not None:
       built.update(key=key, value=(config, graphdef, target))
-  state, _ = ckpt.restore(step, target)
+  # The parameters alone: the optimizer state (Adam's two moments, twice their size) is
+  # neither read nor allocated, and need not fit this config's optimizer.
+  state, _ = ckpt.restore(step, target, partial=True)
   return meta, config, graphdef, state["params"]
 
 
@@ -452,16 +455,15 @@ def _data_of(config, meta: CheckpointMeta, workdir: str, checkpoint: str):
   return data
 
 
-def restore_target(train_config: ml_collections.ConfigDict, params) -> dict:
-  """``{'params', 'opt_state'}`` of ``params`` (an ``nnx.State`` of Params as shapes only:
-  ``nnx.eval_shape`` of the model) and the optimizer of ``train_config`` (``config.train``),
-  as ``jax.ShapeDtypeStruct`` leaves on this process's first device, where a built model's
-  arrays were: the target :meth:`cem_jax.checkpoint.Checkpointer.restore` reads a step onto,
-  with nothing initialised, allocated or compiled."""
-  tx, _ = optim.make_optimizer(train_config)
+def restore_target(params) -> dict:
+  """``{'params': params}`` (an ``nnx.State`` of Params as shapes only: ``nnx.eval_shape`` of
+  the model) as ``jax.ShapeDtypeStruct`` leaves on this process's first device, where a built
+  model's arrays were: the target :meth:`cem_jax.checkpoint.Checkpointer.restore` reads a
+  step's parameters onto (``partial``: its optimizer state left on disk), with nothing
+  initialised, allocated or compiled."""
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                      {"params": params, "opt_state": jax.eval_shape(tx.init, params)})
+  return {"params": jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), params)}
 
 
 def _prepared_data_of(workdir: str, prepared_dir: str, identity: dict | None) -> str | None:

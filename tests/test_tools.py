@@ -889,7 +889,7 @@ def test_load_runs_tries_build_the_model_again_only_for_another_config(tmp_path,
     def read_meta(self, step):
       return {"step": step, "config": saved[step]}
 
-    def restore(self, step, target):
+    def restore(self, step, target, partial=False):
       if step < 3:
         (checkpoints / str(step)).rmdir()
         raise FileNotFoundError(f"{self.step_dir(step)}: pruned")
