@@ -781,6 +781,28 @@ def check_loss_block_size(block_size, seq_len: int) -> None:
                      "divisor of data.seq_len")
 
 
+def absolute_energy_name(name: str) -> str:
+  """``name`` (an energy of ``model.attention_energy`` or ``model.mlp_energy``) with a relative
+  ``'path/to/file.py:function'`` path made absolute; registry names and
+  ``'package.module:function'`` are returned unchanged.
+
+  A run's saved config then names the same file from any working directory (``evaluate``,
+  ``sample`` and ``tables`` reload the energy from it).
+  """
+  module_name, sep, fn_name = name.rpartition(":")
+  if sep and module_name.endswith(".py") and not os.path.isabs(module_name):
+    return f"{os.path.abspath(module_name)}:{fn_name}"
+  return name
+
+
+def absolute_energy_paths(model_config: ml_collections.ConfigDict) -> None:
+  """Rewrites ``model.attention_energy`` and ``model.mlp_energy`` with
+  :func:`absolute_energy_name` (in place), before a run saves its config: every program that
+  reloads the run then finds the same files."""
+  for field in ("attention_energy", "mlp_energy"):
+    model_config[field] = absolute_energy_name(model_config[field])
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Checks a resolved config's own rules (choices, ranges, combinations), without jax.
 

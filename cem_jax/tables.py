@@ -166,9 +166,7 @@ def row_config(module, row: str, scale: str, seed: int, steps: int | None = None
   for key, value in (overrides or {}).items():
     group, _, name = key.rpartition(".")
     (c[group] if group else c)[name] = value
-  from cem_jax import energies
-
-  energies.absolute_paths(c.model)  # a --set energy file is reloaded by evaluate/sample
+  config_lib.absolute_energy_paths(c.model)  # a --set energy file is reloaded by evaluate/sample
   c.seed = seed
   c.data.shuffle_seed = seed
   if steps is not None:
@@ -397,8 +395,6 @@ def check_runs(module, scale: str, seeds: int, steps: int | None = None,
   for key in sorted(overrides or {}):
     if key in runner:  # row_config sets it after the overrides: the --set would be ignored
       raise ValueError(f"--set={key}=... is set for every run by {runner[key]}; leave it out")
-  from cem_jax import preflight  # after the flags' own checks: it imports jax
-
   own = {row: config_lib.flat(row_config(module, row, scale, 0, steps))
          for row in rows or module.ROWS}
   for key in sorted(overrides or {}):
@@ -407,16 +403,27 @@ def check_runs(module, scale: str, seeds: int, steps: int | None = None,
       row = min(values, key=lambda r: list(values.values()).count(values[r]))
       raise ValueError(f"--set={key}=... overrides what the rows set themselves (row {row!r}: "
                        f"{key}={own[row].get(key)!r}); leave that key to the rows")
+  # A run's seed sets only seed and data.shuffle_seed, whose rules are ranges: the first and
+  # the last seed stand for all (each in turn: --seeds=10**21 checked for ever, silently).
+  # The config's own rules and the data first, without jax (a --set value they refuse is
+  # refused in a fraction of a second); then what needs the model code (preflight).
+  configs = []
   for row in rows or module.ROWS:
-    # A run's seed sets only seed and data.shuffle_seed, whose rules are ranges: the first and
-    # the last seed stand for all (each in turn: --seeds=10**21 checked for ever, silently).
     for seed in sorted({0, seeds - 1}):
       try:
         cfg = row_config(module, row, scale, seed, steps, overrides)
-        preflight.check(cfg)
+        config_lib.validate(cfg)
         source_record(cfg)  # e.g. a data.prepared_dir without a manifest (cached: read once)
       except ValueError as e:
         raise ValueError(f"row {row!r}: {e}") from None
+      configs.append((row, cfg))
+  from cem_jax import preflight
+
+  for row, cfg in configs:
+    try:
+      preflight.check(cfg)
+    except ValueError as e:
+      raise ValueError(f"row {row!r}: {e}") from None
 
 
 def run_table(module, table: str, scale: str, seeds: int, workdir: str,

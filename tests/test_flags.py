@@ -132,6 +132,15 @@ def test_tables_prepare_and_bench_refuse_bad_flags(tmp_path):
        "--set='train.lr=3': no config key 'train.lr'; did you mean train.learning_rate?"),
       (["--table=mlp", out, "--set=seed=3"],
        "--set=seed=... is set for every run by --seeds (run S has seed S); leave it out"),
+      (["--table=mlp", out, "--set=model.mlp_dim=64"],
+       "--set=model.mlp_dim=... overrides what the rows set themselves (row 'swiglu_matched': "
+       "model.mlp_dim=341); leave that key to the rows"),
+      # The config's own rules and the data, checked for every row before preflight's jax.
+      (["--table=mlp", out, "--set=model.norm_eps=0.0"],
+       "row 'swiglu': model.norm_eps=0.0; allowed: a finite number, 0 < value"),
+      (["--table=mlp", out, f"--set=data.prepared_dir={tmp_path / 'none'}"],
+       f"row 'swiglu': data.prepared_dir={tmp_path / 'none'} does not exist; allowed: a folder "
+       "python -m cem_jax.prepare --out=DIR wrote (or leave it empty)"),
   ])
   assert not (tmp_path / "tables").exists()
   tiny, prepared = "--config=experiments/tiny.py", f"--out={tmp_path / 'prepared'}"

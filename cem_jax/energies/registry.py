@@ -14,6 +14,7 @@ from collections.abc import Callable
 import jax
 from absl import logging
 
+from cem_jax import config as config_lib
 from cem_jax import errors
 from cem_jax.energies import digest, elementwise, interaction
 from cem_jax.energies.digest import DIGEST_VERSION
@@ -126,25 +127,10 @@ def _import_module(module_name: str, where: str):
                      f"({errors.first_line(e)})") from e
 
 
-def absolute_name(name: str) -> str:
-  """``name`` with a relative ``'path/to/file.py:function'`` path made absolute; registry names
-  and ``'package.module:function'`` are returned unchanged.
-
-  A run's saved config then names the same file from any working directory (``evaluate``,
-  ``sample`` and ``tables`` reload the energy from it).
-  """
-  module_name, sep, fn_name = name.rpartition(":")
-  if sep and module_name.endswith(".py") and not os.path.isabs(module_name):
-    return f"{os.path.abspath(module_name)}:{fn_name}"
-  return name
-
-
-def absolute_paths(model_config) -> None:
-  """Rewrites ``model.attention_energy`` and ``model.mlp_energy`` with :func:`absolute_name`
-  (in place), before a run saves its config: every program that reloads the run then finds
-  the same files."""
-  for field in ("attention_energy", "mlp_energy"):
-    model_config[field] = absolute_name(model_config[field])
+# In cem_jax.config (no jax there: tables resolves its rows' configs before jax's import);
+# named here too, beside the lookup of the names they rewrite.
+absolute_name = config_lib.absolute_energy_name
+absolute_paths = config_lib.absolute_energy_paths
 
 
 def names(kind: str | None = None) -> list[str]:
