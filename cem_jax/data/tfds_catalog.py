@@ -3,16 +3,15 @@
 
 A dataset already prepared (in array_record format) in the data dir is read without any
 network access. Otherwise TFDS would have to download it, and without a network
-``tfds.load``/``data_source`` retry for minutes before failing; so a TCP connection to the TFDS
+``tfds.load``/``data_source`` retry for minutes before failing; so a TLS connection to the TFDS
 host is tried first, with a short timeout, and its failure is reported at once.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import ssl
-import threading
+import subprocess
+import sys
 from pathlib import Path
 
 from cem_jax.data import text as text_lib
@@ -22,30 +21,41 @@ PROBE_ADDRESS = ("storage.googleapis.com", 443)
 PROBE_TIMEOUT_S = 3.0
 
 
-def network_reachable(address: tuple[str, int] = PROBE_ADDRESS,
+# The probe, run in a child Python (network_reachable): exit status 0 when the handshake succeeds.
+_PROBE = """
+import socket, ssl, sys
+host, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+try:
+  with socket.create_connection((host, port), timeout=timeout) as sock:
+    with ssl.create_default_context().wrap_socket(sock, server_hostname=host):
+      pass
+except OSError:  # ssl.SSLError and socket timeouts too
+  sys.exit(1)
+"""
+
+
+def network_reachable(address: tuple[str, int] | None = None,
                       timeout: float = PROBE_TIMEOUT_S) -> bool:
-  """Returns whether a verified TLS connection to ``address`` succeeds within ~``timeout`` s.
+  """Returns whether a verified TLS connection to ``address`` (None: :data:`PROBE_ADDRESS`, read
+  at the call) succeeds within ~``timeout`` s.
 
   A bare TCP connect is not enough: intercepting proxies accept connections to any address.
-  The TLS handshake must present a valid certificate for the host. The attempt (DNS lookup
-  included, which ``socket`` timeouts do not bound) runs in a daemon thread, so this returns
-  after at most ``timeout + 0.5`` seconds whatever the network does.
+  The TLS handshake must present a valid certificate for the host. The attempt runs in a child
+  Python, killed (and waited for) after ``timeout + 1`` s whatever the network does: a DNS
+  lookup, which ``socket`` timeouts do not bound, or a server that trickles its handshake, can
+  outlast any timeout, and in a thread of this process (as it was) the probe outlived the call
+  and could wake during the interpreter's exit, aborting it ("terminate called ...", "FATAL:
+  exception not rethrown"). Nothing of the probe is left running when this returns.
   """
-  result: list[bool] = []
-
-  def probe() -> None:
-    try:
-      with socket.create_connection(address, timeout=timeout) as sock:
-        context = ssl.create_default_context()
-        with context.wrap_socket(sock, server_hostname=address[0]):
-          result.append(True)
-    except (OSError, ssl.SSLError):
-      result.append(False)
-
-  thread = threading.Thread(target=probe, daemon=True)
-  thread.start()
-  thread.join(timeout + 0.5)
-  return bool(result and result[0])
+  host, port = PROBE_ADDRESS if address is None else address
+  try:
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", _PROBE, str(host), str(port), str(timeout)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        timeout=timeout + 1.0, check=False)
+  except subprocess.TimeoutExpired:  # run() has killed the child and reaped it
+    return False
+  return done.returncode == 0
 
 
 def default_data_dir() -> Path:
