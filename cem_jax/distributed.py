@@ -18,9 +18,13 @@ It must run before anything touches a JAX device (``jax.devices()``, the first a
 from __future__ import annotations
 
 import atexit
+import errno
 import functools
 import os
+import re
 import signal
+import socket
+import tempfile
 
 from cem_jax import cli, signals
 
@@ -135,9 +139,67 @@ def _check_address(address: str) -> None:
                      "HOST:PORT, PORT 1..65535 (e.g. 10.0.0.1:1234, [::1]:1234)")
 
 
+# The process ids this process holds (hold_process_id): key -> the open locked file's fd, kept
+# open until the process ends, when the OS drops the lock (also on kill -9).
+_HELD_IDS: dict[str, int] = {}
+
+
+def _lock_path(coordinator_address: str, process_id: int) -> str:
+  folder = os.path.join(tempfile.gettempdir(), f"cem_jax-{os.getuid()}")
+  key = re.sub(r"[^A-Za-z0-9.-]", "_", coordinator_address)
+  return os.path.join(folder, f"coordinator-{key}-process-{process_id}.lock")
+
+
+def hold_process_id(coordinator_address: str, process_id: int, workdir: str | None) -> None:
+  """Holds process ``process_id`` of the run whose coordinator is ``coordinator_address`` for
+  this process, on this host, until it ends: an exclusive ``flock`` on a file in
+  ``$TMPDIR/cem_jax-UID/`` that says who holds it (pid, host, workdir); the OS drops it when the
+  process ends, also by ``kill -9``, so a crashed run never blocks the next. Held already by this
+  process: nothing to do. Where ``flock`` is missing (not POSIX, or the folder cannot be made):
+  nothing is held.
+
+  A second process started with the same id (a command run twice, a process restarted while
+  the first still runs) joined the coordination service as a newer incarnation of the first,
+  which JAX's runtime then aborted from C++ ("Terminating process because the JAX distributed
+  service detected fatal errors", a stack dump, status 134).
+
+  Raises:
+    ValueError: another process on this host holds the id (one line naming the id, the
+      coordinator, that process and its workdir).
+  """
+  path = _lock_path(coordinator_address, process_id)
+  if os.name != "posix" or path in _HELD_IDS:
+    return
+  import fcntl  # POSIX only
+
+  try:
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+  except OSError:
+    return
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    holder = os.read(fd, 4096).decode("utf-8", "replace").strip() or "another process"
+    os.close(fd)
+    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+      return  # no flock here: nothing held, nothing refused
+    raise ValueError(
+        f"--process_id={process_id} of --coordinator_address={coordinator_address!r} is "
+        f"already running on this host ({holder}); two processes with one id abort inside "
+        "JAX's runtime: wait for that one to end or stop it, or give this run another "
+        "coordinator port") from None
+  os.ftruncate(fd, 0)
+  os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, --workdir={workdir!r}".encode())
+  _HELD_IDS[path] = fd
+
+
 def initialize(mode: str = "auto", coordinator_address: str | None = None,
-               num_processes: int | None = None, process_id: int | None = None) -> bool:
-  """Calls ``jax.distributed.initialize`` if :func:`resolve` says so; True if it did.
+               num_processes: int | None = None, process_id: int | None = None,
+               workdir: str | None = None) -> bool:
+  """Calls ``jax.distributed.initialize`` if :func:`resolve` says so; True if it did. With a
+  coordinator and a process id given, that id is first held for this process on this host
+  (:func:`hold_process_id`; ``workdir`` is what a second start is told this one runs in).
 
   A peer that never connects makes JAX abort after its ``initialization_timeout`` (300 s);
   ``launch/local.py`` kills the others as soon as one process fails. Until then this process
@@ -145,13 +207,15 @@ def initialize(mode: str = "auto", coordinator_address: str | None = None,
   (:func:`_wait_in_python`).
 
   Raises:
-    ValueError: as :func:`resolve`.
+    ValueError: as :func:`resolve` and :func:`hold_process_id`.
     KeyboardInterrupt, cem_jax.cli.Terminated: a signal stopped the wait; the process then
       ends by that signal before jax's ``atexit`` clean-up.
   """
   kwargs = resolve(mode, coordinator_address, num_processes, process_id)
   if kwargs is None:
     return False
+  if "coordinator_address" in kwargs:
+    hold_process_id(kwargs["coordinator_address"], kwargs["process_id"], workdir)
   import jax
 
   _wait_in_python(functools.partial(jax.distributed.initialize, **kwargs))

@@ -79,7 +79,7 @@ def main(argv):
     # meeting waits in Python (distributed._wait_in_python), where a SIGTERM stops it at once.
     with _HELD.raising(stop):
       met = distributed.initialize(fl.distributed, fl.coordinator_address, fl.num_processes,
-                                   fl.process_id)
+                                   fl.process_id, fl.workdir)
     energies.absolute_paths(config.model)
     jax.process_count()  # jax's backend starts here, held, not in train before its handler
     # Once met, JAX's preemption notifier holds SIGTERM below Python's handler: left to it.

@@ -8,8 +8,10 @@ import json
 import math
 import re
 import shlex
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 from pathlib import Path
@@ -1073,7 +1075,7 @@ def test_open_mpi_and_flags_over_the_environment_one_value_at_a_time():
 
 
 def test_initialize_calls_jax_when_resolve_says_so_and_the_barrier_needs_two_processes(
-    monkeypatch):
+    monkeypatch, tmp_path):
   import jax
   from jax.experimental import multihost_utils
 
@@ -1082,6 +1084,7 @@ def test_initialize_calls_jax_when_resolve_says_so_and_the_barrier_needs_two_pro
     monkeypatch.delenv(key, raising=False)
   calls = []
   monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # process 1 of h:1's lock file
   assert distributed.initialize("auto") is False and calls == []
   # 'on' with nothing given: JAX detects everything (a TPU pod), called with no arguments.
   assert distributed.initialize("on") is True and calls == [{}]
@@ -1093,6 +1096,68 @@ def test_initialize_calls_jax_when_resolve_says_so_and_the_barrier_needs_two_pro
     monkeypatch.setattr(jax, "process_count", lambda count=count: count)
     distributed.sync_processes(name)
   assert barriers == ["two"]
+
+
+# Holds process 0 of coordinator argv[1] (distributed.hold_process_id) for workdir argv[2], says
+# so, and keeps it until stdin closes or it is killed; signal dispositions set, as CI's nohup
+# leaves SIGHUP ignored.
+_HOLD_ID = """
+import signal, sys
+for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+  signal.signal(signum, signal.SIG_DFL)
+from cem_jax import distributed
+distributed.hold_process_id(sys.argv[1], 0, sys.argv[2])
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_process_with_the_same_id_is_one_line_and_a_killed_one_blocks_nothing(
+    tmp_path):
+  # Two processes with one id and coordinator (a command run twice): the second joined the
+  # coordination service as a newer incarnation of the first, which JAX's runtime aborted in
+  # C++ (status 134, a stack dump). The second is now refused before it meets anyone, in one
+  # line naming the first; once that one is killed (-9), the id is free at once.
+  env = {**_env(1), "TMPDIR": str(tmp_path)}  # the lock files' folder: this test's own
+  address = "127.0.0.1:1"  # never reached: nothing here meets a coordinator
+
+  def start_holder():
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_ID, address, "/runs/a"], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+  def hold_again(process_id=0, coordinator=address):
+    code = ("import sys\nfrom cem_jax import distributed\ntry:\n"
+            f"  distributed.hold_process_id({coordinator!r}, {process_id}, '/runs/b')\n"
+            "except ValueError as e:\n  print(e)\n  sys.exit(1)")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+  holder = start_holder()
+  try:
+    refused = hold_again()
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert refused.stdout == (
+        f"--process_id=0 of --coordinator_address='127.0.0.1:1' is already running on this "
+        f"host (pid {holder.pid} on {socket.gethostname()}, --workdir='/runs/a'); two "
+        "processes with one id abort inside JAX's runtime: wait for that one to end or stop "
+        "it, or give this run another coordinator port\n")
+    assert hold_again(process_id=1).returncode == 0  # another id, or another run's
+    assert hold_again(coordinator="127.0.0.1:2").returncode == 0
+    # The program: refused at start-up, before jax meets anyone and before the workdir exists.
+    main = subprocess.run(
+        [sys.executable, "-m", "cem_jax.main", f"--config={REPO}/experiments/tiny.py",
+         f"--workdir={tmp_path}/w", f"--coordinator_address={address}", "--num_processes=2",
+         "--process_id=0"], env=env, capture_output=True, text=True, timeout=300)
+    assert main.returncode == 1, main.stderr[-3000:]
+    assert main.stderr.strip().splitlines()[-1] == "error: " + refused.stdout.strip()
+    assert not (tmp_path / "w").exists()
+  finally:
+    holder.kill()
+    holder.wait()
+  assert hold_again().returncode == 0  # kill -9 let it go: a resume is never blocked
+  start_holder().communicate("")  # nor is a holder that ended as usual
 
 
 # ---------------------------------------------------------------------------------------------
