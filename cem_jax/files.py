@@ -223,6 +223,35 @@ def sha256_file(path: str | os.PathLike) -> str:
   return h.hexdigest()
 
 
+_COMMAND_CHARS = 200  # of a holder's command line, in an error's one line
+
+
+def flock_holders(fd: int) -> str:
+  """Who else holds a ``flock`` on the file open as ``fd``: ``"pid N (COMMAND LINE)"`` for each
+  other process ``/proc/locks`` lists, joined by ", " ('' where there is no ``/proc/locks``
+  (not Linux), the holder is on another host, or only this process holds it)."""
+  st = os.fstat(fd)
+  key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+  try:
+    with open("/proc/locks", encoding="ascii", errors="replace") as f:
+      rows = [line.split() for line in f]
+  except OSError:
+    return ""
+  pids = sorted({int(r[4]) for r in rows if len(r) > 5 and r[1] == "FLOCK" and r[5] == key
+                 and r[4].isdigit() and int(r[4]) != os.getpid()})  # a waiter's row has '->'
+  held = []
+  for pid in pids:
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        command = " ".join(f.read().decode("utf-8", "replace").replace("\0", " ").split())
+    except OSError:  # ended since
+      continue
+    if len(command) > _COMMAND_CHARS:
+      command = command[:_COMMAND_CHARS - 3] + "..."
+    held.append(f"pid {pid} ({command})")
+  return ", ".join(held)
+
+
 @contextlib.contextmanager
 def hold_folder(path: str | os.PathLike, in_use: str, name: str, what: str):
   """Holds the existing folder ``path`` for this process while the block runs: an exclusive
@@ -232,7 +261,8 @@ def hold_folder(path: str | os.PathLike, in_use: str, name: str, what: str):
   be refused (e.g. ``a second run``); neither does Windows.
 
   Raises:
-    ValueError: ``in_use``, when another process holds the folder, or removed it while this
+    ValueError: ``in_use``, when another process holds the folder (followed by ``"; held by
+      pid N (COMMAND LINE)"`` where :func:`flock_holders` finds it), or removed it while this
       one waited for it (a start that failed removes the folder it made, and a lock then taken
       is on a folder that is gone).
   """
@@ -257,7 +287,8 @@ def hold_folder(path: str | os.PathLike, in_use: str, name: str, what: str):
             "%s cannot be locked (%s): %s started in it would not be refused", name,
             e.strerror or e, what)
       else:
-        raise ValueError(in_use) from None
+        holders = flock_holders(fd)
+        raise ValueError(f"{in_use}; held by {holders}" if holders else in_use) from None
     yield
   finally:
     os.close(fd)

@@ -1280,8 +1280,15 @@ def test_a_workdir_trains_one_run_at_a_time_and_a_killed_holder_frees_it(tmp_pat
       stdout=subprocess.PIPE, text=True)
   try:
     assert holder.stdout.readline() == "held\n"
-    with pytest.raises(ValueError, match="is in use"), exclusive(str(workdir)):
+    with pytest.raises(ValueError) as e, exclusive(str(workdir)):
       pass
+    # The one line names who holds it (Linux's /proc/locks), its command on one line.
+    if os.path.exists("/proc/locks"):
+      command = " ".join(holder.args[:2] + holder.args[2].split())
+      command = command[:197] + "..." if len(command) > 200 else command  # 200 at most
+      assert str(e.value) == f"{busy}; held by pid {holder.pid} ({command})"
+    else:
+      assert str(e.value) == busy
   finally:
     holder.kill()
     holder.wait()
