@@ -6,10 +6,9 @@ A training config too large for the accelerator (``data.seq_len``, ``train.batch
 compile time on TPU. :func:`compile_within_memory` compiles the step ahead of time, logs its
 footprint per device and, where the backend reports the device's limit (GPU, TPU; not CPU),
 refuses a step that needs more with one line naming the config values to change; on a CPU it
-refuses one that needs more than the host's memory and swap, and warns where it needs more
-than the host has free. The compiled program is the one the first call uses (jax shares the
-compilation between ``lower(...).compile()`` and the call), so the check costs no second
-compile.
+refuses one that needs more than the host's memory and swap, or than it can give now. The
+compiled program is the one the first call uses (jax shares the compilation between
+``lower(...).compile()`` and the call), so the check costs no second compile.
 """
 
 from __future__ import annotations
@@ -70,9 +69,10 @@ def _meminfo(*fields: str) -> int | None:
 
 
 def host_available_bytes() -> int | None:
-  """The memory this machine has free for new allocations without swapping, in bytes (Linux's
-  ``MemAvailable``); None where it is not reported."""
-  return _meminfo("MemAvailable")
+  """The memory this machine can give new allocations now, in bytes: what it has free without
+  swapping (Linux's ``MemAvailable``, reclaimable caches included) and its free swap
+  (``SwapFree``); None where they are not reported."""
+  return _meminfo("MemAvailable", "SwapFree")
 
 
 def host_total_bytes() -> int | None:
@@ -226,8 +226,8 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
     limit_bytes: the device's limit in bytes; None (default) reads :func:`device_limit_bytes`
       (none on CPU: the footprint on all of this process's devices the program runs on, from
       its shardings, is compared with the host's memory and swap, :func:`host_total_bytes`,
-      refused beyond it, and with its free memory, :func:`host_available_bytes`, with a
-      warning beyond that).
+      refused beyond it, and with what it can give now, :func:`host_available_bytes`, refused
+      beyond that too).
     data_parallel: the devices the batch is split over (which gradient accumulation steps
       the error may suggest: each device's rows must split into whole microbatches).
     advice: what the error says to change; None (default): the training step's (gradient
@@ -240,8 +240,8 @@ def compile_within_memory(jitted, args: tuple, config: ml_collections.ConfigDict
     The compiled program (``jax.stages.Compiled``).
   Raises:
     ValueError: one line, when XLA's memory analysis of the program exceeds the limit (on a
-      CPU the host's memory and swap), or when XLA itself runs out of memory compiling it,
-      naming the footprint, the limit and the config values to change.
+      CPU the host's memory and swap, or what it can give now), or when XLA itself runs out
+      of memory compiling it, naming the footprint, the limit and the config values to change.
   """
   limit = device_limit_bytes() if limit_bytes is None else limit_bytes
   if advice is None:
@@ -280,7 +280,7 @@ def check_host_batch(field: str, global_rows: int, rows: int, row_bytes: int,
   ``global_rows`` rows) whose host arrays cannot fit this machine: this process's ``rows`` of
   it (the other processes' rows are never on this host) times ``row_bytes`` each (the NumPy
   arrays the data pipeline hands the devices; its temporaries come on top, so this is a lower
-  bound) beyond the host's memory and swap; warns beyond its free memory
+  bound) beyond the host's memory and swap, or what it can give now
   (:func:`_check_host_memory`). Checked at start-up: such a batch ended at the first step in a
   MemoryError traceback from the data pipeline, or the kernel's kill (exit status 137).
   ``advice``: what the refusal says to change (None: ``field`` or ``data.seq_len``).
@@ -295,17 +295,61 @@ def check_host_batch(field: str, global_rows: int, rows: int, row_bytes: int,
             "in NumPy)")
 
 
+def attention_scores_bytes(config: ml_collections.ConfigDict, rows: int) -> int | None:
+  """A lower bound of what a step over ``rows`` windows of ``data.seq_len`` tokens takes on a
+  CPU host, known before compiling it: one layer's attention scores, ``rows * num_heads *
+  seq_len**2`` numbers of ``model.dtype``'s width, which the XLA kernel (a CPU's only one)
+  makes whole. XLA's analysis of the compiled step counts these and far more (13 times this at
+  seq_len 24576 on experiments/tiny.py), but it takes a compile of 10-30 s first. None for a
+  model that need not make them: a CEM block whose attention energy is not the built-in
+  ``'softmax'`` (a user's may make anything) or is evaluated in blocks
+  (``model.energy_block_size``)."""
+  m = config.model
+  dense = (m.block == "llama" or not m.cem_attention
+           or (m.attention_energy == "softmax" and not m.energy_block_size))
+  if not dense:
+    return None
+  itemsize = 2 if m.dtype == "bfloat16" else 4
+  return rows * m.num_heads * config.data.seq_len**2 * itemsize
+
+
+def check_attention_scores(config: ml_collections.ConfigDict, field: str, rows: int,
+                           per_call: int, advice: str) -> None:
+  """Refuses, before anything is compiled, a step whose attention scores alone
+  (:func:`attention_scores_bytes` of ``per_call`` rows: this process's ``rows`` of ``field``'s
+  batch, or of one microbatch) cannot fit this host (:func:`_check_host_memory`): at seq_len
+  24576 the check after the compile came 16-30 s into the start. Nothing where the bound is
+  unknown.
+
+  Raises:
+    ValueError: one line naming ``data.seq_len``, ``field``, the bytes and the host's.
+  """
+  need = attention_scores_bytes(config, per_call)
+  if need is None:
+    return
+  m = config.model
+  group, key = field.split(".")
+  _check_host_memory(
+      f"data.seq_len={config.data.seq_len} with {field}={config[group][key]}", need, advice,
+      where=f"on this host for one layer's attention scores alone, before compiling ({per_call} "
+            f"of this process's {rows} rows at once x {m.num_heads} heads x "
+            f"{config.data.seq_len}^2, {m.dtype})")
+
+
 def _check_host_memory(what: str, need: int, advice: str,
                        where: str = "on this host's CPU devices (XLA memory analysis)") -> None:
   """Refuses ``need`` bytes (a program's footprint on every CPU device of this process it
-  runs on, or the host arrays ``where`` names) beyond the host's RAM and swap, and warns
-  beyond what it has free: such a run failed at its first step with a traceback, or was
-  killed by the kernel (exit status 137) without a message. Only a warning below the total:
-  free memory moves with the other processes, and ``need`` is a lower bound (XLA's analysis
-  of a CPU program).
+  runs on, or the host arrays ``where`` names) beyond the host's RAM and swap, or beyond what
+  it can give now (:func:`host_available_bytes`: free memory, reclaimable caches and free
+  swap). Such a run was killed by the kernel at its first step (exit status 137) without a
+  word; beyond the free memory only a warning was logged, and a step between the two (the
+  other processes' memory counts) died that way. ``need`` is a lower bound (XLA's analysis
+  of a CPU program; the process's own arrays and the runtime's come on top), so nothing that
+  fits is refused.
 
   Raises:
-    ValueError: more than the host's RAM and swap (one line naming what to change).
+    ValueError: one line naming what needs the memory, how much, the host's and what to
+      change.
   """
   total = host_total_bytes()
   if total is not None and need > total:
@@ -315,6 +359,5 @@ def _check_host_memory(what: str, need: int, advice: str,
   free = host_available_bytes()
   if free is not None and need > free:
     needs, has = _sizes(need, free)
-    logging.warning("%s needs %s %s, more than the %s it has free (MemAvailable): it may be "
-                    "killed for memory (exit status 137) without a message; %s", what, needs,
-                    where, has, advice)
+    raise ValueError(f"{what} needs {needs} {where}, more than the {has} it can give now "
+                     f"(MemAvailable + SwapFree; the rest is other processes'): {advice}")

@@ -272,20 +272,37 @@ def _check_before_start(config: ml_collections.ConfigDict) -> None:
 
 def _check_batches_fit(config: ml_collections.ConfigDict) -> None:
   """Refuses a training or eval batch whose host arrays cannot fit this machine
-  (:func:`memory.check_host_batch`), before the workdir, the data or the state are made. Only
-  this process's rows count: the block of every global batch its devices hold on the run's
-  mesh (:func:`cem_jax.sharding.process_slice`), as the loop reads them.
+  (:func:`memory.check_host_batch`), or, on a CPU, whose attention scores cannot
+  (:func:`memory.check_attention_scores`), before the workdir, the data or the state are made
+  and before anything compiles. Only this process's rows count: the block of every global
+  batch its devices hold on the run's mesh (:func:`cem_jax.sharding.process_slice`), as the
+  loop reads them.
 
   Raises:
-    ValueError: one line naming ``train.batch_size`` or ``eval.batch_size``, its value, the
-      bytes needed and the host's memory and swap.
+    ValueError: one line naming ``train.batch_size`` or ``eval.batch_size``, its value (and
+      ``data.seq_len``'s), the bytes needed and the host's memory and swap.
   """
   batch = sharding_lib.batch_sharding(sharding_lib.make_mesh(config.mesh),
                                       axes.rules_from_config(config.mesh))
+  local = {}
   for field, rows in (("train.batch_size", config.train.batch_size),
                       ("eval.batch_size", config.eval.batch_size)):
     _, blocks = sharding_lib.process_slice(batch, rows)
     check_batch_fits(config, field, blocks)
+    local[field] = rows // blocks
+  if jax.default_backend() != "cpu":  # a device's limit: compile_within_memory's check
+    return
+  # Before the data and the compile: the attention scores of one training microbatch, and of
+  # an eval batch, which the host's memory cannot hold.
+  t, seq_len = config.train, config.data.seq_len
+  k = t.gradient_accumulation_steps
+  memory.check_attention_scores(
+      config, "train.batch_size", local["train.batch_size"], local["train.batch_size"] // k,
+      f"lower data.seq_len={seq_len} or train.batch_size={t.batch_size}, or raise "
+      f"train.gradient_accumulation_steps={k} (the same batch in smaller pieces)")
+  memory.check_attention_scores(
+      config, "eval.batch_size", local["eval.batch_size"], local["eval.batch_size"],
+      f"lower data.seq_len={seq_len} or eval.batch_size={config.eval.batch_size}")
 
 
 def check_batch_fits(config: ml_collections.ConfigDict, field: str, blocks: int = 1,

@@ -2497,10 +2497,10 @@ def test_a_training_step_over_the_device_limit_is_refused_at_start_up(tmp_path, 
     real(*need["the training step", "call"])
 
 
-def test_a_cpu_step_larger_than_the_host_is_refused_and_than_it_has_free_warned_about(
-    monkeypatch, caplog):
+def test_a_cpu_step_larger_than_the_host_or_than_it_can_give_now_is_refused(monkeypatch):
   # A CPU reports no device limit: a step over the host's free memory was killed by the kernel
-  # (exit status 137) at its first step with no word.
+  # (exit status 137) at its first step with no word; beyond what it had free (the other
+  # processes' memory counting) it was only warned about, and died that way.
   from cem_jax import memory
 
   assert 0 < memory.host_available_bytes() <= memory.host_total_bytes()  # Linux's meminfo
@@ -2515,16 +2515,103 @@ def test_a_cpu_step_larger_than_the_host_is_refused_and_than_it_has_free_warned_
       rf"analysis\), more than its {need - 1} bytes of memory and swap: lower it$")):
     memory.compile_within_memory(double, (x,), tiny_config("llama"), advice="lower it")
   monkeypatch.setattr(memory, "host_total_bytes", lambda: None)
-  for free, warned in ((need - 1, True), (need, False), (None, False)):
+  for free, refused in ((need - 1, True), (need, False), (None, False)):
     monkeypatch.setattr(memory, "host_available_bytes", lambda free=free: free)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
+    if refused:
+      with pytest.raises(ValueError) as e:
+        memory.compile_within_memory(double, (x,), tiny_config("llama"), advice="lower it")
+      assert str(e.value) == (
+          f"the training step needs {need} bytes on this host's CPU devices (XLA memory "
+          f"analysis), more than the {need - 1} bytes it can give now (MemAvailable + "
+          "SwapFree; the rest is other processes'): lower it")
+    else:
       memory.compile_within_memory(double, (x,), tiny_config("llama"), advice="lower it")
-    expected = (f"the training step needs {need} bytes on this host's CPU devices (XLA memory "
-                f"analysis), more than the {need - 1} bytes it has free (MemAvailable): it may "
-                "be killed for memory (exit status 137) without a message; lower it")
-    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == (
-        [expected] if warned else []), free
+
+
+class _Compiled(Exception):
+  """Raised by a stand-in for memory.compile_within_memory once it has what a test reads."""
+
+
+def _train_footprint(cfg, workdir: Path, monkeypatch) -> int:
+  """XLA's memory analysis of ``cfg``'s compiled training step (its host bytes on CPU), from
+  the start-up of a real run stopped there."""
+  from cem_jax import memory
+
+  got = []
+
+  def compiled_then_stop(jitted, args, config, **kwargs):
+    got.append(memory.footprint_bytes(jitted.lower(*args).compile()))
+    raise _Compiled
+
+  monkeypatch.setattr(memory, "compile_within_memory", compiled_then_stop)
+  with pytest.raises(_Compiled):
+    train.train_and_evaluate(cfg, str(workdir))
+  monkeypatch.undo()
+  return got[0]
+
+
+def test_the_attention_scores_bound_is_below_xlas_analysis_for_every_dense_model(
+    tmp_path, monkeypatch):
+  # The start-up refusal before compiling (check_attention_scores) must never refuse a step
+  # that fits: its bytes are a lower bound of what XLA's analysis of the compiled step counts
+  # (checked after the compile), at a seq_len where the scores are most of it. Each model kind
+  # the bound covers, and none for the blocked energy, whose memory is linear in seq_len.
+  from cem_jax import memory
+
+  small = {"model.d_model": 32, "model.num_heads": 4, "model.mlp_dim": 64,
+           "model.num_layers": 1, "data.seq_len": 512, "train.batch_size": 2,
+           "eval.batch_size": 2}
+  for i, (block, extra) in enumerate([("llama", {}), ("cem", {}),
+                                      ("cem", {"model.cem_attention": False})]):
+    cfg = tiny_config(block, **small, **extra)
+    bound = memory.attention_scores_bytes(cfg, 2)
+    assert bound == 2 * 4 * 512**2 * 4  # rows x heads x seq_len^2 x float32
+    footprint = _train_footprint(cfg, tmp_path / f"w{i}", monkeypatch)
+    assert bound <= footprint, (block, extra, bound, footprint)
+  assert memory.attention_scores_bytes(tiny_config("cem", **{"model.dtype": "bfloat16"}),
+                                       1) == 4 * 64**2 * 2
+  assert memory.attention_scores_bytes(tiny_config("cem", **{"model.energy_block_size": 16}),
+                                       2) is None
+
+
+def test_attention_scores_too_large_for_the_host_are_refused_before_the_data_or_a_compile(
+    tmp_path, monkeypatch):
+  # experiments/tiny.py at data.seq_len=24576 was refused only after its training step's 16-30 s
+  # compile (XLA's analysis: 1890 GiB); one layer's attention scores alone (144 GiB) show it at
+  # once. Nothing is built, compiled or left; a host with exactly enough goes on.
+  from cem_jax import memory
+
+  def no_compile(*args, **kwargs):
+    raise AssertionError("compiled")
+
+  cfg = tiny_config("llama", **{"train.gradient_accumulation_steps": 2})  # seq_len 64
+  train_need, eval_need = 4 * 4 * 64**2 * 4, 16 * 4 * 64**2 * 4  # microbatch 4 of 8; eval 16
+  monkeypatch.setattr(memory, "compile_within_memory", no_compile)
+  monkeypatch.setattr(data_lib, "build_data", no_compile)
+  monkeypatch.setattr(memory, "host_available_bytes", lambda: None)
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: train_need - 1)
+  fresh = tmp_path / "fresh"
+  with pytest.raises(ValueError) as e:
+    train.train_and_evaluate(cfg, str(fresh))
+  assert str(e.value) == (
+      f"data.seq_len=64 with train.batch_size=8 needs {train_need} bytes on this host for one "
+      "layer's attention scores alone, before compiling (4 of this process's 8 rows at once x 4 "
+      f"heads x 64^2, float32), more than its {train_need - 1} bytes of memory and swap: lower "
+      "data.seq_len=64 or train.batch_size=8, or raise train.gradient_accumulation_steps=2 "
+      "(the same batch in smaller pieces)")
+  _assert_nothing_left(fresh)
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: eval_need - 1)
+  with pytest.raises(ValueError, match=(
+      rf"^data.seq_len=64 with eval.batch_size=16 needs {eval_need} bytes on this host for one "
+      r"layer's attention scores alone, before compiling \(16 of this process's 16 rows at once"
+      r" x 4 heads x 64\^2, float32\), more than its \d+ bytes of memory and swap: lower "
+      r"data.seq_len=64 or eval.batch_size=16$")):
+    train._check_batches_fit(cfg)
+  monkeypatch.setattr(memory, "host_total_bytes", lambda: eval_need)  # exactly enough
+  train._check_batches_fit(cfg)
+  monkeypatch.setattr(memory, "host_available_bytes", lambda: eval_need - 1)  # not free now
+  with pytest.raises(ValueError, match=r"eval.batch_size=16 .* it can give now \(MemAvailable"):
+    train._check_batches_fit(cfg)
 
 
 HOST_DEVICES_SCRIPT = """
@@ -2534,7 +2621,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cem_jax import memory
 from cem_jax.config import get_default_config
 
-memory.host_available_bytes = lambda: None  # no warnings: only the refusal is read
+memory.host_available_bytes = lambda: None  # only the refusal by the total is read
 cfg = get_default_config()
 devices = jax.devices()
 
@@ -2615,7 +2702,9 @@ def test_a_batch_too_large_for_the_host_is_refused_at_start_up_counting_this_pro
   # (exit status 137). Refused now before the workdir, the data or the state are made.
   from cem_jax import sharding
 
-  monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # no warning in the way
+  monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # free now: not read
+  # The attention scores' bound (larger here than the batches) has tests of its own.
+  monkeypatch.setattr(memory, "attention_scores_bytes", lambda config, rows: None)
   cfg = tiny_config("llama")  # seq_len 64, train batch 8, eval batch 16
   # Per position: inputs, targets, segment_ids (int32) and weights (float32); eval batches
   # also target_bytes (float32).

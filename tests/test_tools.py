@@ -425,7 +425,7 @@ def test_evaluate_refuses_an_eval_step_too_large_for_the_device_before_any_batch
   monkeypatch.setattr(flags, "FLAGS", fv)
   limit = 2**20
   monkeypatch.setattr(memory, "host_total_bytes", lambda: limit)
-  monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # no warning in the way
+  monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # free now: not read
   monkeypatch.setattr(steps_lib, "eval_loop",
                       lambda *args: pytest.fail("a batch was evaluated"))
   for args, field in (([], "eval.batch_size=16"), (["--batch_size=40"], "--batch_size=40")):
@@ -685,7 +685,7 @@ def test_evaluate_refuses_an_eval_batch_too_large_for_the_host_before_data_or_st
   monkeypatch.setattr(steps_lib, "make_eval_step", lambda *args, **kwargs: None)
   monkeypatch.setattr(train, "compile_eval_step", lambda *args, **kwargs: None)
   monkeypatch.setattr(steps_lib, "eval_loop", eval_loop)
-  monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # no warning in the way
+  monkeypatch.setattr(memory, "host_available_bytes", lambda: None)  # free now: not read
   row = 64 * 20  # inputs, targets, segment_ids (int32), weights, target_bytes (float32)
   monkeypatch.setattr(memory, "host_total_bytes", lambda: 16 * row - 1)
   for batch_size, rows in ((None, 16), (16, 16), (17, 17)):
