@@ -219,7 +219,7 @@ def test_a_save_first_puts_the_metrics_lines_on_the_disk(tmp_path, monkeypatch):
 # tensorboardX's calls of MetricsWriter.write then close, for each k, once or twice (the
 # second, the way out of a call that hangs, is not held): deterministic, no race.
 _SIGNAL_IN_THE_WRITERS_HANDSHAKE = """
-import json, os, signal, sys, threading, time
+import json, os, signal, sys, threading
 import tensorboardX
 from cem_jax.metrics import MetricsWriter
 
@@ -232,15 +232,30 @@ def terminated(signum, frame):
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
 signal.signal(signal.SIGTERM, terminated)
 enter, add_scalar, armed, callers = threading.Condition.__enter__, None, [], set()
+set_handler, handled = signal.signal, threading.Semaphore(0)
+
+def counting(signum, handler):  # the handlers cem_jax.signals sets say when they have run
+  if getattr(handler, "__module__", None) == "cem_jax.signals":
+    inner = handler
+
+    def handler(signum, frame):
+      handled.release()
+      return inner(signum, frame)
+  return set_handler(signum, handler)
+
+signal.signal = counting
 
 def enter_then_signal(self):
   taken = enter(self)
   if armed and threading.get_ident() in callers:
     armed[0] -= 1
     if armed[0] == 0:
-      for i in range(armed[2]):
-        time.sleep(0.05 * i)  # the main thread handles the first before the second comes
+      for _ in range(armed[2]):
         os.kill(os.getpid(), armed[1])
+        # Seen by the main thread before the next is sent: two sent before it runs its
+        # handler are one (conftest.counting_sigint_handlers).
+        if not handled.acquire(timeout=120):
+          raise AssertionError("no handler of cem_jax.signals ran for the signal")
   return taken
 
 def recording(self, *args, **kwargs):
