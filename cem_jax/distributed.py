@@ -167,8 +167,10 @@ def hold_process_id(coordinator_address: str, process_id: int, workdir: str | No
     ValueError: another process on this host holds the id (one line naming the id, the
       coordinator, that process and its workdir).
   """
+  if os.name != "posix":
+    return
   path = _lock_path(coordinator_address, process_id)
-  if os.name != "posix" or path in _HELD_IDS:
+  if path in _HELD_IDS:
     return
   import fcntl  # POSIX only
 
