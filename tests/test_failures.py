@@ -2242,7 +2242,8 @@ def test_main_passes_its_flags_on_and_reports_a_diverged_run_in_one_line(tmp_pat
     main_lib.main(["main"])
   assert e.value.code == 1
   assert capsys.readouterr().err == "error: non-finite loss or gradient in 3 consecutive steps\n"
-  assert calls == [("on", "host:1234", 3, 2), (f"{tmp_path}/my/e.py:energy", workdir)]
+  assert calls == [("on", "host:1234", 3, 2, workdir),  # the workdir: named to a second start
+                   (f"{tmp_path}/my/e.py:energy", workdir)]
 
 
 def test_cli_batch_not_divisible_by_data_parallel_devices(tmp_path):
