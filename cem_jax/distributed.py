@@ -18,6 +18,7 @@ It must run before anything touches a JAX device (``jax.devices()``, the first a
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import functools
 import os
@@ -153,8 +154,9 @@ def _lock_path(coordinator_address: str, process_id: int) -> str:
 def hold_process_id(coordinator_address: str, process_id: int, workdir: str | None) -> None:
   """Holds process ``process_id`` of the run whose coordinator is ``coordinator_address`` for
   this process, on this host, until it ends: an exclusive ``flock`` on a file in
-  ``$TMPDIR/cem_jax-UID/`` that says who holds it (pid, host, workdir); the OS drops it when the
-  process ends, also by ``kill -9``, so a crashed run never blocks the next. Held already by this
+  ``$TMPDIR/cem_jax-UID/`` that says who holds it (pid, host, workdir), removed at the exit;
+  the OS drops the lock when the process ends, also by ``kill -9`` (whose file the next start
+  takes over), so a crashed run never blocks the next. Held already by this
   process: nothing to do. Where ``flock`` is missing (not POSIX, or the folder cannot be made):
   nothing is held.
 
@@ -174,26 +176,46 @@ def hold_process_id(coordinator_address: str, process_id: int, workdir: str | No
     return
   import fcntl  # POSIX only
 
-  try:
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-  except OSError:
-    return
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError as e:
-    holder = os.read(fd, 4096).decode("utf-8", "replace").strip() or "another process"
+  while True:  # again when the file locked was removed meanwhile (by its holder's exit)
+    try:
+      os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+      return
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      holder = os.read(fd, 4096).decode("utf-8", "replace").strip() or "another process"
+      os.close(fd)
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        return  # no flock here: nothing held, nothing refused
+      raise ValueError(
+          f"--process_id={process_id} of --coordinator_address={coordinator_address!r} is "
+          f"already running on this host ({holder}); two processes with one id abort inside "
+          "JAX's runtime: wait for that one to end or stop it, or give this run another "
+          "coordinator port") from None
+    try:
+      if os.path.samestat(os.fstat(fd), os.stat(path)):
+        break
+    except FileNotFoundError:
+      pass
     os.close(fd)
-    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-      return  # no flock here: nothing held, nothing refused
-    raise ValueError(
-        f"--process_id={process_id} of --coordinator_address={coordinator_address!r} is "
-        f"already running on this host ({holder}); two processes with one id abort inside "
-        "JAX's runtime: wait for that one to end or stop it, or give this run another "
-        "coordinator port") from None
   os.ftruncate(fd, 0)
   os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, --workdir={workdir!r}".encode())
+  if not _HELD_IDS:
+    atexit.register(_let_go_of_ids)
   _HELD_IDS[path] = fd
+
+
+def _let_go_of_ids() -> None:
+  """Removes the lock files of :func:`hold_process_id` at the exit, each while still held (a
+  start that opened one meanwhile finds it gone and makes another), so that none is left
+  behind but by a process killed (-9), whose file the next start takes over."""
+  for path, fd in list(_HELD_IDS.items()):
+    with contextlib.suppress(OSError):
+      os.remove(path)
+    os.close(fd)
+    del _HELD_IDS[path]
 
 
 def initialize(mode: str = "auto", coordinator_address: str | None = None,

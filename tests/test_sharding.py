@@ -6,6 +6,7 @@ set before jax loads; this pytest process stays single-device so other tests are
 
 import json
 import math
+import os
 import re
 import shlex
 import socket
@@ -1156,8 +1157,11 @@ def test_a_second_process_with_the_same_id_is_one_line_and_a_killed_one_blocks_n
   finally:
     holder.kill()
     holder.wait()
+  locks = tmp_path / f"cem_jax-{os.getuid()}"
+  assert len(list(locks.iterdir())) == 1  # the killed one's file, left behind
   assert hold_again().returncode == 0  # kill -9 let it go: a resume is never blocked
   start_holder().communicate("")  # nor is a holder that ended as usual
+  assert list(locks.iterdir()) == []  # each removed at its holder's exit
 
 
 # ---------------------------------------------------------------------------------------------
