@@ -424,8 +424,30 @@ def _config_cause(given: list[str], argv) -> str | None:
   return cause
 
 
+# absl's help flags (absl.app's HelpFlag, HelpshortFlag, HelpfullFlag, HelpXMLFlag, with -? for
+# --help): each prints the usage to stdout and exits with status 1.
+_HELP_FLAGS = ("help", "?", "helpshort", "helpfull", "helpxml")
+
+
+def _asks_for_help(argv) -> bool:
+  """Whether ``argv`` (before a ``--``) names one of absl's help flags, in any spelling absl
+  reads (one dash or two, with or without ``=VALUE``): with a status-1 exit while the flags
+  are parsed, the usage it printed (a help flag set false prints nothing and exits nowhere)."""
+  for arg in argv[1:]:
+    if arg == "--":
+      return False
+    dashes = len(arg) - len(arg.lstrip("-"))
+    if dashes in (1, 2) and arg[dashes:].partition("=")[0] in _HELP_FLAGS:
+      return True
+  return False
+
+
 def parse_flags(argv):
   """absl flag parsing with one-line errors; pass as ``app.run(main, flags_parser=...)``.
+
+  ``--help`` (and absl's ``-?``, ``--helpshort``, ``--helpfull``, ``--helpxml``) prints the usage
+  to stdout, as absl does, and exits with status 0: absl's 1 read as a failure to scripts and
+  CI steps that check a tool's help (``python -m cem_jax.main --help && ...``).
 
   Covers: a required flag left out (:func:`require`), a bad flag value (absl's own message,
   first line), a ``--config`` file that is
@@ -440,6 +462,10 @@ def parse_flags(argv):
            and len(a) - len(a.lstrip("-")) in (1, 2)]
   try:
     return flags.FLAGS(argv)
+  except SystemExit as e:
+    if e.code == 1 and _asks_for_help(argv):  # the usage was printed: asked for, not a failure
+      sys.exit(0)
+    raise
   except flags.Error as e:
     # ml_collections loads the file while parsing each --config: run the files by themselves to
     # learn whether one fails and why (None: they load, the error is another flag's).

@@ -199,5 +199,7 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.DEFINE_string("workdir", None, "A training run's --workdir (with its checkpoints).")
-  flags.mark_flag_as_required("workdir")
-  app.run(main)
+  from cem_jax import cli
+
+  cli.require("workdir")
+  app.run(main, flags_parser=cli.parse_flags)  # --help: status 0, bad flags: one line

@@ -219,4 +219,6 @@ def main(argv):
 if __name__ == "__main__":
   flags.DEFINE_string("workdir", "results/tiny", "The table's --workdir.")
   flags.DEFINE_string("out", None, "Write the report here (atomically) instead of stdout.")
-  app.run(main)
+  from cem_jax import cli
+
+  app.run(main, flags_parser=cli.parse_flags)  # --help: status 0, bad flags: one line

@@ -19,6 +19,7 @@ from conftest import (
   program_json,
   subprocess_env,
   tiny_config,
+  tool_runs,
   write_metrics,
 )
 from flax import nnx
@@ -69,6 +70,25 @@ def test_the_tools_that_load_a_run_list_attention_impl_in_their_help(tool):
                         capture_output=True, text=True, timeout=300)
   own = proc.stdout.split("Try --helpfull")[0]
   assert "--attention_impl: <auto|xla|cudnn|splash>: The attention kernel" in own, own[-1500:]
+
+
+def test_help_exits_0_with_the_usage_on_stdout():
+  # absl's help flags exit with status 1, which read as a failure (`main --help && ...`).
+  # First --help=false, which asks for no help: the left-out flags are still refused (later,
+  # the flags a help left parsed stay set in this one interpreter).
+  cases = [["--help=false"], ["--help"], ["-?"], ["--helpshort"], ["--helpfull"],
+           ["-help=true"], ["--config=experiments/tiny.py", "--help"]]
+  results = tool_runs("main", cases)
+  for args, (code, out, err) in zip(cases[1:], results[1:], strict=True):
+    assert code == 0 and err == "", (args, code, err[-1500:])
+    assert "--workdir: Folder for metrics" in out, (args, out[-1500:])
+  code, out, err = results[0]
+  assert code == 1 and out == "" and err.startswith("error: --config is required"), (code, err)
+  # The experiments' absl scripts parse with cli's parser too.
+  proc = subprocess.run([sys.executable, "experiments/collapse.py", "--help"],
+                        capture_output=True, text=True, timeout=300, env=subprocess_env(),
+                        cwd=Path(__file__).resolve().parents[1])
+  assert proc.returncode == 0 and "--workdir: A training run's" in proc.stdout, proc.stderr
 
 
 def test_inspect_cli_prints_the_summary():
