@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 
+import options  # beside this script: python runs it with its folder first on sys.path
+
 ENV_ADDRESS = "CEM_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "CEM_NUM_PROCESSES"
 ENV_PROCESS_ID = "CEM_PROCESS_ID"
@@ -188,7 +190,7 @@ def run(command: list[str], num_processes: int, devices_per_process: int, port: 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
   split = argv.index("--") if "--" in argv else len(argv)
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+  parser = options.Parser(description=__doc__.split("\n\n")[0],
                                    usage="%(prog)s [options] -- COMMAND [ARG ...]",
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--num_processes", type=int, default=2)

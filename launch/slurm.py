@@ -29,6 +29,8 @@ import shutil
 import subprocess
 import sys
 
+import options  # beside this script: python runs it with its folder first on sys.path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # #SBATCH values are read by sbatch, not by a shell: no quoting exists, so allow only plain ones.
 _SBATCH_VALUE = re.compile(r"[A-Za-z0-9_.:@%+,=/\-\[\]]+")
@@ -84,7 +86,7 @@ def _check_paths(parser: argparse.ArgumentParser, repo: str, main_args: list[str
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   split = argv.index("--") if "--" in argv else len(argv)
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+  parser = options.Parser(description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--nodes", type=int, default=1)
   parser.add_argument("--gpus_per_node", type=int, default=8)

@@ -53,6 +53,7 @@ import subprocess
 import sys
 
 import numpy as np
+import options  # beside this script: python runs it with its folder first on sys.path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO, "launch")
@@ -340,7 +341,7 @@ def run_command(args: argparse.Namespace, mains: list[str], first: bool) -> list
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   split = argv.index("--") if "--" in argv else len(argv)
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+  parser = options.Parser(description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", required=True, help="experiment file[:arg] with get_sweep()")
   parser.add_argument("--workdir", required=True, help="one sub-folder per run")

@@ -43,6 +43,8 @@ import tarfile
 import tempfile
 import time
 
+import options  # beside this script: python runs it with its folder first on sys.path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARBALL = "cem_jax_src.tar.gz"  # in the remote home folder
 # In the tarball: the files it holds, one a line. Unpacked over the last copy, it tells the
@@ -170,7 +172,7 @@ def pack(tarball: str, repo: str = REPO) -> int:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   split = argv.index("--") if "--" in argv else len(argv)
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+  parser = options.Parser(description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--tpu", required=True, help="TPU VM name")
   parser.add_argument("--zone", required=True)

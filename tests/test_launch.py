@@ -26,7 +26,10 @@ def _launch(script: str, *args: str, timeout: float = 300,
 
 
 def _script(name: str):
-  """``launch/NAME.py`` imported as a module, to call its functions in this process."""
+  """``launch/NAME.py`` imported as a module, to call its functions in this process (with
+  launch/ on ``sys.path``, as python puts it there for the script: its ``options`` beside it)."""
+  if str(REPO / "launch") not in sys.path:
+    sys.path.append(str(REPO / "launch"))
   spec = importlib.util.spec_from_file_location(f"launch_{name}", REPO / "launch" / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -234,6 +237,35 @@ def test_local_refuses_a_count_or_port_out_of_range(arg, allowed):
   proc = _launch("local.py", arg, "--dry_run", "--", "python", "x.py")
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines()[-1] == f"local.py: error: {arg}; allowed: {allowed}"
+
+
+@pytest.mark.parametrize("script,args,message", [
+    # argparse checked the required flags first: "the following arguments are required:
+    # --workdir", naming the flag given right, not the one misspelt.
+    ("sweep", ["--config=c.py", "--workdr=/tmp/w"],
+     "unknown option '--workdr'; did you mean --workdir? allowed: --help, --config, --workdir, "
+     "--launcher, --num_processes, --devices_per_process, --tpu, --zone, --project, --dry_run"),
+    # An abbreviation was taken for the option it begins: no longer.
+    ("sweep", ["--config=c.py", "--work=/tmp/w"], "unknown option '--work'; did you mean "
+     "--workdir? allowed: "),
+    ("local", ["--num_procs=2", "--", "python", "x.py"], "unknown option '--num_procs'; did you "
+     "mean --num_processes? allowed: --help, --num_processes, "),
+    ("slurm", ["--node=2", "--", "--config=c.py", "--workdir=w"],
+     "unknown option '--node'; did you mean --nodes? allowed: --help, --nodes, "),
+    ("tpu_pod", ["--tpu=t", "--zone=z", "--dryrun", "--", "--config=c.py"],
+     "unknown option '--dryrun'; did you mean --dry_run? allowed: --help, --tpu, "),
+])
+def test_launch_scripts_name_an_unknown_option_and_the_allowed_ones(capsys, script, args,
+                                                                    message):
+  with pytest.raises(SystemExit) as e:
+    _script(script).parse_args(args)
+  assert e.value.code == 2
+  last = capsys.readouterr().err.strip().splitlines()[-1]
+  assert last.partition(": error: ")[2].startswith(message), last
+  # A negative number stays a value (argparse's own rule), and '-h' is known.
+  with pytest.raises(SystemExit) as e:
+    _script("local").parse_args(["--port", "-1", "--", "python", "x.py"])
+  assert "--port=-1; allowed: 0 (a free port)" in capsys.readouterr().err
 
 
 def test_local_waits_for_every_process_and_reports_a_late_failure():
@@ -542,7 +574,7 @@ def test_tpu_pod_remote_paths_under_home_include_a_tilde(path, remote):
 def test_tpu_pod_outside_a_git_tree_or_without_git_is_one_line(tmp_path):
   # The files to copy are git's list: without it, one line, not a traceback.
   (tmp_path / "launch").mkdir()
-  for name in ("tpu_pod.py", "exits.py"):
+  for name in ("tpu_pod.py", "exits.py", "options.py"):
     (tmp_path / "launch" / name).write_text((REPO / "launch" / name).read_text())
   (tmp_path / "c.py").write_text("")
   (tmp_path / "constraints.txt").write_text("")
@@ -1262,6 +1294,7 @@ def test_a_signal_to_the_sweep_reaches_its_run_once_and_stops_the_sweep(tmp_path
   run = [sys.executable, "-c", _SIGNALLED_RUN]
   wrapper = (  # launch/sweep.py with the stand-in as each run's command
       "import importlib.util, sys\n"
+      f"sys.path.append({str(REPO / 'launch')!r})\n"
       f"spec = importlib.util.spec_from_file_location('sweep', {str(REPO / 'launch')!r} + "
       "'/sweep.py')\n"
       "sweep = importlib.util.module_from_spec(spec); spec.loader.exec_module(sweep)\n"
