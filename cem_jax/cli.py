@@ -20,7 +20,7 @@ import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
-from cem_jax import errors, signals
+from cem_jax import errors, files, signals
 
 CONFIG_FLAG = "config"
 # The flags define_config_flag makes belong to the program that calls it: --help lists them
@@ -130,6 +130,43 @@ def check_folder(name: str, path: str | None, allowed: str) -> None:
   if path is not None and not os.path.isdir(path):
     what = "is not a folder" if os.path.exists(path) else "no such folder"
     raise ValueError(f"--{name}={path}: {what}; allowed: {allowed}")
+
+
+# What a run leaves in its --workdir (cem_jax.train, workdir, metrics, and the tools that read
+# a run: evaluate, plot, tables): any one of them makes a folder a run's. Here, not in
+# cem_jax.workdir, which loads jax: main checks its --workdir before jax loads.
+RUN_ENTRIES = frozenset({
+    "config.json", "metrics.jsonl", "checkpoints", "data", "tensorboard", "best_eval.json",
+    "result.json", "plots", "test_time_steps.md", "test_time_steps.json",
+    "test_time_steps.png"})
+
+
+def check_workdir(path: str) -> None:
+  """Refuses a ``--workdir`` that is a folder holding files, none of them a run's
+  (:data:`RUN_ENTRIES`, or an atomic write's leftover of one): ``main --workdir=.`` in this
+  repository, or a folder of sources or notes, was filled with a run's files beside them. An
+  empty or missing folder (a new run), one holding a run (to resume, or a finished run to
+  re-run), and one holding only hidden entries (``.``: a killed start's files, a file
+  manager's) pass; so does a path that is no folder, for :func:`cem_jax.workdir.
+  prepare_workdir` to refuse.
+
+  Raises:
+    ValueError: ``--workdir=PATH holds no run (found: A, B, C and N more); allowed: ...``.
+  """
+  try:
+    names = sorted(n for n in os.listdir(path) if not n.startswith("."))
+  except (FileNotFoundError, NotADirectoryError):
+    return
+  except OSError as e:
+    raise ValueError(f"--workdir={path}: cannot list it ({e.strerror or e}); allowed: a "
+                     "folder this user can read and write") from None
+  if not names or any(n in RUN_ENTRIES or files.temporary_of(n) in RUN_ENTRIES
+                      for n in names):
+    return
+  more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+  raise ValueError(f"--workdir={path} holds no run (found: {', '.join(names[:3])}{more}); "
+                   "allowed: an empty or new folder, or the --workdir of a run to resume "
+                   "(with its config.json, checkpoints/ or data/)")
 
 
 def _fail(message: str) -> None:

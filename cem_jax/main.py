@@ -52,6 +52,7 @@ def main(argv):
   with cli.user_errors(FloatingPointError):  # a diverged run is reported like bad input
     _HELD.stop_if_sent(stop)  # while the flags and the config file were read
     cli.check_given("workdir", fl.workdir, "a folder (created if missing)")
+    cli.check_workdir(fl.workdir)
     # '' was read as not given: the coordinator of the environment, or none.
     cli.check_given("coordinator_address", fl.coordinator_address,
                     "HOST:PORT (leave the flag out for $CEM_COORDINATOR_ADDRESS or JAX's)")

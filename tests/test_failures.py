@@ -2191,6 +2191,29 @@ def test_a_failed_start_removes_the_empty_folders_it_made_above_the_workdir(fail
   assert sorted(os.listdir(tmp_path / "x" / "a")) == ["other.txt"]
 
 
+def test_a_workdir_that_is_new_empty_or_a_run_passes(tmp_path):
+  cli.check_workdir(str(tmp_path / "new"))  # made later by prepare_workdir
+  cli.check_workdir(str(tmp_path))  # empty
+  (tmp_path / "file").write_text("x")
+  cli.check_workdir(str(tmp_path / "file"))  # no folder: prepare_workdir's one line
+  hidden = tmp_path / "hidden"
+  hidden.mkdir()
+  (hidden / ".processes_see_this_0123").write_text("")  # a killed start's: no file of the user
+  cli.check_workdir(str(hidden))
+  # A run beside the user's notes; the prepared tokens a failed start keeps; a killed write's
+  # temporary config.json (files.temporary_of).
+  for entry in ("config.json", "checkpoints/", "data/", "metrics.jsonl",
+                "config.json.12.0123456789ab.tmp"):
+    run = tmp_path / entry.replace(".", "_").strip("/")
+    run.mkdir()
+    (run / "notes.txt").write_text("x")
+    (run / entry).mkdir() if entry.endswith("/") else (run / entry).write_text("{}")
+    cli.check_workdir(str(run))
+  (hidden / "notes.txt").write_text("x")  # hidden entries never make it a run's
+  with pytest.raises(ValueError, match=r"holds no run \(found: notes.txt\); allowed: "):
+    cli.check_workdir(str(hidden))
+
+
 def test_cli_unwritable_workdir(tmp_path):
   (tmp_path / "cfg.py").write_text(CONFIG_FILE)
   (tmp_path / "a_file").write_text("not a folder")

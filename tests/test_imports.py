@@ -165,18 +165,19 @@ def test_config_and_axes_import_no_jax():
   assert out.stdout.strip() == "", f"importing config/axes loaded: {out.stdout.strip()}"
 
 
-def _main_error_before_jax(tmp_path, override: str) -> str:
+def _main_error_before_jax(tmp_path, override: str, workdir=None) -> str:
   """The error line of ``cem_jax.main`` on tiny.py with ``override``, checked to have ended
-  with status 1 before jax or flax was imported and before the workdir was made."""
+  with status 1 before jax or flax was imported and before the workdir was made (``workdir``
+  given: that one, which exists)."""
   code = ("import sys, runpy; sys.argv = ['main', '--config=experiments/tiny.py', "
-          f"'--workdir={tmp_path / 'w'}', {override!r}]\n"
+          f"'--workdir={workdir or tmp_path / 'w'}', {override!r}]\n"
           "try:\n  runpy.run_module('cem_jax.main', run_name='__main__')\n"
           "except SystemExit as e:\n"
           "  print(e.code, sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax'}))")
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": REPO}, check=True, timeout=120)
   assert out.stdout.strip() == "1 []", out.stdout + out.stderr
-  assert not (tmp_path / "w").exists()
+  assert workdir is not None or not (tmp_path / "w").exists()
   return out.stderr.strip().splitlines()[-1]
 
 
@@ -211,6 +212,20 @@ def test_main_refuses_a_missing_data_file_before_jax_loads(tmp_path):
   # A misspelt data.files glob was refused once jax had loaded (~10 s; 18 s on busy cores).
   assert _main_error_before_jax(tmp_path, f"--config.data.files={missing}/*.txt") == (
       f"error: data.files: glob '{missing}/*.txt' matches no file")
+
+
+def test_main_refuses_a_folder_holding_no_run_before_jax_loads(tmp_path):
+  # `main --workdir=.` in a checkout filled it with a run's files beside the sources.
+  work = tmp_path / "src"
+  (work / "notes").mkdir(parents=True)
+  for name in ("README.md", "a.py", "b.py"):
+    (work / name).write_text("x")
+  before = sorted(p.name for p in work.iterdir())
+  assert _main_error_before_jax(tmp_path, "--config.train.num_steps=1", work) == (
+      f"error: --workdir={work} holds no run (found: README.md, a.py, b.py and 1 more); "
+      "allowed: an empty or new folder, or the --workdir of a run to resume (with its "
+      "config.json, checkpoints/ or data/)")
+  assert sorted(p.name for p in work.iterdir()) == before  # nothing written there
 
 
 def test_main_refuses_a_bad_coordinator_before_jax_loads(tmp_path):
