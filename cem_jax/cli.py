@@ -11,6 +11,7 @@ import contextlib
 import difflib
 import functools
 import importlib.util
+import inspect
 import os
 import signal
 import sys
@@ -295,6 +296,35 @@ def _unraisable(hook, unraisable) -> None:
   hook(unraisable)
 
 
+def _config_module(path: str):
+  """The config file ``path`` run as a module of its own, as ml_collections runs it; None if
+  it is no ``.py`` file. Raises what its code raises."""
+  module_spec = importlib.util.spec_from_file_location("cem_jax_cli_config", path)
+  if module_spec is None:
+    return None
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module
+
+
+def default_config_arg(spec: str) -> str | None:
+  """The arg that the config file ``spec`` (``--config``'s ``FILE[:ARG]``, already loaded by
+  the flag) built its config with when ``spec`` names none: its ``get_config``'s default
+  (``experiments/design.py``: ``'t2'``); None when ``spec`` has ``:ARG`` or ``get_config``
+  has no default. ``main`` logs it: a variant the user did not name was trained silently."""
+  path, colon, _ = spec.partition(":")
+  if colon:
+    return None
+  module = _config_module(path)
+  get_config = getattr(module, "get_config", None)
+  if not callable(get_config):
+    return None
+  params = list(inspect.signature(get_config).parameters.values())
+  if not params or params[0].default is inspect.Parameter.empty:
+    return None
+  return params[0].default
+
+
 def _run_config_file(spec: str):
   """Runs the config file ``FILE[:ARG]`` by itself, as ml_collections does.
 
@@ -303,13 +333,11 @@ def _run_config_file(spec: str):
   """
   path, colon, arg = spec.partition(":")
   try:
-    module_spec = importlib.util.spec_from_file_location("cem_jax_cli_config", path)
-    if module_spec is None:  # not a .py file, e.g. a run's config.json
+    module = _config_module(path)
+    if module is None:  # not a .py file, e.g. a run's config.json
       return None, (f"--{CONFIG_FLAG}={spec}: not a Python file; allowed: a .py file whose "
                     "get_config() returns the config (e.g. experiments/tiny.py), optionally "
                     "with :ARG for get_config(ARG)")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
     if not callable(getattr(module, "get_config", None)):  # was "module 'cem_jax_cli_config'
       # has no attribute 'get_config'", naming a module the user never wrote
       return None, (f"--{CONFIG_FLAG}={spec}: defines no get_config(); allowed: a .py file "

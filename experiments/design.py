@@ -32,6 +32,8 @@ VARIANTS = ("diagonal", "precond", "t2", "sigmoid")
 
 
 def get_config(arg: str = "t2"):
+  """``arg``: one of :data:`VARIANTS`; left out (``--config=experiments/design.py``): ``'t2'``
+  (``cem_jax.main`` logs the default it trains)."""
   if arg not in VARIANTS:
     raise ValueError(f"experiments/design.py:{arg}; allowed args: {', '.join(VARIANTS)}")
   c = get_default_config()

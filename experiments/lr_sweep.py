@@ -20,7 +20,8 @@ LEARNING_RATES = (1e-3, 3e-3, 1e-2)
 
 
 def get_config(arg: str = "full"):
-  """``arg``: ``'full'`` (300 steps) or ``'short'`` (20, 2 of warm-up, eval at the end only)."""
+  """``arg``: ``'full'`` (300 steps; the default) or ``'short'`` (20, 2 of warm-up, eval at the
+  end only)."""
   if arg not in ("full", "short"):
     raise ValueError(f"experiments/lr_sweep.py:{arg}; allowed args: full, short")
   c = get_default_config()

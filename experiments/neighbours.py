@@ -72,6 +72,8 @@ VARIANTS = {"yuriiformer": yuriiformer, "hyperset": hyperset,
 
 
 def get_config(arg: str = "yuriiformer"):
+  """``arg``: ``NAME`` or ``NAME,SCALE`` (``NAME`` in :data:`VARIANTS`, ``SCALE`` ``tiny`` by
+  default); left out: ``'yuriiformer'`` (``cem_jax.main`` logs the default it trains)."""
   name, _, scale = arg.partition(",")
   scale = scale or "tiny"
   if name not in VARIANTS or scale not in scales.SCALES:

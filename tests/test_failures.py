@@ -9,6 +9,7 @@ Also here: the non-finite guard, and regression tests reduced from public bug re
 
 import collections
 import errno
+import importlib.util
 import io
 import logging
 import os
@@ -2212,6 +2213,33 @@ def test_a_workdir_that_is_new_empty_or_a_run_passes(tmp_path):
   (hidden / "notes.txt").write_text("x")  # hidden entries never make it a run's
   with pytest.raises(ValueError, match=r"holds no run \(found: notes.txt\); allowed: "):
     cli.check_workdir(str(hidden))
+
+
+def test_main_says_which_default_arg_a_config_file_trains(tmp_path):
+  # `--config=experiments/design.py` trained its 't2' without a word (adv: a newcomer's first
+  # run of the design file took it for the whole design space).
+  work = tmp_path / "w"
+  proc = _run_cli(["--config=experiments/design.py", f"--workdir={work}",
+                   "--config.data.files=/nonexistent/x.txt"])  # stops before jax: seconds
+  assert proc.returncode == 1, proc.stderr
+  said = [ln for ln in proc.stderr.splitlines() if "default arg" in ln]
+  assert len(said) == 1 and said[0].endswith(
+      "--config=experiments/design.py: get_config's default arg 't2' (choose one with "
+      "--config=experiments/design.py:ARG)"), proc.stderr
+  # Named, or a file whose get_config takes no arg: no such line.
+  assert cli.default_config_arg("experiments/design.py:precond") is None
+  (tmp_path / "plain.py").write_text("def get_config():\n  return None\n")
+  assert cli.default_config_arg(str(tmp_path / "plain.py")) is None
+  # Every config file with a default arg names it in get_config's docstring.
+  for path in sorted([*REPO.glob("experiments/*.py"), *REPO.glob("experiments/paper/*.py")]):
+    if "def get_config(" not in path.read_text():  # a script, not a config file
+      continue
+    default = cli.default_config_arg(str(path))
+    if default is not None:
+      spec = importlib.util.spec_from_file_location("config_file", path)
+      module = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(module)
+      assert repr(default) in (module.get_config.__doc__ or ""), path
 
 
 def test_cli_unwritable_workdir(tmp_path):

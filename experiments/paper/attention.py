@@ -50,6 +50,8 @@ ROWS = {"llama_mha": _llama, "cem_tied": _cem_tied, "cem_tied_diag": _cem_tied_d
 
 
 def get_config(arg: str = "cem_tied"):
+  """``arg``: ``ROW`` or ``ROW,SCALE`` (``ROW`` in :data:`ROWS`, ``SCALE`` ``tiny`` by default:
+  :func:`cem_jax.scales.parse_arg`); left out: ``'cem_tied'`` (``cem_jax.main`` logs it)."""
   row, scale = scales.parse_arg(arg, ROWS, "attention")
   c = scales.base_config(scale)
   ROWS[row](c)

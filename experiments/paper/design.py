@@ -124,6 +124,8 @@ ROWS = {"t1": _t1, "t2_fixed": _t2_fixed, "t2_coevolve": _t2_coevolve,
 
 
 def get_config(arg: str = "t1"):
+  """``arg``: ``ROW`` or ``ROW,SCALE`` (``ROW`` in :data:`ROWS`, ``SCALE`` ``tiny`` by default:
+  :func:`cem_jax.scales.parse_arg`); left out: ``'t1'`` (``cem_jax.main`` logs it)."""
   row, scale = scales.parse_arg(arg, ROWS, "design")
   c = scales.base_config(scale)
   ROWS[row](c)

@@ -52,6 +52,8 @@ ROWS = {"llama": _llama, "cem": _cem, "cem_full": _cem_full, "llama_matched": _l
 
 
 def get_config(arg: str = "cem"):
+  """``arg``: ``ROW`` or ``ROW,SCALE`` (``ROW`` in :data:`ROWS`, ``SCALE`` ``tiny`` by default:
+  :func:`cem_jax.scales.parse_arg`); left out: ``'cem'`` (``cem_jax.main`` logs it)."""
   row, scale = scales.parse_arg(arg, ROWS, "end_to_end")
   c = scales.base_config(scale)
   ROWS[row](c)

@@ -50,6 +50,8 @@ ROWS = {"swiglu": _swiglu, "cem_tied": _cem_tied, "swiglu_matched": _swiglu_matc
 
 
 def get_config(arg: str = "cem_tied"):
+  """``arg``: ``ROW`` or ``ROW,SCALE`` (``ROW`` in :data:`ROWS`, ``SCALE`` ``tiny`` by default:
+  :func:`cem_jax.scales.parse_arg`); left out: ``'cem_tied'`` (``cem_jax.main`` logs it)."""
   row, scale = scales.parse_arg(arg, ROWS, "mlp")
   c = scales.base_config(scale)
   ROWS[row](c)

@@ -77,6 +77,8 @@ ROWS = {"cem": _cem, **_NEIGHBOURS.VARIANTS, "llama_matched": _llama_matched,
 
 
 def get_config(arg: str = "cem"):
+  """``arg``: ``ROW`` or ``ROW,SCALE`` (``ROW`` in :data:`ROWS`, ``SCALE`` ``tiny`` by default:
+  :func:`cem_jax.scales.parse_arg`); left out: ``'cem'`` (``cem_jax.main`` logs it)."""
   row, scale = scales.parse_arg(arg, ROWS, "neighbours")
   c = scales.base_config(scale)
   ROWS[row](c)
