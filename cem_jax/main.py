@@ -65,11 +65,6 @@ def main(argv):
     distributed.resolve(fl.distributed, fl.coordinator_address, fl.num_processes,
                         fl.process_id)
     config = cli.load_config()
-    spec = fl["config"].config_filename
-    default = cli.default_config_arg(spec)
-    if default is not None:  # a variant the command does not name: said, not silently trained
-      logging.info("--config=%s: get_config's default arg %r (choose one with --config=%s:ARG)",
-                   spec, default, spec)
     # jax-free: a value the config's own rules refuse fails in a second, before jax loads
     # (train checks it again with what needs the model code: preflight.check), and so does
     # a given data file that is not there.
@@ -90,6 +85,12 @@ def main(argv):
     jax.process_count()  # jax's backend starts here, held, not in train before its handler
     # Once met, JAX's preemption notifier holds SIGTERM below Python's handler: left to it.
     _HELD.release(stop, restore=not met)
+    spec = fl["config"].config_filename
+    default = cli.default_config_arg(spec)
+    if default is not None:  # a variant the command does not name: said, not trained silently
+      # Here, with training's own lines: an error line before it stays the only line.
+      logging.info("--config=%s: get_config's default arg %r (choose one with --config=%s:ARG)",
+                   spec, default, spec)
     train.train_and_evaluate(config, fl.workdir)
 
 
