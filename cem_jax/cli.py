@@ -307,11 +307,14 @@ def _config_module(path: str):
   return module
 
 
-def default_config_arg(spec: str) -> str | None:
-  """The arg that the config file ``spec`` (``--config``'s ``FILE[:ARG]``, already loaded by
-  the flag) built its config with when ``spec`` names none: its ``get_config``'s default
-  (``experiments/design.py``: ``'t2'``); None when ``spec`` has ``:ARG`` or ``get_config``
-  has no default. ``main`` logs it: a variant the user did not name was trained silently."""
+def default_config_arg(spec: str | None = None) -> str | None:
+  """The arg that the config file ``spec`` (``--config``'s ``FILE[:ARG]``; None: the parsed
+  ``--config`` flag's) built its config with when ``spec`` names none: its ``get_config``'s
+  default (``experiments/design.py``: ``'t2'``); None when ``spec`` has ``:ARG`` or
+  ``get_config`` has no default. ``main`` logs it: a variant the user did not name was trained
+  silently. Runs the file's module code once more (as :func:`parse_flags` does on an error)."""
+  if spec is None:
+    spec = flags.FLAGS[CONFIG_FLAG].config_filename
   path, colon, _ = spec.partition(":")
   if colon:
     return None

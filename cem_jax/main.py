@@ -85,10 +85,10 @@ def main(argv):
     jax.process_count()  # jax's backend starts here, held, not in train before its handler
     # Once met, JAX's preemption notifier holds SIGTERM below Python's handler: left to it.
     _HELD.release(stop, restore=not met)
-    spec = fl["config"].config_filename
-    default = cli.default_config_arg(spec)
+    default = cli.default_config_arg()
     if default is not None:  # a variant the command does not name: said, not trained silently
       # Here, with training's own lines: an error line before it stays the only line.
+      spec = flags.FLAGS[cli.CONFIG_FLAG].config_filename
       logging.info("--config=%s: get_config's default arg %r (choose one with --config=%s:ARG)",
                    spec, default, spec)
     train.train_and_evaluate(config, fl.workdir)

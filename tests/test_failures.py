@@ -2288,6 +2288,7 @@ def test_main_passes_its_flags_on_and_reports_a_diverged_run_in_one_line(tmp_pat
   config = tiny_config("cem")
   config.model.attention_energy = "my/e.py:energy"  # relative: saved absolute
   monkeypatch.setattr(cli, "load_config", lambda: config)
+  monkeypatch.setattr(cli, "default_config_arg", lambda: None)  # reads the --config flag
 
   def diverge(cfg, where):
     calls.append((cfg.model.attention_energy, where))
