@@ -79,10 +79,10 @@ def test_help_exits_0_with_the_usage_on_stdout():
   cases = [["--help=false"], ["--help"], ["-?"], ["--helpshort"], ["--helpfull"],
            ["-help=true"], ["--config=experiments/tiny.py", "--help"]]
   results = tool_runs("main", cases)
-  for args, (code, out, err) in zip(cases[1:], results[1:], strict=True):
-    assert code == 0 and err == "", (args, code, err[-1500:])
+  for args, (code, out, err, loaded) in zip(cases[1:], results[1:], strict=True):
+    assert code == 0 and err == "" and loaded == [], (args, code, err[-1500:], loaded)
     assert "--workdir: Folder for metrics" in out, (args, out[-1500:])
-  code, out, err = results[0]
+  code, out, err, _ = results[0]
   assert code == 1 and out == "" and err.startswith("error: --config is required"), (code, err)
   # The experiments' absl scripts parse with cli's parser too.
   proc = subprocess.run([sys.executable, "experiments/collapse.py", "--help"],
