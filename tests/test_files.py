@@ -237,3 +237,27 @@ def test_read_json_reads_utf8_under_any_locale(tmp_path):
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         cwd=Path(files.__file__).parents[1])
   assert (proc.returncode, proc.stdout) == (0, "{'row': '\\xfc'}\n"), proc.stderr
+
+
+def test_check_can_write_leaves_nothing_and_refuses_a_missing_folder(tmp_path):
+  # It creates and removes a temporary file: one left behind would be a stray .tmp in every
+  # benchmark's output folder, and the target itself is never touched.
+  (tmp_path / "out.json").write_bytes(b"old")
+  files.check_can_write(tmp_path / "out.json")
+  assert os.listdir(tmp_path) == ["out.json"] and (tmp_path / "out.json").read_bytes() == b"old"
+  with pytest.raises(FileNotFoundError):
+    files.check_can_write(tmp_path / "no" / "out.json")
+  assert os.listdir(tmp_path) == ["out.json"]
+
+
+def test_atomic_save_figure_defaults_to_120_dots_per_inch(tmp_path):
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, _ = plt.subplots(figsize=(2, 1))
+  files.atomic_save_figure(fig, tmp_path / "a.png")
+  plt.close(fig)
+  png = (tmp_path / "a.png").read_bytes()
+  assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (240, 120)
