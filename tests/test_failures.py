@@ -3092,6 +3092,19 @@ def test_a_positional_script_answers_help_and_refuses_a_flag(capsys):
   assert stopped.value.code == 1
   assert capsys.readouterr().err == (f"error: unexpected flag '--out=a.json'; allowed: {usage} "
                                      "(positional arguments; --help for more)\n")
+  with pytest.raises(SystemExit) as stopped:  # one dash is a flag too, not a file name
+    cli.script_args(["x.py", "a.json", "-v"], "Doc.", usage)
+  assert (stopped.value.code, capsys.readouterr().err) == (
+      1, f"error: unexpected flag '-v'; allowed: {usage} (positional arguments; --help for more)\n")
+
+
+def test_closest_puts_initials_first_then_prefixes_and_gives_at_most_three():
+  # Written out by hand: initials of the words, then names the misspelling begins (3+ letters).
+  assert cli.closest("lr", ["lrate", "learning_rate", "warmup"]) == ["learning_rate"]
+  assert cli.closest("bat", ["batch_a", "batch_b", "batch_c", "batch_d"]) == [
+      "batch_a", "batch_b", "batch_c"]
+  assert cli.closest("bat", ["batch", "big_a_t"]) == ["big_a_t", "batch"]  # initials first
+  assert cli.closest("ba", ["bacon", "zzz"]) == []  # two letters begin too much to suggest
 
 
 @pytest.mark.parametrize("tool", ["summary", "evaluate", "sample", "tables", "plot", "bench"])
