@@ -691,6 +691,7 @@ def test_slurm_rejects_values_sbatch_cannot_quote():
 
 
 @pytest.mark.parametrize("arg", ["--output=a b.out", "--job_name=x;y", "--job_name=x\n",
+                                 "--account=a b", "--time=1 day", "--partition=$(x)",
                                  "--nodes=0", "--gpus_per_node=0", "--cpus_per_task=-1"])
 def test_slurm_refuses_each_value_sbatch_cannot_take(arg):
   proc = _launch("slurm.py", arg, "--dry_run", "--", "--config=experiments/tiny.py", "--workdir=/w")
@@ -736,6 +737,13 @@ def test_slurm_cpus_per_task_only_when_given():
   lines = _launch("slurm.py", "--cpus_per_task=6", *main).stdout.splitlines()
   assert "#SBATCH --cpus-per-task=6" in lines
   assert "cpus-per-task" not in _launch("slurm.py", *main).stdout
+
+
+def test_slurm_charges_the_account_given_and_asks_four_hours_by_default():
+  main = ["--dry_run", "--", "--config=experiments/tiny.py", "--workdir=/w"]
+  lines = _launch("slurm.py", "--account=proj-7", *main).stdout.splitlines()
+  assert "#SBATCH --account=proj-7" in lines and "#SBATCH --time=04:00:00" in lines
+  assert "account" not in _launch("slurm.py", *main).stdout  # the cluster's default account
 
 
 def test_slurm_refuses_no_submit_with_a_dry_run():
