@@ -59,3 +59,15 @@ def test_usable_cpus_are_the_affinity_mask_capped_by_the_tightest_cgroup_quota(t
                  "cpu/other/cpu.cfs_quota_us": "100000\n",
                  "cpu/other/cpu.cfs_period_us": "100000\n"})
     assert cpus.usable() == want, quota
+
+
+def test_cgroup_v1_reads_the_cpu_controllers_line_not_cpusets(tmp_path, monkeypatch):
+  # "cpuset" contains "cpu": its line (listed after cpu's here) names another cgroup, whose
+  # folder has no quota; the quota of the cpu controller's own cgroup is the one that counts.
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+  _cgroups(tmp_path, monkeypatch, "4:cpu,cpuacct:/docker/abc\n3:cpuset:/elsewhere\n",
+           {"cpu/docker/abc/cpu.cfs_quota_us": "150000\n",
+            "cpu/docker/abc/cpu.cfs_period_us": "100000\n",
+            "cpu/elsewhere/cpu.cfs_quota_us": "-1\n",
+            "cpu/elsewhere/cpu.cfs_period_us": "100000\n"})
+  assert cpus.usable() == 2
