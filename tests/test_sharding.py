@@ -90,6 +90,34 @@ def test_a_dimension_split_over_two_mesh_axes_must_divide_by_their_product():
                    "model.mlp_dim": 104})["data"] == 2
 
 
+def test_mesh_sizes_refuse_a_bool_and_a_second_minus_one():
+  # True is an int to Python: mesh.data=true in a config.json would read as 1 device.
+  with pytest.raises(ValueError, match=r"^mesh\.data=True; allowed: -1 \(the devices left over\)"):
+    axes.check_mesh_sizes({"data": True, "fsdp": 1, "tensor": 1})
+  with pytest.raises(ValueError, match=r"^mesh\.data=-1 and mesh\.fsdp=-1: at most one mesh size"):
+    axes.check_mesh_sizes({"data": -1, "fsdp": -1, "tensor": 1})
+  axes.check_mesh_sizes({"data": -1, "fsdp": 2, "tensor": 1})
+
+
+def test_two_microbatches_must_divide_each_devices_rows():
+  # 4 rows over 4 data-parallel devices is one row each: it cannot make 2 microbatches.
+  with pytest.raises(ValueError, match=r"^train\.batch_size=4 is not divisible by "
+                                       r"train\.gradient_accumulation_steps=2 x the 4 "):
+    _check(4, **{"train.batch_size": 4, "eval.batch_size": 4,
+                 "train.gradient_accumulation_steps": 2})
+  _check(2, **{"train.batch_size": 4, "eval.batch_size": 4,
+               "train.gradient_accumulation_steps": 2})
+
+
+def test_the_augmented_head_is_head_dim_plus_d_model_plus_one_in_the_distance_form():
+  # q~ = [q, d*y] (bilinear) or [q, d*y, -1/2] (distance); none without a CEM diagonal.
+  for form, extra in (("bilinear", 0), ("distance", 1)):
+    m = tiny_config("cem", **{"model.diagonal": "per_head", "model.diagonal_form": form}).model
+    assert axes.augmented_head_dim(m) == m.d_model // m.num_heads + m.d_model + extra
+  assert axes.augmented_head_dim(tiny_config("cem", **{"model.diagonal": "none"}).model) is None
+  assert axes.augmented_head_dim(tiny_config("llama").model) is None
+
+
 def test_fsdp_size_must_divide_d_model():
   with pytest.raises(ValueError, match=r"^model\.d_model=60 is not divisible by mesh\.fsdp=8 "):
     _check(**{"mesh.fsdp": 8, "model.d_model": 60, "model.num_heads": 2})
