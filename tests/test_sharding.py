@@ -116,6 +116,8 @@ def test_the_augmented_head_is_head_dim_plus_d_model_plus_one_in_the_distance_fo
     assert axes.augmented_head_dim(m) == m.d_model // m.num_heads + m.d_model + extra
   assert axes.augmented_head_dim(tiny_config("cem", **{"model.diagonal": "none"}).model) is None
   assert axes.augmented_head_dim(tiny_config("llama").model) is None
+  assert axes.augmented_head_dim(tiny_config("cem", **{
+      "model.diagonal": "per_head", "model.cem_attention": False}).model) is None
 
 
 def test_fsdp_size_must_divide_d_model():
