@@ -564,6 +564,26 @@ def test_the_energy_plot_joins_each_steps_end_to_the_next_steps_start(monkeypatc
   assert len({line.get_color() for line in att.lines}) == 1
 
 
+def test_the_plots_put_steps_on_x_and_name_their_units(tmp_path, monkeypatch):
+  # Written from the metrics by hand: each point at its logged step, the loss in nats/token.
+  figures = []
+  monkeypatch.setattr(files, "atomic_save_figure", lambda fig, path: figures.append(fig))
+  write_metrics(tmp_path, [{"step": 5, "train/loss": 3.0}, {"step": 7, "train/loss": 2.8},
+                           {"step": 10, "eval/loss": 2.5}])
+  plot.plot_run(str(tmp_path))
+  ax = figures[-1].axes[0]
+  assert [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines] == [
+      ([5, 7], [3.0, 2.8]), ([10], [2.5])]
+  assert (ax.get_xlabel(), ax.get_ylabel()) == ("step", "loss (nats/token)")
+  plot.plot_energy({0: {"att": [(4.0, 3.0), (2.5, 2.0)], "mlp": [(1.0, 0.5)]},
+                   1: {"att": [(1.0, 0.5)]}}, "x.png")
+  att, mlp = figures[-1].axes
+  assert att.get_ylabel() == "attention energy (one layer, mean per token)"
+  assert mlp.get_ylabel() == "MLP energy (one layer, mean per token)"
+  # One legend entry a layer, not one a sub-step.
+  assert [t.get_text() for t in att.get_legend().get_texts()] == ["layer 0", "layer 1"]
+
+
 def test_the_test_time_report_holds_every_row_as_given(tmp_path):
   from cem_jax import evaluate
 
