@@ -1415,6 +1415,10 @@ def test_prepare_refuses_its_own_flags_and_passes_workers_on(tmp_path, monkeypat
   assert given == []  # nothing prepared for a refused command line
   prepare_cli.run(config, out, 2)
   assert given == [2]  # --workers reaches the encoder
+  prepare_cli.run(config, out, 3)  # every usable CPU is allowed, not one fewer
+  assert given == [2, 3]
+  capsys.readouterr()
+  prepare_cli.run(config, out, 2)
   assert capsys.readouterr().out == (
       "train: 2 documents, 10 bytes of text, 5 tokens in 2 shards\n"
       f"prepared {out}; train with --config.data.prepared_dir={out}\n")
