@@ -1126,6 +1126,13 @@ def test_data_benchmark_writes_its_corpus_atomically_and_reads_manifests_checked
   assert all(line.startswith(b"line ") for line in lines)
   assert len({tuple(lines[i:i + 5]) for i in range(0, len(lines) - 4, 5)}) > 1
   assert os.listdir(folder) == ["corpus.txt"]
+  # The same arguments give the same bytes; another seed another order.
+  again, other = folder / "again.txt", folder / "other.txt"
+  benchmark.make_corpus(shared, again, 1)
+  benchmark.make_corpus(shared, other, 1, seed=1)
+  assert again.read_bytes() == first and other.read_bytes() != first
+  again.unlink()
+  other.unlink()
 
   def full_disk(fd):
     raise OSError("disk full")
@@ -1154,9 +1161,19 @@ def test_data_benchmark_first_step_fails_with_the_runs_status_and_counts_rss_in_
                                       "config": {"validation_fraction": 0.1}}))
   popen = subprocess.Popen
   failing = [sys.executable, "-c", "import sys; sys.stderr.write('boom\\n'); sys.exit(3)"]
-  monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kwargs: popen(failing, **kwargs))
+  started = []
+  monkeypatch.setattr(subprocess, "Popen",
+                      lambda cmd, **kwargs: started.append(cmd) or popen(failing, **kwargs))
   with pytest.raises(RuntimeError, match=r"^the 5-step run failed \(exit 3\): "):
     benchmark._first_step(os.fspath(tmp_path))
+  # The run reads the prepared folder with its manifest's vocabulary and split, and logs every
+  # step: the "step 1/5" line it times is not written otherwise.
+  (cmd,) = started
+  assert cmd[1:4] == ["-m", "cem_jax.main", f"--config={benchmark.REPO}/experiments/tiny.py"]
+  assert cmd[5:] == [f"--config.data.prepared_dir={tmp_path}", "--config.data.vocab_size=300",
+                     "--config.data.validation_fraction=0.1", "--config.train.num_steps=5",
+                     "--config.train.log_every_steps=1", "--config.train.eval_every_steps=1000",
+                     "--config.eval.max_batches=1"]
   assert capsys.readouterr().err == "boom\n"  # the run's last words
   # Linux counts ru_maxrss in KiB: 2,000,000 KiB are 2.048 GB.
   monkeypatch.setattr(resource, "getrusage",
