@@ -1510,6 +1510,19 @@ def test_preemption_hands_sigterm_back_when_the_run_ends():
   assert seen == [False] and signal.getsignal(signal.SIGTERM) is before
 
 
+def test_held_leaves_alone_a_signal_whose_handler_was_set_outside_python(monkeypatch):
+  # signal.getsignal says None for such a handler (JAX's preemption notifier): it could not be
+  # put back after the block, so it is never taken.
+  import signal
+
+  before = signal.getsignal(signal.SIGTERM)
+  real = signal.getsignal
+  monkeypatch.setattr(signal, "getsignal", lambda s: None if s == signal.SIGTERM else real(s))
+  with signals.held((signal.SIGTERM,)):
+    assert real(signal.SIGTERM) is before
+  assert real(signal.SIGTERM) is before
+
+
 def test_held_signals_reach_their_handler_after_the_block_and_a_second_one_at_once():
   import signal
 
