@@ -844,6 +844,7 @@ def test_sweep_ends_with_its_runs_best_first(tmp_path):
     '{"eval/best_loss": NaN, "eval/best_bits_per_byte": 1.5, "eval/best_step": 30}',
     '{"eval/best_loss": 3.0, "eval/best_bits_per_byte": "x", "eval/best_step": 30}',
     '{"eval/best_loss": 3.0, "eval/best_bits_per_byte": 1.5, "eval/best_step": "30"}',
+    '{"eval/best_loss": 3.0, "eval/best_bits_per_byte": 1.5, "eval/best_step": true}',
     '[3.0]', '{"eval/best_loss": 3.0'])
 def test_sweep_summary_shows_a_damaged_best_eval_as_na(tmp_path, damaged):
   # A best_eval.json edited or half written: its run n/a and last, not a TypeError traceback
@@ -857,6 +858,14 @@ def test_sweep_summary_shows_a_damaged_best_eval_as_na(tmp_path, damaged):
   for names in (["bad", "good"], ["good", "bad"]):
     assert sweep.summary(str(tmp_path), names).splitlines()[2:] == [
         "| good | 3.5000 | 1.7500 | 20 |", "| bad | n/a | n/a | n/a |"]
+
+
+def test_sweep_run_names_are_one_safe_folder_name():
+  # A value with a slash or a space named a nested folder, or one a shell splits.
+  sweep = _script("sweep")
+  assert sweep.run_name({"data.files": "/d/a b*.txt", "train.learning_rate": 0.001}) == (
+      "data.files=_d_a_b_.txt,train.learning_rate=0.001")
+  assert sweep.run_name({}) == "default"
 
 
 def _finished_b_run(tmp_path, **model) -> tuple[Path, Path, Path]:
