@@ -1395,12 +1395,15 @@ def test_a_dry_run_whose_reader_has_gone_ends_with_status_1_and_no_traceback(scr
                                                                              tmp_path):
   # `--dry_run | head -1`: the pipe is closed before the script writes. Each printed a
   # BrokenPipeError traceback (and Python a second one at exit).
+  # Buffered, as a user's shell runs it: unbuffered, every print met the closed pipe at once
+  # and the flush at the end of exits.run was never the first write to fail.
+  buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
   read, write = os.pipe()
   os.close(read)
   try:
     proc = subprocess.run([sys.executable, f"launch/{script}",
                            *[a.format(tmp=tmp_path) for a in args]], cwd=REPO, stdout=write,
-                          stderr=subprocess.PIPE, text=True, timeout=120)
+                          stderr=subprocess.PIPE, text=True, timeout=120, env=buffered)
   finally:
     os.close(write)
   assert (proc.returncode, proc.stderr) == (1, ""), proc.stderr[-2000:]
