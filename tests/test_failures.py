@@ -218,6 +218,17 @@ def test_a_config_file_that_cannot_run_is_one_line_with_or_without_overrides(tmp
   _assert_nothing_left(tmp_path / "w")
 
 
+def test_a_config_file_given_with_one_dash_that_cannot_run_is_one_line(tmp_path):
+  # absl reads -config=FILE as --config=FILE: its failure is named the same way.
+  path = tmp_path / "cfg.py"
+  path.write_text("def get_config():\n  return undefined_name\n")
+  proc = _run_cli([f"-config={path}", f"--workdir={tmp_path / 'w'}"])
+  assert proc.returncode == 1
+  (line,) = proc.stderr.strip().splitlines()
+  assert line.startswith("error: ") and str(path) in line, line
+  assert "name 'undefined_name' is not defined" in line, line
+
+
 def test_a_misspelt_override_is_named_wherever_it_stands_on_the_command_line():
   config = config_lib.get_default_config()
   for argv in (["main.py", "--config.trian.num_steps=5", "--config=c.py"],
