@@ -2226,6 +2226,29 @@ def test_a_workdir_that_is_new_empty_or_a_run_passes(tmp_path):
     cli.check_workdir(str(hidden))
 
 
+def test_a_workdir_of_other_files_names_the_first_three_sorted_and_counts_the_rest(
+    tmp_path, monkeypatch):
+  for names, found in ((["d.py", "b.py", "c.py", "a.py"], "a.py, b.py, c.py and 1 more"),
+                       (["e", "d", "c", "b", "a"], "a, b, c and 2 more"),
+                       (["c", "a", "b"], "a, b, c")):
+    folder = tmp_path / str(len(names))
+    folder.mkdir()
+    for name in names:
+      (folder / name).write_text("x")
+    with pytest.raises(ValueError) as e:
+      cli.check_workdir(str(folder))
+    assert str(e.value).startswith(f"--workdir={folder} holds no run (found: {found}); ")
+
+  def refuse(path):
+    raise PermissionError(errno.EACCES, "Permission denied", path)
+
+  monkeypatch.setattr(cli.os, "listdir", refuse)  # root reads any folder: refused here
+  with pytest.raises(ValueError) as e:
+    cli.check_workdir(str(tmp_path))
+  assert str(e.value) == (f"--workdir={tmp_path}: cannot list it (Permission denied); allowed: "
+                          "a folder this user can read and write")
+
+
 def test_main_says_which_default_arg_a_config_file_trains(tmp_path):
   # `--config=experiments/design.py` trained its 't2' without a word (adv: a newcomer's first
   # run of the design file took it for the whole design space).
