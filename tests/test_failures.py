@@ -2970,13 +2970,15 @@ def test_host_memory_is_meminfos_figures_in_kib_and_none_where_one_is_missing(mo
   # /proc/meminfo's "kB" are KiB: 1000 would undercount a 64 GiB host by 1.6 GiB, and a step
   # that does not fit would pass. Its sums need every field they name.
   meminfo = {"all": "MemTotal:       16384 kB\nMemFree:          512 kB\n"
-                    "MemAvailable:    4096 kB\nSwapTotal:       2048 kB\n",
-             "no swap line": "MemTotal:       16384 kB\nMemAvailable:    4096 kB\n"}
+                    "MemAvailable:    4096 kB\nSwapTotal:       2048 kB\n"
+                    "SwapFree:        1024 kB\n",
+             "no swap lines": "MemTotal:       16384 kB\nMemAvailable:    4096 kB\n"}
   for name, text in meminfo.items():
     monkeypatch.setattr(memory, "open", lambda path, text=text, **kw: (
         io.StringIO(text) if path == "/proc/meminfo" else open(path, **kw)), raising=False)
-    assert memory.host_available_bytes() == 4096 * 1024, name
-    assert memory.host_total_bytes() == ((16384 + 2048) * 1024 if name == "all" else None)
+    full = name == "all"
+    assert memory.host_available_bytes() == ((4096 + 1024) * 1024 if full else None), name
+    assert memory.host_total_bytes() == ((16384 + 2048) * 1024 if full else None), name
   monkeypatch.undo()
   # This machine's, against the file read here.
   fields = {}
