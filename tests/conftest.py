@@ -75,6 +75,18 @@ def subprocess_env(devices: int = 1, **extra: str) -> dict:
   return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags), **extra)
 
 
+def as_in_a_terminal(cmd: list[str]) -> list[str]:
+  """``cmd`` (a program and its arguments) started with SIGINT and SIGTERM at their defaults,
+  as a terminal's foreground job has them, whatever pytest's are: a command started in the
+  background by a non-interactive shell (``nohup bash .ci/run &``) inherits SIGINT ignored, and
+  Python keeps it so. A small Python sets them and becomes ``cmd`` (exec: the same pid); not
+  Popen's ``preexec_fn``, which runs Python in a fork of the test process, which jax's threads
+  make unsafe."""
+  return [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
+          "signal.SIG_DFL); signal.signal(signal.SIGTERM, signal.SIG_DFL); "
+          "os.execv(sys.argv[1], sys.argv[1:])", *cmd]
+
+
 # ``python -c RUN_MODULE_REPORTING_JAX MODULE ARGS...`` runs ``python -m MODULE ARGS...`` (runpy,
 # as -m does) and prints its exit status and which of jax and flax it imported, e.g. ``1 []``:
 # for the tools' refusals that must come before jax's seconds of start-up.

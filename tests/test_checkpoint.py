@@ -28,7 +28,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import drop_exceptions, program_json, subprocess_env, tiny_config
+from conftest import as_in_a_terminal, drop_exceptions, program_json, subprocess_env, tiny_config
 from flax import nnx
 
 from cem_jax import integrity, optim
@@ -141,16 +141,6 @@ def _metrics_inode(workdir: Path) -> int | None:
     return None
 
 
-# A command started in the background by a non-interactive shell (`cmd &`, as `nohup bash
-# .ci/run &` runs this suite) inherits SIGINT ignored, and Python then keeps it ignored: the run
-# never saw the test's Ctrl-C and finished with status 0. A terminal's foreground run has the
-# default action, which is what this test is about. So each run starts through this, which sets
-# the default and then becomes the run (exec: the same pid). Not Popen's preexec_fn: that forks
-# the test process, which JAX's threads make unsafe.
-_CTRL_C_AS_IN_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL);"
-                            " os.execv(sys.argv[1], sys.argv[1:])")
-
-
 def _start_and_signal(cmd, env, workdir: Path, at_step: int, sig) -> subprocess.CompletedProcess:
   """Starts ``cmd`` (SIGINT at its default, as in a terminal); sends ``sig`` once metrics.jsonl
   shows a step >= ``at_step`` (or that step's checkpoint exists); returns the finished process
@@ -158,7 +148,7 @@ def _start_and_signal(cmd, env, workdir: Path, at_step: int, sig) -> subprocess.
   # What an earlier run left must not trigger the signal: a resuming run always rewrites
   # metrics.jsonl (dropping lines after its checkpoint) into a new file, so wait for a new inode.
   stale = _metrics_inode(workdir)
-  proc = subprocess.Popen([sys.executable, "-c", _CTRL_C_AS_IN_A_TERMINAL, *cmd], cwd=REPO,
+  proc = subprocess.Popen(as_in_a_terminal(cmd), cwd=REPO,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
   seen = []  # (seconds, inode, max step) each time what the poll sees changes: for a miss

@@ -31,6 +31,7 @@ import pytest
 from absl import flags
 from conftest import (
     RUN_MODULE_REPORTING_JAX,
+    as_in_a_terminal,
     closed_port,
     program_json,
     quadrature_phi_silu,
@@ -129,14 +130,9 @@ def test_python_m_cem_jax_train_is_refused_naming_main(tmp_path):
   """The loop's module run as a program trained nothing and ended with status 0, a finished
   run to a script (adv60): one line naming cem_jax.main, status 1, no workdir made."""
   workdir = tmp_path / "w"
-
-  def as_a_terminal_leaves_them():
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-  proc = subprocess.run([sys.executable, "-m", "cem_jax.train", "--config=experiments/tiny.py",
-                         f"--workdir={workdir}"], cwd=REPO, capture_output=True, text=True,
-                        timeout=120, preexec_fn=as_a_terminal_leaves_them)
+  proc = subprocess.run(as_in_a_terminal([sys.executable, "-m", "cem_jax.train",
+                                          "--config=experiments/tiny.py", f"--workdir={workdir}"]),
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 1, proc.stderr
   assert proc.stderr.strip().splitlines() == [
       "error: cem_jax.train is the training loop, not a program: train with python -m "
