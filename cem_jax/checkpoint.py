@@ -48,11 +48,12 @@ from cem_jax.integrity import (
 )
 
 __all__ = ["COMMIT_MARKER", "DELETING_DIR", "DIGEST_DIR", "REJECTED_DIR", "CheckpointError",
-           "Checkpointer", "HeldReads"]
+           "Checkpointer", "HeldReads", "flat_arrays"]
 
 
-def _flat_arrays(tree) -> dict[str, tuple[tuple[int, ...], str]]:
-  """``{"a/b/0/c": (shape, dtype)}`` in Orbax's own key format, for trees and metadata alike."""
+def flat_arrays(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+  """``{"a/b/0/c": (shape, dtype)}`` of a pytree's arrays (or ``jax.ShapeDtypeStruct`` s) in
+  Orbax's own key format, as :meth:`Checkpointer.saved_arrays` names a step's."""
   flat = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(tree, keep_empty_nodes=True), sep="/")
   return {k: (tuple(v.shape), str(v.dtype)) for k, v in flat.items() if hasattr(v, "shape")}
 
@@ -449,6 +450,11 @@ class Checkpointer:
 
   # -- restoring --------------------------------------------------------------------------------
 
+  def saved_arrays(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{"params/...": (shape, dtype), "opt_state/...": ...}`` of step ``step``'s arrays, from
+    its metadata (no array is read), keyed as :func:`flat_arrays` keys a tree."""
+    return flat_arrays(self.manager.item_metadata(step)["state"].tree)
+
   def check_compatible(self, step: int, target, partial: bool = False) -> None:
     """Compares step ``step``'s saved tree (keys, shapes, dtypes) with ``target``'s; with
     ``partial``, only the saved items ``target`` (a dict) has (e.g. ``params``).
@@ -457,8 +463,7 @@ class Checkpointer:
       CheckpointError: one line naming the keys missing on either side and those whose shape or
         dtype differ (e.g. a changed ``model.d_model`` or optax chain).
     """
-    saved = _flat_arrays(self.manager.item_metadata(step)["state"].tree)
-    want = _flat_arrays(target)
+    saved, want = self.saved_arrays(step), flat_arrays(target)
     if partial:
       saved = {k: v for k, v in saved.items() if k.split("/")[0] in target}
     # Parameters first: a changed model shows there, its optimizer moments only repeat it.

@@ -204,6 +204,17 @@ def get_default_config() -> ml_collections.ConfigDict:
   k.every_steps = 250  # and at the last step
   k.keep = 3  # the newest checkpoints kept (older ones deleted after each save)
   k.async_save = True  # write in the background while training goes on
+  # Fine-tuning / continued pre-training: start from another run's parameters. Its --workdir
+  # (its newest intact checkpoint) or one step folder of it (WORKDIR/checkpoints/<step>).
+  # Read at a fresh start only (--workdir holds no checkpoint): the parameters are restored
+  # onto this run's mesh, and the optimizer state, the step (0), the schedule and the data
+  # order start afresh. A run resuming its own checkpoint ignores it (logged): a preempted
+  # fine-tune goes on from its own step, not from the source. Refused (one line, before
+  # anything compiles): no intact checkpoint there; another data.vocab_size or tokenizer;
+  # any parameter of another shape or path. Model fields that change no shape (num_steps,
+  # energies, attention_impl...) are logged. Each checkpoint records the source (its step
+  # folder, step and digest: meta parameters_from). '' = initialise from `seed`.
+  k.load_parameters_from = ""
 
   return c
 

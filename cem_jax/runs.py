@@ -16,6 +16,7 @@ import time
 
 import jax
 import ml_collections
+from absl import logging
 from flax import nnx
 
 from cem_jax import checkpoint as checkpoint_lib
@@ -24,7 +25,8 @@ from cem_jax import data as data_lib
 from cem_jax import energies, preflight
 from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
-from cem_jax.files import read_json
+from cem_jax.data.prepared import TOKENIZER as TOKENIZER_FILE
+from cem_jax.files import read_json, sha256_file
 from cem_jax.version import NUMERICS_VERSION
 
 
@@ -47,6 +49,10 @@ class CheckpointMeta:
     energies: the user energies' digests (:func:`cem_jax.energies.energy_digests`); a table's
       ``result.json`` calls them ``energy_digests`` (:func:`result_record`).
     energy_digest_version: the digest version ``energies`` were taken with.
+    parameters_from: where the run's parameters started from, if not from its seed
+      (``checkpoint.load_parameters_from``, :func:`open_parameters_source`): ``{"checkpoint":
+      the step folder, "step": its step, "digest_sha256": the sha256 of its integrity digest
+      file, or None}``; carried into every later checkpoint of the run.
   """
 
   step: int | None = None
@@ -56,20 +62,22 @@ class CheckpointMeta:
   data: dict | None = None
   energies: dict | None = None
   energy_digest_version: int = 1
+  parameters_from: dict | None = None
 
   @classmethod
   def saved_now(cls, step: int, seed: int, resolved: dict, data: dict | None,
-                digests: dict) -> CheckpointMeta:
+                digests: dict, parameters_from: dict | None = None) -> CheckpointMeta:
     """What this code saves at ``step`` of the run of ``resolved`` (``config.to_dict()``)."""
     return cls(step=step, seed=seed, config=resolved,
                numerics_version=NUMERICS_VERSION, data=data, energies=digests,
-               energy_digest_version=energies.DIGEST_VERSION)
+               energy_digest_version=energies.DIGEST_VERSION, parameters_from=parameters_from)
 
   def to_dict(self) -> dict:
     return {"step": self.step, "data_position": self.step, "seed": self.seed,
             "config": self.config, "numerics_version": self.numerics_version,
             "data": self.data, "energies": self.energies,
-            "energy_digest_version": self.energy_digest_version}
+            "energy_digest_version": self.energy_digest_version,
+            "parameters_from": self.parameters_from}
 
   @classmethod
   def from_dict(cls, meta: dict, where: str = "a checkpoint") -> CheckpointMeta:
@@ -92,7 +100,7 @@ class CheckpointMeta:
                                 and value >= 0 or value is None and key in ("step", "seed")):
         raise ValueError(f"{where}: damaged metadata: {key}={value!r}; allowed: an integer "
                          ">= 0")
-    for key in ("config", "data", "energies"):
+    for key in ("config", "data", "energies", "parameters_from"):
       if fields.get(key) is not None and not isinstance(fields[key], dict):
         raise ValueError(f"{where}: damaged metadata: {key} is a {type(fields[key]).__name__}, "
                          "not an object")
@@ -483,3 +491,199 @@ def _prepared_data_of(workdir: str, prepared_dir: str, identity: dict | None) ->
     except ValueError:
       continue  # not a (complete, intact) prepared folder: not the one
   return None
+
+
+# What checkpoint.load_parameters_from may name, as each of its refusals ends.
+PARAMETERS_FROM_ALLOWED = ("allowed: another run's --workdir (its newest intact checkpoint) or "
+                           "one of its step folders (WORKDIR/checkpoints/<step>), of the same "
+                           "parameter shapes and tokenizer; '' to initialise from seed")
+
+
+@dataclasses.dataclass
+class ParametersSource:
+  """A checkpoint step checked to start a fresh run's parameters from
+  (:func:`open_parameters_source`).
+
+  Attributes:
+    ckpt: the read-only Checkpointer of its checkpoints folder (:meth:`close` it).
+    step: the step.
+    meta: its metadata.
+    record: what the run's checkpoints record of it (``CheckpointMeta.parameters_from``).
+    field: ``checkpoint.load_parameters_from=...`` as the refusals name it.
+  """
+
+  ckpt: checkpoint_lib.Checkpointer
+  step: int
+  meta: CheckpointMeta
+  record: dict
+  field: str
+
+  def close(self) -> None:
+    self.ckpt.close()
+
+
+def _source_folder(path: str) -> tuple[str | None, int | None]:
+  """``(checkpoints folder, step)`` that ``path`` (absolute, a folder) names: a run's folder
+  (its ``checkpoints/``, step None: the newest intact), one step folder of a checkpoints
+  folder (one holding ``digests/``), or such a checkpoints folder itself (step None);
+  ``(None, None)`` for anything else."""
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    return os.path.join(path, "checkpoints"), None
+  parent, name = os.path.split(path)
+  if name.isdigit() and os.path.isdir(os.path.join(parent, checkpoint_lib.DIGEST_DIR)):
+    return parent, int(name)
+  if os.path.isdir(os.path.join(path, checkpoint_lib.DIGEST_DIR)):
+    return path, None
+  return None, None
+
+
+def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSource:
+  """Opens and checks the checkpoint ``config.checkpoint.load_parameters_from`` names, for a
+  fresh run of ``config`` to start from its parameters: the step (the newest intact one of a
+  run's folder, or the step folder given, verified against its digest), its metadata, its
+  ``data.vocab_size`` and every parameter's path, shape and dtype against this config's model
+  (built as shapes only: nothing is read, allocated or compiled). ``model.*`` fields that
+  differ and change no shape (``model.num_steps``, an energy, ``attention_impl``...) are
+  logged, as is another numerics version. The tokenizer is checked once the data are built
+  (:func:`check_source_tokenizer`); the parameters are read by :func:`load_parameters`.
+
+  Returns:
+    A :class:`ParametersSource` (the caller closes it).
+
+  Raises:
+    ValueError: one line naming ``checkpoint.load_parameters_from``, the path, the problem and
+      what is allowed: no such folder; neither a run's folder nor a step folder; no
+      checkpoint there, none intact, or the step folder given damaged or not committed;
+      another ``data.vocab_size``; the first parameter path whose shape or dtype differs (or
+      that only one side has), with both; damaged metadata.
+  """
+  given = config.checkpoint.load_parameters_from
+  field = f"checkpoint.load_parameters_from={given!r}"
+
+  def refuse(problem: str):
+    raise ValueError(f"{field}: {problem}; {PARAMETERS_FROM_ALLOWED}")
+
+  path = os.path.abspath(os.path.expanduser(given))
+  if not os.path.isdir(path):
+    refuse("no such folder" if not os.path.lexists(path) else "not a folder")
+  directory, step = _source_folder(path)
+  if directory is None:
+    refuse("neither a run's folder (it holds no checkpoints/) nor a checkpoint step folder")
+  ckpt = _reader(directory)
+  try:
+    if step is None:
+      try:
+        step = ckpt.restorable_step()
+      except checkpoint_lib.CheckpointError as e:
+        refuse(f"no intact checkpoint in {directory} ({e})")
+      if step is None:
+        refuse(f"no checkpoint in {directory}")
+    else:  # checked against its digest (a save cut short, emptied, truncated, flipped)
+      problems = ckpt.verify(step)
+      if problems:
+        refuse(f"a damaged step ({problems[0]})")
+    meta = read_meta(ckpt, step)
+    _check_source_model(config, ckpt, step, meta, refuse)
+    digest = os.path.join(directory, checkpoint_lib.DIGEST_DIR, f"{step}.json")
+    record = {"checkpoint": ckpt.step_dir(step), "step": step,
+              "digest_sha256": sha256_file(digest) if os.path.isfile(digest) else None}
+  except BaseException:
+    ckpt.close()
+    raise
+  return ParametersSource(ckpt=ckpt, step=step, meta=meta, record=record, field=field)
+
+
+def _shape_text(entry: tuple | None) -> str:
+  return "absent" if entry is None else f"{entry[0]} {entry[1]}"
+
+
+def _check_source_model(config: ml_collections.ConfigDict, ckpt, step: int,
+                        meta: CheckpointMeta, refuse) -> None:
+  """Refuses (``refuse(problem)``) step ``step`` of ``ckpt`` (metadata ``meta``) as the
+  parameters of ``config``'s model: another ``data.vocab_size``, or a parameter of another
+  path, shape or dtype (the first in path order, with both sides); logs the model fields that
+  differ but change no shape."""
+  where = ckpt.step_dir(step)
+  if meta.config is not None:
+    vocab = config_lib.with_defaults(meta.config)["data.vocab_size"]
+    if vocab != config.data.vocab_size:
+      refuse(f"step {step} ({where}) was trained with data.vocab_size={vocab}, this run has "
+             f"data.vocab_size={config.data.vocab_size} (its embeddings would mean other "
+             "tokens)")
+  _, params = nnx.split(nnx.eval_shape(
+      lambda: steps_lib.build_model(config, config.data.vocab_size)), nnx.Param)
+  want = checkpoint_lib.flat_arrays(restore_target(params))
+  saved = {k: v for k, v in ckpt.saved_arrays(step).items() if k.split("/")[0] == "params"}
+  differ = [k for k in sorted(set(want) | set(saved)) if want.get(k) != saved.get(k)]
+  if differ:
+    first = differ[0]
+    more = f" ({len(differ)} parameters differ)" if len(differ) > 1 else ""
+    refuse(f"another model: parameter {first} is {_shape_text(saved.get(first))} in step "
+           f"{step} ({where}), {_shape_text(want.get(first))} in this config's model{more}")
+  changes = [] if meta.config is None else config_lib.model_changes(meta.config, config)
+  changes += edited_energies(meta, config, f"checkpoint {where}")
+  if changes:
+    logging.warning("checkpoint.load_parameters_from: this run's model differs from that of "
+                    "%s in fields that change no parameter shape (allowed): %s", where,
+                    ", ".join(changes))
+  if meta.numerics_version != NUMERICS_VERSION:
+    logging.info("checkpoint.load_parameters_from: %s was trained under numerics version %d, "
+                 "this code is version %d", where, meta.numerics_version, NUMERICS_VERSION)
+
+
+def check_source_tokenizer(source: ParametersSource, data, workdir: str,
+                           prepared_before: frozenset[str] | None) -> None:
+  """Refuses ``source`` for a run on ``data`` when its step was trained with another
+  tokenizer (its embeddings would mean other tokens), after removing what ``WORKDIR/data``
+  gained since ``prepared_before`` (as :func:`check_data`). Other text under the same
+  tokenizer is the point of fine-tuning: logged. A source that recorded no data is not
+  checked.
+
+  Raises:
+    ValueError: one line naming ``checkpoint.load_parameters_from``, both tokenizers' sha256
+      prefixes and, where the source's folder holds it, the tokenizer file to give as
+      ``data.tokenizer``.
+  """
+  saved, now = source.meta.data or {}, data.identity or {}
+  theirs, ours = saved.get("tokenizer_sha256"), now.get("tokenizer_sha256")
+  if theirs and ours and theirs != ours:
+    workdir_lib.remove_prepared_since(workdir, prepared_before)
+    found = _tokenizer_file(source, theirs)
+    fix = (f"set data.tokenizer={found}" if found else
+           "set data.tokenizer to the tokenizer file the source trained with")
+    raise ValueError(
+        f"{source.field}: step {source.step} ({source.record['checkpoint']}) was trained with "
+        f"another tokenizer (tokenizer_sha256 {theirs[:12]}, this run's {ours[:12]}): its "
+        f"embeddings would mean other tokens; {fix}, or {PARAMETERS_FROM_ALLOWED[0].lower()}"
+        f"{PARAMETERS_FROM_ALLOWED[1:]}")
+  if saved and any(saved.get(k) != now.get(k) for k in ("train_sha256", "validation_sha256")):
+    logging.info("checkpoint.load_parameters_from: training on other text than %s was "
+                 "(the same tokenizer)", source.record["checkpoint"])
+
+
+def _tokenizer_file(source: ParametersSource, sha256: str) -> str | None:
+  """The tokenizer file of sha256 ``sha256`` in the source run's prepared data (its
+  ``data.prepared_dir`` or ``WORKDIR/data/*``), None if none there."""
+  workdir = os.path.dirname(source.ckpt.directory)
+  prepared = (config_lib.with_defaults(source.meta.config or {})["data.prepared_dir"],)
+  for folder in [*filter(None, prepared), *sorted(glob.glob(os.path.join(workdir, "data", "*")))]:
+    path = os.path.join(os.path.expanduser(folder), TOKENIZER_FILE)
+    try:
+      if sha256_file(path) == sha256:
+        return path
+    except OSError:
+      continue
+  return None
+
+
+def load_parameters(source: ParametersSource, params):
+  """The parameters of ``source``'s step, read onto ``params``' shardings (an ``nnx.State``
+  of this run's freshly initialised Params: the mesh may differ from the source's); its
+  optimizer state is neither read nor allocated (:meth:`cem_jax.checkpoint.Checkpointer.
+  restore` with ``partial``, as :func:`load_run` reads).
+
+  Raises:
+    CheckpointError: the step no longer fits (as ``Checkpointer.check_compatible``).
+  """
+  state, _ = source.ckpt.restore(source.step, {"params": params}, partial=True)
+  return state["params"]

@@ -188,7 +188,10 @@ class Run:
   start made, deepest first (``workdir`` and those above it; removed again if the start fails;
   empty if ``workdir`` was there); ``energies`` the user
   energies' source digests (:func:`cem_jax.energies.energy_digests`), saved with
-  every checkpoint.
+  every checkpoint; ``parameters_from`` where the parameters started from
+  (``checkpoint.load_parameters_from``: :attr:`cem_jax.runs.CheckpointMeta.parameters_from`,
+  the source's record at a fresh start, the checkpoint's on resume), saved with every
+  checkpoint.
   """
 
   config: ml_collections.ConfigDict
@@ -207,6 +210,7 @@ class Run:
   meta: runs.CheckpointMeta | None = None
   created: tuple[str, ...] = ()
   energies: dict = dataclasses.field(default_factory=dict)
+  parameters_from: dict | None = None
 
 
 def _start_up(config: ml_collections.ConfigDict, workdir: str,
@@ -228,7 +232,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
   _check_before_start(config)
   created = _claim_workdir(config, workdir, held)
   prepared = workdir_lib.prepared_folders(workdir)
-  ckpt = None
+  ckpt = source = None
   try:
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                         every_steps=config.checkpoint.every_steps,
@@ -238,7 +242,12 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
     # Checked before the data and the model are built: a refusal would otherwise come after
     # reading or preparing the data (minutes at corpus scale) and initialising, for nothing.
     saved = None if resume is None else _checked_meta(ckpt, resume, config, energies_now)
+    # A fresh start only: a fine-tune preempted after its first save resumes its own step.
+    if resume is None and config.checkpoint.load_parameters_from:
+      source = runs.open_parameters_source(config)
     data = workdir_lib.build_data_once(config, workdir)
+    if source is not None:  # before anything compiles
+      runs.check_source_tokenizer(source, data, workdir, prepared)
     tx, schedule = make_optimizer(config.train)
     graphdef, params, opt_state, shardings, model = steps_lib.init_state(
         config, data.tokenizer.vocab_size, tx)
@@ -247,9 +256,14 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
               model=model, ckpt=ckpt, created=created, energies=energies_now, resume=resume)
     if resume is not None:
       _restore(run, saved, prepared)
+    elif source is not None:
+      _load_parameters(run, source)
   except BaseException:
     _undo_start(ckpt, workdir, created)
     raise
+  finally:
+    if source is not None:
+      source.close()
   return run
 
 
@@ -382,9 +396,25 @@ def _restore(run: Run, saved: runs.CheckpointMeta, prepared: frozenset[str] | No
   # its structure (optax's state types) and shardings, whatever the saving run used.
   state, _ = ckpt.restore(resume, {"params": run.params, "opt_state": run.opt_state})
   run.meta, run.params, run.opt_state = saved, state["params"], state["opt_state"]
+  run.parameters_from = saved.parameters_from
   # The step Orbax saved the arrays under (its metadata's step checked against it above);
   # the data position is a function of it.
   run.start_step = resume
+
+
+def _load_parameters(run: Run, source: runs.ParametersSource) -> None:
+  """Replaces ``run``'s freshly initialised parameters with ``source``'s, on the same
+  shardings; the optimizer state (zero moments, step count 0), the step and so the schedule
+  and the data order stay those of a fresh start.
+
+  Raises:
+    CheckpointError: as :func:`cem_jax.runs.load_parameters`.
+  """
+  run.params = runs.load_parameters(source, run.params)
+  run.parameters_from = source.record
+  logging.info("parameters from %s (step %d, checkpoint.load_parameters_from); optimizer, "
+               "schedule and data order start at step 0", source.record["checkpoint"],
+               source.step)
 
 
 def make_steps(config: ml_collections.ConfigDict, graphdef, tx, shardings, schedule):
@@ -554,6 +584,10 @@ def _log_resume(run: Run, resolved: dict) -> None:
     return
   changed = config_lib.changes(run.meta.config or {}, resolved, config_lib.OBSERVE_ONLY)
   logging.info("resumed from %s at step %d", run.ckpt.step_dir(run.resume), run.start_step)
+  if run.config.checkpoint.load_parameters_from:
+    logging.info("checkpoint.load_parameters_from=%r is ignored: the run resumes from its own "
+                 "checkpoint (read at a fresh start only)",
+                 run.config.checkpoint.load_parameters_from)
   if run.start_step >= run.config.train.num_steps:
     logging.info("the run is already finished (train.num_steps=%d): nothing to train; raise "
                  "train.num_steps to train on", run.config.train.num_steps)
@@ -813,7 +847,8 @@ class _Loop:
           f"{self.saved_text()}; lower train.learning_rate"
       )
     meta = runs.CheckpointMeta.saved_now(done, self.run.config.seed, self.resolved,
-                                         self.run.data.identity, self.run.energies).to_dict()
+                                         self.run.data.identity, self.run.energies,
+                                         self.run.parameters_from).to_dict()
     self.writer.sync()  # first: no checkpoint of step done without its lines on the disk
     with signals.held(), self.leaving_the_save():
       saved = self.run.ckpt.save(done, state, meta, force=force)

@@ -1,0 +1,196 @@
+"""checkpoint.load_parameters_from: a fresh run starts from another run's parameters with a
+fresh optimizer, step and schedule; a run with a checkpoint of its own resumes it instead; a
+source that cannot be this run's parameters is one line before anything compiles.
+
+One tiny source run (4 steps, checkpoints at steps 2 and 4) is shared by the module. The
+source's arrays are read back here with Orbax's own PyTreeCheckpointer, not through the code
+under test.
+"""
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import warnings
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from conftest import tiny_config
+
+from cem_jax import runs, train
+from cem_jax.metrics import read_metrics
+
+FIELD = "checkpoint.load_parameters_from"
+
+# Small and quick: width 32 on 32-token windows, no energy trace, synchronous saves.
+SMALL = {"model.d_model": 32, "model.num_heads": 2, "model.mlp_dim": 64, "data.seq_len": 32,
+         "train.num_steps": 4, "train.warmup_steps": 2, "train.learning_rate": 1e-2,
+         "train.eval_every_steps": 4, "train.log_every_steps": 1, "eval.max_batches": 1,
+         "eval.energy_trace": False, "checkpoint.every_steps": 2,
+         "checkpoint.async_save": False}
+
+
+def _config(**overrides):
+  return tiny_config(**{**SMALL, **overrides})
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+  """The source run's folder: 4 steps, checkpoints 2 and 4."""
+  workdir = tmp_path_factory.mktemp("source") / "run"
+  train.train_and_evaluate(_config(), str(workdir))
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [
+      "2", "4"]
+  return workdir
+
+
+def _saved_params(step_dir) -> dict[str, np.ndarray]:
+  """``{"a/b/c": array}`` of a step's parameters, read by Orbax's plain PyTree reader."""
+  with warnings.catch_warnings():  # Orbax: no sharding given, it reads the saved one
+    warnings.simplefilter("ignore", UserWarning)
+    tree = ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, "state"))
+  flat = ocp.tree.to_flat_dict(tree["params"], sep="/")
+  return {k: np.asarray(v) for k, v in flat.items()}
+
+
+def _params(params) -> dict[str, np.ndarray]:
+  """A live ``nnx.State`` of Params in the same key format."""
+  tree = ocp.tree.serialize_tree(params, keep_empty_nodes=True)
+  return {k: np.asarray(v) for k, v in ocp.tree.to_flat_dict(tree, sep="/").items()}
+
+
+def _assert_same(got: dict, want: dict) -> None:
+  assert sorted(got) == sorted(want)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_a_fresh_start_takes_the_source_steps_parameters_with_a_fresh_optimizer(source,
+                                                                                 tmp_path):
+  step2 = source / "checkpoints" / "2"
+  want = _saved_params(step2)
+  # The step named, not the newest (step 4), nor the seed's initialisation.
+  newest = _saved_params(source / "checkpoints" / "4")
+  assert any(not np.array_equal(want[k], newest[k]) for k in want)
+  cfg = _config(**{FIELD: str(step2)})
+  with contextlib.ExitStack() as held:
+    run = train._start_up(cfg, str(tmp_path / "ft"), held)
+    try:
+      _assert_same(_params(run.params), want)
+      # Every leaf on this run's sharding (NamedSharding on its mesh), not the reader's.
+      leaves, shardings = jax.tree.leaves(run.params), jax.tree.leaves(run.shardings.params)
+      assert len(leaves) == len(shardings)
+      assert all(leaf.sharding == s for leaf, s in zip(leaves, shardings, strict=True))
+      assert run.start_step == 0 and run.resume is None
+      fresh = run.tx.init(run.params)
+      for got, init in zip(jax.tree.leaves(run.opt_state), jax.tree.leaves(fresh), strict=True):
+        np.testing.assert_array_equal(got, init)
+      moments = [x for x in jax.tree.leaves(run.opt_state) if np.issubdtype(x.dtype, np.floating)]
+      assert moments and all(not np.any(np.asarray(m)) for m in moments)
+      digest = hashlib.sha256((source / "checkpoints" / "digests" / "2.json").read_bytes())
+      assert run.parameters_from == {"checkpoint": str(step2), "step": 2,
+                                     "digest_sha256": digest.hexdigest()}
+    finally:
+      run.ckpt.close()
+
+
+def test_fine_tune_lowers_the_loss_and_a_killed_one_resumes_its_own_step(source, tmp_path,
+                                                                         caplog):
+  workdir = tmp_path / "ft"
+  cfg = _config(**{FIELD: str(source)})  # the run's folder: its newest step, 4
+  train.train_and_evaluate(cfg, str(workdir))
+  theirs = {m["step"]: m for m in read_metrics(str(source))}
+  ours = {m["step"]: m for m in read_metrics(str(workdir))}
+  # Its first step starts from the source's step-4 parameters, not from the seed's
+  # initialisation (the source's own first step), and four more steps lower the loss.
+  assert ours[1]["train/loss"] < theirs[1]["train/loss"] - 0.1
+  assert ours[4]["eval/loss"] < theirs[4]["eval/loss"]
+  meta = json.loads((workdir / "checkpoints" / "4" / "meta" / "metadata").read_text())
+  assert meta["parameters_from"]["checkpoint"] == str(source / "checkpoints" / "4")
+  uninterrupted = _saved_params(workdir / "checkpoints" / "4")
+
+  # Killed after its step-2 save: what a kill leaves is step 2 (step 4 never written).
+  shutil.rmtree(workdir / "checkpoints" / "4")
+  (workdir / "checkpoints" / "digests" / "4.json").unlink()
+  with caplog.at_level(logging.INFO):
+    train.train_and_evaluate(cfg, str(workdir))
+  assert f"{FIELD}={str(source)!r} is ignored: the run resumes" in caplog.text
+  _assert_same(_saved_params(workdir / "checkpoints" / "4"), uninterrupted)
+  meta = json.loads((workdir / "checkpoints" / "4" / "meta" / "metadata").read_text())
+  assert meta["parameters_from"]["checkpoint"] == str(source / "checkpoints" / "4")
+
+
+def _refusal(cfg, workdir) -> str:
+  """The one-line ValueError of a start of ``cfg`` in ``workdir`` (which must not exist, and
+  must not after)."""
+  assert not os.path.exists(workdir)
+  with pytest.raises(ValueError) as e:
+    train.train_and_evaluate(cfg, str(workdir))
+  assert not os.path.exists(workdir), os.listdir(workdir)
+  message = str(e.value)
+  assert "\n" not in message and message.startswith(f"{FIELD}="), message
+  return message
+
+
+def test_a_source_without_an_intact_checkpoint_is_one_line_and_creates_nothing(source,
+                                                                                tmp_path):
+  empty = tmp_path / "empty"
+  (empty / "checkpoints").mkdir(parents=True)
+  (tmp_path / "plain").mkdir()
+  damaged = tmp_path / "damaged"
+  shutil.copytree(source / "checkpoints", damaged / "checkpoints")
+  manifest = damaged / "checkpoints" / "2" / "state" / "manifest.ocdbt"
+  manifest.write_bytes(manifest.read_bytes()[:-1])
+  (damaged / "checkpoints" / "7").mkdir()  # a save cut short: never committed
+  cases = {
+      tmp_path / "missing": "no such folder",
+      tmp_path / "plain": "neither a run's folder",
+      empty: f"no checkpoint in {empty / 'checkpoints'}",
+      damaged / "checkpoints" / "2": "a damaged step \\(.*/2/state/manifest.ocdbt: .*truncated",
+      damaged / "checkpoints" / "7": "a damaged step \\(.*/7: empty folder\\)",
+  }
+  for i, (path, problem) in enumerate(cases.items()):
+    message = _refusal(_config(**{FIELD: str(path)}), tmp_path / f"w{i}")
+    assert message.startswith(f"{FIELD}={str(path)!r}: ")
+    assert re.search(problem, message), message
+    assert message.endswith(runs.PARAMETERS_FROM_ALLOWED)
+
+
+def test_a_source_of_other_shapes_or_tokens_is_one_line_naming_what_differs(source, tmp_path):
+  saved = _saved_params(source / "checkpoints" / "4")
+  # A wider MLP (64 -> 96, no other size is 64): the first parameter path in sorted order
+  # whose shape differs, with both shapes.
+  message = _refusal(_config(**{FIELD: str(source), "model.mlp_dim": 96}), tmp_path / "a")
+  first = min(k for k in saved if 64 in saved[k].shape)
+  want = tuple(96 if n == 64 else n for n in saved[first].shape)
+  assert (f"another model: parameter params/{first} is {saved[first].shape} float32 in step 4 "
+          f"({source / 'checkpoints' / '4'}), {want} float32 in this config's model") in message
+  # Another structure: a parameter the source does not have.
+  message = _refusal(_config(**{FIELD: str(source), "model.diagonal": "per_head"}),
+                     tmp_path / "b")
+  assert ("parameter params/blocks/0/attn/diag/value is absent in step 4 "
+          f"({source / 'checkpoints' / '4'}), (2, 32) float32 in this config's model (2 "
+          "parameters differ)") in message
+  # Another vocabulary: named as such, before the data are built.
+  message = _refusal(_config(**{FIELD: str(source), "data.vocab_size": 256}), tmp_path / "c")
+  assert "was trained with data.vocab_size=512, this run has data.vocab_size=256" in message
+  # The same vocabulary size from another tokenizer: the data are built, then removed again.
+  message = _refusal(_config(**{FIELD: str(source), "data.tokenizer_model_type": "unigram"}),
+                     tmp_path / "d")
+  tokenizer = next((source / "data").glob("*/tokenizer.model"))
+  assert "was trained with another tokenizer" in message
+  assert f"set data.tokenizer={tokenizer}" in message
+
+
+def test_model_fields_that_change_no_shape_are_allowed_and_logged(source, caplog):
+  cfg = _config(**{FIELD: str(source / "checkpoints" / "4"), "model.num_steps": 2})
+  with caplog.at_level(logging.WARNING):
+    opened = runs.open_parameters_source(cfg)
+  opened.close()
+  assert opened.step == 4
+  assert "change no parameter shape (allowed): model.num_steps: 1 -> 2" in caplog.text
