@@ -649,13 +649,12 @@ def check_source_tokenizer(source: ParametersSource, data, workdir: str,
   if theirs and ours and theirs != ours:
     workdir_lib.remove_prepared_since(workdir, prepared_before)
     found = _tokenizer_file(source, theirs)
-    fix = (f"set data.tokenizer={found}" if found else
+    fix = (f"set data.tokenizer={found} (the source's)" if found else
            "set data.tokenizer to the tokenizer file the source trained with")
     raise ValueError(
         f"{source.field}: step {source.step} ({source.record['checkpoint']}) was trained with "
         f"another tokenizer (tokenizer_sha256 {theirs[:12]}, this run's {ours[:12]}): its "
-        f"embeddings would mean other tokens; {fix}, or {PARAMETERS_FROM_ALLOWED[0].lower()}"
-        f"{PARAMETERS_FROM_ALLOWED[1:]}")
+        f"embeddings would mean other tokens; {fix}; {PARAMETERS_FROM_ALLOWED}")
   if saved and any(saved.get(k) != now.get(k) for k in ("train_sha256", "validation_sha256")):
     logging.info("checkpoint.load_parameters_from: training on other text than %s was "
                  "(the same tokenizer)", source.record["checkpoint"])

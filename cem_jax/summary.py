@@ -11,7 +11,8 @@ seconds on a laptop. ``--vocab_size`` stands in for the tokenizer's size (defaul
 ``data.vocab_size``); ``--num_devices=N`` lays the mesh out for N devices (an abstract mesh:
 a pod's sharding can be read on a laptop), checked as ``main`` would check it on N devices.
 ``--workdir=DIR`` inspects a trained run's model, from its ``config.json``, instead of
-``--config``.
+``--config``, and ends with where its parameters started from if another run's checkpoint
+(``checkpoint.load_parameters_from``: :func:`parameters_from_line`).
 """
 
 from __future__ import annotations
@@ -139,11 +140,15 @@ def format_summary(s: dict) -> str:
   return "\n".join(lines)
 
 
-def check_energies_unedited(workdir: str, config: ml_collections.ConfigDict) -> None:
+def check_energies_unedited(workdir: str, config: ml_collections.ConfigDict):
   """Refuses to describe the run in ``workdir`` as ``config`` when a user energy was edited
   since its newest intact checkpoint was saved (its function or closed form, or a constant or
   helper they read: :func:`cem_jax.runs.refuse_edited_energies`), as ``sample`` and
   ``evaluate`` refuse to load it. Nothing is checked without a checkpoint.
+
+  Returns:
+    That checkpoint's metadata (:class:`cem_jax.runs.CheckpointMeta`; without a checkpoint,
+    one with no field set).
 
   Raises:
     ValueError: one line naming the checkpoint and the energies.
@@ -155,6 +160,20 @@ def check_energies_unedited(workdir: str, config: ml_collections.ConfigDict) -> 
   if checkpoint is not None:
     runs.refuse_edited_energies(meta, config, checkpoint, "the summary would describe a model "
                                 "never trained; restore the energy it was trained with")
+  return meta
+
+
+def parameters_from_line(meta) -> str | None:
+  """The line ``inspect --workdir`` prints for a run whose parameters started from another
+  run's checkpoint (``checkpoint.load_parameters_from``; ``meta``: a
+  :class:`cem_jax.runs.CheckpointMeta`), e.g. ``parameters from: /runs/base/checkpoints/1000
+  (step 1000, digest sha256 3f2a...)``; None for a run initialised from its seed."""
+  source = meta.parameters_from
+  if not source:
+    return None
+  digest = source.get("digest_sha256")
+  return (f"parameters from: {source.get('checkpoint')} (step {source.get('step')}"
+          + (f", digest sha256 {digest[:16]}" if digest else "") + ")")
 
 
 def main(argv):
@@ -172,14 +191,16 @@ def main(argv):
     if (fl.config is None) == (fl.workdir is None):
       raise ValueError("give one of --config=FILE.py (a config to inspect) or --workdir=DIR (a "
                        "trained run's config.json)")
+    started = None  # where a trained run's parameters started from, if not its seed
     if fl.workdir is None:
       config = cli.load_config()
     else:
       from cem_jax import runs
 
       config = runs.run_config(fl.workdir)
-      check_energies_unedited(fl.workdir, config)
-    print(format_summary(summary(config, fl.vocab_size, num_devices=fl.num_devices)))
+      started = parameters_from_line(check_energies_unedited(fl.workdir, config))
+    text = format_summary(summary(config, fl.vocab_size, num_devices=fl.num_devices))
+    print(text if started is None else f"{text}\n{started}")
 
 
 def run() -> None:

@@ -109,7 +109,9 @@ def best_eval(evals: list[dict]) -> dict:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains ``config`` in ``workdir``, resuming from its newest intact checkpoint.
+  """Trains ``config`` in ``workdir``, resuming from its newest intact checkpoint; a fresh
+  start with ``checkpoint.load_parameters_from`` set takes another run's parameters and starts
+  its optimizer, step, schedule and data order afresh (:func:`cem_jax.runs.open_parameters_source`).
 
   Start-up checks everything (config, devices, workdir, data, checkpoint) before it writes
   ``workdir/config.json`` or ``metrics.jsonl``; if it (or opening those) fails, the checkpoints
@@ -147,7 +149,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       checkpoints that are all damaged or do not fit the model); a checkpoint trained on other
       data or as another model (a ``model.*`` key changed, other than
       :data:`cem_jax.config.RESUME_MAY_CHANGE`, or a user energy's file edited);
-      ``metrics.jsonl`` damaged before its last line (see :func:`cem_jax.metrics.read_metrics`).
+      ``metrics.jsonl`` damaged before its last line (see :func:`cem_jax.metrics.read_metrics`);
+      a ``checkpoint.load_parameters_from`` that cannot be this run's parameters (as
+      :func:`cem_jax.runs.open_parameters_source`, :func:`cem_jax.runs.check_source_tokenizer`).
     FloatingPointError: ``train.max_consecutive_nonfinite`` consecutive non-finite steps (or
       non-finite parameters at a save); nothing from those steps is saved.
   """
@@ -182,7 +186,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 class Run:
   """What :func:`_start_up` checked and built: everything the loop needs, nothing it changes.
 
-  ``params`` and ``opt_state`` are the restored ones on resume (else freshly initialised);
+  ``params`` and ``opt_state`` are the restored ones on resume (else freshly initialised,
+  ``params`` replaced by the source's with ``checkpoint.load_parameters_from``);
   ``resume`` is the restored checkpoint's step (None for a fresh start) and ``meta`` its
   metadata; ``start_step`` the first step to run (0 or ``resume``); ``created`` the folders this
   start made, deepest first (``workdir`` and those above it; removed again if the start fails;

@@ -3162,6 +3162,7 @@ def test_every_tool_refuses_stray_arguments(tool, capsys):
     ({"energy_digest_version": True}, "energy_digest_version=True; allowed: an integer >= 0"),
     ({"config": [1]}, "config is a list, not an object"),
     ({"energies": "x"}, "energies is a str, not an object"),
+    ({"parameters_from": 3}, "parameters_from is a int, not an object"),
     ([], "a list, not an object"),
 ])
 def test_damaged_checkpoint_metadata_is_one_line_naming_the_checkpoint(meta, message):

@@ -14,15 +14,17 @@ import logging
 import os
 import re
 import shutil
+import textwrap
 import warnings
+from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import tiny_config
+from conftest import program_json, tiny_config
 
-from cem_jax import runs, train
+from cem_jax import runs, summary, train
 from cem_jax.metrics import read_metrics
 
 FIELD = "checkpoint.load_parameters_from"
@@ -123,6 +125,46 @@ def test_fine_tune_lowers_the_loss_and_a_killed_one_resumes_its_own_step(source,
   _assert_same(_saved_params(workdir / "checkpoints" / "4"), uninterrupted)
   meta = json.loads((workdir / "checkpoints" / "4" / "meta" / "metadata").read_text())
   assert meta["parameters_from"]["checkpoint"] == str(source / "checkpoints" / "4")
+  digest = hashlib.sha256((source / "checkpoints" / "digests" / "4.json").read_bytes())
+  assert summary.parameters_from_line(runs.newest_meta(str(workdir))[1]) == (
+      f"parameters from: {source / 'checkpoints' / '4'} (step 4, digest sha256 "
+      f"{digest.hexdigest()[:16]})")
+  assert summary.parameters_from_line(runs.newest_meta(str(source))[1]) is None
+
+
+# In a program of its own on 2 forced CPU devices: the start-up of a run of the source's model
+# with its parameters sharded over mesh.fsdp=2 (the source trained on 1 device).
+_TWO_DEVICES = textwrap.dedent("""
+    import contextlib, json, os, signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.path.insert(0, {tests!r})
+    import jax
+    import numpy as np
+    from cem_jax import train
+    from test_finetune import FIELD, _config, _params, _saved_params
+    source, workdir = sys.argv[1:]
+    with contextlib.ExitStack() as held:
+      run = train._start_up(_config(**{{FIELD: source, "mesh.fsdp": 2}}), workdir, held)
+      try:
+        got = _params(run.params)
+        want = _saved_params(os.path.join(source, "checkpoints", "4"))
+        same = sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+        sharded = sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(run.params))
+      finally:
+        run.ckpt.close()
+    print(json.dumps({{"devices": jax.device_count(), "same": same, "sharded": sharded}}))
+""")
+
+
+def test_parameters_of_a_one_device_run_load_sharded_over_two(source, tmp_path):
+  script = tmp_path / "two.py"
+  script.write_text(_TWO_DEVICES.format(tests=str(Path(__file__).resolve().parent)))
+  workdir = tmp_path / "ft"
+  shutil.copytree(source / "data", workdir / "data")  # its tokens: no tokenizer trained again
+  out = program_json([str(script), str(source), str(workdir)], 2,
+                     cwd=Path(__file__).resolve().parents[1])
+  assert out["devices"] == 2 and out["same"] and out["sharded"] > 0, out
 
 
 def _refusal(cfg, workdir) -> str:
