@@ -656,8 +656,8 @@ def check_source_tokenizer(source: ParametersSource, data, workdir: str,
         f"another tokenizer (tokenizer_sha256 {theirs[:12]}, this run's {ours[:12]}): its "
         f"embeddings would mean other tokens; {fix}; {PARAMETERS_FROM_ALLOWED}")
   if saved and any(saved.get(k) != now.get(k) for k in ("train_sha256", "validation_sha256")):
-    logging.info("checkpoint.load_parameters_from: training on other text than %s was "
-                 "(the same tokenizer)", source.record["checkpoint"])
+    logging.info("checkpoint.load_parameters_from: this run trains on other text than %s "
+                 "did (under the same tokenizer)", source.record["checkpoint"])
 
 
 def _tokenizer_file(source: ParametersSource, sha256: str) -> str | None:
