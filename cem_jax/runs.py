@@ -682,7 +682,20 @@ def load_parameters(source: ParametersSource, params):
   restore` with ``partial``, as :func:`load_run` reads).
 
   Raises:
+    ValueError: the step was deleted since :func:`open_parameters_source` chose it (a source
+      run still training prunes its steps past ``checkpoint.keep``): one line naming
+      ``checkpoint.load_parameters_from`` and what to do.
     CheckpointError: the step no longer fits (as ``Checkpointer.check_compatible``).
   """
-  state, _ = source.ckpt.restore(source.step, {"params": params}, partial=True)
+  try:
+    state, _ = source.ckpt.restore(source.step, {"params": params}, partial=True)
+  # Any type: a step deleted under its read fails in Orbax as it happens to; told by its
+  # folder being gone (as _read_newest tells it), never by the wording.
+  except Exception as e:
+    if os.path.isdir(source.record["checkpoint"]):
+      raise
+    raise ValueError(
+        f"{source.field}: step {source.step} ({source.record['checkpoint']}) was deleted while "
+        "this run started (a run still training keeps only its newest checkpoint.keep steps); "
+        "name a step folder it keeps, or start again once it has stopped") from e
   return state["params"]

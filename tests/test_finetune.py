@@ -23,8 +23,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from conftest import program_json, tiny_config
+from flax import nnx
 
 from cem_jax import runs, summary, train
+from cem_jax import steps as steps_lib
 from cem_jax.metrics import read_metrics
 
 FIELD = "checkpoint.load_parameters_from"
@@ -236,3 +238,24 @@ def test_model_fields_that_change_no_shape_are_allowed_and_logged(source, caplog
   opened.close()
   assert opened.step == 4
   assert "change no parameter shape (allowed): model.num_steps: 1 -> 2" in caplog.text
+
+
+def test_a_source_step_deleted_before_it_is_read_is_one_line(source, tmp_path):
+  # A source still training prunes its old steps: the step chosen at start-up may be gone by
+  # the time the parameters are read, after the data were built.
+  copy = tmp_path / "source"
+  shutil.copytree(source / "checkpoints", copy / "checkpoints")
+  cfg = _config(**{FIELD: str(copy / "checkpoints" / "2")})
+  opened = runs.open_parameters_source(cfg)
+  try:
+    shutil.rmtree(copy / "checkpoints" / "2")
+    target = runs.restore_target(nnx.split(nnx.eval_shape(
+        lambda: steps_lib.build_model(cfg, cfg.data.vocab_size)), nnx.Param)[1])["params"]
+    with pytest.raises(ValueError) as e:
+      runs.load_parameters(opened, target)
+  finally:
+    opened.close()
+  assert str(e.value) == (
+      f"{FIELD}={str(copy / 'checkpoints' / '2')!r}: step 2 ({copy / 'checkpoints' / '2'}) was "
+      "deleted while this run started (a run still training keeps only its newest "
+      "checkpoint.keep steps); name a step folder it keeps, or start again once it has stopped")
