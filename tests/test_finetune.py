@@ -103,17 +103,24 @@ def test_a_fresh_start_takes_the_source_steps_parameters_with_a_fresh_optimizer(
       run.ckpt.close()
 
 
+def _losses(workdir) -> dict[str, dict[int, float]]:
+  """``{"train/loss": {step: loss}, "eval/loss": {step: loss}}`` of a run's metrics.jsonl."""
+  lines = read_metrics(str(workdir))
+  return {key: {m["step"]: m[key] for m in lines if key in m}
+          for key in ("train/loss", "eval/loss")}
+
+
 def test_fine_tune_lowers_the_loss_and_a_killed_one_resumes_its_own_step(source, tmp_path,
                                                                          caplog):
   workdir = tmp_path / "ft"
   cfg = _config(**{FIELD: str(source)})  # the run's folder: its newest step, 4
   train.train_and_evaluate(cfg, str(workdir))
-  theirs = {m["step"]: m for m in read_metrics(str(source))}
-  ours = {m["step"]: m for m in read_metrics(str(workdir))}
+  theirs, ours = _losses(source), _losses(workdir)
   # Its first step starts from the source's step-4 parameters, not from the seed's
   # initialisation (the source's own first step), and four more steps lower the loss.
-  assert ours[1]["train/loss"] < theirs[1]["train/loss"] - 0.1
-  assert ours[4]["eval/loss"] < theirs[4]["eval/loss"]
+  # Measured: train loss at step 1 5.70 against 6.24, eval loss at step 4 5.66 against 5.97.
+  assert ours["train/loss"][1] < theirs["train/loss"][1] - 0.1
+  assert ours["eval/loss"][4] < theirs["eval/loss"][4] - 0.1
   meta = json.loads((workdir / "checkpoints" / "4" / "meta" / "metadata").read_text())
   assert meta["parameters_from"]["checkpoint"] == str(source / "checkpoints" / "4")
   uninterrupted = _saved_params(workdir / "checkpoints" / "4")
