@@ -574,8 +574,9 @@ def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSourc
     if step is None:
       try:
         step = ckpt.restorable_step()
-      except checkpoint_lib.CheckpointError as e:
-        refuse(f"no intact checkpoint in {directory} ({e})")
+      except checkpoint_lib.CheckpointError:  # restorable_step warned of each step's damage
+        refuse(f"no intact checkpoint in {directory} (the warnings above name each step's "
+               "problem)")
       if step is None:
         refuse(f"no checkpoint in {directory}")
     else:  # checked against its digest (a save cut short, emptied, truncated, flipped)

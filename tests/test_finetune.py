@@ -198,10 +198,14 @@ def test_a_source_without_an_intact_checkpoint_is_one_line_and_creates_nothing(s
   manifest = damaged / "checkpoints" / "2" / "state" / "manifest.ocdbt"
   manifest.write_bytes(manifest.read_bytes()[:-1])
   (damaged / "checkpoints" / "7").mkdir()  # a save cut short: never committed
+  ruined = tmp_path / "ruined"  # a run whose only step is damaged
+  shutil.copytree(damaged / "checkpoints", ruined / "checkpoints",
+                  ignore=lambda folder, names: {"4", "7", "4.json"} & set(names))
   cases = {
       tmp_path / "missing": "no such folder",
       tmp_path / "plain": "neither a run's folder",
       empty: f"no checkpoint in {empty / 'checkpoints'}",
+      ruined: f"no intact checkpoint in {ruined / 'checkpoints'} \\(the warnings above",
       damaged / "checkpoints" / "2": "a damaged step \\(.*/2/state/manifest.ocdbt: .*truncated",
       damaged / "checkpoints" / "7": "a damaged step \\(.*/7: empty folder\\)",
   }
