@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import program_json, tiny_config
+from conftest import count_compiles, program_json, tiny_config
 from flax import nnx
 
 from cem_jax import runs, summary, train
@@ -220,7 +220,9 @@ def test_a_source_of_other_shapes_or_tokens_is_one_line_naming_what_differs(sour
   saved = _saved_params(source / "checkpoints" / "4")
   # A wider MLP (64 -> 96, no other size is 64): the first parameter path in sorted order
   # whose shape differs, with both shapes.
+  made = count_compiles()
   message = _refusal(_config(**{FIELD: str(source), "model.mlp_dim": 96}), tmp_path / "a")
+  assert not made, made  # refused before the parameters' initialiser or a step compiled
   first = min(k for k in saved if 64 in saved[k].shape)
   want = tuple(96 if n == 64 else n for n in saved[first].shape)
   assert (f"another model: parameter params/{first} is {saved[first].shape} float32 in step 4 "
