@@ -68,6 +68,13 @@ def _params(params) -> dict[str, np.ndarray]:
   return {k: np.asarray(v) for k, v in ocp.tree.to_flat_dict(tree, sep="/").items()}
 
 
+def _one_device_target(cfg):
+  """``cfg``'s parameters as shapes on this process's first device (nothing initialised)."""
+  params = nnx.split(nnx.eval_shape(lambda: steps_lib.build_model(cfg, cfg.data.vocab_size)),
+                     nnx.Param)[1]
+  return runs.restore_target(params)["params"]
+
+
 def _assert_same(got: dict, want: dict) -> None:
   assert sorted(got) == sorted(want)
   for k in want:
@@ -142,7 +149,8 @@ def test_fine_tune_lowers_the_loss_and_a_killed_one_resumes_its_own_step(source,
 
 
 # In a program of its own on 2 forced CPU devices: the start-up of a run of the source's model
-# with its parameters sharded over mesh.fsdp=2 (the source trained on 1 device).
+# with its parameters sharded over mesh.fsdp=2 (the source trained on 1 device), which then
+# saves them as its step 1 (a source saved on 2 devices, for the test to load on 1).
 _TWO_DEVICES = textwrap.dedent("""
     import contextlib, json, os, signal, sys
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -150,23 +158,28 @@ _TWO_DEVICES = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import jax
     import numpy as np
-    from cem_jax import train
+    from cem_jax import runs, train
     from test_finetune import FIELD, _config, _params, _saved_params
     source, workdir = sys.argv[1:]
+    cfg = _config(**{{FIELD: source, "mesh.fsdp": 2}})
     with contextlib.ExitStack() as held:
-      run = train._start_up(_config(**{{FIELD: source, "mesh.fsdp": 2}}), workdir, held)
+      run = train._start_up(cfg, workdir, held)
       try:
         got = _params(run.params)
         want = _saved_params(os.path.join(source, "checkpoints", "4"))
         same = sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
         sharded = sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(run.params))
+        meta = runs.CheckpointMeta.saved_now(1, cfg.seed, cfg.to_dict(), run.data.identity,
+                                             run.energies, run.parameters_from)
+        run.ckpt.save(1, {{"params": run.params, "opt_state": run.opt_state}}, meta.to_dict(),
+                      force=True)
       finally:
         run.ckpt.close()
     print(json.dumps({{"devices": jax.device_count(), "same": same, "sharded": sharded}}))
 """)
 
 
-def test_parameters_of_a_one_device_run_load_sharded_over_two(source, tmp_path):
+def test_parameters_move_between_one_and_two_devices(source, tmp_path):
   script = tmp_path / "two.py"
   script.write_text(_TWO_DEVICES.format(tests=str(Path(__file__).resolve().parent)))
   workdir = tmp_path / "ft"
@@ -174,6 +187,16 @@ def test_parameters_of_a_one_device_run_load_sharded_over_two(source, tmp_path):
   out = program_json([str(script), str(source), str(workdir)], 2,
                      cwd=Path(__file__).resolve().parents[1])
   assert out["devices"] == 2 and out["same"] and out["sharded"] > 0, out
+  # Saved sharded over 2 devices, read here onto this process's one device.
+  cfg = _config(**{FIELD: str(workdir)})
+  opened = runs.open_parameters_source(cfg)
+  try:
+    assert opened.step == 1
+    loaded = runs.load_parameters(opened, _one_device_target(cfg))
+  finally:
+    opened.close()
+  assert {leaf.sharding.num_devices for leaf in jax.tree.leaves(loaded)} == {1}
+  _assert_same(_params(loaded), _saved_params(source / "checkpoints" / "4"))
 
 
 def _refusal(cfg, workdir) -> str:
@@ -262,10 +285,8 @@ def test_a_source_step_deleted_before_it_is_read_is_one_line(source, tmp_path):
   opened = runs.open_parameters_source(cfg)
   try:
     shutil.rmtree(copy / "checkpoints" / "2")
-    target = runs.restore_target(nnx.split(nnx.eval_shape(
-        lambda: steps_lib.build_model(cfg, cfg.data.vocab_size)), nnx.Param)[1])["params"]
     with pytest.raises(ValueError) as e:
-      runs.load_parameters(opened, target)
+      runs.load_parameters(opened, _one_device_target(cfg))
   finally:
     opened.close()
   assert str(e.value) == (
