@@ -223,12 +223,15 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
   """Validates ``config`` and the devices, prepares ``workdir``, checks the newest intact
   checkpoint's numerics version and model (before anything is built: a refused resume costs
   seconds, not a data build and a model's initialisation), builds the data, the optimizer and
-  the sharded state, checks the checkpoint's data and restores it.
+  the sharded state, checks the checkpoint's data and restores it. Without a checkpoint, with
+  ``checkpoint.load_parameters_from`` set, the source's step, model and vocabulary are checked
+  before the data are built, its tokenizer after, both before anything compiles, and its
+  parameters replace the initialised ones (:func:`_load_parameters`).
 
   Nothing is written to ``workdir`` but the data it prepares (removed again if the checkpoint
-  refuses them); if anything fails and ``workdir`` did not exist before, it is removed again
-  but for the prepared tokens in ``WORKDIR/data``, and so are the empty folders above it that
-  this start made (:func:`_undo_start`).
+  or the source refuses them); if anything fails and ``workdir`` did not exist before, it is
+  removed again but for the prepared tokens in ``WORKDIR/data``, and so are the empty folders
+  above it that this start made (:func:`_undo_start`).
   ``workdir`` is held for this run (:func:`cem_jax.workdir.exclusive`) until ``held`` closes.
 
   Raises:
@@ -413,7 +416,7 @@ def _load_parameters(run: Run, source: runs.ParametersSource) -> None:
   and the data order stay those of a fresh start.
 
   Raises:
-    CheckpointError: as :func:`cem_jax.runs.load_parameters`.
+    ValueError, CheckpointError: as :func:`cem_jax.runs.load_parameters`.
   """
   run.params = runs.load_parameters(source, run.params)
   run.parameters_from = source.record
