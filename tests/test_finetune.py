@@ -199,13 +199,18 @@ def test_parameters_move_between_one_and_two_devices(source, tmp_path):
   _assert_same(_params(loaded), _saved_params(source / "checkpoints" / "4"))
 
 
-def _refusal(cfg, workdir) -> str:
-  """The one-line ValueError of a start of ``cfg`` in ``workdir`` (which must not exist, and
-  must not after)."""
-  assert not os.path.exists(workdir)
+def _refusal(cfg, workdir, exists: bool = False) -> str:
+  """The one-line ValueError of a start of ``cfg`` in ``workdir``, which is left as it was:
+  not there, or (``exists``) an empty folder made here."""
+  if exists:
+    workdir.mkdir()
+  assert not os.path.exists(workdir) or exists
   with pytest.raises(ValueError) as e:
     train.train_and_evaluate(cfg, str(workdir))
-  assert not os.path.exists(workdir), os.listdir(workdir)
+  if exists:
+    assert os.listdir(workdir) == []
+  else:
+    assert not os.path.exists(workdir), os.listdir(workdir)
   message = str(e.value)
   assert "\n" not in message and message.startswith(f"{FIELD}="), message
   return message
@@ -259,9 +264,10 @@ def test_a_source_of_other_shapes_or_tokens_is_one_line_naming_what_differs(sour
   # Another vocabulary: named as such, before the data are built.
   message = _refusal(_config(**{FIELD: str(source), "data.vocab_size": 256}), tmp_path / "c")
   assert "was trained with data.vocab_size=512, this run has data.vocab_size=256" in message
-  # The same vocabulary size from another tokenizer: the data are built, then removed again.
+  # The same vocabulary size from another tokenizer: the data are built in the (existing,
+  # empty) workdir, then removed again.
   message = _refusal(_config(**{FIELD: str(source), "data.tokenizer_model_type": "unigram"}),
-                     tmp_path / "d")
+                     tmp_path / "d", exists=True)
   tokenizer = next((source / "data").glob("*/tokenizer.model"))
   assert "was trained with another tokenizer" in message
   assert f"set data.tokenizer={tokenizer}" in message
