@@ -42,6 +42,29 @@ def _copies(cfg, per_step: bool) -> int:
   return cfg.num_steps if per_step else 1
 
 
+def _at_step(copies: jax.Array, step: int) -> jax.Array:
+  """The copy of a per-step parameter ``[copies, ...]`` (:func:`_copies`) that recursive step
+  ``step`` (0-based) uses: its own, or the one shared copy. Test-time steps past the trained
+  ``model.num_steps`` reuse the last copy, the one trained nearest to them."""
+  return copies[min(step, copies.shape[0] - 1)]
+
+
+def _eta_param(cfg, per_copy: tuple[int, ...], axes: tuple) -> nnx.Param:
+  """The raw step size ``[copies, *per_copy]`` (``model.eta_per_step``), every entry
+  ``softplus⁻¹(model.eta_init)``; ``axes``: the logical axes of ``per_copy``."""
+  copies = _copies(cfg, cfg.eta_per_step)
+  return const_param(jnp.full((copies, *per_copy), softplus_inverse(cfg.eta_init)),
+                     (None, *axes))
+
+
+def _eta_at(module, step: int, per_copy: tuple[int, ...]) -> jax.Array:
+  """``module``'s positive step size at recursive step ``step``, float32 ``per_copy``:
+  softplus of its raw ``eta`` (:func:`_eta_param`), or ones when ``model.learn_eta`` is off."""
+  if module.learn_eta:
+    return jax.nn.softplus(_at_step(module.eta[...], step))
+  return jnp.ones(per_copy, jnp.float32)
+
+
 def padding_energy(energy, params: dict, aux, d_model: int, dtype, context_dtype) -> jax.Array:
   """``energy`` of one padding token as the energy trace takes it off (``CEMBlock._energy``):
   ``y = context = 0``, seeing no key, under ``aux``'s static options. Multiplied by the count
@@ -72,9 +95,7 @@ class CEMAttention(nnx.Module):
     self.w_k = param(rngs, (d, h, dh), cfg.init_std, ("embed", "heads", "head_dim"), pdt)
     self.learn_eta = cfg.learn_eta
     if cfg.learn_eta:
-      copies = _copies(cfg, cfg.eta_per_step)
-      self.eta = const_param(jnp.full((copies, h), softplus_inverse(cfg.eta_init)),
-                            (None, "heads"))
+      self.eta = _eta_param(cfg, (h,), ("heads",))
     self.learn_beta = cfg.learn_beta
     if cfg.learn_beta:
       self.beta = const_param(jnp.full((h,), softplus_inverse(1.0 / math.sqrt(dh))), ("heads",))
@@ -91,11 +112,7 @@ class CEMAttention(nnx.Module):
     ``1/sqrt(head_dim)`` when not learned); with a diagonal ``diag`` ``[num_heads, d_model]``
     in ``dtype`` ('shared' broadcast to every head)."""
     h = self.num_heads
-    if self.learn_eta:
-      raw = self.eta[...]
-      eta = jax.nn.softplus(raw[min(step, raw.shape[0] - 1)])
-    else:
-      eta = jnp.ones((h,), jnp.float32)
+    eta = _eta_at(self, step, (h,))
     if self.learn_beta:
       beta = jax.nn.softplus(self.beta[...])
     else:
@@ -125,18 +142,13 @@ class CEMMLP(nnx.Module):
     self.g = param(rngs, (d, f), cfg.init_std, ("embed", "mlp"), pdt)
     self.learn_eta = cfg.learn_eta
     if cfg.learn_eta:
-      copies = _copies(cfg, cfg.eta_per_step)
-      self.eta = const_param(jnp.full((copies,), softplus_inverse(cfg.eta_init)), (None,))
+      self.eta = _eta_param(cfg, (), ())
 
   def energy_params(self, step: int, dtype) -> dict:
     """The ``params`` dict of the MLP energy at recursive step ``step`` (0-based): ``w``,
     ``g`` ``[d_model, mlp_dim]`` in ``dtype``; ``eta`` ``[]`` float32, positive (softplus of
     the raw parameter; 1 when not learned)."""
-    if self.learn_eta:
-      raw = self.eta[...]
-      eta = jax.nn.softplus(raw[min(step, raw.shape[0] - 1)])
-    else:
-      eta = jnp.ones((), jnp.float32)
+    eta = _eta_at(self, step, ())
     return {"w": self.w[...].astype(dtype), "g": self.g[...].astype(dtype), "eta": eta}
 
 
@@ -160,10 +172,8 @@ class Preconditioner(nnx.Module):
 
   def __call__(self, v: jax.Array, step: int) -> jax.Array:
     """``P_step v`` for ``v`` ``[..., d_model]``; same shape and dtype."""
-    p = self.p[...]
-    i = min(step, p.shape[0] - 1)
-    u = self.u[...][i] if self.rank > 0 else None
-    return updates.precondition(v, p[i], u, self.eps)
+    u = _at_step(self.u[...], step) if self.rank > 0 else None
+    return updates.precondition(v, _at_step(self.p[...], step), u, self.eps)
 
 
 class CEMBlock(nnx.Module):
