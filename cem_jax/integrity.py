@@ -67,6 +67,17 @@ def step_dir(directory: str, step: int) -> str:
   return os.path.join(directory, str(step))
 
 
+def step_folders(directory: str) -> set[int]:
+  """The steps whose folders ``directory`` (a run's ``checkpoints/``) holds now, committed or
+  not (:func:`step_dir`'s all-digit names: an in-flight save's ``STEP`` + ``_TMP_SUFFIX``
+  folder and :data:`DIGEST_DIR` are none); empty if it does not exist or is a file (for
+  :class:`cem_jax.checkpoint.Checkpointer` to refuse in its own line)."""
+  try:
+    return {int(name) for name in os.listdir(directory) if name.isdigit()}
+  except (FileNotFoundError, NotADirectoryError):
+    return set()
+
+
 def digest_path(directory: str, step: int) -> str:
   """The sha256 digest file of checkpoint ``step`` (written once the step's files are final,
   before Orbax commits it: the module docstring)."""

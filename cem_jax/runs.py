@@ -22,7 +22,7 @@ from flax import nnx
 from cem_jax import checkpoint as checkpoint_lib
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
-from cem_jax import energies, preflight
+from cem_jax import energies, integrity, preflight
 from cem_jax import steps as steps_lib
 from cem_jax import workdir as workdir_lib
 from cem_jax.data.prepared import TOKENIZER as TOKENIZER_FILE
@@ -356,20 +356,20 @@ def _read_newest(ckpt, workdir: str, read):
   # or a read that fails otherwise, is shown with its error.
   with checkpoint_lib.HeldReads() as held:
     while True:
-      listed = _step_folders(ckpt.directory)
+      listed = integrity.step_folders(ckpt.directory)
       # A step pruned while it was chosen fails as it happens to: Orbax's FileNotFoundError
       # (its metadata gone), no step listed, or, its folder gone while it was verified, none
       # is intact (keep=1); told by a step folder listed before being gone now.
       try:
         step = ckpt.restorable_step()  # the newest *verified* step
       except (checkpoint_lib.CheckpointError, OSError) as e:
-        gone = listed - _step_folders(ckpt.directory)
+        gone = listed - integrity.step_folders(ckpt.directory)
         if not gone:
           raise
         again(max(gone), e)
         continue
       if step is None:
-        gone = listed - _step_folders(ckpt.directory)
+        gone = listed - integrity.step_folders(ckpt.directory)
         if not gone:
           return None, None
         again(max(gone), FileNotFoundError(f"no checkpoint in {ckpt.directory}"))
@@ -390,22 +390,13 @@ def _reader(directory: str) -> checkpoint_lib.Checkpointer:
   starts is pruned meanwhile (its FileNotFoundError, a step's metadata gone, as
   :func:`_read_newest` finds it), up to :data:`PRUNED_TRIES` times."""
   for _ in range(PRUNED_TRIES - 1):
-    listed = _step_folders(directory)
+    listed = integrity.step_folders(directory)
     try:
       return checkpoint_lib.Checkpointer(directory, async_save=False, read_only=True)
     except OSError:
-      if not listed - _step_folders(directory):
+      if not listed - integrity.step_folders(directory):
         raise
   return checkpoint_lib.Checkpointer(directory, async_save=False, read_only=True)
-
-
-def _step_folders(directory: str) -> set[int]:
-  """The steps whose folders ``directory`` (a run's ``checkpoints/``) holds now, committed or
-  not; none if it does not exist."""
-  try:
-    return {int(name) for name in os.listdir(directory) if name.isdigit()}
-  except FileNotFoundError:
-    return set()
 
 
 def _restore_step(ckpt, step: int, config_json: str, require=None,

@@ -24,7 +24,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from cem_jax import cli, energies
+from cem_jax import cli, energies, integrity
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax.files import hold_folder, read_json
@@ -371,8 +371,7 @@ def check_same_run(workdir: str, config: ml_collections.ConfigDict) -> None:
   Raises:
     ValueError: one line naming the folder, the keys that differ and the fix.
   """
-  checkpoints = os.path.join(workdir, "checkpoints")
-  if not (os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints))):
+  if not integrity.step_folders(os.path.join(workdir, "checkpoints")):
     return
   changes = config_changes(workdir, config)
   if changes:

@@ -194,9 +194,9 @@ def num_steps(module, arg, overrides: dict, extra: list[str]) -> int:
 def is_finished(run_dir: str, steps: int) -> bool:
   """The run's final eval line (``cem_jax.metrics.has_final_eval``) and final checkpoint both
   exist."""
-  from cem_jax import metrics  # REPO is on sys.path once the config is loaded
+  from cem_jax import integrity, metrics  # REPO is on sys.path once the config is loaded
 
-  if not os.path.isdir(os.path.join(run_dir, "checkpoints", str(steps))):
+  if not os.path.isdir(integrity.step_dir(os.path.join(run_dir, "checkpoints"), steps)):
     return False
   try:
     return metrics.has_final_eval(run_dir, steps)

@@ -25,7 +25,7 @@ from conftest import (
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from cem_jax import axes, cli, files, plot, preflight, runs, sharding, signals
+from cem_jax import axes, cli, files, integrity, plot, preflight, runs, sharding, signals
 from cem_jax import config as config_lib
 from cem_jax import summary as summary_lib
 from cem_jax import workdir as workdir_lib
@@ -901,10 +901,10 @@ def test_steps_pruned_together_while_one_is_chosen_count_as_the_newest(tmp_path,
 def test_the_step_folders_are_the_all_digit_names_only(tmp_path):
   # What tells a pruned step: Orbax's in-flight saves ("4.orbax-checkpoint-tmp-17") and other
   # files beside the steps are no step (int() of one would fail the read of a run mid-save).
-  assert runs._step_folders(str(tmp_path / "none")) == set()
+  assert integrity.step_folders(str(tmp_path / "none")) == set()
   for name in ("3", "12", "4.orbax-checkpoint-tmp-17", "tmp", "digests"):
     (tmp_path / name).mkdir()
-  assert runs._step_folders(str(tmp_path)) == {3, 12}
+  assert integrity.step_folders(str(tmp_path)) == {3, 12}
 
 
 def test_load_runs_tries_build_the_model_again_only_for_another_config(tmp_path, monkeypatch):
