@@ -76,8 +76,14 @@ PRESETS = {
 DOCUMENTS_PER_WINDOW = 4  # the benchmark batch's packed documents (equal lengths)
 
 
-def _model_config(preset: dict, variant: dict, seq_len: int, width: int,
-                  attention_impl: str | None = None, loss_block_size: int = 0):
+def model_config(preset: dict, variant: dict, seq_len: int, width: int,
+                 attention_impl: str | None = None, loss_block_size: int = 0):
+  """The config of one bench row: the defaults with ``preset``'s model (a :data:`PRESETS`
+  entry) scaled to ``d_model=width`` (heads and ``mlp_dim`` in proportion), then
+  ``variant``'s ``model.*`` values (a :data:`VARIANTS` entry: they win over the preset's,
+  its ``document_mask`` among them), ``model.attention_impl`` when given,
+  ``data.seq_len=seq_len``, ``train.loss_block_size`` and as many rows as fill the preset's
+  ``tokens_per_batch`` (at least 1). Also what ``experiments/step_program.py`` compiles."""
   c = get_default_config()
   m = c.model
   m.d_model = width
@@ -282,7 +288,7 @@ def run(preset: str, variants: list[str], out: str | None = None,
   if not variants:
     raise ValueError(f"no variants to run; allowed: one or more of {', '.join(VARIANTS)}")
   if document_mask is not None and all("document_mask" in VARIANTS[v] for v in variants):
-    # The variants' own value wins (_model_config): the flag would change no row.
+    # The variants' own value wins (model_config): the flag would change no row.
     raise ValueError(f"--document_mask={str(document_mask).lower()} has no effect on "
                      f"--variants={','.join(variants)}: each sets its own model.document_mask; "
                      "leave it out, or add a variant that does not set it (e.g. llama)")
@@ -310,7 +316,7 @@ def run(preset: str, variants: list[str], out: str | None = None,
   # Variant by variant, in the order given: a sweep cut off by a time limit has every shape
   # of the variants it reached (the comparisons across seq_len need them), not a seq_len of all.
   todo = [(n, width, name) for name in variants for n, width in shapes]
-  configs = [_model_config(p, VARIANTS[name], n, width, attention_impl, loss_block_size)
+  configs = [model_config(p, VARIANTS[name], n, width, attention_impl, loss_block_size)
              for n, width, name in todo]
   for cfg in configs:  # what no row could run fails now, in one line, before any is measured
     # The model first: its kernel choice knows this machine (cuDNN on a CPU: "needs a GPU").

@@ -334,7 +334,7 @@ def main(variant: str = "cem_fused", seq_len: int = 1024, tokens_per_batch: int 
     raise SystemExit(f"variant={variant!r}; allowed: {', '.join(bench.VARIANTS)}")
   check_shape(seq_len, tokens_per_batch)
   preset = dict(bench.PRESETS["gpu125m"], tokens_per_batch=tokens_per_batch)
-  cfg = bench._model_config(preset, bench.VARIANTS[variant], seq_len, preset["d_model"])
+  cfg = bench.model_config(preset, bench.VARIANTS[variant], seq_len, preset["d_model"])
   sharding = _h200_sharding() if target == "h200" else None
   _, step, params, opt_state, batch = bench.train_step_inputs(
       cfg, preset["vocab_size"], abstract=True, platform="gpu" if sharding else None)

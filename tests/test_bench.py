@@ -32,7 +32,7 @@ def _xla_flops_per_token(model_cfg, vocab: int, n: int) -> float:
 def test_analytic_flops_match_xla_cost_analysis(variant):
   preset = dict(bench.PRESETS["tiny"], d_model=256, num_heads=4, mlp_dim=1024)
   n, vocab = 128, 512
-  cfg = bench._model_config(preset, bench.VARIANTS[variant], n, 256)
+  cfg = bench.model_config(preset, bench.VARIANTS[variant], n, 256)
   xla_per_token = _xla_flops_per_token(cfg.model, vocab, n)
   analytic = model_stats.flops_per_token(cfg.model, vocab, n)
   assert abs(analytic / xla_per_token - 1.0) <= 0.10, (analytic, xla_per_token)
@@ -49,7 +49,7 @@ def test_analytic_flops_match_xla_cost_analysis(variant):
 def test_analytic_flops_match_xla_for_the_tables_block_options(overrides):
   preset = dict(bench.PRESETS["tiny"], d_model=256, num_heads=4, mlp_dim=64)
   n, vocab = 128, 64
-  cfg = bench._model_config(preset, overrides, n, 256)
+  cfg = bench.model_config(preset, overrides, n, 256)
   xla_per_token = _xla_flops_per_token(cfg.model, vocab, n)
   analytic = model_stats.flops_per_token(cfg.model, vocab, n)
   assert abs(analytic / xla_per_token - 1.0) <= 0.10, (analytic, xla_per_token)
@@ -73,7 +73,7 @@ def test_analytic_flops_terms_match_xla_one_size_at_a_time(overrides):
     changes.append(dict(num_steps=2))
 
   def both(n, vocab, num_steps):
-    cfg = bench._model_config(preset, dict(overrides, num_steps=num_steps), n, 256).model
+    cfg = bench.model_config(preset, dict(overrides, num_steps=num_steps), n, 256).model
     return model_stats.flops_per_token(cfg, vocab, n), _xla_flops_per_token(cfg, vocab, n)
 
   analytic0, xla0 = both(**base)
@@ -182,7 +182,7 @@ def test_benchmark_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch, capsys
     assert ("jax.grad" if r["variant"] == "cem_autodiff" else "cpu") in r["attention_reason"]
     assert r["step_ms"] > 0 and r["tokens_per_s"] > 0 and r["compile_s"] > 0
     assert r["flops_per_token"] == model_stats.flops_per_token(
-        bench._model_config(tiny, bench.VARIANTS[r["variant"]], 32, 32).model, 512, 32)
+        bench.model_config(tiny, bench.VARIANTS[r["variant"]], 32, 32).model, 512, 32)
   saved = json.load(open(out))
   assert saved["preset"] == "tiny" and len(saved["rows"]) == 3 and saved["complete"] is True
   # The flags the rows were compiled under (conftest sets the optimisation level) and the
@@ -284,7 +284,7 @@ def test_the_documented_gpu_run_resolves_its_kernels_and_sizes():
     assert p["dtype"] == "bfloat16" and p["seq_lens"] == [1024, 4096]
     for name in variants:
       for n in p["seq_lens"]:
-        cfg = bench._model_config(p, bench.VARIANTS[name], n, p["d_model"])
+        cfg = bench.model_config(p, bench.VARIANTS[name], n, p["d_model"])
         assert cfg.train.batch_size * n == p["tokens_per_batch"], (preset, name, n)
         preflight.check(cfg)
         model = nnx.eval_shape(lambda c=cfg, v=p["vocab_size"]: DecoderLM(
@@ -397,7 +397,7 @@ def test_document_mask_overrides_the_preset_but_not_a_variant_that_sets_its_own(
 def test_every_row_of_a_preset_holds_its_tokens_per_batch(preset):
   p = bench.PRESETS[preset]
   for n in p["seq_lens"]:
-    config = bench._model_config(p, bench.VARIANTS["llama"], n, p["d_model"])
+    config = bench.model_config(p, bench.VARIANTS["llama"], n, p["d_model"])
     assert config.train.batch_size * config.data.seq_len == p["tokens_per_batch"], (preset, n)
 
 
@@ -429,7 +429,7 @@ def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(m
   # The figures' arithmetic, on a stand-in model and step (nothing real to build or compile)
   # and a clock that advances 0.5 s a reading: every step takes 0.5 s.
   tiny = dict(bench.PRESETS["tiny"], d_model=32, num_layers=1, mlp_dim=64, tokens_per_batch=64)
-  config = bench._model_config(tiny, bench.VARIANTS["llama"], 32, 32)  # 2 rows of 32 tokens
+  config = bench.model_config(tiny, bench.VARIANTS["llama"], 32, 32)  # 2 rows of 32 tokens
   now = [0.0]
 
   def step(p, o, b):  # every step takes 0.5 s of the clock
@@ -450,7 +450,7 @@ def test_a_row_reports_the_tokens_of_its_batch_and_mfu_of_three_forward_passes(m
   # built-in's.
   (tmp_path / "mine.py").write_text("import jax.numpy as jnp\n\n\ndef gate(y, context, params, "
                                     "aux):\n  return jnp.sum(y * y) * params['eta']\n")
-  config = bench._model_config(tiny, bench.VARIANTS["cem_fused"], 32, 32)
+  config = bench.model_config(tiny, bench.VARIANTS["cem_fused"], 32, 32)
   config.model.mlp_energy = f"{tmp_path}/mine.py:gate"
   r = bench.bench_one(config, 512, steps=3, warmup=1)
   assert (r["flops_per_token"], r["tflops_per_s"], r["mfu"]) == (None, None, None)
@@ -464,7 +464,7 @@ def test_a_row_times_steps_back_to_back_after_warmup_in_mib_with_a_null_nan_loss
   import numpy as np
 
   tiny = dict(bench.PRESETS["tiny"], d_model=32, num_layers=1, mlp_dim=64, tokens_per_batch=64)
-  config = bench._model_config(tiny, bench.VARIANTS["llama"], 32, 32)
+  config = bench.model_config(tiny, bench.VARIANTS["llama"], 32, 32)
   now, durations = [0.0], iter([1.0, 2.0, 3.0, 10.0, 4.0, 4.0, 7.0])
 
   def step(p, o, b):
@@ -492,7 +492,7 @@ def test_a_row_whose_step_does_not_fit_the_host_is_refused_before_its_first_step
   # --preset=gpu125m on a CPU: its 1024-token row's step needs 43 GiB (XLA's analysis); on a
   # 24 GiB host the first step had the kernel kill the whole sweep (exit status 137, no line).
   tiny = dict(bench.PRESETS["tiny"], d_model=32, num_layers=1, mlp_dim=64, tokens_per_batch=64)
-  config = bench._model_config(tiny, bench.VARIANTS["llama"], 32, 32)
+  config = bench.model_config(tiny, bench.VARIANTS["llama"], 32, 32)
   ran = []
 
   def step(p, o, b):
@@ -519,7 +519,7 @@ def test_a_row_whose_step_does_not_fit_the_host_is_refused_before_its_first_step
 def test_abstract_step_inputs_hold_no_arrays_and_lower_to_the_concrete_program():
   # experiments/step_program.py lowers the 125M step on a laptop: shapes only, same program.
   tiny = dict(bench.PRESETS["tiny"], d_model=32, num_layers=1, mlp_dim=64, tokens_per_batch=64)
-  config = bench._model_config(tiny, bench.VARIANTS["cem_fused"], 32, 32)
+  config = bench.model_config(tiny, bench.VARIANTS["cem_fused"], 32, 32)
   _, step, params, opt_state, batch = bench.train_step_inputs(config, 64, abstract=True)
   leaves = jax.tree.leaves((params, opt_state))
   assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
@@ -531,7 +531,7 @@ def test_a_row_waits_for_the_device_work_of_the_steps_it_times(monkeypatch):
   # jax dispatches a step and returns at once; the device's 0.5 s of work ends at a wait. A
   # clock read before the steps' work is waited for would time their dispatch (here 0 s).
   tiny = dict(bench.PRESETS["tiny"], d_model=32, num_layers=1, mlp_dim=64, tokens_per_batch=64)
-  config = bench._model_config(tiny, bench.VARIANTS["llama"], 32, 32)
+  config = bench.model_config(tiny, bench.VARIANTS["llama"], 32, 32)
   now, queued = [0.0], [0.0]
 
   def step(p, o, b):
@@ -550,11 +550,11 @@ def test_a_row_waits_for_the_device_work_of_the_steps_it_times(monkeypatch):
 
 
 def test_a_width_sweep_scales_heads_and_mlp_and_a_variant_keeps_its_document_mask():
-  c = bench._model_config(bench.PRESETS["tiny"], bench.VARIANTS["llama"], 64, 128).model
+  c = bench.model_config(bench.PRESETS["tiny"], bench.VARIANTS["llama"], 64, 128).model
   assert (c.d_model, c.num_heads, c.mlp_dim) == (128, 8, 512)  # head_dim 16 at every width
   gpu = bench.PRESETS["gpu125m"]  # document_mask False; the *_docs variants set True
-  assert bench._model_config(gpu, bench.VARIANTS["llama_docs"], 1024, 768).model.document_mask
-  assert not bench._model_config(gpu, bench.VARIANTS["llama"], 1024, 768).model.document_mask
+  assert bench.model_config(gpu, bench.VARIANTS["llama_docs"], 1024, 768).model.document_mask
+  assert not bench.model_config(gpu, bench.VARIANTS["llama"], 1024, 768).model.document_mask
 
 
 def _row(variant: str, seq_len: int, step_ms: float) -> dict:
@@ -802,7 +802,7 @@ def test_the_step_is_built_for_the_platform_named_not_only_this_machines():
   # experiments/step_program.py compiles the step for an H200 on a CPU: the model must pick
   # the GPU's kernel (cuDNN, for bf16 and head_dim 64) although this machine has none.
   tiny = dict(bench.PRESETS["tiny"], d_model=64, num_layers=1, mlp_dim=64, tokens_per_batch=64)
-  config = bench._model_config(tiny, bench.VARIANTS["cem_fused"], 32, 64)
+  config = bench.model_config(tiny, bench.VARIANTS["cem_fused"], 32, 64)
   config.model.dtype = "bfloat16"
   chosen = {platform: bench.train_step_inputs(config, 64, abstract=True,
                                               platform=platform)[0].attention_impl
@@ -814,7 +814,7 @@ def test_a_row_names_the_kernel_its_step_runs_not_the_one_the_model_chose(monkey
   # A model built for a GPU picks cuDNN; at an odd seq_len 'auto' runs XLA's attention in its
   # steps (cuDNN needs an even length), and the row must say XLA. XLA's kernel compiles here.
   tiny = dict(bench.PRESETS["tiny"], d_model=64, num_layers=1, mlp_dim=64, tokens_per_batch=66)
-  config = bench._model_config(tiny, bench.VARIANTS["cem_fused"], 33, 64)
+  config = bench.model_config(tiny, bench.VARIANTS["cem_fused"], 33, 64)
   config.model.dtype = "bfloat16"
   inputs = bench.train_step_inputs
   monkeypatch.setattr(bench, "train_step_inputs",
