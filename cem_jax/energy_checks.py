@@ -559,6 +559,20 @@ def _causal_values(field, spec, kind, m, shapes, update, seq_len: int):
   _check_slopes(field, spec, update, runs)
 
 
+def _training_run(spec, update, m, batch: int, seq: int):
+  """``(y, context, params, segment_ids) -> (update, energy)`` in the training layout, ``y``
+  and ``context`` ``[batch, seq, d_model]``, ``segment_ids`` ``[batch, seq]`` int32 or None:
+  the update the model uses and the value of ``spec.energy`` (what ``eval.energy_trace``
+  logs) as one jitted program, so that the pair costs one compile."""
+
+  @_jit
+  def train(y, context, params, segment_ids):
+    aux = training_aux(m, segment_ids, batch, seq)
+    return update(y, context, params, aux), spec.energy(y, context, params, aux)
+
+  return train
+
+
 def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> None:
   """Refuses an update whose rows move when only later tokens change, in one document of
   ``min(data.seq_len, _LOOK_AHEAD_SEQ)`` tokens: the three rows of the batch keep their first
@@ -576,12 +590,7 @@ def _check_no_look_ahead(field, spec, kind, m, shapes, update, seq_len: int) -> 
   # An argument, not a closed-over NumPy array: the energy gets aux.segment_ids as the model
   # hands it, a traced jax array (whose .at a NumPy array lacks).
   one = np.ones((batch, seq), np.int32) if m.document_mask else None
-
-  @_jit
-  def train(y, context, params, segment_ids):
-    aux = training_aux(m, segment_ids, batch, seq)
-    return update(y, context, params, aux), spec.energy(y, context, params, aux)
-
+  train = _training_run(spec, update, m, batch, seq)
   rng = np.random.default_rng(2)
   params = _random_params(shapes, rng)
   y, context, other, other_context = (
@@ -657,13 +666,9 @@ def _layouts(field, spec, kind, m, shapes, update) -> _Runs:
   # context's length (not aux.mask) sees another number in each layout.
   seq = cache - 1
   segment_ids = _segment_ids(batch, seq)
+  train = _training_run(spec, update, m, batch, seq)
 
-  # Each returns the update and the energy's value (what eval.energy_trace logs): one compile.
-  @_jit
-  def train(y, context, params, segment_ids):
-    aux = training_aux(m, segment_ids, batch, seq)
-    return update(y, context, params, aux), spec.energy(y, context, params, aux)
-
+  # The update, the energy's value and a padding token's energy: one compile.
   @_jit
   def decode(y, context, params):
     aux = decoding_aux(m, batch, new, cache, index)
