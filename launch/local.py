@@ -189,10 +189,8 @@ def run(command: list[str], num_processes: int, devices_per_process: int, port: 
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-  split = argv.index("--") if "--" in argv else len(argv)
-  parser = options.Parser(description=__doc__.split("\n\n")[0],
-                                   usage="%(prog)s [options] -- COMMAND [ARG ...]",
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  own, command = options.split_at_dashes(argv)
+  parser = options.script_parser(__doc__, usage="%(prog)s [options] -- COMMAND [ARG ...]")
   parser.add_argument("--num_processes", type=int, default=2)
   parser.add_argument("--devices_per_process", type=int, default=1,
                       help="CPU: forced host devices per process; GPU: GPUs per process")
@@ -201,11 +199,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--kill_grace_s", type=float, default=5.0,
                       help="seconds between SIGTERM and SIGKILL when stopping processes")
   parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
-  args = parser.parse_args(argv[:split])  # --help prints the usage here, with or without --
-  if split == len(argv):
+  args = parser.parse_args(own)  # --help prints the usage here, with or without --
+  if command is None:
     parser.error("give the command after --, e.g. launch/local.py --num_processes=2 -- python "
                  "-m cem_jax.main --config=experiments/tiny.py --workdir=/tmp/mp")
-  args.command = argv[split + 1:]
+  args.command = command
   if not args.command:
     parser.error("the command after -- is empty")
   if args.num_processes < 1:

@@ -39,3 +39,19 @@ class Parser(argparse.ArgumentParser):
         self.error(f"unknown option {name!r}; {hint}allowed: "
                    f"{', '.join(k for k in self._known if k.startswith('--'))}")
     return super().parse_known_args(args, namespace)
+
+
+def script_parser(doc: str, **kwargs) -> Parser:
+  """A launch script's :class:`Parser`: the first paragraph of its docstring ``doc`` as the
+  description, printed by ``--help`` as written; ``kwargs`` as ``argparse.ArgumentParser``'s."""
+  return Parser(description=doc.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+
+def split_at_dashes(argv: list[str]) -> tuple[list[str], list[str] | None]:
+  """``argv`` split at its first ``--``: the script's own arguments before it, those it hands
+  on after it (None where there is no ``--``)."""
+  if "--" not in argv:
+    return list(argv), None
+  split = argv.index("--")
+  return argv[:split], argv[split + 1:]

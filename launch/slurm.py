@@ -85,9 +85,8 @@ def _check_paths(parser: argparse.ArgumentParser, repo: str, main_args: list[str
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-  split = argv.index("--") if "--" in argv else len(argv)
-  parser = options.Parser(description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  own, after = options.split_at_dashes(argv)
+  parser = options.script_parser(__doc__)
   parser.add_argument("--nodes", type=int, default=1)
   parser.add_argument("--gpus_per_node", type=int, default=8)
   parser.add_argument("--per", choices=("gpu", "node"), default="gpu",
@@ -106,8 +105,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                       help="write the script, do not run sbatch")
   parser.add_argument("--dry_run", action="store_true",
                       help="print the script and the sbatch command, write nothing")
-  args = parser.parse_args(argv[:split])
-  main_args = argv[split + 1:]
+  args = parser.parse_args(own)
+  main_args = after or []
   for name in ("nodes", "gpus_per_node"):
     if getattr(args, name) < 1:
       parser.error(f"--{name}={getattr(args, name)}; allowed: an int >= 1")

@@ -340,9 +340,8 @@ def run_command(args: argparse.Namespace, mains: list[str], first: bool) -> list
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-  split = argv.index("--") if "--" in argv else len(argv)
-  parser = options.Parser(description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  own, after = options.split_at_dashes(argv)
+  parser = options.script_parser(__doc__)
   parser.add_argument("--config", required=True, help="experiment file[:arg] with get_sweep()")
   parser.add_argument("--workdir", required=True, help="one sub-folder per run")
   parser.add_argument("--launcher", choices=("local", "tpu_pod"), default="local")
@@ -353,7 +352,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument("--zone", default="", help="tpu_pod: zone")
   parser.add_argument("--project", default="", help="tpu_pod: project")
   parser.add_argument("--dry_run", action="store_true", help="print what would run")
-  args = parser.parse_args(argv[:split])
+  args = parser.parse_args(own)
   if args.launcher == "tpu_pod" and not (args.tpu and args.zone):
     parser.error("--launcher=tpu_pod needs --tpu=NAME and --zone=ZONE")
   if args.num_processes < 1:
@@ -376,7 +375,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.error(f"--devices_per_process={args.devices_per_process} has no effect with "
                  "--num_processes=1 (one plain process on this machine's devices); allowed: 1, "
                  "or --num_processes >= 2")
-  extra = argv[split + 1:]
+  extra = after or []
   for flag in ("--workdir", "--config"):
     if any(a == flag or a.startswith(flag + "=") for a in extra):
       parser.error(f"{flag} after -- would give every run the same one; give it before --")

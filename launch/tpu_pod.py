@@ -171,9 +171,8 @@ def pack(tarball: str, repo: str = REPO) -> int:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-  split = argv.index("--") if "--" in argv else len(argv)
-  parser = options.Parser(description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  own, after = options.split_at_dashes(argv)
+  parser = options.script_parser(__doc__)
   parser.add_argument("--tpu", required=True, help="TPU VM name")
   parser.add_argument("--zone", required=True)
   parser.add_argument("--project", default="", help="default: gcloud's configured project")
@@ -192,8 +191,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument("--log", default="",
                       help="run detached (nohup), output to this remote file on every worker")
   parser.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
-  args = parser.parse_args(argv[:split])
-  main_args = argv[split + 1:]
+  args = parser.parse_args(own)
+  main_args = after or []
   if not any(a.startswith("--config=") for a in main_args):
     parser.error("give cem_jax.main's arguments after --, at least --config=FILE and "
                  "--workdir=DIR")
