@@ -168,6 +168,11 @@ class Tokenizer:
 
 
 def _chunks(docs: Iterable[str]) -> Iterator[str]:
+  """``docs`` cut into SentencePiece's training sentences of at most ``TRAIN_CHUNK_CHARS``
+  characters, each ending after its window's last newline, else its last space, else at the
+  limit (``''.join`` of a document's chunks is the document). Not
+  :func:`cem_jax.data.text.cut_at_breaks`, which prefers paragraph breaks and never cuts at a
+  space: another rule here changes the sample, and with it a trained tokenizer's pieces."""
   for doc in docs:
     start = 0
     while start < len(doc):
@@ -183,8 +188,8 @@ def _chunks(docs: Iterable[str]) -> Iterator[str]:
 
 
 def _training_chunks(docs: Iterable[str]) -> list[str]:
-  """The training sample: ``docs`` cut into chunks of ~``TRAIN_CHUNK_CHARS`` characters after
-  a newline, every k-th chunk kept when they hold more than ``MAX_TRAIN_CHARS``. ``docs`` is
+  """The training sample: ``docs`` cut into chunks of at most ``TRAIN_CHUNK_CHARS`` characters
+  (:func:`_chunks`), every k-th chunk kept when they hold more than ``MAX_TRAIN_CHARS``. ``docs`` is
   read twice (total, then sample), so an iterable that re-reads a large corpus on each pass
   never holds more than the sample."""
   total = sum(len(doc) for doc in docs)
