@@ -6,6 +6,13 @@ from the command line (``--config.model.num_layers=2``). Groups: ``model``, ``da
 ``train``, ``eval``, ``mesh``, ``checkpoint``.
 
 The maths behind the ``model`` options is in ``CEM_MATH.md`` (section numbers given per key).
+
+Besides the defaults and :func:`validate` (with the per-field rules the tools reuse:
+:func:`check_int`, :func:`check_flag`, :func:`check_range`, ...), a saved run's config read
+back and compared (jax-free, as the whole module): :func:`flat`, :func:`from_saved`,
+:func:`changes` (what a resume logs), :func:`run_changes` (another run: ``tables``,
+``launch/sweep.py``) and :func:`model_changes` (another model: a resume refused), with the keys
+they leave out (:data:`RESUME_MAY_CHANGE`, :data:`COMPUTE_ONLY`, :data:`OBSERVE_ONLY`).
 """
 
 from __future__ import annotations
