@@ -194,9 +194,11 @@ def num_steps(module, arg, overrides: dict, extra: list[str]) -> int:
 def is_finished(run_dir: str, steps: int) -> bool:
   """The run's final eval line (``cem_jax.metrics.has_final_eval``) and final checkpoint both
   exist."""
-  from cem_jax import integrity, metrics  # REPO is on sys.path once the config is loaded
+  from cem_jax import metrics  # REPO is on sys.path once the config is loaded
 
-  if not os.path.isdir(integrity.step_dir(os.path.join(run_dir, "checkpoints"), steps)):
+  # The step's folder as cem_jax.integrity.step_dir names it, not read from there: integrity
+  # loads Orbax and jax (3 s), which a sweep of new runs never needs.
+  if not os.path.isdir(os.path.join(run_dir, "checkpoints", str(steps))):
     return False
   try:
     return metrics.has_final_eval(run_dir, steps)
