@@ -17,6 +17,12 @@ from cem_jax import errors, signals
 from cem_jax.files import atomic_write_bytes, naming
 
 
+def metrics_path(workdir: str) -> str:
+  """``WORKDIR/metrics.jsonl``: the run's metric lines (:class:`MetricsWriter`,
+  :func:`read_metrics`), for every module that reads or copies them."""
+  return os.path.join(workdir, "metrics.jsonl")
+
+
 def tensorboard_dir(workdir: str) -> str:
   """``WORKDIR/tensorboard``: the scalars' event files and the profiler's traces
   (:mod:`cem_jax.profiling`), so one ``tensorboard --logdir`` shows both."""
@@ -52,7 +58,7 @@ class MetricsWriter:
 
   def __init__(self, workdir: str, enabled: bool = True, truncate_after_step: int | None = None,
                tensorboard: bool = True, hold: tuple[int, ...] = (signal.SIGINT,)):
-    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.path = metrics_path(workdir)
     self.enabled = enabled
     self._hold = hold
     self._file = None
@@ -290,7 +296,7 @@ def read_metrics(workdir: str) -> list[dict]:
       at the same step (two runs' lines in one file); one line naming the file, the line
       number and its text or key.
   """
-  lines, _ = _parse_metrics(os.path.join(workdir, "metrics.jsonl"))
+  lines, _ = _parse_metrics(metrics_path(workdir))
   return [m for _, m in lines]
 
 
@@ -301,7 +307,7 @@ def has_final_eval(workdir: str, num_steps: int) -> bool:
   Raises:
     ValueError: as :func:`read_metrics`.
   """
-  if not os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
+  if not os.path.isfile(metrics_path(workdir)):
     return False
   return any(m["step"] == num_steps and "eval/loss" in m for m in read_metrics(workdir))
 

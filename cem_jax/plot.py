@@ -17,7 +17,7 @@ from absl import app, flags
 
 from cem_jax import cli
 from cem_jax.files import saved_figure
-from cem_jax.metrics import energy_steps, read_metrics
+from cem_jax.metrics import energy_steps, metrics_path, read_metrics
 
 
 def plot_losses(metrics: list[dict], path: str, title: str = "") -> None:
@@ -83,11 +83,11 @@ def plot_run(workdir: str) -> list[str]:
   """
   if os.path.isfile(workdir):  # else "no metrics.jsonl" would send the user to train there
     raise ValueError(f"--workdir={workdir} is a file; give a run's folder (holds metrics.jsonl)")
-  if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+  if not os.path.exists(metrics_path(workdir)):
     # A table's or a sweep's folder holds runs: "train there first" sent the user to train in it.
-    inside = sorted(glob.glob(os.path.join(glob.escape(workdir), "*", "metrics.jsonl"))
-                    + glob.glob(os.path.join(glob.escape(workdir), "*", "*", "*",
-                                             "metrics.jsonl")))
+    runs_in = (os.path.join(glob.escape(workdir), "*"),  # a sweep's WORKDIR/RUN
+               os.path.join(glob.escape(workdir), "*", "*", "*"))  # a table's TABLE/ROW/SEED
+    inside = sorted(p for pattern in runs_in for p in glob.glob(metrics_path(pattern)))
     if inside:
       raise FileNotFoundError(f"--workdir={workdir}: no metrics.jsonl; it is a folder of "
                               f"{len(inside)} runs: give one run's folder, e.g. "

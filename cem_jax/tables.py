@@ -57,7 +57,7 @@ from cem_jax import config as config_lib
 from cem_jax.config import get_default_config
 from cem_jax.data import pipeline, prepared, sources
 from cem_jax.files import atomic_write_json, atomic_write_text, read_json, saved_figure
-from cem_jax.metrics import has_final_eval, read_metrics
+from cem_jax.metrics import has_final_eval, metrics_path, read_metrics
 from cem_jax.version import NUMERICS_VERSION
 
 PAPER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -357,7 +357,7 @@ def _trained_version(out: str) -> int | None:
   result_path = os.path.join(out, "result.json")
   if os.path.exists(result_path):
     return runs.numerics_version_of(_read_result(result_path))
-  if os.path.exists(os.path.join(out, "metrics.jsonl")):
+  if os.path.exists(metrics_path(out)):
     lines = read_metrics(out)
     return runs.numerics_version_of(lines[0]) if lines else None
   return None
@@ -504,7 +504,7 @@ def _reused_result(label: str, out: str, source: str, digest: str, config, row: 
     logging.info("%s: its unfinished run moved to %s", label, partial)
     os.replace(out, partial)
   os.makedirs(out, exist_ok=True)
-  shutil.copyfile(os.path.join(source, "metrics.jsonl"), os.path.join(out, "metrics.jsonl"))
+  shutil.copyfile(metrics_path(source), metrics_path(out))
   return {**_read_result(os.path.join(source, "result.json"), digest, config), "row": row,
           "reused_from": os.path.relpath(source, out)}
 
@@ -723,13 +723,13 @@ def eval_curves(workdir: str, table: str, module, seeds: int,
       if runs is not None and (row, seed) not in runs:
         continue
       path = run_dir(workdir, table, row, seed)
-      metrics = read_metrics(path) if os.path.exists(os.path.join(path, "metrics.jsonl")) else []
+      metrics = read_metrics(path) if os.path.exists(metrics_path(path)) else []
       # None: non-finite (written as null)
       losses = [(m["step"], m["eval/loss"]) for m in metrics if m.get("eval/loss") is not None]
       for step, loss in losses:
         by_step.setdefault(step, []).append(loss)
       if runs is not None and not losses:  # else its row's curve would lack it, unsaid
-        raise ValueError(f"{os.path.join(path, 'metrics.jsonl')} has no eval loss, but the "
+        raise ValueError(f"{metrics_path(path)} has no eval loss, but the "
                          "table shows that run (its result.json); restore it, or delete the "
                          "run to train it again")
     curves[row] = [(s, statistics.fmean(v)) for s, v in sorted(by_step.items())]

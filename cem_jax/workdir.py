@@ -28,7 +28,7 @@ from cem_jax import cli, energies, integrity
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax.files import hold_folder, read_json
-from cem_jax.metrics import read_metrics
+from cem_jax.metrics import metrics_path, read_metrics
 
 
 def build_data_once(config: ml_collections.ConfigDict, workdir: str):
@@ -427,8 +427,7 @@ class Preemption:
 
 def last_eval_in(workdir: str) -> dict:
   """The last eval line of ``workdir/metrics.jsonl`` without its ``step``; ``{}`` if none."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  if not os.path.exists(metrics_path(workdir)):
     return {}
   evals = [m for m in read_metrics(workdir) if "eval/loss" in m]
   return {k: v for k, v in evals[-1].items() if k != "step"} if evals else {}
