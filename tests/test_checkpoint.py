@@ -273,17 +273,16 @@ runpy.run_module("cem_jax.main", run_name="__main__")
 
 
 def test_a_save_failing_part_way_is_one_line_and_the_same_command_continues_exactly(
-    run_setup, tmp_path):
+    run_setup, reference_run, tmp_path):
   # Orbax's threads each logged the failure (4 ERROR lines, 4 KB, here; 25 lines with
   # tracebacks before and after the run's line when a tmpfs filled during a tiny.py save).
+  # Compared with the module's uninterrupted run of the same command (trained beside the
+  # failing one if no test has trained it yet): a reference of its own cost a third process.
   config, env = run_setup
-  ref_dir, run_dir = tmp_path / "reference", tmp_path / "failed"
-  steps = "--config.train.num_steps=20"
-  reference = subprocess.Popen([*_cli(config, ref_dir), steps], cwd=REPO, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-  failed = subprocess.run([sys.executable, "-c", _SAVE_FAILS_AT_10, *_cli(config, run_dir)[3:],
-                           steps], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+  run_dir = tmp_path / "failed"
+  reference_run.start()
+  failed = subprocess.run([sys.executable, "-c", _SAVE_FAILS_AT_10, *_cli(config, run_dir)[3:]],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert failed.returncode == 1, failed.stderr[-3000:]
   # Our own INFO and WARNING lines (absl's format), and the one error line.
   said = [line for line in failed.stderr.splitlines() if not re.match(r"[IW]\d{4} ", line)]
@@ -292,13 +291,12 @@ def test_a_save_failing_part_way_is_one_line_and_the_same_command_continues_exac
                             f"{run_dir / 'checkpoints'} (")
   assert said[0].endswith("; make room there (or fix the folder), then the same command "
                           "resumes from step 5, the newest saved")
-  resumed = subprocess.run([*_cli(config, run_dir), steps], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=300)
+  resumed = subprocess.run(_cli(config, run_dir), cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resumed from {run_dir / 'checkpoints' / '5'} at step 5" in resumed.stderr
-  assert reference.wait(timeout=300) == 0, reference.stderr.read()[-3000:]
-  ref = _losses(ref_dir)
-  assert sorted(ref) == list(range(1, 21)) and _losses(run_dir) == ref
+  ref = _losses(reference_run.folder())
+  assert sorted(ref) == list(range(1, 41)) and _losses(run_dir) == ref
 
 
 # ---------------------------------------------------------------------------------------------
