@@ -25,6 +25,45 @@ def _launch(script: str, *args: str, timeout: float = 300,
                         capture_output=True, text=True, timeout=timeout, env=env)
 
 
+# ``python launch/sweep.py ARGS`` once per case in one interpreter, each case's exit status,
+# stdout and stderr as that program gives them (sys.exit's message printed, status 1). For
+# dry runs over run folders that hold checkpoints: comparing a folder's config imports jax
+# (2 s of CPU a program). Signals as a terminal leaves them, whatever pytest's are.
+_SWEEP_CASES = """
+import contextlib, io, json, runpy, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+script, cases, out = sys.argv[1], json.load(sys.stdin), []
+sys.path.insert(0, script.rpartition("/")[0])  # as python puts a script's folder first
+for args in cases:
+  sys.argv = [script, *args]
+  stdout, stderr = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+    try:
+      runpy.run_path(script, run_name="__main__")
+      code = 0
+    except SystemExit as e:
+      code = e.code
+      if code is None:
+        code = 0
+      elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+  out.append([code, stdout.getvalue(), stderr.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def _sweeps(*cases: list[str]) -> list[subprocess.CompletedProcess]:
+  """``_launch("sweep.py", *args)`` for each of ``cases`` (its arguments), in one interpreter:
+  the runs they start, if any, must not depend on the cases before them."""
+  proc = subprocess.run([sys.executable, "-c", _SWEEP_CASES, "launch/sweep.py"], cwd=REPO,
+                        input=json.dumps(cases), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+  return [subprocess.CompletedProcess(["launch/sweep.py", *args], code, out, err)
+          for args, (code, out, err) in zip(cases, json.loads(proc.stdout), strict=True)]
+
+
 def _script(name: str):
   """``launch/NAME.py`` imported as a module, to call its functions in this process (with
   launch/ on ``sys.path``, as python puts it there for the script: its ``options`` beside it)."""
@@ -796,8 +835,9 @@ def _sweep_with_first_run_finished(tmp_path, steps: int, work: str = "sw") -> tu
 def test_sweep_dry_run_skips_finished_runs(tmp_path):
   cfg, work = _sweep_with_first_run_finished(tmp_path, 40)
   _finish(work / "custom", 40, checkpoint=False)  # interrupted before its final save
-  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run", "--",
-                 "--config.eval.batch_size=8")
+  proc, longer = _sweeps(
+      [f"--config={cfg}", f"--workdir={work}", "--dry_run", "--", "--config.eval.batch_size=8"],
+      [f"--config={cfg}", f"--workdir={work}", "--dry_run", "--", "--config.train.num_steps=80"])
   assert proc.returncode == 0, proc.stderr
   lines = proc.stdout.splitlines()
   assert lines[0] == "skip train.learning_rate=0.001 (finished: step 40)"
@@ -811,9 +851,7 @@ def test_sweep_dry_run_skips_finished_runs(tmp_path):
       "--config.eval.batch_size=8"]
   assert len(lines) == 3
   # Longer training (an override after --) makes the finished run unfinished again.
-  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run", "--",
-                 "--config.train.num_steps=80")
-  assert not proc.stdout.startswith("skip")
+  assert longer.returncode == 0 and not longer.stdout.startswith("skip"), longer.stderr
 
 
 def test_sweep_ends_with_its_runs_best_first(tmp_path):
@@ -828,13 +866,14 @@ def test_sweep_ends_with_its_runs_best_first(tmp_path):
     if loss is not None:
       (work / name / "best_eval.json").write_text(json.dumps(
           {"eval/best_loss": loss, "eval/best_bits_per_byte": loss / 2, "eval/best_step": 30}))
-  proc = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}")  # all finished: skipped
+  # All finished: skipped (no run started, so the dry run can share the interpreter).
+  proc, dry = _sweeps([f"--config={cfg}", f"--workdir={work}"],
+                      [f"--config={cfg}", f"--workdir={work}", "--dry_run"])
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.splitlines()[3:] == [
       "| run | best eval loss | bits/byte | at step |", "|---|---:|---:|---:|",
       f"| {names[1]} | 3.1250 | 1.5625 | 30 |", f"| {names[0]} | 3.2500 | 1.6250 | 30 |",
       "| custom | n/a | n/a | n/a |"]
-  dry = _launch("sweep.py", f"--config={cfg}", f"--workdir={work}", "--dry_run")
   assert len(dry.stdout.splitlines()) == 3  # a dry run lists what it would do, nothing more
 
 
@@ -889,23 +928,25 @@ def test_sweep_refuses_a_run_folder_started_with_another_config(tmp_path):
   # this sweep's run, and an unfinished one resumed as a mix of the two: main only logs the
   # changes (and refuses another model only on a resume, never on a skip).
   cfg, work, run = _finished_b_run(tmp_path)
-  launch = lambda spec, *extra: _launch("sweep.py", f"--config={spec}", f"--workdir={work}",
-                                        "--dry_run", "--", *extra)
-  proc = launch(f"{cfg}:b", "--config.model.remat=full")  # computed differently: the same run
+  args = lambda spec, *extra: [f"--config={spec}", f"--workdir={work}", "--dry_run", "--",
+                               *extra]
+  refused = (
+      (cfg, [], "train.num_steps: 10 -> 40"),  # the file's other arg
+      (f"{cfg}:b", ["--config.model.d_model=64", "--config.train.weight_decay=1e-2"],
+       "model.d_model: 128 -> 64; train.weight_decay: 0.1 -> 0.01"))
+  proc, *refusals = _sweeps(args(f"{cfg}:b", "--config.model.remat=full"),
+                            *(args(spec, *extra) for spec, extra, _ in refused))
+  # computed differently: the same run
   assert proc.returncode == 0 and proc.stdout.splitlines()[0] == (
       "skip train.learning_rate=0.001 (finished: step 10)"), proc.stderr
   fix = ("it is not this run and resuming it would mix the two: use the command that started "
          "it, a new --workdir, or delete that run to train it again")
-  for spec, extra, change in (
-      (cfg, [], "train.num_steps: 10 -> 40"),  # the file's other arg
-      (f"{cfg}:b", ["--config.model.d_model=64", "--config.train.weight_decay=1e-2"],
-       "model.d_model: 128 -> 64; train.weight_decay: 0.1 -> 0.01")):
-    proc = launch(spec, *extra)
+  for proc, (_, _, change) in zip(refusals, refused, strict=True):
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.strip() == (f"error: {run} holds a run started with another config "
                                    f"({change}); {fix}")
   (run / "checkpoints" / "10").rmdir()  # no checkpoint: main starts the run over, no mix
-  assert launch(cfg).returncode == 0
+  assert _launch("sweep.py", *args(cfg)).returncode == 0
 
 
 def test_sweep_takes_a_relative_energy_file_for_the_absolute_one_main_saved(tmp_path):
