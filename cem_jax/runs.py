@@ -546,7 +546,8 @@ def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSourc
       what is allowed: no such folder; neither a run's folder nor a step folder; no
       checkpoint there, none intact, or the step folder given damaged or not committed;
       another ``data.vocab_size``; the first parameter path whose shape or dtype differs (or
-      that only one side has), with both; damaged metadata.
+      that only one side has), with both; damaged metadata (not an object, a field of another
+      type, or a ``step`` other than its folder's).
   """
   given = config.checkpoint.load_parameters_from
   field = f"checkpoint.load_parameters_from={given!r}"
@@ -574,7 +575,13 @@ def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSourc
       problems = ckpt.verify(step)
       if problems:
         refuse(f"a damaged step ({problems[0]})")
-    meta = read_meta(ckpt, step)
+    try:
+      meta = read_meta(ckpt, step)
+    except ValueError as e:  # from_dict's one line, naming the step's folder
+      refuse(str(e))
+    if meta.step not in (None, step):  # a step folder renamed: its arrays are another step's
+      refuse(f"checkpoint {ckpt.step_dir(step)}: damaged metadata: step={meta.step}, saved as "
+             f"step {step}")
     _check_source_model(config, ckpt, step, meta, refuse)
     digest = os.path.join(directory, checkpoint_lib.DIGEST_DIR, f"{step}.json")
     record = {"checkpoint": ckpt.step_dir(step), "step": step,

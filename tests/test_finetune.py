@@ -25,7 +25,7 @@ import pytest
 from conftest import count_compiles, program_json, tiny_config
 from flax import nnx
 
-from cem_jax import runs, summary, train
+from cem_jax import integrity, runs, summary, train
 from cem_jax import steps as steps_lib
 from cem_jax.metrics import read_metrics
 
@@ -132,12 +132,15 @@ def test_fine_tune_lowers_the_loss_and_a_killed_one_resumes_its_own_step(source,
   assert meta["parameters_from"]["checkpoint"] == str(source / "checkpoints" / "4")
   uninterrupted = _saved_params(workdir / "checkpoints" / "4")
 
-  # Killed after its step-2 save: what a kill leaves is step 2 (step 4 never written).
+  # Killed after its step-2 save: what a kill leaves is step 2 (step 4 never written). The
+  # field, changed meanwhile to a folder that is not there, is not read at all: the run
+  # resumes its own step 2, and its record still names the source it started from.
   shutil.rmtree(workdir / "checkpoints" / "4")
   (workdir / "checkpoints" / "digests" / "4.json").unlink()
+  gone = str(tmp_path / "gone")
   with caplog.at_level(logging.INFO):
-    train.train_and_evaluate(cfg, str(workdir))
-  assert f"{FIELD}={str(source)!r} is ignored: the run resumes" in caplog.text
+    train.train_and_evaluate(_config(**{FIELD: gone}), str(workdir))
+  assert f"{FIELD}={gone!r} is ignored: the run resumes" in caplog.text
   _assert_same(_saved_params(workdir / "checkpoints" / "4"), uninterrupted)
   meta = json.loads((workdir / "checkpoints" / "4" / "meta" / "metadata").read_text())
   assert meta["parameters_from"]["checkpoint"] == str(source / "checkpoints" / "4")
@@ -299,3 +302,41 @@ def test_a_source_step_deleted_before_it_is_read_is_one_line(source, tmp_path):
       f"{FIELD}={str(copy / 'checkpoints' / '2')!r}: step 2 ({copy / 'checkpoints' / '2'}) was "
       "deleted while this run started (a run still training keeps only its newest "
       "checkpoint.keep steps); name a step folder it keeps, or start again once it has stopped")
+
+
+def test_the_path_may_be_relative_to_the_cwd_start_with_a_tilde_or_end_in_a_slash(
+    source, tmp_path, monkeypatch):
+  # A source still training: a save in progress (Orbax's temporary folder) and a step folder
+  # not yet committed are neither chosen nor touched by the reader.
+  home = tmp_path / "home"
+  checkpoints = home / "base" / "checkpoints"
+  shutil.copytree(source / "checkpoints", checkpoints)
+  saving = checkpoints / "6.orbax-checkpoint-tmp-1796690457"
+  shutil.copytree(checkpoints / "4" / "state", saving / "state")
+  (checkpoints / "8").mkdir()
+  monkeypatch.setenv("HOME", str(home))
+  monkeypatch.chdir(home)
+  cases = {"~/base": 4, "base/checkpoints/2/": 2, "~/base/checkpoints/": 4, "./base/": 4}
+  for given, step in cases.items():
+    opened = runs.open_parameters_source(_config(**{FIELD: given}))
+    opened.close()
+    assert (opened.step, opened.record["checkpoint"]) == (step, str(checkpoints / str(step))), given
+  assert sorted(os.listdir(saving)) == ["state"] and os.listdir(checkpoints / "8") == []
+
+
+def test_a_step_folder_whose_metadata_is_damaged_or_another_steps_is_one_line(source, tmp_path):
+  # Each with a digest that matches (a step folder copied under another number with its
+  # digest; metadata rewritten, then digested): only the metadata itself tells.
+  renamed = tmp_path / "renamed" / "checkpoints"
+  (renamed / "digests").mkdir(parents=True)
+  shutil.copytree(source / "checkpoints" / "4", renamed / "2")
+  shutil.copy(source / "checkpoints" / "digests" / "4.json", renamed / "digests" / "2.json")
+  listed = tmp_path / "listed" / "checkpoints"
+  shutil.copytree(source / "checkpoints", listed)
+  (listed / "4" / "meta" / "metadata").write_text("[4]")
+  integrity.write_digest(str(listed), 4)
+  cases = {renamed / "2": f"checkpoint {renamed / '2'}: damaged metadata: step=4, saved as step 2",
+           listed.parent: f"checkpoint {listed / '4'}: damaged metadata: a list, not an object"}
+  for i, (path, problem) in enumerate(cases.items()):
+    message = _refusal(_config(**{FIELD: str(path)}), tmp_path / f"w{i}")
+    assert message == f"{FIELD}={str(path)!r}: {problem}; {runs.PARAMETERS_FROM_ALLOWED}"
