@@ -340,3 +340,21 @@ def test_a_step_folder_whose_metadata_is_damaged_or_another_steps_is_one_line(so
   for i, (path, problem) in enumerate(cases.items()):
     message = _refusal(_config(**{FIELD: str(path)}), tmp_path / f"w{i}")
     assert message == f"{FIELD}={str(path)!r}: {problem}; {runs.PARAMETERS_FROM_ALLOWED}"
+
+
+def test_other_text_under_the_sources_tokenizer_is_what_a_fine_tune_is_for(source, tmp_path,
+                                                                          caplog):
+  # The README's command: another file, tokenized by the source's tokenizer.model.
+  text = tmp_path / "other.txt"
+  text.write_text(Path(json.__file__).read_text() + Path(shutil.__file__).read_text())
+  tokenizer = next((source / "data").glob("*/tokenizer.model"))
+  cfg = _config(**{FIELD: str(source), "data.files": str(text), "data.tokenizer": str(tokenizer)})
+  with caplog.at_level(logging.INFO), contextlib.ExitStack() as held:
+    run = train._start_up(cfg, str(tmp_path / "ft"), held)
+    try:
+      _assert_same(_params(run.params), _saved_params(source / "checkpoints" / "4"))
+      assert run.parameters_from["step"] == 4 and run.start_step == 0
+    finally:
+      run.ckpt.close()
+  assert (f"this run trains on other text than {source / 'checkpoints' / '4'} did (under the "
+          "same tokenizer)") in caplog.text
