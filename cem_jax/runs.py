@@ -112,9 +112,14 @@ def read_meta(ckpt: checkpoint_lib.Checkpointer, step: int) -> CheckpointMeta:
 
   Raises:
     ValueError: damaged metadata (one line naming the checkpoint's folder,
-      :meth:`CheckpointMeta.from_dict`).
+      :meth:`CheckpointMeta.from_dict`), or a ``step`` other than the folder's (hand-edited, or
+      a step folder copied under another number: its arrays are another step's).
   """
-  return CheckpointMeta.from_dict(ckpt.read_meta(step), f"checkpoint {ckpt.step_dir(step)}")
+  where = f"checkpoint {ckpt.step_dir(step)}"
+  meta = CheckpointMeta.from_dict(ckpt.read_meta(step), where)
+  if meta.step not in (None, step):
+    raise ValueError(f"{where}: damaged metadata: step={meta.step}, saved as step {step}")
+  return meta
 
 
 def numerics_version_of(record: dict) -> int:
@@ -577,11 +582,8 @@ def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSourc
         refuse(f"a damaged step ({problems[0]})")
     try:
       meta = read_meta(ckpt, step)
-    except ValueError as e:  # from_dict's one line, naming the step's folder
+    except ValueError as e:  # read_meta's one line, naming the step's folder
       refuse(str(e))
-    if meta.step not in (None, step):  # a step folder renamed: its arrays are another step's
-      refuse(f"checkpoint {ckpt.step_dir(step)}: damaged metadata: step={meta.step}, saved as "
-             f"step {step}")
     _check_source_model(config, ckpt, step, meta, refuse)
     digest = os.path.join(directory, checkpoint_lib.DIGEST_DIR, f"{step}.json")
     record = {"checkpoint": ckpt.step_dir(step), "step": step,

@@ -380,10 +380,7 @@ def _checked_meta(ckpt: Checkpointer, resume: int, config: ml_collections.Config
     ValueError: damaged metadata, or a checkpoint of another run (as
       :func:`cem_jax.runs.refuse_other_run`).
   """
-  saved = runs.read_meta(ckpt, resume)
-  if saved.step not in (None, resume):
-    raise ValueError(f"checkpoint {ckpt.step_dir(resume)}: damaged metadata: step="
-                     f"{saved.step}, saved as step {resume}")
+  saved = runs.read_meta(ckpt, resume)  # its step checked against the folder's there
   runs.refuse_other_run(saved, config, ckpt.step_dir(resume), energies_now)
   return saved
 

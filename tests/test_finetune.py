@@ -340,6 +340,9 @@ def test_a_step_folder_whose_metadata_is_damaged_or_another_steps_is_one_line(so
   for i, (path, problem) in enumerate(cases.items()):
     message = _refusal(_config(**{FIELD: str(path)}), tmp_path / f"w{i}")
     assert message == f"{FIELD}={str(path)!r}: {problem}; {runs.PARAMETERS_FROM_ALLOWED}"
+  # inspect --workdir reads the same metadata the same way.
+  with pytest.raises(ValueError, match=f"^{re.escape(cases[renamed / '2'])}$"):
+    runs.newest_meta(str(renamed.parent))
 
 
 def test_other_text_under_the_sources_tokenizer_is_what_a_fine_tune_is_for(source, tmp_path,
