@@ -16,6 +16,7 @@ import time
 
 import jax
 import ml_collections
+import numpy as np
 from absl import logging
 from flax import nnx
 
@@ -548,7 +549,8 @@ def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSourc
 
   Raises:
     ValueError: one line naming ``checkpoint.load_parameters_from``, the path, the problem and
-      what is allowed: no such folder; neither a run's folder nor a step folder; no
+      what is allowed: no such folder (with several processes: on any of them, all raising
+      together); neither a run's folder nor a step folder; no
       checkpoint there, none intact, or the step folder given damaged or not committed;
       another ``data.vocab_size``; the first parameter path whose shape or dtype differs (or
       that only one side has), with both; damaged metadata (not an object, a field of another
@@ -561,7 +563,17 @@ def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSourc
     raise ValueError(f"{field}: {problem}; {PARAMETERS_FROM_ALLOWED}")
 
   path = os.path.abspath(os.path.expanduser(given))
-  if not os.path.isdir(path):
+  seen = os.path.isdir(path)
+  if jax.process_count() > 1:
+    # Before any other refusal: a process that refused alone left the others waiting in the
+    # first collective (the choice of the step, the data) until JAX's timeout.
+    from jax.experimental import multihost_utils
+
+    seen_by = np.asarray(multihost_utils.process_allgather(np.int32(seen))).reshape(-1)
+    if seen and not seen_by.all():
+      refuse(f"process {int(np.argmin(seen_by))} of {len(seen_by)} sees no folder there (a "
+             "path on one host's own disk?); it must be one every process sees at that path")
+  if not seen:
     refuse("no such folder" if not os.path.lexists(path) else "not a folder")
   directory, step = _source_folder(path)
   if directory is None:

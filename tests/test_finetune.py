@@ -361,3 +361,26 @@ def test_other_text_under_the_sources_tokenizer_is_what_a_fine_tune_is_for(sourc
       run.ckpt.close()
   assert (f"this run trains on other text than {source / 'checkpoints' / '4'} did (under the "
           "same tokenizer)") in caplog.text
+
+
+def test_with_several_processes_a_source_one_of_them_does_not_see_is_refused_by_all(
+    source, monkeypatch):
+  # A folder on process 0's own disk: process 1 refused it alone, and process 0 waited for it
+  # in the choice of the step's collective until JAX's timeout.
+  from jax.experimental import multihost_utils
+
+  gathered = []
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "process_allgather",
+                      lambda x: gathered.append(int(x)) or np.array([1, 0], np.int32))
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all",
+                      lambda x: pytest.fail("a process went on to choose the step"))
+  problems = {0: (str(source), "process 1 of 2 sees no folder there (a path on one host's own "
+                  "disk?); it must be one every process sees at that path"),
+              1: (str(source / "elsewhere"), "no such folder")}
+  for index, (given, problem) in problems.items():
+    monkeypatch.setattr(jax, "process_index", lambda index=index: index)
+    with pytest.raises(ValueError) as e:
+      runs.open_parameters_source(_config(**{FIELD: given}))
+    assert str(e.value) == f"{FIELD}={given!r}: {problem}; {runs.PARAMETERS_FROM_ALLOWED}"
+  assert gathered == [1, 0]  # each joined the gathering once, before refusing
