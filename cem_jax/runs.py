@@ -330,6 +330,10 @@ def load_run(workdir: str, require=None, attention_impl: str | None = None):
   return config, _data_of(config, meta, workdir, ckpt.step_dir(step)), graphdef, params, step
 
 
+class _PrunedEachStep(checkpoint_lib.CheckpointError):
+  """:func:`_read_newest` gave up: the run pruned each step it chose before it was read."""
+
+
 def _read_newest(ckpt, workdir: str, read):
   """``(step, read(step))`` of ``ckpt``'s newest intact step, ``(None, None)`` if it has
   none; a step pruned while it is chosen or read (by a run still training in ``workdir``) is
@@ -349,7 +353,7 @@ def _read_newest(ckpt, workdir: str, read):
     pruned.append(step)
     seconds = time.monotonic() - started
     if len(pruned) >= PRUNED_TRIES and seconds >= PRUNED_SECONDS:
-      raise checkpoint_lib.CheckpointError(
+      raise _PrunedEachStep(
           f"--workdir={workdir}: the run pruned each of the {len(pruned)} steps chosen in "
           f"a row over {seconds:.1f} s (the first step {pruned[0]}, the last {pruned[-1]}) "
           "before it could be read: a run still training keeps only its newest "
@@ -552,6 +556,8 @@ def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSourc
       what is allowed: no such folder (with several processes: on any of them, all raising
       together); neither a run's folder nor a step folder; no
       checkpoint there, none intact, or the step folder given damaged or not committed;
+      the step folder given deleted while it was read, or (a run's folder) each newest step
+      pruned before it was read, as :func:`load_run` gives up (a source still training);
       another ``data.vocab_size``; the first parameter path whose shape or dtype differs (or
       that only one side has), with both; damaged metadata (not an object, a field of another
       type, or a ``step`` other than its folder's).
@@ -579,10 +585,25 @@ def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSourc
   if directory is None:
     refuse("neither a run's folder (it holds no checkpoints/) nor a checkpoint step folder")
   ckpt = _reader(directory)
+
+  def read(step: int) -> tuple[CheckpointMeta, dict]:
+    try:
+      meta = read_meta(ckpt, step)
+    except ValueError as e:  # read_meta's one line, naming the step's folder
+      refuse(str(e))
+    _check_source_model(config, ckpt, step, meta, refuse)
+    digest = os.path.join(directory, checkpoint_lib.DIGEST_DIR, f"{step}.json")
+    return meta, {"checkpoint": ckpt.step_dir(step), "step": step,
+                  "digest_sha256": sha256_file(digest) if os.path.isfile(digest) else None}
+
   try:
     if step is None:
+      # A source still training prunes its old steps: one pruned while it is chosen or read
+      # is chosen again, the newest (as load_run reads a run), not a raw error of Orbax's.
       try:
-        step = ckpt.restorable_step()
+        step, read_back = _read_newest(ckpt, os.path.dirname(directory), read)
+      except _PrunedEachStep as e:
+        refuse(str(e))
       except checkpoint_lib.CheckpointError:  # restorable_step warned of each step's damage
         refuse(f"no intact checkpoint in {directory} (the warnings above name each step's "
                "problem)")
@@ -592,14 +613,15 @@ def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSourc
       problems = ckpt.verify(step)
       if problems:
         refuse(f"a damaged step ({problems[0]})")
-    try:
-      meta = read_meta(ckpt, step)
-    except ValueError as e:  # read_meta's one line, naming the step's folder
-      refuse(str(e))
-    _check_source_model(config, ckpt, step, meta, refuse)
-    digest = os.path.join(directory, checkpoint_lib.DIGEST_DIR, f"{step}.json")
-    record = {"checkpoint": ckpt.step_dir(step), "step": step,
-              "digest_sha256": sha256_file(digest) if os.path.isfile(digest) else None}
+      try:
+        read_back = read(step)
+      except Exception:  # any type, as _read_newest tells a pruning: by the folder gone
+        if os.path.isdir(ckpt.step_dir(step)):
+          raise
+        refuse(f"step {step} ({ckpt.step_dir(step)}) was deleted while it was read (a run "
+               "still training keeps only its newest checkpoint.keep steps); name a step "
+               "folder it keeps, or start again once it has stopped")
+    meta, record = read_back
   except BaseException:
     ckpt.close()
     raise

@@ -384,3 +384,35 @@ def test_with_several_processes_a_source_one_of_them_does_not_see_is_refused_by_
       runs.open_parameters_source(_config(**{FIELD: given}))
     assert str(e.value) == f"{FIELD}={given!r}: {problem}; {runs.PARAMETERS_FROM_ALLOWED}"
   assert gathered == [1, 0]  # each joined the gathering once, before refusing
+
+
+def test_a_source_step_pruned_while_it_is_chosen_is_chosen_again_or_one_line(source, tmp_path,
+                                                                             monkeypatch):
+  # A source still training prunes the step chosen before its metadata is read (beside one
+  # with checkpoint.keep=1, starts failed with Orbax's FileNotFoundError or TensorStore's
+  # ValueError of many lines): a run's folder chooses again, the newest left; a step folder
+  # named is one line.
+  copy = tmp_path / "source"
+  shutil.copytree(source / "checkpoints", copy / "checkpoints")
+  real = runs.read_meta
+
+  def pruned_once(ckpt, step):
+    if step == 4 and (copy / "checkpoints" / "4").exists():
+      shutil.rmtree(copy / "checkpoints" / "4")
+      (copy / "checkpoints" / "digests" / "4.json").unlink()
+      raise FileNotFoundError(f"{ckpt.step_dir(4)}/meta: no such file")  # as Orbax's
+    return real(ckpt, step)
+
+  monkeypatch.setattr(runs, "read_meta", pruned_once)
+  opened = runs.open_parameters_source(_config(**{FIELD: str(copy)}))
+  opened.close()
+  assert (opened.step, opened.record["checkpoint"]) == (2, str(copy / "checkpoints" / "2"))
+  shutil.copytree(source / "checkpoints" / "4", copy / "checkpoints" / "4")
+  named = str(copy / "checkpoints" / "4")
+  shutil.copy(source / "checkpoints" / "digests" / "4.json", copy / "checkpoints" / "digests")
+  with pytest.raises(ValueError) as e:
+    runs.open_parameters_source(_config(**{FIELD: named}))
+  assert str(e.value) == (
+      f"{FIELD}={named!r}: step 4 ({named}) was deleted while it was read (a run still training "
+      "keeps only its newest checkpoint.keep steps); name a step folder it keeps, or start "
+      f"again once it has stopped; {runs.PARAMETERS_FROM_ALLOWED}")
