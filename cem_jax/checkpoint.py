@@ -32,7 +32,6 @@ import os
 import shutil
 import sys
 import threading
-import types
 import warnings
 
 import jax
@@ -134,10 +133,12 @@ class _HeldReports(logging.Filter):
         self._main_thread and isinstance(unraisable.exc_value, Exception)):
       self._hook(unraisable)  # e.g. a Ctrl-C dropped in a gc callback: cli.interrupted sends it
       return
-    # Not the object: kept after the hook returns, one being finalized would live again.
-    self._unraisable.append(types.SimpleNamespace(
-        exc_type=unraisable.exc_type, exc_value=unraisable.exc_value,
-        exc_traceback=unraisable.exc_traceback, err_msg=unraisable.err_msg, object=None))
+    # Not the object: kept after the hook returns, one being finalized would live again. Of
+    # the type Python gave (not a namespace): CPython's own hook takes no other, and raised
+    # TypeError where end() handed it on, in place of the exception the block raised.
+    self._unraisable.append(type(unraisable)((
+        unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback,
+        unraisable.err_msg, None)))
 
   def forget(self) -> None:
     """Drops what was held so far and goes on holding. Without a ``gc.collect()`` (0.2 s in

@@ -34,7 +34,7 @@ from flax import nnx
 from cem_jax import integrity, optim
 from cem_jax import sharding as sharding_lib
 from cem_jax import steps as steps_lib
-from cem_jax.checkpoint import Checkpointer, CheckpointError
+from cem_jax.checkpoint import Checkpointer, CheckpointError, HeldReads
 from cem_jax.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1504,3 +1504,17 @@ def test_a_signal_given_to_another_thread_stops_a_read_that_hangs_at_once(
     released.set()
   assert stopped == [] and closed == [], "the read's hang ended before " + (
       "the signal stopped the wait" if stopped else "close() returned")
+
+
+def test_held_reads_hand_on_what_python_dropped_to_cpythons_own_hook(monkeypatch, capsys):
+  # Held as a namespace, each report handed on made CPython's hook raise "TypeError:
+  # sys.unraisablehook argument type must be UnraisableHookArgs" in place of the block's
+  # exception (a fine-tune's refusal beside a source run still pruning its steps). The
+  # tests' other hooks are lambdas that take anything.
+  monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+  with pytest.raises(ValueError, match="^the block's own$"):
+    with HeldReads():
+      drop_exceptions("", "reader")
+      raise ValueError("the block's own")
+  err = capsys.readouterr().err
+  assert "dropped in the reader thread" in err and "dropped in the main thread" in err
