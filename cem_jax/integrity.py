@@ -67,6 +67,13 @@ def step_dir(directory: str, step: int) -> str:
   return os.path.join(directory, str(step))
 
 
+def step_of_dir(path: str) -> tuple[str, int] | None:
+  """``(directory, step)`` of ``path`` when its name is a step's folder as :func:`step_dir`
+  names it (all digits; a trailing separator ignored), else None. The name alone is read."""
+  directory, name = os.path.split(os.path.normpath(path))
+  return (directory, int(name)) if name.isdigit() else None
+
+
 def step_folders(directory: str) -> set[int]:
   """The steps whose folders ``directory`` (a run's ``checkpoints/``) holds now, committed or
   not (:func:`step_dir`'s all-digit names: an in-flight save's ``STEP`` + ``_TMP_SUFFIX``

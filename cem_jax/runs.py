@@ -530,9 +530,9 @@ def _source_folder(path: str) -> tuple[str | None, int | None]:
   ``(None, None)`` for anything else."""
   if os.path.isdir(os.path.join(path, "checkpoints")):
     return os.path.join(path, "checkpoints"), None
-  parent, name = os.path.split(path)
-  if name.isdigit() and os.path.isdir(os.path.join(parent, checkpoint_lib.DIGEST_DIR)):
-    return parent, int(name)
+  named = integrity.step_of_dir(path)
+  if named and os.path.isdir(os.path.join(named[0], checkpoint_lib.DIGEST_DIR)):
+    return named
   if os.path.isdir(os.path.join(path, checkpoint_lib.DIGEST_DIR)):
     return path, None
   return None, None
@@ -592,7 +592,7 @@ def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSourc
     except ValueError as e:  # read_meta's one line, naming the step's folder
       refuse(str(e))
     _check_source_model(config, ckpt, step, meta, refuse)
-    digest = os.path.join(directory, checkpoint_lib.DIGEST_DIR, f"{step}.json")
+    digest = integrity.digest_path(directory, step)
     return meta, {"checkpoint": ckpt.step_dir(step), "step": step,
                   "digest_sha256": sha256_file(digest) if os.path.isfile(digest) else None}
 
