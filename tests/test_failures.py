@@ -2431,7 +2431,8 @@ def test_a_save_after_k_nonfinite_steps_or_of_non_finite_parameters_is_refused()
   # that are not all finite (one leaf is enough) are never saved either.
   saved = []
   run = types.SimpleNamespace(config=types.SimpleNamespace(seed=0), data=types.SimpleNamespace(
-      identity={}), energies={}, ckpt=types.SimpleNamespace(save=lambda *a, **k: saved.append(a)))
+      identity={}), energies={}, parameters_from=None,
+      ckpt=types.SimpleNamespace(save=lambda *a, **k: saved.append(a)))
 
   def loop(guard, params):
     loop = types.SimpleNamespace(run=run, guard=np.int32(guard), max_bad=3, last_saved=5,

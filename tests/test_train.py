@@ -202,6 +202,7 @@ def test_a_save_first_puts_the_metrics_lines_on_the_disk(tmp_path, monkeypatch):
   loop.params, loop.opt_state = {"w": jnp.ones(2)}, {}
   loop.resolved, loop.save_left, loop.last_saved, loop.writer = {}, False, None, writer
   loop.run = types.SimpleNamespace(config=types.SimpleNamespace(seed=0), energies={},
+                                   parameters_from=None,
                                    data=types.SimpleNamespace(identity={}), ckpt=Checkpoints())
   loop.save(5, force=False)
   assert events == [("fsync", writer._file.fileno()), ("save", 5)]
