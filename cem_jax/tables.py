@@ -14,7 +14,10 @@ reuses that run's result and metrics instead of training again (``reused_from`` 
 reused only when trained on the same text (``data_source`` in its ``result.json``: the files'
 sha256, not their paths; :func:`source_record`), with the same user energies
 (``energy_digests``: an energy whose function, or a constant or helper it reads, was edited
-since is another run; :func:`cem_jax.energies.source_digest`), and under the current
+since is another run; :func:`cem_jax.energies.source_digest`), from the same parameters
+(``parameters_from``: with ``checkpoint.load_parameters_from``, the source's step folder, step
+and digest sha256; a run's folder names its newest step, which moves on as that run trains),
+and under the current
 :data:`cem_jax.version.NUMERICS_VERSION` (``numerics_version`` in its ``result.json``; none =
 1; unfinished: its first metrics line's): an older one in the row's own folder, finished or
 not (``main`` refuses to resume it) and whatever its config, is moved aside to
@@ -363,16 +366,40 @@ def _trained_version(out: str) -> int | None:
   return None
 
 
-def _finished_run(workdir: str, digest: str, config) -> str | None:
-  """The directory of a finished run under ``workdir`` trained with ``config`` under the
-  current numerics version, if any."""
+def _starts_from(config) -> dict | None:
+  """Where a fresh run of ``config`` takes its parameters from, as its checkpoints record it
+  (:attr:`cem_jax.runs.CheckpointMeta.parameters_from`): None from its seed.
+
+  Raises:
+    ValueError: as :func:`cem_jax.runs.open_parameters_source` (the run would refuse the same).
+  """
+  if not config.checkpoint.load_parameters_from:
+    return None
   from cem_jax import runs
 
+  source = runs.open_parameters_source(config)
+  source.close()
+  return source.record
+
+
+def _finished_run(workdir: str, digest: str, config) -> str | None:
+  """The directory of a finished run under ``workdir`` trained with ``config`` under the
+  current numerics version, if any: one started from the parameters a fresh run would start
+  from (a ``checkpoint.load_parameters_from`` path is the same config whichever step it holds).
+
+  Raises:
+    ValueError: a ``result.json`` damaged (:func:`_read_result`), or a source that a fresh run
+      would refuse (:func:`_starts_from`).
+  """
+  from cem_jax import runs
+
+  starts_from = functools.cache(lambda: _starts_from(config))  # opened once, if ever
   for path in sorted(glob.glob(os.path.join(workdir, "*", "*", "seed*", "result.json"))):
     result = _read_result(path)
     if "reused_from" not in result and runs.numerics_version_of(result) == NUMERICS_VERSION and (
         result["config_digest"] == digest or _same_config(os.path.dirname(path), config)
-    ) and not _other_source(result, config) and not _edited_energies(path, result, config):
+    ) and not _other_source(result, config) and not _edited_energies(path, result, config) and (
+        result.get("parameters_from") == starts_from()):
       return os.path.dirname(path)
   return None
 
@@ -512,16 +539,17 @@ def _reused_result(label: str, out: str, source: str, digest: str, config, row: 
 def _trained_result(label: str, out: str, config, row: str, seed: int, digest: str
                     ) -> dict | None:
   """Trains (or resumes) the run of ``config`` in ``out`` and returns its result (what
-  ``result.json`` records: the final eval, the digests of its config, text and energies, the
-  median logged rate); None when it was preempted before its last step. ``label`` ("table T:
-  row R seed S") starts the log lines.
+  ``result.json`` records: the final eval, the digests of its config, text and energies, where
+  its parameters started from (``parameters_from``: its newest checkpoint's record, None from
+  its seed), the median logged rate); None when it was preempted before its last step.
+  ``label`` ("table T: row R seed S") starts the log lines.
 
   Raises:
     ValueError, FloatingPointError: as :func:`cem_jax.train.train_and_evaluate`.
     FloatingPointError: its final eval loss or bits per byte is not finite (one line naming
       the run; no ``result.json`` is written).
   """
-  from cem_jax import energies, train
+  from cem_jax import energies, runs, train
 
   logging.info("%s -> %s", label, out)
   trained_with = energies.energy_digests(config)
@@ -544,6 +572,7 @@ def _trained_result(label: str, out: str, config, row: str, seed: int, digest: s
   return {"row": row, "seed": seed, **final, "config_digest": digest,
           "numerics_version": NUMERICS_VERSION, "data_source": source_record(config),
           "energy_digests": trained_with, "energy_digest_version": energies.DIGEST_VERSION,
+          "parameters_from": runs.newest_meta(out)[1].parameters_from,
           "tokens_per_sec": statistics.median(rates[1:] or rates)}
 
 

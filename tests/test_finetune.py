@@ -25,7 +25,7 @@ import pytest
 from conftest import count_compiles, program_json, tiny_config
 from flax import nnx
 
-from cem_jax import integrity, runs, summary, train
+from cem_jax import integrity, runs, summary, tables, train
 from cem_jax import steps as steps_lib
 from cem_jax.metrics import read_metrics
 
@@ -118,7 +118,7 @@ def _losses(workdir) -> dict[str, dict[int, float]]:
 
 
 def test_fine_tune_lowers_the_loss_and_a_killed_one_resumes_its_own_step(source, tmp_path,
-                                                                         caplog):
+                                                                         caplog, monkeypatch):
   workdir = tmp_path / "ft"
   cfg = _config(**{FIELD: str(source)})  # the run's folder: its newest step, 4
   train.train_and_evaluate(cfg, str(workdir))
@@ -149,6 +149,43 @@ def test_fine_tune_lowers_the_loss_and_a_killed_one_resumes_its_own_step(source,
       f"parameters from: {source / 'checkpoints' / '4'} (step 4, digest sha256 "
       f"{digest.hexdigest()[:16]})")
   assert summary.parameters_from_line(runs.newest_meta(str(source))[1]) is None
+  # A table's result.json of this (resumed) run records the source it started from.
+  monkeypatch.setattr(train, "train_and_evaluate", lambda cfg, out: {
+      k: v for k, v in read_metrics(out)[-1].items() if k.startswith("eval/")})
+  result = tables._trained_result("t", str(workdir), cfg, "row", 0, tables.config_digest(cfg))
+  assert result["parameters_from"] == {"checkpoint": str(source / "checkpoints" / "4"),
+                                       "step": 4, "digest_sha256": digest.hexdigest()}
+
+
+def test_a_table_reuses_a_run_only_if_started_from_the_same_source_step(source, tmp_path):
+  # One path, several steps: a run's folder names its newest step, which moves on as that run
+  # trains; the config (and its digest) stays the same.
+  copy = tmp_path / "base"
+  shutil.copytree(source, copy)
+  cfg = _config(**{FIELD: str(copy)})
+  run = tmp_path / "w" / "toy" / "row" / "seed0"
+  run.mkdir(parents=True)
+  (run / "config.json").write_text(cfg.to_json())
+  digest = tables.config_digest(cfg)
+
+  def started_from(step, digest_file=None):
+    digest_file = digest_file or copy / "checkpoints" / "digests" / f"{step}.json"
+    return {"checkpoint": str(copy / "checkpoints" / str(step)), "step": step,
+            "digest_sha256": hashlib.sha256(digest_file.read_bytes()).hexdigest()}
+
+  def reused(parameters_from) -> bool:
+    result = {"row": "row", "seed": 0, "eval/loss": 3.0, "eval/bits_per_byte": 1.5,
+              "tokens_per_sec": 1.0, "config_digest": digest,
+              "numerics_version": runs.NUMERICS_VERSION, **parameters_from}
+    (run / "result.json").write_text(json.dumps(result))
+    return tables._finished_run(str(tmp_path / "w"), digest, cfg) == str(run)
+
+  assert reused({"parameters_from": started_from(4)})
+  assert not reused({"parameters_from": started_from(2)})
+  assert not reused({})  # recorded before result.json held it: unknown, trained again
+  # Same step, another digest (the step saved again after a restart).
+  assert not reused({"parameters_from": started_from(
+      4, copy / "checkpoints" / "digests" / "2.json")})
 
 
 # In a program of its own on 2 forced CPU devices: the start-up of a run of the source's model
