@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 
 
 class Parser(argparse.ArgumentParser):
@@ -55,3 +56,36 @@ def split_at_dashes(argv: list[str]) -> tuple[list[str], list[str] | None]:
     return list(argv), None
   split = argv.index("--")
   return argv[:split], argv[split + 1:]
+
+
+# The cem_jax config fields whose values are paths (tests/test_launch.py checks the list
+# against cem_jax/config.py); an energy only as 'file.py:function'. A launcher whose processes
+# run in another folder reads a relative one there.
+PATH_FIELDS = ("data.files", "data.tfds_data_dir", "data.tokenizer", "data.prepared_dir",
+               "checkpoint.load_parameters_from", "model.attention_energy", "model.mlp_energy")
+
+
+def relative_paths(main_args: list[str]) -> list[tuple[str, str]]:
+  """``(option, path)`` for each relative path that ``main_args`` (``cem_jax.main``'s
+  arguments) give a :data:`PATH_FIELDS` field, as ``--config.FIELD=VALUE`` or
+  ``--config.FIELD VALUE``: each of ``data.files``' comma-separated globs, the file of a
+  ``file.py:function`` energy. Absolute paths and ``~`` (expanded by cem_jax where it runs)
+  are not relative; neither is ``''`` nor an energy's registry or module name."""
+  found = []
+  for i, arg in enumerate(main_args):
+    flag, eq, value = arg.partition("=")
+    field = flag[len("--config."):] if flag.startswith("--config.") else None
+    if field not in PATH_FIELDS:
+      continue
+    if not eq:  # absl also takes the value as the next argument
+      if i + 1 >= len(main_args) or main_args[i + 1].startswith("--"):
+        continue
+      arg, value = f"{flag} {main_args[i + 1]}", main_args[i + 1]
+    if field.endswith("_energy"):
+      module, sep, _ = value.rpartition(":")
+      paths = [module] if sep and module.endswith(".py") else []
+    else:
+      paths = value.split(",") if field == "data.files" else [value]
+    found += [(arg, p) for p in paths
+              if p and not os.path.isabs(p) and not (p == "~" or p.startswith("~/"))]
+  return found

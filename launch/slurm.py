@@ -12,8 +12,11 @@ per GPU it also picks GPU ``SLURM_LOCALID``. With one process per node the scrip
 = 0 only). ``--kill-on-bad-exit=1``: if one process fails, srun stops the others.
 
 ``ARGS`` (everything after ``--``) go to ``cem_jax.main`` unchanged, shell-quoted. ``--workdir``
-must be on a filesystem all nodes share. The job runs in ``--repo``: a relative ``--config``
-or ``--workdir`` given from another folder is a one-line error (it would name another path).
+must be on a filesystem all nodes share. The job runs in ``--repo``: a relative ``--config``,
+``--workdir`` or path-valued ``--config.FIELD`` (``data.files``, ``data.tokenizer``,
+``data.prepared_dir``, ``checkpoint.load_parameters_from``, ...: ``options.PATH_FIELDS``) is
+a path in the repository; given from another folder it is a one-line error (it would name
+another path).
 Without ``--dry_run`` the script is written to
 ``--script`` and submitted with ``sbatch`` (``--no_submit``: only written); ``--dry_run`` prints
 the script and the ``sbatch`` command.
@@ -65,8 +68,9 @@ def sbatch_script(args: argparse.Namespace, main_args: list[str]) -> str:
 
 
 def _check_paths(parser: argparse.ArgumentParser, repo: str, main_args: list[str]) -> None:
-  """The job runs in ``repo`` (``cd`` in the script): a relative ``--config=FILE`` or
-  ``--workdir=DIR`` means a path there, not in the folder the launcher runs in. Where ``repo``
+  """The job runs in ``repo`` (``cd`` in the script): a relative ``--config=FILE``,
+  ``--workdir=DIR`` or path in a ``--config.FIELD`` (:func:`options.relative_paths`) means a
+  path there, not in the folder the launcher runs in. Where ``repo``
   is visible here, one that would change its meaning, or a config file not there, is refused
   now rather than after the job waited in the queue."""
   if not os.path.isdir(repo):
@@ -82,6 +86,11 @@ def _check_paths(parser: argparse.ArgumentParser, repo: str, main_args: list[str
     file = value.partition(":")[0]
     if flag == "--config" and not os.path.isfile(os.path.join(repo, file)):
       parser.error(f"{a!r}: no file {file!r} in --repo={repo}, where the job runs")
+  if not here:
+    for a, path in options.relative_paths(main_args):
+      parser.error(f"{a!r}: {path!r} is relative, and the job runs in --repo={repo}, not in "
+                   f"this folder ({os.getcwd()}); allowed: an absolute path or ~, or run this "
+                   f"from {repo}")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

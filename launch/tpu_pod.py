@@ -22,7 +22,10 @@ Three steps, each one ``gcloud compute tpus tpu-vm`` command over ``--worker=all
 storage every worker sees at the same path (a Filestore/NFS mount or a gcsfuse-mounted bucket):
 all workers write their shards of each Orbax checkpoint there and read the data caches: an
 absolute path (a relative one is a one-line error). A relative ``--config=FILE`` is a file of
-this repository (the workers run in its copy). ``--remote_dir``, ``--venv`` and ``--log`` that
+this repository (the workers run in its copy), and so is a relative path in a path-valued
+``--config.FIELD`` (``data.files``, ``checkpoint.load_parameters_from``, ...:
+``options.PATH_FIELDS``; only files git tracks or leaves unignored are copied); given from
+another folder it is a one-line error. ``--remote_dir``, ``--venv`` and ``--log`` that
 are not absolute (``~/x`` included) are relative to the remote home folder.
 
 ``--dry_run`` prints the exact commands instead of running them; every user value in them is
@@ -211,6 +214,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"{a!r}: no file {file!r} in {REPO}; allowed: a path relative to this "
                      "repository (the workers run in its copy, --remote_dir) or an absolute "
                      "one every worker sees")
+  if os.path.realpath(os.getcwd()) != os.path.realpath(REPO):
+    for a, path in options.relative_paths(main_args):
+      # The workers run in --remote_dir: a path relative to this folder names another there.
+      parser.error(f"{a!r}: {path!r} is relative, and the workers run in --remote_dir (a "
+                   f"copy of {REPO}), not in this folder ({os.getcwd()}); allowed: an absolute "
+                   f"path or ~, or run this from {REPO}")
   # The install options are read only by the set-up that --no_sync skips and --no_install
   # cuts to the unpacking (setup_script, commands): another value there would be ignored.
   skipped = "--no_sync (nothing is copied or set up)" if not args.sync else (

@@ -771,6 +771,56 @@ def test_slurm_refuses_relative_paths_that_the_job_would_read_in_another_folder(
                  "--workdir=w").returncode == 0
 
 
+def test_the_path_fields_the_launchers_check_are_the_configs_path_fields():
+  import re
+
+  from cem_jax import config as config_lib
+
+  values = config_lib.flat(config_lib.get_default_config())
+  named = {k for k, v in values.items() if isinstance(v, str) and re.search(
+      r"(dir|files|tokenizer|_from|_energy)$", k)}
+  assert set(_script("options").PATH_FIELDS) == named
+
+
+# Relative paths in path fields, each with the path the refusal names, then values that are
+# not relative paths (absolute, '~', '', an energy by registry or module name).
+_RELATIVE = [(["--config.data.files=/a/x.txt,data/*.txt"], "data/*.txt"),
+             (["--config.checkpoint.load_parameters_from", "runs/base"], "runs/base"),
+             (["--config.data.tokenizer=tok.model"], "tok.model"),
+             (["--config.model.mlp_energy=mine.py:energy"], "mine.py")]
+_NOT_RELATIVE = ["--config.data.files=~/corpus/*.txt,/data/b.txt", "--config.data.tokenizer=",
+                 "--config.model.mlp_energy=silu", "--config.model.attention_energy=pkg.m:f",
+                 "--config.data.prepared_dir=~", "--config.train.num_steps=4"]
+
+
+@pytest.mark.parametrize("script,before", [("slurm", ["--dry_run"]),
+                                           ("tpu_pod", ["--tpu=t", "--zone=z", "--dry_run"])])
+def test_launchers_refuse_a_relative_path_field_from_outside_the_repository(
+    script, before, tmp_path, monkeypatch, capsys):
+  # Their processes run in the repository (slurm: cd --repo; tpu_pod: its copy, --remote_dir):
+  # from another folder a relative path would name another file there.
+  main = [f"--config={REPO}/experiments/tiny.py", "--workdir=/w"]
+  launcher = _script(script)
+  monkeypatch.chdir(tmp_path)
+  for args, path in _RELATIVE:
+    with pytest.raises(SystemExit) as e:
+      launcher.parse_args([*before, "--", *main, *args])
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    given = " ".join(args)
+    assert last.partition(": error: ")[2].startswith(
+        f"{given!r}: {path!r} is relative, and "), last
+    assert f"not in this folder ({tmp_path}); allowed: an absolute path or ~" in last, last
+  launcher.parse_args([*before, "--", *main, *_NOT_RELATIVE])
+  monkeypatch.chdir(REPO)  # from the repository: a relative path is its own, as the job's
+  launcher.parse_args([*before, "--", *main, *(a for args, _ in _RELATIVE for a in args)])
+  # The script itself: nothing printed or launched.
+  proc = subprocess.run([sys.executable, str(REPO / "launch" / f"{script}.py"), *before, "--",
+                         *main, *_RELATIVE[1][0]], cwd=tmp_path, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 2 and proc.stdout == "" and "runs/base" in proc.stderr
+
+
 def test_slurm_cpus_per_task_only_when_given():
   main = ["--dry_run", "--", "--config=experiments/tiny.py", "--workdir=/w"]
   lines = _launch("slurm.py", "--cpus_per_task=6", *main).stdout.splitlines()
