@@ -538,7 +538,8 @@ def _source_folder(path: str) -> tuple[str | None, int | None]:
   return None, None
 
 
-def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSource:
+def open_parameters_source(config: ml_collections.ConfigDict,
+                           workdir: str | None = None) -> ParametersSource:
   """Opens and checks the checkpoint ``config.checkpoint.load_parameters_from`` names, for a
   fresh run of ``config`` to start from its parameters: the step (the newest intact one of a
   run's folder, or the step folder given, verified against its digest), its metadata, its
@@ -548,16 +549,21 @@ def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSourc
   logged, as is another numerics version. The tokenizer is checked once the data are built
   (:func:`check_source_tokenizer`); the parameters are read by :func:`load_parameters`.
 
+  Args:
+    config: the run's config.
+    workdir: the run's own ``--workdir``, if any: a source inside it is refused as such (at a
+      fresh start it holds no checkpoint yet).
+
   Returns:
     A :class:`ParametersSource` (the caller closes it).
 
   Raises:
     ValueError: one line naming ``checkpoint.load_parameters_from``, the path, the problem and
-      what is allowed: no such folder (with several processes: on any of them, all raising
-      together); neither a run's folder nor a step folder; no
-      checkpoint there, none intact, or the step folder given damaged or not committed;
-      the step folder given deleted while it was read, or (a run's folder) each newest step
-      pruned before it was read, as :func:`load_run` gives up (a source still training);
+      what is allowed: the run's own ``workdir`` (or a folder in it); no such folder (with
+      several processes: on any of them, all raising together); neither a run's folder nor a
+      step folder; no checkpoint there, none intact, or the step folder given damaged or not
+      committed; the step folder given deleted while it was read, or (a run's folder) each
+      newest step pruned before it was read, as :func:`load_run` gives up (a source still training);
       another ``data.vocab_size``; the first parameter path whose shape or dtype differs (or
       that only one side has), with both; damaged metadata (not an object, a field of another
       type, or a ``step`` other than its folder's).
@@ -579,6 +585,11 @@ def open_parameters_source(config: ml_collections.ConfigDict) -> ParametersSourc
     if seen and not seen_by.all():
       refuse(f"process {int(np.argmin(seen_by))} of {len(seen_by)} sees no folder there (a "
              "path on one host's own disk?); it must be one every process sees at that path")
+  if workdir is not None:
+    own = os.path.realpath(workdir)
+    if os.path.commonpath([os.path.realpath(path), own]) == own:
+      refuse(f"that is this run's own --workdir ({workdir}), which a fresh run cannot start "
+             "from (it holds no checkpoint of its own yet)")
   if not seen:
     refuse("no such folder" if not os.path.lexists(path) else "not a folder")
   directory, step = _source_folder(path)

@@ -252,7 +252,7 @@ def _start_up(config: ml_collections.ConfigDict, workdir: str,
     saved = None if resume is None else _checked_meta(ckpt, resume, config, energies_now)
     # A fresh start only: a fine-tune preempted after its first save resumes its own step.
     if resume is None and config.checkpoint.load_parameters_from:
-      source = runs.open_parameters_source(config)
+      source = runs.open_parameters_source(config, workdir)
     data = workdir_lib.build_data_once(config, workdir)
     if source is not None:  # before anything compiles
       runs.check_source_tokenizer(source, data, workdir, prepared)

@@ -282,6 +282,13 @@ def test_a_source_without_an_intact_checkpoint_is_one_line_and_creates_nothing(s
     assert message.startswith(f"{FIELD}={str(path)!r}: ")
     assert re.search(problem, message), message
     assert message.endswith(runs.PARAMETERS_FROM_ALLOWED)
+  # The run's own --workdir (or its checkpoints folder), at its fresh start: the cause named.
+  for own, path in ((tmp_path / "own0", tmp_path / "own0"),
+                    (tmp_path / "own1", tmp_path / "own1" / "checkpoints")):
+    message = _refusal(_config(**{FIELD: str(path)}), own, exists=own == path)
+    assert message == (f"{FIELD}={str(path)!r}: that is this run's own --workdir ({own}), "
+                       "which a fresh run cannot start from (it holds no checkpoint of its own "
+                       f"yet); {runs.PARAMETERS_FROM_ALLOWED}")
 
 
 def test_a_source_of_other_shapes_or_tokens_is_one_line_naming_what_differs(source, tmp_path):
