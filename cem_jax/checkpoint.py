@@ -69,11 +69,6 @@ def _free_text(directory: str) -> str:
     return ""
 
 
-def _listing(items: list[str], limit: int = 6) -> str:
-  shown = ", ".join(items[:limit])
-  return shown + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
-
-
 # Orbax's package folder: what its modules log is told apart by the file it comes from.
 _ORBAX_DIR = os.path.join(os.path.dirname(os.path.dirname(ocp.__file__)), "")
 
@@ -476,13 +471,15 @@ class Checkpointer:
       return
     parts = []
     if differ:
-      parts.append("shape/dtype differ: " + _listing(
+      parts.append("shape/dtype differ: " + errors.first_three(
           [f"{k} saved {saved[k][0]} {saved[k][1]} vs now {want[k][0]} {want[k][1]}"
            for k in differ]))
     if missing:
-      parts.append("not in checkpoint: " + _listing([f"{k} {want[k][0]}" for k in missing]))
+      parts.append("not in checkpoint: " + errors.first_three(
+          [f"{k} {want[k][0]}" for k in missing]))
     if extra:
-      parts.append("only in checkpoint: " + _listing([f"{k} {saved[k][0]}" for k in extra]))
+      parts.append("only in checkpoint: " + errors.first_three(
+          [f"{k} {saved[k][0]}" for k in extra]))
     raise CheckpointError(
         f"checkpoint step {step} in {self.directory} does not fit the model/optimizer of this "
         f"config: {'; '.join(parts)}; resume with the config it was saved with (its meta/ item "

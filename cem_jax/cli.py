@@ -152,7 +152,7 @@ def check_workdir(path: str) -> None:
   prepare_workdir` to refuse.
 
   Raises:
-    ValueError: ``--workdir=PATH holds no run (found: A, B, C and N more); allowed: ...``.
+    ValueError: ``--workdir=PATH holds no run (found: A, B, C, and N more); allowed: ...``.
   """
   try:
     names = sorted(n for n in os.listdir(path) if not n.startswith("."))
@@ -164,8 +164,7 @@ def check_workdir(path: str) -> None:
   if not names or any(n in RUN_ENTRIES or files.temporary_of(n) in RUN_ENTRIES
                       for n in names):
     return
-  more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-  raise ValueError(f"--workdir={path} holds no run (found: {', '.join(names[:3])}{more}); "
+  raise ValueError(f"--workdir={path} holds no run (found: {errors.first_three(names)}); "
                    "allowed: an empty or new folder, or the --workdir of a run to resume "
                    "(with its config.json, checkpoints/ or data/)")
 

@@ -327,7 +327,7 @@ def _trained_otherwise(path: str, result: dict, digest: str | None, config) -> s
     # None: no config to compare, or the run has no config.json to compare it with.
     changes = workdir_lib.config_changes(trained, config) if config is not None else None
     if changes != []:
-      what = (workdir_lib.changes_shown(changes) if changes else
+      what = (errors.first_three(changes, "; ") if changes else
               "e.g. another --steps or --scale, or an edited table file")
       return (f"{path} was trained with another config ({what}); use a new --workdir, or "
               "delete that run to train it again")

@@ -24,7 +24,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from cem_jax import cli, energies, integrity
+from cem_jax import cli, energies, errors, integrity
 from cem_jax import config as config_lib
 from cem_jax import data as data_lib
 from cem_jax.files import hold_folder, read_json
@@ -354,13 +354,6 @@ def config_changes(workdir: str, config: ml_collections.ConfigDict) -> list[str]
   return config_lib.run_changes(saved, config)
 
 
-def changes_shown(changes: list[str]) -> str:
-  """The first three of :func:`config_changes`' ``"key: old -> new"`` strings, and how many
-  more, for a one-line refusal."""
-  more = f"; and {len(changes) - 3} more" if len(changes) > 3 else ""
-  return "; ".join(changes[:3]) + more
-
-
 def check_same_run(workdir: str, config: ml_collections.ConfigDict) -> None:
   """Refuses a run folder that holds a checkpoint of a run started with a config other than
   ``config`` (:func:`config_changes`), for the tools that resume or skip runs by their folder
@@ -376,7 +369,7 @@ def check_same_run(workdir: str, config: ml_collections.ConfigDict) -> None:
   changes = config_changes(workdir, config)
   if changes:
     raise ValueError(f"{workdir} holds a run started with another config "
-                     f"({changes_shown(changes)}); it is "
+                     f"({errors.first_three(changes, '; ')}); it is "
                      "not this run and resuming it would mix the two: use the command that "
                      "started it, a new --workdir, or delete that run to train it again")
 

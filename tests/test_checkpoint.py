@@ -1067,13 +1067,16 @@ def test_optimizer_state_round_trips_to_optax_types(tmp_path):
   ckpt.close()
 
 
-def test_a_listing_shows_six_names_and_counts_the_rest():
-  # The mismatch message lists at most six keys of each kind: the count says how many more.
-  from cem_jax.checkpoint import _listing
+def test_a_listing_shows_three_names_and_counts_the_rest():
+  # The one wording of every one-line list (a mismatch's keys, a workdir's files, a config's
+  # changes): at most three items, and how many more.
+  from cem_jax.errors import first_three
 
   names = [f"k{i}" for i in range(9)]
-  assert _listing(names[:6]) == "k0, k1, k2, k3, k4, k5"
-  assert _listing(names) == "k0, k1, k2, k3, k4, k5 (+3 more)"
+  assert first_three(names[:3]) == "k0, k1, k2"
+  assert first_three(names[:4]) == "k0, k1, k2, and 1 more"
+  assert first_three(names, "; ") == "k0; k1; k2; and 6 more"
+  assert first_three([]) == ""
 
 
 def test_mismatch_names_the_keys(tmp_path):

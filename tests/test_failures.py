@@ -2224,8 +2224,8 @@ def test_a_workdir_that_is_new_empty_or_a_run_passes(tmp_path):
 
 def test_a_workdir_of_other_files_names_the_first_three_sorted_and_counts_the_rest(
     tmp_path, monkeypatch):
-  for names, found in ((["d.py", "b.py", "c.py", "a.py"], "a.py, b.py, c.py and 1 more"),
-                       (["e", "d", "c", "b", "a"], "a, b, c and 2 more"),
+  for names, found in ((["d.py", "b.py", "c.py", "a.py"], "a.py, b.py, c.py, and 1 more"),
+                       (["e", "d", "c", "b", "a"], "a, b, c, and 2 more"),
                        (["c", "a", "b"], "a, b, c")):
     folder = tmp_path / str(len(names))
     folder.mkdir()

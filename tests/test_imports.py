@@ -222,7 +222,7 @@ def test_main_refuses_a_folder_holding_no_run_before_jax_loads(tmp_path):
     (work / name).write_text("x")
   before = sorted(p.name for p in work.iterdir())
   assert _main_error_before_jax(tmp_path, "--config.train.num_steps=1", work) == (
-      f"error: --workdir={work} holds no run (found: README.md, a.py, b.py and 1 more); "
+      f"error: --workdir={work} holds no run (found: README.md, a.py, b.py, and 1 more); "
       "allowed: an empty or new folder, or the --workdir of a run to resume (with its "
       "config.json, checkpoints/ or data/)")
   assert sorted(p.name for p in work.iterdir()) == before  # nothing written there
