@@ -782,6 +782,15 @@ def test_the_path_fields_the_launchers_check_are_the_configs_path_fields():
   assert set(_script("options").PATH_FIELDS) == named
 
 
+def test_a_scripts_help_shows_its_docstrings_first_paragraph_as_written():
+  # The four launch scripts' --help: the docstring's first paragraph with its own line breaks
+  # and indents (argparse would refill it), nothing of the paragraphs after it.
+  doc = "Runs it.\n\n  python x.py -- A\n  B\n\nNot shown."
+  parser = _script("options").script_parser(doc.split("\n\n", 1)[1], usage="x")
+  assert "usage: x\n\n  python x.py -- A\n  B\n" in parser.format_help()
+  assert "Not shown" not in parser.format_help()
+
+
 # Relative paths in path fields, each with the path the refusal names, then values that are
 # not relative paths (absolute, '~', '', an energy by registry or module name).
 _RELATIVE = [(["--config.data.files=/a/x.txt,data/*.txt"], "data/*.txt"),
@@ -819,6 +828,19 @@ def test_launchers_refuse_a_relative_path_field_from_outside_the_repository(
                          *main, *_RELATIVE[1][0]], cwd=tmp_path, capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode == 2 and proc.stdout == "" and "runs/base" in proc.stderr
+
+
+def test_relative_paths_edge_values():
+  # A field given last without a value or followed by the next flag has no path (neither an
+  # IndexError nor the flag read as one); an energy is a file only as 'file.py:function', and
+  # its function follows the last ':' (a folder may hold one).
+  relative_paths = _script("options").relative_paths
+  field = "--config.checkpoint.load_parameters_from"
+  assert relative_paths(["--workdir=w", field]) == []
+  assert relative_paths([field, "--workdir=w"]) == []
+  assert relative_paths(["--config.model.mlp_energy=mine.py"]) == []
+  assert relative_paths(["--config.model.mlp_energy=a:b/mine.py:f"]) == [
+      ("--config.model.mlp_energy=a:b/mine.py:f", "a:b/mine.py")]
 
 
 def test_slurm_cpus_per_task_only_when_given():
