@@ -905,6 +905,8 @@ def test_the_step_folders_are_the_all_digit_names_only(tmp_path):
   for name in ("3", "12", "4.orbax-checkpoint-tmp-17", "tmp", "digests"):
     (tmp_path / name).mkdir()
   assert integrity.step_folders(str(tmp_path)) == {3, 12}
+  (tmp_path / "file").write_text("")  # a checkpoints path that is a file: no step either
+  assert integrity.step_folders(str(tmp_path / "file")) == set()
 
 
 def test_load_runs_tries_build_the_model_again_only_for_another_config(tmp_path, monkeypatch):
