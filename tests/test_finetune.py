@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import count_compiles, program_json, tiny_config
+from conftest import count_compiles, program_json, tiny_config, tool_runs
 from flax import nnx
 
 from cem_jax import integrity, runs, summary, tables, train
@@ -149,6 +149,13 @@ def test_fine_tune_lowers_the_loss_and_a_killed_one_resumes_its_own_step(source,
       f"parameters from: {source / 'checkpoints' / '4'} (step 4, digest sha256 "
       f"{digest.hexdigest()[:16]})")
   assert summary.parameters_from_line(runs.newest_meta(str(source))[1]) is None
+  # inspect --workdir ends with that line, and prints none for a run from its seed.
+  (code, out, err, _), (code0, out0, err0, _) = tool_runs(
+      "inspect", [[f"--workdir={workdir}"], [f"--workdir={source}"]])
+  assert code is None and code0 is None, err + err0  # app.run: sys.exit(main()) of None
+  assert out.rstrip("\n").endswith("\n" + summary.parameters_from_line(
+      runs.newest_meta(str(workdir))[1])), out
+  assert "parameters from:" not in out0, out0
   # A table's result.json of this (resumed) run records the source it started from.
   monkeypatch.setattr(train, "train_and_evaluate", lambda cfg, out: {
       k: v for k, v in read_metrics(out)[-1].items() if k.startswith("eval/")})
@@ -260,7 +267,8 @@ def test_a_source_without_an_intact_checkpoint_is_one_line_and_creates_nothing(s
                                                                                 tmp_path):
   empty = tmp_path / "empty"
   (empty / "checkpoints").mkdir(parents=True)
-  (tmp_path / "plain").mkdir()
+  # A digit-named folder outside a checkpoints folder (no digests/ beside it) is no step.
+  (tmp_path / "plain" / "3").mkdir(parents=True)
   damaged = tmp_path / "damaged"
   shutil.copytree(source / "checkpoints", damaged / "checkpoints")
   manifest = damaged / "checkpoints" / "2" / "state" / "manifest.ocdbt"
@@ -272,6 +280,7 @@ def test_a_source_without_an_intact_checkpoint_is_one_line_and_creates_nothing(s
   cases = {
       tmp_path / "missing": "no such folder",
       tmp_path / "plain": "neither a run's folder",
+      tmp_path / "plain" / "3": "neither a run's folder",
       empty: f"no checkpoint in {empty / 'checkpoints'}",
       ruined: f"no intact checkpoint in {ruined / 'checkpoints'} \\(the warnings above",
       damaged / "checkpoints" / "2": "a damaged step \\(.*/2/state/manifest.ocdbt: .*truncated",
