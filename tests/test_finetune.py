@@ -269,6 +269,7 @@ def test_a_source_without_an_intact_checkpoint_is_one_line_and_creates_nothing(s
   (empty / "checkpoints").mkdir(parents=True)
   # A digit-named folder outside a checkpoints folder (no digests/ beside it) is no step.
   (tmp_path / "plain" / "3").mkdir(parents=True)
+  (tmp_path / "file").write_text("")
   damaged = tmp_path / "damaged"
   shutil.copytree(source / "checkpoints", damaged / "checkpoints")
   manifest = damaged / "checkpoints" / "2" / "state" / "manifest.ocdbt"
@@ -279,6 +280,7 @@ def test_a_source_without_an_intact_checkpoint_is_one_line_and_creates_nothing(s
                   ignore=lambda folder, names: {"4", "7", "4.json"} & set(names))
   cases = {
       tmp_path / "missing": "no such folder",
+      tmp_path / "file": ": not a folder;",
       tmp_path / "plain": "neither a run's folder",
       tmp_path / "plain" / "3": "neither a run's folder",
       empty: f"no checkpoint in {empty / 'checkpoints'}",
@@ -469,3 +471,13 @@ def test_a_source_step_pruned_while_it_is_chosen_is_chosen_again_or_one_line(sou
       f"{FIELD}={named!r}: step 4 ({named}) was deleted while it was read (a run still training "
       "keeps only its newest checkpoint.keep steps); name a step folder it keeps, or start "
       f"again once it has stopped; {runs.PARAMETERS_FROM_ALLOWED}")
+  # A run's folder whose every chosen step was pruned: _read_newest's own line (what to do),
+  # not "no intact checkpoint", which would send one looking for damage.
+  def pruned_each(ckpt, workdir, read):
+    raise runs._PrunedEachStep(f"--workdir={workdir}: the run pruned each step")
+
+  monkeypatch.setattr(runs, "_read_newest", pruned_each)
+  with pytest.raises(ValueError) as e:
+    runs.open_parameters_source(_config(**{FIELD: str(copy)}))
+  assert str(e.value) == (f"{FIELD}={str(copy)!r}: --workdir={copy}: the run pruned each step; "
+                          f"{runs.PARAMETERS_FROM_ALLOWED}")
